@@ -1,0 +1,1 @@
+"""The ``meshllm`` command line (click) and the rich status dashboard."""

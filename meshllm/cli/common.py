@@ -1,0 +1,97 @@
+"""Conventions every command shares: ``--home``, ``--json``, one-line errors and exit codes.
+
+Exit codes: 0 ok, 1 runtime failure (any :class:`~meshllm.errors.MeshllmError`), 2 usage error
+(click's own). A command never shows a traceback: :class:`MeshllmGroup` turns meshllm errors
+into one line plus an optional hint, and anything unexpected into one line that says how to get
+the traceback (``MESHLLM_DEBUG=1``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from meshllm.config import ensure_home, resolve_home
+from meshllm.errors import MeshllmError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class CommandFailed(click.ClickException):
+    """A meshllm error on its way to the terminal as one line (exit code 1)."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.hint = hint
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"error: {self.message}", err=True)
+        if self.hint:
+            click.echo(f"  hint: {self.hint}", err=True)
+
+
+class MeshllmGroup(click.Group):
+    """A click group that maps errors raised by its commands to one clean line."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except MeshllmError as exc:
+            raise CommandFailed(str(exc), exc.hint) from None
+        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            if os.environ.get("MESHLLM_DEBUG"):
+                raise
+            raise CommandFailed(f"internal error: {type(exc).__name__}: {exc}",
+                                "run again with MESHLLM_DEBUG=1 for the traceback, and report it") from None
+
+
+def home_option(func: F) -> F:
+    """``--home DIR``: the node's folder (default ``$MESHLLM_HOME``, else ``~/.meshllm``)."""
+    return click.option(
+        "--home", "home", type=click.Path(file_okay=False, path_type=Path), default=None,
+        help="Node folder (default: $MESHLLM_HOME, else ~/.meshllm).",
+    )(func)
+
+
+def json_option(func: F) -> F:
+    """``--json``: print machine-readable JSON instead of text."""
+    return click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")(func)
+
+
+def home_dir(home: Path | None, create: bool = True) -> Path:
+    """Resolve (and by default create) the home folder for a command."""
+    path = resolve_home(home)
+    return ensure_home(path) if create else path
+
+
+def echo_json(data: Any) -> None:
+    """Print ``data`` as indented JSON on stdout."""
+    click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``30s``, ``15m``, ``24h``, ``7d`` or a plain number of seconds."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    raw = text.strip().lower()
+    try:
+        value = float(raw[:-1]) * units[raw[-1]] if raw and raw[-1] in units else float(raw)
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a duration like 30m, 24h or 7d") from None
+    if value <= 0:
+        raise click.BadParameter(f"{text!r} must be positive")
+    return value
+
+
+def stderr_is_tty() -> bool:
+    """Whether progress output can redraw in place."""
+    return sys.stderr.isatty()

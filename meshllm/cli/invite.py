@@ -1,0 +1,77 @@
+"""``meshllm invite``: create and inspect invite tokens."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import click
+
+from meshllm.cli.common import echo_json, home_dir, home_option, json_option, parse_duration
+from meshllm.errors import ConfigError
+from meshllm.mesh.admission import Invite, MeshKey, encode_token, inspect_token
+
+
+@click.group()
+def invite() -> None:
+    """Create and inspect invites to a mesh."""
+
+
+@invite.command("create")
+@home_option
+@click.option("--ttl", default="24h", show_default=True, help="Lifetime: 30m, 24h, 7d or seconds.")
+@click.option("--uses", type=click.IntRange(min=0), default=1, show_default=True,
+              help="How many nodes may join with it (0: unlimited).")
+@click.option("--bootstrap", "bootstrap", multiple=True, metavar="HOST:PORT",
+              help="Address of a member to dial (repeatable).")
+def create(home: Path | None, ttl: str, uses: int, bootstrap: tuple[str, ...]) -> None:
+    """Sign an invite with the mesh key in the node's home; print the token alone on stdout."""
+    folder = home_dir(home, create=False)
+    key = MeshKey.load(folder)
+    if key is None:
+        raise ConfigError(f"no mesh key in {folder}",
+                          hint="run `meshllm mesh create` first, or ask a running node with --api")
+    for addr in bootstrap:
+        _check_addr(addr)
+    click.echo(encode_token(key.invite(time.time(), parse_duration(ttl), uses, list(bootstrap))))
+
+
+def _check_addr(addr: str) -> None:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise click.BadParameter(f"{addr!r} is not HOST:PORT", param_hint="--bootstrap")
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="seconds")
+
+
+def describe(inv: Invite, now: float) -> dict[str, object]:
+    """The fields of an invite a person or script wants to see."""
+    return {
+        "mesh_id": inv.mesh_id,
+        "invite_id": inv.invite_id,
+        "issued": _iso(inv.issued),
+        "expires": _iso(inv.expires),
+        "expired": now >= inv.expires,
+        "max_uses": inv.max_uses,
+        "bootstrap": list(inv.bootstrap),
+    }
+
+
+@invite.command("inspect")
+@click.argument("token")
+@json_option
+def inspect(token: str, as_json: bool) -> None:
+    """Check a token's signature and show what it admits to."""
+    info = describe(inspect_token(token), time.time())
+    if as_json:
+        echo_json(info)
+        return
+    for key, value in info.items():
+        if key == "max_uses" and value == 0:
+            value = "unlimited"
+        if key == "bootstrap":
+            value = ", ".join(value) or "(none)"  # type: ignore[arg-type]
+        click.echo(f"{key:>10}: {value}")

@@ -1,0 +1,29 @@
+"""Entry point: the ``meshllm`` command group; each subcommand lives in its own module."""
+
+from __future__ import annotations
+
+import click
+
+from meshllm import __version__
+from meshllm.cli.common import MeshllmGroup
+
+
+@click.group(cls=MeshllmGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="meshllm")
+def cli() -> None:
+    """meshllm: pool spare machines into one OpenAI-compatible LLM service."""
+
+
+def _register() -> None:
+    """Attach the subcommands (imported here so ``meshllm --version`` stays fast)."""
+    from meshllm.cli import auth, invite, mesh
+
+    cli.add_command(auth.auth)
+    cli.add_command(mesh.mesh)
+    cli.add_command(invite.invite)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    _register()
+    cli(prog_name="meshllm")

@@ -1,0 +1,1 @@
+"""Keys, certificates, trust policy and signed envelopes: who a node and its owner are."""

@@ -1,0 +1,1 @@
+"""Frame codec and the message structs shared by several layers."""
