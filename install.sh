@@ -75,5 +75,7 @@ case ":$PATH:" in
     ;;
 esac
 
+step "checking the meshllm command" "run ./install.sh again; if it still fails, report the error above" "done"
+VERSION="$("$VENV/bin/meshllm" --version)"
 trap - ERR
-echo "meshllm $("$VENV/bin/meshllm" --version | awk '{print $NF}') is ready. Start a node with: meshllm serve"
+echo "$VERSION is ready. Start a node with: meshllm serve"

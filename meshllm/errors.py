@@ -47,6 +47,14 @@ class WrongKind(VerificationError):
     """A signed envelope carries another message kind than the receiver expects."""
 
 
+class WrongRecipient(VerificationError):
+    """An envelope is addressed (and encrypted) to another node."""
+
+
+class WrongSubject(VerificationError):
+    """A certificate or proof is valid but is about another node than the one presenting it."""
+
+
 class WrongSigner(VerificationError):
     """The object is validly signed, but by another key than the one it must come from."""
 

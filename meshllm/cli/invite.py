@@ -9,8 +9,9 @@ from pathlib import Path
 import click
 
 from meshllm.cli.common import echo_json, home_dir, home_option, json_option, parse_duration
-from meshllm.errors import ConfigError
+from meshllm.errors import ConfigError, DecodeError
 from meshllm.mesh.admission import Invite, MeshKey, encode_token, inspect_token
+from meshllm.wire.addr import parse_addr
 
 
 @click.group()
@@ -38,9 +39,10 @@ def create(home: Path | None, ttl: str, uses: int, bootstrap: tuple[str, ...]) -
 
 
 def _check_addr(addr: str) -> None:
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise click.BadParameter(f"{addr!r} is not HOST:PORT", param_hint="--bootstrap")
+    try:
+        parse_addr(addr)
+    except DecodeError as exc:
+        raise click.BadParameter(str(exc), param_hint="--bootstrap") from None
 
 
 def _iso(ts: float) -> str:

@@ -16,14 +16,19 @@ def cli() -> None:
 
 def _register() -> None:
     """Attach the subcommands (imported here so ``meshllm --version`` stays fast)."""
-    from meshllm.cli import auth, invite, mesh
+    from meshllm.cli import auth, invite, mesh, status
 
     cli.add_command(auth.auth)
     cli.add_command(mesh.mesh)
     cli.add_command(invite.invite)
+    cli.add_command(status.status)
 
 
 def main() -> None:
     """Console-script entry point."""
     _register()
     cli(prog_name="meshllm")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Reconnect policy: exponential backoff with jitter (sans-IO), and a deadline-bound dial loop."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import TYPE_CHECKING
+
+from meshllm.net.errors import ConnectError, ConnectTimeout
+from meshllm.net.messages import Addr
+
+if TYPE_CHECKING:
+    from meshllm.net.connection import PeerConnection
+    from meshllm.net.endpoint import Endpoint
+
+
+class Backoff:
+    """Delays ``initial * factor**n`` capped at ``maximum``, each scaled by a random factor.
+
+    The jitter (a uniform draw in ``[1 - jitter, 1]``) keeps peers that lost each other at the
+    same moment from redialling in lockstep.
+    """
+
+    def __init__(
+        self,
+        initial: float = 0.1,
+        factor: float = 2.0,
+        maximum: float = 5.0,
+        jitter: float = 0.5,
+        rng: random.Random | None = None,
+    ) -> None:
+        if not (initial > 0 and factor >= 1 and maximum >= initial and 0 <= jitter <= 1):
+            raise ValueError("backoff needs initial > 0, factor >= 1, maximum >= initial, 0 <= jitter <= 1")
+        self.initial, self.factor, self.maximum, self.jitter = initial, factor, maximum, jitter
+        self.attempts = 0
+        self._rng = rng or random.Random()
+
+    def next_delay(self) -> float:
+        """The delay before the next attempt; each call counts one failed attempt."""
+        base = min(self.maximum, self.initial * self.factor**self.attempts)
+        self.attempts += 1
+        return base * (1 - self.jitter * self._rng.random())
+
+    def reset(self) -> None:
+        """Start over after a success."""
+        self.attempts = 0
+
+
+async def dial_with_retry(
+    endpoint: Endpoint,
+    addr: Addr,
+    *,
+    expected_node_id: str | None = None,
+    deadline: float = 30.0,
+    attempt_timeout: float = 5.0,
+    backoff: Backoff | None = None,
+) -> PeerConnection:
+    """Dial until admitted or ``deadline`` seconds have passed; raises the last error then.
+
+    Permanent refusals (:class:`AdmissionRefused`, :class:`PeerMismatch`) are raised at once.
+    """
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline
+    policy = backoff or Backoff()
+    while True:
+        remaining = end - loop.time()
+        if remaining <= 0:
+            raise ConnectTimeout(f"could not connect to {addr[0]}:{addr[1]} within {deadline:.1f}s")
+        try:
+            return await endpoint.connect(
+                addr, expected_node_id=expected_node_id, timeout=min(attempt_timeout, remaining)
+            )
+        except ConnectError as exc:
+            if exc.permanent:
+                raise
+            delay = policy.next_delay()
+            if loop.time() + delay >= end:
+                raise
+            await asyncio.sleep(delay)

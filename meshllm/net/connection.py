@@ -1,0 +1,400 @@
+"""PeerConnection: the asyncio driver around one :class:`~meshllm.net.quic.MeshQuicConnection`.
+
+It moves datagrams between the endpoint's socket and aioquic, runs the timers, checks the peer's
+TLS identity when the handshake completes, runs the admission exchange (:mod:`.admission`),
+routes stream data to :class:`~meshllm.net.streams.Stream` objects and incoming streams to the
+handlers registered per kind, and drives the probes (:mod:`.probes`). Nothing here decides
+policy: admission is the injected ``admit``; what a kind means is its handler's business.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from aioquic.quic import events as qe
+
+from meshllm.errors import DecodeError, MeshllmError, VerificationError
+from meshllm.identity.ids import short
+from meshllm.net import tls
+from meshllm.net.admission import Admission, Phase
+from meshllm.net.errors import AdmissionRefused, ConnectError, PeerMismatch, StreamClosed
+from meshllm.net.events import PeerEvent, PeerEventKind
+from meshllm.net.messages import (
+    ADMISSION_FRAME_MAX,
+    Addr,
+    AdmissionMessage,
+    CloseCode,
+    ResetCode,
+    normalize_addr,
+)
+from meshllm.net.probes import Liveness, ProbeOutput, ProbeState
+from meshllm.net.quic import ALPN, MeshQuicConnection
+from meshllm.net.streams import Stream
+from meshllm.wire.frames import CONTROL_FRAME_MAX
+
+if TYPE_CHECKING:
+    from meshllm.net.endpoint import Endpoint
+
+log = logging.getLogger(__name__)
+ADMISSION_STREAM = 0
+"""The dialer's first bidirectional stream carries the admission exchange."""
+
+
+class PeerConnection:
+    """One QUIC connection to one peer. Obtain it from :meth:`Endpoint.connect` or a handler."""
+
+    def __init__(
+        self, endpoint: Endpoint, quic: MeshQuicConnection, addr: Addr, *, dialer: bool, expected: str | None
+    ) -> None:
+        self.endpoint = endpoint
+        self.quic = quic
+        self.dialer = dialer
+        """True when we dialed this connection."""
+        self.remote_addr: Addr = addr
+        """Where we see the peer (the UDP source of its packets)."""
+        self.observed_addr: Addr | None = None
+        """Where the peer sees *us*, as it told us during admission (for NAT traversal)."""
+        self.node_id: str | None = None
+        """The peer's node id, proven by its TLS certificate (None until the handshake ends)."""
+        self.close_reason: str | None = None
+        """Why the connection ended, once it has."""
+        self.probes: ProbeState | None = None
+        self._expected = expected
+        self._loop = asyncio.get_running_loop()
+        self._admission: Admission | None = None
+        self._streams: dict[int, Stream] = {}
+        self._highest_peer_stream = -1
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._sending_watch: set[Stream] = set()
+        self._ready: asyncio.Future[None] = self._loop.create_future()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._transmit_handle: asyncio.Handle | None = None
+        self._deadline: asyncio.TimerHandle | None = None
+        if not dialer:
+            self._deadline = self._loop.call_later(
+                endpoint.options.admission_timeout, self.close, "admission timed out", CloseCode.ADMISSION_TIMEOUT
+            )
+
+    def __repr__(self) -> str:
+        return f"<PeerConnection {short(self.node_id or '?')} {self.remote_addr} {self.state}>"
+
+    # -- public API ---------------------------------------------------------------------------
+
+    @property
+    def state(self) -> str:
+        """``connecting``, ``alive``, ``suspect`` or ``closed``."""
+        if self.close_reason is not None:
+            return "closed"
+        if not self.admitted:
+            return "connecting"
+        return self.probes.state.value if self.probes else Liveness.ALIVE.value
+
+    @property
+    def admitted(self) -> bool:
+        return self._admission is not None and self._admission.phase is Phase.ADMITTED
+
+    @property
+    def rtt_ms(self) -> float | None:
+        """Smoothed datagram-probe RTT in milliseconds (None until measured)."""
+        return self.probes.rtt_ms if self.probes else None
+
+    async def open_stream(
+        self, kind: str, *, max_frame: int = CONTROL_FRAME_MAX, send_budget: int | None = None
+    ) -> Stream:
+        """Open a bidirectional stream whose handler on the peer is the one registered for ``kind``.
+
+        ``max_frame`` caps the frames we accept back on it.
+        """
+        if self.close_reason is not None:
+            raise StreamClosed(f"connection to {short(self.node_id or '?')} is closed: {self.close_reason}")
+        if not self.admitted:
+            raise StreamClosed("connection is not admitted yet")
+        stream_id = self.quic.get_next_available_stream_id()
+        stream = self._add_stream(stream_id, kind, max_frame, send_budget)
+        stream.open()
+        return stream
+
+    def close(self, reason: str = "closed", code: CloseCode = CloseCode.NORMAL) -> None:
+        """Send CONNECTION_CLOSE with ``reason``; local streams and tasks end at once."""
+        if self.close_reason is not None:
+            return
+        self.quic.close(error_code=code, reason_phrase=reason)
+        self.transmit()
+        self._finish(reason, self._error_for(code, reason, local=True))
+
+    async def wait_admitted(self) -> None:
+        """Return once admission finished both ways; raise the dial's typed error otherwise."""
+        await asyncio.shield(self._ready)
+
+    # -- driver: I/O and timers ---------------------------------------------------------------
+
+    def datagram_received(self, data: bytes, addr: Addr) -> None:
+        self.remote_addr = addr
+        self.quic.receive_datagram(data, addr, now=self._loop.time())
+        self._process_events()
+        self.transmit()
+
+    def transmit(self) -> None:
+        """Send what aioquic has queued and re-arm its timer."""
+        self._transmit_handle = None
+        for data, addr in self.quic.datagrams_to_send(now=self._loop.time()):
+            self.endpoint.sendto(data, addr)
+        timer_at = self.quic.get_timer()
+        if self._timer is not None and self._timer_at != timer_at:
+            self._timer.cancel()
+            self._timer = None
+        if self._timer is None and timer_at is not None:
+            self._timer = self._loop.call_at(timer_at, self._on_timer)
+        self._timer_at = timer_at
+        if self._sending_watch:
+            self._sending_watch = {s for s in self._sending_watch if not s.on_transmitted()}
+
+    def transmit_soon(self) -> None:
+        if self._transmit_handle is None:
+            self._transmit_handle = self._loop.call_soon(self.transmit)
+
+    def stream_op(self, op: Callable[[MeshQuicConnection], None]) -> None:
+        """Apply a stream operation to aioquic; one on a stream aioquic already finished is a no-op."""
+        if self.close_reason is not None:
+            return
+        with contextlib.suppress(ValueError, RuntimeError):
+            op(self.quic)
+        self.transmit_soon()
+
+    def watch_sending(self, stream: Stream) -> None:
+        """Wake ``stream``'s blocked sender as aioquic transmits."""
+        self._sending_watch.add(stream)
+
+    def forget_if_finished(self, stream: Stream) -> None:
+        if stream.finished and self._streams.get(stream.id) is stream:
+            del self._streams[stream.id]
+            self.quic.forget_stream(stream.id)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self.quic.handle_timer(now=max(self._timer_at or 0.0, self._loop.time()))
+        self._timer_at = None
+        self._process_events()
+        self.transmit()
+
+    def _process_events(self) -> None:
+        while (event := self.quic.next_event()) is not None:
+            if isinstance(event, qe.StreamDataReceived):
+                self._on_stream_data(event.stream_id, event.data, event.end_stream)
+            elif isinstance(event, qe.DatagramFrameReceived):
+                if self.probes is not None:
+                    self._apply_probes(self.probes.receive(event.data, self._loop.time()))
+            elif isinstance(event, qe.StreamReset | qe.StopSendingReceived):
+                stream = self._streams.get(event.stream_id)
+                if stream is not None:
+                    stream.on_reset(f"reset by peer (code {event.error_code:#x})")
+                    self.forget_if_finished(stream)
+            elif isinstance(event, qe.ConnectionIdIssued):
+                self.endpoint.route(event.connection_id, self)
+            elif isinstance(event, qe.ConnectionIdRetired):
+                self.endpoint.unroute(event.connection_id)
+            elif isinstance(event, qe.HandshakeCompleted):
+                self._on_handshake(event)
+            elif isinstance(event, qe.ConnectionTerminated):
+                self._on_terminated(event)
+
+    # -- identity and admission ---------------------------------------------------------------
+
+    def _on_handshake(self, event: qe.HandshakeCompleted) -> None:
+        try:
+            if event.alpn_protocol != ALPN:
+                raise VerificationError(f"peer speaks {event.alpn_protocol!r}, not {ALPN}")
+            peer = tls.peer_node_id(self.quic.tls)
+        except VerificationError as exc:
+            self.close(f"bad identity: {exc}", CloseCode.PEER_MISMATCH)
+            return
+        if self._expected is not None and peer != self._expected:
+            self.close(
+                f"expected node {short(self._expected)}, certificate is {short(peer)}", CloseCode.PEER_MISMATCH
+            )
+            return
+        if peer == self.endpoint.node_id:
+            self.close("connected to ourselves", CloseCode.PEER_MISMATCH)
+            return
+        self.node_id = peer
+        self._admission = Admission(
+            dialer=self.dialer,
+            local_proof=self.endpoint.local_proof(),
+            admit=lambda proof: self.endpoint.admit(peer, proof, self.dialer),
+            peer_addr=self.remote_addr,
+        )
+        if self.dialer:
+            stream_id = self.quic.get_next_available_stream_id()
+        else:
+            stream_id = ADMISSION_STREAM
+            self._highest_peer_stream = ADMISSION_STREAM
+        stream = self._add_stream(stream_id, "admission", ADMISSION_FRAME_MAX, None)
+        self._spawn(self._run_admission(stream, self._admission))
+
+    async def _run_admission(self, stream: Stream, admission: Admission) -> None:
+        try:
+            outgoing = admission.start() if admission.dialer else []
+            while not admission.done:
+                for message in outgoing:
+                    stream.send_nowait(message)
+                received = await stream.recv(AdmissionMessage, timeout=None)
+                if received is None:
+                    raise DecodeError("admission stream ended early")
+                outgoing = admission.receive(received)
+                if admission.serving and self.probes is None:
+                    self.probes = ProbeState(
+                        self._loop.time(),
+                        interval=self.endpoint.options.probe_interval,
+                        suspect_after=self.endpoint.options.suspect_after,
+                    )
+            for message in outgoing:
+                stream.send_nowait(message)
+            stream.close()
+        except MeshllmError as exc:
+            if self.close_reason is None:
+                self.close(f"admission protocol error: {exc}", CloseCode.PROTOCOL)
+            return
+        if admission.observed is not None:
+            self.observed_addr = normalize_addr(admission.observed)
+        if admission.phase is Phase.REFUSED:
+            reason = admission.refusal or "refused"
+            if not admission.refused_by_peer:
+                log.info("refused admission to %s: %s", short(self.node_id or "?"), reason)
+            self.close(reason, CloseCode.ADMISSION_REFUSED)
+            return
+        if self._deadline is not None:
+            self._deadline.cancel()
+        if self.probes is not None:
+            self._spawn(self._run_probes(self.probes))
+        if not self._ready.done():
+            self._ready.set_result(None)
+        self.endpoint.admitted(self)
+
+    def _serving(self) -> bool:
+        return self._admission is not None and self._admission.serving and self.close_reason is None
+
+    # -- streams ------------------------------------------------------------------------------
+
+    def _add_stream(self, stream_id: int, kind: str | None, max_frame: int, budget: int | None) -> Stream:
+        stream = Stream(
+            self, stream_id, kind=kind, max_frame=max_frame,
+            send_budget=self.endpoint.options.send_budget if budget is None else budget,
+        )
+        self._streams[stream_id] = stream
+        self.quic.track_stream(stream_id)
+        return stream
+
+    def _on_stream_data(self, stream_id: int, data: bytes, end: bool) -> None:
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            if (stream_id & 1) == (0 if self.dialer else 1) or stream_id <= self._highest_peer_stream:
+                return  # one of ours, or an old stream of theirs we already forgot
+            self._highest_peer_stream = stream_id
+            if not self._serving():
+                log.warning("resetting stream #%d from %s: not admitted", stream_id, self.remote_addr)
+                self.stream_op(lambda q: q.reset_stream(stream_id, ResetCode.NOT_ADMITTED))
+                self.stream_op(lambda q: q.stop_stream(stream_id, ResetCode.NOT_ADMITTED))
+                return
+            stream = self._add_stream(stream_id, None, CONTROL_FRAME_MAX, None)
+        stream.feed(data, end)
+        if stream.kind is None:
+            self._dispatch(stream)
+        self.forget_if_finished(stream)
+
+    def _dispatch(self, stream: Stream) -> None:
+        try:
+            header = stream.take_header()
+        except DecodeError as exc:
+            stream.fail(ResetCode.BAD_FRAME, f"bad stream header: {exc}")
+            return
+        if header is None:
+            if stream.ended:
+                stream.fail(ResetCode.BAD_FRAME, "stream ended before its header")
+            return
+        registered = self.endpoint.handler_for(header.kind)
+        if registered is None:
+            stream.fail(ResetCode.UNKNOWN_KIND, f"no handler for stream kind {header.kind!r}")
+            return
+        handler, max_frame = registered
+        stream.bind(header.kind, max_frame)
+        self._spawn(self._run_handler(handler, stream))
+
+    async def _run_handler(self, handler: Any, stream: Stream) -> None:
+        try:
+            await handler(stream, self)
+            stream.close()
+        except StreamClosed as exc:
+            log.debug("%r ended: %s", stream, exc)
+        except Exception:
+            log.exception("handler for stream kind %r failed", stream.kind)
+            stream.reset(ResetCode.HANDLER_FAILED)
+        self.forget_if_finished(stream)
+
+    # -- probes -------------------------------------------------------------------------------
+
+    async def _run_probes(self, probes: ProbeState) -> None:
+        while self.close_reason is None:
+            self._apply_probes(probes.poll(self._loop.time()))
+            await asyncio.sleep(max(0.0, probes.next_deadline - self._loop.time()))
+
+    def _apply_probes(self, out: ProbeOutput) -> None:
+        for datagram in out.datagrams:
+            self.quic.send_datagram_frame(datagram)
+        if out.datagrams:
+            self.transmit_soon()
+        for change in out.events:
+            kind = PeerEventKind.SUSPECT if change.state is Liveness.SUSPECT else PeerEventKind.ALIVE
+            self.endpoint.emit(PeerEvent(kind, self.node_id or "", change.rtt_ms))
+
+    # -- ending -------------------------------------------------------------------------------
+
+    def _on_terminated(self, event: qe.ConnectionTerminated) -> None:
+        reason = event.reason_phrase or f"closed by peer (code {event.error_code:#x})"
+        local = self.close_reason is not None
+        self._finish(reason, self._error_for(event.error_code, reason, local=False))
+        if self._timer is not None:
+            self._timer.cancel()
+        self.endpoint.forget(self)
+        if not local:
+            log.debug("connection to %s ended: %s", self.remote_addr, reason)
+
+    def _error_for(self, code: int, reason: str, *, local: bool) -> ConnectError:
+        if code == CloseCode.ADMISSION_REFUSED:
+            return AdmissionRefused(reason)
+        if code == CloseCode.PEER_MISMATCH:
+            return PeerMismatch(reason if local else f"peer refused our identity: {reason}")
+        where = f"{self.remote_addr[0]}:{self.remote_addr[1]}"
+        return ConnectError(f"connection to {where} closed before admission: {reason}")
+
+    def _finish(self, reason: str, error: ConnectError) -> None:
+        if self.close_reason is not None:
+            return
+        self.close_reason = reason
+        if self._deadline is not None:
+            self._deadline.cancel()
+        if not self._ready.done():
+            self._ready.set_exception(error)
+            self._ready.exception()  # mark retrieved: a dial nobody awaits must not log
+        for stream in self._streams.values():
+            stream.on_connection_closed(reason)
+        for task in self._tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        self.endpoint.removed(self)
+
+    def abandon(self) -> None:
+        """Stop all timers (the endpoint's socket is going away)."""
+        for handle in (self._timer, self._transmit_handle, self._deadline):
+            if handle is not None:
+                handle.cancel()
+        self._timer = self._transmit_handle = None
+
+    def _spawn(self, coro: Any) -> None:
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

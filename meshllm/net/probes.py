@@ -1,0 +1,103 @@
+"""Datagram probes (sans-IO): RTT as an EWMA, and liveness.
+
+Every ``interval`` seconds a side sends ``PING nonce timestamp`` as a QUIC DATAGRAM (RFC 9221:
+unreliable, never retransmitted, so a lost probe is a signal rather than a delay); the other
+side echoes it as ``PONG``. A ping that has no pong by the time the next one is due counts as
+missed; ``suspect_after`` misses in a row (3 x 250 ms) make the peer *suspect*, the next pong
+makes it *alive* again. QUIC's idle timeout is far longer, so this is how a killed peer is
+noticed within about a second. The caller passes ``now`` (seconds, monotonic) in.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from enum import Enum
+
+PING = 1
+PONG = 2
+_PROBE = struct.Struct(">BQd")
+"""type (u8), nonce (u64), sender's timestamp (f64 seconds) — 17 bytes."""
+
+
+class Liveness(Enum):
+    ALIVE = "alive"
+    SUSPECT = "suspect"
+
+
+@dataclass(frozen=True, slots=True)
+class LivenessChanged:
+    """The peer changed liveness state."""
+
+    state: Liveness
+    """The new state."""
+    rtt_ms: float | None
+    """Smoothed RTT at the time of the change (None before the first pong)."""
+
+
+@dataclass(slots=True)
+class ProbeOutput:
+    """What one call asks the driver to do."""
+
+    datagrams: list[bytes]
+    """Datagrams to send now, in order."""
+    events: list[LivenessChanged]
+    """State changes to report."""
+
+
+class ProbeState:
+    """Probe scheduling, RTT estimation and liveness for one peer."""
+
+    def __init__(
+        self, now: float, *, interval: float = 0.25, suspect_after: int = 3, alpha: float = 0.2
+    ) -> None:
+        self.interval = interval
+        self.suspect_after = suspect_after
+        self.alpha = alpha
+        self.state = Liveness.ALIVE
+        self.rtt_ms: float | None = None
+        """Smoothed round-trip time; None until the first pong."""
+        self.missed = 0
+        """Probes in a row that went unanswered."""
+        self._next_ping = now
+        self._outstanding: dict[int, float] = {}
+
+    @property
+    def next_deadline(self) -> float:
+        """When :meth:`poll` next has work to do."""
+        return self._next_ping
+
+    def poll(self, now: float) -> ProbeOutput:
+        """Send a ping when one is due; count the previous one as missed if still unanswered."""
+        out = ProbeOutput([], [])
+        if now < self._next_ping:
+            return out
+        if self._outstanding:
+            self.missed += 1
+            self._outstanding.clear()
+            if self.missed >= self.suspect_after and self.state is Liveness.ALIVE:
+                self.state = Liveness.SUSPECT
+                out.events.append(LivenessChanged(Liveness.SUSPECT, self.rtt_ms))
+        nonce = int.from_bytes(os.urandom(8), "big")
+        self._outstanding[nonce] = now
+        out.datagrams.append(_PROBE.pack(PING, nonce, now))
+        self._next_ping = now + self.interval
+        return out
+
+    def receive(self, data: bytes, now: float) -> ProbeOutput:
+        """Handle a probe datagram: answer pings, measure pongs. Other bytes are ignored."""
+        out = ProbeOutput([], [])
+        if len(data) != _PROBE.size:
+            return out
+        kind, nonce, stamp = _PROBE.unpack(data)
+        if kind == PING:
+            out.datagrams.append(_PROBE.pack(PONG, nonce, stamp))
+        elif kind == PONG and (sent := self._outstanding.pop(nonce, None)) is not None:
+            sample = (now - sent) * 1000.0
+            self.rtt_ms = sample if self.rtt_ms is None else (1 - self.alpha) * self.rtt_ms + self.alpha * sample
+            self.missed = 0
+            if self.state is Liveness.SUSPECT:
+                self.state = Liveness.ALIVE
+                out.events.append(LivenessChanged(Liveness.ALIVE, self.rtt_ms))
+        return out

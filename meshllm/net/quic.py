@@ -1,0 +1,131 @@
+"""Our aioquic ``QuicConnection``: tuned configuration, mutual TLS, and receive flow control.
+
+Two behaviours aioquic lacks are added by overriding two of its private methods, here and only
+here (``tests/net/test_quic.py`` exercises both against the installed aioquic):
+
+* ``_initialize``: a server connection asks the client for a certificate (see :mod:`.tls`).
+* ``_write_stream_limits``: aioquic doubles a stream's receive window whenever the peer has used
+  half of it, whether or not the application read anything, so a slow reader buffers without
+  bound. We grant credit only for bytes the application has consumed (``consumed + window``),
+  which turns QUIC flow control into end-to-end backpressure: a slow reader stalls the writer.
+
+``unsent_bytes`` reads how much of a stream's written data aioquic has not transmitted yet, which
+:class:`~meshllm.net.streams.Stream` uses as its send budget.
+"""
+
+from __future__ import annotations
+
+import ssl
+from typing import Any
+
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import MAX_STREAM_DATA_FRAME_CAPACITY, QuicConnection
+from aioquic.quic.packet import QuicFrameType
+from nacl.signing import SigningKey
+
+from meshllm.net import tls
+from meshllm.net.errors import AioquicIncompatible
+
+ALPN = "meshllm/1"
+MAX_DATAGRAM_SIZE = 1452
+"""QUIC packet size: a 1500-byte Ethernet MTU less IPv6 and UDP headers (FACTS: faster than 1200)."""
+CONNECTION_WINDOW = 16 * 1024 * 1024
+"""Initial connection-wide receive window; aioquic grows it. Per-stream windows do the bounding."""
+STREAM_WINDOW = 4 * 1024 * 1024
+"""Default per-stream receive window: the most a peer can make us buffer on one unread stream."""
+IDLE_TIMEOUT = 20.0
+"""Probes find dead peers in about a second; the idle timeout is only the backstop."""
+MAX_DATAGRAM_FRAME = 1200
+"""Largest QUIC DATAGRAM frame we accept (probes are a few dozen bytes)."""
+
+
+def make_configuration(
+    signing_key: SigningKey,
+    *,
+    is_client: bool,
+    stream_window: int = STREAM_WINDOW,
+    max_datagram_size: int = MAX_DATAGRAM_SIZE,
+    idle_timeout: float = IDLE_TIMEOUT,
+) -> QuicConfiguration:
+    """A configuration presenting the node's certificate, with CA checks off (we check keys)."""
+    config = QuicConfiguration(
+        alpn_protocols=[ALPN],
+        is_client=is_client,
+        idle_timeout=idle_timeout,
+        max_data=CONNECTION_WINDOW,
+        max_stream_data=stream_window,
+        max_datagram_size=max_datagram_size,
+        max_datagram_frame_size=MAX_DATAGRAM_FRAME,
+        verify_mode=ssl.CERT_NONE,
+    )
+    config.certificate = tls.make_certificate(signing_key)
+    config.private_key = tls.private_key(signing_key)
+    return config
+
+
+class MeshQuicConnection(QuicConnection):
+    """A ``QuicConnection`` with mutual TLS and consumption-based stream credit."""
+
+    def __init__(self, *, configuration: QuicConfiguration, **kwargs: Any) -> None:
+        super().__init__(configuration=configuration, **kwargs)
+        self._window = configuration.max_stream_data
+        self._consumed: dict[int, int] = {}
+
+    # -- flow control -------------------------------------------------------------------------
+
+    def track_stream(self, stream_id: int) -> None:
+        """Start granting credit on ``stream_id`` only as its data is consumed."""
+        self._consumed.setdefault(stream_id, 0)
+
+    def forget_stream(self, stream_id: int) -> None:
+        """Stop tracking a finished stream."""
+        self._consumed.pop(stream_id, None)
+
+    def consume(self, stream_id: int, consumed: int) -> bool:
+        """Record that the application has consumed ``consumed`` bytes of the stream in total.
+
+        Returns True when a window update is now due (the caller should transmit).
+        """
+        if stream_id not in self._consumed:
+            return False
+        self._consumed[stream_id] = consumed
+        stream = self._stream(stream_id)
+        return stream is not None and consumed + self._window - stream.max_stream_data_local >= self._window // 2
+
+    def unsent_bytes(self, stream_id: int, written: int) -> int:
+        """How many of the ``written`` bytes aioquic has not put on the wire yet."""
+        stream = self._stream(stream_id)
+        if stream is None:
+            return 0
+        return max(0, written - stream.sender.highest_offset)
+
+    def _stream(self, stream_id: int) -> Any:
+        streams = getattr(self, "_streams", None)
+        if streams is None:
+            raise AioquicIncompatible("aioquic's QuicConnection has no _streams table")
+        return streams.get(stream_id)
+
+    # -- private aioquic hooks ----------------------------------------------------------------
+
+    def _initialize(self, peer_cid: bytes) -> None:
+        super()._initialize(peer_cid)
+        if not self.configuration.is_client:
+            tls.request_client_certificate(self.tls)
+
+    def _write_stream_limits(self, builder: Any, space: Any, stream: Any) -> None:
+        consumed = self._consumed.get(stream.stream_id)
+        if consumed is None:
+            return
+        target = consumed + self._window
+        if target - stream.max_stream_data_local >= self._window // 2:
+            stream.max_stream_data_local = target
+        if stream.max_stream_data_local_sent != stream.max_stream_data_local:
+            buf = builder.start_frame(
+                QuicFrameType.MAX_STREAM_DATA,
+                capacity=MAX_STREAM_DATA_FRAME_CAPACITY,
+                handler=self._on_max_stream_data_delivery,
+                handler_args=(stream,),
+            )
+            buf.push_uint_var(stream.stream_id)
+            buf.push_uint_var(stream.max_stream_data_local)
+            stream.max_stream_data_local_sent = stream.max_stream_data_local

@@ -1,0 +1,134 @@
+"""Endpoints on real UDP sockets: identity, admission, one connection per pair, close."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from net_helpers import Msg, endpoint, until
+
+from meshllm.errors import Untrusted
+from meshllm.net import AdmissionRefused, PeerEventKind, PeerMismatch
+from meshllm.net.connection import PeerConnection
+from meshllm.net.messages import StreamOpen
+from meshllm.wire.frames import encode_frame
+
+
+def test_handshake_proves_both_ids_and_exchanges_proofs_and_addresses() -> None:
+    async def main() -> None:
+        seen: dict[str, tuple[str, bytes]] = {}
+        a = await endpoint(admit=lambda n, p, d: seen.__setitem__("a", (n, p)), proof=b"proof-a")
+        b = await endpoint(admit=lambda n, p, d: seen.__setitem__("b", (n, p)), proof=b"proof-b")
+        peer = await a.connect(b.local_addr)  # bootstrap: id learned from the certificate
+        assert peer.node_id == b.node_id and peer.admitted
+        await until(lambda: a.node_id in b.peers)
+        assert seen == {"a": (b.node_id, b"proof-b"), "b": (a.node_id, b"proof-a")}
+        assert peer.observed_addr == a.local_addr and b.peers[a.node_id].observed_addr == b.local_addr
+        assert a.observed_addrs == {a.local_addr}
+        assert await a.connect(b.local_addr, expected_node_id=b.node_id) is peer  # reused
+        await a.close()
+        await b.close()
+
+    asyncio.run(main())
+
+
+def test_dialer_expecting_another_node_gets_peer_mismatch() -> None:
+    async def main() -> None:
+        a, b = await endpoint(), await endpoint()
+        other = await endpoint()
+        with pytest.raises(PeerMismatch, match="expected node"):
+            await a.connect(b.local_addr, expected_node_id=other.node_id)
+        assert not a.peers and not b.peers
+        for e in (a, b, other):
+            await e.close()
+
+    asyncio.run(main())
+
+
+def test_refused_admission_is_typed_and_early_streams_never_reach_handlers(monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    def refuse(peer: str, proof: bytes, dialer: bool) -> None:
+        raise Untrusted("not in the allowlist")
+
+    handled: list[str] = []
+    original = PeerConnection._on_handshake
+
+    def sneak_a_stream_in_first(self: PeerConnection, event) -> None:  # type: ignore[no-untyped-def]
+        original(self, event)
+        if self.dialer:  # a misbehaving dialer opens a stream right after its Hello, before admission
+            payload = encode_frame(StreamOpen("echo")) + encode_frame(Msg("hi"))
+            asyncio.get_running_loop().call_soon(self.quic.send_stream_data, 4, payload)
+
+    async def main() -> None:
+        async def handler(stream, peer) -> None:  # type: ignore[no-untyped-def]
+            handled.append(peer.node_id)
+
+        b = await endpoint(admit=refuse)
+        b.on_stream("echo", handler)
+        a = await endpoint()
+        with pytest.raises(AdmissionRefused, match="not in the allowlist") as info:
+            await a.connect(b.local_addr, expected_node_id=b.node_id)
+        assert info.value.reason == "not in the allowlist"
+        await asyncio.sleep(0.05)
+        assert handled == [] and not b.peers
+        assert "resetting stream #4" in caplog.text and "not admitted" in caplog.text
+        await a.close()
+        await b.close()
+
+    monkeypatch.setattr(PeerConnection, "_on_handshake", sneak_a_stream_in_first)
+    asyncio.run(main())
+
+
+def test_dialer_refuses_the_acceptor_proof() -> None:
+    def refuse(peer: str, proof: bytes, dialer: bool) -> None:
+        raise Untrusted(f"bad proof {proof!r}")
+
+    async def main() -> None:
+        a, b = await endpoint(admit=refuse), await endpoint(proof=b"forged")
+        closed = asyncio.Event()
+        b.on_peer_event(lambda e: closed.set())
+        with pytest.raises(AdmissionRefused, match="forged"):
+            await a.connect(b.local_addr)
+        await until(lambda: not b.peers)
+        await a.close()
+        await b.close()
+
+    asyncio.run(main())
+
+
+def test_clean_close_is_seen_by_the_peer_promptly() -> None:
+    async def main() -> None:
+        a, b = await endpoint(), await endpoint()
+        events: list = []
+        b.on_peer_event(events.append)
+        await a.connect(b.local_addr)
+        await until(lambda: any(e.kind is PeerEventKind.CONNECTED for e in events))
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        a.peers[b.node_id].close("going away for maintenance")
+        await until(lambda: any(e.kind is PeerEventKind.CLOSED for e in events), timeout=1.0)
+        assert loop.time() - start < 0.5
+        closed = next(e for e in events if e.kind is PeerEventKind.CLOSED)
+        assert closed.node_id == a.node_id and closed.reason == "going away for maintenance"
+        assert not a.peers and not b.peers
+        await a.close()
+        await b.close()
+
+    asyncio.run(main())
+
+
+def test_simultaneous_dials_converge_on_one_connection() -> None:
+    async def main() -> None:
+        a, b = await endpoint(), await endpoint()
+        pa, pb = await asyncio.gather(a.connect(b.local_addr), b.connect(a.local_addr))
+        assert pa.node_id == b.node_id and pb.node_id == a.node_id
+        await asyncio.sleep(0.1)
+        assert len(a.peers) == 1 and len(b.peers) == 1
+        kept_a, kept_b = a.peers[b.node_id], b.peers[a.node_id]
+        assert kept_a.state == "alive" and kept_b.state == "alive"
+        assert kept_a.dialer != kept_b.dialer  # the same connection, seen from both ends
+        stream = await kept_a.open_stream("x")
+        assert stream is not None
+        await a.close()
+        await b.close()
+
+    asyncio.run(main())

@@ -1,0 +1,55 @@
+"""ProbeState: RTT EWMA and liveness, driven by a fake clock."""
+
+from __future__ import annotations
+
+from meshllm.net.probes import Liveness, ProbeState
+
+
+def echo(state: ProbeState, datagram: bytes, now: float):  # type: ignore[no-untyped-def]
+    """What the peer answers (its own ProbeState answers pings)."""
+    (pong,) = ProbeState(0.0).receive(datagram, now).datagrams
+    return state.receive(pong, now)
+
+
+def test_rtt_is_an_ewma_of_pong_delays() -> None:
+    p = ProbeState(0.0, alpha=0.5)
+    assert p.rtt_ms is None
+    (ping,) = p.poll(0.0).datagrams
+    echo(p, ping, 0.010)
+    assert abs(p.rtt_ms - 10.0) < 1e-6  # type: ignore[operator]
+    (ping,) = p.poll(0.25).datagrams
+    echo(p, ping, 0.27)
+    assert abs(p.rtt_ms - 15.0) < 1e-6  # type: ignore[operator]
+
+
+def test_three_missed_probes_make_the_peer_suspect_and_a_pong_revives_it() -> None:
+    p = ProbeState(0.0, interval=0.25, suspect_after=3)
+    p.poll(0.0)
+    assert p.poll(0.1).datagrams == []  # not due yet
+    for t in (0.25, 0.5):
+        out = p.poll(t)
+        assert out.events == [] and p.state is Liveness.ALIVE
+    out = p.poll(0.75)
+    assert [e.state for e in out.events] == [Liveness.SUSPECT] and p.missed == 3
+    assert p.poll(1.0).events == []  # reported once
+    (ping,) = out.datagrams
+    revived = echo(p, ping, 0.8)
+    assert [e.state for e in revived.events] == []  # that ping was superseded by the 1.0 one
+    (ping,) = p.poll(1.25).datagrams
+    revived = echo(p, ping, 1.26)
+    assert [e.state for e in revived.events] == [Liveness.ALIVE] and p.missed == 0
+
+
+def test_unknown_pong_and_garbage_are_ignored() -> None:
+    p = ProbeState(0.0)
+    (ping,) = p.poll(0.0).datagrams
+    assert p.receive(b"\x02" + ping[1:], 0.1).events == []  # a pong for an unknown nonce... or a real one
+    assert p.receive(b"junk", 0.1).datagrams == []
+    assert p.receive(b"\x07" * len(ping), 0.1).datagrams == []
+
+
+def test_ping_is_answered_with_a_pong_echoing_nonce_and_time() -> None:
+    a, b = ProbeState(0.0), ProbeState(0.0)
+    (ping,) = a.poll(5.0).datagrams
+    (pong,) = b.receive(ping, 5.1).datagrams
+    assert pong[0] == 2 and pong[1:] == ping[1:]
