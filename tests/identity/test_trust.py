@@ -21,7 +21,6 @@ from meshllm.errors import (
     OwnerRevoked,
     Untrusted,
     VerificationError,
-    WrongSigner,
     WrongSubject,
 )
 from meshllm.identity.certs import certificate_id, issue_certificate
