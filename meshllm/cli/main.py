@@ -16,12 +16,14 @@ def cli() -> None:
 
 def _register() -> None:
     """Attach the subcommands (imported here so ``meshllm --version`` stays fast)."""
-    from meshllm.cli import auth, invite, mesh, status
+    from meshllm.cli import auth, invite, mesh, serve, status
 
     cli.add_command(auth.auth)
     cli.add_command(mesh.mesh)
     cli.add_command(invite.invite)
     cli.add_command(status.status)
+    cli.add_command(serve.serve)
+    cli.add_command(serve.join)
 
 
 def main() -> None:

@@ -1,0 +1,88 @@
+"""Node management routes: ``/health``-adjacent status, the event stream, and invites.
+
+``GET /api/status`` is the snapshot ``meshllm status`` draws (schema in docs/api.md);
+``GET /api/events`` streams the node's events as server-sent events; ``POST /api/invite`` asks the
+node for a fresh invite token (only the node holding the mesh key can sign one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
+
+from meshllm.api.errors import error_response
+from meshllm.api.events import EventHub
+from meshllm.errors import MeshllmError
+
+KEEPALIVE_S = 15.0
+
+
+class StatusSource(Protocol):
+    """What the routes need from the node."""
+
+    events: EventHub
+
+    def status(self) -> dict[str, Any]:
+        """The ``/api/status`` snapshot."""
+        ...
+
+    def create_invite(self, ttl_s: float, max_uses: int) -> str:
+        """A fresh invite token; raises MeshllmError when this node cannot sign one."""
+        ...
+
+
+class InviteRequest(BaseModel):
+    """Body of ``POST /api/invite``."""
+
+    ttl_s: float = Field(default=24 * 3600.0, gt=0, le=365 * 86400.0)
+    max_uses: int = Field(default=1, ge=0, le=1_000_000)
+
+
+def status_router(node: StatusSource) -> APIRouter:
+    """Routes for status, events and invites, bound to ``node``."""
+    router = APIRouter()
+
+    @router.get("/api/status")
+    def get_status() -> dict[str, Any]:
+        return node.status()
+
+    @router.get("/api/events")
+    async def get_events() -> StreamingResponse:
+        return StreamingResponse(_sse(node.events), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    @router.post("/api/invite", response_model=None)
+    def post_invite(body: InviteRequest) -> dict[str, str] | JSONResponse:
+        try:
+            return {"token": node.create_invite(body.ttl_s, body.max_uses)}
+        except MeshllmError as exc:
+            return error_response(exc)
+
+    return router
+
+
+async def _sse(hub: EventHub) -> AsyncIterator[str]:
+    """Recent history first, then live events; a comment line every 15 s keeps proxies from timing out."""
+    for event in hub.recent():
+        yield _frame(event)
+    events = hub.subscribe()
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(anext(events), timeout=KEEPALIVE_S)
+            except TimeoutError:
+                yield ": keepalive\n\n"
+                continue
+            yield _frame(event)
+    finally:
+        await events.aclose()
+
+
+def _frame(event: dict[str, Any]) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event, default=str, separators=(',', ':'))}\n\n"

@@ -1,0 +1,337 @@
+"""Push-pull anti-entropy over signed peer records: a sans-IO protocol object (h11 style).
+
+:class:`Gossip` owns our own record and the verified records of everyone else (a
+:class:`~meshllm.mesh.view.ViewState`). The driver feeds it time, transport events and received
+messages; it returns :class:`Send` instructions and events, and never touches a socket or a clock.
+
+Two paths spread information. *Anti-entropy*: every round (1 s, times log10 of the mesh size) we
+send our digest ``{node_id: seq}`` to k=3 random connected peers, who answer with the records we lack
+and ask for those they lack; this converges in O(log N) rounds whatever was lost. *Flooding*:
+membership changes (a down notice, a leaving record, a record that revives a peer) are pushed at once
+to every connected peer, once per change, because waiting for anti-entropy rounds would miss the
+5-second removal target on large meshes.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from nacl.signing import SigningKey
+
+from meshllm.errors import MeshllmError, VerificationError
+from meshllm.mesh import rtt, view
+from meshllm.mesh.failure import Failed, Recovered, Suspected
+from meshllm.mesh.messages import (
+    Digest,
+    DownNotice,
+    Exchange,
+    MeshMessage,
+    Notices,
+    sign_notice,
+    verify_notice,
+)
+from meshllm.mesh.records import PathKind, PeerRecord, RecordVerifier, StaleRecord, sign_record
+
+EXCHANGE_BUDGET = 1024 * 1024
+"""Bytes of records per Exchange message, well under the 8 MiB control-frame cap."""
+
+
+class UnknownReporter(VerificationError):
+    """A down notice was signed by a node that is not a live member of our view."""
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Send ``message`` to peer ``to`` (over its gossip stream)."""
+
+    to: str
+    message: MeshMessage
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """Something from ``source`` failed verification and was dropped; the driver logs ``error``."""
+
+    source: str
+    error: MeshllmError
+
+
+@dataclass(frozen=True)
+class GossipConfig:
+    """Timings; defaults aim at a 5 s removal of a killed node and modest traffic."""
+
+    interval: float = 1.0
+    """Base anti-entropy period; multiplied by max(1, log10(N))."""
+    fanout: int = 3
+    heartbeat: float = 30.0
+    """Re-sign our record this often even without change, so silence means death."""
+    stale_after: float = 120.0
+    """A peer whose sequence has not advanced for this long is dropped (the backstop to SWIM)."""
+    forget_after: float = 300.0
+    """How long down/left tombstones are kept to refuse resurrection by old copies."""
+    view_extra: int = 3
+    """k in the partial-view size ceil(log2(N)) + k."""
+    rotate_every: float = 30.0
+    """Swap one random partial-view peer this often."""
+    rtt_max_age: float = 30.0
+
+
+Output = Send | Rejected | view.ViewEvent
+
+
+class Gossip:
+    """Our record plus everyone's verified records, kept in sync with the mesh."""
+
+    def __init__(
+        self,
+        key: SigningKey,
+        record: PeerRecord,
+        verifier: RecordVerifier,
+        rng: random.Random,
+        now: float,
+        config: GossipConfig | None = None,
+    ) -> None:
+        """``record.seq`` should start above any earlier run's (e.g. wall-clock milliseconds)."""
+        self.config = config or GossipConfig()
+        self._key, self._verifier, self._rng = key, verifier, rng
+        self.own, self.own_raw = record, sign_record(key, record)
+        self.state = view.empty(record.node_id)
+        self.connected: set[str] = set()
+        self.pinned: set[str] = set()
+        self._partial: frozenset[str] = frozenset()
+        self._rtt: rtt.RttTable = {}
+        self._next_round = self._next_rotate = now
+        self._next_expire = now + 1.0
+        # A random first phase: nodes started together must not heartbeat in lockstep.
+        self._next_heartbeat = now + rng.uniform(0.1, 1.0) * self.config.heartbeat
+
+    @property
+    def node_id(self) -> str:
+        return self.own.node_id
+
+    # --- queries ---
+
+    def members(self) -> dict[str, PeerRecord]:
+        """Live (alive or suspect) peers' records, ourselves excluded."""
+        return view.members(self.state)
+
+    def rtt_matrix(self) -> dict[str, dict[str, float]]:
+        """Mesh-wide RTT matrix over ourselves and live members."""
+        return rtt.rtt_matrix([self.own, *self.members().values()])
+
+    def interval(self) -> float:
+        """Current round period: grows with log10 of the mesh size to bound per-node traffic."""
+        return self.config.interval * max(1.0, math.log10(len(self.members()) + 1))
+
+    def desired_connections(self, now: float) -> set[str]:
+        """Peers the driver should hold connections to: pinned peers plus a random partial view.
+
+        Until we know any member (just joined) we keep whatever we are connected to: the bootstrap
+        links are our only way into the mesh.
+        """
+        live = self.members()
+        if not live:
+            return set(self.connected)
+        size = view.view_size(len(live) + 1, self.config.view_extra)
+        rotate = now >= self._next_rotate
+        if rotate:
+            self._next_rotate = now + self.config.rotate_every
+        candidates = [n for n in live if n not in self.pinned]
+        if rotate or not self._partial <= live.keys() or len(self._partial) < min(size, len(candidates)):
+            self._partial = view.refresh_partial_view(self._partial, candidates, size, self._rng, rotate)
+        return {p for p in self.pinned if p in live} | set(self._partial)
+
+    def next_timer(self) -> float:
+        """When :meth:`tick` next has work."""
+        return min(self._next_round, self._next_heartbeat, self._next_expire)
+
+    # --- inputs from the driver ---
+
+    def peer_connected(self, peer: str) -> None:
+        """The transport holds an admitted connection to ``peer`` (either direction)."""
+        self.connected.add(peer)
+
+    def peer_disconnected(self, peer: str) -> None:
+        self.connected.discard(peer)
+
+    def greet(self, peer: str) -> list[Output]:
+        """A peer just connected: trade digests with it now rather than at the next round.
+
+        Both ends greet, so each pulls what it lacks; a joiner learns the whole mesh in one round trip.
+        """
+        return [Send(peer, Digest(self._digest()))]
+
+    def observe_rtt(self, peer: str, rtt_ms: float, path: PathKind, now: float) -> None:
+        """A transport RTT measurement; published with the next heartbeat or significant change."""
+        self._rtt = rtt.observe_rtt(self._rtt, peer, rtt_ms, path, now)
+
+    def update_own(self, now: float, **changes: Any) -> None:
+        """Change fields of our record (load, models, ...); bumps the sequence and re-signs."""
+        self._resign(now, **changes)
+
+    def tick(self, now: float) -> list[Output]:
+        """Heartbeat, housekeeping and, when due, one anti-entropy round."""
+        out: list[Output] = []
+        row = rtt.current_row(self._rtt, now, self.config.rtt_max_age)
+        if now >= self._next_heartbeat or rtt.row_changed(self.own.rtt, row):
+            self._resign(now, rtt=row)
+        if now >= self._next_expire:
+            self._next_expire = now + 1.0
+            cfg = self.config
+            out += self._apply(view.Expire(now, cfg.stale_after, cfg.forget_after), None)
+        if now >= self._next_round:
+            self._next_round = now + self.interval()
+            reachable = sorted(self.connected)
+            digest = Digest(self._digest())
+            for peer in self._rng.sample(reachable, min(self.config.fanout, len(reachable))):
+                out.append(Send(peer, digest))
+        return out
+
+    def receive(self, source: str, message: MeshMessage, now: float) -> list[Output]:
+        """Handle one gossip message from connected peer ``source``."""
+        if isinstance(message, Digest):
+            return self._on_digest(source, message, now)
+        if isinstance(message, Exchange):
+            out: list[Output] = []
+            for raw in message.records:
+                out += self._ingest(raw, source, now)
+            if message.want:
+                out += [Send(source, m) for m in self._exchanges(message.want, [])]
+            return out
+        if isinstance(message, Notices):
+            out = []
+            for raw in message.notices:
+                out += self._on_notice(raw, source, now)
+            return out
+        return []
+
+    def on_detector(self, events: Iterable[Suspected | Recovered | Failed], now: float) -> list[Output]:
+        """Apply the failure detector's verdicts: suspect, alive again, or down (signed and flooded)."""
+        out: list[Output] = []
+        for ev in events:
+            if isinstance(ev, Suspected):
+                out += self._apply(view.MarkSuspect(ev.node_id, now), ev.node_id)
+            elif isinstance(ev, Recovered):
+                out += self._apply(view.MarkAlive(ev.node_id, now), ev.node_id)
+            else:
+                out += self.declare_down(ev.node_id, now)
+        return out
+
+    def declare_down(self, node_id: str, now: float) -> list[Output]:
+        """Sign a down notice for a live member, apply it, and flood it."""
+        entry = self.state.peers.get(node_id)
+        if entry is None or entry.status not in view.ACTIVE:
+            return []
+        raw = sign_notice(self._key, DownNotice(node_id, entry.record.seq, self.node_id, now))
+        out = self._apply(view.MarkDown(node_id, entry.record.seq, raw, now), node_id)
+        return out + self._flood(Notices([raw]), exclude=None)
+
+    def leave(self, now: float) -> list[Output]:
+        """Graceful leave: a signed ``leaving`` record, pushed to every connected peer at once."""
+        self._resign(now, state="leaving")
+        return self._flood(Exchange([self.own_raw]), exclude=None)
+
+    # --- internals ---
+
+    def _resign(self, now: float, above: int = 0, **changes: Any) -> None:
+        """Bump our sequence past ``above`` (a claim to outrank) and re-sign."""
+        self.own = msgspec.structs.replace(self.own, seq=max(self.own.seq, above) + 1, **changes)
+        self.own_raw = sign_record(self._key, self.own)
+        self._next_heartbeat = now + self.config.heartbeat
+
+    def _digest(self) -> dict[str, int]:
+        seqs = {n: e.record.seq for n, e in self.state.peers.items()}
+        seqs[self.node_id] = self.own.seq
+        return seqs
+
+    def _on_digest(self, source: str, message: Digest, now: float) -> list[Output]:
+        theirs = message.seqs
+        if theirs.get(self.node_id, -1) > self.own.seq:
+            self._resign(now, above=theirs[self.node_id])  # a copy of us newer than ours: outrank it
+        give = [self.node_id] if theirs.get(self.node_id, -1) < self.own.seq else []
+        notices: list[bytes] = []
+        for node, entry in self.state.peers.items():
+            seq = theirs.get(node)
+            if entry.notice is not None and entry.status == "down":
+                if seq is not None and seq <= entry.record.seq:
+                    notices.append(entry.notice)
+            elif seq is None or seq < entry.record.seq:
+                give.append(node)
+        want = [n for n, s in theirs.items() if n != self.node_id and s > (view.held_seq(self.state, n) or -1)]
+        out: list[Output] = [Send(source, m) for m in self._exchanges(give, want)]
+        if notices:
+            out.append(Send(source, Notices(notices)))
+        return out
+
+    def _exchanges(self, nodes: list[str], want: list[str]) -> list[Exchange]:
+        """Records of ``nodes`` we can give (never a down peer's), chunked under the frame cap."""
+        chunks: list[Exchange] = []
+        batch: list[bytes] = []
+        size = 0
+        for node in nodes:
+            entry = self.state.peers.get(node)
+            if node == self.node_id:
+                raw = self.own_raw
+            elif entry is not None and entry.status != "down":
+                raw = entry.raw
+            else:
+                continue
+            if batch and size + len(raw) > EXCHANGE_BUDGET:
+                chunks.append(Exchange(batch))
+                batch, size = [], 0
+            batch.append(raw)
+            size += len(raw)
+        if batch or want:
+            chunks.append(Exchange(batch, want))
+        return chunks
+
+    def _ingest(self, raw: bytes, source: str, now: float) -> list[Output]:
+        state = self.state
+        try:
+            record = self._verifier.verify(raw, now, lambda n: self._held(state, n))
+        except MeshllmError as exc:
+            if isinstance(exc, StaleRecord):
+                return []  # routine in gossip: several peers hand us the same version
+            return [Rejected(source, exc)]
+        if record.node_id == self.node_id:
+            if record.seq >= self.own.seq:
+                self._resign(now, above=record.seq)
+            return []
+        events = self._apply(view.RecordStored(record, raw, now), record.node_id)
+        if any(isinstance(e, view.PeerAdded | view.PeerRemoved) for e in events):
+            events += self._flood(Exchange([raw]), exclude=source)
+        return events
+
+    def _held(self, state: view.ViewState, node: str) -> int | None:
+        return self.own.seq if node == self.node_id else view.held_seq(state, node)
+
+    def _on_notice(self, raw: bytes, source: str, now: float) -> list[Output]:
+        try:
+            verified = verify_notice(raw, self._verifier.cache)
+            reporter = verified.notice.reporter
+            rep = self.state.peers.get(reporter)
+            if reporter != self.node_id and (rep is None or rep.status not in view.ACTIVE):
+                raise UnknownReporter(f"down notice from non-member {reporter[:8]}")
+        except MeshllmError as exc:
+            return [Rejected(source, exc)]
+        notice = verified.notice
+        if notice.subject == self.node_id:
+            if notice.subject_seq >= self.own.seq:  # refute: our new record outranks the notice
+                self._resign(now, above=notice.subject_seq)
+            return self._flood(Exchange([self.own_raw]), exclude=None)
+        events = self._apply(view.MarkDown(notice.subject, notice.subject_seq, raw, now), notice.subject)
+        if events:
+            events += self._flood(Notices([raw]), exclude=source)
+        return events
+
+    def _apply(self, update: view.Update, node: str | None) -> list[Output]:
+        old, self.state = self.state, view.apply(self.state, update)
+        return list(view.diff(old, self.state, None if node is None else [node]))
+
+    def _flood(self, message: MeshMessage, exclude: str | None) -> list[Output]:
+        return [Send(p, message) for p in sorted(self.connected) if p != exclude]

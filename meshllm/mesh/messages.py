@@ -1,0 +1,130 @@
+"""Wire messages of gossip and failure detection (msgspec tagged structs over msgpack).
+
+One tagged union, :data:`MeshMessage`, so one gossip stream (or datagram) can carry any of them and
+a decoder rejects anything else with a :class:`~meshllm.errors.DecodeError`. Records and down
+notices travel as their signed bytes, untouched, so a receiver verifies exactly what the origin
+signed, however many hops they crossed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+from nacl.signing import SigningKey
+
+from meshllm.errors import DecodeError, WrongDomain, WrongSigner
+from meshllm.identity.ids import node_public_key
+from meshllm.identity.signing import Signed, decode_signed, decode_struct, sign
+from meshllm.mesh.records import SignatureCache
+from meshllm.wire.frames import CONTROL_FRAME_MAX
+
+NOTICE_DOMAIN = "down-notice"
+NOTICE_MAX = 1024
+
+
+class Digest(msgspec.Struct, frozen=True, tag="digest"):
+    """Push-pull opener: the sequence of every record the sender holds (down/left ones included)."""
+
+    seqs: dict[str, int]
+
+
+class Exchange(msgspec.Struct, frozen=True, tag="exchange"):
+    """Records the receiver lacks, and the ids whose records the sender wants back.
+
+    An answer to a digest carries both; the answer to an exchange's ``want`` has an empty ``want``,
+    so a push-pull round is at most three messages and can never loop.
+    """
+
+    records: list[bytes]
+    want: list[str] = []
+
+
+class Notices(msgspec.Struct, frozen=True, tag="notices"):
+    """Signed down notices, flooded to connected peers once per (subject, sequence)."""
+
+    notices: list[bytes]
+
+
+class Ping(msgspec.Struct, frozen=True, tag="ping"):
+    """Direct liveness probe; answered by an :class:`Ack` with the same nonce."""
+
+    nonce: int
+
+
+class Ack(msgspec.Struct, frozen=True, tag="ack"):
+    """Answer to a :class:`Ping` (or, relayed, to a :class:`PingReq`)."""
+
+    nonce: int
+
+
+class PingReq(msgspec.Struct, frozen=True, tag="ping-req"):
+    """Ask the receiver to ping ``target`` for us and ack ``nonce`` if the target answers."""
+
+    nonce: int
+    target: str
+
+
+MeshMessage = Digest | Exchange | Notices | Ping | Ack | PingReq
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(MeshMessage)
+
+
+def encode_message(message: MeshMessage) -> bytes:
+    """msgpack bytes of one message (the frame codec adds the length prefix on streams)."""
+    return _encoder.encode(message)
+
+
+def decode_message(data: bytes) -> MeshMessage:
+    """Parse one message; every failure is a :class:`DecodeError`."""
+    if len(data) > CONTROL_FRAME_MAX:
+        raise DecodeError(f"mesh message of {len(data)} bytes exceeds the control frame cap")
+    try:
+        return _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, RecursionError) as exc:
+        raise DecodeError(f"malformed mesh message: {exc}") from exc
+
+
+class DownNotice(msgspec.Struct, frozen=True, array_like=True):
+    """A member's signed claim that ``subject`` stopped answering at sequence ``subject_seq``.
+
+    The sequence lets the subject refute: any record of it with a higher sequence outranks the
+    notice. The reporter's signature makes the claim attributable (Mesh-LLM's third-party claims
+    are not), so a misbehaving reporter can be identified and revoked.
+    """
+
+    subject: str
+    subject_seq: int
+    reporter: str
+    ts: float
+
+
+def sign_notice(key: SigningKey, notice: DownNotice) -> bytes:
+    """Signed wire bytes of a down notice we report."""
+    return msgspec.msgpack.encode(sign(key, NOTICE_DOMAIN, notice))
+
+
+@dataclass(frozen=True)
+class VerifiedNotice:
+    """A down notice whose reporter signature checked out."""
+
+    notice: DownNotice
+    raw: bytes
+
+
+def verify_notice(raw: bytes, cache: SignatureCache) -> VerifiedNotice:
+    """Decode and check a notice's signature against its reporter's node id.
+
+    Whether the reporter is a member in good standing is the caller's check (it holds the table).
+    """
+    if len(raw) > NOTICE_MAX:
+        raise DecodeError(f"down notice of {len(raw)} bytes exceeds {NOTICE_MAX}")
+    signed: Signed = decode_signed(raw, what="down notice")
+    if signed.domain != NOTICE_DOMAIN:
+        raise WrongDomain(f"expected a {NOTICE_DOMAIN!r} signature, got {signed.domain!r}")
+    notice = decode_struct(signed.body, DownNotice, what="down notice")
+    if signed.signer != node_public_key(notice.reporter):
+        raise WrongSigner(f"down notice claims reporter {notice.reporter[:8]} but another key signed it")
+    cache.check(signed, raw)
+    return VerifiedNotice(notice, raw)

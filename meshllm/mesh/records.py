@@ -1,0 +1,204 @@
+"""Peer records: what each node says about itself, signed by its own key.
+
+A record is the only source of truth about a node: every peer can verify any record it holds,
+whether it got it first-hand or through gossip, because the record carries its node's signature,
+its membership proof and its owner certificate. The sequence number orders versions; a node bumps it
+on every change and on a heartbeat, so "newer" is simply "higher sequence".
+
+Verification (:class:`RecordVerifier`) runs before anything is stored and raises one typed error per
+rule, so the caller can log why and leave its state untouched.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Literal
+
+import msgspec
+from nacl.signing import SigningKey
+
+from meshllm.errors import DecodeError, VerificationError, WrongDomain, WrongMesh, WrongSigner
+from meshllm.identity.ids import node_id as node_id_of
+from meshllm.identity.ids import node_public_key
+from meshllm.identity.signing import Signed, decode_signed, decode_struct, sign, verify_bytes
+
+RECORD_DOMAIN = "peer-record"
+RECORD_MAX = 64 * 1024
+"""Cap on a record's signed wire size: bounds what one peer can make every member store and resend."""
+
+Role = Literal["host", "worker", "client"]
+RecordState = Literal["alive", "leaving"]
+PathKind = Literal["direct", "punched", "relay"]
+
+
+class StaleRecord(VerificationError):
+    """The record is not newer than the version we hold (or than its down/leave tombstone)."""
+
+
+class RecordTooLarge(DecodeError):
+    """The record's signed encoding exceeds :data:`RECORD_MAX`."""
+
+
+class Addresses(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a node can be reached."""
+
+    listen: list[str] = []
+    """Addresses the node's UDP socket is bound to (``host:port``)."""
+    observed: list[str] = []
+    """Addresses peers saw it coming from (its public side of a NAT)."""
+    relay: list[str] = []
+    """Node ids of relays that forward to it."""
+
+
+class Capacity(msgspec.Struct, frozen=True, kw_only=True):
+    """What the node can hold and how fast it computes; the planner's input."""
+
+    ram_bytes: int = 0
+    vram_bytes: int = 0
+    cpu_cores: int = 0
+    gflops: float = 0.0
+    """Measured compute speed (a short matmul benchmark), not a datasheet figure."""
+
+
+class ServedModel(msgspec.Struct, frozen=True, kw_only=True):
+    """A model (or a layer range of one) that the node serves now."""
+
+    name: str
+    context: int
+    layer_start: int = 0
+    layer_end: int = 0
+    """Exclusive end of the served layer range; 0 with ``layer_start`` 0 means the whole model."""
+    engine: str = "llama.cpp"
+
+
+class Models(msgspec.Struct, frozen=True, kw_only=True):
+    """Served models and those on disk that could be loaded quickly."""
+
+    served: list[ServedModel] = []
+    available: list[str] = []
+
+
+class Load(msgspec.Struct, frozen=True, kw_only=True):
+    """Current work, for the router's load ordering."""
+
+    in_flight: int = 0
+    queue: int = 0
+    tok_s: float = 0.0
+
+
+class RttEntry(msgspec.Struct, frozen=True, array_like=True):
+    """Measured round trip from the record's node to one peer."""
+
+    rtt_ms: float
+    path: PathKind
+
+
+class PeerRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One node's signed self-description, gossiped to every member."""
+
+    node_id: str
+    mesh_id: str
+    seq: int
+    """Strictly increasing per node; bumped on every change and on heartbeat."""
+    membership_proof: bytes
+    owner_cert: bytes | None = None
+    name: str = ""
+    addresses: Addresses = Addresses()
+    role: Role = "host"
+    capacity: Capacity = Capacity()
+    models: Models = Models()
+    load: Load = Load()
+    rtt: dict[str, RttEntry] = {}
+    version: str = ""
+    state: RecordState = "alive"
+
+
+def sign_record(key: SigningKey, record: PeerRecord) -> bytes:
+    """Signed wire bytes of our own record; refuses what receivers would refuse."""
+    if node_id_of(bytes(key.verify_key)) != record.node_id:
+        raise WrongSigner("a peer record must be signed by the key its node id names")
+    raw = msgspec.msgpack.encode(sign(key, RECORD_DOMAIN, record))
+    if len(raw) > RECORD_MAX:
+        raise RecordTooLarge(f"peer record of {len(raw)} bytes exceeds the {RECORD_MAX}-byte cap")
+    return raw
+
+
+def decode_record(raw: bytes) -> tuple[Signed, PeerRecord]:
+    """Parse (not verify) a record: size cap, container, body. Raises only :class:`DecodeError`s."""
+    if not isinstance(raw, bytes | bytearray | memoryview):
+        raise DecodeError("a peer record must be bytes")
+    if len(raw) > RECORD_MAX:
+        raise RecordTooLarge(f"peer record of {len(raw)} bytes exceeds the {RECORD_MAX}-byte cap")
+    signed = decode_signed(bytes(raw), what="peer record")
+    return signed, decode_struct(signed.body, PeerRecord, what="peer record")
+
+
+class SignatureCache:
+    """Remembers signed bytes that verified, so identical bytes are checked once.
+
+    Gossip hands the same record to a node several times (from several peers); Ed25519 verification
+    is the dominant cost of accepting one. Only successes are cached, keyed by the exact bytes
+    (signer, body and signature), so a cache hit proves the same check passed before.
+    """
+
+    def __init__(self, size: int = 8192) -> None:
+        self._size = size
+        self._ok: OrderedDict[bytes, None] = OrderedDict()
+
+    def check(self, signed: Signed, raw: bytes) -> None:
+        """Raise :class:`~meshllm.errors.BadSignature` unless ``signed`` verifies (or did before)."""
+        if raw in self._ok:
+            self._ok.move_to_end(raw)
+            return
+        verify_bytes(signed.signer, signed.domain, signed.body, signed.sig)
+        self._ok[raw] = None
+        if len(self._ok) > self._size:
+            self._ok.popitem(last=False)
+
+
+CheckMember = Callable[[str, bytes, float], None]
+"""``check_member(node_id, proof, now)``: raise a VerificationError unless the proof admits the node."""
+CheckTrust = Callable[[str, "bytes | None", float], None]
+"""``check_trust(node_id, owner_cert, now)``: raise a VerificationError unless local policy accepts it."""
+HeldSeq = Callable[[str], "int | None"]
+"""The sequence held for a node id (tombstones included), or None: the staleness bar."""
+
+
+class RecordVerifier:
+    """Every check a record must pass before it is stored, in cheapest-first order.
+
+    Staleness is checked before the signer and the signature: gossip delivers many copies of
+    versions we already hold, and rejecting them should cost no more than a decode. Membership
+    and trust callbacks come from ``mesh.admission`` and ``identity.trust``; this module never
+    imports them (they sit beside it, not below it).
+    """
+
+    def __init__(
+        self,
+        mesh_id: str,
+        check_member: CheckMember,
+        check_trust: CheckTrust,
+        cache: SignatureCache | None = None,
+    ) -> None:
+        self.mesh_id = mesh_id
+        self._check_member = check_member
+        self._check_trust = check_trust
+        self.cache = cache if cache is not None else SignatureCache()
+
+    def verify(self, raw: bytes, now: float, held: HeldSeq | None = None) -> PeerRecord:
+        """The verified record in ``raw``; ``held(node_id)`` is the sequence we already hold, if any."""
+        signed, record = decode_record(raw)
+        held_seq = None if held is None else held(record.node_id)
+        if signed.domain != RECORD_DOMAIN:
+            raise WrongDomain(f"expected a {RECORD_DOMAIN!r} signature, got {signed.domain!r}")
+        if held_seq is not None and record.seq <= held_seq:
+            raise StaleRecord(f"record {record.node_id[:8]} seq {record.seq} is not newer than {held_seq}")
+        if signed.signer != node_public_key(record.node_id):
+            raise WrongSigner(f"record for {record.node_id[:8]} is signed by another key")
+        self.cache.check(signed, bytes(raw))
+        if record.mesh_id != self.mesh_id:
+            raise WrongMesh(f"record {record.node_id[:8]} belongs to mesh {record.mesh_id[:12]!r}")
+        self._check_member(record.node_id, record.membership_proof, now)
+        self._check_trust(record.node_id, record.owner_cert, now)
+        return record

@@ -1,0 +1,318 @@
+"""The mesh service: the asyncio driver that runs gossip and failure detection over QUIC.
+
+The protocol logic lives in sans-IO cores (:mod:`.gossip`, :mod:`.failure`, :mod:`.admission`);
+this module only moves their messages over the endpoint's ``gossip`` streams, feeds them the
+clock and the transport's peer events, keeps connections to the peers the gossip core wants,
+and reports what changed through an ``on_event(type, **fields)`` callback (the node turns those
+into log lines and ``/api/events``). Each gossip message travels on a stream of its own: QUIC
+streams are cheap, and a lost or slow one never holds up another.
+
+Admission of a connecting peer (see docs/architecture.md): a peer we accept that is not yet a
+known member must hold a live invite (:meth:`AdmissionState.admit`); a member we already know, and
+any peer we dial, is checked with :meth:`AdmissionState.verify_member`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from meshllm.errors import MeshllmError
+from meshllm.identity.keys import NodeKey
+from meshllm.mesh.failure import FailureDetector, Probe
+from meshllm.mesh.gossip import Gossip, Rejected, Send
+from meshllm.mesh.membership import Membership
+from meshllm.mesh.messages import MeshMessage
+from meshllm.mesh.records import Addresses, CheckTrust, PeerRecord, RecordVerifier
+from meshllm.mesh.view import PeerAdded, PeerRemoved, PeerStatus, RecordUpdated, ViewEvent
+from meshllm.net.backoff import Backoff
+from meshllm.net.endpoint import Endpoint, EndpointOptions
+from meshllm.net.errors import AdmissionRefused, ConnectError
+from meshllm.net.events import PeerEvent, PeerEventKind
+from meshllm.wire.addr import format_addr, parse_addr
+
+log = logging.getLogger(__name__)
+
+GOSSIP_STREAM = "gossip"
+TICK_MAX_S = 0.1
+"""Longest sleep between core ticks: bounds how late a timer fires."""
+SEND_TIMEOUT_S = 2.0
+DIAL_TIMEOUT_S = 3.0
+BOOTSTRAP_DEADLINE_S = 15.0
+
+OnEvent = Callable[..., None]
+
+
+class MeshService:
+    """One node's membership in a mesh: endpoint, gossip, failure detection, connections."""
+
+    def __init__(
+        self,
+        key: NodeKey,
+        membership: Membership,
+        record: PeerRecord,
+        *,
+        check_trust: CheckTrust,
+        on_event: OnEvent,
+        host: str = "0.0.0.0",
+        port: int = 0,
+        announce: list[str] | None = None,
+        endpoint_options: EndpointOptions | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.key = key
+        self.membership = membership
+        self.admission = membership.admission()
+        self.verifier = RecordVerifier(membership.mesh_id, self.admission.verify_member, check_trust)
+        self._record_template = record
+        self._on_event = on_event
+        self._host, self._port = host, port
+        self._announce = list(announce or [])
+        self._endpoint_options = endpoint_options
+        self._rng = rng or random.Random()
+        self.endpoint: Endpoint | None = None
+        self.gossip: Gossip | None = None
+        self.detector = FailureDetector(self._rng, time.time())
+        self._dialing: dict[str, asyncio.Task[None]] = {}
+        self._backoff: dict[str, tuple[Backoff, float]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._runner: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._stopping = False
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Bind the endpoint, start the cores, and (when joining) reach a bootstrap member."""
+        self.endpoint = await Endpoint.create(
+            self.key.signing_key, self._host, self._port,
+            admit=self._admit, local_proof=lambda: self.membership.proof, options=self._endpoint_options,
+        )
+        self.endpoint.on_stream(GOSSIP_STREAM, self._serve_gossip)
+        self.endpoint.on_peer_event(self._on_peer_event)
+        record = msgspec.structs.replace(
+            self._record_template, addresses=Addresses(listen=self.listen_addrs()),
+            seq=max(self._record_template.seq, int(time.time() * 1000)),
+        )
+        self.gossip = Gossip(self.key.signing_key, record, self.verifier, self._rng, time.time())
+        self._runner = asyncio.create_task(self._run(), name="mesh-service")
+        if self.membership.bootstrap:
+            await self._bootstrap(self.membership.bootstrap)
+
+    def listen_addrs(self) -> list[str]:
+        """Addresses peers can dial us at: announced ones, else the bound address (if specific)."""
+        assert self.endpoint is not None
+        if self._announce:
+            return list(self._announce)
+        host, port = self.endpoint.local_addr[:2]
+        if host in ("0.0.0.0", "::"):
+            host = "127.0.0.1"
+        return [format_addr((host, port))]
+
+    async def stop(self, graceful: bool = True) -> None:
+        """Leave the mesh: send a signed ``leaving`` record to connected peers, then close."""
+        self._stopping = True
+        if graceful and self.gossip is not None and self.endpoint is not None:
+            sends = [o for o in self.gossip.leave(time.time()) if isinstance(o, Send)]
+            await asyncio.wait_for(
+                asyncio.gather(*(self._send(s.to, s.message) for s in sends), return_exceptions=True),
+                timeout=1.0,
+            )
+        for task in [self._runner, *self._dialing.values(), *self._tasks]:
+            if task is not None:
+                task.cancel()
+        if self.endpoint is not None:
+            await self.endpoint.close()
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    @property
+    def node_id(self) -> str:
+        return self.key.node_id
+
+    def update_own(self, **changes: Any) -> None:
+        """Change fields of our record (models, load, ...); gossip spreads the new version."""
+        assert self.gossip is not None
+        self.gossip.update_own(time.time(), **changes)
+        self._wake.set()
+
+    # -- admission ---------------------------------------------------------------------------------
+
+    def _admit(self, peer_id: str, proof: bytes, dialer: bool) -> None:
+        now = time.time()
+        known = self.gossip is not None and peer_id in self.gossip.members()
+        if dialer or known:
+            self.admission.verify_member(peer_id, proof, now)
+        else:
+            self.admission.admit(peer_id, proof, now)
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        assert self.gossip is not None
+        while True:
+            now = time.time()
+            try:
+                self._handle(self.gossip.tick(now))
+                connected = sorted(self.gossip.connected)
+                self._handle(self.gossip.on_detector(
+                    [e for e in self._probe(self.detector.tick(now, connected))], now))
+                self._observe_rtts(now)
+                self._maintain_connections(now)
+            except Exception:
+                log.exception("mesh service tick failed")
+            wait = max(0.0, min(self.gossip.next_timer(), self.detector.next_timer()) - time.time())
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=min(wait, TICK_MAX_S))
+
+    def _probe(self, outputs: list[Any]) -> list[Any]:
+        """Send the detector's probes; return its verdicts for the gossip core."""
+        verdicts = []
+        for out in outputs:
+            if isinstance(out, Probe):
+                self._spawn(self._send(out.to, out.message))
+            else:
+                verdicts.append(out)
+        return verdicts
+
+    def _handle(self, outputs: list[Any]) -> None:
+        for out in outputs:
+            if isinstance(out, Send):
+                self._spawn(self._send(out.to, out.message))
+            elif isinstance(out, Rejected):
+                log.warning("dropped gossip from %s: %s: %s", out.source[:8], type(out.error).__name__, out.error)
+                self._on_event("record_rejected", source=out.source, error=type(out.error).__name__,
+                               reason=str(out.error))
+            else:
+                self._report(out)
+
+    def _report(self, event: ViewEvent) -> None:
+        if isinstance(event, PeerAdded):
+            self._on_event("peer_joined", node_id=event.node_id, name=event.record.name)
+        elif isinstance(event, PeerRemoved):
+            self.detector.forget(event.node_id)
+            self._close_peer(event.node_id, f"peer is {event.reason}")
+            self._on_event("peer_left", node_id=event.node_id, reason=event.reason)
+        elif isinstance(event, PeerStatus):
+            self._on_event("peer_state", node_id=event.node_id, state=event.status)
+        elif isinstance(event, RecordUpdated):
+            self._on_event("record_updated", node_id=event.node_id, seq=event.record.seq)
+
+    def _observe_rtts(self, now: float) -> None:
+        assert self.gossip is not None and self.endpoint is not None
+        for peer_id, conn in list(self.endpoint.peers.items()):
+            if conn.rtt_ms is not None:
+                self.gossip.observe_rtt(peer_id, conn.rtt_ms, "direct", now)
+
+    # -- connections -------------------------------------------------------------------------------
+
+    def _maintain_connections(self, now: float) -> None:
+        assert self.gossip is not None and self.endpoint is not None
+        if self._stopping:
+            return
+        members = self.gossip.members()
+        for peer_id in self.gossip.desired_connections(now):
+            if peer_id in self.endpoint.peers or peer_id in self._dialing:
+                continue
+            _, not_before = self._backoff.get(peer_id, (None, 0.0))
+            if now < not_before:
+                continue
+            record = members.get(peer_id)
+            if record is None or not (record.addresses.listen or record.addresses.observed):
+                continue
+            addrs = [*record.addresses.listen, *record.addresses.observed]
+            self._dialing[peer_id] = asyncio.create_task(self._dial_member(peer_id, addrs))
+
+    async def _dial_member(self, peer_id: str, addrs: list[str]) -> None:
+        assert self.endpoint is not None
+        try:
+            for text in addrs:
+                try:
+                    await self.endpoint.connect(parse_addr(text), expected_node_id=peer_id, timeout=DIAL_TIMEOUT_S)
+                    self._backoff.pop(peer_id, None)
+                    return
+                except MeshllmError as exc:
+                    log.debug("dial %s at %s failed: %s", peer_id[:8], text, exc)
+            backoff, _ = self._backoff.get(peer_id, (Backoff(), 0.0))
+            self._backoff[peer_id] = (backoff, time.time() + backoff.next_delay())
+        finally:
+            self._dialing.pop(peer_id, None)
+
+    async def _bootstrap(self, addrs: list[str]) -> None:
+        """Reach at least one member; a refusal is final, silence is retried until the deadline."""
+        assert self.endpoint is not None
+        deadline = time.monotonic() + BOOTSTRAP_DEADLINE_S
+        backoff = Backoff()
+        errors: list[str] = []
+        while time.monotonic() < deadline:
+            for text in addrs:
+                try:
+                    await self.endpoint.connect(parse_addr(text), timeout=DIAL_TIMEOUT_S)
+                    return
+                except AdmissionRefused:
+                    raise
+                except (ConnectError, MeshllmError, OSError) as exc:
+                    errors.append(f"{text}: {exc}")
+            await asyncio.sleep(min(backoff.next_delay(), max(0.0, deadline - time.monotonic())))
+        raise ConnectError(
+            f"could not reach any member of {self.membership.mesh_id} at {', '.join(addrs)}",
+            hint="check that a member is running and reachable at the invite's addresses "
+                 f"(last error: {errors[-1] if errors else 'none'})",
+        )
+
+    def _close_peer(self, peer_id: str, reason: str) -> None:
+        assert self.endpoint is not None
+        conn = self.endpoint.peers.get(peer_id)
+        if conn is not None:
+            conn.close(reason)
+
+    def _on_peer_event(self, event: PeerEvent) -> None:
+        assert self.gossip is not None
+        now = time.time()
+        if event.kind is PeerEventKind.CONNECTED:
+            self.gossip.peer_connected(event.node_id)
+            self._handle(self.gossip.greet(event.node_id))
+        elif event.kind is PeerEventKind.SUSPECT:
+            self._handle(self.gossip.on_detector(self._probe(self.detector.suspect(event.node_id, now)), now))
+        elif event.kind is PeerEventKind.ALIVE:
+            self._handle(self.gossip.on_detector(self._probe(self.detector.alive(event.node_id)), now))
+        elif event.kind is PeerEventKind.CLOSED:
+            self.gossip.peer_disconnected(event.node_id)
+            self.detector.forget(event.node_id)
+        self._wake.set()
+
+    # -- messages ----------------------------------------------------------------------------------
+
+    async def _send(self, to: str, message: MeshMessage) -> None:
+        assert self.endpoint is not None
+        conn = self.endpoint.peers.get(to)
+        if conn is None:
+            return
+        try:
+            stream = await conn.open_stream(GOSSIP_STREAM)
+            await stream.send(message, timeout=SEND_TIMEOUT_S)
+            stream.close()
+        except MeshllmError as exc:
+            log.debug("gossip send to %s failed: %s", to[:8], exc)
+
+    async def _serve_gossip(self, stream: Any, conn: Any) -> None:
+        assert self.gossip is not None
+        while (message := await stream.recv(MeshMessage, timeout=SEND_TIMEOUT_S)) is not None:
+            now = time.time()
+            source = conn.node_id
+            self._handle(self.gossip.receive(source, message, now))
+            self._handle(self.gossip.on_detector(self._probe(self.detector.receive(source, message, now)), now))
+        self._wake.set()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

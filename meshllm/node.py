@@ -1,0 +1,223 @@
+"""The composition root: builds one node's parts, starts them in order, stops them in reverse.
+
+A node is: its key and mesh membership, the mesh service (QUIC endpoint, gossip, failure
+detection), the engines of the models it serves, and the HTTP API (OpenAI routes, status, events)
+served by uvicorn inside the node's own event loop. Everything a user sees about the node's life
+goes through :class:`~meshllm.api.events.EventHub`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import uvicorn
+
+from meshllm import __version__
+from meshllm.api.app import create_app
+from meshllm.api.events import EventHub
+from meshllm.api.serving import Serving
+from meshllm.api.status import status_router
+from meshllm.config import NODE_CERT_FILE, ensure_home, resolve_home
+from meshllm.engine.capacity import measure_capacity
+from meshllm.errors import ConfigError
+from meshllm.identity.keys import NodeKey
+from meshllm.identity.trust import TrustStore
+from meshllm.mesh.membership import Membership, join_mesh, own_mesh
+from meshllm.mesh.records import PeerRecord
+from meshllm.mesh.service import MeshService
+
+log = logging.getLogger(__name__)
+
+Role = Literal["host", "worker", "client"]
+SERVE_INVITE_TTL_S = 24 * 3600.0
+
+
+@dataclass
+class NodeOptions:
+    """Everything ``meshllm serve`` can set."""
+
+    home: Path | None = None
+    name: str = ""
+    api_host: str = "127.0.0.1"
+    api_port: int = 9337
+    mesh_host: str = "0.0.0.0"
+    mesh_port: int = 9338
+    announce: list[str] = field(default_factory=list)
+    join: str | None = None
+    """Invite token to join with; ``None`` owns (creates or reuses) the mesh in ``home``."""
+    bootstrap: list[str] = field(default_factory=list)
+    """Members to dial instead of the invite's addresses."""
+    ephemeral: bool = False
+    role: Role = "host"
+    models: list[str] = field(default_factory=lambda: ["default"])
+    engine: str = "llama"
+
+
+class Node:
+    """One running meshllm node."""
+
+    def __init__(self, options: NodeOptions, events: EventHub | None = None) -> None:
+        self.options = options
+        self.events = events or EventHub()
+        self.home = ensure_home(resolve_home(options.home))
+        self.key = NodeKey.ephemeral() if options.ephemeral else NodeKey.load_or_create(self.home)
+        self.name = options.name or self.key.node_id[:8]
+        self.started_at = time.time()
+        self.membership: Membership | None = None
+        self.mesh: MeshService | None = None
+        self.serving: Serving | None = None
+        self.api_url = ""
+        self.invite: str | None = None
+        """The invite printed at start (owner only)."""
+        self._server: uvicorn.Server | None = None
+        self._server_task: asyncio.Task[None] | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Join or own the mesh, load models, open the API; then publish ``ready``."""
+        opts = self.options
+        now = time.time()
+        if opts.join:
+            self.membership = join_mesh(self.key.signing_key, opts.join, now)
+        else:
+            self.membership = own_mesh(self.key.signing_key, self.home, now)
+        if opts.bootstrap:
+            self.membership.bootstrap = list(opts.bootstrap)
+        trust = TrustStore.load(self.home)
+        record = PeerRecord(
+            node_id=self.key.node_id, mesh_id=self.membership.mesh_id, seq=0,
+            membership_proof=self.membership.proof, owner_cert=self._owner_cert(), name=self.name,
+            role=opts.role, capacity=await asyncio.to_thread(measure_capacity), version=__version__,
+        )
+        self.mesh = MeshService(
+            self.key, self.membership, record,
+            check_trust=lambda node, cert, at: _check(trust.evaluate(node, cert, at)),
+            on_event=self.events.publish, host=opts.mesh_host, port=opts.mesh_port, announce=opts.announce,
+        )
+        await self.mesh.start()
+        self.serving = Serving(self.key.node_id, self.mesh, self.events)
+        await self._start_api()
+        self.events.publish("mesh_ready", mesh_id=self.membership.mesh_id, mesh_addr=self.mesh_addr)
+        await self.serving.load_models(opts.models if opts.role == "host" else [], engine=opts.engine)
+        self.invite = self._ready_invite()
+        self.events.publish(
+            "ready", api_url=self.api_url, node_id=self.key.node_id, mesh_id=self.membership.mesh_id,
+            mesh_addr=self.mesh_addr, name=self.name, role=opts.role, invite=self.invite,
+        )
+
+    async def stop(self) -> None:
+        """Leave the mesh gracefully and release everything, in reverse order of start."""
+        self.events.publish("stopping", node_id=self.key.node_id)
+        if self._server is not None:
+            self._server.should_exit = True
+        if self.mesh is not None:
+            await self.mesh.stop(graceful=True)
+        if self.serving is not None:
+            await self.serving.close()
+        if self._server_task is not None:
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                await asyncio.wait_for(self._server_task, timeout=3.0)
+
+    # -- the API --------------------------------------------------------------------------------
+
+    async def _start_api(self) -> None:
+        assert self.serving is not None
+        app = create_app(self.serving.backend)
+        app.include_router(status_router(self))
+        config = uvicorn.Config(app, host=self.options.api_host, port=self.options.api_port,
+                                log_level="warning", lifespan="off", access_log=False)
+        self._server = _EmbeddedServer(config)
+        self._server_task = asyncio.create_task(self._server.serve(), name="http-api")
+        deadline = time.monotonic() + 10.0
+        while not self._server.started:
+            if self._server_task.done() or time.monotonic() > deadline:
+                raise ConfigError(
+                    f"could not open the HTTP API on {self.options.api_host}:{self.options.api_port}",
+                    hint="is another node running? pick another port with --port (0 picks a free one)",
+                )
+            await asyncio.sleep(0.02)
+        host, port = self._server.servers[0].sockets[0].getsockname()[:2]
+        self.api_url = f"http://{host}:{port}"
+
+    # -- StatusSource -----------------------------------------------------------------------------
+
+    @property
+    def mesh_addr(self) -> str:
+        assert self.mesh is not None
+        return self.mesh.listen_addrs()[0]
+
+    def create_invite(self, ttl_s: float, max_uses: int) -> str:
+        """A fresh invite token naming this node as the bootstrap member."""
+        assert self.membership is not None and self.mesh is not None
+        return self.membership.new_invite(time.time(), ttl_s, max_uses, self.mesh.listen_addrs())
+
+    def _ready_invite(self) -> str | None:
+        """The owner prints a 24 h multi-use invite at start; other members cannot sign one."""
+        assert self.membership is not None
+        if self.membership.mesh_key is None:
+            return None
+        return self.create_invite(SERVE_INVITE_TTL_S, 0)
+
+    def _owner_cert(self) -> bytes | None:
+        path = self.home / NODE_CERT_FILE
+        return path.read_bytes() if path.exists() and not self.options.ephemeral else None
+
+    def status(self) -> dict[str, Any]:
+        """The ``/api/status`` snapshot (schema in docs/api.md)."""
+        assert self.mesh is not None and self.mesh.gossip is not None and self.serving is not None
+        gossip, endpoint = self.mesh.gossip, self.mesh.endpoint
+        assert endpoint is not None
+        peers = []
+        for node_id, entry in sorted(gossip.state.peers.items(), key=lambda kv: kv[1].record.name):
+            rec = entry.record
+            conn = endpoint.peers.get(node_id)
+            rtt = conn.rtt_ms if conn is not None else None
+            if rtt is None and node_id in gossip.own.rtt:
+                rtt = gossip.own.rtt[node_id].rtt_ms
+            peers.append({
+                "node_id": node_id, "name": rec.name, "state": entry.status, "role": rec.role,
+                "path": "direct" if conn is not None else "none",
+                "rtt_ms": None if rtt is None else round(rtt, 3),
+                "models": [_model_json(m) for m in rec.models.served],
+                "capacity": {"ram_bytes": rec.capacity.ram_bytes, "vram_bytes": rec.capacity.vram_bytes,
+                             "cpu_cores": rec.capacity.cpu_cores, "gflops": rec.capacity.gflops},
+                "load": {"in_flight": rec.load.in_flight, "queue": rec.load.queue, "tok_s": rec.load.tok_s},
+                "addr": (rec.addresses.listen or [""])[0], "seq": rec.seq,
+            })
+        own = gossip.own
+        return {
+            "node_id": self.key.node_id, "name": self.name, "mesh_id": own.mesh_id, "version": __version__,
+            "role": own.role, "api_url": self.api_url, "mesh_addr": self.mesh_addr,
+            "uptime_s": round(time.time() - self.started_at, 1),
+            "models": [_model_json(m) for m in own.models.served],
+            "peers": peers,
+            "rtt_matrix": {a: {b: round(ms, 3) for b, ms in row.items()} for a, row in gossip.rtt_matrix().items()},
+            "splits": [],
+            "requests": self.serving.request_counters(),
+        }
+
+
+def _check(_decision: object) -> None:
+    """Adapts ``TrustStore.evaluate`` (returns a decision or raises) to a check that only raises."""
+
+
+def _model_json(model: Any) -> dict[str, Any]:
+    end = model.layer_end or None
+    return {"name": model.name, "engine": model.engine, "context": model.context,
+            "layers": [model.layer_start, end] if end else None}
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn inside our loop: the node, not uvicorn, owns SIGINT/SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield

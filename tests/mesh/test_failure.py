@@ -1,0 +1,95 @@
+"""SWIM failure detector: probe, indirect probe, suspicion, external signals; kill detection in sim."""
+
+from __future__ import annotations
+
+import random
+
+from sim import SimNet
+
+from meshllm.mesh import view
+from meshllm.mesh.failure import Failed, FailureDetector, Probe, Recovered, Suspected
+from meshllm.mesh.messages import Ack, Ping, PingReq
+
+PEERS = ["p1", "p2", "p3", "p4"]
+
+
+def detector() -> FailureDetector:
+    return FailureDetector(random.Random(1), now=0.0)
+
+
+def pings(out: list) -> dict[str, int]:
+    return {o.to: o.message.nonce for o in out if isinstance(o, Probe) and isinstance(o.message, Ping)}
+
+
+def test_answered_probe_raises_nothing() -> None:
+    fd = detector()
+    sent = pings(fd.tick(0.0, PEERS))
+    assert set(sent) == set(PEERS)
+    for peer, nonce in sent.items():
+        assert fd.receive(peer, Ack(nonce), 0.1) == []
+    assert not [o for o in fd.tick(1.0, PEERS) if not isinstance(o, Probe)]
+
+
+def test_silent_peer_goes_indirect_then_suspect_then_failed() -> None:
+    fd = detector()
+    sent = pings(fd.tick(0.0, PEERS))
+    for peer in PEERS[1:]:
+        fd.receive(peer, Ack(sent[peer]), 0.05)
+    out = fd.tick(0.3, PEERS)
+    reqs = [o for o in out if isinstance(o.message, PingReq)]
+    assert len(reqs) == 2 and {r.message.target for r in reqs} == {"p1"}
+    assert "p1" not in {r.to for r in reqs}
+    assert pings(out) == {"p1": sent["p1"]}  # a second direct try
+    assert Suspected("p1") in fd.tick(0.7, ["p1"])
+    assert fd.next_timer() <= 0.7 + fd.config.suspicion_timeout
+    assert Failed("p1") in fd.tick(2.2, [])
+    assert fd.suspects == frozenset()
+
+
+def test_indirect_ack_clears_the_probe() -> None:
+    fd = detector()
+    sent = pings(fd.tick(0.0, PEERS))
+    fd.tick(0.3, PEERS)
+    assert fd.receive("p2", Ack(sent["p1"]), 0.4) == []  # relayed by a helper
+    assert Suspected("p1") not in fd.tick(0.8, PEERS)
+
+
+def test_relays_ping_req_and_forwards_the_ack() -> None:
+    fd = detector()
+    (probe,) = fd.receive("asker", PingReq(77, "target"), 0.0)
+    assert probe.to == "target" and isinstance(probe.message, Ping)
+    assert fd.receive("target", Ack(probe.message.nonce), 0.1) == [Probe("asker", Ack(77))]
+
+
+def test_answers_pings() -> None:
+    assert detector().receive("p1", Ping(5), 0.0) == [Probe("p1", Ack(5))]
+
+
+def test_external_signals_and_recovery() -> None:
+    fd = detector()
+    assert fd.suspect("p3", 1.0) == [Suspected("p3")]
+    assert fd.suspect("p3", 1.2) == []
+    assert fd.alive("p3") == [Recovered("p3")]
+    fd.suspect("p4", 2.0)
+    assert fd.receive("p4", Ping(1), 2.1)[0] == Recovered("p4")  # any message proves life
+    fd.suspect("p2", 3.0)
+    assert Failed("p2") in fd.tick(4.5, [])
+
+
+def test_killed_node_leaves_every_view_within_five_seconds() -> None:
+    net = SimNet(30, seed=9, loss=0.02, preseed=True)
+    net.run_until(3.0)
+    victim = net.ids[5]
+    removed: dict[str, float] = {}
+    net.observers.append(
+        lambda node, ev: removed.setdefault(node.id, net.now)
+        if isinstance(ev, view.PeerRemoved) and ev.node_id == victim
+        else None
+    )
+    killed_at = net.now
+    net.kill(victim)
+    net.run_until(killed_at + 5.0)
+    assert set(removed) == {n.id for n in net.live()}
+    assert max(removed.values()) - killed_at < 5.0
+    for node in net.live():
+        assert node.gossip.state.peers[victim].status == "down"

@@ -1,0 +1,127 @@
+"""Run real meshllm nodes as subprocesses through the CLI, for integration tests and benchmarks.
+
+Each node logs JSON lines on stdout; a reader thread collects them so tests can wait for events
+(``ready``, ``peer_joined``, ...) with deadlines. Nodes bind only to 127.0.0.1, on free ports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+Event = dict[str, Any]
+
+
+class NodeProcess:
+    """One ``meshllm serve`` subprocess."""
+
+    def __init__(self, home: Path, args: list[str], name: str) -> None:
+        self.home = home
+        self.name = name
+        cmd = [sys.executable, "-m", "meshllm", "serve", "--home", str(home), "--name", name, "--port", "0",
+               "--mesh-port", "0", "--mesh-host", "127.0.0.1", "--log-format", "json", *args]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self.events: list[Event] = []
+        self._queue: queue.Queue[Event] = queue.Queue()
+        self.stderr: list[str] = []
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+        threading.Thread(target=self._read_stderr, daemon=True).start()
+        self.ready: Event = {}
+
+    def _read_stdout(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            self.events.append(event)
+            self._queue.put(event)
+
+    def _read_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+
+    def wait_event(self, predicate: Callable[[Event], bool], timeout: float) -> Event:
+        """The first event (past or future) matching ``predicate``; AssertionError after ``timeout``."""
+        for event in list(self.events):
+            if predicate(event):
+                return event
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                event = self._queue.get(timeout=min(left, 0.1))
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            if predicate(event):
+                return event
+        raise AssertionError(f"node {self.name}: no matching event within {timeout} s "
+                             f"(exit code {self.proc.poll()}); stderr tail: {''.join(self.stderr[-20:])}")
+
+    def wait_ready(self, timeout: float = 60.0) -> Event:
+        self.ready = self.wait_event(lambda e: e["type"] == "ready", timeout)
+        return self.ready
+
+    @property
+    def api(self) -> str:
+        return self.ready["api_url"]
+
+    @property
+    def node_id(self) -> str:
+        return self.ready["node_id"]
+
+    @property
+    def mesh_addr(self) -> str:
+        return self.ready["mesh_addr"]
+
+    def status(self, timeout: float = 5.0) -> dict[str, Any]:
+        return httpx.get(self.api + "/api/status", timeout=timeout).json()
+
+    def terminate(self, timeout: float = 10.0) -> int:
+        """SIGTERM (a graceful leave) and wait."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL: the node vanishes without a word."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+@contextmanager
+def running_nodes() -> Iterator[list[NodeProcess]]:
+    """A list to append started nodes to; every one is killed on exit."""
+    nodes: list[NodeProcess] = []
+    try:
+        yield nodes
+    finally:
+        for node in nodes:
+            node.kill()
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> float:
+    """Seconds until ``predicate()`` held; AssertionError after ``timeout``."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if predicate():
+            return time.monotonic() - start
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout} s")
