@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -115,7 +116,8 @@ class Node:
 
     async def stop(self) -> None:
         """Leave the mesh gracefully and release everything, in reverse order of start."""
-        self.events.publish("stopping", node_id=self.key.node_id)
+        if self.mesh is not None:
+            self.events.publish("stopping", node_id=self.key.node_id)
         if self._server is not None:
             self._server.should_exit = True
         if self.mesh is not None:
@@ -132,20 +134,17 @@ class Node:
         assert self.serving is not None
         app = create_app(self.serving.backend)
         app.include_router(status_router(self))
-        config = uvicorn.Config(app, host=self.options.api_host, port=self.options.api_port,
-                                log_level="warning", lifespan="off", access_log=False)
+        sock = _bind_api_socket(self.options.api_host, self.options.api_port)
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
         self._server = _EmbeddedServer(config)
-        self._server_task = asyncio.create_task(self._server.serve(), name="http-api")
+        self._server_task = asyncio.create_task(self._server.serve(sockets=[sock]), name="http-api")
         deadline = time.monotonic() + 10.0
         while not self._server.started:
             if self._server_task.done() or time.monotonic() > deadline:
-                raise ConfigError(
-                    f"could not open the HTTP API on {self.options.api_host}:{self.options.api_port}",
-                    hint="is another node running? pick another port with --port (0 picks a free one)",
-                )
+                raise ConfigError(f"the HTTP API did not start on {self.options.api_host}:{self.options.api_port}")
             await asyncio.sleep(0.02)
-        host, port = self._server.servers[0].sockets[0].getsockname()[:2]
-        self.api_url = f"http://{host}:{port}"
+        host, port = sock.getsockname()[:2]
+        self.api_url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     # -- StatusSource -----------------------------------------------------------------------------
 
@@ -213,6 +212,22 @@ def _model_json(model: Any) -> dict[str, Any]:
     end = model.layer_end or None
     return {"name": model.name, "engine": model.engine, "context": model.context,
             "layers": [model.layer_start, end] if end else None}
+
+
+def _bind_api_socket(host: str, port: int) -> socket.socket:
+    """Bind the API's listening socket ourselves, so a busy port is a clear error, not uvicorn's exit."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot open the HTTP API on {host}:{port}: {exc.strerror}",
+                          hint="is another node running there? pick another port with --port (0 picks a free one)") \
+            from None
+    sock.set_inheritable(True)
+    return sock
 
 
 class _EmbeddedServer(uvicorn.Server):

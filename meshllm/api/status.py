@@ -16,7 +16,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
-from meshllm.api.errors import error_response
+from meshllm.api.errors import error_body
 from meshllm.api.events import EventHub
 from meshllm.errors import MeshllmError
 
@@ -61,8 +61,9 @@ def status_router(node: StatusSource) -> APIRouter:
     def post_invite(body: InviteRequest) -> dict[str, str] | JSONResponse:
         try:
             return {"token": node.create_invite(body.ttl_s, body.max_uses)}
-        except MeshllmError as exc:
-            return error_response(exc)
+        except MeshllmError as exc:  # this node does not hold the mesh key
+            message = f"{exc} ({exc.hint})" if exc.hint else str(exc)
+            return JSONResponse(error_body(message, "invalid_request_error", "not_mesh_owner"), status_code=409)
 
     return router
 

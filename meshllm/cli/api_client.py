@@ -61,9 +61,19 @@ def _check(api: str, path: str, response: httpx.Response) -> None:
 
 def get_json(api: str, path: str, timeout: float = 5.0) -> Any:
     """GET ``api + path`` and decode its JSON body, mapping every failure to a meshllm error."""
+    return request_json(api, path, timeout=timeout)
+
+
+def post_json(api: str, path: str, body: Any, timeout: float = 5.0) -> Any:
+    """POST ``body`` as JSON to ``api + path`` and decode the JSON answer (errors as in :func:`get_json`)."""
+    return request_json(api, path, method="POST", body=body, timeout=timeout)
+
+
+def request_json(api: str, path: str, *, method: str = "GET", body: Any = None, timeout: float = 5.0) -> Any:
+    """One JSON request to a node's API; every failure becomes a meshllm error naming what to do."""
     try:
         with _client(httpx.Timeout(timeout)) as client:
-            response = client.get(api + path)
+            response = client.request(method, api + path, json=body)
     except (httpx.ConnectError, httpx.ConnectTimeout):
         raise unreachable(api) from None
     except httpx.TimeoutException:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from meshllm.cli.api_client import post_json
 from meshllm.cli.common import echo_json, home_dir, home_option, json_option, parse_duration
 from meshllm.errors import ConfigError, DecodeError
 from meshllm.mesh.admission import Invite, MeshKey, encode_token, inspect_token
@@ -26,8 +27,19 @@ def invite() -> None:
               help="How many nodes may join with it (0: unlimited).")
 @click.option("--bootstrap", "bootstrap", multiple=True, metavar="HOST:PORT",
               help="Address of a member to dial (repeatable).")
-def create(home: Path | None, ttl: str, uses: int, bootstrap: tuple[str, ...]) -> None:
-    """Sign an invite with the mesh key in the node's home; print the token alone on stdout."""
+@click.option("--api", default=None, metavar="URL",
+              help="Ask the running node at this API URL (e.g. http://127.0.0.1:9337) instead of using --home.")
+def create(home: Path | None, ttl: str, uses: int, bootstrap: tuple[str, ...], api: str | None) -> None:
+    """Sign an invite with the mesh key; print the token alone on stdout.
+
+    With --api, the running node signs it and names itself as the member to dial.
+    """
+    if api is not None:
+        if bootstrap:
+            raise click.UsageError("--bootstrap cannot be combined with --api (the node names itself)")
+        answer = post_json(api.rstrip("/"), "/api/invite", {"ttl_s": parse_duration(ttl), "max_uses": uses})
+        click.echo(answer["token"])
+        return
     folder = home_dir(home, create=False)
     key = MeshKey.load(folder)
     if key is None:

@@ -159,7 +159,11 @@ def decode_token(token: str) -> Signed:
     except (binascii.Error, ValueError) as exc:
         raise DecodeError("not an invite token (bad base64url)",
                           hint="copy the whole token printed by `meshllm invite create`") from exc
-    return decode_signed(raw, "invite token")
+    try:
+        return decode_signed(raw, "invite token")
+    except DecodeError:
+        raise DecodeError("not an invite token (it does not decode)",
+                          hint="copy the whole token printed by `meshllm invite create`") from None
 
 
 def verify_invite(signed: Signed) -> Invite:

@@ -6,7 +6,6 @@ loosely here, because CI machines are shared and noisy; bench/mesh.py reports me
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest

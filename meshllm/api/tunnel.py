@@ -1,0 +1,185 @@
+"""The request tunnel: typed frames that carry one request to a peer and its response back.
+
+One bidirectional QUIC stream per request. The caller sends a :class:`RequestFrame` (and maybe a
+:class:`CancelFrame` later); the server answers with :class:`DeltaFrame` s and ends with exactly
+one :class:`FinishFrame` or :class:`ErrorFrame`. Frames are msgspec structs in the shared
+length-prefixed framing of ``meshllm.wire.frames``.
+
+:class:`TunnelClient` and :class:`TunnelServer` are sans-IO: they turn engine events into bytes
+and bytes into engine events or typed errors, and track the stream's state so a misbehaving
+peer (a delta after finish, a second request) is a :class:`~meshllm.errors.DecodeError`, not a
+corrupt response. The QUIC stream driver only moves their bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from meshllm.api.errors import ApiError, UpstreamError, UpstreamTimeout, classify, error_for
+from meshllm.engine.base import (
+    ChatRequest,
+    CompletionRequest,
+    Finish,
+    FinishReason,
+    GenerationEvent,
+    GenerationRequest,
+    TextDelta,
+    Usage,
+)
+from meshllm.errors import DecodeError
+from meshllm.wire.frames import FrameDecoder, encode_frame
+
+TUNNEL_VERSION = 1
+
+
+class RequestFrame(msgspec.Struct, frozen=True, tag="request"):
+    """Caller -> server: the request, with how long the caller will wait for it to finish."""
+
+    request_id: str
+    request: ChatRequest | CompletionRequest
+    deadline_ms: int
+    """Milliseconds from receipt; the server abandons the request after it."""
+    version: int = TUNNEL_VERSION
+
+
+class CancelFrame(msgspec.Struct, frozen=True, tag="cancel"):
+    """Caller -> server: the client went away; stop generating."""
+
+    reason: str = ""
+
+
+class DeltaFrame(msgspec.Struct, frozen=True, tag="delta"):
+    """Server -> caller: generated text."""
+
+    text: str
+
+
+class FinishFrame(msgspec.Struct, frozen=True, tag="finish"):
+    """Server -> caller: generation ended normally."""
+
+    reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class ErrorFrame(msgspec.Struct, frozen=True, tag="error"):
+    """Server -> caller: the request failed; ``status`` is the HTTP status the client should see."""
+
+    status: int
+    code: str
+    message: str
+
+
+CallerFrame = RequestFrame | CancelFrame
+ServerFrame = DeltaFrame | FinishFrame | ErrorFrame
+
+
+class RemoteError(ApiError):
+    """An error a peer reported in an :class:`ErrorFrame`, keeping its status and code."""
+
+    def __init__(self, frame: ErrorFrame) -> None:
+        super().__init__(frame.message)
+        self.status = frame.status
+        self.code = frame.code
+        self.type = "invalid_request_error" if frame.status < 500 else "server_error"
+
+
+def failover_allowed(exc: BaseException) -> bool:
+    """Whether another node might succeed where this one failed (its fault, not the request's)."""
+    return classify(exc)[0] >= 500
+
+
+class TunnelClient:
+    """Caller's side of one tunnel stream."""
+
+    def __init__(self) -> None:
+        self._decoder: FrameDecoder[ServerFrame] = FrameDecoder(ServerFrame)
+        self.state: Literal["idle", "open", "done"] = "idle"
+
+    def start(self, request_id: str, request: GenerationRequest, deadline_ms: int) -> bytes:
+        """Bytes to send first."""
+        if self.state != "idle":
+            raise RuntimeError("tunnel already started")
+        self.state = "open"
+        return encode_frame(RequestFrame(request_id=request_id, request=request, deadline_ms=deadline_ms))
+
+    def cancel(self, reason: str = "client disconnected") -> bytes:
+        """Bytes that ask the server to stop (send, then close the stream)."""
+        self.state = "done"
+        return encode_frame(CancelFrame(reason=reason))
+
+    def receive(self, data: bytes) -> list[GenerationEvent]:
+        """Events decoded from received bytes; raises the peer's error as :class:`RemoteError`."""
+        events: list[GenerationEvent] = []
+        for frame in self._decoder.feed(data):
+            if self.state != "open":
+                raise DecodeError(f"tunnel peer sent {type(frame).__name__} after the response ended")
+            if isinstance(frame, DeltaFrame):
+                events.append(TextDelta(frame.text))
+            elif isinstance(frame, FinishFrame):
+                self.state = "done"
+                events.append(Finish(reason=frame.reason,
+                                     usage=Usage(frame.prompt_tokens, frame.completion_tokens)))
+            else:
+                self.state = "done"
+                raise RemoteError(frame)
+        return events
+
+    def stream_ended(self) -> None:
+        """The peer closed the stream; an error if the response was not complete."""
+        if self.state == "open":
+            self.state = "done"
+            raise UpstreamError("the serving peer closed the tunnel before the response ended")
+
+    @staticmethod
+    def timed_out(deadline_ms: int) -> UpstreamTimeout:
+        """The error for a response that did not end within the deadline."""
+        return UpstreamTimeout(f"the serving peer did not finish within {deadline_ms} ms")
+
+
+class TunnelServer:
+    """Serving side of one tunnel stream."""
+
+    def __init__(self) -> None:
+        self._decoder: FrameDecoder[CallerFrame] = FrameDecoder(CallerFrame)
+        self.request: RequestFrame | None = None
+        self.cancelled = False
+        self.done = False
+
+    def receive(self, data: bytes) -> list[CallerFrame]:
+        """Frames decoded from the caller; the first must be the request, and only once."""
+        frames = self._decoder.feed(data)
+        for frame in frames:
+            if isinstance(frame, RequestFrame):
+                if self.request is not None:
+                    raise DecodeError("second request frame on one tunnel stream")
+                if frame.version != TUNNEL_VERSION:
+                    raise DecodeError(f"tunnel version {frame.version} is not {TUNNEL_VERSION}")
+                self.request = frame
+            elif self.request is None:
+                raise DecodeError("tunnel stream did not start with a request frame")
+            else:
+                self.cancelled = True
+        return frames
+
+    def event(self, event: GenerationEvent) -> bytes:
+        """Bytes for one engine event."""
+        self._check_open()
+        if isinstance(event, TextDelta):
+            return encode_frame(DeltaFrame(event.text))
+        self.done = True
+        return encode_frame(FinishFrame(reason=event.reason, prompt_tokens=event.usage.prompt_tokens,
+                                        completion_tokens=event.usage.completion_tokens))
+
+    def error(self, exc: BaseException) -> bytes:
+        """Bytes reporting ``exc`` with the status the caller's client should get."""
+        self._check_open()
+        self.done = True
+        status, body = error_for(exc)
+        return encode_frame(ErrorFrame(status=status, code=body["error"]["code"], message=body["error"]["message"]))
+
+    def _check_open(self) -> None:
+        if self.done:
+            raise RuntimeError("tunnel response already ended")

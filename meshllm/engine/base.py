@@ -1,0 +1,171 @@
+"""The interface every inference engine implements, and the typed requests and events it speaks.
+
+Requests and events are msgspec structs rather than dataclasses because the same objects travel
+to peers inside request-tunnel frames (``meshllm.api.tunnel``): a request routed over QUIC is
+decoded straight into what the remote engine consumes, with no second schema to keep in step.
+
+Generation is an async iterator of events, ending in exactly one :class:`Finish`. A consumer that
+stops iterating early (``aclose()``, or cancellation of its task when an HTTP client goes away)
+*is* the cancellation signal: the engine must stop producing tokens promptly, not run on to
+``max_tokens`` for nobody.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+import msgspec
+
+from meshllm.errors import MeshllmError
+
+FinishReason = Literal["stop", "length"]
+"""``stop``: end-of-sequence token or a stop string; ``length``: ``max_tokens`` or context full."""
+
+
+class EngineError(MeshllmError):
+    """An engine could not serve a request."""
+
+
+class PromptTooLong(EngineError):
+    """The prompt does not fit the engine's context window (a client error: HTTP 400)."""
+
+    hint = "shorten the prompt or the conversation"
+
+
+class BadChat(EngineError):
+    """The chat template refused the conversation (e.g. roles out of order): a client error."""
+
+    hint = "check the order and roles of the messages"
+
+
+class EngineBusy(EngineError):
+    """The engine's queue is full or the request waited too long for its turn (HTTP 503)."""
+
+    hint = "retry later, or add nodes serving this model"
+
+
+class EngineNotLoaded(EngineError):
+    """``generate`` was called before ``load`` finished, or after ``close``."""
+
+
+class GenerationParams(msgspec.Struct, frozen=True, kw_only=True):
+    """Sampling and stopping controls shared by chat and text completion."""
+
+    max_tokens: int | None = None
+    """Most tokens to generate; ``None``: until end of sequence or the context is full."""
+    temperature: float = 1.0
+    """0 means greedy (deterministic without a seed)."""
+    top_p: float = 1.0
+    top_k: int | None = None
+    """``None`` or 0: no top-k cut."""
+    seed: int | None = None
+    """Same seed, prompt and parameters on the same engine give the same text."""
+    stop: tuple[str, ...] = ()
+    """Generation ends *before* the first occurrence of any of these; the stop text is not returned."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    """One turn of a conversation, content already flattened to text."""
+
+    role: str
+    content: str
+
+
+class ChatRequest(msgspec.Struct, frozen=True, kw_only=True, tag="chat"):
+    """Continue a conversation, rendered with the model's chat template."""
+
+    model: str
+    messages: tuple[ChatMessage, ...]
+    params: GenerationParams = GenerationParams()
+    tools: tuple[dict[str, Any], ...] = ()
+    """OpenAI tool definitions, passed to chat templates that render them."""
+    user: str | None = None
+    """Client's end-user or session id; routing uses it for affinity."""
+
+
+class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True, tag="completion"):
+    """Continue a raw text prompt."""
+
+    model: str
+    prompt: str
+    params: GenerationParams = GenerationParams()
+    user: str | None = None
+
+
+GenerationRequest = ChatRequest | CompletionRequest
+
+
+class Usage(msgspec.Struct, frozen=True):
+    """Token counts in the engine's own tokenization."""
+
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        """Prompt plus completion, as OpenAI reports it."""
+        return self.prompt_tokens + self.completion_tokens
+
+
+class TextDelta(msgspec.Struct, frozen=True, tag="delta"):
+    """The next piece of generated text (whole UTF-8 characters, never a split byte sequence)."""
+
+    text: str
+
+
+class Finish(msgspec.Struct, frozen=True, tag="finish"):
+    """The last event of a generation."""
+
+    reason: FinishReason
+    usage: Usage
+
+
+GenerationEvent = TextDelta | Finish
+
+
+class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
+    """How busy an engine is; gossiped as the node's load and used by the router."""
+
+    running: int
+    """Requests generating now."""
+    queued: int
+    """Requests waiting for their turn."""
+    max_queue: int
+    """Queue depth at which new requests are refused with :class:`EngineBusy`."""
+    tokens_per_s: float
+    """Recent decode speed (exponential average); 0 before the first request."""
+
+
+class Engine(ABC):
+    """One loaded model that generates text. Implementations run blocking work off the loop."""
+
+    model_id: str
+    """The API id this engine serves (see ``meshllm.models.refs``)."""
+
+    @abstractmethod
+    async def load(self) -> None:
+        """Load the model; raises an :class:`EngineError` (or subclass) that says why not."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Cancel what is running and free the model."""
+
+    @property
+    @abstractmethod
+    def context_length(self) -> int:
+        """Tokens of context each request may use (prompt plus completion)."""
+
+    @abstractmethod
+    def load_report(self) -> LoadReport:
+        """Current load; cheap, called on every gossip round and routing decision."""
+
+    @abstractmethod
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        """Stream events for ``request``; errors before the first event mean nothing was sent.
+
+        Closing the iterator early cancels the generation between two tokens.
+        """

@@ -1,0 +1,211 @@
+"""NumpyEngine: the whole model as one numpy stage, behind the shared :class:`Engine` interface.
+
+It exists so a node without a working llama.cpp build can still serve (``meshllm serve --engine
+numpy``), and so the split runtime is exercised end to end through the same API as llama.cpp. Each
+forward step (and the sampling after it) runs in a worker thread via ``asyncio.to_thread``; the event
+loop only moves tokens. Requests take turns on one lock (numpy already uses every core for one
+request); a consumer that stops iterating cancels its request before the next token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+
+from meshllm.engine.base import (
+    BadChat,
+    ChatRequest,
+    Engine,
+    EngineBusy,
+    EngineNotLoaded,
+    Finish,
+    FinishReason,
+    GenerationEvent,
+    GenerationParams,
+    GenerationRequest,
+    LoadReport,
+    PromptTooLong,
+    TextDelta,
+    Usage,
+)
+from meshllm.engine.llama import StopMatcher
+from meshllm.engine.numpy.gguf_file import GGUFFile
+from meshllm.engine.numpy.sampler import Sampler, SamplingParams
+from meshllm.engine.numpy.stage import StageModel
+from meshllm.engine.numpy.tokenizer import Tokenizer
+from meshllm.models.refs import ModelRef
+
+DEFAULT_MAX_CONTEXT = 4096
+"""Context per request unless the caller chooses: a model's full trained context costs GBs of KV."""
+_TPS_ALPHA = 0.3
+"""Weight of the latest request in the decode-speed average."""
+
+
+def sampling_params(params: GenerationParams) -> SamplingParams:
+    """OpenAI semantics for the numpy sampler: no min-p and no repetition penalty unless asked."""
+    return SamplingParams(
+        temperature=params.temperature,
+        top_k=params.top_k or 0,
+        top_p=params.top_p,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        seed=params.seed,
+    )
+
+
+class NumpyEngine(Engine):
+    """Serve one GGUF with the numpy stage runtime (layers [0, n) in one stage)."""
+
+    def __init__(
+        self,
+        model: ModelRef | Path,
+        *,
+        model_id: str | None = None,
+        n_ctx: int | None = None,
+        max_queue: int = 32,
+        queue_timeout_s: float = 120.0,
+    ) -> None:
+        self.path = model.path if isinstance(model, ModelRef) else Path(model)
+        self.model_id = model_id or (model.model_id if isinstance(model, ModelRef) else self.path.stem)
+        self._n_ctx = n_ctx
+        self.max_queue = max_queue
+        self.queue_timeout_s = queue_timeout_s
+        self.stage: StageModel | None = None
+        self.tokenizer: Tokenizer | None = None
+        self._turn = asyncio.Lock()
+        self._queued = 0
+        self._running = 0
+        self._tps = 0.0
+
+    async def load(self) -> None:
+        """Dequantize the model and load its tokenizer, off the event loop."""
+        self.stage, self.tokenizer = await asyncio.to_thread(self._load_blocking)
+
+    def _load_blocking(self) -> tuple[StageModel, Tokenizer]:
+        header = GGUFFile(self.path)
+        arch = str(header.fields.get("general.architecture", ""))
+        context = int(header.fields.get(f"{arch}.context_length", DEFAULT_MAX_CONTEXT))
+        stage = StageModel.load(self.path, max_context=self._n_ctx or min(context, DEFAULT_MAX_CONTEXT))
+        template = header.fields.get("tokenizer.chat_template")
+        return stage, Tokenizer(self.path, arch, template if isinstance(template, str) else None)
+
+    async def close(self) -> None:
+        """Free the model; a request in flight fails at its next token with :class:`EngineNotLoaded`."""
+        if self.tokenizer is not None:
+            self.tokenizer.close()
+        self.stage = self.tokenizer = None
+
+    @property
+    def context_length(self) -> int:
+        """Tokens per request (prompt plus completion)."""
+        return self._require()[0].max_context
+
+    def load_report(self) -> LoadReport:
+        """Running/queued requests and the recent decode speed."""
+        return LoadReport(
+            running=self._running, queued=self._queued, max_queue=self.max_queue, tokens_per_s=round(self._tps, 2)
+        )
+
+    def _require(self) -> tuple[StageModel, Tokenizer]:
+        if self.stage is None or self.tokenizer is None:
+            raise EngineNotLoaded(f"model {self.model_id} is not loaded")
+        return self.stage, self.tokenizer
+
+    def prompt_tokens(self, request: GenerationRequest) -> tuple[list[int], tuple[str, ...]]:
+        """The tokens fed for ``request`` and its stop strings (the client's plus the chat format's)."""
+        tokenizer = self._require()[1]
+        stops = list(request.params.stop)
+        if isinstance(request, ChatRequest):
+            messages = [{"role": m.role, "content": m.content} for m in request.messages]
+            try:
+                tokens, format_stops = tokenizer.chat_prompt(messages, request.tools)
+            except Exception as exc:  # templates raise for conversations they cannot express
+                raise BadChat(f"model {self.model_id} cannot render this conversation: {exc}") from exc
+            stops += format_stops
+        else:
+            tokens = tokenizer.encode(request.prompt)
+        return tokens, tuple(s for s in stops if s)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        """Wait for a turn, then stream ``request``'s text and one :class:`Finish`."""
+        self._require()
+        if self._queued >= self.max_queue:
+            raise EngineBusy(f"model {self.model_id} has {self._queued} requests queued (limit {self.max_queue})")
+        self._queued += 1
+        try:
+            await asyncio.wait_for(self._turn.acquire(), self.queue_timeout_s)
+        except TimeoutError:
+            raise EngineBusy(
+                f"model {self.model_id}: request waited {self.queue_timeout_s:.0f}s for its turn"
+            ) from None
+        finally:
+            self._queued -= 1
+        self._running += 1
+        try:
+            async for event in self._generate(request):
+                yield event
+        finally:
+            self._running -= 1
+            self._turn.release()
+
+    async def _generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        stage, tokenizer = self._require()
+        prompt, stop_strings = await asyncio.to_thread(self.prompt_tokens, request)
+        if len(prompt) >= stage.max_context:
+            raise PromptTooLong(
+                f"prompt is {len(prompt)} tokens; model {self.model_id} has a {stage.max_context}-token context"
+            )
+        params = request.params
+        budget = stage.max_context - len(prompt)
+        limit = min(params.max_tokens, budget) if params.max_tokens is not None else budget
+        sampler = Sampler(sampling_params(params))
+        stops = StopMatcher(stop_strings)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        session = uuid.uuid4().hex
+        history = list(prompt)
+        generated = 0
+        reason: FinishReason = "length"
+        started = time.monotonic()
+        try:
+            token = await asyncio.to_thread(self._step, session, history, 0, sampler)
+            while True:
+                if tokenizer.is_end(token):
+                    reason = "stop"
+                    break
+                generated += 1
+                history.append(token)
+                text, hit = stops.feed(decoder.decode(tokenizer.token_bytes(token)))
+                if text:
+                    yield TextDelta(text)
+                if hit:
+                    reason = "stop"
+                    break
+                if generated >= limit:
+                    break
+                token = await asyncio.to_thread(self._step, session, history, len(history) - 1, sampler)
+        finally:
+            stage.reset(session)
+            self._account(generated, started)
+        if not stops.hit:
+            tail = stops.flush(decoder.decode(b"", final=True))
+            if tail:
+                yield TextDelta(tail)
+        yield Finish(reason=reason, usage=Usage(prompt_tokens=len(prompt), completion_tokens=generated))
+
+    def _step(self, session: str, history: list[int], pos: int, sampler: Sampler) -> int:
+        """Worker thread: feed ``history[pos:]`` and sample the next token."""
+        stage = self._require()[0]
+        logits = stage.forward(session, np.asarray(history[pos:], dtype=np.int64), pos, last_only=True)
+        return sampler(logits[-1], history)
+
+    def _account(self, generated: int, started: float) -> None:
+        elapsed = time.monotonic() - started
+        if generated and elapsed > 0:
+            speed = generated / elapsed
+            self._tps = speed if not self._tps else (1 - _TPS_ALPHA) * self._tps + _TPS_ALPHA * speed

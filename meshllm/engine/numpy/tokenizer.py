@@ -1,0 +1,72 @@
+"""Tokenizer and chat template of a GGUF, through llama-cpp-python loaded with ``vocab_only=True``.
+
+Loading only the vocabulary takes well under a second and no weight memory, and reusing llama.cpp's
+tokenizer guarantees the numpy runtime sees exactly the token ids llama.cpp would, which the
+comparison tests (and mixed llama.cpp / numpy meshes) depend on. Chat prompts come from the GGUF's
+template when it has one, else from the family's llama-cpp-python format (the default Gemma 3 270M has
+no template), the same choice :class:`meshllm.engine.llama.LlamaEngine` makes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+from llama_cpp import Llama
+from llama_cpp import llama_chat_format as chat_formats
+
+#: llama-cpp-python chat format for a GGUF without a template, by architecture.
+FAMILY_CHAT_FORMATS: dict[str, Callable[..., Any]] = {
+    "gemma3": chat_formats.format_gemma,
+    "qwen2": chat_formats.format_chatml,
+    "llama": chat_formats.format_llama2,
+}
+
+
+class Tokenizer:
+    """Text <-> token ids for one GGUF, plus chat rendering and end-of-generation detection."""
+
+    def __init__(self, path: str | Path, architecture: str, chat_template: str | None) -> None:
+        self._llama = Llama(model_path=str(path), vocab_only=True, verbose=False)
+        self._vocab = self._llama._model.vocab
+        if chat_template:
+            model = self._llama._model
+            eos, bos = self._llama.token_eos(), self._llama.token_bos()
+            self._render: Callable[..., Any] = chat_formats.Jinja2ChatFormatter(
+                template=chat_template,
+                eos_token=model.token_get_text(eos) if eos != -1 else "",
+                bos_token=model.token_get_text(bos) if bos != -1 else "",
+            )
+        else:
+            self._render = FAMILY_CHAT_FORMATS.get(architecture, chat_formats.format_llama2)
+
+    def encode(self, text: str, *, add_bos: bool = True, special: bool = False) -> list[int]:
+        """Token ids of ``text``; ``special`` parses control tokens written in the text (chat prompts)."""
+        return list(self._llama.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special))
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for (may be part of a UTF-8 character)."""
+        return bytes(self._llama.detokenize([token]))
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        """Text of ``tokens`` (invalid UTF-8 replaced)."""
+        return bytes(self._llama.detokenize(list(tokens))).decode("utf-8", errors="replace")
+
+    def is_end(self, token: int) -> bool:
+        """Whether ``token`` ends generation (EOS, end of turn and the model's other end markers)."""
+        return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+
+    def chat_prompt(
+        self, messages: Sequence[dict[str, str]], tools: Sequence[dict[str, Any]] = ()
+    ) -> tuple[list[int], list[str]]:
+        """Prompt tokens for a conversation and the format's stop strings."""
+        rendered = self._render(messages=list(messages), tools=list(tools) or None)
+        stop = rendered.stop
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        return self.encode(rendered.prompt, add_bos=not rendered.added_special, special=True), stops
+
+    def close(self) -> None:
+        """Free llama.cpp's vocabulary."""
+        self._llama.close()

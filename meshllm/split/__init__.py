@@ -1,0 +1,33 @@
+"""Layer splits: a model too big (or too slow) for one node runs as a chain of stages (docs/splits.md).
+
+* :mod:`.planner` (sans-IO) chooses solo or a chain ``[(node, layer_start, layer_end)]``;
+* :mod:`.frames` and :mod:`.codec` are the stage-lane protocol and activation codecs;
+* :mod:`.lanes` is the per-lane protocol core, its QUIC driver and the lane pool;
+* :mod:`.stage` serves a node's stages (and routes replies to its coordinators);
+* :mod:`.coordinator` runs a split request from the first stage and streams its tokens.
+"""
+
+from meshllm.split.coordinator import Deadlines, SplitCoordinator, SplitToken
+from meshllm.split.errors import BadFrame, NoChainFits, SplitError, StageFailed
+from meshllm.split.frames import Hop, Sampling
+from meshllm.split.planner import Candidate, ModelProfile, Plan, PlannedStage, PlanOptions, plan
+from meshllm.split.stage import StageServer
+
+__all__ = [
+    "BadFrame",
+    "Candidate",
+    "Deadlines",
+    "Hop",
+    "ModelProfile",
+    "NoChainFits",
+    "Plan",
+    "PlanOptions",
+    "PlannedStage",
+    "Sampling",
+    "SplitCoordinator",
+    "SplitError",
+    "SplitToken",
+    "StageFailed",
+    "StageServer",
+    "plan",
+]

@@ -1,0 +1,228 @@
+"""The stage-lane protocol: msgspec tagged structs over ``u32 length + msgpack`` frames.
+
+A lane is one persistent QUIC stream of kind ``stage-lane`` from a stage to the next one (and from the
+last stage back to the coordinator); many sessions share it. Per session the coordinator sends one
+:class:`Open` (it travels down the chain, each stage forwarding it with ``index + 1``), then
+:class:`Prefill` chunks and one :class:`Decode` per generated token; the last stage answers each
+step that asks for a sample with :class:`Tokens`, straight to the coordinator. :class:`Reset` empties
+a session's KV caches, :class:`Stop` frees them. :class:`Error` travels back towards the coordinator.
+
+Everything a peer sends is checked here before it touches state: :func:`decode_frame` turns any
+bytes into a frame or a :class:`~meshllm.split.errors.BadFrame` that names the session when it can be
+read, so the receiver can refuse that session alone and keep the lane (and the other sessions) going.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from meshllm.split import codec
+from meshllm.split.codec import Dtype
+from meshllm.split.errors import BadFrame
+
+KIND = "stage-lane"
+"""Stream kind of stage lanes."""
+LANE_FRAME_MAX = 32 * 1024 * 1024
+"""Transport cap on one lane frame; above it the stream itself is reset (every session on it fails)."""
+MAX_POS = 1 << 24
+"""Largest position a session may reach (far above any context we run)."""
+
+SessionId = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+Pos = Annotated[int, Meta(ge=0, le=MAX_POS)]
+Count = Annotated[int, Meta(ge=1, le=MAX_POS)]
+Layer = Annotated[int, Meta(ge=0, le=4096)]
+TokenId = Annotated[int, Meta(ge=0, lt=1 << 31)]
+Finish = Literal["stop", "length"]
+
+
+class Hop(msgspec.Struct, frozen=True, array_like=True):
+    """One stage of a chain: who runs which layers, and where to dial it."""
+
+    node_id: Annotated[str, Meta(min_length=1, max_length=128)]
+    addr: Annotated[str, Meta(max_length=300)]
+    """``host:port`` of the node's QUIC endpoint."""
+    layer_start: Layer
+    layer_end: Layer
+
+
+class Sampling(msgspec.Struct, frozen=True, kw_only=True):
+    """Sampling parameters for the last stage (mirrors :class:`~meshllm.engine.numpy.SamplingParams`)."""
+
+    temperature: float = 0.0
+    top_k: Annotated[int, Meta(ge=0)] = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: Annotated[int, Meta(ge=0)] = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+
+
+class Open(msgspec.Struct, frozen=True, kw_only=True, tag="open"):
+    """Start ``session`` on the receiving stage, ``chain[index]``; forwarded down with ``index + 1``."""
+
+    session: SessionId
+    model: Annotated[str, Meta(min_length=1, max_length=256)]
+    layer_start: Layer
+    layer_end: Layer
+    dtype: Dtype = "f32"
+    """Activation codec for this session's frames on every hop."""
+    chain: list[Hop]
+    """The whole plan; ``chain[0]`` is the coordinator, which gets the :class:`Tokens`."""
+    index: Annotated[int, Meta(ge=1)]
+    sampling: Sampling = Sampling()
+    history: list[TokenId] = []
+    """Prompt token ids, for the last stage's repetition penalties (empty when none are used)."""
+    stop_ids: list[TokenId] = []
+    """Token ids that end generation; the last stage marks them ``finish="stop"``."""
+    max_context: Count = 4096
+
+
+class _Step(msgspec.Struct, frozen=True, kw_only=True):
+    session: SessionId
+    pos: Pos
+    """Position of the first row; must equal the session's length on the receiving stage."""
+    n_tokens: Count
+    dtype: Dtype
+    shape: tuple[Count, Count]
+    """``(n_tokens, width)``."""
+    activations: bytes
+
+
+class Prefill(_Step, frozen=True, kw_only=True, tag="prefill"):
+    """A chunk of prompt activations; ``sample`` on the final chunk asks the last stage for a token."""
+
+    sample: bool = True
+
+
+class Decode(_Step, frozen=True, kw_only=True, tag="decode"):
+    """The activations of one generated token; the last stage always answers with :class:`Tokens`."""
+
+
+class Reset(msgspec.Struct, frozen=True, tag="reset"):
+    """Empty ``session``'s KV caches on every stage (the session stays open, back at position 0)."""
+
+    session: SessionId
+
+
+class Stop(msgspec.Struct, frozen=True, tag="stop"):
+    """End ``session`` on every stage and free its KV caches."""
+
+    session: SessionId
+
+
+class Ping(msgspec.Struct, frozen=True, tag="ping"):
+    """Lane liveness probe; with ``session`` the pong reports that session's length on the stage."""
+
+    nonce: int
+    session: str = ""
+
+
+class Pong(msgspec.Struct, frozen=True, tag="pong"):
+    """Answer to :class:`Ping`; ``pos`` is the session's cached length (-1: unknown session)."""
+
+    nonce: int
+    pos: int = -1
+
+
+class Tokens(msgspec.Struct, frozen=True, kw_only=True, tag="tokens"):
+    """Last stage -> coordinator: token(s) sampled after the step that ended at ``pos``."""
+
+    session: SessionId
+    pos: Pos
+    """Length of the session (tokens consumed) when these tokens were sampled."""
+    token_ids: Annotated[list[TokenId], Meta(min_length=1, max_length=64)]
+    finish: Finish | None = None
+
+
+class Error(msgspec.Struct, frozen=True, kw_only=True, tag="error"):
+    """A stage refused or failed a frame of ``session`` ("" for the whole lane)."""
+
+    session: str
+    code: str
+    message: str
+    stage: int
+    """Index in the chain of the stage at fault (not necessarily the one reporting)."""
+
+
+LaneFrame = Open | Prefill | Decode | Reset | Stop | Ping | Pong | Tokens | Error
+Step = Prefill | Decode
+
+_decoder = msgspec.msgpack.Decoder(LaneFrame)
+
+
+class _SessionOnly(msgspec.Struct):
+    session: str = ""
+
+
+_session_decoder = msgspec.msgpack.Decoder(_SessionOnly)
+
+
+def session_of(raw: bytes) -> str:
+    """The session a (possibly invalid) frame claims, or "" when that cannot be read either."""
+    try:
+        session = _session_decoder.decode(raw).session
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, RecursionError):
+        return ""
+    return session if 0 < len(session) <= 64 else ""
+
+
+def decode_frame(raw: bytes, *, max_activation_bytes: int | None = None) -> LaneFrame:
+    """One validated lane frame from a frame body; :class:`BadFrame` (naming the session if readable) if not."""
+    try:
+        frame = _decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, RecursionError) as exc:
+        raise BadFrame(f"malformed lane frame: {exc}", session=session_of(raw)) from None
+    validate(frame, max_activation_bytes=max_activation_bytes)
+    return frame
+
+
+def validate(frame: LaneFrame, *, max_activation_bytes: int | None = None) -> None:
+    """Cross-field checks msgspec's per-field constraints cannot express; :class:`BadFrame` on failure."""
+    if isinstance(frame, Prefill | Decode):
+        _validate_step(frame, max_activation_bytes)
+    elif isinstance(frame, Open):
+        _validate_open(frame)
+
+
+def _validate_step(frame: Step, max_bytes: int | None) -> None:
+    s = frame.session
+    n, width = frame.shape
+    if n != frame.n_tokens:
+        raise BadFrame(f"shape {list(frame.shape)} disagrees with n_tokens={frame.n_tokens}", session=s)
+    if isinstance(frame, Decode) and n != 1:
+        raise BadFrame(f"a decode frame carries one token, got {n}", session=s)
+    if frame.pos + n > MAX_POS:
+        raise BadFrame(f"position {frame.pos}+{n} exceeds {MAX_POS}", session=s)
+    if max_bytes is not None and len(frame.activations) > max_bytes:
+        raise BadFrame(
+            f"{len(frame.activations)} bytes of activations exceed this lane's {max_bytes}-byte limit",
+            code="too-large", session=s,
+        )
+    expected = codec.encoded_size(frame.dtype, n, width)
+    if len(frame.activations) != expected:
+        raise BadFrame(
+            f"{frame.dtype} activations of shape [{n}, {width}] take {expected} bytes, got {len(frame.activations)}",
+            code="bad-size", session=s,
+        )
+
+
+def _validate_open(frame: Open) -> None:
+    s = frame.session
+    chain = frame.chain
+    if not 2 <= len(chain) <= 64 or frame.index >= len(chain):
+        raise BadFrame(f"open for stage {frame.index} of a {len(chain)}-stage chain", session=s)
+    if chain[0].layer_start != 0 or any(a.layer_end != b.layer_start for a, b in itertools.pairwise(chain)):
+        raise BadFrame("the chain's layer ranges are not contiguous from layer 0", session=s)
+    if any(h.layer_end <= h.layer_start for h in chain):
+        raise BadFrame("the chain has an empty stage", session=s)
+    if len({h.node_id for h in chain}) != len(chain):
+        raise BadFrame("a node appears twice in the chain", session=s)
+    mine = chain[frame.index]
+    if (mine.layer_start, mine.layer_end) != (frame.layer_start, frame.layer_end):
+        raise BadFrame("the open's layer range differs from its chain entry", session=s)

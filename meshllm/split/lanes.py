@@ -1,0 +1,268 @@
+"""Stage lanes: a sans-IO core per lane, a thin asyncio driver on a QUIC stream, and a pool.
+
+A lane is one persistent ``stage-lane`` stream to one peer, shared by every session between the two
+nodes. :class:`LaneState` is the whole receive-side protocol of a lane, without I/O or clocks: it
+decodes and validates each frame, checks that a session's steps arrive in order and in the dtype its
+:class:`~meshllm.split.frames.Open` chose, and keeps the probe state. A bad frame produces an
+:class:`~meshllm.split.frames.Error` for its session only; the lane and its other sessions go on.
+:class:`Lane` moves frames between a :class:`~meshllm.net.Stream` and that core; :class:`LanePool`
+keeps one lane per next-hop node and probes a lane (Ping/Pong) before reusing it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import msgspec
+
+from meshllm.net import Endpoint, NetError, Stream, StreamClosed
+from meshllm.split.errors import BadFrame
+from meshllm.split.frames import (
+    KIND,
+    LANE_FRAME_MAX,
+    Decode,
+    Error,
+    LaneFrame,
+    Open,
+    Ping,
+    Pong,
+    Prefill,
+    Reset,
+    Stop,
+    decode_frame,
+)
+
+log = logging.getLogger(__name__)
+
+PROBE_TIMEOUT = 0.25
+"""A lane that does not answer a Ping this fast is not reused."""
+MAX_ACTIVATION_BYTES = 16 * 1024 * 1024
+"""Largest activation payload a lane accepts; larger frames get a ``too-large`` Error."""
+
+
+@dataclass
+class _Expect:
+    next_pos: int
+    dtype: str
+
+
+class LaneState:
+    """Receive-side protocol state of one lane: per-session order and dtype, and the probe in flight."""
+
+    def __init__(self, peer_id: str, *, stage: int = -1, max_activation_bytes: int = MAX_ACTIVATION_BYTES) -> None:
+        self.peer_id = peer_id
+        self.stage = stage
+        """Chain index of this node, reported in Errors (-1 until an Open tells it)."""
+        self.max_activation_bytes = max_activation_bytes
+        self._sessions: dict[str, _Expect] = {}
+        self._nonces = itertools.count(1)
+        self._probe: tuple[int, float] | None = None
+
+    @property
+    def sessions(self) -> set[str]:
+        """Sessions opened on this lane and not stopped."""
+        return set(self._sessions)
+
+    def receive(self, raw: bytes) -> LaneFrame:
+        """The validated frame in ``raw``; :class:`BadFrame` (with session and code) if it must be refused.
+
+        Refusal leaves every session's state untouched. Accepted steps advance their session's position.
+        """
+        frame = decode_frame(raw, max_activation_bytes=self.max_activation_bytes)
+        if isinstance(frame, Open):
+            if frame.session in self._sessions:
+                raise BadFrame(f"session {frame.session} is already open", code="duplicate", session=frame.session)
+            if frame.chain[frame.index - 1].node_id != self.peer_id:
+                raise BadFrame(
+                    f"open for stage {frame.index} must come from {frame.chain[frame.index - 1].node_id[:12]}",
+                    code="not-in-plan", session=frame.session,
+                )
+            self.stage = frame.index
+            self._sessions[frame.session] = _Expect(0, frame.dtype)
+        elif isinstance(frame, Prefill | Decode):
+            expect = self._sessions.get(frame.session)
+            if expect is None:
+                raise BadFrame(f"session {frame.session} was not opened on this lane", code="not-in-plan",
+                               session=frame.session)
+            if frame.pos != expect.next_pos:
+                raise BadFrame(f"step at position {frame.pos}, expected {expect.next_pos}", code="out-of-order",
+                               session=frame.session)
+            if frame.dtype != expect.dtype:
+                raise BadFrame(f"{frame.dtype} activations on a {expect.dtype} session", code="bad-dtype",
+                               session=frame.session)
+            expect.next_pos += frame.n_tokens
+        elif isinstance(frame, Reset | Stop) and frame.session not in self._sessions:
+            raise BadFrame(f"session {frame.session} was not opened on this lane", code="not-in-plan",
+                           session=frame.session)
+        elif isinstance(frame, Reset):
+            self._sessions[frame.session].next_pos = 0
+        elif isinstance(frame, Stop):
+            del self._sessions[frame.session]
+        return frame
+
+    def refusal(self, exc: BadFrame) -> Error:
+        """The Error frame answering a refused frame."""
+        return Error(session=exc.session, code=exc.code, message=str(exc), stage=self.stage)
+
+    def forget(self, session: str) -> None:
+        """Drop a session that failed elsewhere (its next steps will be refused)."""
+        self._sessions.pop(session, None)
+
+    # -- probes --------------------------------------------------------------------------------
+
+    def ping(self, now: float, session: str = "") -> Ping:
+        """Start a probe; the lane is healthy once :meth:`pong` matches it before ``now + timeout``."""
+        nonce = next(self._nonces)
+        self._probe = (nonce, now)
+        return Ping(nonce=nonce, session=session)
+
+    def pong(self, frame: Pong, now: float, timeout: float = PROBE_TIMEOUT) -> bool:
+        """Whether ``frame`` answers the probe in flight in time (a stale pong is ignored)."""
+        if self._probe is None or frame.nonce != self._probe[0]:
+            return False
+        ok = now - self._probe[1] <= timeout
+        self._probe = None
+        return ok
+
+
+class Lane:
+    """Driver of one lane: a reader task feeding :class:`LaneState`, and ``send``.
+
+    ``on_frame(lane, frame)`` gets every accepted frame except Pongs (which answer :meth:`probe`);
+    ``on_close(lane, reason)`` is called once when the stream ends. Refused frames are answered
+    with an Error here.
+    """
+
+    def __init__(
+        self,
+        stream: Stream,
+        peer_id: str,
+        on_frame: Callable[[Lane, LaneFrame], Awaitable[None]],
+        on_close: Callable[[Lane, str], None] | None = None,
+        *,
+        send_timeout: float = 5.0,
+        max_activation_bytes: int = MAX_ACTIVATION_BYTES,
+    ) -> None:
+        self.stream = stream
+        self.peer_id = peer_id
+        self.state = LaneState(peer_id, max_activation_bytes=max_activation_bytes)
+        self.closed: str | None = None
+        """Why the lane ended, once it has."""
+        self._on_frame = on_frame
+        self._on_close = on_close
+        self._send_timeout = send_timeout
+        self._pongs: dict[int, asyncio.Future[Pong]] = {}
+        self._loop = asyncio.get_running_loop()
+
+    async def send(self, frame: LaneFrame) -> None:
+        """Send one frame; :class:`~meshllm.net.NetError` if the lane is gone or stalled."""
+        if self.closed is not None:
+            raise StreamClosed(f"lane to {self.peer_id[:12]} is closed: {self.closed}")
+        await self.stream.send(frame, timeout=self._send_timeout)
+
+    async def probe(self, timeout: float = PROBE_TIMEOUT, session: str = "") -> Pong | None:
+        """Ping the peer; its Pong, or None if it did not answer within ``timeout``."""
+        ping = self.state.ping(self._loop.time(), session)
+        future: asyncio.Future[Pong] = self._loop.create_future()
+        self._pongs[ping.nonce] = future
+        try:
+            await self.send(ping)
+            pong = await asyncio.wait_for(future, timeout)
+        except (NetError, TimeoutError):
+            return None
+        finally:
+            self._pongs.pop(ping.nonce, None)
+        return pong if self.state.pong(pong, self._loop.time(), timeout) else None
+
+    async def run(self) -> None:
+        """Read frames until the stream ends; returns normally on a clean end, else after ``on_close``."""
+        reason = "ended by peer"
+        try:
+            while (raw := await self.stream.recv(msgspec.Raw, timeout=None)) is not None:
+                await self._handle(bytes(raw))
+        except NetError as exc:
+            reason = str(exc)
+        finally:
+            self._end(reason)
+
+    def close(self, reason: str = "closed") -> None:
+        """End the lane (both directions)."""
+        self.stream.reset()
+        self._end(reason)
+
+    async def _handle(self, raw: bytes) -> None:
+        try:
+            frame = self.state.receive(raw)
+        except BadFrame as exc:
+            log.info("refused a frame from %s: %s", self.peer_id[:12], exc)
+            await self.send(self.state.refusal(exc))
+            return
+        if isinstance(frame, Pong):
+            future = self._pongs.get(frame.nonce)
+            if future is not None and not future.done():
+                future.set_result(frame)
+            return
+        await self._on_frame(self, frame)
+
+    def _end(self, reason: str) -> None:
+        if self.closed is not None:
+            return
+        self.closed = reason
+        for future in self._pongs.values():
+            if not future.done():
+                future.cancel()
+        if self._on_close is not None:
+            self._on_close(self, reason)
+
+
+class LanePool:
+    """Outgoing lanes by next-hop node id; a pooled lane is probed before it is reused."""
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        on_frame: Callable[[Lane, LaneFrame], Awaitable[None]],
+        on_close: Callable[[Lane, str], None] | None = None,
+        *,
+        connect_timeout: float = 1.0,
+    ) -> None:
+        self.endpoint = endpoint
+        self._on_frame = on_frame
+        self._on_close = on_close
+        self._connect_timeout = connect_timeout
+        self._lanes: dict[str, Lane] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def get(self, node_id: str, addr: str) -> Lane:
+        """A live lane to ``node_id`` (dialing ``host:port`` if needed); :class:`NetError` if unreachable."""
+        async with self._locks.setdefault(node_id, asyncio.Lock()):
+            lane = self._lanes.get(node_id)
+            if lane is not None and lane.closed is None and await lane.probe() is not None:
+                return lane
+            if lane is not None:
+                lane.close("probe failed before reuse")
+            host, _, port = addr.rpartition(":")
+            peer = await self.endpoint.connect((host.strip("[]"), int(port)), node_id, timeout=self._connect_timeout)
+            stream = await peer.open_stream(KIND, max_frame=LANE_FRAME_MAX)
+            lane = Lane(stream, node_id, self._on_frame, self._closed)
+            self._lanes[node_id] = lane
+            task = asyncio.get_running_loop().create_task(lane.run())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return lane
+
+    def _closed(self, lane: Lane, reason: str) -> None:
+        if self._lanes.get(lane.peer_id) is lane:
+            del self._lanes[lane.peer_id]
+        if self._on_close is not None:
+            self._on_close(lane, reason)
+
+    def close(self) -> None:
+        """Close every pooled lane."""
+        for lane in list(self._lanes.values()):
+            lane.close("pool closing")

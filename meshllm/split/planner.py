@@ -1,0 +1,240 @@
+"""Split planner (sans-IO): choose solo or a chain of stages that minimises predicted time per token.
+
+Cost model (DESIGN "Layer splits", the Mesh-LLM model with our RTT matrix)::
+
+    time/token = sum(stage compute) + sum(hop latency around the ring) + (S - 1) * P
+
+Activations travel coordinator -> stage 1 -> ... -> last stage and the sampled token comes straight
+back to the coordinator, so a token crosses each edge of the ring once; a hop costs half its RTT (a
+2-stage chain costs exactly one RTT). ``P`` is our measured per-hop protocol overhead (encode, QUIC,
+decode). Compute is ``layers x seconds/layer`` plus the head on the last stage.
+
+For a fixed ordered set of nodes, compute is linear in each node's layer count, so the best split
+gives every node one layer and the rest to the fastest nodes first, up to what their memory holds.
+The planner enumerates ordered node sets (coordinator first, few candidates, few stages) and keeps
+the cheapest; a tie keeps fewer stages, so a stage is added only when memory forces it or it predicts
+faster. Every input is a plain value; the caller (the node) builds them from gossip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from itertools import pairwise, permutations
+
+from meshllm.split.errors import NoChainFits
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """What a model costs, per layer and for its ends (from ``estimate_memory`` and the GGUF header)."""
+
+    n_layers: int
+    layer_bytes: int
+    """Memory of one block as the stage holds it, including its KV cache for the planned context."""
+    first_bytes: int
+    """Extra memory of the first stage (token embeddings)."""
+    last_bytes: int
+    """Extra memory of the last stage (output norm and head)."""
+    layer_flops: float
+    """Floating-point operations per token through one block (about 2 x its parameters)."""
+    head_flops: float = 0.0
+    """Floating-point operations per token of the head (2 x width x vocabulary)."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A node that might run a stage."""
+
+    node_id: str
+    memory_bytes: int
+    """Usable memory for model weights and KV."""
+    gflops: float = 0.0
+    """Measured compute speed; used when ``seconds_per_layer`` is not known."""
+    seconds_per_layer: float | None = None
+    """Measured time of one block for one token (more accurate than gflops when known)."""
+    role: str = "host"
+    relay_only: bool = False
+    """A peer reachable only through a relay: never a stage (every hop would double its latency)."""
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """Knobs of :func:`plan`."""
+
+    stages: int | None = None
+    """Force exactly this many stages (benchmarks, tests); None chooses."""
+    max_stages: int = 4
+    max_memory_per_node: int | None = None
+    """Use at most this much of any node's memory."""
+    per_hop_overhead_s: float = 0.0015
+    """P: protocol overhead per hop beyond the network RTT."""
+    unknown_rtt_ms: float = 100.0
+    """Assumed RTT between nodes the matrix has no measurement for (pessimistic)."""
+    assumed_gflops: float = 5.0
+    """Speed of a node that has not measured itself yet."""
+    max_candidates: int = 8
+    """Only the best few nodes (by speed and memory) are considered, to bound the search."""
+
+
+@dataclass(frozen=True)
+class PlannedStage:
+    """One stage of a plan with its predicted cost."""
+
+    node_id: str
+    layer_start: int
+    layer_end: int
+    memory_bytes: int
+    compute_s: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The chosen chain and its predicted time per token, broken down."""
+
+    stages: tuple[PlannedStage, ...]
+    compute_s: float
+    network_s: float
+    overhead_s: float
+
+    @property
+    def total_s(self) -> float:
+        """Predicted seconds per generated token."""
+        return self.compute_s + self.network_s + self.overhead_s
+
+    @property
+    def solo(self) -> bool:
+        """One node runs the whole model."""
+        return len(self.stages) == 1
+
+    @property
+    def chain(self) -> list[tuple[str, int, int]]:
+        """``[(node_id, layer_start, layer_end)]`` in order; the first is the coordinator."""
+        return [(s.node_id, s.layer_start, s.layer_end) for s in self.stages]
+
+
+def plan(
+    model: ModelProfile,
+    candidates: Sequence[Candidate],
+    rtt_ms: Mapping[str, Mapping[str, float]],
+    requester: str,
+    options: PlanOptions | None = None,
+) -> Plan:
+    """The cheapest plan for ``requester``; :class:`NoChainFits` names the memory shortfall if none fits.
+
+    The requester coordinates (runs stage 0) when it is a candidate that can hold the embeddings and
+    one layer; otherwise every eligible node is tried as coordinator.
+    """
+    opts = options or PlanOptions()
+    nodes = _eligible(candidates, opts)
+    by_id = {c.node_id: c for c in nodes}
+    me = by_id.get(requester)
+    firsts = [me] if me is not None and _cap(model, me, opts, first=True, last=False) >= 1 else nodes
+    sizes = [opts.stages] if opts.stages else list(range(1, opts.max_stages + 1))
+    best: Plan | None = None
+    for first in firsts:
+        others = [c for c in nodes if c.node_id != first.node_id]
+        for size in sizes:
+            for rest in permutations(others, size - 1):
+                found = _price(model, (first, *rest), rtt_ms, opts)
+                if found is not None and (best is None or found.total_s < best.total_s - 1e-12):
+                    best = found
+    if best is None:
+        raise _no_fit(model, nodes, sizes[-1], opts)
+    return best
+
+
+def _eligible(candidates: Sequence[Candidate], opts: PlanOptions) -> list[Candidate]:
+    """Stage-capable nodes, best first (fast, then roomy), at most ``max_candidates``."""
+    usable = [c for c in candidates if not c.relay_only and c.role != "client" and c.memory_bytes > 0]
+    usable.sort(key=lambda c: (-_speed(c, opts), -c.memory_bytes, c.node_id))
+    return usable[: opts.max_candidates]
+
+
+def _speed(c: Candidate, opts: PlanOptions) -> float:
+    if c.seconds_per_layer:
+        return 1.0 / c.seconds_per_layer
+    return c.gflops or opts.assumed_gflops
+
+
+def _layer_s(model: ModelProfile, c: Candidate, opts: PlanOptions) -> float:
+    if c.seconds_per_layer is not None:
+        return c.seconds_per_layer
+    return model.layer_flops / ((c.gflops or opts.assumed_gflops) * 1e9)
+
+
+def _memory(c: Candidate, opts: PlanOptions) -> int:
+    cap = opts.max_memory_per_node
+    return c.memory_bytes if cap is None else min(c.memory_bytes, cap)
+
+
+def _cap(model: ModelProfile, c: Candidate, opts: PlanOptions, *, first: bool, last: bool) -> int:
+    """How many layers ``c`` can hold in this position of the chain."""
+    extra = (model.first_bytes if first else 0) + (model.last_bytes if last else 0)
+    free = _memory(c, opts) - extra
+    if free < 0:
+        return 0
+    if model.layer_bytes <= 0:
+        return model.n_layers
+    return min(model.n_layers, free // model.layer_bytes)
+
+
+def _price(
+    model: ModelProfile, chain: tuple[Candidate, ...], rtt_ms: Mapping[str, Mapping[str, float]], opts: PlanOptions
+) -> Plan | None:
+    """The best layer split over this ordered chain, or None when it cannot hold the model."""
+    n = len(chain)
+    caps = [_cap(model, c, opts, first=i == 0, last=i == n - 1) for i, c in enumerate(chain)]
+    if min(caps) < 1 or sum(caps) < model.n_layers or n > model.n_layers:
+        return None
+    per_layer = [_layer_s(model, c, opts) for c in chain]
+    counts = [1] * n
+    left = model.n_layers - n
+    for i in sorted(range(n), key=lambda i: per_layer[i]):
+        take = min(left, caps[i] - 1)
+        counts[i] += take
+        left -= take
+    stages: list[PlannedStage] = []
+    start = 0
+    for i, c in enumerate(chain):
+        end = start + counts[i]
+        last = i == n - 1
+        compute = counts[i] * per_layer[i]
+        if last:
+            compute += model.head_flops / ((c.gflops or opts.assumed_gflops) * 1e9)
+        memory = counts[i] * model.layer_bytes + (model.first_bytes if i == 0 else 0)
+        memory += model.last_bytes if last else 0
+        stages.append(PlannedStage(c.node_id, start, end, memory, compute))
+        start = end
+    network = 0.0
+    if n > 1:
+        ring = [*chain, chain[0]]
+        network = sum(_rtt(rtt_ms, a.node_id, b.node_id, opts) / 2 for a, b in pairwise(ring))
+        network /= 1000.0
+    return Plan(tuple(stages), sum(s.compute_s for s in stages), network, (n - 1) * opts.per_hop_overhead_s)
+
+
+def _rtt(rtt_ms: Mapping[str, Mapping[str, float]], a: str, b: str, opts: PlanOptions) -> float:
+    ms = rtt_ms.get(a, {}).get(b)
+    if ms is None:
+        ms = rtt_ms.get(b, {}).get(a, opts.unknown_rtt_ms)
+    return ms
+
+
+def _no_fit(model: ModelProfile, nodes: list[Candidate], max_stages: int, opts: PlanOptions) -> NoChainFits:
+    need = model.n_layers * model.layer_bytes + model.first_bytes + model.last_bytes
+    roomiest = sorted((_memory(c, opts) for c in nodes), reverse=True)[:max_stages]
+    have = sum(roomiest)
+    short = max(need - have, 0)
+    if not nodes:
+        why = "no eligible node (relay-only peers and clients cannot be stages)"
+        short = need
+    elif short:
+        why = f"the {len(roomiest)} roomiest eligible nodes offer {have / GIB:.2f} GiB: {short / GIB:.2f} GiB short"
+    else:
+        why = "enough memory in total, but no node can hold the embeddings or the head with a layer"
+    return NoChainFits(
+        f"model needs {need / GIB:.2f} GiB in at most {max_stages} stages; {why}", shortfall_bytes=short
+    )

@@ -1,0 +1,266 @@
+"""Stage server: hosts layer ranges (numpy :class:`StageModel`) and serves ``stage-lane`` streams.
+
+Per session it keeps the KV cache on this node, runs each Prefill/Decode through its layers in a
+worker thread, and either forwards the activations to the next stage over its own pooled lane or,
+as the last stage, samples and sends :class:`Tokens` straight back to the coordinator (whose node id
+and address are the chain's first hop), over a lane it opens (and pools) to the coordinator.
+
+Errors flow back towards the coordinator: a refused or failed frame is answered on the lane it
+came in on, and an Error arriving from downstream is relayed upstream. A downstream lane that
+closes, or a next-hop node the transport reports suspect or closed, fails every session routed
+through it at once (an Error naming that stage), so a dead stage fails requests in well under a
+second instead of after a timeout. Every node runs one server: the coordinator's replies (Tokens,
+Errors) arrive on it too and are handed to the sinks registered with :meth:`route_replies`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from meshllm.engine.numpy import Sampler, SamplingParams, StageModel
+from meshllm.errors import MeshllmError
+from meshllm.net import Endpoint, NetError, PeerConnection, PeerEvent, PeerEventKind, Stream
+from meshllm.split import codec
+from meshllm.split.frames import (
+    KIND,
+    LANE_FRAME_MAX,
+    Decode,
+    Error,
+    LaneFrame,
+    Open,
+    Ping,
+    Pong,
+    Prefill,
+    Reset,
+    Stop,
+    Tokens,
+)
+from meshllm.split.lanes import MAX_ACTIVATION_BYTES, Lane, LanePool
+
+log = logging.getLogger(__name__)
+
+ReplySink = Callable[[str, Tokens | Error], None]
+"""``sink(peer_id, frame)``: where a coordinator session receives its Tokens and Errors."""
+
+
+@dataclass
+class _Session:
+    open: Open
+    stage: StageModel
+    upstream: Lane
+    downstream: Lane | None = None
+    """Lane to the next stage, or (last stage) to the coordinator."""
+    sampler: Sampler | None = None
+    history: list[int] = field(default_factory=list)
+
+    @property
+    def last(self) -> bool:
+        return self.open.index == len(self.open.chain) - 1
+
+
+class StageServer:
+    """One node's stage lanes: hosted stages, their sessions, and reply routing for local coordinators."""
+
+    def __init__(self, endpoint: Endpoint, *, max_activation_bytes: int = MAX_ACTIVATION_BYTES) -> None:
+        self.endpoint = endpoint
+        self.max_activation_bytes = max_activation_bytes
+        """Largest activation payload accepted from upstream (larger steps get a ``too-large`` Error)."""
+        self.pool = LanePool(endpoint, self._from_downstream, self._downstream_closed)
+        self._stages: dict[str, StageModel] = {}
+        self._sessions: dict[str, _Session] = {}
+        self._replies: dict[str, ReplySink] = {}
+        self._compute = asyncio.Lock()
+        endpoint.on_stream(KIND, self._serve, max_frame=LANE_FRAME_MAX)
+        self._unsubscribe = endpoint.on_peer_event(self._peer_event)
+
+    # -- API for the node and the coordinator ------------------------------------------------
+
+    def host(self, model: str, stage: StageModel) -> None:
+        """Serve ``stage`` (a loaded layer range) as part of ``model``'s chains."""
+        self._stages[model] = stage
+
+    def unhost(self, model: str) -> None:
+        """Stop serving ``model``; its sessions fail at their next step."""
+        self._stages.pop(model, None)
+
+    @property
+    def sessions(self) -> int:
+        """Sessions with KV on this node (for load reports)."""
+        return len(self._sessions)
+
+    def route_replies(self, session: str, sink: ReplySink) -> Callable[[], None]:
+        """Deliver Tokens and Errors for ``session`` to ``sink``; returns the function that stops it."""
+        self._replies[session] = sink
+        return lambda: self._replies.pop(session, None) if self._replies.get(session) is sink else None
+
+    def close(self) -> None:
+        """Close every lane and free every session."""
+        self._unsubscribe()
+        self.pool.close()
+        for session in list(self._sessions.values()):
+            session.stage.reset(session.open.session)
+        self._sessions.clear()
+
+    # -- incoming lanes ------------------------------------------------------------------------
+
+    async def _serve(self, stream: Stream, peer: PeerConnection) -> None:
+        lane = Lane(
+            stream, peer.node_id or "", self._from_upstream, self._upstream_closed,
+            max_activation_bytes=self.max_activation_bytes,
+        )
+        await lane.run()
+
+    async def _from_upstream(self, lane: Lane, frame: LaneFrame) -> None:
+        if isinstance(frame, Tokens | Error):
+            sink = self._replies.get(frame.session)
+            if sink is not None:
+                sink(lane.peer_id, frame)
+            return
+        if isinstance(frame, Ping):
+            known = self._sessions.get(frame.session)
+            pos = known.stage.session_length(frame.session) if known else -1
+            await lane.send(Pong(nonce=frame.nonce, pos=pos))
+            return
+        if isinstance(frame, Open):
+            await self._open(lane, frame)
+            return
+        session = self._sessions.get(frame.session)  # type: ignore[union-attr]
+        if session is None or session.upstream is not lane:
+            return  # the lane already refused it, or the session failed here before
+        if isinstance(frame, Prefill | Decode):
+            await self._step(session, frame)
+        elif isinstance(frame, Reset | Stop):
+            session.stage.reset(frame.session)
+            session.history = list(session.open.history)
+            if isinstance(frame, Stop):
+                del self._sessions[frame.session]
+            if session.downstream is not None and not session.last:
+                await self._forward(session, frame)
+
+    async def _open(self, lane: Lane, frame: Open) -> None:
+        stage = self._stages.get(frame.model)
+        me = frame.chain[frame.index]
+        if frame.session in self._sessions:
+            return await self._refuse(lane, frame, "duplicate", f"session {frame.session} is open on another lane")
+        if me.node_id != self.endpoint.node_id:
+            return await self._refuse(lane, frame, "not-in-plan", "this node is not that stage of the chain")
+        if stage is None or (stage.layer_start, stage.layer_end) != (frame.layer_start, frame.layer_end):
+            held = f"[{stage.layer_start}, {stage.layer_end})" if stage else "nothing"
+            return await self._refuse(
+                lane, frame, "wrong-stage",
+                f"asked for {frame.model} layers [{frame.layer_start}, {frame.layer_end}), this node holds {held}",
+            )
+        session = _Session(frame, stage, lane)
+        last = frame.index == len(frame.chain) - 1
+        target = frame.chain[0] if last else frame.chain[frame.index + 1]
+        try:
+            session.downstream = await self.pool.get(target.node_id, target.addr)
+            if not last:
+                nxt = {"index": frame.index + 1, "layer_start": target.layer_start, "layer_end": target.layer_end}
+                await session.downstream.send(Open(**{**_fields(frame), **nxt}))
+        except (NetError, OSError, ValueError) as exc:
+            culprit = 0 if last else frame.index + 1
+            return await self._refuse(lane, frame, "hop-lost", f"cannot reach {target.node_id[:12]}: {exc}", culprit)
+        if last:
+            s = frame.sampling
+            session.sampler = Sampler(SamplingParams(
+                temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+                repeat_penalty=s.repeat_penalty, repeat_last_n=s.repeat_last_n,
+                presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty, seed=s.seed,
+            ))
+            session.history = list(frame.history)
+        stage.reset(frame.session)
+        self._sessions[frame.session] = session
+        return None
+
+    async def _step(self, session: _Session, frame: Prefill | Decode) -> None:
+        sid = frame.session
+        try:
+            x = codec.decode(frame.activations, frame.dtype, frame.n_tokens, frame.shape[1])
+            async with self._compute:
+                out = await asyncio.to_thread(session.stage.forward, sid, x, frame.pos, last_only=session.last)
+        except MeshllmError as exc:
+            return await self._refuse(session.upstream, frame, "stage-error", str(exc))
+        if not session.last:
+            step = type(frame)(**{**_fields(frame), "activations": codec.encode(out, frame.dtype), "shape": out.shape})
+            return await self._forward(session, step)
+        if isinstance(frame, Prefill) and not frame.sample:
+            return None
+        token = await asyncio.to_thread(self._sample, session, out[-1])
+        end = frame.pos + frame.n_tokens
+        finish = "stop" if token in session.open.stop_ids else "length" if end + 1 >= session.open.max_context else None
+        return await self._forward(session, Tokens(session=sid, pos=end, token_ids=[token], finish=finish))
+
+    def _sample(self, session: _Session, logits: np.ndarray) -> int:
+        assert session.sampler is not None
+        token = session.sampler(logits, session.history)
+        session.history.append(token)
+        return token
+
+    async def _forward(self, session: _Session, frame: LaneFrame) -> None:
+        """Send downstream (or the reply to the coordinator); a failure goes upstream as an Error."""
+        assert session.downstream is not None
+        try:
+            await session.downstream.send(frame)
+        except NetError as exc:
+            culprit = 0 if session.last else session.open.index + 1
+            await self._fail_upstream(session, "hop-lost", f"lane to {session.downstream.peer_id[:12]}: {exc}", culprit)
+
+    async def _refuse(self, lane: Lane, frame: LaneFrame, code: str, message: str, stage: int | None = None) -> None:
+        sid = getattr(frame, "session", "")
+        lane.state.forget(sid)
+        here = frame.index if isinstance(frame, Open) else lane.state.stage
+        error = Error(session=sid, code=code, message=message, stage=here if stage is None else stage)
+        await self._send_quietly(lane, error)
+
+    async def _fail_upstream(self, session: _Session, code: str, message: str, stage: int) -> None:
+        sid = session.open.session
+        self._sessions.pop(sid, None)
+        session.stage.reset(sid)
+        session.upstream.state.forget(sid)
+        await self._send_quietly(session.upstream, Error(session=sid, code=code, message=message, stage=stage))
+
+    async def _send_quietly(self, lane: Lane, frame: LaneFrame) -> None:
+        try:
+            await lane.send(frame)
+        except NetError as exc:
+            log.debug("could not tell %s: %s", lane.peer_id[:12], exc)
+
+    # -- outgoing lanes --------------------------------------------------------------------------
+
+    async def _from_downstream(self, lane: Lane, frame: LaneFrame) -> None:
+        """Errors from the next stage go to the session's upstream, or to the local coordinator's sink."""
+        if not isinstance(frame, Error):
+            return
+        if (session := self._sessions.get(frame.session)) is not None:
+            await self._fail_upstream(session, frame.code, frame.message, frame.stage)
+        elif (sink := self._replies.get(frame.session)) is not None:
+            sink(lane.peer_id, frame)
+
+    def _downstream_closed(self, lane: Lane, reason: str) -> None:
+        self._fail_through(lane.peer_id, "hop-lost", f"lane closed: {reason}")
+
+    def _peer_event(self, event: PeerEvent) -> None:
+        if event.kind in (PeerEventKind.SUSPECT, PeerEventKind.CLOSED):
+            self._fail_through(event.node_id, f"hop-{event.kind.value}", event.reason or f"node is {event.kind.value}")
+
+    def _fail_through(self, node_id: str, code: str, message: str) -> None:
+        for session in [s for s in self._sessions.values() if s.downstream and s.downstream.peer_id == node_id]:
+            culprit = 0 if session.last else session.open.index + 1
+            asyncio.get_running_loop().create_task(self._fail_upstream(session, code, message, culprit))
+
+    def _upstream_closed(self, lane: Lane, reason: str) -> None:
+        for sid in [sid for sid, s in self._sessions.items() if s.upstream is lane]:
+            session = self._sessions.pop(sid)
+            session.stage.reset(sid)
+            if session.downstream is not None and not session.last and session.downstream.closed is None:
+                asyncio.get_running_loop().create_task(self._send_quietly(session.downstream, Stop(session=sid)))
+
+
+def _fields(frame: LaneFrame) -> dict[str, object]:
+    return {name: getattr(frame, name) for name in frame.__struct_fields__}

@@ -1,0 +1,199 @@
+"""OpenAI-shaped errors, limits, and cancellation when the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from api_server import serve
+from fastapi import APIRouter
+
+from meshllm.api.app import ApiLimits, LocalBackend, ModelEntry, create_app
+from meshllm.api.errors import NoCapacity
+from meshllm.engine.base import Finish, GenerationEvent, GenerationRequest, TextDelta, Usage
+from meshllm.engine.llama import LlamaEngine
+
+CHAT = "/v1/chat/completions"
+HELLO = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+
+
+def assert_openai_error(response: httpx.Response, status: int, code: str | None = None) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert set(error) >= {"message", "type", "code"}
+    assert error["message"] and "Traceback" not in error["message"]
+    if code is not None:
+        assert error["code"] == code
+    return error
+
+
+def test_unknown_model_is_404(tiny_server: str) -> None:
+    response = httpx.post(tiny_server + CHAT, json={**HELLO, "model": "nope"})
+    assert "nope" in assert_openai_error(response, 404, "model_not_found")["message"]
+    client = openai.OpenAI(base_url=f"{tiny_server}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x")
+    assert_openai_error(httpx.get(tiny_server + "/v1/models/nope"), 404, "model_not_found")
+
+
+def test_bad_json_is_400(tiny_server: str) -> None:
+    response = httpx.post(tiny_server + CHAT, content=b'{"model": ', headers={"content-type": "application/json"})
+    assert_openai_error(response, 400, "invalid_json")
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "tiny-llama"}, "messages"),
+        ({"messages": [{"role": "user", "content": "x"}]}, "model"),
+        ({**HELLO, "temperature": 9}, "temperature"),
+        ({**HELLO, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ({**HELLO, "n": 2}, "n"),
+        ({**HELLO, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ],
+)
+def test_missing_or_invalid_fields_are_422(tiny_server: str, body: dict[str, Any], param: str) -> None:
+    error = assert_openai_error(httpx.post(tiny_server + CHAT, json=body), 422, "invalid_value")
+    assert error["param"] == param and error["message"].startswith(param)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "words"),
+    [
+        (CHAT, {**HELLO, "response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/completions", {"model": "tiny-llama", "prompt": "x", "suffix": "y"}, "suffix"),
+    ],
+)
+def test_unsupported_values_are_400(tiny_server: str, path: str, body: dict[str, Any], words: str) -> None:
+    assert words in assert_openai_error(httpx.post(tiny_server + path, json=body), 400)["message"]
+
+
+def test_prompt_over_the_context_is_400(tiny_server: str) -> None:
+    body = {**HELLO, "messages": [{"role": "user", "content": "x" * 600}]}
+    assert_openai_error(httpx.post(tiny_server + CHAT, json=body), 400, "context_length_exceeded")
+
+
+def test_body_over_the_limit_is_413(tiny_server: str) -> None:
+    big = {**HELLO, "messages": [{"role": "user", "content": "x" * 300_000}]}
+    assert_openai_error(httpx.post(tiny_server + CHAT, json=big), 413, "request_too_large")
+
+    def chunks() -> Iterator[bytes]:  # no content-length: the limit counts bytes as they arrive
+        yield b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "'
+        for _ in range(40):
+            yield b"y" * 8192
+        yield b'"}]}'
+
+    response = httpx.post(tiny_server + CHAT, content=chunks(), headers={"content-type": "application/json"})
+    assert_openai_error(response, 413, "request_too_large")
+
+
+def test_unknown_route_and_method_are_openai_shaped(tiny_server: str) -> None:
+    assert_openai_error(httpx.get(tiny_server + "/v1/nothing"), 404)
+    assert_openai_error(httpx.get(tiny_server + CHAT), 405)
+
+
+def test_health(tiny_server: str) -> None:
+    assert httpx.get(tiny_server + "/health").json() == {"status": "ok", "models": 1, "active_requests": 0}
+
+
+class GatedBackend:
+    """A backend whose generations wait until released: holds admission slots on demand."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.started = threading.Event()
+
+    def models(self) -> list[ModelEntry]:
+        return [ModelEntry(id="gated", nodes=("n1",))]
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        self.started.set()
+        while not self.release.is_set():
+            await asyncio.sleep(0.01)
+        yield TextDelta("ok")
+        yield Finish(reason="stop", usage=Usage(1, 1))
+
+
+def test_concurrency_limit_gives_503_after_the_queue_deadline() -> None:
+    backend = GatedBackend()
+    app = create_app(backend, ApiLimits(max_concurrent=1, queue_timeout_s=0.2))
+    body = {"model": "gated", "prompt": "x"}
+    with serve(app) as url:
+        results: list[httpx.Response] = []
+        holder = threading.Thread(target=lambda: results.append(httpx.post(url + "/v1/completions", json=body)))
+        holder.start()
+        assert backend.started.wait(5)
+        started = time.monotonic()
+        refused = httpx.post(url + "/v1/completions", json=body)
+        assert 0.15 < time.monotonic() - started < 3
+        assert_openai_error(refused, 503, "no_capacity")
+        backend.release.set()
+        holder.join(10)
+        assert results[0].status_code == 200 and results[0].json()["choices"][0]["text"] == "ok"
+        assert httpx.get(url + "/health").json()["active_requests"] == 0
+
+
+@pytest.fixture
+def slow_engine(tiny_engine: LlamaEngine, monkeypatch: pytest.MonkeyPatch) -> LlamaEngine:
+    """The tiny engine, slowed to ~200 tokens/s so a disconnect lands mid-generation."""
+    llama = tiny_engine._llama
+    original = llama.generate
+
+    def slow_generate(*args: Any, **kwargs: Any) -> Iterator[int]:
+        for token in original(*args, **kwargs):
+            time.sleep(0.005)
+            yield token
+
+    monkeypatch.setattr(llama, "generate", slow_generate)
+    return tiny_engine
+
+
+def wait_for(predicate: Any, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_cancels_generation(slow_engine: LlamaEngine, stream: bool) -> None:
+    app = create_app(LocalBackend([slow_engine]))
+    before = slow_engine.stats.cancelled, slow_engine.stats.completion_tokens
+    body = {"model": "tiny-llama", "prompt": "go", "max_tokens": 400, "temperature": 0, "stream": stream}
+    with serve(app) as url:
+        if stream:
+            with httpx.stream("POST", url + "/v1/completions", json=body) as response:
+                lines = response.iter_lines()
+                assert next(lines).startswith("data: ")
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(url + "/v1/completions", json=body, timeout=0.3)
+        assert wait_for(lambda: slow_engine.stats.cancelled == before[0] + 1)
+    generated = slow_engine.stats.completion_tokens - before[1]
+    assert generated < 300  # stopped long before max_tokens
+    assert slow_engine.load_report().running == 0
+
+
+def test_extra_routers_are_served_with_openai_shaped_errors() -> None:
+    extra = APIRouter()
+
+    @extra.get("/api/ping")
+    async def ping() -> dict[str, str]:
+        return {"pong": "yes"}
+
+    @extra.get("/api/busy")
+    async def busy() -> dict[str, str]:
+        raise NoCapacity("busy")
+
+    with serve(create_app(GatedBackend(), routers=[extra])) as url:
+        assert httpx.get(url + "/api/ping").json() == {"pong": "yes"}
+        assert_openai_error(httpx.get(url + "/api/busy"), 503, "no_capacity")

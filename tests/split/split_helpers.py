@@ -1,0 +1,68 @@
+"""Shared helpers of the split tests: real QUIC endpoints on 127.0.0.1 hosting stages of a tiny model."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tinymodels, net helpers
+
+from net.net_helpers import endpoint
+
+from meshllm.engine.numpy import Sampler, SamplingParams, StageModel
+from meshllm.net import Endpoint
+from meshllm.split import Hop, SplitCoordinator, StageServer
+
+MODEL = "tiny"
+PROMPT = [1, 72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100]
+
+
+@dataclass
+class Chain:
+    """A coordinator plus stage servers, each on its own endpoint."""
+
+    endpoints: list[Endpoint]
+    servers: list[StageServer]
+    hops: list[Hop]
+    coordinator: SplitCoordinator
+
+    async def close(self) -> None:
+        for server in self.servers:
+            server.close()
+        for ep in self.endpoints:
+            await ep.close()
+
+
+def addr(ep: Endpoint) -> str:
+    host, port = ep.local_addr
+    return f"{host}:{port}"
+
+
+async def make_chain(path: Path, bounds: list[int], **coord_kwargs: object) -> Chain:
+    """Stages [bounds[i], bounds[i+1]) on one endpoint each; stage 0 is the coordinator."""
+    eps = [await endpoint(probe_interval=0.1) for _ in range(len(bounds) - 1)]
+    servers = [StageServer(ep) for ep in eps]
+    hops = [Hop(ep.node_id, addr(ep), a, b) for ep, a, b in zip(eps, bounds, bounds[1:], strict=False)]
+    for server, hop in zip(servers[1:], hops[1:], strict=True):
+        server.host(MODEL, StageModel.load(path, hop.layer_start, hop.layer_end, max_context=256))
+    first = StageModel.load(path, 0, bounds[1], max_context=256)
+    coord = SplitCoordinator(servers[0], MODEL, first, hops, **coord_kwargs)  # type: ignore[arg-type]
+    return Chain(eps, servers, hops, coord)
+
+
+def solo_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens of the whole model in one stage (the reference)."""
+    stage = StageModel.load(path, max_context=256)
+    sampler = Sampler(SamplingParams(temperature=0.0))
+    history = list(prompt)
+    logits = stage.forward("s", np.asarray(prompt), 0, last_only=True)
+    out: list[int] = []
+    for _ in range(n):
+        token = sampler(logits[-1], history)
+        out.append(token)
+        history.append(token)
+        logits = stage.forward("s", np.asarray([token]), len(history) - 1, last_only=True)
+    return out

@@ -1,0 +1,114 @@
+"""The split planner: property tests (contiguous, covering, within memory, no excluded nodes) and choices."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshllm.split import Candidate, ModelProfile, NoChainFits, PlanOptions, plan
+
+GB = 1024**3
+MODEL = ModelProfile(n_layers=24, layer_bytes=GB // 2, first_bytes=GB, last_bytes=GB, layer_flops=2e8, head_flops=4e8)
+
+
+def rtts(ids: list[str], ms: float) -> dict[str, dict[str, float]]:
+    return {a: {b: ms for b in ids if b != a} for a in ids}
+
+
+def test_solo_when_the_requester_holds_everything() -> None:
+    nodes = [Candidate("a", 64 * GB, gflops=50), Candidate("b", 64 * GB, gflops=50)]
+    p = plan(MODEL, nodes, rtts(["a", "b"], 1.0), "a")
+    assert p.solo and p.chain == [("a", 0, 24)]
+    assert p.network_s == 0 and p.overhead_s == 0
+
+
+def test_split_when_memory_demands_it() -> None:
+    nodes = [Candidate("a", 8 * GB, gflops=50), Candidate("b", 10 * GB, gflops=50)]
+    p = plan(MODEL, nodes, rtts(["a", "b"], 2.0), "a")
+    assert [s.node_id for s in p.stages] == ["a", "b"]
+    assert p.network_s == pytest.approx(0.002)  # a 2-stage ring is one RTT
+    assert all(s.memory_bytes <= 10 * GB for s in p.stages)
+
+
+def test_split_when_a_faster_node_pays_for_the_hop() -> None:
+    nodes = [Candidate("slow", 64 * GB, gflops=1), Candidate("fast", 8 * GB, gflops=1000)]
+    p = plan(MODEL, nodes, rtts(["slow", "fast"], 0.5), "slow")
+    assert p.chain == [("slow", 0, 10), ("fast", 10, 24)]  # the fast node takes all its memory holds
+
+
+def test_no_split_when_the_network_costs_more_than_it_saves() -> None:
+    nodes = [Candidate("a", 64 * GB, gflops=100), Candidate("b", 64 * GB, gflops=120)]
+    assert plan(MODEL, nodes, rtts(["a", "b"], 80.0), "a").solo
+
+
+def test_forced_stage_count_and_memory_cap() -> None:
+    nodes = [Candidate(n, 64 * GB, gflops=50) for n in "abc"]
+    assert len(plan(MODEL, nodes, rtts(list("abc"), 1.0), "a", PlanOptions(stages=3)).stages) == 3
+    capped = plan(MODEL, nodes, rtts(list("abc"), 1.0), "a", PlanOptions(max_memory_per_node=6 * GB))
+    assert len(capped.stages) >= 3 - 1 and all(s.memory_bytes <= 6 * GB for s in capped.stages)
+
+
+def test_relay_only_and_clients_are_never_stages() -> None:
+    nodes = [
+        Candidate("a", 8 * GB, gflops=10),
+        Candidate("relay", 64 * GB, gflops=1000, relay_only=True),
+        Candidate("client", 64 * GB, gflops=1000, role="client"),
+        Candidate("b", 10 * GB, gflops=10),
+    ]
+    p = plan(MODEL, nodes, rtts(["a", "b", "relay", "client"], 1.0), "a")
+    assert {s.node_id for s in p.stages} == {"a", "b"}
+
+
+def test_requester_that_cannot_hold_a_layer_is_not_the_coordinator() -> None:
+    nodes = [Candidate("tiny", GB // 2, gflops=10), Candidate("big", 64 * GB, gflops=10)]
+    assert plan(MODEL, nodes, rtts(["tiny", "big"], 1.0), "tiny").chain == [("big", 0, 24)]
+
+
+def test_no_chain_names_the_shortfall() -> None:
+    nodes = [Candidate("a", 4 * GB), Candidate("b", 4 * GB)]
+    with pytest.raises(NoChainFits) as err:
+        plan(MODEL, nodes, rtts(["a", "b"], 1.0), "a")
+    assert err.value.shortfall_bytes == 14 * GB - 8 * GB
+    assert "GiB short" in str(err.value)
+
+
+node_st = st.builds(
+    Candidate,
+    node_id=st.sampled_from([f"n{i}" for i in range(7)]),
+    memory_bytes=st.integers(0, 16).map(lambda g: g * GB // 2),
+    gflops=st.floats(0.5, 500),
+    role=st.sampled_from(["host", "worker", "client"]),
+    relay_only=st.booleans(),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    nodes=st.lists(node_st, min_size=1, max_size=6, unique_by=lambda c: c.node_id),
+    layers=st.integers(1, 40),
+    rtt=st.floats(0.1, 50),
+    cap=st.one_of(st.none(), st.integers(1, 8).map(lambda g: g * GB)),
+)
+def test_plans_are_contiguous_cover_all_layers_and_fit(
+    nodes: list[Candidate], layers: int, rtt: float, cap: int | None
+) -> None:
+    model = ModelProfile(n_layers=layers, layer_bytes=GB // 4, first_bytes=GB // 2, last_bytes=GB // 2, layer_flops=1e8)
+    ids = [c.node_id for c in nodes]
+    opts = PlanOptions(max_memory_per_node=cap, max_stages=3)
+    try:
+        p = plan(model, nodes, rtts(ids, rtt), ids[0], opts)
+    except NoChainFits as exc:
+        assert exc.shortfall_bytes >= 0
+        return
+    by_id = {c.node_id: c for c in nodes}
+    assert p.stages[0].layer_start == 0 and p.stages[-1].layer_end == layers
+    for a, b in zip(p.stages, p.stages[1:], strict=False):
+        assert a.layer_end == b.layer_start
+    assert len({s.node_id for s in p.stages}) == len(p.stages)
+    for s in p.stages:
+        c = by_id[s.node_id]
+        assert s.layer_end > s.layer_start
+        assert not c.relay_only and c.role != "client"
+        assert s.memory_bytes <= min(c.memory_bytes, cap or c.memory_bytes)
+    assert p.total_s == pytest.approx(p.compute_s + p.network_s + p.overhead_s)

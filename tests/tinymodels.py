@@ -1,0 +1,192 @@
+"""Tiny GGUF models with random weights, written in milliseconds, that llama.cpp loads and runs.
+
+Every writer is deterministic in its seed. The vocabulary is the one FACTS.md describes: tokenizer
+model ``llama`` with 259 tokens (``<unk>``, ``<s>``, ``</s>``, then the 256 byte tokens), so any text
+tokenizes (as bytes) and llama-cpp-python can serve the model. Weights are float32 (``ALL_F32``)
+unless a test asks for another tensor type.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+VOCAB = 259
+BOS, EOS, UNK = 1, 2, 0
+
+
+def _add_vocab(w: gguf.GGUFWriter) -> None:
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * VOCAB)
+    w.add_token_types([2, 3, 3] + [6] * 256)
+    w.add_bos_token_id(BOS)
+    w.add_eos_token_id(EOS)
+    w.add_unk_token_id(UNK)
+
+
+def _matrix(rng: np.random.Generator, out: int, inp: int, scale: float | None = None) -> np.ndarray:
+    """A random [out, in] numpy matrix (a GGUF [in, out] tensor), scaled like a trained layer."""
+    s = scale if scale is not None else 1.0 / np.sqrt(inp)
+    return (rng.standard_normal((out, inp)) * s).astype(np.float32)
+
+
+def _norm(rng: np.random.Generator, n: int, center: float = 1.0) -> np.ndarray:
+    return (center + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+
+def write_tiny_llama(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    n_layers: int = 2,
+    width: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    ffn: int = 128,
+    arch: str = "llama",
+    context: int = 2048,
+    rope_scaling: dict[str, object] | None = None,
+) -> Path:
+    """Write a llama-style model (``arch`` llama or qwen2; qwen2 gets q/k/v biases) and return its path.
+
+    ``rope_scaling`` adds ``<arch>.rope.scaling.*`` keys, e.g. ``{"type": "linear", "factor": 2.0}``.
+    """
+    path = Path(path)
+    rng = np.random.default_rng(seed)
+    head_dim = width // heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{arch}")
+    w.add_context_length(context)
+    w.add_embedding_length(width)
+    w.add_block_count(n_layers)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(head_dim)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for key, value in (rope_scaling or {}).items():
+        full = f"{arch}.rope.scaling.{key}"
+        if isinstance(value, str):
+            w.add_string(full, value)
+        elif isinstance(value, int):
+            w.add_uint32(full, value)
+        else:
+            w.add_float32(full, float(value))
+    _add_vocab(w)
+    w.add_tensor("token_embd.weight", (rng.standard_normal((VOCAB, width)) * 0.5).astype(np.float32))
+    for il in range(n_layers):
+        p = f"blk.{il}."
+        w.add_tensor(p + "attn_norm.weight", _norm(rng, width))
+        w.add_tensor(p + "attn_q.weight", _matrix(rng, heads * head_dim, width))
+        w.add_tensor(p + "attn_k.weight", _matrix(rng, kv_heads * head_dim, width))
+        w.add_tensor(p + "attn_v.weight", _matrix(rng, kv_heads * head_dim, width))
+        if arch == "qwen2":
+            w.add_tensor(p + "attn_q.bias", (0.1 * rng.standard_normal(heads * head_dim)).astype(np.float32))
+            w.add_tensor(p + "attn_k.bias", (0.1 * rng.standard_normal(kv_heads * head_dim)).astype(np.float32))
+            w.add_tensor(p + "attn_v.bias", (0.1 * rng.standard_normal(kv_heads * head_dim)).astype(np.float32))
+        w.add_tensor(p + "attn_output.weight", _matrix(rng, width, heads * head_dim))
+        w.add_tensor(p + "ffn_norm.weight", _norm(rng, width))
+        w.add_tensor(p + "ffn_gate.weight", _matrix(rng, ffn, width))
+        w.add_tensor(p + "ffn_up.weight", _matrix(rng, ffn, width))
+        w.add_tensor(p + "ffn_down.weight", _matrix(rng, width, ffn))
+    w.add_tensor("output_norm.weight", _norm(rng, width))
+    w.add_tensor("output.weight", _matrix(rng, VOCAB, width, scale=2.0 / np.sqrt(width)))
+    _finish(w)
+    return path
+
+
+def write_tiny_gemma3(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    n_layers: int = 7,
+    width: int = 64,
+    heads: int = 4,
+    kv_heads: int = 1,
+    head_dim: int = 32,
+    ffn: int = 128,
+    sliding_window: int = 8,
+    softcap: float | None = None,
+) -> Path:
+    """Write a Gemma 3 model with tied embeddings and return its path.
+
+    Seven layers with the default pattern give local layers 0-4 and 6 and global layer 5; the small
+    window makes sliding-window masking matter within a short prompt. ``softcap`` adds final logit
+    soft-capping, which Gemma 3 itself does not use.
+    """
+    path = Path(path)
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_name("tiny-gemma3")
+    w.add_context_length(2048)
+    w.add_embedding_length(width)
+    w.add_block_count(n_layers)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(1_000_000.0)
+    w.add_sliding_window(sliding_window)
+    if softcap is not None:
+        w.add_final_logit_softcapping(softcap)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    _add_vocab(w)
+    w.add_tensor("token_embd.weight", (rng.standard_normal((VOCAB, width)) / np.sqrt(width)).astype(np.float32))
+    for il in range(n_layers):
+        p = f"blk.{il}."
+        w.add_tensor(p + "attn_norm.weight", _norm(rng, width))
+        w.add_tensor(p + "attn_q.weight", _matrix(rng, heads * head_dim, width))
+        w.add_tensor(p + "attn_k.weight", _matrix(rng, kv_heads * head_dim, width))
+        w.add_tensor(p + "attn_v.weight", _matrix(rng, kv_heads * head_dim, width))
+        w.add_tensor(p + "attn_q_norm.weight", _norm(rng, head_dim))
+        w.add_tensor(p + "attn_k_norm.weight", _norm(rng, head_dim))
+        w.add_tensor(p + "attn_output.weight", _matrix(rng, width, heads * head_dim))
+        w.add_tensor(p + "post_attention_norm.weight", _norm(rng, width, 0.5))
+        w.add_tensor(p + "ffn_norm.weight", _norm(rng, width))
+        w.add_tensor(p + "ffn_gate.weight", _matrix(rng, ffn, width))
+        w.add_tensor(p + "ffn_up.weight", _matrix(rng, ffn, width))
+        w.add_tensor(p + "ffn_down.weight", _matrix(rng, width, ffn))
+        w.add_tensor(p + "post_ffw_norm.weight", _norm(rng, width, 0.5))
+    w.add_tensor("output_norm.weight", _norm(rng, width))
+    _finish(w)
+    return path
+
+
+def write_tiny_gguf(
+    path: str | Path, arch: str, tensors: dict[str, np.ndarray], *, raw_types: dict[str, int] | None = None
+) -> Path:
+    """Write a GGUF with llama-like metadata for ``arch`` and the given tensors (for refusal tests).
+
+    ``raw_types`` maps a tensor name to a ``GGMLQuantizationType``; its array is then taken as the
+    tensor's raw bytes in that type.
+    """
+    path = Path(path)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(256)
+    w.add_embedding_length(64)
+    w.add_block_count(1)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-5)
+    _add_vocab(w)
+    for name, array in tensors.items():
+        raw = (raw_types or {}).get(name)
+        w.add_tensor(name, array, raw_dtype=gguf.GGMLQuantizationType(raw) if raw is not None else None)
+    _finish(w)
+    return path
+
+
+def _finish(w: gguf.GGUFWriter) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
