@@ -22,7 +22,7 @@ T = TypeVar("T", bound=msgspec.Struct)
 SIGNATURE_SIZE = 64
 
 
-class Signed(msgspec.Struct, array_like=True, frozen=True):
+class Signed(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
     """A signed body: what every signed object is on the wire."""
 
     domain: str

@@ -60,7 +60,7 @@ def is_mesh_id(text: str) -> bool:
             and all(c in "abcdefghijklmnopqrstuvwxyz234567" for c in body))
 
 
-class Invite(msgspec.Struct, array_like=True, frozen=True):
+class Invite(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
     """What the mesh key signs to let nodes in."""
 
     mesh_id: str
@@ -79,7 +79,7 @@ class Invite(msgspec.Struct, array_like=True, frozen=True):
     """``host:port`` UDP addresses of members to dial."""
 
 
-class MembershipProof(msgspec.Struct, array_like=True, frozen=True):
+class MembershipProof(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
     """A node's signed claim: "I, node_id, joined mesh_id with this invite". Carried in its record."""
 
     mesh_id: str
@@ -93,7 +93,7 @@ class MembershipProof(msgspec.Struct, array_like=True, frozen=True):
 RevocationTarget = Literal["invite", "node"]
 
 
-class Revocation(msgspec.Struct, array_like=True, frozen=True):
+class Revocation(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
     """Signed by the mesh key: an invite id or a node id is no longer welcome."""
 
     mesh_id: str
