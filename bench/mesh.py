@@ -72,7 +72,7 @@ def main() -> None:
                      "target": target})
     print(f"\n{args.nodes} nodes, {args.runs} runs ({time.strftime('%Y-%m-%d')})")
     print(f"| {'metric':<11} | {'median s':>8} | {'min s':>6} | {'max s':>6} | {'target s':>8} |")
-    print(f"|{'-' * 13}|{'-' * 10}:|{'-' * 7}:|{'-' * 7}:|{'-' * 9}:|")
+    print(f"|{'-' * 13}|{'-' * 9}:|{'-' * 7}:|{'-' * 7}:|{'-' * 9}:|")
     for r in rows:
         print(f"| {r['metric']:<11} | {r['median']:>8.2f} | {r['min']:>6.2f} | {r['max']:>6.2f} "
               f"| {r['target']:>8.1f} |")
