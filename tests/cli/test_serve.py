@@ -101,3 +101,35 @@ def test_second_node_on_a_busy_api_port_says_what_to_do(trio: list[NodeProcess],
     out = meshllm("serve", "--client", "--home", str(tmp_path / "z"), "--port", port, "--mesh-port", "0",
                   "--mesh-host", "127.0.0.1")
     assert out.returncode == 1 and "--port" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_event_stream_replays_history_then_streams_live_events(trio: list[NodeProcess], tmp_path: Path) -> None:
+    from meshllm.cli.api_client import open_events
+
+    with open_events(trio[0].api, idle_timeout=10.0) as events:
+        seen = []
+        for event in events:
+            seen.append(event)
+            if event["type"] == "peer_joined" and event["node_id"] == trio[2].node_id:
+                break
+        else:
+            pytest.fail("the stream ended without gamma's peer_joined event")
+        assert any(e["type"] == "ready" for e in seen), "history starts with the node's own events"
+        # A live event: a fourth node joins and leaves.
+        extra = NodeProcess(tmp_path / "delta", ["--client", "--join", trio[0].ready["invite"]], "delta")
+        try:
+            extra.wait_ready()
+            for event in events:
+                if event["type"] == "peer_joined" and event["node_id"] == extra.node_id:
+                    break
+            else:
+                pytest.fail("no live peer_joined event for delta")
+            extra.terminate()
+            for event in events:
+                if event["type"] == "peer_left" and event["node_id"] == extra.node_id:
+                    assert event["reason"] == "left"
+                    break
+            else:
+                pytest.fail("no live peer_left event for delta")
+        finally:
+            extra.kill()
