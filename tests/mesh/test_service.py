@@ -144,6 +144,20 @@ async def send_gossip(conn: Any, message: Any) -> None:
     stream.close()
 
 
+async def gossip_honest_record(h: Harness, conn: Any, key: SigningKey, name: str) -> PeerRecord:
+    """Gossip a valid record for ``key`` through ``conn``; return it once the owner has stored it."""
+    record = PeerRecord(node_id=node_id(bytes(key.verify_key)), mesh_id=h.mesh_key.mesh_id, seq=10,
+                        membership_proof=proof_for(key, h.token()), name=name)
+    await send_gossip(conn, Exchange([sign_record(key, record)]))
+    assert h.owner.gossip is not None
+    for _ in range(100):
+        if record.node_id in h.owner.gossip.members():
+            break
+        await asyncio.sleep(0.02)
+    assert h.owner.gossip.members()[record.node_id].name == name
+    return record
+
+
 async def wait_for(h: Harness, kind: str, timeout: float = 3.0) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -159,16 +173,9 @@ async def wait_for(h: Harness, kind: str, timeout: float = 3.0) -> dict[str, Any
 def test_bad_gossiped_records_are_dropped_and_logged(case: str) -> None:
     async def body(h: Harness) -> None:
         conn, key = await admitted_raw_peer(h)
-        nid = node_id(bytes(key.verify_key))
-        good = PeerRecord(node_id=nid, mesh_id=h.mesh_key.mesh_id, seq=10, membership_proof=proof_for(key, h.token()),
-                          name="honest")
-        await send_gossip(conn, Exchange([sign_record(key, good)]))
+        good = await gossip_honest_record(h, conn, key, "honest")
+        nid = good.node_id
         assert h.owner.gossip is not None
-        for _ in range(100):
-            if nid in h.owner.gossip.members():
-                break
-            await asyncio.sleep(0.02)
-        assert h.owner.gossip.members()[nid].name == "honest"
         if case == "bad signature":
             raw = bytearray(sign_record(key, msgspec.structs.replace(good, seq=11, name="evil")))
             raw[-1] ^= 1
@@ -204,15 +211,6 @@ def test_malformed_frame_resets_that_stream_not_the_connection() -> None:
         with pytest.raises(StreamClosed):
             await stream.recv(dict, timeout=3)
         # The connection and the node still work: an honest record gets through afterwards.
-        nid = node_id(bytes(key.verify_key))
-        good = PeerRecord(node_id=nid, mesh_id=h.mesh_key.mesh_id, seq=10, membership_proof=proof_for(key, h.token()),
-                          name="after")
-        await send_gossip(conn, Exchange([sign_record(key, good)]))
-        assert h.owner.gossip is not None
-        for _ in range(100):
-            if nid in h.owner.gossip.members():
-                break
-            await asyncio.sleep(0.02)
-        assert h.owner.gossip.members()[nid].name == "after"
+        await gossip_honest_record(h, conn, key, "after")
 
     run(body)
