@@ -16,6 +16,8 @@ from rich.console import Console
 from rich.logging import RichHandler
 
 Event = dict[str, Any]
+SUMMARISED = frozenset({"ready"})
+"""Events that ``meshllm serve`` prints as a readable summary in pretty mode instead of a log line."""
 
 
 class JsonLineHandler(logging.Handler):
@@ -53,6 +55,8 @@ def event_sink(log_format: str) -> Any:
     console = Console(stderr=True, highlight=False)
 
     def pretty(event: Event) -> None:
+        if event["type"] in SUMMARISED:
+            return
         fields = " ".join(f"{k}={v}" for k, v in event.items() if k not in ("type", "ts"))
         console.print(f"[dim]{time.strftime('%H:%M:%S')}[/] [bold]{event['type']}[/] {fields}")
 
