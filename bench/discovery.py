@@ -3,9 +3,15 @@
 Starts ``--nodes`` DhtNodes on 127.0.0.1 (one bootstrap), then for ``--rounds`` rounds: a random
 node publishes a fresh listing of its own mesh (``put``), another reads it (``get``, network
 lookup), another lists every published mesh (``find``). Also times ``fetch_listing`` over QUIC
-from a throwaway endpoint to a listing endpoint. Prints medians and p90 and writes JSON.
+from a throwaway endpoint to a listing endpoint.
 
-Usage: ``python bench/discovery.py [--nodes 6] [--rounds 20] [--out bench/results/discovery.json]``
+Then, through real nodes (``meshllm serve`` subprocesses, tiny model), for ``--node-rounds`` rounds:
+``publish_visible`` is from running ``meshllm publish`` until a DHT client bootstrapped from
+another node's DHT sees the listing; ``join_ready`` / ``join_member`` are from launching ``meshllm
+join <mesh-id>`` (DHT only) until the node is ready / sees the publisher alive (includes process
+start, about 1.5 s of imports). Prints medians and p90 and writes JSON.
+
+Usage: ``python bench/discovery.py [--nodes 6] [--rounds 20] [--node-rounds 3] [--out bench/results/discovery.json]``
 """
 
 from __future__ import annotations
@@ -15,6 +21,9 @@ import asyncio
 import json
 import random
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,7 +32,13 @@ from nacl.signing import SigningKey
 from meshllm.discovery.dht import DhtNode
 from meshllm.discovery.listing import make_listing, new_open_invite
 from meshllm.discovery.quic_listing import ListingServer, fetch_listing, listing_client
+from meshllm.discovery.resolve import dht_lookup
 from meshllm.mesh.admission import MeshKey
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests" / sub) for sub in ("", "node")]
+from discovery_nodes import CliNode  # noqa: E402
+from nodes import running_nodes, wait_until  # noqa: E402
+from tinymodels import write_tiny_llama  # noqa: E402
 
 
 def listing(key: MeshKey, name: str) -> bytes:
@@ -72,6 +87,41 @@ async def quic_fetch(rounds: int) -> list[float]:
     return samples
 
 
+def node_rounds(rounds: int) -> dict[str, list[float]]:
+    """Publish-to-visible and join-by-id through CLI nodes on 127.0.0.1 (a fresh pair of nodes per round)."""
+    samples: dict[str, list[float]] = {"publish_visible": [], "join_ready": [], "join_member": []}
+    for _ in range(rounds):
+        node_round(samples)
+    return samples
+
+
+def node_round(samples: dict[str, list[float]]) -> None:
+    """One round of :func:`node_rounds` with its own nodes and folder."""
+    with tempfile.TemporaryDirectory() as tmp, running_nodes() as nodes:
+        root = Path(tmp)
+        model = write_tiny_llama(root / "tiny.gguf")
+        owner = CliNode(root / "a", ["--model", str(model), "--dht-port", "0"], "a")
+        nodes.append(owner)
+        owner.wait_ready()
+        peer = CliNode(root / "d", ["--client", "--dht-bootstrap", owner.dht_addr()], "d")
+        nodes.append(peer)
+        peer.wait_ready()
+        bootstrap, mesh_id = peer.dht_addr(), owner.ready["mesh_id"]
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "meshllm", "publish", "--name", "bench", "--api", owner.api],
+                       check=True, capture_output=True, timeout=60)
+        wait_until(lambda: bool(asyncio.run(dht_lookup([bootstrap], 5.0, mesh_id))), 30.0, interval=0.05)
+        samples["publish_visible"].append((time.perf_counter() - start) * 1000)
+        start = time.perf_counter()
+        joiner = CliNode(root / "e", [mesh_id, "--client", "--dht-bootstrap", bootstrap], "e", command="join")
+        nodes.append(joiner)
+        joiner.wait_ready(60.0)
+        samples["join_ready"].append((time.perf_counter() - start) * 1000)
+        wait_until(lambda: any(p["node_id"] == owner.node_id and p["state"] == "alive"
+                               for p in joiner.status()["peers"]), 30.0, interval=0.05)
+        samples["join_member"].append((time.perf_counter() - start) * 1000)
+
+
 def summary(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
     return {"n": len(ordered), "median_ms": statistics.median(ordered),
@@ -82,14 +132,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--node-rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("bench/results/discovery.json"))
     args = parser.parse_args()
     samples = asyncio.run(dht_rounds(args.nodes, args.rounds, random.Random(1)))
     samples["quic_fetch"] = asyncio.run(quic_fetch(args.rounds))
+    if args.node_rounds:
+        samples.update(node_rounds(args.node_rounds))
     results = {name: summary(values) for name, values in samples.items()}
-    print(f"{'operation':<12}{'n':>5}{'median ms':>12}{'p90 ms':>10}   ({args.nodes} DHT nodes on 127.0.0.1)")
+    print(f"{'operation':<16}{'n':>5}{'median ms':>12}{'p90 ms':>10}   ({args.nodes} DHT nodes on 127.0.0.1)")
     for name, row in results.items():
-        print(f"{name:<12}{row['n']:>5}{row['median_ms']:>12.1f}{row['p90_ms']:>10.1f}")
+        print(f"{name:<16}{row['n']:>5}{row['median_ms']:>12.1f}{row['p90_ms']:>10.1f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"nodes": args.nodes, "rounds": args.rounds, "results": results}, indent=2))
 

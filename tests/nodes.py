@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -25,13 +25,15 @@ Event = dict[str, Any]
 
 
 class NodeProcess:
-    """One ``meshllm serve`` subprocess."""
+    """One ``meshllm serve`` (or ``join``) subprocess."""
 
-    def __init__(self, home: Path, args: list[str], name: str) -> None:
+    def __init__(self, home: Path, args: list[str], name: str, prefix: Sequence[str] | None = None, *,
+                 command: str = "serve", mesh_host: str = "127.0.0.1") -> None:
+        """``prefix`` wraps the command (tests/netns runs nodes under ``ip netns exec NS``)."""
         self.home = home
         self.name = name
-        cmd = [sys.executable, "-m", "meshllm", "serve", "--home", str(home), "--name", name, "--port", "0",
-               "--mesh-port", "0", "--mesh-host", "127.0.0.1", "--log-format", "json", *args]
+        cmd = [*(prefix or []), sys.executable, "-m", "meshllm", command, "--home", str(home), "--name", name,
+               "--port", "0", "--mesh-port", "0", "--mesh-host", mesh_host, "--log-format", "json", *args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self.events: list[Event] = []

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from meshllm.discovery.listing import MAX_LISTING_BYTES, MeshListing, verify_listing
+from meshllm.discovery.listing import MAX_LISTING_BYTES, MeshListing, log_refused, verify_listing
 from meshllm.errors import DecodeError, MeshllmError, VerificationError
 
 log = logging.getLogger(__name__)
@@ -401,7 +401,7 @@ def _verified(values: Sequence[bytes], now: float, expected_mesh_id: str | None 
         try:
             listing = verify_listing(value, now, expected_mesh_id)
         except MeshllmError as exc:
-            log.info("ignoring a listing from the DHT: %s (%s)", exc, type(exc).__name__)
+            log_refused(log, "the DHT", exc)
             continue
         if listing.mesh_id not in best or listing.issued > best[listing.mesh_id].issued:
             best[listing.mesh_id] = listing

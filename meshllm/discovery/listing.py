@@ -12,12 +12,13 @@ a :class:`MeshListing` or a typed error out.
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated
 
 import msgspec
 from nacl.signing import SigningKey
 
-from meshllm.errors import DecodeError, Expired, WrongMesh
+from meshllm.errors import DecodeError, Expired, VerificationError, WrongMesh
 from meshllm.identity.signing import decode_signed, encode_signed, sign, verify
 from meshllm.mesh.admission import (
     CLOCK_SKEW_S,
@@ -154,3 +155,11 @@ def _open_invite(listing: MeshListing, mesh_pub: bytes) -> Invite:
         raise DecodeError(f"the invite in the listing of {listing.mesh_id} is not an open (unlimited) invite")
     return invite
 
+
+
+def log_refused(log: logging.Logger, source: str, exc: BaseException) -> None:
+    """Log a listing that was dropped: forged, malformed or wrong-mesh ones as warnings (someone
+    is serving bad data), expired ones and transport failures as info (routine)."""
+    bad = isinstance(exc, DecodeError | VerificationError) and not isinstance(exc, Expired)
+    log.log(logging.WARNING if bad else logging.INFO, "ignoring a mesh listing from %s: %s (%s)",
+            source, exc, type(exc).__name__)

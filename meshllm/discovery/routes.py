@@ -1,0 +1,54 @@
+"""HTTP routes for publishing a mesh and for the node's DHT presence.
+
+``POST /api/publish {"name": ...}`` publishes (or renames) the mesh; ``POST /api/publish
+{"off": true}`` and ``DELETE /api/publish`` withdraw it; ``GET /api/publish`` reports it.
+``GET /api/dht`` gives the node's DHT multiaddrs, which ``meshllm discover`` on the same machine
+uses as its bootstrap when it is given none. Only the mesh owner can publish (409 otherwise).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+from meshllm.api.errors import error_body
+from meshllm.discovery.publisher import NodeDiscovery, NotMeshOwner
+
+
+class PublishRequest(BaseModel):
+    """Body of ``POST /api/publish``."""
+
+    name: str | None = Field(default=None, min_length=1, max_length=64)
+    off: bool = False
+
+
+def discovery_router(discovery: NodeDiscovery) -> APIRouter:
+    """Routes bound to the node's :class:`NodeDiscovery`."""
+    router = APIRouter()
+
+    @router.get("/api/publish")
+    def get_publish() -> dict[str, Any]:
+        return discovery.publish_info()
+
+    @router.post("/api/publish", response_model=None)
+    async def post_publish(body: PublishRequest) -> dict[str, Any] | JSONResponse:
+        if body.off:
+            return await discovery.unpublish()
+        try:
+            return await discovery.publish(body.name)
+        except NotMeshOwner as exc:
+            return JSONResponse(error_body(f"{exc} ({exc.hint})", "invalid_request_error", "not_mesh_owner"),
+                                status_code=409)
+
+    @router.delete("/api/publish")
+    async def delete_publish() -> dict[str, Any]:
+        return await discovery.unpublish()
+
+    @router.get("/api/dht")
+    def get_dht() -> dict[str, Any]:
+        return discovery.dht_info()
+
+    return router
