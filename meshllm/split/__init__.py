@@ -4,7 +4,15 @@
 * :mod:`.frames` and :mod:`.codec` are the stage-lane protocol and activation codecs;
 * :mod:`.lanes` is the per-lane protocol core, its QUIC driver and the lane pool;
 * :mod:`.stage` serves a node's stages (and routes replies to its coordinators);
-* :mod:`.coordinator` runs a split request from the first stage and streams its tokens.
+* :mod:`.coordinator` runs a split request from the first stage and streams its tokens;
+* :mod:`.compute` runs a stage's forward inline when tiny, else in a thread;
+* :mod:`.engine` serves a split model behind the :class:`~meshllm.engine.base.Engine` interface;
+* :mod:`.control` is the ``stage-control`` protocol (a coordinator asks a worker to host a range);
+* :mod:`.placement` plans from gossip, has workers host, and replans on failure;
+* :mod:`.service` is a node's split side; :mod:`.routes` serves ``GET /api/plan``.
+
+The node-side modules (engine, placement, service) are imported by the node, not here, so stage
+servers and tests need not load the tokenizer stack.
 """
 
 from meshllm.split.coordinator import Deadlines, SplitCoordinator, SplitToken

@@ -24,6 +24,7 @@ import numpy as np
 from meshllm.engine.numpy import StageModel
 from meshllm.net import NetError, PeerEvent, PeerEventKind
 from meshllm.split import codec
+from meshllm.split.compute import Compute
 from meshllm.split.errors import StageFailed
 from meshllm.split.frames import Decode, Error, Hop, Open, Prefill, Sampling, Stop, Tokens
 from meshllm.split.lanes import PROBE_TIMEOUT, Lane
@@ -50,6 +51,10 @@ class Deadlines:
     prefill_chunk: int = 256
     """Prompt tokens per Prefill frame (bounds frame size and per-hop latency)."""
     connect_timeout: float = 1.0
+    soft_factor: float = 8.0
+    """A decode step slower than this many times the recent average triggers a liveness check."""
+    soft_min: float = 0.2
+    """Floor of that check's delay in seconds (scheduling noise must not cause pings every token)."""
 
 
 class SplitCoordinator:
@@ -79,7 +84,9 @@ class SplitCoordinator:
         self.chain = list(chain)
         self.deadlines = deadlines or Deadlines()
         self.on_stage_failed = on_stage_failed
-        self._compute = asyncio.Lock()
+        self._compute = Compute()
+        self.step_s = 0.0
+        """Recent decode step time (exponential average): sets how soon a silent chain is checked."""
 
     async def generate(
         self,
@@ -152,12 +159,19 @@ class _Run:
         return await self._await(len(prompt), d.decode_timeout + d.prefill_s_per_token * len(prompt))
 
     async def decode(self, token: int, pos: int) -> Tokens:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         x = await self._run_first([token], pos)
         await self._send(Decode(
             session=self.session, pos=pos, n_tokens=1, dtype=self.dtype, shape=x.shape,
             activations=codec.encode(x, self.dtype),
         ))
-        return await self._await(pos + 1, self.c.deadlines.decode_timeout)
+        d, c = self.c.deadlines, self.c
+        check = max(d.soft_min, d.soft_factor * c.step_s) if c.step_s else d.decode_timeout
+        reply = await self._await(pos + 1, d.decode_timeout, check_after=check)
+        took = loop.time() - started
+        c.step_s = took if not c.step_s else 0.8 * c.step_s + 0.2 * took
+        return reply
 
     async def finish(self) -> None:
         for undo in self._cleanup:
@@ -180,8 +194,9 @@ class _Run:
             raise StageFailed(index, hop.node_id, f"unreachable: {exc}") from None
 
     async def _run_first(self, ids: list[int], pos: int) -> np.ndarray:
-        async with self.c._compute:
-            return await asyncio.to_thread(self.c.first.forward, self.session, np.asarray(ids, dtype=np.int64), pos)
+        tokens = np.asarray(ids, dtype=np.int64)
+        first = self.c.first
+        return await self.c._compute.run("first", len(ids) == 1, lambda: first.forward(self.session, tokens, pos))
 
     async def _send(self, frame: Prefill | Decode) -> None:
         assert self.lane is not None
@@ -190,13 +205,28 @@ class _Run:
         except NetError as exc:
             raise StageFailed(1, self.c.chain[1].node_id, f"lane lost: {exc}") from None
 
-    async def _await(self, pos: int, timeout: float) -> Tokens:
+    async def _await(self, pos: int, timeout: float, check_after: float | None = None) -> Tokens:
+        """The Tokens for ``pos``; fails a stage that does not answer a Ping once ``check_after`` has passed.
+
+        The early check only fails a stage that is silent (dead or cut off): a slow but answering
+        chain gets the whole ``timeout``, so load spikes do not cost requests.
+        """
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
+        check = loop.time() + check_after if check_after is not None and check_after < timeout else None
         while True:
+            wait_until = check if check is not None else end
             try:
-                item = await asyncio.wait_for(self.replies.get(), max(0.0, end - loop.time()))
+                item = await asyncio.wait_for(self.replies.get(), max(0.0, wait_until - loop.time()))
             except TimeoutError:
+                if check is not None:
+                    check = None
+                    pongs = await asyncio.gather(*(self._ping(i) for i in range(1, len(self.c.chain))))
+                    silent = next((i for i, pong in enumerate(pongs, start=1) if pong is None), None)
+                    if silent is not None and self.replies.empty():
+                        node = self.c.chain[silent].node_id
+                        raise StageFailed(silent, node, f"no answer to a ping after {check_after:.2f}s") from None
+                    continue
                 raise await self._diagnose(pos, timeout) from None
             if isinstance(item, StageFailed):
                 raise item

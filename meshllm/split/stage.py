@@ -26,6 +26,7 @@ from meshllm.engine.numpy import Sampler, SamplingParams, StageModel
 from meshllm.errors import MeshllmError
 from meshllm.net import Endpoint, NetError, PeerConnection, PeerEvent, PeerEventKind, Stream
 from meshllm.split import codec
+from meshllm.split.compute import Compute
 from meshllm.split.frames import (
     KIND,
     LANE_FRAME_MAX,
@@ -74,7 +75,7 @@ class StageServer:
         self._stages: dict[str, StageModel] = {}
         self._sessions: dict[str, _Session] = {}
         self._replies: dict[str, ReplySink] = {}
-        self._compute = asyncio.Lock()
+        self._compute = Compute()
         endpoint.on_stream(KIND, self._serve, max_frame=LANE_FRAME_MAX)
         self._unsubscribe = endpoint.on_peer_event(self._peer_event)
 
@@ -182,8 +183,10 @@ class StageServer:
         sid = frame.session
         try:
             x = codec.decode(frame.activations, frame.dtype, frame.n_tokens, frame.shape[1])
-            async with self._compute:
-                out = await asyncio.to_thread(session.stage.forward, sid, x, frame.pos, last_only=session.last)
+            stage, small = session.stage, frame.n_tokens == 1
+            out = await self._compute.run(
+                session.open.model, small, lambda: stage.forward(sid, x, frame.pos, last_only=session.last)
+            )
         except MeshllmError as exc:
             return await self._refuse(session.upstream, frame, "stage-error", str(exc))
         if not session.last:
@@ -191,7 +194,7 @@ class StageServer:
             return await self._forward(session, step)
         if isinstance(frame, Prefill) and not frame.sample:
             return None
-        token = await asyncio.to_thread(self._sample, session, out[-1])
+        token = await self._compute.run("sample", True, lambda: self._sample(session, out[-1]))
         end = frame.pos + frame.n_tokens
         finish = "stop" if token in session.open.stop_ids else "length" if end + 1 >= session.open.max_context else None
         return await self._forward(session, Tokens(session=sid, pos=end, token_ids=[token], finish=finish))

@@ -1,0 +1,73 @@
+"""``meshllm plan MODEL``: the chain the planner would choose, its memory per stage and predicted speed.
+
+With a node running it asks ``GET /api/plan`` (the node's view of the mesh: workers, capacities,
+RTT matrix); with none it plans this machine alone, which shows whether the model fits here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlencode
+
+import click
+
+from meshllm.cli.api_client import DEFAULT_API, NodeUnreachable, get_json
+from meshllm.cli.common import CommandFailed, echo_json, json_option
+from meshllm.errors import MeshllmError
+
+
+@click.command()
+@click.argument("model", default="default")
+@click.option("--api", default=DEFAULT_API, envvar="MESHLLM_API", show_default=True,
+              help="The node's API URL (also $MESHLLM_API).")
+@click.option("--stages", type=click.IntRange(1, 8), default=None, help="Force this many stages.")
+@click.option("--max-memory", type=click.FloatRange(0.01, None), default=None, metavar="GB",
+              help="Memory (GiB) any one node may give the model.")
+@json_option
+def plan(model: str, api: str, stages: int | None, max_memory: float | None, as_json: bool) -> None:
+    """Show how MODEL (a GGUF path or 'default') would be placed: solo or a chain of stages."""
+    query = {"model": model, **({"stages": stages} if stages else {}),
+             **({"max_memory_gb": max_memory} if max_memory else {})}
+    try:
+        try:
+            result = get_json(api, "/api/plan?" + urlencode(query), timeout=30.0)
+            source = f"the mesh as the node at {api} sees it"
+        except NodeUnreachable:
+            result = _local_plan(model, stages, max_memory)
+            source = "this machine alone (no node running)"
+    except MeshllmError as exc:
+        raise CommandFailed(str(exc) + (f" ({exc.hint})" if exc.hint else "")) from None
+    if as_json:
+        echo_json(result)
+        return
+    click.echo(_text(result, source))
+
+
+def _local_plan(spec: str, stages: int | None, max_memory_gb: float | None) -> dict[str, Any]:
+    from meshllm.engine.capacity import measure_capacity
+    from meshllm.models.refs import resolve_model
+    from meshllm.split.placement import describe, memory_budget, model_profile
+    from meshllm.split.planner import GIB, Candidate, PlanOptions
+    from meshllm.split.planner import plan as make_plan
+
+    ref = resolve_model(spec)
+    profile = model_profile(ref.path, 4096)
+    capacity = measure_capacity()
+    cap = int(max_memory_gb * GIB) if max_memory_gb else None
+    me = Candidate("local", memory_budget(capacity, cap), gflops=capacity.gflops)
+    chosen = make_plan(profile, [me], {}, "local", PlanOptions(stages=stages, max_memory_per_node=cap))
+    return describe(chosen, {"local": "this machine"}, ref.model_id, profile)
+
+
+def _text(result: dict[str, Any], source: str) -> str:
+    pred = result["predicted_ms_per_token"]
+    kind = "solo" if result["solo"] else f"{len(result['stages'])} stages"
+    lines = [f"{result['model']} ({result['n_layers']} layers): {kind}, planned over {source}", ""]
+    lines.append(f"  {'#':>2}  {'node':<20} {'layers':>9} {'memory':>10} {'compute':>10}")
+    for i, s in enumerate(result["stages"]):
+        start, end = s["layers"]
+        lines.append(f"  {i:>2}  {s['name'][:20]:<20} {f'{start}-{end - 1}':>9} "
+                     f"{s['memory_bytes'] / 2**30:>6.2f} GiB {s['compute_ms']:>7.1f} ms")
+    lines += ["", f"  predicted {pred['total']:.1f} ms/token = compute {pred['compute']:.1f} + network "
+                  f"{pred['network']:.1f} + per-hop overhead {pred['overhead']:.1f} ms"]
+    return "\n".join(lines)

@@ -1,0 +1,176 @@
+"""SplitEngine: a model served by a chain of stages, behind the same :class:`Engine` interface as a local model.
+
+The API routes cannot tell it from :class:`~meshllm.engine.numpy.engine.NumpyEngine`: it tokenizes
+(the coordinator holds the tokenizer), streams text with stop strings cut, and reports usage. The chain
+itself is swappable: placement (:mod:`meshllm.split.placement`) attaches a :class:`SplitCoordinator`
+when a plan is hosted and detaches it when a stage fails; meanwhile requests get a 503 that says why,
+instead of hanging on a chain that no longer exists.
+
+End of generation is decided here, not on the last stage (no stop ids go down the chain): the next
+``Decode`` is only sent after the previous token was consumed, so stopping costs no wasted step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from meshllm.engine.base import (
+    BadChat,
+    ChatRequest,
+    Engine,
+    EngineBusy,
+    EngineNotLoaded,
+    Finish,
+    FinishReason,
+    GenerationEvent,
+    GenerationParams,
+    GenerationRequest,
+    LoadReport,
+    PromptTooLong,
+    TextDelta,
+    Usage,
+)
+from meshllm.engine.llama import StopMatcher
+from meshllm.engine.numpy.gguf_file import GGUFFile
+from meshllm.engine.numpy.tokenizer import Tokenizer
+from meshllm.split.coordinator import SplitCoordinator
+from meshllm.split.errors import StageFailed
+from meshllm.split.frames import Sampling
+
+_TPS_ALPHA = 0.3
+
+
+class ChainUnavailable(EngineBusy):
+    """No chain serves the model right now (planning, replanning, or a stage just failed): HTTP 503."""
+
+    hint = "the node is rebuilding the chain; retry in a few seconds"
+
+
+def chain_sampling(params: GenerationParams) -> Sampling:
+    """OpenAI semantics for the last stage's sampler (no min-p, no repetition penalty), as NumpyEngine."""
+    return Sampling(
+        temperature=params.temperature, top_k=params.top_k or 0, top_p=params.top_p, min_p=0.0,
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty, seed=params.seed,
+    )
+
+
+class SplitEngine(Engine):
+    """Serves ``model_id`` through whichever chain is attached; 503 while none is."""
+
+    def __init__(self, path: Path, model_id: str, max_context: int) -> None:
+        self.path = path
+        self.model_id = model_id
+        self.max_context = max_context
+        self.tokenizer: Tokenizer | None = None
+        self.coordinator: SplitCoordinator | None = None
+        self.unavailable = "planning the chain"
+        """Why no chain is attached (shown in the 503)."""
+        self._running = 0
+        self._tps = 0.0
+
+    async def load(self) -> None:
+        """Load only the tokenizer (the layers are loaded by placement, per plan); cap the context at the model's."""
+        self.tokenizer = await asyncio.to_thread(self._load_tokenizer)
+
+    def _load_tokenizer(self) -> Tokenizer:
+        header = GGUFFile(self.path)
+        arch = str(header.fields.get("general.architecture", ""))
+        self.max_context = min(self.max_context, int(header.fields.get(f"{arch}.context_length", self.max_context)))
+        template = header.fields.get("tokenizer.chat_template")
+        return Tokenizer(self.path, arch, template if isinstance(template, str) else None)
+
+    async def close(self) -> None:
+        if self.tokenizer is not None:
+            self.tokenizer.close()
+        self.tokenizer = None
+        self.detach("closed")
+
+    def attach(self, coordinator: SplitCoordinator) -> None:
+        """Serve new requests through ``coordinator``'s chain."""
+        self.coordinator = coordinator
+
+    def detach(self, reason: str) -> None:
+        """Stop taking requests until the next :meth:`attach`; ``reason`` goes into the 503s."""
+        self.coordinator = None
+        self.unavailable = reason
+
+    @property
+    def context_length(self) -> int:
+        return self.max_context
+
+    def load_report(self) -> LoadReport:
+        return LoadReport(running=self._running, queued=0, max_queue=0, tokens_per_s=round(self._tps, 2))
+
+    def prompt_tokens(self, request: GenerationRequest) -> tuple[list[int], tuple[str, ...]]:
+        """The tokens fed for ``request`` and its stop strings (the client's plus the chat format's)."""
+        if self.tokenizer is None:
+            raise EngineNotLoaded(f"model {self.model_id} is not loaded")
+        stops = list(request.params.stop)
+        if isinstance(request, ChatRequest):
+            messages = [{"role": m.role, "content": m.content} for m in request.messages]
+            try:
+                tokens, format_stops = self.tokenizer.chat_prompt(messages, request.tools)
+            except Exception as exc:  # templates raise for conversations they cannot express
+                raise BadChat(f"model {self.model_id} cannot render this conversation: {exc}") from exc
+            stops += format_stops
+        else:
+            tokens = self.tokenizer.encode(request.prompt)
+        return tokens, tuple(s for s in stops if s)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        """Stream ``request`` through the chain; a failed stage ends it with :class:`ChainUnavailable`."""
+        coordinator, tokenizer = self.coordinator, self.tokenizer
+        if tokenizer is None:
+            raise EngineNotLoaded(f"model {self.model_id} is not loaded")
+        if coordinator is None:
+            raise ChainUnavailable(f"split model {self.model_id} is not available: {self.unavailable}")
+        prompt, stop_strings = self.prompt_tokens(request)
+        if len(prompt) >= self.max_context:
+            raise PromptTooLong(
+                f"prompt is {len(prompt)} tokens; model {self.model_id} has a {self.max_context}-token context"
+            )
+        params = request.params
+        budget = self.max_context - len(prompt)
+        limit = min(params.max_tokens, budget) if params.max_tokens is not None else budget
+        stops = StopMatcher(stop_strings)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        generated = 0
+        reason: FinishReason = "length"
+        started = time.monotonic()
+        self._running += 1
+        tokens = coordinator.generate(prompt, max_tokens=max(limit, 1), sampling=chain_sampling(params))
+        try:
+            async for token in tokens:
+                if tokenizer.is_end(token.token_id):
+                    reason = "stop"
+                    break
+                generated += 1
+                text, hit = stops.feed(decoder.decode(tokenizer.token_bytes(token.token_id)))
+                if text:
+                    yield TextDelta(text)
+                if hit:
+                    reason = "stop"
+                    break
+                if generated >= limit or token.finish:
+                    break
+        except StageFailed as exc:
+            raise ChainUnavailable(str(exc)) from exc
+        finally:
+            await tokens.aclose()
+            self._running -= 1
+            self._account(generated, started)
+        if not stops.hit:
+            tail = stops.flush(decoder.decode(b"", final=True))
+            if tail:
+                yield TextDelta(tail)
+        yield Finish(reason=reason, usage=Usage(prompt_tokens=len(prompt), completion_tokens=generated))
+
+    def _account(self, generated: int, started: float) -> None:
+        elapsed = time.monotonic() - started
+        if generated and elapsed > 0:
+            speed = generated / elapsed
+            self._tps = speed if not self._tps else (1 - _TPS_ALPHA) * self._tps + _TPS_ALPHA * speed

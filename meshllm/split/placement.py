@@ -1,0 +1,256 @@
+"""Placement in the mesh: plan a chain from gossip, have workers host their ranges, replan on failure.
+
+The pure part turns what gossip knows (peer records: role, capacity, addresses; the RTT matrix) into
+the planner's inputs and a plan into hops and JSON. :class:`SplitPlacement` is the node-side driver
+for one split model: it plans, asks each worker over ``stage-control`` to host its range (workers load
+the same file from their own disk, checked by sha256), loads the first range itself, and attaches a
+:class:`SplitCoordinator` to the model's :class:`SplitEngine`. When a request reports a failed stage,
+the engine is detached at once (new requests get a 503 that says a replan is running), the node is
+kept out of plans for a while, and a new chain is placed over the nodes that are left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from meshllm.engine.numpy import StageModel, estimate_memory
+from meshllm.engine.numpy.gguf_file import GGUFFile
+from meshllm.engine.numpy.hparams import read_hparams
+from meshllm.errors import MeshllmError
+from meshllm.mesh.records import Capacity, PeerRecord
+from meshllm.models.refs import ModelRef
+from meshllm.split.control import Host, ask
+from meshllm.split.coordinator import SplitCoordinator
+from meshllm.split.engine import SplitEngine
+from meshllm.split.errors import SplitError, StageFailed
+from meshllm.split.frames import Hop
+from meshllm.split.planner import Candidate, ModelProfile, Plan, PlanOptions, plan
+from meshllm.split.stage import StageServer
+
+log = logging.getLogger(__name__)
+
+SplitMode = Literal["auto", "force", "off"]
+RAM_SHARE = 0.75
+"""Share of a node's RAM offered to models when ``--max-memory`` is not given."""
+SUSPECT_S = 30.0
+"""How long a node whose stage failed stays out of plans (gossip drops a dead one well before)."""
+RETRY_S = 1.0
+"""Pause between placement attempts while no chain fits (workers missing, a host refused)."""
+_F32 = 4
+
+
+@dataclass(frozen=True)
+class SplitOptions:
+    """``meshllm serve --split MODE [--stages N] [--max-memory GB]``."""
+
+    mode: SplitMode = "off"
+    stages: int | None = None
+    """Force exactly this many stages (fewer after a failure if not enough workers are left)."""
+    max_memory: int | None = None
+    """Bytes per node (this one and every worker) the plan may use."""
+    context: int = 4096
+    """Tokens of KV each stage reserves per session (priced into every layer)."""
+
+
+class NotEnoughWorkers(SplitError):
+    """Fewer live workers than the forced stage count needs."""
+
+    hint = "start workers with `meshllm join TOKEN --worker`"
+
+
+def memory_budget(capacity: Capacity, max_memory: int | None) -> int:
+    """Bytes a node offers to models: ``max_memory`` when given, else a share of its RAM."""
+    return max_memory if max_memory is not None else int(capacity.ram_bytes * RAM_SHARE)
+
+
+def model_profile(path: Path, context: int) -> ModelProfile:
+    """Per-layer and end costs of the GGUF at ``path`` (header only: milliseconds)."""
+    layer = estimate_memory(path, 0, 1, context, first=False, last=False)
+    first = estimate_memory(path, 0, 1, context, first=True, last=False) - layer
+    last = estimate_memory(path, 0, 1, context, first=False, last=True) - layer
+    n_layers = read_hparams(GGUFFile(path)).n_layers
+    return ModelProfile(n_layers=n_layers, layer_bytes=layer, first_bytes=first, last_bytes=last,
+                        layer_flops=2.0 * layer / _F32, head_flops=2.0 * last / _F32)
+
+
+def candidates(own: PeerRecord, own_budget: int, members: Mapping[str, PeerRecord],
+               exclude: Collection[str] = ()) -> list[Candidate]:
+    """This node (the coordinator) plus every live worker that can be dialled directly.
+
+    Hosts serve whole models and clients nothing, so only workers offer stage memory; a worker with
+    no listen address is reachable only through a relay and is never a stage.
+    """
+    out = [Candidate(own.node_id, own_budget, gflops=own.capacity.gflops, role="host")]
+    for node_id, rec in sorted(members.items()):
+        if rec.role != "worker" or node_id in exclude or rec.state != "alive":
+            continue
+        out.append(Candidate(node_id, rec.capacity.ram_bytes, gflops=rec.capacity.gflops, role="worker",
+                             relay_only=not rec.addresses.listen))
+    return out
+
+
+def hops(chosen: Plan, own: PeerRecord, members: Mapping[str, PeerRecord]) -> list[Hop]:
+    """The plan as lane hops (node id, ``host:port``, range)."""
+    records = {**members, own.node_id: own}
+    return [Hop(s.node_id, records[s.node_id].addresses.listen[0], s.layer_start, s.layer_end)
+            for s in chosen.stages]
+
+
+def describe(chosen: Plan, names: Mapping[str, str], model: str, profile: ModelProfile) -> dict[str, Any]:
+    """JSON of a plan for ``/api/plan`` and ``meshllm plan``: chain, memory per stage, prediction."""
+    return {
+        "model": model, "n_layers": profile.n_layers, "solo": chosen.solo,
+        "stages": [{"node_id": s.node_id, "name": names.get(s.node_id, s.node_id[:8]),
+                    "layers": [s.layer_start, s.layer_end], "memory_bytes": s.memory_bytes,
+                    "compute_ms": round(s.compute_s * 1e3, 3)} for s in chosen.stages],
+        "predicted_ms_per_token": {"total": round(chosen.total_s * 1e3, 3),
+                                   "compute": round(chosen.compute_s * 1e3, 3),
+                                   "network": round(chosen.network_s * 1e3, 3),
+                                   "overhead": round(chosen.overhead_s * 1e3, 3)},
+    }
+
+
+def plan_options(options: SplitOptions, workers: int, *, placing: bool = False, degraded: bool = False) -> PlanOptions:
+    """Planner options for the mode: ``--stages`` fixes the stage count.
+
+    ``placing`` (a chain is to be built now) needs a worker per extra stage; ``degraded`` (a replan
+    after a failure) accepts fewer stages, down to two, rather than serving nothing.
+    """
+    if options.mode == "force" or options.stages:
+        want = options.stages or 1 + workers
+        if placing and workers < 1:
+            raise NotEnoughWorkers("a split needs at least one live worker; none is in the mesh")
+        if placing and workers < want - 1:
+            if not degraded:
+                raise NotEnoughWorkers(f"waiting for workers: {want} stages need {want - 1}, the mesh has {workers}")
+            want = 1 + workers
+        return PlanOptions(stages=max(2, want) if placing else want, max_memory_per_node=options.max_memory)
+    return PlanOptions(max_memory_per_node=options.max_memory)
+
+
+class SplitPlacement:
+    """Keeps one split model served by a live chain: place, watch for a failed stage, replan."""
+
+    def __init__(self, *, own: Callable[[], PeerRecord], members: Callable[[], dict[str, PeerRecord]],
+                 rtt: Callable[[], dict[str, dict[str, float]]], server: StageServer, engine: SplitEngine,
+                 ref: ModelRef, options: SplitOptions, budget: int,
+                 publish: Callable[..., Any], on_chain: Callable[[list[Hop] | None], None]) -> None:
+        self._own, self._members, self._rtt = own, members, rtt
+        self.server = server
+        self.engine = engine
+        self.ref = ref
+        self.options = options
+        self.budget = budget
+        self.publish = publish
+        self.on_chain = on_chain
+        self.profile = model_profile(ref.path, options.context)
+        self.chain: list[Hop] = []
+        self.plan: Plan | None = None
+        self._first: StageModel | None = None
+        self._suspects: dict[str, float] = {}
+        self._replan = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"split-placement-{self.engine.model_id}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def status(self) -> dict[str, Any]:
+        """The ``/api/status`` ``splits`` entry: the chain with names and ranges, and its state."""
+        names = self.names()
+        return {
+            "model": self.engine.model_id,
+            "state": "ready" if self.engine.coordinator is not None else "placing",
+            "reason": None if self.engine.coordinator is not None else self.engine.unavailable,
+            "stages": [{"node_id": h.node_id, "name": names.get(h.node_id, h.node_id[:8]),
+                        "layers": [h.layer_start, h.layer_end]} for h in self.chain],
+            "predicted_ms_per_token": round(self.plan.total_s * 1e3, 3) if self.plan else None,
+        }
+
+    def names(self) -> dict[str, str]:
+        own = self._own()
+        return {**{n: r.name for n, r in self._members().items()}, own.node_id: own.name}
+
+    def stage_failed(self, exc: StageFailed) -> None:
+        """A request saw ``exc``: stop taking requests on this chain and replan without that node."""
+        self._suspects[exc.node_id] = time.monotonic() + SUSPECT_S
+        if self.engine.coordinator is not None:
+            self.engine.detach(f"stage {exc.stage_index} on node {exc.node_id[:12]} failed; replanning the chain")
+            self.publish("split_stage_failed", model=self.engine.model_id, stage=exc.stage_index,
+                         failed_node=exc.node_id, reason=exc.reason)
+        self._replan.set()
+
+    async def _run(self) -> None:
+        while True:
+            self._replan.clear()
+            try:
+                await self._place()
+            except (MeshllmError, OSError) as exc:
+                reason = f"no chain yet: {exc}"
+                if reason != self.engine.unavailable:
+                    log.info("split %s: %s", self.engine.model_id, exc)
+                    self.publish("split_waiting", model=self.engine.model_id, reason=str(exc))
+                self.engine.detach(reason)
+                await asyncio.sleep(RETRY_S)
+                continue
+            await self._replan.wait()
+
+    async def _place(self) -> None:
+        started = time.monotonic()
+        now = time.monotonic()
+        self._suspects = {n: t for n, t in self._suspects.items() if t > now}
+        own, members = self._own(), self._members()
+        nodes = candidates(own, self.budget, members, set(self._suspects))
+        opts = plan_options(self.options, len(nodes) - 1, placing=True, degraded=self.plan is not None)
+        chosen = plan(self.profile, nodes, self._rtt(), own.node_id, opts)
+        if chosen.solo or chosen.stages[0].node_id != own.node_id:
+            raise SplitError("the plan does not start at this node with at least one worker")
+        chain = hops(chosen, own, members)
+        first = chain[0]
+        await asyncio.gather(*(self._host(h) for h in chain[1:]), self._load_first(first))
+        assert self._first is not None
+        coordinator = SplitCoordinator(self.server, self.engine.model_id, self._first, chain,
+                                       on_stage_failed=self.stage_failed)
+        self.chain, self.plan = chain, chosen
+        self.engine.attach(coordinator)
+        self.on_chain(chain)
+        names = self.names()
+        self.publish("split_ready", model=self.engine.model_id,
+                     stages=[[names.get(h.node_id, h.node_id[:8]), h.layer_start, h.layer_end] for h in chain],
+                     predicted_ms=round(chosen.total_s * 1e3, 3), took_s=round(time.monotonic() - started, 3))
+
+    async def _host(self, hop: Hop) -> None:
+        assert self.ref.sha256 is not None
+        await ask(self.server.endpoint, hop.node_id, hop.addr, Host(
+            model=self.engine.model_id, path=str(self.ref.path), sha256=self.ref.sha256,
+            layer_start=hop.layer_start, layer_end=hop.layer_end, max_context=self.engine.max_context,
+        ))
+
+    async def _load_first(self, hop: Hop) -> None:
+        held = self._first
+        if held is None or (held.layer_start, held.layer_end) != (hop.layer_start, hop.layer_end):
+            self._first = await asyncio.to_thread(
+                StageModel.load, self.ref.path, hop.layer_start, hop.layer_end, max_context=self.engine.max_context
+            )
+
+
+def needs_split(options: SplitOptions, profile: ModelProfile, budget: int) -> bool:
+    """``force`` always splits; ``auto`` only when the whole model does not fit this node's budget."""
+    if options.mode == "off":
+        return False
+    if options.mode == "force":
+        return True
+    whole = profile.n_layers * profile.layer_bytes + profile.first_bytes + profile.last_bytes
+    return whole > budget

@@ -1,0 +1,163 @@
+"""A node's split side: its stage server, worker duties, split models, and what it tells the mesh.
+
+Every node runs a :class:`StageServer` (coordinators receive their Tokens on it too). A worker also
+answers ``stage-control`` (:class:`StageHost`). A host started with ``--split auto|force`` keeps each
+model that must (or is forced to) be split out of the ordinary engines, serves it through a
+:class:`SplitEngine` and keeps a chain placed for it (:class:`SplitPlacement`). What each node holds
+goes into its peer record: the coordinator announces the model with ``engine="split"`` and its own
+range (routable: it serves the whole model), a worker each hosted range with ``engine="stage"``
+(not routable: a stage alone answers nothing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+
+from meshllm.api.events import EventHub
+from meshllm.api.serving import Serving
+from meshllm.mesh.records import Capacity, Models, PeerRecord, ServedModel
+from meshllm.mesh.service import MeshService
+from meshllm.models.refs import ModelRef, resolve_model
+from meshllm.split.control import StageHost
+from meshllm.split.engine import SplitEngine
+from meshllm.split.frames import Hop
+from meshllm.split.placement import (
+    SplitOptions,
+    SplitPlacement,
+    candidates,
+    describe,
+    memory_budget,
+    model_profile,
+    needs_split,
+    plan_options,
+)
+from meshllm.split.planner import plan
+from meshllm.split.stage import StageServer
+
+SPLIT_ENGINE = "split"
+"""``ServedModel.engine`` of a coordinator: serves the whole model through its chain (routable)."""
+STAGE_ENGINE = "stage"
+"""``ServedModel.engine`` of a worker's hosted range (never a routing target)."""
+
+
+def offered_capacity(capacity: Capacity, role: str, max_memory: int | None) -> Capacity:
+    """A worker's ``--max-memory`` caps the memory its record offers to coordinators."""
+    if role != "worker" or max_memory is None:
+        return capacity
+    return msgspec.structs.replace(capacity, ram_bytes=min(capacity.ram_bytes or max_memory, max_memory))
+
+
+class SplitService:
+    """Stage server, worker host and split placements of one node."""
+
+    def __init__(self, mesh: MeshService, serving: Serving, events: EventHub, role: str,
+                 options: SplitOptions) -> None:
+        assert mesh.endpoint is not None and mesh.gossip is not None
+        self.mesh = mesh
+        self.serving = serving
+        self.events = events
+        self.options = options
+        self.server = StageServer(mesh.endpoint)
+        self.host = StageHost(self.server, self._hosted_changed) if role == "worker" else None
+        self.placements: dict[str, SplitPlacement] = {}
+        self._pending: list[ModelRef] = []
+        self._chains: dict[str, list[Hop]] = {}
+
+    def _own(self) -> PeerRecord:
+        assert self.mesh.gossip is not None
+        return self.mesh.gossip.own
+
+    def _members(self) -> dict[str, PeerRecord]:
+        assert self.mesh.gossip is not None
+        return self.mesh.gossip.members()
+
+    def _rtt(self) -> dict[str, dict[str, float]]:
+        assert self.mesh.gossip is not None
+        return self.mesh.gossip.rtt_matrix()
+
+    @property
+    def budget(self) -> int:
+        """Memory this node gives its own stages and whole models."""
+        return memory_budget(self._own().capacity, self.options.max_memory)
+
+    async def prepare(self, specs: list[str]) -> list[str]:
+        """Take the models to split out of ``specs`` (hashing them); return the ones to load whole."""
+        if self.options.mode == "off":
+            return specs
+        rest = []
+        for spec in specs:
+            ref = await asyncio.to_thread(resolve_model, spec)
+            profile = await asyncio.to_thread(model_profile, ref.path, self.options.context)
+            if needs_split(self.options, profile, self.budget):
+                self._pending.append(await asyncio.to_thread(ref.hashed))
+            else:
+                rest.append(spec)
+        return rest
+
+    async def start(self) -> None:
+        """Register a :class:`SplitEngine` per split model and start placing its chain."""
+        for ref in self._pending:
+            engine = SplitEngine(ref.path, ref.model_id, self.options.context)
+            await engine.load()
+            self.serving.add_engine(engine)
+            placement = SplitPlacement(
+                own=self._own, members=self._members, rtt=self._rtt, server=self.server, engine=engine, ref=ref,
+                options=self.options, budget=self.budget, publish=self.events.publish,
+                on_chain=lambda chain, model=ref.model_id: self._chain_changed(model, chain),
+            )
+            self.placements[ref.model_id] = placement
+            self.events.publish("split_placing", model=ref.model_id, mode=self.options.mode,
+                                stages=self.options.stages)
+            placement.start()
+        self._pending = []
+
+    async def stop(self) -> None:
+        for placement in self.placements.values():
+            await placement.stop()
+        self.server.close()
+
+    def status(self) -> list[dict[str, Any]]:
+        """``/api/status`` ``splits``."""
+        return [p.status() for p in self.placements.values()]
+
+    def plan_json(self, spec: str, stages: int | None, max_memory: int | None) -> dict[str, Any]:
+        """What the planner would choose for ``spec`` over this node's view of the mesh (``/api/plan``)."""
+        ref = resolve_model(spec, progress=False)
+        profile = model_profile(ref.path, self.options.context)
+        options = SplitOptions(mode="force" if stages else "auto", stages=stages,
+                               max_memory=max_memory or self.options.max_memory, context=self.options.context)
+        own, members = self._own(), self._members()
+        nodes = candidates(own, memory_budget(own.capacity, options.max_memory), members)
+        chosen = plan(profile, nodes, self._rtt(), own.node_id,
+                      plan_options(options, len(nodes) - 1))
+        names = {**{n: r.name for n, r in members.items()}, own.node_id: own.name}
+        return describe(chosen, names, ref.model_id, profile)
+
+    # -- the peer record -------------------------------------------------------------------------
+
+    def _chain_changed(self, model: str, chain: list[Hop] | None) -> None:
+        if chain:
+            self._chains[model] = chain
+        else:
+            self._chains.pop(model, None)
+        self._announce()
+
+    def _hosted_changed(self, _model: str) -> None:
+        self._announce()
+
+    def _announce(self) -> None:
+        """Replace our split and stage entries in ``models.served``, leaving other engines' entries alone."""
+        own = self._own()
+        mine = set(self._chains) | (set(self.host.hosted) if self.host else set())
+        served = [m for m in own.models.served if m.name not in mine]
+        for model, chain in self._chains.items():
+            context = self.placements[model].engine.max_context
+            served.append(ServedModel(name=model, context=context, layer_start=chain[0].layer_start,
+                                      layer_end=chain[0].layer_end, engine=SPLIT_ENGINE))
+        for model, host in (self.host.hosted.items() if self.host else ()):
+            served.append(ServedModel(name=model, context=host.max_context, layer_start=host.layer_start,
+                                      layer_end=host.layer_end, engine=STAGE_ENGINE))
+        self.mesh.update_own(models=Models(served=served, available=own.models.available))

@@ -1,0 +1,93 @@
+"""Placement's pure parts (gossip -> planner inputs, stage counts) and the stage-control protocol over QUIC."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from split_helpers import MODEL, addr, endpoint
+
+from meshllm.mesh.records import Addresses, Capacity, PeerRecord
+from meshllm.models.refs import file_sha256
+from meshllm.split.control import Host, HostRefused, Release, StageHost, ask
+from meshllm.split.placement import (
+    NotEnoughWorkers,
+    SplitOptions,
+    candidates,
+    model_profile,
+    needs_split,
+    plan_options,
+)
+from meshllm.split.stage import StageServer
+
+GB = 1 << 30
+
+
+def record(node: str, role: str, ram: int = 8 * GB, listen: tuple[str, ...] = ("127.0.0.1:1",)) -> PeerRecord:
+    return PeerRecord(node_id=node, mesh_id="m", seq=1, membership_proof=b"p", role=role,  # type: ignore[arg-type]
+                      capacity=Capacity(ram_bytes=ram, gflops=10.0), addresses=Addresses(listen=list(listen)))
+
+
+def test_only_direct_workers_are_candidates() -> None:
+    own = record("me", "host")
+    members = {"w1": record("w1", "worker"), "h": record("h", "host"), "c": record("c", "client"),
+               "relay": record("relay", "worker", listen=()), "sus": record("sus", "worker")}
+    found = candidates(own, 2 * GB, members, exclude={"sus"})
+    assert [(c.node_id, c.memory_bytes) for c in found if not c.relay_only] == [("me", 2 * GB), ("w1", 8 * GB)]
+    assert [c.node_id for c in found if c.relay_only] == ["relay"]
+
+
+def test_forced_stages_wait_for_workers_then_degrade_after_a_failure() -> None:
+    opts = SplitOptions(mode="force", stages=3)
+    with pytest.raises(NotEnoughWorkers):
+        plan_options(opts, 1, placing=True)
+    assert plan_options(opts, 2, placing=True).stages == 3
+    assert plan_options(opts, 1, placing=True, degraded=True).stages == 2
+    with pytest.raises(NotEnoughWorkers):
+        plan_options(opts, 0, placing=True, degraded=True)
+    assert plan_options(SplitOptions(mode="auto"), 0).stages is None
+
+
+def test_auto_splits_only_what_does_not_fit(tiny_model: Path) -> None:
+    profile = model_profile(tiny_model, 256)
+    assert profile.n_layers == 6 and profile.layer_bytes > 0 and profile.first_bytes > 0
+    whole = 6 * profile.layer_bytes + profile.first_bytes + profile.last_bytes
+    assert not needs_split(SplitOptions(mode="auto"), profile, whole)
+    assert needs_split(SplitOptions(mode="auto"), profile, whole - 1)
+    assert needs_split(SplitOptions(mode="force"), profile, 100 * GB)
+    assert not needs_split(SplitOptions(mode="off"), profile, 1)
+
+
+def test_worker_hosts_checks_the_hash_and_releases(tiny_model: Path, tmp_path: Path) -> None:
+    async def main() -> None:
+        worker_ep, coord_ep, plain_ep = [await endpoint() for _ in range(3)]
+        server = StageServer(worker_ep)
+        changes: list[str] = []
+        host = StageHost(server, changes.append)
+        StageServer(plain_ep)
+        digest = file_sha256(tiny_model)
+        req = Host(model=MODEL, path=str(tiny_model), sha256=digest, layer_start=2, layer_end=4, max_context=64)
+        try:
+            hosted = await ask(coord_ep, worker_ep.node_id, addr(worker_ep), req)
+            assert (hosted.layer_start, hosted.layer_end) == (2, 4)  # type: ignore[union-attr]
+            assert host.hosted[MODEL] == req and changes == [MODEL]
+            with pytest.raises(HostRefused, match="sha256"):
+                await ask(coord_ep, worker_ep.node_id, addr(worker_ep), _with(req, sha256="0" * 64))
+            with pytest.raises(HostRefused, match="no file"):
+                await ask(coord_ep, worker_ep.node_id, addr(worker_ep), _with(req, path=str(tmp_path / "none")))
+            with pytest.raises(HostRefused):  # not a worker: no stage-control handler
+                await ask(coord_ep, plain_ep.node_id, addr(plain_ep), req, timeout=2.0)
+            await ask(coord_ep, worker_ep.node_id, addr(worker_ep), Release(model=MODEL))
+            assert MODEL not in host.hosted
+        finally:
+            for ep in (worker_ep, coord_ep, plain_ep):
+                await ep.close()
+
+    asyncio.run(main())
+
+
+def _with(req: Host, **changes: object) -> Host:
+    import msgspec
+
+    return msgspec.structs.replace(req, **changes)
