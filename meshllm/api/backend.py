@@ -25,6 +25,8 @@ class ModelEntry:
     """The API id clients pass as ``model``."""
     nodes: tuple[str, ...]
     """Node ids serving it (this node's own id first when it serves it)."""
+    node_names: tuple[str, ...] = ()
+    """The same nodes' names, in the same order (for people; ids are what routing uses)."""
     context_length: int | None = None
     created: int = 0
     """Unix time the model became available (OpenAI's ``created``)."""
@@ -57,7 +59,8 @@ class LocalBackend:
 
     def models(self) -> Sequence[ModelEntry]:
         """One entry per engine, served by this node."""
-        return [ModelEntry(id=mid, nodes=(self.node_id,), context_length=_context(engine), created=self._created)
+        return [ModelEntry(id=mid, nodes=(self.node_id,), node_names=(self.node_id,),
+                           context_length=engine_context(engine), created=self._created)
                 for mid, engine in sorted(self.engines.items())]
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
@@ -68,7 +71,8 @@ class LocalBackend:
         return engine.generate(request)
 
 
-def _context(engine: Engine) -> int | None:
+def engine_context(engine: Engine) -> int | None:
+    """The engine's context length, or ``None`` while it is not loaded."""
     try:
         return engine.context_length
     except EngineError:  # not loaded yet: the listing still shows the model

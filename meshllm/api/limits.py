@@ -53,6 +53,25 @@ class Admission:
         self._sem.release()
 
 
+class Slots:
+    """A counting limit that never waits: a full node refuses at once, so the caller fails over."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.active = 0
+
+    def try_take(self) -> bool:
+        """Take a slot if one is free."""
+        if self.active >= self.limit:
+            return False
+        self.active += 1
+        return True
+
+    def give_back(self) -> None:
+        """Return a slot taken with :meth:`try_take`."""
+        self.active -= 1
+
+
 class BodyLimit:
     """ASGI middleware: 413 for bodies over ``limit`` bytes, by header or by counting.
 

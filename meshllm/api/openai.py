@@ -125,7 +125,8 @@ def build_router(backend: Backend, admission: Admission) -> APIRouter:
     router = APIRouter(prefix="/v1", tags=["openai"], responses=ERROR_RESPONSES)
 
     def model_list() -> list[ModelOut]:
-        return [ModelOut(id=m.id, created=m.created, nodes=list(m.nodes), context_length=m.context_length)
+        return [ModelOut(id=m.id, created=m.created, nodes=list(m.nodes), node_names=list(m.node_names),
+                         context_length=m.context_length)
                 for m in backend.models()]
 
     @router.get("/models", response_model=ModelList)
@@ -157,9 +158,7 @@ def build_router(backend: Backend, admission: Admission) -> APIRouter:
 
     async def serve(http: Request, request: GenerationRequest, shape: _Shape, stream: bool,
                     include_usage: bool) -> Response:
-        if request.model not in {m.id for m in backend.models()}:
-            raise UnknownModel(f"model {request.model!r} is not served by this mesh")
-        await admission.acquire()
+        await admission.acquire()  # the backend raises UnknownModel (404) or NoCapacity (503) itself
         try:
             events = backend.generate(request)
             first = await _first(events)

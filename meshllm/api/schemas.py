@@ -230,6 +230,7 @@ class ModelOut(BaseModel):
     created: int
     owned_by: str = "meshllm"
     nodes: list[str] = Field(default_factory=list, description="ids of the nodes serving this model")
+    node_names: list[str] = Field(default_factory=list, description="names of the same nodes, in the same order")
     context_length: int | None = None
 
 

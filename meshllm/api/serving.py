@@ -2,7 +2,11 @@
 
 Loading a model publishes it in the node's peer record (``models.served``) so peers can route to
 it; a background task copies the engines' load into the record every few seconds, which the
-routers of other nodes read. ``backend`` is what the HTTP routes call.
+routers of other nodes read. ``backend`` is what the HTTP routes call: a
+:class:`~meshllm.api.mesh_backend.MeshBackend` over the live engine table, so it exists (and
+routes to peers) before, while and after models load; a ``--client`` node has no engines and
+only routes. Peers' requests arrive on ``"request"`` streams, served by
+:class:`~meshllm.api.tunnel_serve.TunnelService` with the same engines.
 """
 
 from __future__ import annotations
@@ -10,10 +14,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Any
 
-from meshllm.api.backend import LocalBackend
+from meshllm.api.counters import RequestCounters
 from meshllm.api.events import EventHub
+from meshllm.api.limits import ApiLimits, Slots
+from meshllm.api.mesh_backend import MeshBackend
+from meshllm.api.tunnel import STREAM_KIND
+from meshllm.api.tunnel_serve import TunnelService
 from meshllm.engine.base import Engine
 from meshllm.engine.llama import LlamaEngine
 from meshllm.errors import ConfigError
@@ -28,14 +37,18 @@ ENGINES = ("llama", "numpy")
 
 
 class Serving:
-    """Engines of this node and the backend the API routes call."""
+    """Engines of this node, the backend the API routes call, and the tunnel peers call."""
 
-    def __init__(self, node_id: str, mesh: MeshService, events: EventHub) -> None:
+    def __init__(self, node_id: str, mesh: MeshService, events: EventHub, limits: ApiLimits | None = None) -> None:
         self.node_id = node_id
         self.mesh = mesh
         self.events = events
         self.engines: dict[str, Engine] = {}
-        self.backend = LocalBackend([], node_id)
+        self.counters = RequestCounters()
+        self.backend = MeshBackend(node_id, self.engines, mesh, counters=self.counters, on_event=events.publish)
+        self.tunnel = TunnelService(self.engines, Slots((limits or ApiLimits()).max_concurrent), self.counters)
+        assert mesh.endpoint is not None
+        mesh.endpoint.on_stream(STREAM_KIND, self.tunnel.handle)
         self._load_task: asyncio.Task[None] | None = None
         self._last_load: Load | None = None
 
@@ -46,16 +59,21 @@ class Serving:
         for spec in specs:
             ref = await asyncio.to_thread(resolve_model, spec)
             instance = self._make_engine(engine, ref)
-            self.events.publish("model_loading", model=ref.model_id, path=str(ref.path), engine=engine)
+            self.events.publish("model_loading", model=ref.model_id, path=str(ref.path), engine=engine,
+                                size_bytes=ref.path.stat().st_size)
+            started = time.monotonic()
             await instance.load()
             self.engines[instance.model_id] = instance
             self.events.publish("model_ready", model=instance.model_id, engine=engine,
-                                context=instance.context_length)
-        self.backend = LocalBackend(self.engines.values(), self.node_id)
+                                context=instance.context_length, load_s=round(time.monotonic() - started, 2))
         self.mesh.update_own(models=Models(served=[
             ServedModel(name=mid, context=e.context_length, engine=engine) for mid, e in self.engines.items()
         ]))
         self._load_task = asyncio.create_task(self._publish_load(), name="publish-load")
+
+    def add_engine(self, engine: Engine) -> None:
+        """Serve an engine built elsewhere (a split model's chain) as a local model; its owner announces it."""
+        self.engines[engine.model_id] = engine
 
     @staticmethod
     def _make_engine(engine: str, ref: Any) -> Engine:
@@ -77,8 +95,8 @@ class Serving:
             await asyncio.sleep(LOAD_PUBLISH_S)
 
     def request_counters(self) -> dict[str, Any]:
-        """Totals for ``/api/status``."""
-        return {"total": 0, "failed": 0, "per_min": 0.0}
+        """The ``requests`` object of ``/api/status``: totals and requests in the last minute."""
+        return self.counters.snapshot(time.time())
 
     async def close(self) -> None:
         if self._load_task is not None:

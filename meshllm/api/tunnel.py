@@ -1,14 +1,15 @@
 """The request tunnel: typed frames that carry one request to a peer and its response back.
 
-One bidirectional QUIC stream per request. The caller sends a :class:`RequestFrame` (and maybe a
-:class:`CancelFrame` later); the server answers with :class:`DeltaFrame` s and ends with exactly
-one :class:`FinishFrame` or :class:`ErrorFrame`. Frames are msgspec structs in the shared
-length-prefixed framing of ``meshllm.wire.frames``.
+One bidirectional QUIC stream of kind ``"request"`` per request. The caller sends a
+:class:`RequestFrame` (and, if its client goes away, a :class:`CancelFrame`); the server answers
+with :class:`DeltaFrame` s and ends with exactly one :class:`FinishFrame` or :class:`ErrorFrame`.
 
-:class:`TunnelClient` and :class:`TunnelServer` are sans-IO: they turn engine events into bytes
-and bytes into engine events or typed errors, and track the stream's state so a misbehaving
-peer (a delta after finish, a second request) is a :class:`~meshllm.errors.DecodeError`, not a
-corrupt response. The QUIC stream driver only moves their bytes.
+The net layer's streams already frame and decode typed messages (``Stream.send(struct)`` /
+``Stream.recv(type)``), so this core works on messages, not bytes: :class:`TunnelClient` and
+:class:`TunnelServer` are sans-IO state machines that turn engine events into frames and frames
+into engine events or typed errors. They track the stream's state, so a misbehaving peer (a delta
+after finish, a second request) is a :class:`~meshllm.errors.DecodeError`, not a corrupt
+response. The asyncio driver (``meshllm.api.mesh_backend``) only moves their frames.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Literal
 
 import msgspec
 
-from meshllm.api.errors import ApiError, UpstreamError, UpstreamTimeout, classify, error_for
+from meshllm.api.errors import ApiError, UpstreamError, classify, error_for
 from meshllm.engine.base import (
     ChatRequest,
     CompletionRequest,
@@ -29,9 +30,10 @@ from meshllm.engine.base import (
     Usage,
 )
 from meshllm.errors import DecodeError
-from meshllm.wire.frames import FrameDecoder, encode_frame
 
 TUNNEL_VERSION = 1
+STREAM_KIND = "request"
+"""The stream kind the tunnel is registered under on the QUIC endpoint."""
 
 
 class RequestFrame(msgspec.Struct, frozen=True, tag="request"):
@@ -95,37 +97,30 @@ class TunnelClient:
     """Caller's side of one tunnel stream."""
 
     def __init__(self) -> None:
-        self._decoder: FrameDecoder[ServerFrame] = FrameDecoder(ServerFrame)
         self.state: Literal["idle", "open", "done"] = "idle"
 
-    def start(self, request_id: str, request: GenerationRequest, deadline_ms: int) -> bytes:
-        """Bytes to send first."""
+    def start(self, request_id: str, request: GenerationRequest, deadline_ms: int) -> RequestFrame:
+        """The frame to send first."""
         if self.state != "idle":
             raise RuntimeError("tunnel already started")
         self.state = "open"
-        return encode_frame(RequestFrame(request_id=request_id, request=request, deadline_ms=deadline_ms))
+        return RequestFrame(request_id=request_id, request=request, deadline_ms=deadline_ms)
 
-    def cancel(self, reason: str = "client disconnected") -> bytes:
-        """Bytes that ask the server to stop (send, then close the stream)."""
+    def cancel(self, reason: str = "client disconnected") -> CancelFrame:
+        """The frame that asks the server to stop (send it, then close the stream)."""
         self.state = "done"
-        return encode_frame(CancelFrame(reason=reason))
+        return CancelFrame(reason=reason)
 
-    def receive(self, data: bytes) -> list[GenerationEvent]:
-        """Events decoded from received bytes; raises the peer's error as :class:`RemoteError`."""
-        events: list[GenerationEvent] = []
-        for frame in self._decoder.feed(data):
-            if self.state != "open":
-                raise DecodeError(f"tunnel peer sent {type(frame).__name__} after the response ended")
-            if isinstance(frame, DeltaFrame):
-                events.append(TextDelta(frame.text))
-            elif isinstance(frame, FinishFrame):
-                self.state = "done"
-                events.append(Finish(reason=frame.reason,
-                                     usage=Usage(frame.prompt_tokens, frame.completion_tokens)))
-            else:
-                self.state = "done"
-                raise RemoteError(frame)
-        return events
+    def receive(self, frame: ServerFrame) -> GenerationEvent:
+        """The engine event a frame carries; raises the peer's error as :class:`RemoteError`."""
+        if self.state != "open":
+            raise DecodeError(f"tunnel peer sent {type(frame).__name__} after the response ended")
+        if isinstance(frame, DeltaFrame):
+            return TextDelta(frame.text)
+        self.state = "done"
+        if isinstance(frame, FinishFrame):
+            return Finish(reason=frame.reason, usage=Usage(frame.prompt_tokens, frame.completion_tokens))
+        raise RemoteError(frame)
 
     def stream_ended(self) -> None:
         """The peer closed the stream; an error if the response was not complete."""
@@ -133,52 +128,48 @@ class TunnelClient:
             self.state = "done"
             raise UpstreamError("the serving peer closed the tunnel before the response ended")
 
-    @staticmethod
-    def timed_out(deadline_ms: int) -> UpstreamTimeout:
-        """The error for a response that did not end within the deadline."""
-        return UpstreamTimeout(f"the serving peer did not finish within {deadline_ms} ms")
+    @property
+    def done(self) -> bool:
+        """The response ended (finish, error or cancel): nothing more is expected."""
+        return self.state == "done"
 
 
 class TunnelServer:
     """Serving side of one tunnel stream."""
 
     def __init__(self) -> None:
-        self._decoder: FrameDecoder[CallerFrame] = FrameDecoder(CallerFrame)
         self.request: RequestFrame | None = None
         self.cancelled = False
         self.done = False
 
-    def receive(self, data: bytes) -> list[CallerFrame]:
-        """Frames decoded from the caller; the first must be the request, and only once."""
-        frames = self._decoder.feed(data)
-        for frame in frames:
-            if isinstance(frame, RequestFrame):
-                if self.request is not None:
-                    raise DecodeError("second request frame on one tunnel stream")
-                if frame.version != TUNNEL_VERSION:
-                    raise DecodeError(f"tunnel version {frame.version} is not {TUNNEL_VERSION}")
-                self.request = frame
-            elif self.request is None:
-                raise DecodeError("tunnel stream did not start with a request frame")
-            else:
-                self.cancelled = True
-        return frames
+    def receive(self, frame: CallerFrame) -> None:
+        """Take a frame from the caller; the first must be the request, and only once."""
+        if isinstance(frame, RequestFrame):
+            if self.request is not None:
+                raise DecodeError("second request frame on one tunnel stream")
+            if frame.version != TUNNEL_VERSION:
+                raise DecodeError(f"tunnel version {frame.version} is not {TUNNEL_VERSION}")
+            self.request = frame
+        elif self.request is None:
+            raise DecodeError("tunnel stream did not start with a request frame")
+        else:
+            self.cancelled = True
 
-    def event(self, event: GenerationEvent) -> bytes:
-        """Bytes for one engine event."""
+    def event(self, event: GenerationEvent) -> ServerFrame:
+        """The frame for one engine event."""
         self._check_open()
         if isinstance(event, TextDelta):
-            return encode_frame(DeltaFrame(event.text))
+            return DeltaFrame(event.text)
         self.done = True
-        return encode_frame(FinishFrame(reason=event.reason, prompt_tokens=event.usage.prompt_tokens,
-                                        completion_tokens=event.usage.completion_tokens))
+        return FinishFrame(reason=event.reason, prompt_tokens=event.usage.prompt_tokens,
+                           completion_tokens=event.usage.completion_tokens)
 
-    def error(self, exc: BaseException) -> bytes:
-        """Bytes reporting ``exc`` with the status the caller's client should get."""
+    def error(self, exc: BaseException) -> ErrorFrame:
+        """The frame reporting ``exc`` with the status the caller's client should get."""
         self._check_open()
         self.done = True
         status, body = error_for(exc)
-        return encode_frame(ErrorFrame(status=status, code=body["error"]["code"], message=body["error"]["message"]))
+        return ErrorFrame(status=status, code=body["error"]["code"], message=body["error"]["message"])
 
     def _check_open(self) -> None:
         if self.done:

@@ -16,14 +16,18 @@ def cli() -> None:
 
 def _register() -> None:
     """Attach the subcommands (imported here so ``meshllm --version`` stays fast)."""
-    from meshllm.cli import auth, invite, mesh, serve, status
+    from meshllm.cli import auth, discover, invite, mesh, models, plan, publish, serve, status
 
     cli.add_command(auth.auth)
     cli.add_command(mesh.mesh)
     cli.add_command(invite.invite)
     cli.add_command(status.status)
+    cli.add_command(plan.plan)
+    cli.add_command(models.models)
     cli.add_command(serve.serve)
     cli.add_command(serve.join)
+    cli.add_command(publish.publish)
+    cli.add_command(discover.discover)
 
 
 def main() -> None:

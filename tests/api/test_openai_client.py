@@ -26,7 +26,7 @@ def test_model_list_names_the_model_and_its_node(client: openai.OpenAI) -> None:
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert models[0].owned_by == "meshllm"
-    assert models[0].model_extra == {"nodes": ["node-a"], "context_length": 512}
+    assert models[0].model_extra == {"nodes": ["node-a"], "node_names": ["node-a"], "context_length": 512}
     assert client.models.retrieve(MODEL).id == MODEL
 
 

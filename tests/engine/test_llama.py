@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: shared helpers (tinymodels)
-
 from tinymodels import write_tiny_llama
 
 from meshllm.engine.base import (

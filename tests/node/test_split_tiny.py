@@ -104,6 +104,16 @@ def test_tiny_split_3_then_2_stages_matches_solo_and_survives_kill9(tmp_path: Pa
         assert complete(ours, model, stream=True) == expected
         assert chat(ours, model) == chat(ref, model)
 
+        # A --client node routes to the coordinator (never to a bare stage) and gets the same text.
+        client_node = NodeProcess(tmp_path / "cl", ["--client", "--join", token], "client")
+        nodes.append(client_node)
+        client_node.wait_ready()
+        routed = openai.OpenAI(base_url=client_node.api + "/v1", api_key="x", max_retries=0)
+        wait_until(lambda: model in [m.id for m in routed.models.list().data], 10.0)
+        (entry,) = [m for m in httpx.get(client_node.api + "/v1/models").json()["data"] if m["id"] == model]
+        assert entry["node_names"] == ["coord"]
+        assert complete(routed, model, stream=True) == expected
+
         # kill -9 of the middle stage while a long generation streams.
         stream = ours.completions.create(model=model, prompt=PROMPT, max_tokens=1500, temperature=0, stream=True)
         received = 0

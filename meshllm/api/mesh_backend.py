@@ -1,0 +1,297 @@
+"""MeshBackend: the node's :class:`~meshllm.api.backend.Backend`, serving every model of the mesh.
+
+A request runs on this node's engine when it has the model; otherwise it travels to a peer over
+a QUIC stream of kind ``"request"`` (the tunnel frames of :mod:`meshllm.api.tunnel`), and the
+response streams back. Which targets, in which order, is the sans-IO :class:`~meshllm.api.router.Router`'s
+decision; this module is its driver: it reads the mesh (gossip records, connections, RTTs),
+walks the order with an :class:`~meshllm.api.router.Attempt` (failover until the first event has
+gone to the client), and holds every wait to a deadline.
+
+A peer that vanishes mid-response is noticed by the transport's probes (``suspect`` within about
+a second) or a closed connection; both reset the streams in flight to it, so the client gets a
+clean error at once instead of waiting for a timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from meshllm.api.backend import ModelEntry, engine_context
+from meshllm.api.counters import RequestCounters
+from meshllm.api.errors import ApiError, NoCapacity, UnknownModel, UpstreamError, UpstreamTimeout, classify
+from meshllm.api.router import Attempt, PeerView, Router, Target, affinity_key
+from meshllm.api.tunnel import STREAM_KIND, ServerFrame, TunnelClient, failover_allowed
+from meshllm.engine.base import Engine, GenerationEvent, GenerationRequest
+from meshllm.errors import MeshllmError
+from meshllm.identity.ids import short
+from meshllm.mesh.records import PeerRecord, ServedModel
+from meshllm.mesh.service import MeshService
+from meshllm.net.connection import PeerConnection
+from meshllm.net.errors import NetTimeout, StreamClosed
+from meshllm.net.events import PeerEvent, PeerEventKind
+from meshllm.net.streams import Stream
+from meshllm.wire.addr import parse_addr
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TunnelDeadlines:
+    """How long the caller waits at each step of a routed request."""
+
+    connect_s: float = 3.0
+    """Reaching the peer: dialing (when not connected), opening the stream, sending the request."""
+    first_byte_s: float = 60.0
+    """From the request sent to the first response frame (includes the peer's queue)."""
+    idle_s: float = 30.0
+    """Between two response frames."""
+    total_s: float = 900.0
+    """The whole response; also sent to the peer, which abandons the request after it."""
+
+
+@dataclass(eq=False)
+class _Call:
+    """A routed request in flight to one peer, so peer events can abort it."""
+
+    node_id: str
+    stream: Stream | None = None
+    lost: str | None = None
+    """Why the peer is considered gone (set by a peer event)."""
+
+    def abort(self, why: str) -> None:
+        self.lost = why
+        if self.stream is not None:
+            self.stream.reset()
+
+
+@dataclass
+class MeshBackend:
+    """Lists and serves every model of the mesh: local engines first, then peers over QUIC."""
+
+    node_id: str
+    engines: Mapping[str, Engine]
+    """This node's engines by model id (the live dict: models loaded later appear here)."""
+    mesh: MeshService
+    router: Router = field(init=False)
+    deadlines: TunnelDeadlines = field(default_factory=TunnelDeadlines)
+    counters: RequestCounters = field(default_factory=RequestCounters)
+    clock: Callable[[], float] = time.monotonic
+    on_event: Callable[..., None] = field(default=lambda *_a, **_k: None)
+    """``on_event(type, **fields)``: the node's event hub (failovers show in ``/api/events``)."""
+    _calls: dict[str, set[_Call]] = field(default_factory=dict, init=False)
+    _created: int = field(default_factory=lambda: int(time.time()), init=False)
+
+    def __post_init__(self) -> None:
+        self.router = Router(self.node_id)
+        assert self.mesh.endpoint is not None, "start the mesh service before building its backend"
+        self.mesh.endpoint.on_peer_event(self._on_peer_event)
+
+    # ---- what the mesh serves ---------------------------------------------------------------
+
+    def models(self) -> Sequence[ModelEntry]:
+        """Local models, then those alive peers serve whole (layer ranges are not routable)."""
+        nodes: dict[str, list[str]] = {}
+        names: dict[str, list[str]] = {}
+        context: dict[str, int | None] = {}
+        for mid, engine in sorted(self.engines.items()):
+            nodes[mid], names[mid], context[mid] = [self.node_id], [self._own_name()], engine_context(engine)
+        for node_id, record in sorted(self._alive_records().items()):
+            for model in record.models.served:
+                if _whole(model):
+                    nodes.setdefault(model.name, []).append(node_id)
+                    names.setdefault(model.name, []).append(record.name or short(node_id))
+                    context.setdefault(model.name, model.context)
+        return [ModelEntry(id=mid, nodes=tuple(nodes[mid]), node_names=tuple(names[mid]),
+                           context_length=context[mid], created=self._created) for mid in sorted(nodes)]
+
+    def _own_name(self) -> str:
+        gossip = self.mesh.gossip
+        return gossip.own.name if gossip is not None and gossip.own.name else short(self.node_id)
+
+    def _alive_records(self) -> dict[str, PeerRecord]:
+        gossip = self.mesh.gossip
+        if gossip is None:
+            return {}
+        return {n: e.record for n, e in gossip.state.peers.items() if e.status == "alive" and n != self.node_id}
+
+    def _peer_views(self) -> list[PeerView]:
+        assert self.mesh.endpoint is not None and self.mesh.gossip is not None
+        own_rtt = self.mesh.gossip.own.rtt
+        views = []
+        for node_id, record in self._alive_records().items():
+            conn = self.mesh.endpoint.peers.get(node_id)
+            rtt = conn.rtt_ms if conn is not None else None
+            if rtt is None and node_id in own_rtt:
+                rtt = own_rtt[node_id].rtt_ms
+            load = max(record.load.in_flight + record.load.queue, len(self._calls.get(node_id, ())))
+            views.append(PeerView(node_id=node_id, models=frozenset(m.name for m in record.models.served if _whole(m)),
+                                  load=load, rtt_ms=rtt, alive=conn is None or conn.state != "suspect"))
+        return views
+
+    def _known_anywhere(self, model: str) -> bool:
+        """Some member (alive, suspect or recently gone) serves ``model``: 503, not 404."""
+        gossip = self.mesh.gossip
+        return gossip is not None and any(
+            model in {m.name for m in e.record.models.served} for e in gossip.state.peers.values())
+
+    # ---- generation -------------------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        """Stream ``request`` from the best target, failing over until the first event."""
+        self.counters.started(time.time(), remote=request.model not in self.engines)
+        try:
+            async for event in self._route(request):
+                yield event
+        except Exception:
+            self.counters.failed_one()
+            raise
+
+    async def _route(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        targets = self.router.order(request.model, local_models=self.engines.keys(), peers=self._peer_views(),
+                                    now=self.clock(), key=affinity_key(request))
+        if not targets:
+            if self._known_anywhere(request.model):
+                raise NoCapacity(f"no reachable node serves {request.model!r} right now "
+                                 "(the nodes serving it are unreachable or gone)")
+            raise UnknownModel(f"model {request.model!r} is not served by this mesh")
+        attempt = Attempt(targets, self.router)
+        failures: list[tuple[Target, BaseException]] = []
+        while (target := attempt.next_target()) is not None:
+            events = self._open(target, request)
+            try:
+                first = await _first(events, self._name(target))
+            except Exception as exc:
+                await _aclose(events)
+                if not failover_allowed(exc):
+                    raise
+                attempt.failed(self.clock())
+                failures.append((target, exc))
+                self.on_event("request_failover", model=request.model, node_id=target.node_id,
+                              error=str(exc), status=classify(exc)[0])
+                continue
+            attempt.first_byte()
+            try:
+                yield first
+                async for event in events:
+                    yield event
+            except Exception:
+                attempt.failed(self.clock())
+                raise
+            finally:
+                await _aclose(events)
+            attempt.succeeded()
+            return
+        raise self._exhausted(request.model, failures)
+
+    def _exhausted(self, model: str, failures: list[tuple[Target, BaseException]]) -> ApiError:
+        """The error after every target failed: a timeout stays 504, anything else is a 503."""
+        why = "; ".join(f"{self._name(t)}: {e}" for t, e in failures)
+        if failures and isinstance(failures[-1][1], UpstreamTimeout):
+            return UpstreamTimeout(f"every node serving {model!r} failed ({why})")
+        return NoCapacity(f"every node serving {model!r} failed ({why})")
+
+    def _open(self, target: Target, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        if target.local:
+            return self.engines[request.model].generate(request)
+        return self._remote(target.node_id, request)
+
+    def _name(self, target: Target) -> str:
+        if target.local:
+            return "this node"
+        record = self._alive_records().get(target.node_id)
+        return f"node {record.name if record is not None and record.name else short(target.node_id)}"
+
+    async def _remote(self, node_id: str, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        """One request through the tunnel to ``node_id``; every wait has a deadline."""
+        dl = self.deadlines
+        name = self._name(Target(node_id))
+        call = _Call(node_id)
+        self._calls.setdefault(node_id, set()).add(call)
+        client = TunnelClient()
+        try:
+            conn = await self._connection(node_id, name)
+            call.stream = await conn.open_stream(STREAM_KIND)
+            await call.stream.send(client.start(uuid.uuid4().hex, request, int(dl.total_s * 1000)),
+                                   timeout=dl.connect_s)
+            end = self.clock() + dl.total_s
+            wait = dl.first_byte_s
+            while not client.done:
+                try:
+                    frame = await call.stream.recv(ServerFrame, timeout=max(0.0, min(wait, end - self.clock())))
+                except NetTimeout:
+                    what = "first byte" if wait == dl.first_byte_s else "next token"
+                    raise UpstreamTimeout(f"{name} sent no {what} within {min(wait, dl.total_s):g}s") from None
+                if frame is None:
+                    client.stream_ended()
+                    return
+                yield client.receive(frame)
+                wait = dl.idle_s
+        except StreamClosed as exc:
+            raise UpstreamError(f"{name} {call.lost or f'dropped the request ({exc})'}; retry the request") from None
+        finally:
+            self._calls[node_id].discard(call)
+            if not self._calls[node_id]:
+                del self._calls[node_id]
+            if call.stream is not None:
+                _hang_up(call.stream, client)
+
+    async def _connection(self, node_id: str, name: str) -> PeerConnection:
+        """The open connection to ``node_id``, dialing its gossiped addresses if there is none."""
+        assert self.mesh.endpoint is not None
+        conn = self.mesh.endpoint.peers.get(node_id)
+        if conn is not None:
+            return conn
+        record = self._alive_records().get(node_id)
+        addrs = [] if record is None else [*record.addresses.listen, *record.addresses.observed]
+        errors = []
+        for text in addrs:
+            try:
+                return await self.mesh.endpoint.connect(parse_addr(text), expected_node_id=node_id,
+                                                        timeout=self.deadlines.connect_s)
+            except MeshllmError as exc:
+                errors.append(f"{text}: {exc}")
+        raise UpstreamError(f"cannot reach {name} ({'; '.join(errors) or 'no address known'})")
+
+    def _on_peer_event(self, event: PeerEvent) -> None:
+        """A peer turned suspect or its connection closed: abort what is in flight to it."""
+        if event.kind in (PeerEventKind.SUSPECT, PeerEventKind.CLOSED):
+            why = "became unreachable (no answer to probes for about a second)" \
+                if event.kind is PeerEventKind.SUSPECT else \
+                f"became unreachable (connection closed: {event.reason or 'no reason'})"
+            for call in list(self._calls.get(event.node_id, ())):
+                call.abort(why)
+
+
+def _whole(model: ServedModel) -> bool:
+    """The node answers requests for ``model``: it serves it whole, or coordinates a split of it.
+
+    A worker's ``stage`` entry (one layer range of someone else's chain) takes no requests.
+    """
+    return model.engine == "split" or (model.engine != "stage" and model.layer_start == 0 and model.layer_end == 0)
+
+
+def _hang_up(stream: Stream, client: TunnelClient) -> None:
+    """End our side: after a complete response, close; otherwise ask the peer to stop, then close."""
+    try:
+        if not client.done:
+            stream.send_nowait(client.cancel())
+        stream.close()
+    except StreamClosed:
+        pass
+
+
+async def _first(events: AsyncIterator[GenerationEvent], name: str) -> GenerationEvent:
+    try:
+        return await anext(events)
+    except StopAsyncIteration:
+        raise UpstreamError(f"{name} ended the response without a result") from None
+
+
+async def _aclose(events: AsyncIterator[GenerationEvent]) -> None:
+    close = getattr(events, "aclose", None)
+    if close is not None:
+        await close()

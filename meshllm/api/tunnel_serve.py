@@ -1,0 +1,104 @@
+"""The serving end of the request tunnel: run requests peers route to this node on its engines.
+
+One handler call per incoming ``"request"`` stream. The generation runs in its own task while a
+watcher reads the caller's side: a :class:`~meshllm.api.tunnel.CancelFrame`, a reset, or the
+caller closing its side before the response ended all mean nobody is listening, so the
+generation is cancelled (the engine stops between two tokens). A node with all its peer slots
+busy answers 503 at once, so the caller fails over instead of queueing here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Mapping
+
+from meshllm.api.counters import RequestCounters
+from meshllm.api.errors import NoCapacity, UnknownModel, UpstreamTimeout
+from meshllm.api.limits import Slots
+from meshllm.api.tunnel import CallerFrame, TunnelServer
+from meshllm.engine.base import Engine, GenerationRequest
+from meshllm.identity.ids import short
+from meshllm.net.connection import PeerConnection
+from meshllm.net.errors import NetTimeout, StreamClosed
+from meshllm.net.streams import Stream
+
+log = logging.getLogger(__name__)
+
+REQUEST_TIMEOUT_S = 5.0
+"""How long a caller may take to send its request frame after opening the stream."""
+SEND_TIMEOUT_S = 30.0
+"""How long one response frame may wait for the caller to read (a stalled caller is dropped)."""
+
+
+class TunnelService:
+    """Serves tunnel streams from peers with this node's engines."""
+
+    def __init__(self, engines: Mapping[str, Engine], slots: Slots, counters: RequestCounters) -> None:
+        self.engines = engines
+        self.slots = slots
+        self.counters = counters
+
+    async def handle(self, stream: Stream, conn: PeerConnection) -> None:
+        """The endpoint's handler for ``"request"`` streams (it closes the stream when we return)."""
+        server = TunnelServer()
+        frame = await stream.recv(CallerFrame, timeout=REQUEST_TIMEOUT_S)
+        if frame is None:
+            return
+        server.receive(frame)  # a first frame that is not a request raises: the stream is reset
+        assert server.request is not None
+        request = server.request.request
+        engine = self.engines.get(request.model)
+        if engine is None:
+            await stream.send(server.error(UnknownModel(f"model {request.model!r} is not served by this node")))
+            return
+        if not self.slots.try_take():
+            await stream.send(server.error(NoCapacity(f"all {self.slots.limit} peer request slots are busy")))
+            return
+        self.counters.served_for_peers += 1
+        try:
+            work = asyncio.create_task(self._generate(engine, request, stream, server,
+                                                      server.request.deadline_ms / 1000))
+            watch = asyncio.create_task(self._watch(stream, server))
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done() and not server.done:
+                work.cancel()  # the caller left first: the engine stops between two tokens
+            watch.cancel()
+            for task in (work, watch):
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        finally:
+            self.slots.give_back()
+        log.debug("served a %s request for %s (cancelled: %s)", request.model, short(conn.node_id or "?"),
+                  server.cancelled)
+
+    @staticmethod
+    async def _generate(engine: Engine, request: GenerationRequest, stream: Stream, server: TunnelServer,
+                        deadline_s: float) -> None:
+        events = engine.generate(request)
+        try:
+            async with asyncio.timeout(deadline_s):
+                async for event in events:
+                    await stream.send(server.event(event), timeout=SEND_TIMEOUT_S)
+        except (StreamClosed, NetTimeout):
+            return  # the caller is gone or stalled: nobody to tell
+        except Exception as exc:
+            if isinstance(exc, TimeoutError):
+                exc = UpstreamTimeout(f"the request did not finish within its {deadline_s:g}s deadline")
+            if not server.done:
+                with contextlib.suppress(StreamClosed, NetTimeout):
+                    await stream.send(server.error(exc), timeout=SEND_TIMEOUT_S)
+        finally:
+            close = getattr(events, "aclose", None)
+            if close is not None:
+                await close()
+
+    @staticmethod
+    async def _watch(stream: Stream, server: TunnelServer) -> None:
+        """Return when the caller cancels, resets, or closes its side: nobody reads the response."""
+        with contextlib.suppress(StreamClosed):
+            while (frame := await stream.recv(CallerFrame, timeout=None)) is not None:
+                server.receive(frame)
+                if server.cancelled:
+                    return

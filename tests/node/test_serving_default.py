@@ -1,0 +1,70 @@
+"""The README's main command, and the numpy engine end to end, as real ``meshllm serve`` processes.
+
+``./install.sh && meshllm serve`` then a chat through the ``openai`` package must return text
+from the bundled default model. ``meshllm serve --engine numpy`` must answer through the same API,
+with the same greedy text as llama.cpp on the same GGUF.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+import pytest
+from nodes import NodeProcess, running_nodes
+from tinymodels import write_tiny_llama
+
+pytestmark = pytest.mark.timeout(120)
+
+DEFAULT_MODEL = "gemma-3-270m-q4_k_m"
+
+
+def client_of(node: NodeProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{node.api}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def chat_text(node: NodeProcess, model: str, max_tokens: int) -> str:
+    reply = client_of(node).chat.completions.create(
+        model=model, max_tokens=max_tokens, temperature=0,
+        messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert reply.usage is not None and 0 < reply.usage.completion_tokens <= max_tokens
+    return reply.choices[0].message.content or ""
+
+
+@pytest.mark.slow
+def test_meshllm_serve_with_no_model_chats_with_the_default_model(tmp_path: Path) -> None:
+    with running_nodes() as nodes:
+        node = NodeProcess(tmp_path / "n", [], "n")  # exactly `meshllm serve` (plus free ports)
+        nodes.append(node)
+        node.wait_ready()
+        kinds = [e["type"] for e in node.events]
+        assert kinds.index("model_loading") < kinds.index("model_ready") < kinds.index("ready")
+        ready = next(e for e in node.events if e["type"] == "model_ready")
+        assert ready["model"] == DEFAULT_MODEL and ready["engine"] == "llama" and ready["context"] > 0
+        assert chat_text(node, DEFAULT_MODEL, 16).strip()
+
+
+@pytest.mark.slow
+def test_numpy_engine_serves_the_default_model(tmp_path: Path) -> None:
+    with running_nodes() as nodes:
+        node = NodeProcess(tmp_path / "n", ["--engine", "numpy"], "n")
+        nodes.append(node)
+        node.wait_ready(timeout=90)
+        assert next(e for e in node.events if e["type"] == "model_ready")["engine"] == "numpy"
+        assert chat_text(node, DEFAULT_MODEL, 4).strip()
+
+
+def test_numpy_and_llama_engines_give_the_same_greedy_text_through_the_api(tmp_path: Path) -> None:
+    gguf = write_tiny_llama(tmp_path / "tiny.gguf", seed=0)
+    with running_nodes() as nodes:
+        llama = NodeProcess(tmp_path / "llama", ["--model", str(gguf)], "llama")
+        numpy = NodeProcess(tmp_path / "numpy", ["--model", str(gguf), "--engine", "numpy"], "numpy")
+        nodes += [llama, numpy]
+        for node in nodes:
+            node.wait_ready()
+        texts = []
+        for node in nodes:
+            reply = client_of(node).completions.create(model="tiny", prompt="Hello", max_tokens=24, temperature=0)
+            assert reply.usage is not None and reply.usage.completion_tokens == 24
+            texts.append(reply.choices[0].text)
+        assert texts[0] == texts[1]
