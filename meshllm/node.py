@@ -26,6 +26,9 @@ from meshllm.api.events import EventHub
 from meshllm.api.serving import Serving
 from meshllm.api.status import status_router
 from meshllm.config import NODE_CERT_FILE, ensure_home, resolve_home
+from meshllm.discovery.listing import LISTING_TTL_S
+from meshllm.discovery.publisher import NodeDiscovery, facts_from_records
+from meshllm.discovery.routes import discovery_router
 from meshllm.engine.capacity import measure_capacity
 from meshllm.errors import ConfigError
 from meshllm.identity.keys import NodeKey
@@ -33,6 +36,9 @@ from meshllm.identity.trust import TrustStore
 from meshllm.mesh.membership import Membership, join_mesh, own_mesh
 from meshllm.mesh.records import PeerRecord
 from meshllm.mesh.service import MeshService
+from meshllm.split.placement import SplitOptions
+from meshllm.split.routes import plan_router
+from meshllm.split.service import SplitService, offered_capacity
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +65,16 @@ class NodeOptions:
     role: Role = "host"
     models: list[str] = field(default_factory=lambda: ["default"])
     engine: str = "llama"
+    relay: Literal["on", "off", "auto"] = "auto"
+    """Relay for members behind NATs: always, never, or when peers find us reachable (auto)."""
+    split: SplitOptions = field(default_factory=SplitOptions)
+    """``--split``/``--stages``/``--max-memory``: whether and how to split models over workers."""
+    dht_bootstrap: list[str] = field(default_factory=list)
+    """DHT peers (multiaddrs) to join at start; the DHT also starts on the first publish."""
+    dht_port: int | None = None
+    """TCP port of the DHT node; set, it starts the DHT at start (a bootstrap peer for others)."""
+    listing_ttl_s: float = LISTING_TTL_S
+    """Lifetime of published listings (republished every half of it); short only in tests."""
 
 
 class Node:
@@ -74,6 +90,8 @@ class Node:
         self.membership: Membership | None = None
         self.mesh: MeshService | None = None
         self.serving: Serving | None = None
+        self.splits: SplitService | None = None
+        self.discovery: NodeDiscovery | None = None
         self.api_url = ""
         self.invite: str | None = None
         """The invite printed at start (owner only)."""
@@ -96,19 +114,26 @@ class Node:
         record = PeerRecord(
             node_id=self.key.node_id, mesh_id=self.membership.mesh_id, seq=0,
             membership_proof=self.membership.proof, owner_cert=self._owner_cert(), name=self.name,
-            role=opts.role, capacity=await asyncio.to_thread(measure_capacity), version=__version__,
+            role=opts.role, version=__version__,
+            capacity=offered_capacity(await asyncio.to_thread(measure_capacity), opts.role, opts.split.max_memory),
         )
         self.mesh = MeshService(
             self.key, self.membership, record,
             check_trust=lambda node, cert, at: _check(trust.evaluate(node, cert, at)),
             on_event=self.events.publish, host=opts.mesh_host, port=opts.mesh_port, announce=opts.announce,
+            relay=opts.relay,
         )
         await self.mesh.start()
         self.serving = Serving(self.key.node_id, self.mesh, self.events)
+        self.splits = SplitService(self.mesh, self.serving, self.events, opts.role, opts.split)
+        self.discovery = self._make_discovery()
         await self._start_api()
         self.events.publish("mesh_ready", mesh_id=self.membership.mesh_id, mesh_addr=self.mesh_addr)
-        await self.serving.load_models(opts.models if opts.role == "host" else [], engine=opts.engine)
+        whole = await self.splits.prepare(opts.models if opts.role == "host" else [])
+        await self.serving.load_models(whole, engine=opts.engine)
+        await self.splits.start()
         self.invite = self._ready_invite()
+        await self.discovery.start()
         self.events.publish(
             "ready", api_url=self.api_url, node_id=self.key.node_id, mesh_id=self.membership.mesh_id,
             mesh_addr=self.mesh_addr, name=self.name, role=opts.role, invite=self.invite,
@@ -120,8 +145,12 @@ class Node:
             self.events.publish("stopping", node_id=self.key.node_id)
         if self._server is not None:
             self._server.should_exit = True
+        if self.discovery is not None:
+            await self.discovery.stop()
         if self.mesh is not None:
             await self.mesh.stop(graceful=True)
+        if self.splits is not None:
+            await self.splits.stop()
         if self.serving is not None:
             await self.serving.close()
         if self._server_task is not None:
@@ -134,6 +163,10 @@ class Node:
         assert self.serving is not None
         app = create_app(self.serving.backend)
         app.include_router(status_router(self))
+        if self.splits is not None:
+            app.include_router(plan_router(self.splits))
+        if self.discovery is not None:
+            app.include_router(discovery_router(self.discovery))
         sock = _bind_api_socket(self.options.api_host, self.options.api_port)
         config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
         self._server = _EmbeddedServer(config)
@@ -146,6 +179,20 @@ class Node:
         host, port = sock.getsockname()[:2]
         self.api_url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
+    def _make_discovery(self) -> NodeDiscovery:
+        """Publishing and the DHT; listings describe the mesh as this node's gossip sees it."""
+        assert self.membership is not None and self.mesh is not None and self.mesh.endpoint is not None
+        gossip = self.mesh.gossip
+        assert gossip is not None
+        opts = self.options
+        return NodeDiscovery(
+            node_key=self.key.signing_key, node_id=self.key.node_id, node_name=self.name,
+            mesh_key=self.membership.mesh_key,
+            facts=lambda: facts_from_records(gossip.own, list(gossip.members().values())),
+            quic_port=self.mesh.endpoint.local_addr[1], host=opts.mesh_host, dht_bootstrap=opts.dht_bootstrap,
+            dht_port=opts.dht_port, listing_ttl_s=opts.listing_ttl_s, on_event=self.events.publish,
+        )
+
     # -- StatusSource -----------------------------------------------------------------------------
 
     @property
@@ -156,7 +203,7 @@ class Node:
     def create_invite(self, ttl_s: float, max_uses: int) -> str:
         """A fresh invite token naming this node as the bootstrap member."""
         assert self.membership is not None and self.mesh is not None
-        return self.membership.new_invite(time.time(), ttl_s, max_uses, self.mesh.listen_addrs())
+        return self.membership.new_invite(time.time(), ttl_s, max_uses, self.mesh.invite_addrs())
 
     def _ready_invite(self) -> str | None:
         """The owner prints a 24 h multi-use invite at start; other members cannot sign one."""
@@ -183,7 +230,7 @@ class Node:
                 rtt = gossip.own.rtt[node_id].rtt_ms
             peers.append({
                 "node_id": node_id, "name": rec.name, "state": entry.status, "role": rec.role,
-                "path": "direct" if conn is not None else "none",
+                "path": conn.path if conn is not None and conn.state == "alive" else "none",
                 "rtt_ms": None if rtt is None else round(rtt, 3),
                 "models": [_model_json(m) for m in rec.models.served],
                 "capacity": {"ram_bytes": rec.capacity.ram_bytes, "vram_bytes": rec.capacity.vram_bytes,
@@ -199,7 +246,7 @@ class Node:
             "models": [_model_json(m) for m in own.models.served],
             "peers": peers,
             "rtt_matrix": {a: {b: round(ms, 3) for b, ms in row.items()} for a, row in gossip.rtt_matrix().items()},
-            "splits": [],
+            "splits": self.splits.status() if self.splits is not None else [],
             "requests": self.serving.request_counters(),
         }
 

@@ -13,8 +13,10 @@ import click
 from meshllm import logs
 from meshllm.api.events import EventHub
 from meshllm.cli.common import home_option
-from meshllm.config import DEFAULT_API_PORT, DEFAULT_MESH_PORT
+from meshllm.config import DEFAULT_API_PORT, DEFAULT_MESH_PORT, load_config, resolve_home
+from meshllm.discovery.listing import LISTING_TTL_S
 from meshllm.errors import DecodeError
+from meshllm.mesh.admission import is_mesh_id
 from meshllm.wire.addr import parse_addr
 
 
@@ -43,12 +45,30 @@ def node_options(func: Any) -> Any:
                      help="Address peers should dial (port-forwarded nodes); repeatable."),
         click.option("--bootstrap", multiple=True, callback=_addr, metavar="HOST:PORT",
                      help="Member to dial instead of the invite's addresses; repeatable."),
+        click.option("--relay", type=click.Choice(["on", "off", "auto"]), default="auto", show_default=True,
+                     help="Relay for members behind NATs (auto: when peers can reach this node directly)."),
         click.option("--ephemeral", is_flag=True, help="Use a fresh node key that is never saved."),
         click.option("--client", is_flag=True, help="Take part in the mesh and the API, but serve no model."),
+        click.option("--worker", is_flag=True,
+                     help="Serve no whole model; offer this node's memory to host layer ranges of split models."),
+        click.option("--split", type=click.Choice(["auto", "force", "off"]), default="off", show_default=True,
+                     help="Split served models over workers: auto (only when a model does not fit), force (always)."),
+        click.option("--stages", type=click.IntRange(2, 8), default=None,
+                     help="Stages of a split (default: the planner chooses; force: one per worker plus this node)."),
+        click.option("--max-memory", type=click.FloatRange(0.01, None), default=None, metavar="GB",
+                     help="Memory (GiB) this node gives models or, with --worker, offers to splits."),
         click.option("--model", "models", multiple=True, metavar="REF",
                      help="Model to serve: a GGUF path or 'default' (repeatable; default: the bundled model)."),
         click.option("--engine", type=click.Choice(["llama", "numpy"]), default="llama", show_default=True,
                      help="Inference engine for served models."),
+        click.option("--dht-bootstrap", multiple=True, metavar="MULTIADDR",
+                     help="DHT peer to join at start, /ip4/HOST/tcp/PORT/p2p/PEERID (repeatable; "
+                          "default: dht_bootstrap in config.toml)."),
+        click.option("--dht-port", type=click.IntRange(0, 65535), default=None,
+                     help="TCP port of this node's DHT node; given, the DHT starts at once (default: it starts "
+                          "with --dht-bootstrap or on the first publish, on any free port)."),
+        click.option("--listing-ttl", "listing_ttl", type=click.FloatRange(2.0, 3600.0), default=LISTING_TTL_S,
+                     hidden=True, help="Lifetime of published listings in seconds (tests)."),
         click.option("--log-format", type=click.Choice(["pretty", "json"]), default="pretty", show_default=True,
                      help="pretty: for people, on stderr; json: one event per line on stdout."),
         click.option("-v", "--verbose", is_flag=True, help="Debug logging."),
@@ -67,27 +87,61 @@ def serve(join_token: str | None, **kwargs: Any) -> None:
 
 
 @click.command()
-@click.argument("token")
+@click.argument("token", metavar="TOKEN|MESH-ID")
+@click.option("--timeout", "lookup_timeout", type=click.FloatRange(1.0, 300.0), default=15.0, show_default=True,
+              help="Seconds to look a MESH-ID up on the LAN and in the DHT.")
 @node_options
-def join(token: str, **kwargs: Any) -> None:
-    """Join a mesh with an invite TOKEN (the same as `serve --join TOKEN`)."""
-    _run(token, **kwargs)
+def join(token: str, lookup_timeout: float, **kwargs: Any) -> None:
+    """Join a mesh with an invite TOKEN, or a published MESH-ID (looked up by mDNS, then the DHT)."""
+    _run(token, lookup_timeout=lookup_timeout, **kwargs)
 
 
 def _run(join_token: str | None, *, home: Path | None, name: str, api_port: int, api_host: str, mesh_port: int,
-         mesh_host: str, announce: list[str], bootstrap: list[str], ephemeral: bool, client: bool,
-         models: tuple[str, ...], engine: str, log_format: str, verbose: bool) -> None:
+         mesh_host: str, announce: list[str], bootstrap: list[str], relay: str, ephemeral: bool, client: bool,
+         models: tuple[str, ...], engine: str, log_format: str, verbose: bool, dht_bootstrap: tuple[str, ...],
+         dht_port: int | None, listing_ttl: float, worker: bool, split: str, stages: int | None,
+         max_memory: float | None, lookup_timeout: float = 15.0) -> None:
     from meshllm.node import Node, NodeOptions
 
     logs.configure(log_format, verbose)
     hub = EventHub()
     hub.add_sink(logs.event_sink(log_format))
+    dht_peers = list(dht_bootstrap) or list(load_config(resolve_home(home)).dht_bootstrap)
+    if join_token is not None and is_mesh_id(join_token):
+        join_token, bootstrap = _resolve_published(hub, join_token, mesh_host, dht_peers, lookup_timeout, bootstrap)
     options = NodeOptions(
         home=home, name=name, api_host=api_host, api_port=api_port, mesh_host=mesh_host, mesh_port=mesh_port,
         announce=announce, join=join_token, bootstrap=bootstrap, ephemeral=ephemeral,
-        role="client" if client else "host", models=list(models) or ["default"], engine=engine,
+        role="client" if client else "worker" if worker else "host", models=list(models) or ["default"],
+        engine=engine, split=split_options(split, stages, max_memory),
+        dht_bootstrap=dht_peers, dht_port=dht_port, listing_ttl_s=listing_ttl, relay=relay,  # type: ignore[arg-type]
     )
     asyncio.run(_serve(Node(options, hub), log_format))
+
+
+def split_options(mode: str, stages: int | None, max_memory_gb: float | None) -> Any:
+    """``--split``/``--stages``/``--max-memory`` as :class:`~meshllm.split.placement.SplitOptions`."""
+    from meshllm.split.placement import SplitOptions
+    from meshllm.split.planner import GIB
+
+    cap = int(max_memory_gb * GIB) if max_memory_gb is not None else None
+    return SplitOptions(mode=mode, stages=stages, max_memory=cap)  # type: ignore[arg-type]
+
+
+def _resolve_published(hub: EventHub, mesh_id: str, mesh_host: str, dht_peers: list[str], timeout: float,
+                       bootstrap: list[str]) -> tuple[str, list[str]]:
+    """The open invite of a published mesh and the members to dial (``--bootstrap`` wins over the listing's).
+
+    mDNS is browsed on the interface the mesh endpoint binds (none for loopback), then the DHT is
+    asked; the listing is verified (signature, expiry, mesh id) before its invite is used.
+    """
+    from meshllm.discovery.publisher import lan_scope
+    from meshllm.discovery.resolve import find_listing
+
+    found = asyncio.run(find_listing(mesh_id, interfaces=lan_scope(mesh_host), bootstrap=dht_peers, timeout=timeout))
+    listing = found.listing
+    hub.publish("mesh_found", mesh_id=mesh_id, name=listing.name, via=found.via, bootstrap=list(listing.bootstrap))
+    return listing.open_invite, bootstrap or list(listing.bootstrap)
 
 
 async def _serve(node: Any, log_format: str) -> None:

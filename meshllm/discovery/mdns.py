@@ -11,7 +11,6 @@ listing fetched from one (:func:`~meshllm.discovery.quic_listing.fetch_listing`)
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import socket
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 from meshllm.errors import DecodeError
 from meshllm.identity.ids import node_public_key, short
 from meshllm.mesh.admission import is_mesh_id
+from meshllm.net.interfaces import lan_addresses
 
 log = logging.getLogger(__name__)
 
@@ -65,18 +65,6 @@ def parse_txt(properties: dict[bytes, bytes | None]) -> tuple[str, str, str, int
         raise DecodeError(f"not a meshllm v{TXT_VERSION} TXT record: {sorted(text)}")
     node_public_key(node)  # raises DecodeError unless it is a node id
     return mesh_id, text.get("name", "")[:64], node, int(quic)
-
-
-def lan_addresses() -> list[str]:
-    """This machine's non-loopback IPv4 addresses (what to advertise when the caller names none)."""
-    import ifaddr  # a dependency of zeroconf
-
-    found = []
-    for adapter in ifaddr.get_adapters():
-        for ip in adapter.ips:
-            if isinstance(ip.ip, str) and not ipaddress.ip_address(ip.ip).is_loopback:
-                found.append(ip.ip)
-    return found
 
 
 class MdnsAdvertiser:

@@ -34,12 +34,13 @@ from meshllm.discovery.listing import (
     make_listing,
     new_open_invite,
 )
-from meshllm.discovery.mdns import MdnsAdvertiser, lan_addresses
+from meshllm.discovery.mdns import MdnsAdvertiser
 from meshllm.discovery.quic_listing import ListingServer
 from meshllm.errors import ConfigError, MeshllmError
 from meshllm.mesh.admission import MeshKey, decode_token, verify_invite
 from meshllm.mesh.records import PeerRecord
 from meshllm.net.endpoint import Endpoint
+from meshllm.net.interfaces import lan_addresses
 
 log = logging.getLogger(__name__)
 

@@ -48,7 +48,7 @@ class Addresses(msgspec.Struct, frozen=True, kw_only=True):
     observed: list[str] = []
     """Addresses peers saw it coming from (its public side of a NAT)."""
     relay: list[str] = []
-    """Node ids of relays that forward to it."""
+    """Relays that forward to it, as ``relay_node_id@host:port``."""
 
 
 class Capacity(msgspec.Struct, frozen=True, kw_only=True):

@@ -30,12 +30,15 @@ from meshllm.mesh.failure import FailureDetector, Probe
 from meshllm.mesh.gossip import Gossip, Rejected, Send
 from meshllm.mesh.membership import Membership
 from meshllm.mesh.messages import MeshMessage
-from meshllm.mesh.records import Addresses, CheckTrust, PeerRecord, RecordVerifier
+from meshllm.mesh.records import Addresses, CheckTrust, PathKind, PeerRecord, RecordVerifier
+from meshllm.mesh.traversal import Traversal, parse_relay_entry
 from meshllm.mesh.view import PeerAdded, PeerRemoved, PeerStatus, RecordUpdated, ViewEvent
 from meshllm.net.backoff import Backoff
 from meshllm.net.endpoint import Endpoint, EndpointOptions
 from meshllm.net.errors import AdmissionRefused, ConnectError
 from meshllm.net.events import PeerEvent, PeerEventKind
+from meshllm.net.interfaces import lan_addresses
+from meshllm.net.nat import RelayMode
 from meshllm.wire.addr import format_addr, parse_addr
 
 log = logging.getLogger(__name__)
@@ -46,6 +49,8 @@ TICK_MAX_S = 0.1
 SEND_TIMEOUT_S = 2.0
 DIAL_TIMEOUT_S = 3.0
 BOOTSTRAP_DEADLINE_S = 15.0
+RECORD_PATHS: dict[str, PathKind] = {"direct": "direct", "punched": "punched", "relayed": "relay"}
+"""Connection path type -> the path kind published in our record's RTT row."""
 
 OnEvent = Callable[..., None]
 
@@ -66,6 +71,7 @@ class MeshService:
         announce: list[str] | None = None,
         endpoint_options: EndpointOptions | None = None,
         rng: random.Random | None = None,
+        relay: RelayMode = "auto",
     ) -> None:
         self.key = key
         self.membership = membership
@@ -77,11 +83,16 @@ class MeshService:
         self._announce = list(announce or [])
         self._endpoint_options = endpoint_options
         self._rng = rng or random.Random()
+        self._relay_mode: RelayMode = relay
         self.endpoint: Endpoint | None = None
+        self.traversal: Traversal | None = None
         self.gossip: Gossip | None = None
         self.detector = FailureDetector(self._rng, time.time())
         self._dialing: dict[str, asyncio.Task[None]] = {}
+        self._relay_dialing: dict[str, asyncio.Task[None]] = {}
         self._backoff: dict[str, tuple[Backoff, float]] = {}
+        self._relay_backoff: dict[str, tuple[Backoff, float]] = {}
+        self._rebootstrap: tuple[Backoff, float, asyncio.Task[None] | None] = (Backoff(0.5, 2.0, 5.0), 0.0, None)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._runner: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
@@ -96,6 +107,7 @@ class MeshService:
             admit=self._admit, local_proof=lambda: self.membership.proof, options=self._endpoint_options,
         )
         self.endpoint.on_stream(GOSSIP_STREAM, self._serve_gossip)
+        self.traversal = Traversal(self.endpoint, self._relay_mode, bool(self._announce), self._on_event)
         self.endpoint.on_peer_event(self._on_peer_event)
         record = msgspec.structs.replace(
             self._record_template, addresses=Addresses(listen=self.listen_addrs()),
@@ -107,14 +119,27 @@ class MeshService:
             await self._bootstrap(self.membership.bootstrap)
 
     def listen_addrs(self) -> list[str]:
-        """Addresses peers can dial us at: announced ones, else the bound address (if specific)."""
+        """Addresses peers can dial us at: announced ones, else the bound address.
+
+        A wildcard bind lists this machine's LAN addresses, then loopback (for nodes on the same host).
+        """
         assert self.endpoint is not None
         if self._announce:
             return list(self._announce)
         host, port = self.endpoint.local_addr[:2]
         if host in ("0.0.0.0", "::"):
-            host = "127.0.0.1"
+            return [format_addr((ip, port)) for ip in [*lan_addresses(), "127.0.0.1"]]
         return [format_addr((host, port))]
+
+    def invite_addrs(self) -> list[str]:
+        """Addresses a joiner may bootstrap from: ours, our public ones, and our relays'.
+
+        A node behind a NAT cannot be dialed at its own addresses, but its relay is a member too,
+        so an invite naming the relay still gets a joiner in (no change to the invite format).
+        """
+        assert self.traversal is not None
+        relays = [format_addr(addr) for _, (addr, _) in sorted(self.traversal.reservations.items())]
+        return list(dict.fromkeys([*self.listen_addrs(), *self.traversal.observed(), *relays]))
 
     async def stop(self, graceful: bool = True) -> None:
         """Leave the mesh: send a signed ``leaving`` record to connected peers, then close."""
@@ -125,9 +150,11 @@ class MeshService:
                 asyncio.gather(*(self._send(s.to, s.message) for s in sends), return_exceptions=True),
                 timeout=1.0,
             )
-        for task in [self._runner, *self._dialing.values(), *self._tasks]:
+        for task in [self._runner, *self._dialing.values(), *self._relay_dialing.values(), *self._tasks]:
             if task is not None:
                 task.cancel()
+        if self.traversal is not None:
+            await self.traversal.close()
         if self.endpoint is not None:
             await self.endpoint.close()
 
@@ -166,6 +193,7 @@ class MeshService:
                     [e for e in self._probe(self.detector.tick(now, connected))], now))
                 self._observe_rtts(now)
                 self._maintain_connections(now)
+                self._maintain_traversal(now)
             except Exception:
                 log.exception("mesh service tick failed")
             wait = max(0.0, min(self.gossip.next_timer(), self.detector.next_timer()) - time.time())
@@ -210,7 +238,19 @@ class MeshService:
         assert self.gossip is not None and self.endpoint is not None
         for peer_id, conn in list(self.endpoint.peers.items()):
             if conn.rtt_ms is not None:
-                self.gossip.observe_rtt(peer_id, conn.rtt_ms, "direct", now)
+                self.gossip.observe_rtt(peer_id, conn.rtt_ms, RECORD_PATHS[conn.path], now)
+
+    def _maintain_traversal(self, now: float) -> None:
+        """Reservations and punches; publish our observed addresses and relays when they change."""
+        assert self.gossip is not None and self.traversal is not None
+        if self._stopping:
+            return
+        self.traversal.tick(now, self.membership.bootstrap)
+        own = self.gossip.own.addresses
+        addresses = Addresses(listen=own.listen, observed=self.traversal.observed(),
+                              relay=self.traversal.relay_entries())
+        if addresses != own:
+            self.gossip.update_own(now, addresses=addresses)
 
     # -- connections -------------------------------------------------------------------------------
 
@@ -220,16 +260,61 @@ class MeshService:
             return
         members = self.gossip.members()
         for peer_id in self.gossip.desired_connections(now):
-            if peer_id in self.endpoint.peers or peer_id in self._dialing:
+            record = members.get(peer_id)
+            if peer_id in self.endpoint.peers or record is None:
+                continue
+            if record.addresses.relay:
+                # Behind a NAT: only its relays reach it first; a punch then finds a direct path.
+                _, not_before = self._relay_backoff.get(peer_id, (None, 0.0))
+                if peer_id not in self._relay_dialing and now >= not_before:
+                    self._relay_dialing[peer_id] = asyncio.create_task(
+                        self._dial_relayed(peer_id, record.addresses.relay))
                 continue
             _, not_before = self._backoff.get(peer_id, (None, 0.0))
-            if now < not_before:
+            if peer_id in self._dialing or now < not_before:
                 continue
-            record = members.get(peer_id)
-            if record is None or not (record.addresses.listen or record.addresses.observed):
+            if not (record.addresses.listen or record.addresses.observed):
                 continue
-            addrs = [*record.addresses.listen, *record.addresses.observed]
+            addrs = list(dict.fromkeys([*record.addresses.listen, *record.addresses.observed]))
             self._dialing[peer_id] = asyncio.create_task(self._dial_member(peer_id, addrs))
+        self._maybe_rebootstrap(now)
+
+    def _maybe_rebootstrap(self, now: float) -> None:
+        """Cut off from every peer (say our only relay died): redial the bootstrap members."""
+        assert self.endpoint is not None
+        backoff, not_before, task = self._rebootstrap
+        if self.endpoint.peers or not self.membership.bootstrap or now < not_before:
+            return
+        if task is not None and not task.done():
+            return
+        self._rebootstrap = (backoff, now + backoff.next_delay(),
+                             asyncio.create_task(self._redial_bootstrap(list(self.membership.bootstrap))))
+
+    async def _redial_bootstrap(self, addrs: list[str]) -> None:
+        assert self.endpoint is not None
+        for text in addrs:
+            try:
+                await self.endpoint.connect(parse_addr(text), timeout=DIAL_TIMEOUT_S)
+                self._rebootstrap[0].reset()
+                return
+            except MeshllmError as exc:
+                log.debug("bootstrap redial of %s failed: %s", text, exc)
+
+    async def _dial_relayed(self, peer_id: str, relays: list[str]) -> None:
+        assert self.traversal is not None
+        try:
+            for text in relays:
+                try:
+                    relay_id, addr = parse_relay_entry(text)
+                    await self.traversal.dial_via(relay_id, addr, peer_id, timeout=DIAL_TIMEOUT_S)
+                    self._relay_backoff.pop(peer_id, None)
+                    return
+                except MeshllmError as exc:
+                    log.debug("relayed dial of %s via %s failed: %s", peer_id[:8], text, exc)
+            backoff, _ = self._relay_backoff.get(peer_id, (Backoff(0.2, 2.0, 5.0), 0.0))
+            self._relay_backoff[peer_id] = (backoff, time.time() + backoff.next_delay())
+        finally:
+            self._relay_dialing.pop(peer_id, None)
 
     async def _dial_member(self, peer_id: str, addrs: list[str]) -> None:
         assert self.endpoint is not None
@@ -278,15 +363,22 @@ class MeshService:
         assert self.gossip is not None
         now = time.time()
         if event.kind is PeerEventKind.CONNECTED:
+            conn = self.endpoint.peers.get(event.node_id) if self.endpoint is not None else None
+            self._on_event("peer_connected", node_id=event.node_id, path=conn.path if conn else "none")
             self.gossip.peer_connected(event.node_id)
             self._handle(self.gossip.greet(event.node_id))
         elif event.kind is PeerEventKind.SUSPECT:
             self._handle(self.gossip.on_detector(self._probe(self.detector.suspect(event.node_id, now)), now))
         elif event.kind is PeerEventKind.ALIVE:
             self._handle(self.gossip.on_detector(self._probe(self.detector.alive(event.node_id)), now))
+        elif event.kind is PeerEventKind.UPGRADED:
+            conn = self.endpoint.peers.get(event.node_id) if self.endpoint is not None else None
+            self._on_event("peer_path", node_id=event.node_id, path=conn.path if conn else "none")
         elif event.kind is PeerEventKind.CLOSED:
             self.gossip.peer_disconnected(event.node_id)
             self.detector.forget(event.node_id)
+            if self.traversal is not None:
+                self.traversal.peer_closed(event.node_id)
         self._wake.set()
 
     # -- messages ----------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """QUIC transport: one UDP socket per node, mutually authenticated connections, typed streams.
 
 Start at :class:`Endpoint` (``endpoint.py``); ``docs/protocol.md`` ("Transport") describes the
-wire protocol. Sans-IO cores: :mod:`.admission`, :mod:`.probes`, :mod:`.backoff`. The only
-modules that touch aioquic's private state are :mod:`.tls` and :mod:`.quic`.
+wire protocol. Sans-IO cores: :mod:`.admission`, :mod:`.probes`, :mod:`.backoff`, :mod:`.relay`
+(reservations and circuit limits), :mod:`.nat` (reachability, punch schedule); :mod:`.circuit`
+carries a relayed connection's packets in a relay stream (docs/nat.md). The only modules that
+touch aioquic's private state are :mod:`.tls` and :mod:`.quic`.
 """
 
 from meshllm.net.backoff import Backoff, dial_with_retry

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from aioquic.quic import events as qe
 
@@ -29,6 +29,7 @@ from meshllm.net.messages import (
     AdmissionMessage,
     CloseCode,
     ResetCode,
+    is_virtual,
     normalize_addr,
 )
 from meshllm.net.probes import Liveness, ProbeOutput, ProbeState
@@ -40,6 +41,11 @@ if TYPE_CHECKING:
     from meshllm.net.endpoint import Endpoint
 
 log = logging.getLogger(__name__)
+PathType = Literal["direct", "punched", "relayed"]
+RETIRE_GRACE_S = 1.0
+"""A replaced relayed connection lives at least this long, so the peer can switch over too ..."""
+RETIRE_MAX_S = 15.0
+"""... and at most this long, while streams that were already running on it finish."""
 ADMISSION_STREAM = 0
 """The dialer's first bidirectional stream carries the admission exchange."""
 
@@ -56,6 +62,8 @@ class PeerConnection:
         """True when we dialed this connection."""
         self.remote_addr: Addr = addr
         """Where we see the peer (the UDP source of its packets)."""
+        self.path: PathType = "relayed" if is_virtual(addr) else "direct"
+        """How packets travel: straight over UDP, over UDP through a punched NAT, or via a relay."""
         self.observed_addr: Addr | None = None
         """Where the peer sees *us*, as it told us during admission (for NAT traversal)."""
         self.node_id: str | None = None
@@ -126,6 +134,17 @@ class PeerConnection:
         self.quic.close(error_code=code, reason_phrase=reason)
         self.transmit()
         self._finish(reason, self._error_for(code, reason, local=True))
+
+    def retire(self, reason: str) -> None:
+        """Close once our streams on this connection are done (another connection replaced it)."""
+        self._spawn(self._retire(reason))
+
+    async def _retire(self, reason: str) -> None:
+        await asyncio.sleep(RETIRE_GRACE_S)
+        end = self._loop.time() + RETIRE_MAX_S
+        while self._streams and self._loop.time() < end and self.close_reason is None:
+            await asyncio.sleep(0.25)
+        self.close(reason, CloseCode.DUPLICATE)
 
     async def wait_admitted(self) -> None:
         """Return once admission finished both ways; raise the dial's typed error otherwise."""
@@ -347,6 +366,8 @@ class PeerConnection:
             self.quic.send_datagram_frame(datagram)
         if out.datagrams:
             self.transmit_soon()
+        if self.endpoint.peers.get(self.node_id or "") is not self:
+            return  # a replaced (retiring) connection's liveness says nothing about the peer
         for change in out.events:
             kind = PeerEventKind.SUSPECT if change.state is Liveness.SUSPECT else PeerEventKind.ALIVE
             self.endpoint.emit(PeerEvent(kind, self.node_id or "", change.rtt_ms))

@@ -31,10 +31,11 @@ from aioquic.quic.packet import QuicPacketType, pull_quic_header
 from nacl.signing import SigningKey
 
 from meshllm.identity.ids import node_id
+from meshllm.net.circuit import RelayChannel
 from meshllm.net.connection import PeerConnection
 from meshllm.net.errors import ConnectError, ConnectTimeout, PeerMismatch
 from meshllm.net.events import PeerEvent, PeerEventKind
-from meshllm.net.messages import KIND_MAX, Addr, CloseCode, normalize_addr
+from meshllm.net.messages import KIND_MAX, Addr, CloseCode, is_virtual, normalize_addr
 from meshllm.net.quic import IDLE_TIMEOUT, MAX_DATAGRAM_SIZE, STREAM_WINDOW, MeshQuicConnection, make_configuration
 from meshllm.net.streams import SEND_BUDGET, Stream
 from meshllm.wire.frames import CONTROL_FRAME_MAX
@@ -105,6 +106,9 @@ class Endpoint:
         self._handlers: dict[str, tuple[StreamHandler, int]] = {}
         self._listeners: list[Callable[[PeerEvent], None]] = []
         self._dialing: dict[Addr, PeerConnection] = {}
+        self._channels: dict[Addr, RelayChannel] = {}
+        self.punching: set[str] = set()
+        """Peers we are hole punching to: a direct connection admitted with them is ``punched``."""
         self._transport: asyncio.DatagramTransport | None = None
         self._closed = False
 
@@ -137,7 +141,9 @@ class Endpoint:
     @property
     def observed_addrs(self) -> set[Addr]:
         """Our address as currently connected peers see it (candidates for NAT traversal)."""
-        return {p.observed_addr for p in self.peers.values() if p.observed_addr is not None}
+        return {
+            p.observed_addr for p in self.peers.values() if p.observed_addr is not None and p.path != "relayed"
+        }
 
     def on_stream(self, kind: str, handler: StreamHandler, *, max_frame: int = CONTROL_FRAME_MAX) -> None:
         """Serve incoming streams of ``kind`` with ``handler``; ``max_frame`` caps their frames."""
@@ -150,17 +156,21 @@ class Endpoint:
         self._listeners.append(callback)
         return lambda: self._listeners.remove(callback) if callback in self._listeners else None
 
-    async def connect(self, addr: Addr, expected_node_id: str | None = None, timeout: float = 5.0) -> PeerConnection:
+    async def connect(
+        self, addr: Addr, expected_node_id: str | None = None, timeout: float = 5.0, *, fresh: bool = False
+    ) -> PeerConnection:
         """An admitted connection to the node at ``addr``, reusing an open one to that node.
 
         With ``expected_node_id`` the peer's certificate must carry that key (else
         :class:`PeerMismatch`); without it (a bootstrap address) the peer's id is learned.
+        ``fresh`` dials even if we hold a connection to the peer (a direct path to a relayed peer).
         Raises :class:`ConnectTimeout`, :class:`AdmissionRefused` or :class:`ConnectError`.
         """
         if self._closed:
             raise ConnectError("endpoint is closed")
-        addr = await self._resolve(addr, timeout)
-        existing = self._existing(addr, expected_node_id)
+        if not is_virtual(addr):
+            addr = await self._resolve(addr, timeout)
+        existing = None if fresh else self._existing(addr, expected_node_id)
         if existing is not None:
             return existing
         conn = self._dialing.get(addr) or self._dial(addr, expected_node_id)
@@ -176,11 +186,25 @@ class Endpoint:
             raise PeerMismatch(f"{addr[0]}:{addr[1]} is node {conn.node_id}, not {expected_node_id}")
         return self.peers.get(conn.node_id or "", conn)
 
+    def attach(self, channel: RelayChannel) -> None:
+        """Route packets for ``channel.addr`` (a virtual address) into the relay circuit."""
+        self._channels[channel.addr] = channel
+
+    def detach(self, addr: Addr, reason: str) -> None:
+        """The circuit behind ``addr`` ended: connections on it are over (their peer is cut off)."""
+        if self._channels.pop(addr, None) is None:
+            return
+        for conn in {*self._routes.values(), *self.peers.values(), *self._dialing.values()}:
+            if conn.remote_addr == addr:
+                conn.close(reason)
+
     async def close(self) -> None:
         """Close every connection (peers get CONNECTION_CLOSE) and the socket."""
         if self._closed:
             return
         self._closed = True
+        for channel in list(self._channels.values()):
+            channel.close("endpoint closing")
         conns = set(self._routes.values()) | set(self.peers.values()) | set(self._dialing.values())
         for conn in conns:
             conn.close("endpoint closing")
@@ -193,6 +217,11 @@ class Endpoint:
     # -- used by PeerConnection ---------------------------------------------------------------
 
     def sendto(self, data: bytes, addr: tuple[str, int]) -> None:
+        if is_virtual(addr):
+            channel = self._channels.get(addr)
+            if channel is not None:
+                channel.send(data)
+            return
         if self._transport is not None and not self._transport.is_closing():
             self._transport.sendto(data, addr)
 
@@ -220,14 +249,26 @@ class Endpoint:
     def admitted(self, conn: PeerConnection) -> None:
         """``conn`` finished admission: keep exactly one connection per peer.
 
-        If both nodes dialed each other, both keep the connection dialed by the smaller node id,
-        so they agree without talking; a redial by the same node replaces its older connection.
+        A direct path beats a relayed one: the relayed connection is retired (closed once idle)
+        and the switch is reported as UPGRADED. Between two of the same kind, if both nodes
+        dialed each other, both keep the connection dialed by the smaller node id, so they agree
+        without talking; a redial by the same node replaces its older connection.
         """
         peer_id = conn.node_id or ""
+        if conn.path == "direct" and peer_id in self.punching:
+            conn.path = "punched"
         old = self.peers.get(peer_id)
         self.peers[peer_id] = conn
         if old is None:
             self.emit(PeerEvent(PeerEventKind.CONNECTED, peer_id, conn.rtt_ms))
+            return
+        if (old.path == "relayed") != (conn.path == "relayed"):
+            if conn.path == "relayed":
+                self.peers[peer_id] = old
+                conn.close("a direct path exists", CloseCode.DUPLICATE)
+            else:
+                old.retire("upgraded to a direct path")
+                self.emit(PeerEvent(PeerEventKind.UPGRADED, peer_id, conn.rtt_ms))
             return
         dialer_new = self.node_id if conn.dialer else peer_id
         dialer_old = self.node_id if old.dialer else peer_id
@@ -238,7 +279,13 @@ class Endpoint:
             old.close("replaced by a newer connection", CloseCode.DUPLICATE)
 
     def removed(self, conn: PeerConnection) -> None:
-        """``conn`` closed: report it if it was the peer's connection."""
+        """``conn`` closed: report it if it was the peer's connection; end its relay circuit.
+
+        The circuit outlives the connection by a moment so its CONNECTION_CLOSE gets through.
+        """
+        channel = self._channels.get(conn.remote_addr)
+        if channel is not None:
+            asyncio.get_running_loop().call_later(0.5, channel.close, "connection closed")
         if conn.node_id is not None and self.peers.get(conn.node_id) is conn:
             del self.peers[conn.node_id]
             self.emit(PeerEvent(PeerEventKind.CLOSED, conn.node_id, conn.rtt_ms, conn.close_reason or ""))
@@ -263,10 +310,10 @@ class Endpoint:
             quic = MeshQuicConnection(
                 configuration=self._server_config, original_destination_connection_id=header.destination_cid
             )
-            conn = PeerConnection(self, quic, normalize_addr(addr), dialer=False, expected=None)
+            conn = PeerConnection(self, quic, _addr(addr), dialer=False, expected=None)
             self._routes[header.destination_cid] = conn
             self._routes[quic.host_cid] = conn
-        conn.datagram_received(data, normalize_addr(addr))
+        conn.datagram_received(data, _addr(addr))
 
     def _dial(self, addr: Addr, expected: str | None) -> PeerConnection:
         quic = MeshQuicConnection(configuration=self._client_config)
@@ -301,3 +348,7 @@ class Endpoint:
         except (OSError, TimeoutError) as exc:
             raise ConnectError(f"cannot resolve {host!r}: {exc}") from exc
         return normalize_addr(infos[0][4])
+
+
+def _addr(addr: tuple[object, ...]) -> Addr:
+    return addr if is_virtual(addr) else normalize_addr(addr)  # type: ignore[arg-type,return-value]

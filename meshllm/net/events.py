@@ -13,6 +13,8 @@ class PeerEventKind(Enum):
     """Several probes in a row went unanswered; the peer may be dead or cut off."""
     ALIVE = "alive"
     """A suspect peer answered a probe again."""
+    UPGRADED = "upgraded"
+    """A direct (or punched) connection replaced the peer's relayed one."""
     CLOSED = "closed"
     """The connection ended (either side closed it, or it timed out)."""
 

@@ -80,3 +80,8 @@ class ResetCode(IntEnum):
 def normalize_addr(addr: tuple[object, ...]) -> Addr:
     """(host, port) from a socket address of either family."""
     return (str(addr[0]), int(addr[1]))  # type: ignore[call-overload]
+
+
+def is_virtual(addr: tuple[object, ...]) -> bool:
+    """True for a relay circuit's address (see :func:`meshllm.net.circuit.virtual_addr`)."""
+    return isinstance(addr[0], str) and addr[0].startswith("relay:")
