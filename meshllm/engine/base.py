@@ -140,6 +140,23 @@ class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
     """Recent decode speed (exponential average); 0 before the first request."""
 
 
+class TokenRate:
+    """Recent decode speed as an exponential average: what :attr:`LoadReport.tokens_per_s` reports."""
+
+    ALPHA = 0.3
+    """Weight of the newest request: recent enough for routing, smooth enough to ignore one outlier."""
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def observe(self, generated: int, started: float, now: float) -> None:
+        """Fold in one request that produced ``generated`` tokens between ``started`` and ``now``."""
+        elapsed = now - started
+        if generated and elapsed > 0:
+            speed = generated / elapsed
+            self.value = speed if not self.value else (1 - self.ALPHA) * self.value + self.ALPHA * speed
+
+
 class Engine(ABC):
     """One loaded model that generates text. Implementations run blocking work off the loop."""
 

@@ -43,6 +43,7 @@ from meshllm.engine.base import (
     LoadReport,
     PromptTooLong,
     TextDelta,
+    TokenRate,
     Usage,
 )
 from meshllm.models.metadata import GGUFMetadata, read_metadata
@@ -54,7 +55,6 @@ FALLBACK_CHAT_FORMAT = "llama-2"
 """For other families: llama-cpp-python's own fallback, which every tokenizer can encode."""
 DEFAULT_MAX_CONTEXT = 4096
 """Cap on the context we allocate when the caller does not choose: a 32k KV cache costs GBs."""
-_TPS_ALPHA = 0.3
 """Weight of the latest request in the decode-speed average."""
 
 
@@ -123,7 +123,7 @@ class LlamaEngine(Engine):
         self._lock = threading.Lock()
         self._queued = 0
         self._running = 0
-        self._tps = 0.0
+        self._rate = TokenRate()
         self._closed = False
         self._jobs: set[_Job] = set()
 
@@ -175,7 +175,7 @@ class LlamaEngine(Engine):
         """Running/queued counts and recent decode speed."""
         with self._lock:
             return LoadReport(running=self._running, queued=self._queued, max_queue=self.max_queue,
-                              tokens_per_s=round(self._tps, 2))
+                              tokens_per_s=round(self._rate.value, 2))
 
     # ---- prompts ---------------------------------------------------------------------------
 
@@ -309,13 +309,10 @@ class LlamaEngine(Engine):
         job.emit(Finish(reason=reason, usage=Usage(prompt_tokens=len(prompt), completion_tokens=generated)))
 
     def _account(self, prompt_tokens: int, generated: int, started: float) -> None:
-        elapsed = time.monotonic() - started
         with self._lock:
             self.stats.prompt_tokens += prompt_tokens
             self.stats.completion_tokens += generated
-            if generated and elapsed > 0:
-                speed = generated / elapsed
-                self._tps = speed if not self._tps else (1 - _TPS_ALPHA) * self._tps + _TPS_ALPHA * speed
+            self._rate.observe(generated, started, time.monotonic())
 
 
 class StopMatcher:

@@ -19,8 +19,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from meshllm.engine.base import (
-    BadChat,
-    ChatRequest,
     Engine,
     EngineBusy,
     EngineNotLoaded,
@@ -32,6 +30,7 @@ from meshllm.engine.base import (
     LoadReport,
     PromptTooLong,
     TextDelta,
+    TokenRate,
     Usage,
 )
 from meshllm.engine.llama import StopMatcher
@@ -40,8 +39,6 @@ from meshllm.engine.numpy.tokenizer import Tokenizer
 from meshllm.split.coordinator import SplitCoordinator
 from meshllm.split.errors import StageFailed
 from meshllm.split.frames import Sampling
-
-_TPS_ALPHA = 0.3
 
 
 class ChainUnavailable(EngineBusy):
@@ -70,7 +67,7 @@ class SplitEngine(Engine):
         self.unavailable = "planning the chain"
         """Why no chain is attached (shown in the 503)."""
         self._running = 0
-        self._tps = 0.0
+        self._rate = TokenRate()
 
     async def load(self) -> None:
         """Load only the tokenizer (the layers are loaded by placement, per plan); cap the context at the model's."""
@@ -103,23 +100,13 @@ class SplitEngine(Engine):
         return self.max_context
 
     def load_report(self) -> LoadReport:
-        return LoadReport(running=self._running, queued=0, max_queue=0, tokens_per_s=round(self._tps, 2))
+        return LoadReport(running=self._running, queued=0, max_queue=0, tokens_per_s=round(self._rate.value, 2))
 
     def prompt_tokens(self, request: GenerationRequest) -> tuple[list[int], tuple[str, ...]]:
         """The tokens fed for ``request`` and its stop strings (the client's plus the chat format's)."""
         if self.tokenizer is None:
             raise EngineNotLoaded(f"model {self.model_id} is not loaded")
-        stops = list(request.params.stop)
-        if isinstance(request, ChatRequest):
-            messages = [{"role": m.role, "content": m.content} for m in request.messages]
-            try:
-                tokens, format_stops = self.tokenizer.chat_prompt(messages, request.tools)
-            except Exception as exc:  # templates raise for conversations they cannot express
-                raise BadChat(f"model {self.model_id} cannot render this conversation: {exc}") from exc
-            stops += format_stops
-        else:
-            tokens = self.tokenizer.encode(request.prompt)
-        return tokens, tuple(s for s in stops if s)
+        return self.tokenizer.request_prompt(request, self.model_id)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         """Stream ``request`` through the chain; a failed stage ends it with :class:`ChainUnavailable`."""
@@ -162,15 +149,10 @@ class SplitEngine(Engine):
         finally:
             await tokens.aclose()
             self._running -= 1
-            self._account(generated, started)
+            self._rate.observe(generated, started, time.monotonic())
         if not stops.hit:
             tail = stops.flush(decoder.decode(b"", final=True))
             if tail:
                 yield TextDelta(tail)
         yield Finish(reason=reason, usage=Usage(prompt_tokens=len(prompt), completion_tokens=generated))
 
-    def _account(self, generated: int, started: float) -> None:
-        elapsed = time.monotonic() - started
-        if generated and elapsed > 0:
-            speed = generated / elapsed
-            self._tps = speed if not self._tps else (1 - _TPS_ALPHA) * self._tps + _TPS_ALPHA * speed

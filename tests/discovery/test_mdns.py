@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from lan import two_host_lan
 from nacl.signing import SigningKey
 
 from meshllm.discovery.listing import make_listing, new_open_invite
@@ -71,41 +71,11 @@ def test_fetch_listing_over_quic_without_membership() -> None:
     asyncio.run(asyncio.wait_for(main(), 30))
 
 
-def _sh(*args: str) -> None:
-    subprocess.run(args, check=True, capture_output=True, timeout=10)
-
-
 @pytest.fixture
 def lan() -> Iterator[tuple[str, str, str, str]]:
     """Namespaces A (10.231.0.1) and B (10.231.0.2) on a bridge inside a hub namespace."""
-    if shutil.which("ip") is None:
-        pytest.skip("needs the `ip` tool (iproute2)")
-    if os.geteuid() != 0:
-        pytest.skip("needs root to create network namespaces")
-    tag = f"mdt{os.getpid() % 100000}"
-    hub, ns_a, ns_b = f"{tag}h", f"{tag}a", f"{tag}b"
-    try:
-        for ns in (hub, ns_a, ns_b):
-            _sh("ip", "netns", "add", ns)
-        _sh("ip", "-n", hub, "link", "add", "br0", "type", "bridge")
-        _sh("ip", "-n", hub, "link", "set", "br0", "up")
-        for port, ns, ip in (("pa", ns_a, "10.231.0.1"), ("pb", ns_b, "10.231.0.2")):
-            _sh("ip", "-n", hub, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            _sh("ip", "-n", hub, "link", "set", port, "master", "br0")
-            _sh("ip", "-n", hub, "link", "set", port, "up")
-            _sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
-            _sh("ip", "-n", ns, "link", "set", "eth0", "up")
-            _sh("ip", "-n", ns, "link", "set", "lo", "up")
-            _sh("ip", "-n", ns, "route", "add", "224.0.0.0/4", "dev", "eth0")
-    except subprocess.CalledProcessError as exc:
-        for ns in (hub, ns_a, ns_b):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        pytest.skip(f"cannot build network namespaces here: {exc.stderr.decode().strip()}")
-    try:
-        yield ns_a, "10.231.0.1", ns_b, "10.231.0.2"
-    finally:
-        for ns in (ns_a, ns_b, hub):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    with two_host_lan(f"mdt{os.getpid() % 100000}", "10.231.0") as hosts:
+        yield hosts
 
 
 @pytest.mark.netns

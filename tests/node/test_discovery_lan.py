@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from discovery_nodes import CliNode, meshllm_json, two_host_lan
+from discovery_nodes import CliNode, meshllm_json
+from lan import two_host_lan
 from nodes import running_nodes, wait_until
 from tinymodels import write_tiny_llama
 

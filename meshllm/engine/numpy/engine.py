@@ -19,8 +19,6 @@ from pathlib import Path
 import numpy as np
 
 from meshllm.engine.base import (
-    BadChat,
-    ChatRequest,
     Engine,
     EngineBusy,
     EngineNotLoaded,
@@ -32,6 +30,7 @@ from meshllm.engine.base import (
     LoadReport,
     PromptTooLong,
     TextDelta,
+    TokenRate,
     Usage,
 )
 from meshllm.engine.llama import StopMatcher
@@ -43,7 +42,6 @@ from meshllm.models.refs import ModelRef
 
 DEFAULT_MAX_CONTEXT = 4096
 """Context per request unless the caller chooses: a model's full trained context costs GBs of KV."""
-_TPS_ALPHA = 0.3
 """Weight of the latest request in the decode-speed average."""
 
 
@@ -81,7 +79,7 @@ class NumpyEngine(Engine):
         self._turn = asyncio.Lock()
         self._queued = 0
         self._running = 0
-        self._tps = 0.0
+        self._rate = TokenRate()
 
     async def load(self) -> None:
         """Dequantize the model and load its tokenizer, off the event loop."""
@@ -109,7 +107,8 @@ class NumpyEngine(Engine):
     def load_report(self) -> LoadReport:
         """Running/queued requests and the recent decode speed."""
         return LoadReport(
-            running=self._running, queued=self._queued, max_queue=self.max_queue, tokens_per_s=round(self._tps, 2)
+            running=self._running, queued=self._queued, max_queue=self.max_queue,
+            tokens_per_s=round(self._rate.value, 2),
         )
 
     def _require(self) -> tuple[StageModel, Tokenizer]:
@@ -119,18 +118,7 @@ class NumpyEngine(Engine):
 
     def prompt_tokens(self, request: GenerationRequest) -> tuple[list[int], tuple[str, ...]]:
         """The tokens fed for ``request`` and its stop strings (the client's plus the chat format's)."""
-        tokenizer = self._require()[1]
-        stops = list(request.params.stop)
-        if isinstance(request, ChatRequest):
-            messages = [{"role": m.role, "content": m.content} for m in request.messages]
-            try:
-                tokens, format_stops = tokenizer.chat_prompt(messages, request.tools)
-            except Exception as exc:  # templates raise for conversations they cannot express
-                raise BadChat(f"model {self.model_id} cannot render this conversation: {exc}") from exc
-            stops += format_stops
-        else:
-            tokens = tokenizer.encode(request.prompt)
-        return tokens, tuple(s for s in stops if s)
+        return self._require()[1].request_prompt(request, self.model_id)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         """Wait for a turn, then stream ``request``'s text and one :class:`Finish`."""
@@ -191,7 +179,7 @@ class NumpyEngine(Engine):
                 token = await asyncio.to_thread(self._step, session, history, len(history) - 1, sampler)
         finally:
             stage.reset(session)
-            self._account(generated, started)
+            self._rate.observe(generated, started, time.monotonic())
         if not stops.hit:
             tail = stops.flush(decoder.decode(b"", final=True))
             if tail:
@@ -204,8 +192,3 @@ class NumpyEngine(Engine):
         logits = stage.forward(session, np.asarray(history[pos:], dtype=np.int64), pos, last_only=True)
         return sampler(logits[-1], history)
 
-    def _account(self, generated: int, started: float) -> None:
-        elapsed = time.monotonic() - started
-        if generated and elapsed > 0:
-            speed = generated / elapsed
-            self._tps = speed if not self._tps else (1 - _TPS_ALPHA) * self._tps + _TPS_ALPHA * speed

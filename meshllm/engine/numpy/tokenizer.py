@@ -17,6 +17,8 @@ import llama_cpp
 from llama_cpp import Llama
 from llama_cpp import llama_chat_format as chat_formats
 
+from meshllm.engine.base import BadChat, ChatRequest, GenerationRequest
+
 #: llama-cpp-python chat format for a GGUF without a template, by architecture.
 FAMILY_CHAT_FORMATS: dict[str, Callable[..., Any]] = {
     "gemma3": chat_formats.format_gemma,
@@ -57,6 +59,23 @@ class Tokenizer:
     def is_end(self, token: int) -> bool:
         """Whether ``token`` ends generation (EOS, end of turn and the model's other end markers)."""
         return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+
+    def request_prompt(self, request: GenerationRequest, model_id: str) -> tuple[list[int], tuple[str, ...]]:
+        """The tokens to feed for an API request and its stop strings (the client's plus the chat format's).
+
+        Raises :class:`BadChat` when the chat format cannot express the conversation.
+        """
+        stops = list(request.params.stop)
+        if isinstance(request, ChatRequest):
+            messages = [{"role": m.role, "content": m.content} for m in request.messages]
+            try:
+                tokens, format_stops = self.chat_prompt(messages, request.tools)
+            except Exception as exc:  # templates raise for conversations they cannot express
+                raise BadChat(f"model {model_id} cannot render this conversation: {exc}") from exc
+            stops += format_stops
+        else:
+            tokens = self.encode(request.prompt)
+        return tokens, tuple(s for s in stops if s)
 
     def chat_prompt(
         self, messages: Sequence[dict[str, str]], tools: Sequence[dict[str, Any]] = ()
