@@ -18,11 +18,10 @@ makes it answer with nothing).
 from __future__ import annotations
 
 import asyncio
-import codecs
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,16 +35,13 @@ from meshllm.engine.base import (
     EngineError,
     EngineNotLoaded,
     Finish,
-    FinishReason,
     GenerationEvent,
     GenerationParams,
     GenerationRequest,
     LoadReport,
-    PromptTooLong,
-    TextDelta,
     TokenRate,
-    Usage,
 )
+from meshllm.engine.text import TextStream, token_budget
 from meshllm.models.metadata import GGUFMetadata, read_metadata
 from meshllm.models.refs import ModelRef
 
@@ -270,81 +266,32 @@ class LlamaEngine(Engine):
         llama = self._require()
         request, params = job.request, job.request.params
         prompt, stop_strings = self._prepare(request)
-        n_ctx = int(llama.n_ctx())
-        if len(prompt) >= n_ctx:
-            raise PromptTooLong(f"prompt is {len(prompt)} tokens; model {self.model_id} has a {n_ctx}-token context")
-        budget = n_ctx - len(prompt)
-        limit = min(params.max_tokens, budget) if params.max_tokens is not None else budget
+        limit = token_budget(len(prompt), int(llama.n_ctx()), params.max_tokens, self.model_id)
         llama.set_seed(_seed(params))
-        stops = StopMatcher(stop_strings)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        eog = _eog_check(llama)
-        generated = 0
-        reason: FinishReason = "length"
+        text = TextStream(is_end=_eog_check(llama), token_bytes=lambda token: llama.detokenize([token]),
+                          stops=stop_strings, limit=limit, prompt_tokens=len(prompt))
         started = time.monotonic()
         for token in llama.generate(prompt, reset=True, **_sampling(params)):
             if job.cancel.is_set():
                 self._count_cancel()
-                self._account(len(prompt), generated, started)
+                self._account(len(prompt), text.generated, started)
                 return
-            if eog(token):
-                reason = "stop"
+            delta = text.feed(token)
+            if delta is not None:
+                job.emit(delta)
+            if text.done:
                 break
-            generated += 1
-            text, hit = stops.feed(decoder.decode(llama.detokenize([token])))
-            if text:
-                job.emit(TextDelta(text))
-            if hit:
-                reason = "stop"
-                break
-            if generated >= limit:
-                break
-        if not stops.hit:
-            tail = stops.flush(decoder.decode(b"", final=True))
-            if tail:
-                job.emit(TextDelta(tail))
-        self._account(len(prompt), generated, started)
+        self._account(len(prompt), text.generated, started)
         with self._lock:
             self.stats.completed += 1
-        job.emit(Finish(reason=reason, usage=Usage(prompt_tokens=len(prompt), completion_tokens=generated)))
+        for event in text.finish():
+            job.emit(event)
 
     def _account(self, prompt_tokens: int, generated: int, started: float) -> None:
         with self._lock:
             self.stats.prompt_tokens += prompt_tokens
             self.stats.completion_tokens += generated
             self._rate.observe(generated, started, time.monotonic())
-
-
-class StopMatcher:
-    """Cuts streamed text at the first stop string, holding back what might begin one.
-
-    Text that could be the start of a stop string is not sent until the next piece shows it is
-    not, so a client never sees half of a stop sequence.
-    """
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = tuple(stops)
-        self.hit = False
-        self._held = ""
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        """Add generated text; return what may be sent now and whether a stop string was found."""
-        buf = self._held + text
-        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.hit = True
-            self._held = ""
-            return buf[:cut], True
-        keep = max((n for s in self.stops for n in range(min(len(s) - 1, len(buf)), 0, -1)
-                    if buf.endswith(s[:n])), default=0)
-        self._held = buf[len(buf) - keep:] if keep else ""
-        return buf[: len(buf) - keep], False
-
-    def flush(self, text: str = "") -> str:
-        """At the end of generation: everything still held (it can no longer become a stop)."""
-        out = self._held + text
-        self._held = ""
-        return out
 
 
 def _sampling(params: GenerationParams) -> dict[str, Any]:

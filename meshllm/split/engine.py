@@ -13,7 +13,6 @@ End of generation is decided here, not on the last stage (no stop ids go down th
 from __future__ import annotations
 
 import asyncio
-import codecs
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,20 +21,15 @@ from meshllm.engine.base import (
     Engine,
     EngineBusy,
     EngineNotLoaded,
-    Finish,
-    FinishReason,
     GenerationEvent,
     GenerationParams,
     GenerationRequest,
     LoadReport,
-    PromptTooLong,
-    TextDelta,
     TokenRate,
-    Usage,
 )
-from meshllm.engine.llama import StopMatcher
 from meshllm.engine.numpy.gguf_file import GGUFFile
 from meshllm.engine.numpy.tokenizer import Tokenizer
+from meshllm.engine.text import TextStream, token_budget
 from meshllm.split.coordinator import SplitCoordinator
 from meshllm.split.errors import StageFailed
 from meshllm.split.frames import Sampling
@@ -116,43 +110,25 @@ class SplitEngine(Engine):
         if coordinator is None:
             raise ChainUnavailable(f"split model {self.model_id} is not available: {self.unavailable}")
         prompt, stop_strings = self.prompt_tokens(request)
-        if len(prompt) >= self.max_context:
-            raise PromptTooLong(
-                f"prompt is {len(prompt)} tokens; model {self.model_id} has a {self.max_context}-token context"
-            )
-        params = request.params
-        budget = self.max_context - len(prompt)
-        limit = min(params.max_tokens, budget) if params.max_tokens is not None else budget
-        stops = StopMatcher(stop_strings)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        generated = 0
-        reason: FinishReason = "length"
+        limit = token_budget(len(prompt), self.max_context, request.params.max_tokens, self.model_id)
+        text = TextStream(is_end=tokenizer.is_end, token_bytes=tokenizer.token_bytes, stops=stop_strings,
+                          limit=limit, prompt_tokens=len(prompt))
         started = time.monotonic()
         self._running += 1
-        tokens = coordinator.generate(prompt, max_tokens=max(limit, 1), sampling=chain_sampling(params))
+        tokens = coordinator.generate(prompt, max_tokens=max(limit, 1), sampling=chain_sampling(request.params))
         try:
             async for token in tokens:
-                if tokenizer.is_end(token.token_id):
-                    reason = "stop"
-                    break
-                generated += 1
-                text, hit = stops.feed(decoder.decode(tokenizer.token_bytes(token.token_id)))
-                if text:
-                    yield TextDelta(text)
-                if hit:
-                    reason = "stop"
-                    break
-                if generated >= limit or token.finish:
+                delta = text.feed(token.token_id, last=bool(token.finish))
+                if delta is not None:
+                    yield delta
+                if text.done:
                     break
         except StageFailed as exc:
             raise ChainUnavailable(str(exc)) from exc
         finally:
             await tokens.aclose()
             self._running -= 1
-            self._rate.observe(generated, started, time.monotonic())
-        if not stops.hit:
-            tail = stops.flush(decoder.decode(b"", final=True))
-            if tail:
-                yield TextDelta(tail)
-        yield Finish(reason=reason, usage=Usage(prompt_tokens=len(prompt), completion_tokens=generated))
+            self._rate.observe(text.generated, started, time.monotonic())
+        for event in text.finish():
+            yield event
 

@@ -20,7 +20,8 @@ from meshllm.engine.base import (
     PromptTooLong,
     TextDelta,
 )
-from meshllm.engine.llama import LlamaEngine, StopMatcher
+from meshllm.engine.llama import LlamaEngine
+from meshllm.engine.text import StopMatcher
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ request); a consumer that stops iterating cancels its request before the next to
 from __future__ import annotations
 
 import asyncio
-import codecs
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -22,22 +21,17 @@ from meshllm.engine.base import (
     Engine,
     EngineBusy,
     EngineNotLoaded,
-    Finish,
-    FinishReason,
     GenerationEvent,
     GenerationParams,
     GenerationRequest,
     LoadReport,
-    PromptTooLong,
-    TextDelta,
     TokenRate,
-    Usage,
 )
-from meshllm.engine.llama import StopMatcher
 from meshllm.engine.numpy.gguf_file import GGUFFile
 from meshllm.engine.numpy.sampler import Sampler, SamplingParams
 from meshllm.engine.numpy.stage import StageModel
 from meshllm.engine.numpy.tokenizer import Tokenizer
+from meshllm.engine.text import TextStream, token_budget
 from meshllm.models.refs import ModelRef
 
 DEFAULT_MAX_CONTEXT = 4096
@@ -145,46 +139,28 @@ class NumpyEngine(Engine):
     async def _generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         stage, tokenizer = self._require()
         prompt, stop_strings = await asyncio.to_thread(self.prompt_tokens, request)
-        if len(prompt) >= stage.max_context:
-            raise PromptTooLong(
-                f"prompt is {len(prompt)} tokens; model {self.model_id} has a {stage.max_context}-token context"
-            )
-        params = request.params
-        budget = stage.max_context - len(prompt)
-        limit = min(params.max_tokens, budget) if params.max_tokens is not None else budget
-        sampler = Sampler(sampling_params(params))
-        stops = StopMatcher(stop_strings)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        limit = token_budget(len(prompt), stage.max_context, request.params.max_tokens, self.model_id)
+        sampler = Sampler(sampling_params(request.params))
+        text = TextStream(is_end=tokenizer.is_end, token_bytes=tokenizer.token_bytes, stops=stop_strings,
+                          limit=limit, prompt_tokens=len(prompt))
         session = uuid.uuid4().hex
         history = list(prompt)
-        generated = 0
-        reason: FinishReason = "length"
         started = time.monotonic()
         try:
             token = await asyncio.to_thread(self._step, session, history, 0, sampler)
             while True:
-                if tokenizer.is_end(token):
-                    reason = "stop"
+                delta = text.feed(token)
+                if delta is not None:
+                    yield delta
+                if text.done:
                     break
-                generated += 1
                 history.append(token)
-                text, hit = stops.feed(decoder.decode(tokenizer.token_bytes(token)))
-                if text:
-                    yield TextDelta(text)
-                if hit:
-                    reason = "stop"
-                    break
-                if generated >= limit:
-                    break
                 token = await asyncio.to_thread(self._step, session, history, len(history) - 1, sampler)
         finally:
             stage.reset(session)
-            self._rate.observe(generated, started, time.monotonic())
-        if not stops.hit:
-            tail = stops.flush(decoder.decode(b"", final=True))
-            if tail:
-                yield TextDelta(tail)
-        yield Finish(reason=reason, usage=Usage(prompt_tokens=len(prompt), completion_tokens=generated))
+            self._rate.observe(text.generated, started, time.monotonic())
+        for event in text.finish():
+            yield event
 
     def _step(self, session: str, history: list[int], pos: int, sampler: Sampler) -> int:
         """Worker thread: feed ``history[pos:]`` and sample the next token."""

@@ -1,0 +1,78 @@
+"""The shared token-to-text rules: end tokens, stop strings, limits, split UTF-8, usage."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshllm.engine.base import Finish, PromptTooLong, TextDelta
+from meshllm.engine.text import TextStream, token_budget
+
+END = 0
+VOCAB = {1: b"Hel", 2: b"lo", 3: b" wor", 4: b"ld", 5: "é".encode()[:1], 6: "é".encode()[1:], 7: b"!"}
+
+
+def stream(stops: tuple[str, ...] = (), limit: int = 100) -> TextStream:
+    return TextStream(is_end=lambda t: t == END, token_bytes=VOCAB.__getitem__, stops=stops, limit=limit,
+                      prompt_tokens=3)
+
+
+def run(text: TextStream, tokens: list[int], last_at: int | None = None) -> tuple[str, Finish]:
+    out = []
+    for i, token in enumerate(tokens):
+        delta = text.feed(token, last=i == last_at)
+        if delta is not None:
+            out.append(delta.text)
+        if text.done:
+            break
+    events = text.finish()
+    out += [e.text for e in events if isinstance(e, TextDelta)]
+    finish = events[-1]
+    assert isinstance(finish, Finish)
+    return "".join(out), finish
+
+
+def test_end_token_stops_and_is_not_counted() -> None:
+    text, finish = run(stream(), [1, 2, END, 3])
+    assert text == "Hello" and finish.reason == "stop"
+    assert (finish.usage.prompt_tokens, finish.usage.completion_tokens) == (3, 2)
+
+
+def test_stop_string_across_tokens_is_never_half_sent() -> None:
+    s = stream(stops=("lo w",))
+    assert s.feed(1) == TextDelta("He")  # the "l" might begin "lo w": held back
+    assert s.feed(2) is None
+    assert s.feed(3) is None and s.done and s.reason == "stop"
+    assert [e for e in s.finish() if isinstance(e, TextDelta)] == []
+
+
+def test_held_text_is_released_when_it_cannot_become_a_stop() -> None:
+    text, finish = run(stream(stops=("lox",)), [1, 2, 3, 4, END])
+    assert text == "Hello world" and finish.reason == "stop"
+
+
+def test_length_limit_and_last_token_end_with_length() -> None:
+    text, finish = run(stream(limit=2), [1, 2, 3])
+    assert text == "Hello" and finish.reason == "length" and finish.usage.completion_tokens == 2
+    text, finish = run(stream(), [1, 2, 3], last_at=1)
+    assert text == "Hello" and finish.reason == "length"
+
+
+def test_utf8_split_across_tokens_comes_out_whole() -> None:
+    s = stream()
+    assert s.feed(5) is None  # half a character: nothing to send yet
+    assert s.feed(6) == TextDelta("é")
+
+
+def test_feeding_after_done_is_a_bug() -> None:
+    s = stream()
+    s.feed(END)
+    with pytest.raises(RuntimeError):
+        s.feed(1)
+
+
+def test_token_budget() -> None:
+    assert token_budget(10, 100, None, "m") == 90
+    assert token_budget(10, 100, 5, "m") == 5
+    assert token_budget(10, 100, 500, "m") == 90
+    with pytest.raises(PromptTooLong):
+        token_budget(100, 100, 5, "m")
