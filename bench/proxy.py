@@ -10,6 +10,11 @@ shared and noisy, so a slow moment hits all three alike):
 Reported per path: median time to first token and median decode speed (tokens after the first
 over the time after the first), and each as a ratio to ``direct``.
 
+Two things keep the comparison fair on one small host. Every run's prompt starts with a tag of its
+own, so no path finds its prompt in llama.cpp's prefix cache from an earlier run. And llama.cpp
+runs one thread on every path (``--threads 1``): with both cores busy in llama.cpp, the routing
+node and the client (which on a real mesh run on other machines) would steal its cycles.
+
     .venv/bin/python bench/proxy.py [--prompts 4] [--rounds 2] [--max-tokens 64] [--out PATH]
 """
 
@@ -34,6 +39,7 @@ from nodes import NodeProcess, running_nodes, wait_until
 
 from meshllm.models import resolve_model
 
+THREADS = 1
 PROMPTS = [
     "The history of the printing press begins in the fifteenth century, when",
     "A good recipe for bread needs only four things:",
@@ -89,10 +95,10 @@ def main() -> None:
     from llama_cpp import Llama
 
     ref = resolve_model("default", progress=False)
-    llm = Llama(model_path=str(ref.path), n_ctx=4096, n_threads=max(1, min(8, os.cpu_count() or 1)), verbose=False)
+    llm = Llama(model_path=str(ref.path), n_ctx=4096, n_threads=THREADS, verbose=False)
     samples: dict[str, list[tuple[float, float, int]]] = {"direct": [], "local": [], "routed": []}
     with tempfile.TemporaryDirectory() as tmp, running_nodes() as nodes:
-        a = NodeProcess(Path(tmp) / "a", [], "a")
+        a = NodeProcess(Path(tmp) / "a", ["--threads", str(THREADS)], "a")
         nodes.append(a)
         token = a.wait_ready()["invite"]
         b = NodeProcess(Path(tmp) / "b", ["--client", "--join", token], "b")
@@ -102,11 +108,11 @@ def main() -> None:
         api_run(a.api, ref.model_id, "warm up", 4)
         api_run(b.api, ref.model_id, "warm up", 4)
         direct_run(llm, "warm up", 4)
-        for _ in range(args.rounds):
-            for prompt in PROMPTS[: args.prompts]:
-                samples["direct"].append(direct_run(llm, prompt, args.max_tokens))
-                samples["local"].append(api_run(a.api, ref.model_id, prompt, args.max_tokens))
-                samples["routed"].append(api_run(b.api, ref.model_id, prompt, args.max_tokens))
+        for rnd in range(args.rounds):
+            for i, prompt in enumerate(PROMPTS[: args.prompts]):
+                samples["direct"].append(direct_run(llm, f"Note d{rnd}{i}. {prompt}", args.max_tokens))
+                samples["local"].append(api_run(a.api, ref.model_id, f"Note l{rnd}{i}. {prompt}", args.max_tokens))
+                samples["routed"].append(api_run(b.api, ref.model_id, f"Note r{rnd}{i}. {prompt}", args.max_tokens))
 
     rows = {}
     for path, runs in samples.items():

@@ -65,6 +65,8 @@ class NodeOptions:
     role: Role = "host"
     models: list[str] = field(default_factory=lambda: ["default"])
     engine: str = "llama"
+    threads: int | None = None
+    """llama.cpp threads per model (None: its default)."""
     relay: Literal["on", "off", "auto"] = "auto"
     """Relay for members behind NATs: always, never, or when peers find us reachable (auto)."""
     split: SplitOptions = field(default_factory=SplitOptions)
@@ -130,7 +132,7 @@ class Node:
         await self._start_api()
         self.events.publish("mesh_ready", mesh_id=self.membership.mesh_id, mesh_addr=self.mesh_addr)
         whole = await self.splits.prepare(opts.models if opts.role == "host" else [])
-        await self.serving.load_models(whole, engine=opts.engine)
+        await self.serving.load_models(whole, engine=opts.engine, threads=opts.threads)
         await self.splits.start()
         self.invite = self._ready_invite()
         await self.discovery.start()

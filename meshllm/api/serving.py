@@ -52,13 +52,13 @@ class Serving:
         self._load_task: asyncio.Task[None] | None = None
         self._last_load: Load | None = None
 
-    async def load_models(self, specs: list[str], engine: str = "llama") -> None:
+    async def load_models(self, specs: list[str], engine: str = "llama", threads: int | None = None) -> None:
         """Resolve and load each model, then announce them all in our record."""
         if engine not in ENGINES:
             raise ConfigError(f"unknown engine {engine!r}", hint=f"choose one of {', '.join(ENGINES)}")
         for spec in specs:
             ref = await asyncio.to_thread(resolve_model, spec)
-            instance = self._make_engine(engine, ref)
+            instance = self._make_engine(engine, ref, threads)
             self.events.publish("model_loading", model=ref.model_id, path=str(ref.path), engine=engine,
                                 size_bytes=ref.path.stat().st_size)
             started = time.monotonic()
@@ -76,12 +76,12 @@ class Serving:
         self.engines[engine.model_id] = engine
 
     @staticmethod
-    def _make_engine(engine: str, ref: Any) -> Engine:
+    def _make_engine(engine: str, ref: Any, threads: int | None) -> Engine:
         if engine == "numpy":
             from meshllm.engine.numpy.engine import NumpyEngine
 
             return NumpyEngine(ref.path, model_id=ref.model_id)
-        return LlamaEngine(ref)
+        return LlamaEngine(ref, n_threads=threads)
 
     async def _publish_load(self) -> None:
         """Copy the engines' load into our record when it changes (gossip spreads it)."""
