@@ -122,6 +122,7 @@ class Node:
         self.mesh = MeshService(
             self.key, self.membership, record,
             check_trust=lambda node, cert, at: _check(trust.evaluate(node, cert, at)),
+            check_node_id=trust.check_node_id,
             on_event=self.events.publish, host=opts.mesh_host, port=opts.mesh_port, announce=opts.announce,
             relay=opts.relay,
         )

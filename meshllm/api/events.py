@@ -2,7 +2,7 @@
 
 Events go to three readers: the log (pretty or one JSON object per line), the ``/api/events``
 server-sent-event stream, and tests. Subscribers get a bounded queue: a slow reader loses its
-oldest events (and is told how many), it never slows the node down.
+oldest events, it never slows the node down.
 """
 
 from __future__ import annotations

@@ -223,8 +223,10 @@ class MeshBackend:
                 try:
                     frame = await call.stream.recv(ServerFrame, timeout=max(0.0, min(wait, end - self.clock())))
                 except NetTimeout:
+                    if end - self.clock() <= 0:
+                        raise UpstreamTimeout(f"{name} did not finish within {dl.total_s:g}s") from None
                     what = "first byte" if wait == dl.first_byte_s else "next token"
-                    raise UpstreamTimeout(f"{name} sent no {what} within {min(wait, dl.total_s):g}s") from None
+                    raise UpstreamTimeout(f"{name} sent no {what} within {wait:g}s") from None
                 if frame is None:
                     client.stream_ended()
                     return

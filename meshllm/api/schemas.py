@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import msgspec
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from meshllm.api.errors import BadRequest
 from meshllm.engine.base import ChatMessage, ChatRequest, CompletionRequest, GenerationParams
@@ -87,9 +88,19 @@ class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessageIn] = Field(min_length=1, max_length=10_000)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=I64_MAX)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=I64_MAX)
     tools: list[dict[str, Any]] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _tools_travel(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        """Tools ride along when the request is routed to a peer: refuse what msgpack cannot carry."""
+        try:
+            msgspec.msgpack.encode(tools)
+        except (OverflowError, TypeError, ValueError) as exc:
+            raise ValueError(f"tools cannot be sent to the serving node: {exc}") from None
+        return tools
     response_format: dict[str, Any] | None = None
 
     def to_engine(self) -> ChatRequest:
@@ -111,7 +122,7 @@ class CompletionRequestIn(_SamplingFields):
 
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] = Field(
         description="a string, or a list holding exactly one string")
-    max_tokens: int | None = Field(default=16, ge=1, description="OpenAI's default is 16")
+    max_tokens: int | None = Field(default=16, ge=1, le=I64_MAX, description="OpenAI's default is 16")
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1, le=1, description="only 1")

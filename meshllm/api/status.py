@@ -73,15 +73,20 @@ async def _sse(hub: EventHub) -> AsyncIterator[str]:
     for event in hub.recent():
         yield _frame(event)
     events = hub.subscribe()
+    pending: asyncio.Future[dict[str, Any]] | None = None
     try:
         while True:
-            try:
-                event = await asyncio.wait_for(anext(events), timeout=KEEPALIVE_S)
-            except TimeoutError:
+            # Wait on one pending read without cancelling it: cancelling would close the subscription.
+            pending = pending or asyncio.ensure_future(anext(events))
+            done, _ = await asyncio.wait({pending}, timeout=KEEPALIVE_S)
+            if not done:
                 yield ": keepalive\n\n"
                 continue
+            event, pending = pending.result(), None
             yield _frame(event)
     finally:
+        if pending is not None:
+            pending.cancel()
         await events.aclose()
 
 

@@ -140,6 +140,8 @@ def open_events(api: str, connect_timeout: float = 5.0, idle_timeout: float = 30
         with _client(timeout) as client, client.stream(
             "GET", api + "/api/events", headers={"Accept": "text/event-stream"}
         ) as response:
+            if response.is_error:
+                response.read()  # a streamed response's error body must be read before it is reported
             _check(api, "/api/events", response)
             yield _until_broken(parse_sse(response.iter_lines()))
     except (httpx.ConnectError, httpx.ConnectTimeout):

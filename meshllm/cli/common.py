@@ -9,6 +9,7 @@ the traceback (``MESHLLM_DEBUG=1``).
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -90,6 +91,36 @@ def parse_duration(text: str) -> float:
     if value <= 0:
         raise click.BadParameter(f"{text!r} must be positive")
     return value
+
+
+def dht_multiaddrs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> tuple[str, ...]:
+    """Check ``--dht-bootstrap`` values have the shape ``/ip4/HOST/tcp/PORT/p2p/PEERID`` (usage error if not)."""
+    for value in values:
+        parts = value.split("/")
+        ok = (len(parts) == 7 and parts[0] == "" and parts[1] in ("ip4", "ip6", "dns", "dns4", "dns6")
+              and parts[3] == "tcp" and parts[4].isdigit() and 0 < int(parts[4]) < 65536 and parts[5] == "p2p"
+              and bool(parts[2]) and bool(parts[6]))
+        if not ok:
+            raise click.BadParameter(f"{value!r} is not a DHT address like /ip4/HOST/tcp/PORT/p2p/PEERID")
+    return values
+
+
+class Gigabytes(click.ParamType):
+    """A memory size in GB: a finite number from 0.01 to a million (click's FloatRange lets NaN through)."""
+
+    name = "GB"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number of gigabytes", param, ctx)
+        if not math.isfinite(number) or not 0.01 <= number <= 1e6:
+            self.fail(f"{value!r} must be a number of gigabytes from 0.01 to 1000000", param, ctx)
+        return number
+
+
+GIGABYTES = Gigabytes()
 
 
 def stderr_is_tty() -> bool:

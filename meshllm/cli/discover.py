@@ -16,7 +16,7 @@ import click
 
 from meshllm import logs
 from meshllm.cli.api_client import DEFAULT_API, get_json
-from meshllm.cli.common import echo_json, home_option, json_option
+from meshllm.cli.common import dht_multiaddrs, echo_json, home_option, json_option
 from meshllm.config import load_config, resolve_home
 from meshllm.discovery.resolve import Found, discover_all
 from meshllm.errors import MeshllmError
@@ -60,7 +60,7 @@ def _capacity(found: Found) -> str:
 @click.command("discover")
 @click.option("--model", default=None, help="Only meshes serving this model (substring match).")
 @json_option
-@click.option("--dht-bootstrap", multiple=True, metavar="MULTIADDR",
+@click.option("--dht-bootstrap", multiple=True, metavar="MULTIADDR", callback=dht_multiaddrs,
               help="DHT peer to ask (repeatable; default: config.toml, else the local node's DHT).")
 @click.option("--timeout", type=click.FloatRange(1.0, 120.0), default=5.0, show_default=True,
               help="Seconds to search.")

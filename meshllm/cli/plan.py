@@ -12,7 +12,7 @@ from urllib.parse import urlencode
 import click
 
 from meshllm.cli.api_client import DEFAULT_API, NodeUnreachable, get_json
-from meshllm.cli.common import CommandFailed, echo_json, json_option
+from meshllm.cli.common import GIGABYTES, CommandFailed, echo_json, json_option
 from meshllm.errors import MeshllmError
 
 
@@ -21,7 +21,7 @@ from meshllm.errors import MeshllmError
 @click.option("--api", default=DEFAULT_API, envvar="MESHLLM_API", show_default=True,
               help="The node's API URL (also $MESHLLM_API).")
 @click.option("--stages", type=click.IntRange(1, 8), default=None, help="Force this many stages.")
-@click.option("--max-memory", type=click.FloatRange(0.01, None), default=None, metavar="GB",
+@click.option("--max-memory", type=GIGABYTES, default=None, metavar="GB",
               help="Memory (GiB) any one node may give the model.")
 @json_option
 def plan(model: str, api: str, stages: int | None, max_memory: float | None, as_json: bool) -> None:

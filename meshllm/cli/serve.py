@@ -12,7 +12,7 @@ import click
 
 from meshllm import logs
 from meshllm.api.events import EventHub
-from meshllm.cli.common import home_option
+from meshllm.cli.common import GIGABYTES, dht_multiaddrs, home_option
 from meshllm.config import DEFAULT_API_PORT, DEFAULT_MESH_PORT, load_config, resolve_home
 from meshllm.discovery.listing import LISTING_TTL_S
 from meshllm.errors import DecodeError
@@ -55,7 +55,7 @@ def node_options(func: Any) -> Any:
                      help="Split served models over workers: auto (only when a model does not fit), force (always)."),
         click.option("--stages", type=click.IntRange(2, 8), default=None,
                      help="Stages of a split (default: the planner chooses; force: one per worker plus this node)."),
-        click.option("--max-memory", type=click.FloatRange(0.01, None), default=None, metavar="GB",
+        click.option("--max-memory", type=GIGABYTES, default=None, metavar="GB",
                      help="Memory (GiB) this node gives models or, with --worker, offers to splits."),
         click.option("--model", "models", multiple=True, metavar="REF",
                      help="Model to serve: a GGUF path or 'default' (repeatable; default: the bundled model)."),
@@ -63,7 +63,7 @@ def node_options(func: Any) -> Any:
                      help="Inference engine for served models."),
         click.option("--threads", type=click.IntRange(min=1), default=None,
                      help="CPU threads llama.cpp uses per model (default: the machine's cores, up to 8)."),
-        click.option("--dht-bootstrap", multiple=True, metavar="MULTIADDR",
+        click.option("--dht-bootstrap", multiple=True, metavar="MULTIADDR", callback=dht_multiaddrs,
                      help="DHT peer to join at start, /ip4/HOST/tcp/PORT/p2p/PEERID (repeatable; "
                           "default: dht_bootstrap in config.toml)."),
         click.option("--dht-port", type=click.IntRange(0, 65535), default=None,

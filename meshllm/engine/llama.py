@@ -154,6 +154,7 @@ class LlamaEngine(Engine):
         self._closed = True
         for job in list(self._jobs):
             job.cancel.set()
+            job.emit(EngineNotLoaded(f"model {self.model_id} is shutting down"))
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self._executor.shutdown)
         if self._llama is not None:

@@ -183,16 +183,24 @@ class TrustStore:
 
     # -- deciding -----------------------------------------------------------------------------
 
+    def check_node_id(self, node_id: str) -> None:
+        """The checks that need no certificate: a revoked node id, or one missing from the allowlist.
+
+        The transport runs this at admission, before the peer's record (and certificate) is known,
+        so a node refused here never gets a stream served.
+        """
+        if node_id in self.data.revoked_nodes:
+            raise NodeRevoked(f"node {short(node_id)} is revoked in this node's trust store")
+        if self.data.policy is TrustPolicy.ALLOWLIST and node_id not in self.data.allowlist:
+            raise Untrusted(f"node {short(node_id)} is not on the allowlist",
+                            hint=f"run `meshllm auth trust allow {node_id}` to accept it")
+
     def evaluate(self, node_id: str, certificate: bytes | None, now: float) -> TrustDecision:
         """Accept or refuse peer ``node_id`` presenting ``certificate`` (or none) at time ``now``."""
         policy = self.data.policy
-        if node_id in self.data.revoked_nodes:
-            raise NodeRevoked(f"node {short(node_id)} is revoked in this node's trust store")
+        self.check_node_id(node_id)
         if policy is TrustPolicy.OFF:
             return TrustDecision(node_id, policy)
-        if policy is TrustPolicy.ALLOWLIST and node_id not in self.data.allowlist:
-            raise Untrusted(f"node {short(node_id)} is not on the allowlist",
-                            hint=f"run `meshllm auth trust allow {node_id}` to accept it")
         strict = policy is TrustPolicy.REQUIRE_OWNED
         if certificate is None:
             if strict:

@@ -65,6 +65,7 @@ class MeshService:
         record: PeerRecord,
         *,
         check_trust: CheckTrust,
+        check_node_id: Callable[[str], None] = lambda _node_id: None,
         on_event: OnEvent,
         host: str = "0.0.0.0",
         port: int = 0,
@@ -76,6 +77,8 @@ class MeshService:
         self.key = key
         self.membership = membership
         self.admission = membership.admission()
+        self._check_node_id = check_node_id
+        """Local trust checks that need no certificate (revoked ids, allowlist), run at admission."""
         self.verifier = RecordVerifier(membership.mesh_id, self.admission.verify_member, check_trust)
         self._record_template = record
         self._on_event = on_event
@@ -174,6 +177,7 @@ class MeshService:
 
     def _admit(self, peer_id: str, proof: bytes, dialer: bool) -> None:
         now = time.time()
+        self._check_node_id(peer_id)
         known = self.gossip is not None and peer_id in self.gossip.members()
         if dialer or known:
             self.admission.verify_member(peer_id, proof, now)

@@ -88,9 +88,10 @@ class GGUFMetadata:
 class _Reader:
     """Little-endian reads that fail as :class:`NotGGUF` instead of ``struct.error``."""
 
-    def __init__(self, fh: BinaryIO, path: Path) -> None:
+    def __init__(self, fh: BinaryIO, path: Path, size: int) -> None:
         self._fh = fh
         self._path = path
+        self._size = size
 
     def exact(self, n: int) -> bytes:
         data = self._fh.read(n)
@@ -108,6 +109,8 @@ class _Reader:
         return self.exact(n).decode("utf-8", errors="replace")
 
     def skip(self, n: int) -> None:
+        if n > self._size:
+            raise NotGGUF(f"{self._path}: a header value of {n} bytes is larger than the file")
         self._fh.seek(n, io.SEEK_CUR)
 
     def value(self, type_id: int) -> Any:
@@ -148,7 +151,7 @@ def read_metadata(path: str | Path) -> GGUFMetadata:
         size = path.stat().st_size
         with path.open("rb") as raw:
             fh = io.BufferedReader(raw, buffer_size=1 << 20)  # type: ignore[arg-type]
-            r = _Reader(fh, path)
+            r = _Reader(fh, path, size)
             if r.exact(4) != GGUF_MAGIC:
                 raise NotGGUF(f"{path} is not a GGUF file (bad magic)")
             version = r.unpack(_U32)
@@ -162,6 +165,8 @@ def read_metadata(path: str | Path) -> GGUFMetadata:
             fields = {r.string(): r.value(r.unpack(_U32)) for _ in range(kv_count)}
     except OSError as exc:
         raise NotGGUF(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except RecursionError:
+        raise NotGGUF(f"{path}: arrays nested too deep in the GGUF header") from None
     return _describe(path, size, version, tensor_count, fields)
 
 

@@ -28,7 +28,7 @@ def plan_router(source: PlanSource) -> APIRouter:
 
     @router.get("/api/plan", response_model=None)
     def get_plan(model: str = Query(min_length=1, max_length=4096), stages: int | None = Query(None, ge=1, le=8),
-                 max_memory_gb: float | None = Query(None, gt=0)) -> dict[str, Any] | JSONResponse:
+                 max_memory_gb: float | None = Query(None, gt=0, lt=1e6)) -> dict[str, Any] | JSONResponse:
         cap = int(max_memory_gb * GIB) if max_memory_gb else None
         try:
             return source.plan_json(model, stages, cap)

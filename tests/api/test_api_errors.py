@@ -197,3 +197,12 @@ def test_extra_routers_are_served_with_openai_shaped_errors() -> None:
     with serve(create_app(GatedBackend(), routers=[extra])) as url:
         assert httpx.get(url + "/api/ping").json() == {"pong": "yes"}
         assert_openai_error(httpx.get(url + "/api/busy"), 503, "no_capacity")
+
+
+
+def test_values_a_peer_could_not_receive_are_refused_at_the_edge(tiny_server: str) -> None:
+    """A routed request must never fail while being encoded (and charge healthy peers with the failure)."""
+    huge = httpx.post(tiny_server + CHAT, json={**HELLO, "max_tokens": 10**30})
+    assert assert_openai_error(huge, 422, "invalid_value")["param"] == "max_tokens"
+    tools = httpx.post(tiny_server + CHAT, json={**HELLO, "tools": [{"type": "function", "n": 10**30}]})
+    assert "tools" in assert_openai_error(tools, 422, "invalid_value")["message"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -14,6 +15,7 @@ from nacl.signing import SigningKey
 from meshllm.identity.ids import node_id
 from meshllm.identity.keys import NodeKey
 from meshllm.identity.signing import sign
+from meshllm.identity.trust import TrustPolicy, TrustStore
 from meshllm.mesh.admission import MeshKey, encode_token, inspect_token, make_membership_proof
 from meshllm.mesh.membership import Membership, join_mesh, own_mesh
 from meshllm.mesh.messages import Exchange
@@ -110,6 +112,24 @@ def test_refused_joiners_never_get_in(case: str) -> None:
         with pytest.raises(AdmissionRefused):
             await ep.connect(h.owner_addr, timeout=5)
         assert h.owner.gossip is not None and not h.owner.gossip.members()
+        assert h.owner.endpoint is not None and not h.owner.endpoint.peers
+
+    run(body)
+
+
+@pytest.mark.parametrize("policy", ["revoked", "allowlist"])
+def test_local_trust_policy_refuses_at_admission_despite_a_valid_invite(policy: str, tmp_path: Path) -> None:
+    async def body(h: Harness) -> None:
+        key = SigningKey.generate()
+        trust = TrustStore.load(tmp_path)
+        if policy == "revoked":
+            trust.revoke_node(node_id(bytes(key.verify_key)))
+        else:
+            trust.set_policy(TrustPolicy.ALLOWLIST)
+        h.owner._check_node_id = trust.check_node_id
+        ep = await h.raw_endpoint(proof_for(key, h.token()), key)
+        with pytest.raises(AdmissionRefused):
+            await ep.connect(h.owner_addr, timeout=5)
         assert h.owner.endpoint is not None and not h.owner.endpoint.peers
 
     run(body)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import struct
 import sys
 import types
 from pathlib import Path
@@ -52,6 +53,26 @@ def test_truncated_real_header_is_not_gguf(tmp_path: Path, tiny: Path) -> None:
     cut.write_bytes(tiny.read_bytes()[:200])
     with pytest.raises(NotGGUF):
         read_metadata(cut)
+
+
+def _header(*kvs: bytes) -> bytes:
+    """A GGUF v3 header with no tensors and the given raw key/value records."""
+    return b"GGUF" + struct.pack("<IQQ", 3, 0, len(kvs)) + b"".join(kvs)
+
+
+def _key(name: str) -> bytes:
+    return struct.pack("<Q", len(name)) + name.encode()
+
+
+@pytest.mark.parametrize("kv", [
+    _key("huge") + struct.pack("<IIQ", 9, 0, 2**62),  # an array of 2**62 u8 values
+    _key("deep") + struct.pack("<IIQ", 9, 9, 1) * 100_000,  # arrays nested 100,000 deep
+])
+def test_damaged_header_values_are_not_gguf(tmp_path: Path, kv: bytes) -> None:
+    path = tmp_path / "damaged.gguf"
+    path.write_bytes(_header(kv))
+    with pytest.raises(NotGGUF):
+        read_metadata(path)
 
 
 def test_resolve_a_path(tiny: Path, tmp_path: Path) -> None:

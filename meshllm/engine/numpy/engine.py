@@ -10,6 +10,7 @@ request); a consumer that stops iterating cancels its request before the next to
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -146,8 +147,9 @@ class NumpyEngine(Engine):
         session = uuid.uuid4().hex
         history = list(prompt)
         started = time.monotonic()
+        step: asyncio.Future[int] = asyncio.ensure_future(asyncio.to_thread(self._step, session, history, 0, sampler))
         try:
-            token = await asyncio.to_thread(self._step, session, history, 0, sampler)
+            token = await step
             while True:
                 delta = text.feed(token)
                 if delta is not None:
@@ -155,8 +157,15 @@ class NumpyEngine(Engine):
                 if text.done:
                     break
                 history.append(token)
-                token = await asyncio.to_thread(self._step, session, history, len(history) - 1, sampler)
+                step = asyncio.ensure_future(
+                    asyncio.to_thread(self._step, session, history, len(history) - 1, sampler))
+                token = await step
         finally:
+            # A cancelled request's forward pass still runs in its thread: let it end before the
+            # session's KV cache is freed and the next request takes the turn.
+            if not step.done():
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(step)
             stage.reset(session)
             self._rate.observe(text.generated, started, time.monotonic())
         for event in text.finish():
