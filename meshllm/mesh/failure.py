@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from meshllm.mesh.messages import Ack, MeshMessage, Ping, PingReq
 
@@ -78,11 +78,14 @@ class _Pending:
     nonce: int
     deadline: float
     indirect: bool = False
+    helpers: frozenset[str] = field(default_factory=frozenset)
+    """Peers we sent a PingReq for this probe: the only ones besides the target whose Ack counts."""
 
 
 @dataclass(frozen=True, slots=True)
 class _Relay:
     requester: str
+    target: str
     nonce: int
     deadline: float
 
@@ -93,7 +96,6 @@ class FailureDetector:
     def __init__(self, rng: random.Random, now: float, config: FailureConfig | None = None) -> None:
         self.config = config or FailureConfig()
         self._rng = rng
-        self._next_nonce = rng.getrandbits(32)
         self._pending: dict[str, _Pending] = {}
         self._by_nonce: dict[int, str] = {}
         self._relays: dict[int, _Relay] = {}
@@ -144,14 +146,18 @@ class FailureDetector:
         elif isinstance(message, PingReq):
             nonce = self._new_nonce()
             deadline = now + self.config.indirect_timeout
-            self._relays[nonce] = _Relay(source, message.nonce, deadline)
+            self._relays[nonce] = _Relay(source, message.target, message.nonce, deadline)
             out.append(Probe(message.target, Ping(nonce)))
         elif isinstance(message, Ack):
-            relay = self._relays.pop(message.nonce, None)
-            if relay is not None:
+            # Nonces are random, but an Ack still counts only from whoever could honestly send it:
+            # the pinged node itself, or a helper we asked to ping it for us.
+            relay = self._relays.get(message.nonce)
+            if relay is not None and source == relay.target:
+                del self._relays[message.nonce]
                 out.append(Probe(relay.requester, Ack(relay.nonce)))
             target = self._by_nonce.get(message.nonce)
-            if target is not None:
+            pending = None if target is None else self._pending.get(target)
+            if target is not None and pending is not None and (source == target or source in pending.helpers):
                 self._drop(target)
                 out += self._heard(target)
         return out
@@ -187,6 +193,7 @@ class FailureDetector:
         helpers = sorted(t for t in targets if t != node)
         helpers = self._rng.sample(helpers, min(self.config.indirect_fanout, len(helpers)))
         pending.indirect = True
+        pending.helpers = frozenset(helpers)
         pending.deadline = now + self.config.indirect_timeout
         # A second direct ping too: one lost datagram should not be enough to suspect.
         out: list[Probe | DetectorEvent] = [Probe(node, Ping(pending.nonce))]
@@ -204,5 +211,8 @@ class FailureDetector:
             self._by_nonce.pop(pending.nonce, None)
 
     def _new_nonce(self) -> int:
-        self._next_nonce = (self._next_nonce + 1) % (1 << 63)
-        return self._next_nonce
+        """An unpredictable nonce (62 random bits), unique among those in flight."""
+        while True:
+            nonce = self._rng.getrandbits(62)
+            if nonce not in self._by_nonce and nonce not in self._relays:
+                return nonce

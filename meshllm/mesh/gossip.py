@@ -39,6 +39,11 @@ from meshllm.mesh.records import PathKind, PeerRecord, RecordVerifier, StaleReco
 
 EXCHANGE_BUDGET = 1024 * 1024
 """Bytes of records per Exchange message, well under the 8 MiB control-frame cap."""
+ITEMS_SLACK = 16
+"""Records (or notices) one message may carry beyond the number of peers we hold."""
+ITEMS_MAX = 256
+"""Hard cap on records (or notices) verified per message: bounds the signature checks one peer can
+make us run per message. Anything beyond is ignored; anti-entropy asks for it again next round."""
 
 
 class UnknownReporter(VerificationError):
@@ -198,15 +203,24 @@ class Gossip:
             return self._on_digest(source, message, now)
         if isinstance(message, Exchange):
             out: list[Output] = []
-            for raw in message.records:
-                out += self._ingest(raw, source, now)
-            if message.want:
-                out += [Send(source, m) for m in self._exchanges(message.want, [])]
+            for raw in message.records[: self._items_cap()]:
+                result = self._ingest(raw, source, now)
+                if result and isinstance(result[0], Rejected):
+                    return out + result[:1]  # a bad record: drop the rest of this message unread
+                out += result
+            # Only ids we hold (or ours), each once: a want list can cost us no more than one copy
+            # of our table, however long the sender made it.
+            want = [n for n in dict.fromkeys(message.want) if n == self.node_id or n in self.state.peers]
+            if want:
+                out += [Send(source, m) for m in self._exchanges(want[: len(self.state.peers) + 1], [])]
             return out
         if isinstance(message, Notices):
             out = []
-            for raw in message.notices:
-                out += self._on_notice(raw, source, now)
+            for raw in message.notices[: self._items_cap()]:
+                result = self._on_notice(raw, source, now)
+                if result and isinstance(result[0], Rejected):
+                    return out + result[:1]
+                out += result
             return out
         return []
 
@@ -238,10 +252,19 @@ class Gossip:
 
     # --- internals ---
 
+    def _items_cap(self) -> int:
+        """Records or notices to verify from one message: what a full sync could need, bounded."""
+        return min(len(self.state.peers) + ITEMS_SLACK, ITEMS_MAX)
+
     def _resign(self, now: float, above: int = 0, **changes: Any) -> None:
-        """Bump our sequence past ``above`` (a claim to outrank) and re-sign."""
-        self.own = msgspec.structs.replace(self.own, seq=max(self.own.seq, above) + 1, **changes)
-        self.own_raw = sign_record(self._key, self.own)
+        """Bump our sequence past ``above`` (a *verified* copy of us to outrank) and re-sign.
+
+        The new record is built and signed before anything is assigned, so a signing failure leaves
+        our state exactly as it was.
+        """
+        record = msgspec.structs.replace(self.own, seq=max(self.own.seq, above) + 1, **changes)
+        raw = sign_record(self._key, record)
+        self.own, self.own_raw = record, raw
         self._next_heartbeat = now + self.config.heartbeat
 
     def _digest(self) -> dict[str, int]:
@@ -251,9 +274,11 @@ class Gossip:
 
     def _on_digest(self, source: str, message: Digest, now: float) -> list[Output]:
         theirs = message.seqs
-        if theirs.get(self.node_id, -1) > self.own.seq:
-            self._resign(now, above=theirs[self.node_id])  # a copy of us newer than ours: outrank it
-        give = [self.node_id] if theirs.get(self.node_id, -1) < self.own.seq else []
+        # A digest's sequences are unsigned claims: never re-sign on one. If the peer claims a copy
+        # of us newer than ours, ask for it; _ingest verifies our signature and outranks it then.
+        their_own = theirs.get(self.node_id, -1)
+        give = [self.node_id] if their_own < self.own.seq else []
+        want_own = [self.node_id] if their_own > self.own.seq else []
         notices: list[bytes] = []
         for node, entry in self.state.peers.items():
             seq = theirs.get(node)
@@ -262,7 +287,7 @@ class Gossip:
                     notices.append(entry.notice)
             elif seq is None or seq < entry.record.seq:
                 give.append(node)
-        want = [n for n, s in theirs.items() if n != self.node_id and s > (view.held_seq(self.state, n) or -1)]
+        want = want_own + [n for n, s in theirs.items() if n != self.node_id and s > self._held_or_none(n)]
         out: list[Output] = [Send(source, m) for m in self._exchanges(give, want)]
         if notices:
             out.append(Send(source, Notices(notices)))
@@ -307,6 +332,10 @@ class Gossip:
             events += self._flood(Exchange([raw]), exclude=source)
         return events
 
+    def _held_or_none(self, node: str) -> int:
+        held = view.held_seq(self.state, node)
+        return -1 if held is None else held
+
     def _held(self, state: view.ViewState, node: str) -> int | None:
         return self.own.seq if node == self.node_id else view.held_seq(state, node)
 
@@ -321,8 +350,12 @@ class Gossip:
             return [Rejected(source, exc)]
         notice = verified.notice
         if notice.subject == self.node_id:
-            if notice.subject_seq >= self.own.seq:  # refute: our new record outranks the notice
-                self._resign(now, above=notice.subject_seq)
+            if notice.subject_seq > self.own.seq:
+                # We never signed that sequence: a garbage claim (or a copy of us from an earlier
+                # run, which anti-entropy fetches and _ingest outranks). Never re-sign on it.
+                return []
+            if notice.subject_seq == self.own.seq:  # refute: our new record outranks the notice
+                self._resign(now)
             return self._flood(Exchange([self.own_raw]), exclude=None)
         events = self._apply(view.MarkDown(notice.subject, notice.subject_seq, raw, now), notice.subject)
         if events:

@@ -16,7 +16,7 @@ from nacl.signing import SigningKey
 from meshllm.errors import DecodeError, WrongDomain, WrongSigner
 from meshllm.identity.ids import node_public_key
 from meshllm.identity.signing import Signed, decode_signed, decode_struct, sign
-from meshllm.mesh.records import SignatureCache
+from meshllm.mesh.records import Seq, SignatureCache
 from meshllm.wire.frames import CONTROL_FRAME_MAX
 
 NOTICE_DOMAIN = "down-notice"
@@ -26,7 +26,7 @@ NOTICE_MAX = 1024
 class Digest(msgspec.Struct, frozen=True, tag="digest"):
     """Push-pull opener: the sequence of every record the sender holds (down/left ones included)."""
 
-    seqs: dict[str, int]
+    seqs: dict[str, Seq]
 
 
 class Exchange(msgspec.Struct, frozen=True, tag="exchange"):
@@ -95,7 +95,7 @@ class DownNotice(msgspec.Struct, frozen=True, array_like=True):
     """
 
     subject: str
-    subject_seq: int
+    subject_seq: Seq
     reporter: str
     ts: float
 

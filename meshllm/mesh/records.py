@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 from nacl.signing import SigningKey
 
-from meshllm.errors import DecodeError, VerificationError, WrongDomain, WrongMesh, WrongSigner
+from meshllm.errors import DecodeError, MeshllmError, VerificationError, WrongDomain, WrongMesh, WrongSigner
 from meshllm.identity.ids import node_id as node_id_of
 from meshllm.identity.ids import node_public_key
 from meshllm.identity.signing import Signed, decode_signed, decode_struct, sign, verify_bytes
@@ -31,6 +31,12 @@ Role = Literal["host", "worker", "client"]
 RecordState = Literal["alive", "leaving"]
 PathKind = Literal["direct", "punched", "relay"]
 
+SEQ_LIMIT = 2**62
+"""Exclusive bound on record and notice sequences: far above wall-clock milliseconds, far below the
+2**64 msgpack can encode, so re-signing above any valid sequence can never overflow."""
+Seq = Annotated[int, msgspec.Meta(ge=0, lt=SEQ_LIMIT)]
+"""A sequence number as it may appear on the wire; decoding rejects anything outside the range."""
+
 
 class StaleRecord(VerificationError):
     """The record is not newer than the version we hold (or than its down/leave tombstone)."""
@@ -38,6 +44,10 @@ class StaleRecord(VerificationError):
 
 class RecordTooLarge(DecodeError):
     """The record's signed encoding exceeds :data:`RECORD_MAX`."""
+
+
+class SequenceOutOfRange(MeshllmError):
+    """We were asked to sign a record whose sequence lies outside ``[0, SEQ_LIMIT)``."""
 
 
 class Addresses(msgspec.Struct, frozen=True, kw_only=True):
@@ -99,7 +109,7 @@ class PeerRecord(msgspec.Struct, frozen=True, kw_only=True):
 
     node_id: str
     mesh_id: str
-    seq: int
+    seq: Seq
     """Strictly increasing per node; bumped on every change and on heartbeat."""
     membership_proof: bytes
     owner_cert: bytes | None = None
@@ -118,6 +128,8 @@ def sign_record(key: SigningKey, record: PeerRecord) -> bytes:
     """Signed wire bytes of our own record; refuses what receivers would refuse."""
     if node_id_of(bytes(key.verify_key)) != record.node_id:
         raise WrongSigner("a peer record must be signed by the key its node id names")
+    if not 0 <= record.seq < SEQ_LIMIT:
+        raise SequenceOutOfRange(f"peer record seq {record.seq} is outside [0, 2**62)")
     raw = msgspec.msgpack.encode(sign(key, RECORD_DOMAIN, record))
     if len(raw) > RECORD_MAX:
         raise RecordTooLarge(f"peer record of {len(raw)} bytes exceeds the {RECORD_MAX}-byte cap")

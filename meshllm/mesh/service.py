@@ -85,7 +85,7 @@ class MeshService:
         self._host, self._port = host, port
         self._announce = list(announce or [])
         self._endpoint_options = endpoint_options
-        self._rng = rng or random.Random()
+        self._rng = rng or random.SystemRandom()  # probe nonces and peer choices must not be predictable
         self._relay_mode: RelayMode = relay
         self.endpoint: Endpoint | None = None
         self.traversal: Traversal | None = None

@@ -28,6 +28,8 @@ from meshllm.net.endpoint import Endpoint
 from meshllm.net.errors import ConnectError, StreamClosed
 from meshllm.net.messages import Addr
 from meshllm.net.nat import (
+    MAX_PUNCH_ADDR_LEN,
+    MAX_PUNCH_ADDRS,
     PUNCH_STREAM,
     PunchConnect,
     PunchMessage,
@@ -117,6 +119,8 @@ class Traversal:
         """Relay candidates that refused us, and until when we leave them alone."""
         self._tasks: set[asyncio.Task[Any]] = set()
         self._local_cache: dict[str, bool] = {}
+        self._mapping: set[str] = set()
+        """Peers we are sending NAT-opening junk to right now (one sender per peer at a time)."""
         endpoint.on_stream(RELAY_STREAM, self._serve_relay)
         endpoint.on_stream(PUNCH_STREAM, self._serve_punch)
 
@@ -317,7 +321,8 @@ class Traversal:
     def _candidates(self) -> list[str]:
         host, _ = self.endpoint.local_addr
         listen = [] if host in ("0.0.0.0", "::") else [format_addr(self.endpoint.local_addr)]
-        return [*self.observed(), *listen]
+        ours = [a for a in dict.fromkeys([*self.observed(), *listen]) if len(a) <= MAX_PUNCH_ADDR_LEN]
+        return ours[:MAX_PUNCH_ADDRS]  # what PunchConnect's wire type admits
 
     async def _punch(self, conn: PeerConnection) -> None:
         """Initiator: trade addresses over the relayed ``conn``, then dial at the agreed moment."""
@@ -352,6 +357,9 @@ class Traversal:
         self._mark_punching(peer)
         await stream.send(PunchConnect(self._candidates()), timeout=CONTROL_TIMEOUT_S)
         if isinstance(await stream.recv(PunchMessage, timeout=CONTROL_TIMEOUT_S), PunchSync):
+            if peer in self._mapping:
+                return  # an earlier attempt is still opening our NAT towards this peer
+            self._mapping.add(peer)
             self._spawn(self._open_mappings(peer, _ip_addrs(first.addrs)))
 
     async def _open_mappings(self, peer: str, targets: list[Addr]) -> None:
@@ -362,15 +370,18 @@ class Traversal:
         (they parse as no QUIC packet). Only the initiator dials: two crossing handshakes would
         yield two direct connections and the loser's streams would be cut.
         """
-        loop = asyncio.get_running_loop()
-        end = loop.time() + PUNCH_DIAL_TIMEOUT_S
-        while loop.time() < end:
-            current = self.endpoint.peers.get(peer)
-            if current is None or current.path != "relayed":
-                return
-            for addr in targets:
-                self.endpoint.sendto(PUNCH_PACKET, addr)
-            await asyncio.sleep(PUNCH_PACKET_INTERVAL_S)
+        try:  # _serve_punch marked the peer in self._mapping
+            loop = asyncio.get_running_loop()
+            end = loop.time() + PUNCH_DIAL_TIMEOUT_S
+            while loop.time() < end:
+                current = self.endpoint.peers.get(peer)
+                if current is None or current.path != "relayed":
+                    return
+                for addr in targets:
+                    self.endpoint.sendto(PUNCH_PACKET, addr)
+                await asyncio.sleep(PUNCH_PACKET_INTERVAL_S)
+        finally:
+            self._mapping.discard(peer)
 
     def _mark_punching(self, peer: str) -> None:
         self.endpoint.punching.add(peer)
@@ -393,11 +404,14 @@ class Traversal:
 
 
 def _ip_addrs(addrs: list[str]) -> list[Addr]:
-    """The well-formed IP ``host:port`` candidates a peer sent (anything else is ignored)."""
-    out = []
-    for text in addrs:
+    """The well-formed IP ``host:port`` candidates a peer sent, deduplicated, at most
+    :data:`~meshllm.net.nat.MAX_PUNCH_ADDRS` of them (anything else is ignored)."""
+    out: list[Addr] = []
+    for text in addrs[:MAX_PUNCH_ADDRS * 4]:
+        if len(out) >= MAX_PUNCH_ADDRS:
+            break
         with contextlib.suppress(DecodeError):
             addr = parse_addr(text)
-            if is_ip(addr[0]):
+            if is_ip(addr[0]) and addr not in out:
                 out.append(addr)
     return out

@@ -48,6 +48,11 @@ RETIRE_MAX_S = 15.0
 """... and at most this long, while streams that were already running on it finish."""
 ADMISSION_STREAM = 0
 """The dialer's first bidirectional stream carries the admission exchange."""
+MAX_UNSEEN_PEER_STREAMS = 4096
+"""Most peer stream ids below the highest seen that we still wait for (aioquic's stream limit
+keeps the real number far lower; this only bounds memory against a misbehaving peer)."""
+MAX_PENDING_DATAGRAMS = 16
+"""Probe datagrams (pings and pongs) are dropped while this many are queued and unsent."""
 
 
 class PeerConnection:
@@ -75,7 +80,10 @@ class PeerConnection:
         self._loop = asyncio.get_running_loop()
         self._admission: Admission | None = None
         self._streams: dict[int, Stream] = {}
-        self._highest_peer_stream = -1
+        self._peer_next: dict[int, int] = {}
+        """Per stream type (``id & 3``): the lowest peer stream id above every one seen so far."""
+        self._peer_unseen: set[int] = set()
+        """Peer stream ids below one already seen whose first data has not arrived yet (reordering)."""
         self._tasks: set[asyncio.Task[Any]] = set()
         self._sending_watch: set[Stream] = set()
         self._ready: asyncio.Future[None] = self._loop.create_future()
@@ -251,7 +259,7 @@ class PeerConnection:
             stream_id = self.quic.get_next_available_stream_id()
         else:
             stream_id = ADMISSION_STREAM
-            self._highest_peer_stream = ADMISSION_STREAM
+            self._first_sight(ADMISSION_STREAM)
         stream = self._add_stream(stream_id, "admission", ADMISSION_FRAME_MAX, None)
         self._spawn(self._run_admission(stream, self._admission))
 
@@ -311,9 +319,8 @@ class PeerConnection:
     def _on_stream_data(self, stream_id: int, data: bytes, end: bool) -> None:
         stream = self._streams.get(stream_id)
         if stream is None:
-            if (stream_id & 1) == (0 if self.dialer else 1) or stream_id <= self._highest_peer_stream:
+            if (stream_id & 1) == (0 if self.dialer else 1) or not self._first_sight(stream_id):
                 return  # one of ours, or an old stream of theirs we already forgot
-            self._highest_peer_stream = stream_id
             if not self._serving():
                 log.warning("resetting stream #%d from %s: not admitted", stream_id, self.remote_addr)
                 self.stream_op(lambda q: q.reset_stream(stream_id, ResetCode.NOT_ADMITTED))
@@ -324,6 +331,29 @@ class PeerConnection:
         if stream.kind is None:
             self._dispatch(stream)
         self.forget_if_finished(stream)
+
+    def _first_sight(self, stream_id: int) -> bool:
+        """Record that the peer's ``stream_id`` has been seen; False if it was seen before.
+
+        Packets reorder: a stream's first data may arrive after a higher stream's, so ids below
+        the highest seen are remembered as unseen until their data comes, rather than taken for
+        streams we already finished and forgot.
+        """
+        if stream_id in self._peer_unseen:
+            self._peer_unseen.discard(stream_id)
+            return True
+        kind = stream_id & 3
+        expected = self._peer_next.get(kind, kind)
+        if stream_id < expected:
+            return False
+        skipped = range(expected, stream_id, 4)
+        room = MAX_UNSEEN_PEER_STREAMS - len(self._peer_unseen)
+        if len(skipped) > room:
+            log.warning("peer %s skipped %d stream ids; forgetting the oldest", self.remote_addr, len(skipped))
+            skipped = skipped[len(skipped) - max(0, room):]
+        self._peer_unseen.update(skipped)
+        self._peer_next[kind] = stream_id + 4
+        return True
 
     def _dispatch(self, stream: Stream) -> None:
         try:
@@ -363,6 +393,8 @@ class PeerConnection:
 
     def _apply_probes(self, out: ProbeOutput) -> None:
         for datagram in out.datagrams:
+            if self.quic.datagrams_pending() >= MAX_PENDING_DATAGRAMS:
+                break  # probes are best-effort: never let a flood of pings grow aioquic's queue
             self.quic.send_datagram_frame(datagram)
         if out.datagrams:
             self.transmit_soon()

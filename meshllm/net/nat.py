@@ -31,7 +31,7 @@ import ipaddress
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -40,12 +40,18 @@ from meshllm.net.messages import Addr
 
 PUNCH_STREAM = "punch"
 RelayMode = Literal["on", "off", "auto"]
+MAX_PUNCH_ADDRS = 8
+"""Most candidate addresses one PunchConnect may carry (each is dialed or sprayed with junk)."""
+MAX_PUNCH_ADDR_LEN = 64
+"""Longest candidate ``host:port`` text (a bracketed IPv6 address and port fit easily)."""
 
 
 class PunchConnect(msgspec.Struct, tag="punch-connect", frozen=True):
     """Our candidate addresses (``host:port``): observed (public) ones first, then listen ones."""
 
-    addrs: list[str]
+    addrs: Annotated[
+        list[Annotated[str, msgspec.Meta(max_length=MAX_PUNCH_ADDR_LEN)]], msgspec.Meta(max_length=MAX_PUNCH_ADDRS)
+    ]
 
 
 class PunchSync(msgspec.Struct, tag="punch-sync", frozen=True):

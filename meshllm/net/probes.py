@@ -2,9 +2,10 @@
 
 Every ``interval`` seconds a side sends ``PING nonce timestamp`` as a QUIC DATAGRAM (RFC 9221:
 unreliable, never retransmitted, so a lost probe is a signal rather than a delay); the other
-side echoes it as ``PONG``. A ping that has no pong by the time the next one is due counts as
-missed; ``suspect_after`` misses in a row (3 x 250 ms) make the peer *suspect*, the next pong
-makes it *alive* again. QUIC's idle timeout is far longer, so this is how a killed peer is
+side echoes it as ``PONG`` (at most :data:`MAX_PONGS_PER_INTERVAL` per interval, so a peer
+flooding pings cannot make us queue unbounded answers). A ping that has no pong by the time the
+next one is due counts as missed; ``suspect_after`` misses in a row (3 x 250 ms) make the peer
+*suspect*, the next pong makes it *alive* again. QUIC's idle timeout is far longer, so this is how a killed peer is
 noticed within about a second. The caller passes ``now`` (seconds, monotonic) in.
 """
 
@@ -19,6 +20,8 @@ PING = 1
 PONG = 2
 _PROBE = struct.Struct(">BQd")
 """type (u8), nonce (u64), sender's timestamp (f64 seconds) — 17 bytes."""
+MAX_PONGS_PER_INTERVAL = 4
+"""Pings answered per ``interval``; an honest peer sends one, the rest are dropped unanswered."""
 
 
 class Liveness(Enum):
@@ -62,6 +65,8 @@ class ProbeState:
         """Probes in a row that went unanswered."""
         self._next_ping = now
         self._outstanding: dict[int, float] = {}
+        self._pong_window = now
+        self._pongs = 0
 
     @property
     def next_deadline(self) -> float:
@@ -92,7 +97,11 @@ class ProbeState:
             return out
         kind, nonce, stamp = _PROBE.unpack(data)
         if kind == PING:
-            out.datagrams.append(_PROBE.pack(PONG, nonce, stamp))
+            if now >= self._pong_window + self.interval:
+                self._pong_window, self._pongs = now, 0
+            if self._pongs < MAX_PONGS_PER_INTERVAL:
+                self._pongs += 1
+                out.datagrams.append(_PROBE.pack(PONG, nonce, stamp))
         elif kind == PONG and (sent := self._outstanding.pop(nonce, None)) is not None:
             sample = (now - sent) * 1000.0
             self.rtt_ms = sample if self.rtt_ms is None else (1 - self.alpha) * self.rtt_ms + self.alpha * sample

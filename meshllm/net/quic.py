@@ -8,6 +8,8 @@ here (``tests/net/test_quic.py`` exercises both against the installed aioquic):
   half of it, whether or not the application read anything, so a slow reader buffers without
   bound. We grant credit only for bytes the application has consumed (``consumed + window``),
   which turns QUIC flow control into end-to-end backpressure: a slow reader stalls the writer.
+  (:class:`~meshllm.net.streams.Stream` counts a partial frame as consumed, so a frame larger
+  than the window still arrives; a stream then buffers at most ``max_frame + window``.)
 
 ``unsent_bytes`` reads how much of a stream's written data aioquic has not transmitted yet, which
 :class:`~meshllm.net.streams.Stream` uses as its send budget.
@@ -91,6 +93,13 @@ class MeshQuicConnection(QuicConnection):
         self._consumed[stream_id] = consumed
         stream = self._stream(stream_id)
         return stream is not None and consumed + self._window - stream.max_stream_data_local >= self._window // 2
+
+    def datagrams_pending(self) -> int:
+        """DATAGRAM frames queued and not yet sent (aioquic's queue is unbounded)."""
+        pending = getattr(self, "_datagrams_pending", None)
+        if pending is None:
+            raise AioquicIncompatible("aioquic's QuicConnection has no _datagrams_pending queue")
+        return len(pending)
 
     def unsent_bytes(self, stream_id: int, written: int) -> int:
         """How many of the ``written`` bytes aioquic has not put on the wire yet."""

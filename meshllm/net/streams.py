@@ -5,9 +5,13 @@ names its kind (:class:`~meshllm.net.messages.StreamOpen`). Both directions are 
 
 * sending: :meth:`Stream.send` waits while more than ``send_budget`` bytes written to the stream
   are still unsent by aioquic (whose own writer never blocks);
-* receiving: the peer may send at most ``window`` bytes beyond what :meth:`Stream.recv` has
-  consumed (see :mod:`meshllm.net.quic`), so a slow reader stalls the peer's sender instead of
-  growing our buffers.
+* receiving: the peer may send at most ``window`` bytes beyond what we have *consumed* (see
+  :mod:`meshllm.net.quic`), so a slow reader stalls the peer's sender instead of growing our
+  buffers. Bytes count as consumed once they are read by :meth:`Stream.recv` *or* sit in the
+  decoder as part of a frame that is not complete yet: holding back credit for a partial frame
+  would freeze any frame at least a window long. Only complete-but-unread frames (and an
+  incoming stream's unparsed header) hold credit back, so one stream buffers at most about
+  ``max_frame + window`` bytes.
 
 A malformed or oversized frame from the peer resets this stream only; the connection survives.
 """
@@ -105,8 +109,7 @@ class Stream:
             await self._wait(self._readable, timeout, "recv")
         raw = self._inbox.popleft()
         self._inbox_bytes -= len(raw) + HEADER.size
-        if self.peer.quic.consume(self.id, self._received - self._buffered()):
-            self.peer.transmit_soon()
+        self._grant_credit()
         try:
             return msgspec.msgpack.decode(raw, type=type_)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -143,6 +146,7 @@ class Stream:
             self._ended = self._ended or end
         else:
             self._ingest(data, end)
+            self._grant_credit()
         self._readable.set()
 
     def take_header(self) -> StreamOpen | None:
@@ -167,6 +171,7 @@ class Stream:
         rest = bytes(self._head)
         self._head.clear()
         self._ingest(rest, self._ended)
+        self._grant_credit()
 
     @property
     def ended(self) -> bool:
@@ -230,9 +235,21 @@ class Stream:
         self._check_writable()
         self._write(encode_frame(message, self.max_frame))
 
+    def _unconsumed(self) -> int:
+        """Received bytes that still hold back credit: complete unread frames and an unparsed header.
+
+        A partial frame in the decoder does not count (see the module docstring): the decoder's
+        own ``max_frame`` cap bounds it, and its sender needs credit to complete it.
+        """
+        return len(self._head) + self._inbox_bytes
+
     def _buffered(self) -> int:
-        pending = len(self._head) + (self._decoder.buffered if self._decoder else 0)
-        return pending + self._inbox_bytes
+        """Every received byte we still hold: header, partial frame, and unread frames."""
+        return self._unconsumed() + (self._decoder.buffered if self._decoder else 0)
+
+    def _grant_credit(self) -> None:
+        if self._error is None and self.peer.quic.consume(self.id, self._received - self._unconsumed()):
+            self.peer.transmit_soon()
 
     def _write(self, data: bytes) -> None:
         self._written += len(data)

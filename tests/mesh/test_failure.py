@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 from sim import SimNet
@@ -46,12 +47,67 @@ def test_silent_peer_goes_indirect_then_suspect_then_failed() -> None:
     assert fd.suspects == frozenset()
 
 
+def helpers_of(out: list) -> dict[str, set[str]]:
+    asked: dict[str, set[str]] = {}
+    for o in out:
+        if isinstance(o, Probe) and isinstance(o.message, PingReq):
+            asked.setdefault(o.message.target, set()).add(o.to)
+    return asked
+
+
+def answer_all_but(fd: FailureDetector, sent: dict[str, int], silent: str) -> None:
+    for peer, nonce in sent.items():
+        if peer != silent:
+            fd.receive(peer, Ack(nonce), 0.05)
+
+
 def test_indirect_ack_clears_the_probe() -> None:
     fd = detector()
     sent = pings(fd.tick(0.0, PEERS))
-    fd.tick(0.3, PEERS)
-    assert fd.receive("p2", Ack(sent["p1"]), 0.4) == []  # relayed by a helper
+    answer_all_but(fd, sent, "p1")
+    helper = sorted(helpers_of(fd.tick(0.3, PEERS))["p1"])[0]
+    assert fd.receive(helper, Ack(sent["p1"]), 0.4) == []  # relayed by a helper
     assert Suspected("p1") not in fd.tick(0.8, PEERS)
+
+
+def test_nonces_are_random_62_bit() -> None:
+    fd = detector()
+    nonces = sorted(pings(fd.tick(0.0, [f"p{i}" for i in range(50)])).values())
+    assert len(set(nonces)) == 50 and all(0 <= n < 2**62 for n in nonces)
+    assert not any(b - a == 1 for a, b in itertools.pairwise(nonces))  # not sequential
+
+
+def test_ack_from_anyone_but_the_target_is_ignored_before_going_indirect() -> None:
+    fd = detector()
+    sent = pings(fd.tick(0.0, PEERS))
+    answer_all_but(fd, sent, "p1")
+    assert fd.receive("p2", Ack(sent["p1"]), 0.1) == []  # a forged ack from another peer
+    out = fd.tick(0.3, PEERS)
+    assert "p1" in helpers_of(out)  # still unanswered: the forged ack did not count
+
+
+def test_ack_from_a_peer_we_did_not_ask_is_ignored() -> None:
+    fd = detector()
+    peers = [*PEERS, "p5"]
+    sent = pings(fd.tick(0.0, peers))
+    answer_all_but(fd, sent, "p1")
+    asked = helpers_of(fd.tick(0.3, peers))["p1"]
+    stranger = sorted(set(peers) - asked - {"p1"})[0]
+    fd.receive(stranger, Ack(sent["p1"]), 0.4)
+    assert Suspected("p1") in fd.tick(0.7, peers)
+    # The target's own ack still counts, even late: it clears the suspicion.
+    fd2 = detector()
+    sent2 = pings(fd2.tick(0.0, PEERS))
+    fd2.tick(0.3, PEERS)
+    assert fd2.receive("p1", Ack(sent2["p1"]), 0.4) == []
+    assert Suspected("p1") not in fd2.tick(0.7, PEERS)
+
+
+def test_relayed_ack_is_forwarded_only_from_the_target() -> None:
+    fd = detector()
+    (probe,) = fd.receive("asker", PingReq(77, "target"), 0.0)
+    assert fd.receive("mallory", Ack(probe.message.nonce), 0.1) == []
+    assert fd.receive("target", Ack(probe.message.nonce), 0.2) == [Probe("asker", Ack(77))]
 
 
 def test_relays_ping_req_and_forwards_the_ack() -> None:

@@ -11,9 +11,17 @@ from sim import SimNet, make_key, make_record, make_verifier
 from meshllm.errors import BadSignature, InviteRevoked, WrongMesh, WrongSigner
 from meshllm.identity.signing import sign
 from meshllm.mesh import view
-from meshllm.mesh.gossip import Gossip, Rejected, Send, UnknownReporter
+from meshllm.mesh.gossip import ITEMS_MAX, ITEMS_SLACK, Gossip, Rejected, Send, UnknownReporter
 from meshllm.mesh.messages import Digest, DownNotice, Exchange, Notices, sign_notice
-from meshllm.mesh.records import Load, PeerRecord, RecordVerifier, sign_record
+from meshllm.mesh.records import (
+    SEQ_LIMIT,
+    Load,
+    PeerRecord,
+    RecordVerifier,
+    SequenceOutOfRange,
+    decode_record,
+    sign_record,
+)
 
 A, B, C = make_key(10), make_key(11), make_key(12)
 
@@ -145,6 +153,95 @@ def test_graceful_leave_reaches_every_peer_within_a_second() -> None:
 
 def test_newer_copy_of_ourselves_is_outranked() -> None:
     g = gossip_for(A)
-    g.receive("x", Digest({g.node_id: 40}), now=1.0)
+    raw_before = g.own_raw
+    # A digest's claim is unsigned: we ask for the copy instead of re-signing on the claim.
+    (reply,) = g.receive("x", Digest({g.node_id: 40}), now=1.0)
+    assert g.own.seq == 1 and g.own_raw == raw_before
+    assert reply == Send("x", Exchange([], want=[g.node_id]))
+    # The signed copy comes back and is outranked.
+    assert g.receive("x", Exchange([sign_record(A, make_record(A, seq=40))]), now=1.0) == []
     assert g.own.seq == 41
+
+
+def test_digest_claim_at_uint64_max_cannot_lock_us_out() -> None:
+    g = gossip_for(A)
+    own, raw = g.own, g.own_raw
+    (reply,) = g.receive("x", Digest({g.node_id: 2**64 - 1}), now=1.0)
+    assert g.own is own and g.own_raw == raw
+    assert reply.message.want == [g.node_id]
+    g.update_own(2.0, load=Load(in_flight=1))  # still able to re-sign
+    assert g.own.seq == 2 and decode_record(g.own_raw)[1] == g.own
+
+
+def test_failed_resign_leaves_our_record_unchanged() -> None:
+    g = Gossip(A, make_record(A, seq=SEQ_LIMIT - 1), make_verifier(), random.Random(0), now=0.0)
+    own, raw, heartbeat = g.own, g.own_raw, g.next_timer()
+    with pytest.raises(SequenceOutOfRange):
+        g.update_own(1.0, load=Load(in_flight=1))
+    assert g.own is own and g.own_raw == raw and g.next_timer() == heartbeat
+
+
+def member_gossip() -> tuple[Gossip, str]:
+    """A gossip of A that holds B as a live member (a valid down-notice reporter)."""
+    g = gossip_for(A)
+    g.receive("x", Exchange([sign_record(B, make_record(B, seq=5))]), now=1.0)
+    g.peer_connected("x")
+    return g, make_record(B).node_id
+
+
+def test_notice_about_us_above_our_seq_is_ignored() -> None:
+    g, b_id = member_gossip()
+    own = g.own
+    raw = sign_notice(B, DownNotice(g.node_id, own.seq + 1000, b_id, 1.0))
+    assert g.receive("x", Notices([raw]), now=2.0) == []
+    assert g.own is own
+
+
+def test_notice_about_our_current_seq_is_refuted() -> None:
+    g, b_id = member_gossip()
+    seq = g.own.seq
+    out = g.receive("x", Notices([sign_notice(B, DownNotice(g.node_id, seq, b_id, 1.0))]), now=2.0)
+    assert g.own.seq == seq + 1
+    assert out == [Send("x", Exchange([g.own_raw]))]
+    # An older notice needs no new sequence: our current record already outranks it.
+    g.receive("x", Notices([sign_notice(B, DownNotice(g.node_id, seq, b_id, 1.5))]), now=3.0)
+    assert g.own.seq == seq + 1
+
+
+def test_want_is_deduplicated_and_limited_to_what_we_hold() -> None:
+    g = gossip_for(A)
+    c_raw = sign_record(C, make_record(C, seq=3))
+    g.receive("x", Exchange([c_raw]), now=1.0)
+    c_id = make_record(C).node_id
+    want = [c_id] * 5000 + [f"unknown{i}" for i in range(5000)] + [g.node_id] * 5000
+    (reply,) = g.receive("y", Exchange([], want=want), now=1.0)
+    assert reply == Send("y", Exchange([c_raw, g.own_raw]))
+    assert g.receive("y", Exchange([], want=["nobody", "else"]), now=1.0) == []
+
+
+def test_records_per_exchange_are_capped() -> None:
+    g = gossip_for(A)
+    raws = [sign_record(make_key(100 + i), make_record(make_key(100 + i), seq=1)) for i in range(40)]
+    g.receive("x", Exchange(raws), now=1.0)
+    assert len(g.members()) == ITEMS_SLACK  # held 0: at most 0 + 16 verified
+    g.receive("x", Exchange(raws[ITEMS_SLACK:]), now=1.0)
+    assert len(g.members()) == 40  # held 16: up to 32 verified, all 24 new ones fit
+    assert g._items_cap() == 40 + ITEMS_SLACK
+    entry = next(iter(g.state.peers.values()))
+    g.state = view.ViewState(g.node_id, {f"n{i}": entry for i in range(1000)})
+    assert g._items_cap() == ITEMS_MAX  # a big table still verifies at most 256 per message
+
+
+def test_first_rejected_record_stops_the_message() -> None:
+    g = gossip_for(A)
+    good_b = sign_record(B, make_record(B, seq=2))
+    good_c = sign_record(C, make_record(C, seq=2))
+    bad = bytearray(sign_record(make_key(99), make_record(make_key(99), seq=2)))
+    bad[-1] ^= 1
+    out = g.receive("x", Exchange([good_b, bytes(bad), bytes(bad), good_c]), now=1.0)
+    rejected = [o for o in out if isinstance(o, Rejected)]
+    assert len(rejected) == 1 and isinstance(rejected[0].error, BadSignature)
+    assert out[-1] is rejected[0]
+    assert any(isinstance(o, view.PeerAdded) for o in out)  # events before the bad record are kept
+    assert set(g.members()) == {make_record(B).node_id}  # nothing after it was processed
     assert isinstance(g.own, PeerRecord)

@@ -21,15 +21,25 @@ from meshllm.errors import (
     WrongSigner,
 )
 from meshllm.identity.signing import sign
-from meshllm.mesh.messages import DownNotice, Exchange, decode_message, encode_message, sign_notice, verify_notice
+from meshllm.mesh.messages import (
+    Digest,
+    DownNotice,
+    Exchange,
+    decode_message,
+    encode_message,
+    sign_notice,
+    verify_notice,
+)
 from meshllm.mesh.records import (
     RECORD_MAX,
+    SEQ_LIMIT,
     Capacity,
     Models,
     PeerRecord,
     RecordTooLarge,
     RecordVerifier,
     RttEntry,
+    SequenceOutOfRange,
     ServedModel,
     SignatureCache,
     StaleRecord,
@@ -109,6 +119,22 @@ def test_stale_sequence() -> None:
         with pytest.raises(StaleRecord):
             make_verifier().verify(raw, now=0.0, held=lambda _n, h=held: h)
     assert make_verifier().verify(raw, now=0.0, held=lambda _n: 4).seq == 5
+
+
+def test_sequences_are_bounded_on_sign_and_on_the_wire() -> None:
+    for seq in (SEQ_LIMIT, 2**64 - 1, -1):
+        with pytest.raises(SequenceOutOfRange):
+            sign_record(KEY, full_record(seq=seq))
+    forged = msgspec.msgpack.encode(sign(KEY, "peer-record", full_record(seq=SEQ_LIMIT)))
+    with pytest.raises(DecodeError):
+        make_verifier().verify(forged, now=0.0)
+    assert make_verifier().verify(sign_record(KEY, full_record(seq=SEQ_LIMIT - 1)), now=0.0).seq == SEQ_LIMIT - 1
+    with pytest.raises(DecodeError):
+        decode_message(encode_message(Digest({"n": SEQ_LIMIT})))
+    assert decode_message(encode_message(Digest({"n": SEQ_LIMIT - 1}))) == Digest({"n": SEQ_LIMIT - 1})
+    reporter = make_record(OTHER).node_id
+    with pytest.raises(DecodeError):
+        verify_notice(sign_notice(OTHER, DownNotice("x", 2**64 - 1, reporter, 1.0)), SignatureCache())
 
 
 def test_size_cap_on_encode_and_decode() -> None:

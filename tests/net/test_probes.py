@@ -53,3 +53,14 @@ def test_ping_is_answered_with_a_pong_echoing_nonce_and_time() -> None:
     (ping,) = a.poll(5.0).datagrams
     (pong,) = b.receive(ping, 5.1).datagrams
     assert pong[0] == 2 and pong[1:] == ping[1:]
+
+
+def test_a_ping_flood_gets_a_bounded_number_of_pongs() -> None:
+    from meshllm.net.probes import MAX_PONGS_PER_INTERVAL
+
+    flooder = ProbeState(0.0, interval=0.25)
+    target = ProbeState(0.0, interval=0.25)
+    (ping,) = flooder.poll(0.0).datagrams
+    pongs = sum(len(target.receive(ping, 0.01 + i * 1e-4).datagrams) for i in range(1000))
+    assert pongs == MAX_PONGS_PER_INTERVAL
+    assert len(target.receive(ping, 0.3).datagrams) == 1  # a new interval answers again

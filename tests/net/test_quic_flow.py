@@ -49,3 +49,13 @@ def test_consumption_below_half_a_window_sends_no_update() -> None:
 def test_unsent_bytes_of_unknown_stream_is_zero() -> None:
     client, _server = quic_pair(SigningKey.generate(), SigningKey.generate())
     assert client.unsent_bytes(100, 5) == 0
+
+
+def test_datagrams_pending_counts_the_unsent_datagram_queue() -> None:
+    client, server = quic_pair(SigningKey.generate(), SigningKey.generate())
+    assert client.datagrams_pending() == 0
+    for _ in range(3):
+        client.send_datagram_frame(b"p" * 17)
+    assert client.datagrams_pending() == 3
+    pump(client, server, rounds=2)
+    assert client.datagrams_pending() == 0

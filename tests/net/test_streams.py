@@ -96,7 +96,7 @@ def test_slow_reader_bounds_the_senders_queue() -> None:
         assert not task.done()
         assert sent <= window + budget + 2 * size
         inbound = b.peers[a.node_id]._streams[stream.id]._buffered()
-        assert inbound <= window
+        assert inbound <= window + size + HEADER.size + 16  # the window plus at most one partial frame
         reading.set()
         await asyncio.wait_for(task, 10)
         await until(lambda: sum(got) == 200 * size, timeout=10)
@@ -176,5 +176,46 @@ def test_connection_close_fails_pending_recv() -> None:
         with pytest.raises(StreamClosed, match="endpoint closing"):
             await asyncio.wait_for(pending, 2)
         await a.close()
+
+    asyncio.run(main())
+
+
+def test_frame_larger_than_the_stream_window_arrives() -> None:
+    window = 128 * 1024
+    big = window + 1024 * 1024
+    max_frame = 2 * big
+
+    async def main() -> None:
+        reading = asyncio.Event()
+        got: list[int] = []
+
+        async def sink(stream, peer) -> None:  # type: ignore[no-untyped-def]
+            await reading.wait()
+            while (m := await stream.recv(Blob, timeout=5)) is not None:
+                got.append(len(m.data))
+            await stream.send(Msg(f"{len(got)}"))
+
+        a = await endpoint(stream_window=window)
+        b = await endpoint(stream_window=window)
+        b.on_stream("lane", sink, max_frame=max_frame)
+        peer = await a.connect(b.local_addr)
+        stream = await peer.open_stream("lane", max_frame=max_frame)
+
+        async def writer() -> None:
+            for _ in range(4):
+                await stream.send(Blob(b"q" * big), timeout=10)
+            stream.close()
+
+        task = asyncio.create_task(writer())
+        await asyncio.sleep(0.5)  # nobody reads yet: the sender is still bounded
+        inbound = b.peers[a.node_id]._streams[stream.id]._buffered()
+        assert inbound <= max_frame + window
+        assert inbound < 4 * big
+        reading.set()
+        await asyncio.wait_for(task, 10)
+        assert (await stream.recv(Msg, timeout=10)) == Msg("4")
+        assert got == [big] * 4
+        await a.close()
+        await b.close()
 
     asyncio.run(main())
