@@ -30,7 +30,8 @@ from meshllm.discovery.listing import LISTING_TTL_S
 from meshllm.discovery.publisher import NodeDiscovery, facts_from_records
 from meshllm.discovery.routes import discovery_router
 from meshllm.engine.capacity import measure_capacity
-from meshllm.errors import ConfigError
+from meshllm.errors import ConfigError, DecodeError
+from meshllm.identity.ids import node_public_key, unb32
 from meshllm.identity.keys import NodeKey
 from meshllm.identity.trust import TrustStore
 from meshllm.mesh.membership import Membership, join_mesh, own_mesh
@@ -44,6 +45,8 @@ log = logging.getLogger(__name__)
 
 Role = Literal["host", "worker", "client"]
 SERVE_INVITE_TTL_S = 24 * 3600.0
+INVITE_ID_BYTES = 10
+"""Invite ids are 10 random bytes, 16 base32 characters (``MeshKey.invite``)."""
 
 
 @dataclass
@@ -207,6 +210,26 @@ class Node:
         """A fresh invite token naming this node as the bootstrap member."""
         assert self.membership is not None and self.mesh is not None
         return self.membership.new_invite(time.time(), ttl_s, max_uses, self.mesh.invite_addrs())
+
+    def revoke(self, kind: Literal["invite", "node"], target: str) -> dict[str, Any]:
+        """Revoke an invite id or a node id in this mesh (owner only) and gossip it to every member.
+
+        Raises ConfigError when this node does not hold the mesh key, DecodeError on a bad target.
+        """
+        assert self.membership is not None and self.mesh is not None
+        if self.membership.mesh_key is None:
+            raise ConfigError("only the node that holds the mesh key can revoke",
+                              hint="ask the mesh owner's node: --api URL of the node that created the mesh")
+        target = target.strip()
+        if kind == "node":
+            node_public_key(target)  # DecodeError unless it names a key
+            if target == self.key.node_id:
+                raise DecodeError("this node holds the mesh key; it cannot revoke itself")
+        elif len(unb32(target)) != INVITE_ID_BYTES:
+            raise DecodeError(f"{target[:20]!r} is not an invite id (16 base32 characters)",
+                              hint="`meshllm invite inspect TOKEN` shows a token's invite id")
+        rev = self.mesh.revoke(kind, target)
+        return {"kind": rev.target_kind, "target": rev.target, "mesh_id": rev.mesh_id, "issued": rev.issued}
 
     def _ready_invite(self) -> str | None:
         """The owner prints a 24 h multi-use invite at start; other members cannot sign one."""

@@ -2,7 +2,8 @@
 
 ``GET /api/status`` is the snapshot ``meshllm status`` draws (schema in docs/api.md);
 ``GET /api/events`` streams the node's events as server-sent events; ``POST /api/invite`` asks the
-node for a fresh invite token (only the node holding the mesh key can sign one).
+node for a fresh invite token and ``POST /api/revoke`` revokes an invite or a node id and gossips
+the revocation to every member (only the node holding the mesh key can sign either).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -18,7 +19,7 @@ from pydantic import BaseModel, Field
 
 from meshllm.api.errors import error_body
 from meshllm.api.events import EventHub
-from meshllm.errors import MeshllmError
+from meshllm.errors import ConfigError, DecodeError, MeshllmError
 
 KEEPALIVE_S = 15.0
 
@@ -36,12 +37,23 @@ class StatusSource(Protocol):
         """A fresh invite token; raises MeshllmError when this node cannot sign one."""
         ...
 
+    def revoke(self, kind: Literal["invite", "node"], target: str) -> dict[str, Any]:
+        """Revoke and gossip; ConfigError when not the mesh owner, DecodeError on a bad target."""
+        ...
+
 
 class InviteRequest(BaseModel):
     """Body of ``POST /api/invite``."""
 
     ttl_s: float = Field(default=24 * 3600.0, gt=0, le=365 * 86400.0)
     max_uses: int = Field(default=1, ge=0, le=1_000_000)
+
+
+class RevokeRequest(BaseModel):
+    """Body of ``POST /api/revoke``."""
+
+    kind: Literal["invite", "node"]
+    target: str = Field(min_length=1, max_length=200)
 
 
 def status_router(node: StatusSource) -> APIRouter:
@@ -65,7 +77,22 @@ def status_router(node: StatusSource) -> APIRouter:
             message = f"{exc} ({exc.hint})" if exc.hint else str(exc)
             return JSONResponse(error_body(message, "invalid_request_error", "not_mesh_owner"), status_code=409)
 
+    @router.post("/api/revoke", response_model=None)
+    async def post_revoke(body: RevokeRequest) -> dict[str, Any] | JSONResponse:
+        # async on purpose: the revocation changes the gossip core, which lives on this event loop.
+        try:
+            return node.revoke(body.kind, body.target)
+        except ConfigError as exc:  # this node does not hold the mesh key
+            return JSONResponse(error_body(_text(exc), "invalid_request_error", "not_mesh_owner"), status_code=409)
+        except DecodeError as exc:
+            return JSONResponse(error_body(_text(exc), "invalid_request_error", "invalid_target", "target"),
+                                status_code=422)
+
     return router
+
+
+def _text(exc: MeshllmError) -> str:
+    return f"{exc} ({exc.hint})" if exc.hint else str(exc)
 
 
 async def _sse(hub: EventHub) -> AsyncIterator[str]:

@@ -26,7 +26,7 @@ SHORT_ID = 8
 MAX_EVENTS = 10
 WIDE = 120  # from this width on, capacity is spelled out ("RAM 24 GiB · 2 cores")
 
-STATE_STYLES = {"alive": "green", "suspect": "yellow", "down": "red", "left": "dim"}
+STATE_STYLES = {"alive": "green", "suspect": "yellow", "down": "red", "left": "dim", "revoked": "red"}
 PATH_STYLES = {"direct": "green", "punched": "cyan", "relayed": "yellow", "none": "red"}
 EVENT_STYLES = {"peer_joined": "green", "peer_left": "dim", "peer_state": "yellow", "model_ready": "cyan",
                 "request_failed": "red"}
@@ -180,7 +180,7 @@ PEER_COLUMNS = ("name", "id", "state", "role", "models", "capacity", "path", "rt
 def peer_cells(peer: Mapping[str, Any], wide: bool) -> list[Text]:
     """One peer's row; down and left peers are dimmed so live ones stand out."""
     state, path, rtt_ms = str(peer.get("state", "?")), str(peer.get("path", "?")), peer.get("rtt_ms")
-    dim = "dim" if state in ("down", "left") else ""
+    dim = "dim" if state in ("down", "left", "revoked") else ""
     return [
         Text(str(peer.get("name") or "—"), style=dim or "cyan"),
         Text(short(str(peer.get("node_id", ""))), style="dim"),

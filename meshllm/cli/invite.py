@@ -1,4 +1,4 @@
-"""``meshllm invite``: create and inspect invite tokens."""
+"""``meshllm invite``: create, inspect and revoke invite tokens."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from meshllm.cli.api_client import post_json
+from meshllm.cli.api_client import DEFAULT_API, post_json
 from meshllm.cli.common import echo_json, home_dir, home_option, json_option, parse_duration
 from meshllm.errors import ConfigError, DecodeError
 from meshllm.mesh.admission import Invite, MeshKey, encode_token, inspect_token
@@ -17,7 +17,7 @@ from meshllm.wire.addr import parse_addr
 
 @click.group()
 def invite() -> None:
-    """Create and inspect invites to a mesh."""
+    """Create, inspect and revoke invites to a mesh."""
 
 
 @invite.command("create")
@@ -89,3 +89,37 @@ def inspect(token: str, as_json: bool) -> None:
         if key == "bootstrap":
             value = ", ".join(value) or "(none)"  # type: ignore[arg-type]
         click.echo(f"{key:>10}: {value}")
+
+
+INVITE_ID_MAX_CHARS = 32
+"""Longer arguments to ``invite revoke`` are taken as whole tokens (an invite id has 16 characters)."""
+
+
+def api_option(func):  # type: ignore[no-untyped-def]
+    """``--api URL`` of the mesh owner's running node (also $MESHLLM_API)."""
+    return click.option("--api", default=DEFAULT_API, envvar="MESHLLM_API", show_default=True, metavar="URL",
+                        help="API URL of the running node that holds the mesh key (also $MESHLLM_API).")(func)
+
+
+def post_revocation(api: str, kind: str, target: str, as_json: bool) -> None:
+    """Ask the owner's node to revoke; print what was revoked."""
+    answer = post_json(api.rstrip("/"), "/api/revoke", {"kind": kind, "target": target})
+    if as_json:
+        echo_json(answer)
+        return
+    click.echo(f"revoked {answer['kind']} {answer['target']} in {answer['mesh_id']} "
+               "(gossiped to every member; they refuse it from now on)")
+
+
+@invite.command("revoke")
+@click.argument("invite_ref", metavar="INVITE_ID_OR_TOKEN")
+@api_option
+@json_option
+def revoke(invite_ref: str, api: str, as_json: bool) -> None:
+    """Revoke an invite in the mesh of the node at --api; members then refuse joiners holding it.
+
+    Takes an invite id (`meshllm invite inspect` shows it) or the whole token.
+    """
+    ref = invite_ref.strip()
+    invite_id = inspect_token(ref).invite_id if len(ref) > INVITE_ID_MAX_CHARS else ref
+    post_revocation(api, "invite", invite_id, as_json)

@@ -1,4 +1,4 @@
-"""``meshllm mesh``: create and show the mesh this node owns."""
+"""``meshllm mesh``: create and show the mesh this node owns, and revoke its members."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from meshllm.cli.common import echo_json, home_dir, home_option, json_option
+from meshllm.cli.invite import api_option, post_revocation
 from meshllm.errors import ConfigError
 from meshllm.mesh.admission import MeshKey
 
@@ -48,3 +49,12 @@ def show(home: Path | None, as_json: bool) -> None:
         echo_json({"mesh_id": key.mesh_id, "mesh_pub": key.public.hex()})
     else:
         click.echo(key.mesh_id)
+
+
+@mesh.command("revoke-node")
+@click.argument("node_id")
+@api_option
+@json_option
+def revoke_node(node_id: str, api: str, as_json: bool) -> None:
+    """Revoke a node id in the mesh of the node at --api: every member drops it and refuses it from then on."""
+    post_revocation(api, "node", node_id.strip(), as_json)

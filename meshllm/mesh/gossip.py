@@ -10,28 +10,36 @@ and ask for those they lack; this converges in O(log N) rounds whatever was lost
 membership changes (a down notice, a leaving record, a record that revives a peer) are pushed at once
 to every connected peer, once per change, because waiting for anti-entropy rounds would miss the
 5-second removal target on large meshes.
+
+*Revocations* (records signed by the mesh key, verified by an injected callback) are kept for the
+life of the node, flooded once when new and sent to every newly connected peer, so a late joiner
+learns them too. A revoked peer becomes a ``revoked`` tombstone (``PeerRemoved``, reason
+``revoked``) and its records are refused from then on.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 from nacl.signing import SigningKey
 
-from meshllm.errors import MeshllmError, VerificationError
+from meshllm.errors import DecodeError, MeshllmError, Revoked, VerificationError
 from meshllm.mesh import rtt, view
 from meshllm.mesh.failure import Failed, Recovered, Suspected
 from meshllm.mesh.messages import (
+    REVOCATION_MAX,
+    REVOCATIONS_PER_MESSAGE,
     Digest,
     DownNotice,
     Exchange,
     MeshMessage,
     Notices,
+    Revocations,
     sign_notice,
     verify_notice,
 )
@@ -66,6 +74,31 @@ class Rejected:
     error: MeshllmError
 
 
+@dataclass(frozen=True, slots=True)
+class RevocationApplied:
+    """A new, verified revocation was applied; ``source`` is the peer it came from (None: made here).
+
+    The driver closes any connection to a revoked node (it may not be in our view yet).
+    """
+
+    kind: str
+    target: str
+    source: str | None
+
+
+class RevocationLike(Protocol):
+    """What the revocation callback returns (``admission.Revocation``)."""
+
+    @property
+    def target_kind(self) -> str: ...
+    @property
+    def target(self) -> str: ...
+
+
+VerifyRevocation = Callable[[bytes], RevocationLike]
+"""Verify a signed revocation record and apply it to admission; raise a MeshllmError if it is bad."""
+
+
 @dataclass(frozen=True)
 class GossipConfig:
     """Timings; defaults aim at a 5 s removal of a killed node and modest traffic."""
@@ -86,7 +119,7 @@ class GossipConfig:
     rtt_max_age: float = 30.0
 
 
-Output = Send | Rejected | view.ViewEvent
+Output = Send | Rejected | RevocationApplied | view.ViewEvent
 
 
 class Gossip:
@@ -100,10 +133,18 @@ class Gossip:
         rng: random.Random,
         now: float,
         config: GossipConfig | None = None,
+        verify_revocation: VerifyRevocation | None = None,
     ) -> None:
-        """``record.seq`` should start above any earlier run's (e.g. wall-clock milliseconds)."""
+        """``record.seq`` should start above any earlier run's (e.g. wall-clock milliseconds).
+
+        Without ``verify_revocation``, revocation messages are refused (``Rejected``).
+        """
         self.config = config or GossipConfig()
         self._key, self._verifier, self._rng = key, verifier, rng
+        self._verify_revocation = verify_revocation
+        self.revocations: dict[bytes, None] = {}
+        """Verified revocation records, as signed bytes, in the order learned."""
+        self.revoked_nodes: set[str] = set()
         self.own, self.own_raw = record, sign_record(key, record)
         self.state = view.empty(record.node_id)
         self.connected: set[str] = set()
@@ -168,8 +209,13 @@ class Gossip:
         """A peer just connected: trade digests with it now rather than at the next round.
 
         Both ends greet, so each pulls what it lacks; a joiner learns the whole mesh in one round trip.
+        The revocations we know go with the digest, so a late joiner learns them too.
         """
-        return [Send(peer, Digest(self._digest()))]
+        out: list[Output] = [Send(peer, Digest(self._digest()))]
+        known = list(self.revocations)
+        for i in range(0, len(known), REVOCATIONS_PER_MESSAGE):
+            out.append(Send(peer, Revocations(known[i:i + REVOCATIONS_PER_MESSAGE])))
+        return out
 
     def observe_rtt(self, peer: str, rtt_ms: float, path: PathKind, now: float) -> None:
         """A transport RTT measurement; published with the next heartbeat or significant change."""
@@ -222,6 +268,14 @@ class Gossip:
                     return out + result[:1]
                 out += result
             return out
+        if isinstance(message, Revocations):
+            out = []
+            for raw in message.records[:REVOCATIONS_PER_MESSAGE]:
+                try:
+                    out += self._revocation(raw, source, now)
+                except MeshllmError as exc:
+                    return [*out, Rejected(source, exc)]  # a forged one: drop the rest unread
+            return out
         return []
 
     def on_detector(self, events: Iterable[Suspected | Recovered | Failed], now: float) -> list[Output]:
@@ -245,12 +299,45 @@ class Gossip:
         out = self._apply(view.MarkDown(node_id, entry.record.seq, raw, now), node_id)
         return out + self._flood(Notices([raw]), exclude=None)
 
+    def add_revocation(self, raw: bytes, now: float) -> list[Output]:
+        """A revocation signed here (by the mesh-key holder): verify, apply and flood it.
+
+        Raises the verification error if it is bad; a record we already hold changes nothing.
+        """
+        return self._revocation(raw, None, now)
+
     def leave(self, now: float) -> list[Output]:
         """Graceful leave: a signed ``leaving`` record, pushed to every connected peer at once."""
         self._resign(now, state="leaving")
         return self._flood(Exchange([self.own_raw]), exclude=None)
 
     # --- internals ---
+
+    def _revocation(self, raw: bytes, source: str | None, now: float) -> list[Output]:
+        if raw in self.revocations:
+            return []  # already applied and flooded: each revocation travels each link once
+        if self._verify_revocation is None:
+            raise VerificationError("this node does not accept revocations")
+        if len(raw) > REVOCATION_MAX:
+            raise DecodeError(f"revocation of {len(raw)} bytes exceeds {REVOCATION_MAX}")
+        rev = self._verify_revocation(raw)
+        self.revocations[raw] = None
+        out: list[Output] = [RevocationApplied(rev.target_kind, rev.target, source)]
+        if rev.target_kind == "node":
+            self.revoked_nodes.add(rev.target)
+            if rev.target != self.node_id:
+                out += self._apply(view.MarkRevoked(rev.target, now), rev.target)
+        else:  # an invite: every peer that joined with it is out too (the membership check says so)
+            for node, entry in list(self.state.peers.items()):
+                if entry.status == "revoked":
+                    continue
+                try:
+                    self._verifier.check_member(node, entry.record.membership_proof, now)
+                except Revoked:
+                    out += self._apply(view.MarkRevoked(node, now), node)
+                except MeshllmError:
+                    pass  # not this revocation's business
+        return out + self._flood(Revocations([raw]), exclude=source)
 
     def _items_cap(self) -> int:
         """Records or notices to verify from one message: what a full sync could need, bounded."""
@@ -287,7 +374,8 @@ class Gossip:
                     notices.append(entry.notice)
             elif seq is None or seq < entry.record.seq:
                 give.append(node)
-        want = want_own + [n for n, s in theirs.items() if n != self.node_id and s > self._held_or_none(n)]
+        want = want_own + [n for n, s in theirs.items()
+                           if n != self.node_id and n not in self.revoked_nodes and s > self._held_or_none(n)]
         out: list[Output] = [Send(source, m) for m in self._exchanges(give, want)]
         if notices:
             out.append(Send(source, Notices(notices)))
@@ -302,7 +390,7 @@ class Gossip:
             entry = self.state.peers.get(node)
             if node == self.node_id:
                 raw = self.own_raw
-            elif entry is not None and entry.status != "down":
+            elif entry is not None and entry.status not in ("down", "revoked"):
                 raw = entry.raw
             else:
                 continue
@@ -322,6 +410,8 @@ class Gossip:
         except MeshllmError as exc:
             if isinstance(exc, StaleRecord):
                 return []  # routine in gossip: several peers hand us the same version
+            if isinstance(exc, Revoked) and self.revocations:
+                return []  # refused; routine while a revocation spreads (peers still hold its records)
             return [Rejected(source, exc)]
         if record.node_id == self.node_id:
             if record.seq >= self.own.seq:

@@ -9,6 +9,7 @@ signed, however many hops they crossed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 import msgspec
 from nacl.signing import SigningKey
@@ -21,6 +22,10 @@ from meshllm.wire.frames import CONTROL_FRAME_MAX
 
 NOTICE_DOMAIN = "down-notice"
 NOTICE_MAX = 1024
+REVOCATION_MAX = 1024
+"""Bytes of one signed revocation record (a real one is about 250)."""
+REVOCATIONS_PER_MESSAGE = 256
+"""Revocation records one :class:`Revocations` message may carry (more are sent in several)."""
 
 
 class Digest(msgspec.Struct, frozen=True, tag="digest"):
@@ -46,6 +51,17 @@ class Notices(msgspec.Struct, frozen=True, tag="notices"):
     notices: list[bytes]
 
 
+class Revocations(msgspec.Struct, frozen=True, tag="revocations"):
+    """Revocation records signed by the mesh key (docs/identity.md), as their signed bytes.
+
+    Flooded once when new, and sent to every newly connected peer, so late joiners learn them.
+    Both bounds are enforced at decode: a longer list or a larger record fails to decode.
+    """
+
+    records: Annotated[list[Annotated[bytes, msgspec.Meta(max_length=REVOCATION_MAX)]],
+                       msgspec.Meta(max_length=REVOCATIONS_PER_MESSAGE)]
+
+
 class Ping(msgspec.Struct, frozen=True, tag="ping"):
     """Direct liveness probe; answered by an :class:`Ack` with the same nonce."""
 
@@ -65,7 +81,7 @@ class PingReq(msgspec.Struct, frozen=True, tag="ping-req"):
     target: str
 
 
-MeshMessage = Digest | Exchange | Notices | Ping | Ack | PingReq
+MeshMessage = Digest | Exchange | Notices | Revocations | Ping | Ack | PingReq
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(MeshMessage)

@@ -198,6 +198,10 @@ class RecordVerifier:
         self._check_trust = check_trust
         self.cache = cache if cache is not None else SignatureCache()
 
+    def check_member(self, node_id: str, proof: bytes, now: float) -> None:
+        """Re-run the membership check alone (after a revocation, on records already stored)."""
+        self._check_member(node_id, proof, now)
+
     def verify(self, raw: bytes, now: float, held: HeldSeq | None = None) -> PeerRecord:
         """The verified record in ``raw``; ``held(node_id)`` is the sequence we already hold, if any."""
         signed, record = decode_record(raw)

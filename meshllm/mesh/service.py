@@ -10,6 +10,11 @@ streams are cheap, and a lost or slow one never holds up another.
 Admission of a connecting peer (see docs/architecture.md): a peer we accept that is not yet a
 known member must hold a live invite (:meth:`AdmissionState.admit`); a member we already know, and
 any peer we dial, is checked with :meth:`AdmissionState.verify_member`.
+
+Revocations: the mesh-key holder signs one with :meth:`MeshService.revoke`; the gossip core
+verifies every revocation it hears with :meth:`AdmissionState.apply_revocation` (so admission
+refuses the revoked node or invite from then on), floods it, and the driver closes any connection
+to a revoked node.
 """
 
 from __future__ import annotations
@@ -24,10 +29,12 @@ from typing import Any
 
 import msgspec
 
-from meshllm.errors import MeshllmError
+from meshllm.errors import ConfigError, MeshllmError
 from meshllm.identity.keys import NodeKey
+from meshllm.identity.signing import encode_signed
+from meshllm.mesh.admission import Revocation, RevocationTarget
 from meshllm.mesh.failure import FailureDetector, Probe
-from meshllm.mesh.gossip import Gossip, Rejected, Send
+from meshllm.mesh.gossip import Gossip, Rejected, RevocationApplied, Send
 from meshllm.mesh.membership import Membership
 from meshllm.mesh.messages import MeshMessage
 from meshllm.mesh.records import Addresses, CheckTrust, PathKind, PeerRecord, RecordVerifier
@@ -116,7 +123,8 @@ class MeshService:
             self._record_template, addresses=Addresses(listen=self.listen_addrs()),
             seq=max(self._record_template.seq, int(time.time() * 1000)),
         )
-        self.gossip = Gossip(self.key.signing_key, record, self.verifier, self._rng, time.time())
+        self.gossip = Gossip(self.key.signing_key, record, self.verifier, self._rng, time.time(),
+                             verify_revocation=self.admission.apply_revocation)
         self._runner = asyncio.create_task(self._run(), name="mesh-service")
         if self.membership.bootstrap:
             await self._bootstrap(self.membership.bootstrap)
@@ -173,6 +181,23 @@ class MeshService:
         self.gossip.update_own(time.time(), **changes)
         self._wake.set()
 
+    def revoke(self, kind: RevocationTarget, target: str) -> Revocation:
+        """Sign a revocation with the mesh key, apply it here and spread it to every member.
+
+        Call it from the event loop (it changes the gossip core). Raises ConfigError when this node
+        does not hold the mesh key.
+        """
+        assert self.gossip is not None
+        mesh_key = self.membership.mesh_key
+        if mesh_key is None:
+            raise ConfigError("only the node that holds the mesh key can revoke",
+                              hint="ask the mesh owner's node (--api URL of the node that created the mesh)")
+        now = time.time()
+        signed = mesh_key.revoke(kind, target, now)
+        self._handle(self.gossip.add_revocation(encode_signed(signed), now))
+        self._wake.set()
+        return Revocation(mesh_key.mesh_id, kind, target, now)
+
     # -- admission ---------------------------------------------------------------------------------
 
     def _admit(self, peer_id: str, proof: bytes, dialer: bool) -> None:
@@ -223,8 +248,21 @@ class MeshService:
                 log.warning("dropped gossip from %s: %s: %s", out.source[:8], type(out.error).__name__, out.error)
                 self._on_event("record_rejected", source=out.source, error=type(out.error).__name__,
                                reason=str(out.error))
+            elif isinstance(out, RevocationApplied):
+                self._on_revocation(out)
             else:
                 self._report(out)
+
+    def _on_revocation(self, rev: RevocationApplied) -> None:
+        self._on_event("revoked", kind=rev.kind, target=rev.target,
+                       source=rev.source if rev.source is not None else self.node_id)
+        if rev.kind != "node":
+            return
+        if rev.target == self.node_id:
+            log.warning("the mesh owner revoked this node (%s): members will refuse it", self.node_id[:8])
+            return
+        self.detector.forget(rev.target)
+        self._close_peer(rev.target, "node revoked by the mesh owner")
 
     def _report(self, event: ViewEvent) -> None:
         if isinstance(event, PeerAdded):

@@ -21,7 +21,7 @@ from typing import Literal
 
 from meshllm.mesh.records import PeerRecord
 
-Status = Literal["alive", "suspect", "down", "left"]
+Status = Literal["alive", "suspect", "down", "left", "revoked"]
 ACTIVE: frozenset[Status] = frozenset({"alive", "suspect"})
 
 
@@ -89,6 +89,14 @@ class MarkDown:
 
 
 @dataclass(frozen=True, slots=True)
+class MarkRevoked:
+    """The mesh key revoked the peer (its node id or its invite): a tombstone nothing revives."""
+
+    node_id: str
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
 class Expire:
     """Housekeeping: peers silent for ``stale_after`` go down; tombstones older than ``forget_after`` go."""
 
@@ -97,7 +105,7 @@ class Expire:
     forget_after: float
 
 
-Update = RecordStored | MarkSuspect | MarkAlive | MarkDown | Expire
+Update = RecordStored | MarkSuspect | MarkAlive | MarkDown | MarkRevoked | Expire
 
 
 def empty(self_id: str) -> ViewState:
@@ -133,6 +141,8 @@ def apply(state: ViewState, update: Update) -> ViewState:
         new = replace(entry, status="alive", changed=update.now)
     elif isinstance(update, MarkDown) and entry.status in ACTIVE and entry.record.seq <= update.seq:
         new = replace(entry, status="down", changed=update.now, notice=update.notice)
+    elif isinstance(update, MarkRevoked) and entry.status != "revoked":
+        new = replace(entry, status="revoked", changed=update.now, notice=None)
     else:
         return state
     return ViewState(state.self_id, {**state.peers, update.node_id: new})
@@ -186,7 +196,7 @@ class PeerStatus:
 
 @dataclass(frozen=True, slots=True)
 class PeerRemoved:
-    """A member left our view; ``reason`` is ``down`` or ``left``."""
+    """A member left our view; ``reason`` is ``down``, ``left`` or ``revoked``."""
 
     node_id: str
     reason: Status

@@ -133,3 +133,29 @@ def test_event_stream_replays_history_then_streams_live_events(trio: list[NodePr
                 pytest.fail("no live peer_left event for delta")
         finally:
             extra.kill()
+
+
+def test_revoked_invite_cannot_join_and_only_the_owner_revokes(trio: list[NodeProcess], tmp_path: Path) -> None:
+    token = meshllm("invite", "create", "--api", trio[0].api, "--ttl", "1h").stdout.strip()
+    invite_id = json.loads(meshllm("invite", "inspect", token, "--json").stdout)["invite_id"]
+    out = meshllm("invite", "revoke", token, "--api", trio[0].api)
+    assert out.returncode == 0, out.stderr
+    assert f"revoked invite {invite_id}" in out.stdout
+    out = meshllm("invite", "revoke", invite_id, "--api", trio[0].api, "--json")  # by id, again: harmless
+    assert out.returncode == 0 and json.loads(out.stdout)["target"] == invite_id
+    # The revocation reached the other members (the owner logs it; so do they).
+    for node in trio[1:]:
+        node.wait_event(lambda e: e["type"] == "revoked" and e.get("target") == invite_id, 10.0)
+    started = time.monotonic()
+    out = meshllm("join", token, "--home", str(tmp_path / "r"), "--client", "--port", "0", "--mesh-port", "0",
+                  "--mesh-host", "127.0.0.1")
+    assert out.returncode == 1, out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "revoked" in out.stderr and "Traceback" not in out.stderr
+    assert time.monotonic() - started < 20
+    # A member that does not hold the mesh key answers 409; a bad node id is 422.
+    out = meshllm("mesh", "revoke-node", trio[0].node_id, "--api", trio[1].api)
+    assert out.returncode == 1 and "mesh key" in out.stderr and "409" in out.stderr
+    out = meshllm("mesh", "revoke-node", "not-a-node-id", "--api", trio[0].api)
+    assert out.returncode == 1 and "422" in out.stderr and "Traceback" not in out.stderr
+    assert "revoked" not in {p["state"] for p in trio[0].status()["peers"]}

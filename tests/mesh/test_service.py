@@ -12,6 +12,7 @@ import msgspec
 import pytest
 from nacl.signing import SigningKey
 
+from meshllm.errors import ConfigError
 from meshllm.identity.ids import node_id
 from meshllm.identity.keys import NodeKey
 from meshllm.identity.signing import sign
@@ -232,5 +233,82 @@ def test_malformed_frame_resets_that_stream_not_the_connection() -> None:
             await stream.recv(dict, timeout=3)
         # The connection and the node still work: an honest record gets through afterwards.
         await gossip_honest_record(h, conn, key, "after")
+
+    run(body)
+
+
+async def joined(h: Harness, name: str) -> tuple[MeshService, NodeKey]:
+    """A member that joined through the owner and sees it."""
+    key = NodeKey.ephemeral()
+    svc = h.service(key, join_mesh(key.signing_key, h.token(), time.time()), name)
+    h.extra.append(svc)
+    await svc.start()
+    assert svc.gossip is not None
+    await until(lambda: h.owner_key.node_id in svc.gossip.members())  # type: ignore[union-attr]
+    return svc, key
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+def test_revoked_node_is_dropped_by_every_member_and_refused_afterwards() -> None:
+    async def body(h: Harness) -> None:
+        other, _ = await joined(h, "other")
+        victim, victim_key = await joined(h, "victim")
+        assert other.gossip is not None and other.endpoint is not None
+        await until(lambda: victim_key.node_id in other.gossip.members())  # type: ignore[union-attr]
+        await until(lambda: victim_key.node_id in other.endpoint.peers)  # type: ignore[union-attr]
+        rev = h.owner.revoke("node", victim_key.node_id)
+        assert rev.target == victim_key.node_id and rev.target_kind == "node"
+        # Another member (not the owner) drops it as revoked and closes its connection.
+        await until(lambda: victim_key.node_id not in other.gossip.members())  # type: ignore[union-attr]
+        assert other.gossip.state.peers[victim_key.node_id].status == "revoked"
+        await until(lambda: victim_key.node_id not in other.endpoint.peers)  # type: ignore[union-attr]
+        assert victim_key.node_id in other.admission.revoked_nodes
+        await victim.stop(graceful=False)
+        # Its reconnection, with its (otherwise valid) proof, is refused by that member.
+        ep = await h.raw_endpoint(victim.membership.proof, victim_key.signing_key)
+        with pytest.raises(AdmissionRefused):
+            await ep.connect(other.endpoint.local_addr, timeout=5)
+        assert victim_key.node_id not in other.gossip.members()
+
+    run(body)
+
+
+def test_revoked_invite_is_refused_by_a_member_that_is_not_the_owner() -> None:
+    async def body(h: Harness) -> None:
+        other, _ = await joined(h, "other")
+        assert other.endpoint is not None
+        token = h.token()
+        invite_id = inspect_token(token).invite_id
+        h.owner.revoke("invite", invite_id)
+        await until(lambda: invite_id in other.admission.revoked_invites)
+        key = SigningKey.generate()
+        ep = await h.raw_endpoint(proof_for(key, token), key)
+        with pytest.raises(AdmissionRefused):
+            await ep.connect(other.endpoint.local_addr, timeout=5)
+        assert node_id(bytes(key.verify_key)) not in other.endpoint.peers
+
+    run(body)
+
+
+def test_a_late_joiner_learns_earlier_revocations_when_greeted() -> None:
+    async def body(h: Harness) -> None:
+        h.owner.revoke("invite", "aaaaaaaaaaaaaaaa")
+        late, _ = await joined(h, "late")
+        await until(lambda: "aaaaaaaaaaaaaaaa" in late.admission.revoked_invites)
+
+    run(body)
+
+
+def test_only_the_mesh_key_holder_can_revoke() -> None:
+    async def body(h: Harness) -> None:
+        other, _ = await joined(h, "other")
+        with pytest.raises(ConfigError):
+            other.revoke("node", h.owner_key.node_id)
 
     run(body)
