@@ -21,6 +21,7 @@ OWNER_KEYSTORE_FILE = "owner.keystore"
 NODE_CERT_FILE = "node.cert"
 TRUST_FILE = "trust.json"
 MESH_KEY_FILE = "mesh.key"
+REVOCATIONS_FILE = "revocations.msgpack"
 CONFIG_FILE = "config.toml"
 
 

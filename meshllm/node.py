@@ -25,7 +25,7 @@ from meshllm.api.app import create_app
 from meshllm.api.events import EventHub
 from meshllm.api.serving import Serving
 from meshllm.api.status import status_router
-from meshllm.config import NODE_CERT_FILE, ensure_home, resolve_home
+from meshllm.config import NODE_CERT_FILE, REVOCATIONS_FILE, ensure_home, resolve_home
 from meshllm.discovery.listing import LISTING_TTL_S
 from meshllm.discovery.publisher import NodeDiscovery, facts_from_records
 from meshllm.discovery.routes import discovery_router
@@ -127,7 +127,7 @@ class Node:
             check_trust=lambda node, cert, at: _check(trust.evaluate(node, cert, at)),
             check_node_id=trust.check_node_id,
             on_event=self.events.publish, host=opts.mesh_host, port=opts.mesh_port, announce=opts.announce,
-            relay=opts.relay,
+            relay=opts.relay, revocations_file=self.home / REVOCATIONS_FILE,
         )
         await self.mesh.start()
         self.serving = Serving(self.key.node_id, self.mesh, self.events)

@@ -25,10 +25,12 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from meshllm.config import write_private
 from meshllm.errors import ConfigError, MeshllmError
 from meshllm.identity.keys import NodeKey
 from meshllm.identity.signing import encode_signed
@@ -80,6 +82,7 @@ class MeshService:
         endpoint_options: EndpointOptions | None = None,
         rng: random.Random | None = None,
         relay: RelayMode = "auto",
+        revocations_file: Path | None = None,
     ) -> None:
         self.key = key
         self.membership = membership
@@ -94,6 +97,8 @@ class MeshService:
         self._endpoint_options = endpoint_options
         self._rng = rng or random.SystemRandom()  # probe nonces and peer choices must not be predictable
         self._relay_mode: RelayMode = relay
+        self._revocations_file = revocations_file
+        """Where verified revocations are kept across restarts (None: memory only)."""
         self.endpoint: Endpoint | None = None
         self.traversal: Traversal | None = None
         self.gossip: Gossip | None = None
@@ -125,6 +130,7 @@ class MeshService:
         )
         self.gossip = Gossip(self.key.signing_key, record, self.verifier, self._rng, time.time(),
                              verify_revocation=self.admission.apply_revocation)
+        self._load_revocations()
         self._runner = asyncio.create_task(self._run(), name="mesh-service")
         if self.membership.bootstrap:
             await self._bootstrap(self.membership.bootstrap)
@@ -253,7 +259,32 @@ class MeshService:
             else:
                 self._report(out)
 
+    def _load_revocations(self) -> None:
+        """Re-apply the revocations saved by an earlier run, before any peer can connect."""
+        if self._revocations_file is None or not self._revocations_file.exists():
+            return
+        assert self.gossip is not None
+        try:
+            saved = msgspec.msgpack.decode(self._revocations_file.read_bytes(), type=list[bytes])
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("ignoring unreadable %s: %s", self._revocations_file, exc)
+            return
+        for raw in saved:
+            try:
+                self._handle(self.gossip.add_revocation(raw, time.time()))
+            except MeshllmError as exc:  # another mesh's, or damaged: it does not apply here
+                log.warning("ignoring a saved revocation: %s", exc)
+
+    def _save_revocations(self) -> None:
+        if self._revocations_file is None or self.gossip is None:
+            return
+        try:
+            write_private(self._revocations_file, msgspec.msgpack.encode(list(self.gossip.revocations)))
+        except OSError as exc:
+            log.warning("cannot save revocations to %s: %s", self._revocations_file, exc)
+
     def _on_revocation(self, rev: RevocationApplied) -> None:
+        self._save_revocations()
         self._on_event("revoked", kind=rev.kind, target=rev.target,
                        source=rev.source if rev.source is not None else self.node_id)
         if rev.kind != "node":

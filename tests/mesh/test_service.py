@@ -312,3 +312,40 @@ def test_only_the_mesh_key_holder_can_revoke() -> None:
             other.revoke("node", h.owner_key.node_id)
 
     run(body)
+
+
+def test_revocations_survive_a_restart(tmp_path: Path) -> None:
+    async def main() -> None:
+        key, victim = NodeKey.ephemeral(), NodeKey.ephemeral()
+        membership = own_mesh(key.signing_key, None, time.time())
+        assert membership.mesh_key is not None
+        saved = tmp_path / "revocations.msgpack"
+
+        def owner() -> MeshService:
+            return MeshService(key, membership, record_for(key, membership, "owner"), check_trust=lambda *a: None,
+                               on_event=lambda t, **f: None, host="127.0.0.1", port=0, revocations_file=saved)
+
+        first = owner()
+        await first.start()
+        first.revoke("node", victim.node_id)
+        await first.stop(graceful=False)
+        assert saved.exists() and saved.stat().st_mode & 0o777 == 0o600
+
+        second = owner()
+        await second.start()
+        try:
+            assert victim.node_id in second.admission.revoked_nodes
+            assert second.endpoint is not None
+            token = encode_token(membership.mesh_key.invite(time.time(), max_uses=0))
+            proof = join_mesh(victim.signing_key, token, time.time()).proof
+            ep = await Endpoint.create(victim.signing_key, "127.0.0.1", 0, admit=lambda *a: None,
+                                       local_proof=lambda: proof)
+            try:
+                with pytest.raises(AdmissionRefused, match="revoked"):
+                    await ep.connect(second.endpoint.local_addr, timeout=5)
+            finally:
+                await ep.close()
+        finally:
+            await second.stop(graceful=False)
+
+    asyncio.run(main())
