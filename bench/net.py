@@ -36,7 +36,7 @@ class Blob(msgspec.Struct):
     data: bytes
 
 
-def accept(peer: str, proof: bytes) -> None:
+def accept(peer: str, proof: bytes, dialer: bool = False) -> None:
     """Benchmarks admit everyone."""
 
 

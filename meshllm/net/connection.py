@@ -164,7 +164,9 @@ class PeerConnection:
         self.remote_addr = addr
         self.quic.receive_datagram(data, addr, now=self._loop.time())
         self._process_events()
-        self.transmit()
+        # Deferred one loop turn: a stream reader woken by this datagram usually answers in that
+        # turn, so its reply (carrying our ACK) and the post-receive transmit become one call.
+        self.transmit_soon()
 
     def transmit(self) -> None:
         """Send what aioquic has queued and re-arm its timer."""

@@ -277,7 +277,10 @@ class Stream:
         self._writable.set()
 
     async def _wait(self, event: asyncio.Event, timeout: float | None, what: str) -> None:
+        # asyncio.timeout, not wait_for: wait_for runs event.wait() as a separate task, which
+        # costs extra event-loop turns on every wake-up of a latency-sensitive stream.
         try:
-            await asyncio.wait_for(event.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await event.wait()
         except TimeoutError:
             raise NetTimeout(f"{what} on stream {self.kind} #{self.id} timed out after {timeout}s") from None

@@ -59,3 +59,21 @@ def test_datagrams_pending_counts_the_unsent_datagram_queue() -> None:
     assert client.datagrams_pending() == 3
     pump(client, server, rounds=2)
     assert client.datagrams_pending() == 0
+
+
+def test_a_reply_carries_the_pending_ack() -> None:
+    """Writing stream data makes a delayed ACK due now: the reply packet acknowledges the request."""
+    client, server = quic_pair(SigningKey.generate(), SigningKey.generate())
+    now = pump(client, server)
+    sid = client.get_next_available_stream_id()
+    client.send_stream_data(sid, b"request")
+    for data, _ in client.datagrams_to_send(now=now):
+        server.receive_datagram(data, ("10.0.0.1", 1234), now=now)
+    assert server.datagrams_to_send(now=now) == []  # ACK still delayed: nothing to send yet
+    server.send_stream_data(sid, b"reply")
+    replies = server.datagrams_to_send(now=now)
+    assert len(replies) == 1  # one packet: the reply with the ACK in it, no separate ACK
+    in_flight = client._loss.bytes_in_flight
+    for data, _ in replies:
+        client.receive_datagram(data, ("10.0.0.2", 4433), now=now)
+    assert client._loss.bytes_in_flight < in_flight  # the request was acknowledged by the reply
