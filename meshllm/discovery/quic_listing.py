@@ -118,13 +118,13 @@ async def fetch_listing(
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
+    # Fetches from one server share its connection (one per peer), so none closes it: the throwaway
+    # endpoint of :func:`listing_client` closes them all when its block ends.
     peer = await endpoint.connect(addr, expected_node_id, timeout=timeout)
-    try:
-        stream = await peer.open_stream(LISTING_STREAM, max_frame=LISTING_FRAME_MAX)
-        await stream.send(ListingRequest(expected_mesh_id), timeout=max(0.1, deadline - loop.time()))
-        reply = await stream.recv(ListingReply, timeout=max(0.1, deadline - loop.time()))
-    finally:
-        peer.close("listing fetched")
+    stream = await peer.open_stream(LISTING_STREAM, max_frame=LISTING_FRAME_MAX)
+    await stream.send(ListingRequest(expected_mesh_id), timeout=max(0.1, deadline - loop.time()))
+    reply = await stream.recv(ListingReply, timeout=max(0.1, deadline - loop.time()))
+    stream.close()
     if reply is None or not reply.listing:
         raise NoListing(f"{addr[0]}:{addr[1]} publishes no listing of {expected_mesh_id}")
     return verify_listing(reply.listing, clock(), expected_mesh_id)

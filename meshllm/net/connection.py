@@ -136,9 +136,14 @@ class PeerConnection:
         return stream
 
     def close(self, reason: str = "closed", code: CloseCode = CloseCode.NORMAL) -> None:
-        """Send CONNECTION_CLOSE with ``reason``; local streams and tasks end at once."""
+        """Send CONNECTION_CLOSE with ``reason``; local streams and tasks end at once.
+
+        What was already written goes out first: a reply sent just before closing (a listing, a
+        refusal) must not be overtaken by the close, even when its transmit was deferred a loop turn.
+        """
         if self.close_reason is not None:
             return
+        self.transmit()
         self.quic.close(error_code=code, reason_phrase=reason)
         self.transmit()
         self._finish(reason, self._error_for(code, reason, local=True))
