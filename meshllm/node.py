@@ -34,18 +34,19 @@ from meshllm.errors import ConfigError, DecodeError
 from meshllm.identity.ids import node_public_key, unb32
 from meshllm.identity.keys import NodeKey
 from meshllm.identity.trust import TrustStore
+from meshllm.mesh.admission import INVITE_ID_BYTES
 from meshllm.mesh.membership import Membership, join_mesh, own_mesh
 from meshllm.mesh.records import PeerRecord
 from meshllm.mesh.service import MeshService
 from meshllm.split.placement import SplitOptions
 from meshllm.split.routes import plan_router
 from meshllm.split.service import SplitService, offered_capacity
+from meshllm.wire.addr import format_addr
 
 log = logging.getLogger(__name__)
 
 Role = Literal["host", "worker", "client"]
 SERVE_INVITE_TTL_S = 24 * 3600.0
-INVITE_ID_BYTES = 10
 """Invite ids are 10 random bytes, 16 base32 characters (``MeshKey.invite``)."""
 
 
@@ -124,7 +125,7 @@ class Node:
         )
         self.mesh = MeshService(
             self.key, self.membership, record,
-            check_trust=lambda node, cert, at: _check(trust.evaluate(node, cert, at)),
+            check_trust=trust.evaluate,
             check_node_id=trust.check_node_id,
             on_event=self.events.publish, host=opts.mesh_host, port=opts.mesh_port, announce=opts.announce,
             relay=opts.relay, revocations_file=self.home / REVOCATIONS_FILE,
@@ -183,7 +184,7 @@ class Node:
                 raise ConfigError(f"the HTTP API did not start on {self.options.api_host}:{self.options.api_port}")
             await asyncio.sleep(0.02)
         host, port = sock.getsockname()[:2]
-        self.api_url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        self.api_url = f"http://{format_addr((host, port))}"
 
     def _make_discovery(self) -> NodeDiscovery:
         """Publishing and the DHT; listings describe the mesh as this node's gossip sees it."""
@@ -276,9 +277,6 @@ class Node:
             "requests": self.serving.request_counters(),
         }
 
-
-def _check(_decision: object) -> None:
-    """Adapts ``TrustStore.evaluate`` (returns a decision or raises) to a check that only raises."""
 
 
 def _model_json(model: Any) -> dict[str, Any]:

@@ -16,14 +16,13 @@ from nacl.signing import SigningKey
 
 from meshllm.errors import CertificateExpired, DecodeError, WrongSigner, WrongSubject
 from meshllm.identity.ids import node_public_key
-from meshllm.identity.signing import Signed, decode_signed, encode_signed, sign, verify
+from meshllm.identity.signing import CLOCK_SKEW_S, Signed, decode_signed, encode_signed, sign, verify
 
 CERT_DOMAIN = "node-cert"
 DEFAULT_CERT_LIFETIME_S = 7 * 86400
 MAX_CERT_LIFETIME_S = 366 * 86400
 # Tolerance for the issuer's clock running ahead of the verifier's, so a fresh certificate is
 # not "not yet valid" on a peer whose clock is a little behind.
-CLOCK_SKEW_S = 60
 
 
 class NodeCertificate(msgspec.Struct, array_like=True, frozen=True):

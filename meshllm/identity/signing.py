@@ -20,6 +20,8 @@ from meshllm.errors import BadSignature, DecodeError, WrongDomain, WrongSigner
 T = TypeVar("T", bound=msgspec.Struct)
 
 SIGNATURE_SIZE = 64
+CLOCK_SKEW_S = 60.0
+"""How far in the future a signed object's issue time may lie before it is refused (clocks differ)."""
 
 
 class Signed(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):

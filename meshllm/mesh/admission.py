@@ -34,13 +34,13 @@ from meshllm.errors import (
     WrongSigner,
 )
 from meshllm.identity.ids import b32, node_id, node_public_key
-from meshllm.identity.signing import Signed, decode_signed, encode_signed, sign, verify
+from meshllm.identity.signing import CLOCK_SKEW_S, Signed, decode_signed, encode_signed, sign, verify
 
 MESH_ID_PREFIX = "mesh-"
 MESH_ID_CHARS = 26
 DEFAULT_INVITE_TTL_S = 24 * 3600.0
-CLOCK_SKEW_S = 60.0
-"""How far in the future an issue time may lie before it is refused (clocks differ)."""
+INVITE_ID_BYTES = 10
+"""Random bytes in an invite id (16 base32 characters)."""
 MAX_TOKEN_CHARS = 16 * 1024
 
 INVITE_DOMAIN = "invite"
@@ -135,7 +135,7 @@ class MeshKey:
         """Sign a new invite valid from ``now`` for ``ttl_s`` seconds."""
         if ttl_s <= 0 or max_uses < 0:
             raise ValueError("an invite needs a positive lifetime and a non-negative use count")
-        invite = Invite(self.mesh_id, self.public, b32(os.urandom(10)), now, now + ttl_s, max_uses,
+        invite = Invite(self.mesh_id, self.public, b32(os.urandom(INVITE_ID_BYTES)), now, now + ttl_s, max_uses,
                         list(bootstrap or []))
         return sign(self.signing_key, INVITE_DOMAIN, invite)
 

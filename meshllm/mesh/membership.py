@@ -14,7 +14,6 @@ from pathlib import Path
 from nacl.signing import SigningKey
 
 from meshllm.errors import ConfigError
-from meshllm.identity.signing import Signed
 from meshllm.mesh.admission import (
     AdmissionState,
     MeshKey,
@@ -40,8 +39,6 @@ class Membership:
     """Held when this node owns the mesh: it can then sign invites and revocations."""
     bootstrap: list[str] = field(default_factory=list)
     """``host:port`` addresses to dial at start (from the invite we joined with)."""
-    invite: Signed | None = None
-    """The invite we joined with (``None`` for the owner)."""
 
     def admission(self) -> AdmissionState:
         """A fresh admission state for this mesh."""
@@ -71,4 +68,4 @@ def join_mesh(node_key: SigningKey, token: str, now: float) -> Membership:
     signed = decode_token(token)
     invite = verify_invite(signed)
     return Membership(invite.mesh_id, invite.mesh_pub, make_membership_proof(node_key, signed, now),
-                      bootstrap=list(invite.bootstrap), invite=signed)
+                      bootstrap=list(invite.bootstrap))

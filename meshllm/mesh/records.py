@@ -171,8 +171,9 @@ class SignatureCache:
 
 CheckMember = Callable[[str, bytes, float], None]
 """``check_member(node_id, proof, now)``: raise a VerificationError unless the proof admits the node."""
-CheckTrust = Callable[[str, "bytes | None", float], None]
-"""``check_trust(node_id, owner_cert, now)``: raise a VerificationError unless local policy accepts it."""
+CheckTrust = Callable[[str, "bytes | None", float], object]
+"""``check_trust(node_id, owner_cert, now)``: raise a VerificationError unless local policy accepts it
+(whatever it returns, e.g. a trust decision, is not used here)."""
 HeldSeq = Callable[[str], "int | None"]
 """The sequence held for a node id (tombstones included), or None: the staleness bar."""
 

@@ -41,7 +41,7 @@ from meshllm.mesh.membership import Membership
 from meshllm.mesh.messages import MeshMessage
 from meshllm.mesh.records import Addresses, CheckTrust, PathKind, PeerRecord, RecordVerifier
 from meshllm.mesh.traversal import Traversal, parse_relay_entry
-from meshllm.mesh.view import PeerAdded, PeerRemoved, PeerStatus, RecordUpdated, ViewEvent
+from meshllm.mesh.view import ACTIVE, PeerAdded, PeerRemoved, PeerStatus, RecordUpdated, ViewEvent
 from meshllm.net.backoff import Backoff
 from meshllm.net.endpoint import Endpoint, EndpointOptions
 from meshllm.net.errors import AdmissionRefused, ConnectError
@@ -98,6 +98,8 @@ class MeshService:
         self._rng = rng or random.SystemRandom()  # probe nonces and peer choices must not be predictable
         self._relay_mode: RelayMode = relay
         self._revocations_file = revocations_file
+        self._listen: list[str] = []
+        self._revocations_dirty = False
         """Where verified revocations are kept across restarts (None: memory only)."""
         self.endpoint: Endpoint | None = None
         self.traversal: Traversal | None = None
@@ -124,8 +126,9 @@ class MeshService:
         self.endpoint.on_stream(GOSSIP_STREAM, self._serve_gossip)
         self.traversal = Traversal(self.endpoint, self._relay_mode, bool(self._announce), self._on_event)
         self.endpoint.on_peer_event(self._on_peer_event)
+        self._listen = self._bound_addrs()
         record = msgspec.structs.replace(
-            self._record_template, addresses=Addresses(listen=self.listen_addrs()),
+            self._record_template, addresses=Addresses(listen=self._listen),
             seq=max(self._record_template.seq, int(time.time() * 1000)),
         )
         self.gossip = Gossip(self.key.signing_key, record, self.verifier, self._rng, time.time(),
@@ -136,10 +139,13 @@ class MeshService:
             await self._bootstrap(self.membership.bootstrap)
 
     def listen_addrs(self) -> list[str]:
-        """Addresses peers can dial us at: announced ones, else the bound address.
+        """Addresses peers can dial us at (worked out once, when the endpoint was bound)."""
+        assert self._listen, "the mesh service has not started"
+        return list(self._listen)
 
-        A wildcard bind lists this machine's LAN addresses, then loopback (for nodes on the same host).
-        """
+    def _bound_addrs(self) -> list[str]:
+        """Announced addresses, else the bound one; a wildcard bind lists this machine's LAN
+        addresses, then loopback (for nodes on the same host)."""
         assert self.endpoint is not None
         if self._announce:
             return list(self._announce)
@@ -209,7 +215,8 @@ class MeshService:
     def _admit(self, peer_id: str, proof: bytes, dialer: bool) -> None:
         now = time.time()
         self._check_node_id(peer_id)
-        known = self.gossip is not None and peer_id in self.gossip.members()
+        entry = self.gossip.state.peers.get(peer_id) if self.gossip is not None else None
+        known = entry is not None and entry.status in ACTIVE
         if dialer or known:
             self.admission.verify_member(peer_id, proof, now)
         else:
@@ -247,6 +254,12 @@ class MeshService:
         return verdicts
 
     def _handle(self, outputs: list[Any]) -> None:
+        self._handle_outputs(outputs)
+        if self._revocations_dirty:  # one write for a whole batch of new revocations
+            self._revocations_dirty = False
+            self._save_revocations()
+
+    def _handle_outputs(self, outputs: list[Any]) -> None:
         for out in outputs:
             if isinstance(out, Send):
                 self._spawn(self._send(out.to, out.message))
@@ -271,9 +284,10 @@ class MeshService:
             return
         for raw in saved:
             try:
-                self._handle(self.gossip.add_revocation(raw, time.time()))
+                self._handle_outputs(self.gossip.add_revocation(raw, time.time()))
             except MeshllmError as exc:  # another mesh's, or damaged: it does not apply here
                 log.warning("ignoring a saved revocation: %s", exc)
+        self._revocations_dirty = False  # nothing new to write back
 
     def _save_revocations(self) -> None:
         if self._revocations_file is None or self.gossip is None:
@@ -284,7 +298,7 @@ class MeshService:
             log.warning("cannot save revocations to %s: %s", self._revocations_file, exc)
 
     def _on_revocation(self, rev: RevocationApplied) -> None:
-        self._save_revocations()
+        self._revocations_dirty = True
         self._on_event("revoked", kind=rev.kind, target=rev.target,
                        source=rev.source if rev.source is not None else self.node_id)
         if rev.kind != "node":

@@ -201,10 +201,6 @@ class Stream:
         """Both directions are over (the connection may forget the stream)."""
         return self._error is not None or (self._ended and self._fin_sent and not self._inbox)
 
-    @property
-    def fail_reason(self) -> str | None:
-        return None if self._error is None else str(self._error)
-
     def fail(self, code: ResetCode, why: str) -> None:
         """Reset the stream because of something the peer did (logged)."""
         self._fail(code, why)
