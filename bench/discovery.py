@@ -21,7 +21,6 @@ import asyncio
 import json
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,10 +34,9 @@ from meshllm.discovery.quic_listing import ListingServer, fetch_listing, listing
 from meshllm.discovery.resolve import dht_lookup
 from meshllm.mesh.admission import MeshKey
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests" / sub) for sub in ("", "node")]
-from discovery_nodes import CliNode  # noqa: E402
-from nodes import running_nodes, wait_until  # noqa: E402
-from tinymodels import write_tiny_llama  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from nodes import NodeProcess, meshllm, running_nodes, wait_until
+from tinymodels import write_tiny_llama
 
 
 def listing(key: MeshKey, name: str) -> bytes:
@@ -100,20 +98,19 @@ def node_round(samples: dict[str, list[float]]) -> None:
     with tempfile.TemporaryDirectory() as tmp, running_nodes() as nodes:
         root = Path(tmp)
         model = write_tiny_llama(root / "tiny.gguf")
-        owner = CliNode(root / "a", ["--model", str(model), "--dht-port", "0"], "a")
+        owner = NodeProcess(root / "a", ["--model", str(model), "--dht-port", "0"], "a")
         nodes.append(owner)
         owner.wait_ready()
-        peer = CliNode(root / "d", ["--client", "--dht-bootstrap", owner.dht_addr()], "d")
+        peer = NodeProcess(root / "d", ["--client", "--dht-bootstrap", owner.dht_addr()], "d")
         nodes.append(peer)
         peer.wait_ready()
         bootstrap, mesh_id = peer.dht_addr(), owner.ready["mesh_id"]
         start = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "meshllm", "publish", "--name", "bench", "--api", owner.api],
-                       check=True, capture_output=True, timeout=60)
+        meshllm("publish", "--name", "bench", "--api", owner.api).check_returncode()
         wait_until(lambda: bool(asyncio.run(dht_lookup([bootstrap], 5.0, mesh_id))), 30.0, interval=0.05)
         samples["publish_visible"].append((time.perf_counter() - start) * 1000)
         start = time.perf_counter()
-        joiner = CliNode(root / "e", [mesh_id, "--client", "--dht-bootstrap", bootstrap], "e", command="join")
+        joiner = NodeProcess(root / "e", [mesh_id, "--client", "--dht-bootstrap", bootstrap], "e", command="join")
         nodes.append(joiner)
         joiner.wait_ready(60.0)
         samples["join_ready"].append((time.perf_counter() - start) * 1000)

@@ -25,7 +25,7 @@ Event = dict[str, Any]
 
 
 class NodeProcess:
-    """One ``meshllm serve`` (or ``join``) subprocess."""
+    """One ``meshllm serve`` (or ``join``) subprocess; ``prefix`` runs it inside a network namespace."""
 
     def __init__(self, home: Path, args: list[str], name: str, prefix: Sequence[str] | None = None, *,
                  command: str = "serve", mesh_host: str = "127.0.0.1") -> None:
@@ -92,6 +92,10 @@ class NodeProcess:
     def mesh_addr(self) -> str:
         return self.ready["mesh_addr"]
 
+    def dht_addr(self, timeout: float = 30.0) -> str:
+        """The node's DHT multiaddr (from its ``dht_ready`` event; the node needs a DHT port)."""
+        return self.wait_event(lambda e: e["type"] == "dht_ready", timeout)["multiaddrs"][0]
+
     def status(self, timeout: float = 5.0) -> dict[str, Any]:
         return httpx.get(self.api + "/api/status", timeout=timeout).json()
 
@@ -106,6 +110,19 @@ class NodeProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(10)
+
+
+def meshllm(*args: str, prefix: Sequence[str] = (), timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    """Run one CLI command to completion (``prefix`` wraps it, e.g. ``ip netns exec NS``)."""
+    return subprocess.run([*prefix, sys.executable, "-m", "meshllm", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def meshllm_json(*args: str, prefix: Sequence[str] = (), timeout: float = 60.0) -> Any:
+    """Run a CLI command with ``--json`` and decode its stdout (AssertionError with stderr on failure)."""
+    done = meshllm(*args, "--json", prefix=prefix, timeout=timeout)
+    assert done.returncode == 0, f"meshllm {' '.join(args)} exited {done.returncode}: {done.stderr}"
+    return json.loads(done.stdout)
 
 
 @contextmanager

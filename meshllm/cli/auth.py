@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from meshllm.cli.common import MeshllmGroup, echo_json, home_dir, home_option, json_option, parse_duration
+from meshllm.cli.common import MeshllmGroup, echo_json, home_dir, home_option, iso_utc, json_option, parse_duration
 from meshllm.config import NODE_CERT_FILE, NODE_KEY_FILE, OWNER_KEYSTORE_FILE, write_private
 from meshllm.errors import ConfigError, DecodeError, KeystoreError, VerificationError
 from meshllm.identity.certs import (
@@ -41,10 +41,6 @@ def _prompt(confirm: bool) -> str:
 def _passphrase(confirm: bool) -> str:
     """Env var, else a hidden prompt when stdin is a terminal (else a clear error)."""
     return obtain_passphrase(confirm=confirm, prompt=_prompt if sys.stdin.isatty() else None)
-
-
-def _iso(ts: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
 
 
 @click.group(cls=MeshllmGroup)
@@ -129,7 +125,7 @@ def _cert_info(data: bytes, node_id: str | None, now: float) -> dict[str, Any]:
         return {"valid": False, "error": str(exc)}
     info: dict[str, Any] = {"id": certificate_id(signed), "owner_pub": b32(cert.owner_pub), "node_id": cert.node_id,
                             "label": cert.label, "issued": cert.issued, "expires": cert.expires,
-                            "expires_iso": _iso(cert.expires), "valid": True, "error": None}
+                            "expires_iso": iso_utc(cert.expires), "valid": True, "error": None}
     try:
         if node_id is not None:
             check_subject(cert, node_id)
@@ -165,7 +161,7 @@ def sign_node(home: Path | None, node_id: str | None, ttl: str, label: str, as_j
     if node_id is None:
         write_private(root / NODE_CERT_FILE, encode_signed(signed))
     out = {"node_id": target, "certificate_id": certificate_id(signed), "expires": cert.expires,
-           "expires_iso": _iso(cert.expires), "stored": node_id is None, "token": token}
+           "expires_iso": iso_utc(cert.expires), "stored": node_id is None, "token": token}
     if as_json:
         echo_json(out)
     elif node_id is None:
@@ -185,7 +181,7 @@ def install_cert(home: Path | None, token: str) -> None:
     node = NodeKey.load_or_create(root)
     cert = verify_certificate(signed, node.node_id, time.time())
     write_private(root / NODE_CERT_FILE, encode_signed(signed))
-    click.echo(f"installed certificate from owner {b32(cert.owner_pub)[:8]}, valid until {_iso(cert.expires)}")
+    click.echo(f"installed certificate from owner {b32(cert.owner_pub)[:8]}, valid until {iso_utc(cert.expires)}")
 
 
 @auth.group(cls=MeshllmGroup)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -123,6 +123,25 @@ class Gigabytes(click.ParamType):
 GIGABYTES = Gigabytes()
 
 
-def stderr_is_tty() -> bool:
-    """Whether progress output can redraw in place."""
-    return sys.stderr.isatty()
+def check_api_url(_ctx: click.Context | None, _param: click.Parameter | None, value: str | None) -> str | None:
+    """An ``--api`` value must be an http(s):// URL; a trailing ``/`` is dropped (None passes through)."""
+    if value is None:
+        return None
+    if not value.startswith(("http://", "https://")):
+        raise click.BadParameter(f"{value!r} is not an http:// or https:// URL")
+    return value.rstrip("/")
+
+
+def api_option(func: F) -> F:
+    """``--api URL``: a running node's API (default the local node; also ``$MESHLLM_API``)."""
+    from meshllm.cli.api_client import DEFAULT_API  # httpx: only for the commands that talk to a node
+
+    return click.option(
+        "--api", default=DEFAULT_API, envvar="MESHLLM_API", show_default=True, metavar="URL", callback=check_api_url,
+        help="The running node's API URL (also $MESHLLM_API).",
+    )(func)
+
+
+def iso_utc(ts: float) -> str:
+    """A Unix time as ISO 8601 UTC to the second, ending in ``Z``."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))

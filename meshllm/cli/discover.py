@@ -11,15 +11,18 @@ import asyncio
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from meshllm import logs
-from meshllm.cli.api_client import DEFAULT_API, get_json
-from meshllm.cli.common import dht_multiaddrs, echo_json, home_option, json_option
+from meshllm.cli.api_client import get_json
+from meshllm.cli.common import api_option, dht_multiaddrs, echo_json, home_option, json_option
 from meshllm.config import load_config, resolve_home
-from meshllm.discovery.resolve import Found, discover_all
 from meshllm.errors import MeshllmError
+
+if TYPE_CHECKING:
+    from meshllm.discovery.resolve import Found
 
 
 def bootstrap_peers(option: tuple[str, ...], home: Path | None, api: str) -> list[str]:
@@ -30,7 +33,7 @@ def bootstrap_peers(option: tuple[str, ...], home: Path | None, api: str) -> lis
     if configured:
         return list(configured)
     try:
-        info = get_json(api.rstrip("/"), "/api/dht", timeout=2.0)
+        info = get_json(api, "/api/dht", timeout=2.0)
     except MeshllmError:
         return []
     return [str(a) for a in info.get("multiaddrs", [])] if isinstance(info, dict) else []
@@ -67,13 +70,14 @@ def _capacity(found: Found) -> str:
 @click.option("--interface", "interfaces", multiple=True, metavar="IP",
               help="Browse mDNS only on the interface with this address (repeatable; default: all).")
 @click.option("--no-mdns", is_flag=True, help="Do not browse the LAN (DHT only).")
-@click.option("--api", default=DEFAULT_API, envvar="MESHLLM_API", show_default=True,
-              help="A local node whose DHT to use when no bootstrap is given.")
+@api_option
 @home_option
 @click.option("-v", "--verbose", is_flag=True, help="Also log every lookup step.")
 def discover(model: str | None, as_json: bool, dht_bootstrap: tuple[str, ...], timeout: float,
              interfaces: tuple[str, ...], no_mdns: bool, api: str, home: Path | None, verbose: bool) -> None:
     """List published meshes: name, id, models, nodes, capacity and listing age."""
+    from meshllm.discovery.resolve import discover_all  # aioquic and zeroconf: only for this command
+
     logs.configure("pretty", verbose)
     if not verbose:  # refused listings (warnings) still show; routine lookups do not
         logging.getLogger().setLevel(logging.WARNING)

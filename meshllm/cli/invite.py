@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 import click
 
-from meshllm.cli.api_client import DEFAULT_API, post_json
-from meshllm.cli.common import echo_json, home_dir, home_option, json_option, parse_duration
+from meshllm.cli.api_client import post_json
+from meshllm.cli.common import (
+    api_option,
+    check_api_url,
+    echo_json,
+    home_dir,
+    home_option,
+    iso_utc,
+    json_option,
+    parse_duration,
+)
 from meshllm.errors import ConfigError, DecodeError
 from meshllm.mesh.admission import Invite, MeshKey, encode_token, inspect_token
 from meshllm.wire.addr import parse_addr
@@ -27,7 +35,7 @@ def invite() -> None:
               help="How many nodes may join with it (0: unlimited).")
 @click.option("--bootstrap", "bootstrap", multiple=True, metavar="HOST:PORT",
               help="Address of a member to dial (repeatable).")
-@click.option("--api", default=None, metavar="URL",
+@click.option("--api", default=None, metavar="URL", callback=check_api_url,
               help="Ask the running node at this API URL (e.g. http://127.0.0.1:9337) instead of using --home.")
 def create(home: Path | None, ttl: str, uses: int, bootstrap: tuple[str, ...], api: str | None) -> None:
     """Sign an invite with the mesh key; print the token alone on stdout.
@@ -37,7 +45,7 @@ def create(home: Path | None, ttl: str, uses: int, bootstrap: tuple[str, ...], a
     if api is not None:
         if bootstrap:
             raise click.UsageError("--bootstrap cannot be combined with --api (the node names itself)")
-        answer = post_json(api.rstrip("/"), "/api/invite", {"ttl_s": parse_duration(ttl), "max_uses": uses})
+        answer = post_json(api, "/api/invite", {"ttl_s": parse_duration(ttl), "max_uses": uses})
         click.echo(answer["token"])
         return
     folder = home_dir(home, create=False)
@@ -57,17 +65,13 @@ def _check_addr(addr: str) -> None:
         raise click.BadParameter(str(exc), param_hint="--bootstrap") from None
 
 
-def _iso(ts: float) -> str:
-    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="seconds")
-
-
 def describe(inv: Invite, now: float) -> dict[str, object]:
     """The fields of an invite a person or script wants to see."""
     return {
         "mesh_id": inv.mesh_id,
         "invite_id": inv.invite_id,
-        "issued": _iso(inv.issued),
-        "expires": _iso(inv.expires),
+        "issued": iso_utc(inv.issued),
+        "expires": iso_utc(inv.expires),
         "expired": now >= inv.expires,
         "max_uses": inv.max_uses,
         "bootstrap": list(inv.bootstrap),
@@ -95,15 +99,9 @@ INVITE_ID_MAX_CHARS = 32
 """Longer arguments to ``invite revoke`` are taken as whole tokens (an invite id has 16 characters)."""
 
 
-def api_option(func):  # type: ignore[no-untyped-def]
-    """``--api URL`` of the mesh owner's running node (also $MESHLLM_API)."""
-    return click.option("--api", default=DEFAULT_API, envvar="MESHLLM_API", show_default=True, metavar="URL",
-                        help="API URL of the running node that holds the mesh key (also $MESHLLM_API).")(func)
-
-
 def post_revocation(api: str, kind: str, target: str, as_json: bool) -> None:
     """Ask the owner's node to revoke; print what was revoked."""
-    answer = post_json(api.rstrip("/"), "/api/revoke", {"kind": kind, "target": target})
+    answer = post_json(api, "/api/revoke", {"kind": kind, "target": target})
     if as_json:
         echo_json(answer)
         return

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import click
 
-from meshllm.cli.common import echo_json, home_dir, home_option, json_option
-from meshllm.cli.invite import api_option, post_revocation
+from meshllm.cli.common import api_option, echo_json, home_dir, home_option, json_option
+from meshllm.cli.invite import post_revocation
 from meshllm.errors import ConfigError
 from meshllm.mesh.admission import MeshKey
 

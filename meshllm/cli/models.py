@@ -8,28 +8,17 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from meshllm.cli.api_client import DEFAULT_API, get_json
-from meshllm.cli.common import CommandFailed, echo_json, json_option
-from meshllm.errors import MeshllmError
-
-
-def _check_api(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
-    if not value.startswith(("http://", "https://")):
-        raise click.BadParameter(f"{value!r} is not an http:// or https:// URL")
-    return value.rstrip("/")
+from meshllm.cli.api_client import get_json
+from meshllm.cli.common import api_option, echo_json, json_option
 
 
 @click.command("models")
-@click.option("--api", default=DEFAULT_API, envvar="MESHLLM_API", show_default=True, callback=_check_api,
-              help="The node's API URL (also $MESHLLM_API).")
+@api_option
 @json_option
 def models(api: str, as_json: bool) -> None:
     """List the models the node at --api serves or routes to, with the nodes serving each."""
-    try:
-        listing = get_json(api, "/v1/models")["data"]
-        own_id = get_json(api, "/api/status")["node_id"]
-    except MeshllmError as exc:
-        raise CommandFailed(str(exc), exc.hint) from None
+    listing = get_json(api, "/v1/models")["data"]
+    own_id = get_json(api, "/api/status")["node_id"]
     rows = [_row(entry, own_id) for entry in listing]
     if as_json:
         echo_json(rows)

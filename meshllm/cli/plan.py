@@ -11,15 +11,13 @@ from urllib.parse import urlencode
 
 import click
 
-from meshllm.cli.api_client import DEFAULT_API, NodeUnreachable, get_json
-from meshllm.cli.common import GIGABYTES, CommandFailed, echo_json, json_option
-from meshllm.errors import MeshllmError
+from meshllm.cli.api_client import NodeUnreachable, get_json
+from meshllm.cli.common import GIGABYTES, api_option, echo_json, json_option
 
 
 @click.command()
 @click.argument("model", default="default")
-@click.option("--api", default=DEFAULT_API, envvar="MESHLLM_API", show_default=True,
-              help="The node's API URL (also $MESHLLM_API).")
+@api_option
 @click.option("--stages", type=click.IntRange(1, 8), default=None, help="Force this many stages.")
 @click.option("--max-memory", type=GIGABYTES, default=None, metavar="GB",
               help="Memory (GiB) any one node may give the model.")
@@ -29,14 +27,11 @@ def plan(model: str, api: str, stages: int | None, max_memory: float | None, as_
     query = {"model": model, **({"stages": stages} if stages else {}),
              **({"max_memory_gb": max_memory} if max_memory else {})}
     try:
-        try:
-            result = get_json(api, "/api/plan?" + urlencode(query), timeout=30.0)
-            source = f"the mesh as the node at {api} sees it"
-        except NodeUnreachable:
-            result = _local_plan(model, stages, max_memory)
-            source = "this machine alone (no node running)"
-    except MeshllmError as exc:
-        raise CommandFailed(str(exc) + (f" ({exc.hint})" if exc.hint else "")) from None
+        result = get_json(api, "/api/plan?" + urlencode(query), timeout=30.0)
+        source = f"the mesh as the node at {api} sees it"
+    except NodeUnreachable:
+        result = _local_plan(model, stages, max_memory)
+        source = "this machine alone (no node running)"
     if as_json:
         echo_json(result)
         return

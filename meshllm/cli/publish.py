@@ -10,22 +10,21 @@ import time
 
 import click
 
-from meshllm.cli.api_client import DEFAULT_API, post_json
-from meshllm.cli.common import echo_json, json_option
+from meshllm.cli.api_client import post_json
+from meshllm.cli.common import api_option, echo_json, json_option
 
 
 @click.command("publish")
 @click.option("--name", default=None, help="Name shown by `meshllm discover` (default: the node's name).")
 @click.option("--off", is_flag=True, help="Stop publishing: the mesh leaves discovery within one listing TTL.")
-@click.option("--api", default=DEFAULT_API, envvar="MESHLLM_API", show_default=True,
-              help="API URL of the node that holds the mesh key (also $MESHLLM_API).")
+@api_option
 @json_option
 def publish(name: str | None, off: bool, api: str, as_json: bool) -> None:
     """Publish the mesh of the running node: anyone can then find it and join it with its open invite."""
     if off and name is not None:
         raise click.UsageError("--name cannot be combined with --off")
     body: dict[str, object] = {"off": True} if off else ({"name": name} if name else {})
-    info = post_json(api.rstrip("/"), "/api/publish", body, timeout=30.0)
+    info = post_json(api, "/api/publish", body, timeout=30.0)
     if as_json:
         echo_json(info)
     elif off:

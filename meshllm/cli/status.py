@@ -26,8 +26,8 @@ import click
 from rich.console import Console
 from rich.live import Live
 
-from meshllm.cli.api_client import DEFAULT_API, Event, NodeApiError, get_json, open_events
-from meshllm.cli.common import CommandFailed, echo_json, json_option
+from meshllm.cli.api_client import Event, NodeApiError, get_json, open_events
+from meshllm.cli.common import api_option, echo_json, json_option
 from meshllm.cli.dashboard import MAX_EVENTS, Link, render
 from meshllm.errors import MeshllmError
 
@@ -167,24 +167,14 @@ def run_dashboard(api: str, snapshot: dict[str, Any], interval: float) -> None:
         signal.signal(signal.SIGTERM, previous_term)
 
 
-def _check_api(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    if not value.startswith(("http://", "https://")):
-        raise click.BadParameter(f"{value!r} is not an http:// or https:// URL")
-    return value.rstrip("/")
-
-
 @click.command("status")
-@click.option("--api", default=DEFAULT_API, envvar="MESHLLM_API", show_default=True, callback=_check_api,
-              help="The node's API URL (also $MESHLLM_API).")
+@api_option
 @json_option
 @click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
               help="Seconds between refreshes of the dashboard.")
 def status(api: str, as_json: bool, interval: float) -> None:
     """Show a running node: peers, RTT heat map, split topology and events (q or Ctrl-C to leave)."""
-    try:
-        snapshot = fetch_status(api, timeout=5.0)
-    except MeshllmError as exc:  # also raised as one line when run outside the meshllm group
-        raise CommandFailed(str(exc), exc.hint) from None
+    snapshot = fetch_status(api, timeout=5.0)
     if as_json:
         echo_json(snapshot)
         return

@@ -13,6 +13,7 @@ import openai
 import pytest
 from api_server import serve
 from fastapi import APIRouter
+from nodes import wait_until
 
 from meshllm.api.app import ApiLimits, LocalBackend, ModelEntry, create_app
 from meshllm.api.errors import NoCapacity
@@ -155,15 +156,6 @@ def slow_engine(tiny_engine: LlamaEngine, monkeypatch: pytest.MonkeyPatch) -> Ll
     return tiny_engine
 
 
-def wait_for(predicate: Any, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return False
-
-
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_disconnect_cancels_generation(slow_engine: LlamaEngine, stream: bool) -> None:
     app = create_app(LocalBackend([slow_engine]))
@@ -177,7 +169,7 @@ def test_client_disconnect_cancels_generation(slow_engine: LlamaEngine, stream: 
         else:
             with pytest.raises(httpx.ReadTimeout):
                 httpx.post(url + "/v1/completions", json=body, timeout=0.3)
-        assert wait_for(lambda: slow_engine.stats.cancelled == before[0] + 1)
+        wait_until(lambda: slow_engine.stats.cancelled == before[0] + 1, 5.0, interval=0.01)
     generated = slow_engine.stats.completion_tokens - before[1]
     assert generated < 300  # stopped long before max_tokens
     assert slow_engine.load_report().running == 0

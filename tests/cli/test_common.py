@@ -2,14 +2,8 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
-
-
-def meshllm(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "meshllm", *args], capture_output=True, text=True, timeout=60)
+from nodes import meshllm
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-1", "0", "abc", "2e6"])

@@ -11,15 +11,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from nodes import NodeProcess, running_nodes, wait_until
+from nodes import NodeProcess, meshllm, running_nodes, wait_until
 
 from meshllm.mesh.admission import MeshKey, encode_token
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def meshllm(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "meshllm", *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

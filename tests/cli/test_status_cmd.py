@@ -22,7 +22,7 @@ import pytest
 from meshllm.cli.api_client import NodeApiError, NodeUnreachable, get_json, open_events, parse_sse
 
 ROOT = Path(__file__).resolve().parents[2]
-RUN_STATUS = "from meshllm.cli.status import status; status()"
+RUN_STATUS = "-m meshllm status"  # through the meshllm group, as a user runs it
 ALPHA, BETA, GAMMA, DELTA = (c * 52 for c in "abcd")
 GEMMA = {"name": "gemma-3-270m", "engine": "llama", "layers": [0, 18], "n_layers": 18}
 
@@ -112,7 +112,7 @@ def free_url() -> str:
 
 
 def run_status(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", RUN_STATUS, *args], capture_output=True, text=True, timeout=30,
+    return subprocess.run([sys.executable, *RUN_STATUS.split(), *args], capture_output=True, text=True, timeout=30,
                           cwd=ROOT, env={**os.environ, **(env or {})})
 
 
@@ -185,7 +185,7 @@ def tmux_dashboard(node: FakeNode, tmp_path: Path) -> Iterator[tuple[Tmux, Path]
     if shutil.which("tmux") is None:
         pytest.skip("tmux is not installed (apt-get install -y tmux); the live dashboard needs a real terminal")
     after = tmp_path / "after.txt"
-    script = (f"{sys.executable} -c '{RUN_STATUS}' --api {node.url} --interval 0.3; "
+    script = (f"{sys.executable} {RUN_STATUS} --api {node.url} --interval 0.3; "
               f"echo exit=$? > {after}; stty -a >> {after}; echo DONE; sleep 60")
     term = Tmux(f"bash -c {json.dumps(script)}")
     try:

@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 import pytest
 from nacl.signing import SigningKey
+from net.net_helpers import until as net_until
 
 from meshllm.errors import ConfigError
 from meshllm.identity.ids import node_id
@@ -248,11 +249,9 @@ async def joined(h: Harness, name: str) -> tuple[MeshService, NodeKey]:
     return svc, key
 
 
-async def until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
+def until(predicate: Callable[[], bool], timeout: float = 10.0) -> Awaitable[None]:
+    """``net_helpers.until`` with the longer default that gossip rounds between services need."""
+    return net_until(predicate, timeout)
 
 
 def test_revoked_node_is_dropped_by_every_member_and_refused_afterwards() -> None:

@@ -154,8 +154,8 @@ class NsNode(NodeProcess):
 
     def __init__(self, site: Site, home: Path, args: list[str], name: str) -> None:
         self.site = site
-        super().__init__(home, ["--mesh-host", site.ip, "--mesh-port", str(MESH_PORT), *args], name,
-                         prefix=["ip", "netns", "exec", site.ns])
+        super().__init__(home, ["--mesh-port", str(MESH_PORT), *args], name,
+                         prefix=["ip", "netns", "exec", site.ns], mesh_host=site.ip)
 
     def get(self, path: str, timeout: float = 5.0) -> Any:
         return in_netns(self.site.ns, lambda: httpx.get(self.api + path, timeout=timeout).json())

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from discovery_nodes import CliNode, meshllm, meshllm_json
-from nodes import running_nodes, wait_until
+from nodes import NodeProcess, meshllm, meshllm_json, running_nodes, wait_until
 from tinymodels import write_tiny_llama
 
 pytestmark = [pytest.mark.discovery, pytest.mark.timeout(180)]
@@ -33,11 +32,11 @@ def test_publish_discover_join_and_chat(tmp_path: Path) -> None:
     pytest.importorskip("libp2p")
     model = write_tiny_llama(tmp_path / "tiny.gguf")
     with running_nodes() as nodes:
-        a = CliNode(tmp_path / "a", ["--model", str(model), "--dht-port", "0", "--listing-ttl", TTL], "a")
+        a = NodeProcess(tmp_path / "a", ["--model", str(model), "--dht-port", "0", "--listing-ttl", TTL], "a")
         nodes.append(a)
         a.wait_ready()
         dht_a = a.dht_addr()
-        peers = [CliNode(tmp_path / f"d{i}", ["--client", "--dht-bootstrap", dht_a], f"d{i}") for i in (1, 2, 3)]
+        peers = [NodeProcess(tmp_path / f"d{i}", ["--client", "--dht-bootstrap", dht_a], f"d{i}") for i in (1, 2, 3)]
         nodes.extend(peers)
         for peer in peers:
             peer.wait_ready()
@@ -65,7 +64,7 @@ def test_publish_discover_join_and_chat(tmp_path: Path) -> None:
         assert table.returncode == 0 and "demo" in table.stdout and mesh_id in table.stdout, table.stderr
 
         start = time.monotonic()
-        e = CliNode(tmp_path / "e", [mesh_id, "--client", "--dht-bootstrap", bootstrap, "--timeout", "20"], "e",
+        e = NodeProcess(tmp_path / "e", [mesh_id, "--client", "--dht-bootstrap", bootstrap, "--timeout", "20"], "e",
                     command="join")
         nodes.append(e)
         ready = e.wait_ready(60.0)
@@ -93,7 +92,7 @@ def test_publish_discover_join_and_chat(tmp_path: Path) -> None:
 def test_join_unknown_mesh_fails_in_one_line(tmp_path: Path) -> None:
     pytest.importorskip("libp2p")
     with running_nodes() as nodes:
-        a = CliNode(tmp_path / "a", ["--client", "--dht-port", "0"], "a")
+        a = NodeProcess(tmp_path / "a", ["--client", "--dht-port", "0"], "a")
         nodes.append(a)
         a.wait_ready()
         start = time.monotonic()

@@ -12,9 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from discovery_nodes import CliNode, meshllm_json
 from lan import two_host_lan
-from nodes import running_nodes, wait_until
+from nodes import NodeProcess, meshllm_json, running_nodes, wait_until
 from tinymodels import write_tiny_llama
 
 pytestmark = [pytest.mark.discovery, pytest.mark.netns, pytest.mark.timeout(120)]
@@ -24,7 +23,7 @@ def test_find_and_join_over_mdns_without_bootstrap(tmp_path: Path) -> None:
     model = write_tiny_llama(tmp_path / "tiny.gguf")
     with two_host_lan(f"dl{os.getpid() % 100000}", "10.232.0") as (ns_a, ip_a, ns_b, ip_b), running_nodes() as nodes:
         in_a, in_b = ("ip", "netns", "exec", ns_a), ("ip", "netns", "exec", ns_b)
-        a = CliNode(tmp_path / "a", ["--model", str(model)], "a", prefix=in_a, mesh_host=ip_a)
+        a = NodeProcess(tmp_path / "a", ["--model", str(model)], "a", prefix=in_a, mesh_host=ip_a)
         nodes.append(a)
         a.wait_ready()
         mesh_id = a.ready["mesh_id"]
@@ -39,7 +38,7 @@ def test_find_and_join_over_mdns_without_bootstrap(tmp_path: Path) -> None:
         assert listed[0]["bootstrap"] == [a.mesh_addr] and a.mesh_addr.startswith(ip_a)
 
         start = time.monotonic()
-        b = CliNode(tmp_path / "b", [mesh_id, "--client", "--timeout", "20"], "b", command="join", prefix=in_b,
+        b = NodeProcess(tmp_path / "b", [mesh_id, "--client", "--timeout", "20"], "b", command="join", prefix=in_b,
                     mesh_host=ip_b)
         nodes.append(b)
         assert b.wait_ready(60.0)["mesh_id"] == mesh_id

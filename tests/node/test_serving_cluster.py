@@ -7,9 +7,6 @@ after its death, and failover when the preferred peer dies before answering.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from nodes import NodeProcess, running_nodes, wait_until
+from nodes import NodeProcess, meshllm, meshllm_json, running_nodes, wait_until
 from tinymodels import write_tiny_llama
 
 from meshllm.api.router import rendezvous_score
@@ -77,12 +74,11 @@ def test_client_node_lists_the_mesh_models(pair: tuple[NodeProcess, NodeProcess]
 def test_models_command_lists_local_and_mesh_models(pair: tuple[NodeProcess, NodeProcess]) -> None:
     a, b = pair
     for node, local in ((a, True), (b, False)):
-        out = subprocess.run([sys.executable, "-m", "meshllm", "models", "--api", node.api, "--json"],
-                             capture_output=True, text=True, timeout=20, check=True).stdout
-        assert json.loads(out) == [{"id": MODEL, "context_length": 2048,
+        assert meshllm_json("models", "--api", node.api, timeout=20) == [{"id": MODEL, "context_length": 2048,
                                     "nodes": [{"id": a.node_id, "name": "s0", "local": local}]}]
-    table = subprocess.run([sys.executable, "-m", "meshllm", "models", "--api", a.api],
-                           capture_output=True, text=True, timeout=20, check=True).stdout
+    done = meshllm("models", "--api", a.api, timeout=20)
+    assert done.returncode == 0, done.stderr
+    table = done.stdout
     assert MODEL in table and "s0 (this node)" in table
 
 
