@@ -22,6 +22,7 @@ NODE_CERT_FILE = "node.cert"
 TRUST_FILE = "trust.json"
 MESH_KEY_FILE = "mesh.key"
 REVOCATIONS_FILE = "revocations.msgpack"
+MODEL_HASHES_FILE = "model-hashes.json"
 CONFIG_FILE = "config.toml"
 
 

@@ -25,7 +25,7 @@ from meshllm.api.app import create_app
 from meshllm.api.events import EventHub
 from meshllm.api.serving import Serving
 from meshllm.api.status import status_router
-from meshllm.config import NODE_CERT_FILE, REVOCATIONS_FILE, ensure_home, resolve_home
+from meshllm.config import MODEL_HASHES_FILE, NODE_CERT_FILE, REVOCATIONS_FILE, ensure_home, resolve_home
 from meshllm.discovery.listing import LISTING_TTL_S
 from meshllm.discovery.publisher import NodeDiscovery, facts_from_records
 from meshllm.discovery.routes import discovery_router
@@ -132,7 +132,8 @@ class Node:
         )
         await self.mesh.start()
         self.serving = Serving(self.key.node_id, self.mesh, self.events)
-        self.splits = SplitService(self.mesh, self.serving, self.events, opts.role, opts.split)
+        self.splits = SplitService(self.mesh, self.serving, self.events, opts.role, opts.split,
+                                   hash_cache=self.home / MODEL_HASHES_FILE)
         self.discovery = self._make_discovery()
         await self._start_api()
         self.events.publish("mesh_ready", mesh_id=self.membership.mesh_id, mesh_addr=self.mesh_addr)

@@ -186,33 +186,6 @@ class ChatCompletion(BaseModel):
     usage: UsageOut
 
 
-class Delta(BaseModel):
-    """The change a streamed chunk carries."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChunkChoice(BaseModel):
-    """A streamed chat choice."""
-
-    index: int = 0
-    delta: Delta
-    finish_reason: Literal["stop", "length"] | None = None
-    logprobs: None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    """One SSE event of a streamed chat completion."""
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChunkChoice]
-    usage: UsageOut | None = None
-
-
 class CompletionChoice(BaseModel):
     """A text completion choice (streamed chunks use the same shape)."""
 

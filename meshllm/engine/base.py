@@ -22,6 +22,17 @@ from meshllm.errors import MeshllmError
 
 FinishReason = Literal["stop", "length"]
 """``stop``: end-of-sequence token or a stop string; ``length``: ``max_tokens`` or context full."""
+DEFAULT_MAX_CONTEXT = 4096
+"""Cap on the context we allocate when the caller does not choose: a 32k KV cache costs GBs."""
+
+
+def context_cap(trained: int, requested: int | None = None, *, cap: int = DEFAULT_MAX_CONTEXT) -> int:
+    """Tokens of context an engine allocates per request.
+
+    ``requested`` when the caller chose; else the model's ``trained`` context (``0``: unknown)
+    capped at ``cap``.
+    """
+    return requested or min(trained or cap, cap)
 
 
 class EngineError(MeshllmError):

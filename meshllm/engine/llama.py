@@ -40,21 +40,14 @@ from meshllm.engine.base import (
     GenerationRequest,
     LoadReport,
     TokenRate,
+    context_cap,
 )
+from meshllm.engine.chat_format import chat_renderer
 from meshllm.engine.text import TextStream, token_budget
 from meshllm.models.metadata import GGUFMetadata, read_metadata
 from meshllm.models.refs import ModelRef
 
-FAMILY_CHAT_FORMATS = {"gemma": "gemma", "qwen": "chatml", "llama": "llama-2", "mistral": "mistral-instruct"}
-"""Chat format (llama-cpp-python's names) for a GGUF without a template, by architecture family."""
-FALLBACK_CHAT_FORMAT = "llama-2"
-"""For other families: llama-cpp-python's own fallback, which every tokenizer can encode."""
-DEFAULT_MAX_CONTEXT = 4096
-"""Cap on the context we allocate when the caller does not choose: a 32k KV cache costs GBs."""
-"""Weight of the latest request in the decode-speed average."""
 
-
-@dataclass
 @dataclass
 class EngineStats:
     """Lifetime counters; tests and the status page read them."""
@@ -137,7 +130,7 @@ class LlamaEngine(Engine):
             raise EngineError("llama-cpp-python is not installed",
                               hint="install meshllm with its dependencies (see install.sh)") from exc
         meta = read_metadata(self.path)
-        n_ctx = self._n_ctx or min(meta.context_length or DEFAULT_MAX_CONTEXT, DEFAULT_MAX_CONTEXT)
+        n_ctx = context_cap(meta.context_length, self._n_ctx)
         threads = self._n_threads or max(1, min(8, os.cpu_count() or 1))
         try:
             llama = Llama(model_path=str(self.path), n_ctx=n_ctx, n_threads=threads,
@@ -147,7 +140,8 @@ class LlamaEngine(Engine):
                               hint="check that the file is a complete GGUF this llama.cpp supports") from exc
         self.metadata = meta
         self._llama = llama
-        self._render, self.chat_format = _chat_renderer(llama, meta, self._chat_format_override)
+        self._render, self.chat_format = chat_renderer(llama, meta.family, meta.chat_template,
+                                                       self._chat_format_override)
 
     async def close(self) -> None:
         """Refuse new work, let the worker finish its current token, free the model."""
@@ -322,28 +316,3 @@ def _eog_check(llama: Any) -> Callable[[int], bool]:
 
     vocab = llama._model.vocab
     return lambda token: bool(llama_cpp.llama_vocab_is_eog(vocab, token))
-
-
-def _chat_renderer(llama: Any, meta: GGUFMetadata, override: str | None) -> tuple[Callable[..., Any], str]:
-    """Pick how chat messages become a prompt: explicit format, GGUF template, or family format."""
-    from llama_cpp import llama_chat_format as fmt
-
-    formats: dict[str, Callable[..., Any]] = {
-        "gemma": fmt.format_gemma, "chatml": fmt.format_chatml, "llama-2": fmt.format_llama2,
-        "mistral-instruct": fmt.format_mistral_instruct,
-    }
-    if override is not None:
-        if override not in formats:
-            raise EngineError(f"unknown chat format {override!r}", hint=f"choose one of {sorted(formats)}")
-        return formats[override], override
-    if meta.chat_template:
-        model = llama._model
-        eos, bos = llama.token_eos(), llama.token_bos()
-        renderer = fmt.Jinja2ChatFormatter(
-            template=meta.chat_template,
-            eos_token=model.token_get_text(eos) if eos != -1 else "",
-            bos_token=model.token_get_text(bos) if bos != -1 else "",
-        )
-        return renderer, "template"
-    name = FAMILY_CHAT_FORMATS.get(meta.family, FALLBACK_CHAT_FORMAT)
-    return formats[name], name

@@ -82,7 +82,12 @@ class GGUFMetadata:
     @property
     def family(self) -> str:
         """Architecture family without its generation number (``gemma3`` -> ``gemma``)."""
-        return self.architecture.rstrip("0123456789") or self.architecture
+        return family_of(self.architecture)
+
+
+def family_of(architecture: str) -> str:
+    """Architecture family without its generation number (``gemma3`` -> ``gemma``)."""
+    return architecture.rstrip("0123456789") or architecture
 
 
 class _Reader:

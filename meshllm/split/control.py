@@ -19,12 +19,13 @@ import msgspec
 from msgspec import Meta
 
 from meshllm.engine.numpy import StageModel
-from meshllm.errors import MeshllmError
+from meshllm.errors import DecodeError, MeshllmError
 from meshllm.models.refs import file_sha256
 from meshllm.net import Endpoint, NetError, PeerConnection, Stream
 from meshllm.split.errors import SplitError
 from meshllm.split.frames import Layer
 from meshllm.split.stage import StageServer
+from meshllm.wire.addr import parse_addr
 
 log = logging.getLogger(__name__)
 
@@ -80,16 +81,17 @@ class StageHost:
     """Worker side: answers ``stage-control`` streams by loading ranges into the node's :class:`StageServer`.
 
     ``on_change(model)`` tells the node that what it hosts changed (``hosted``: model -> Host), for its
-    peer record.
+    peer record. ``hash_cache`` (JSON, keyed by path, size and mtime) spares re-hashing the model file.
     """
 
     def __init__(
-        self, server: StageServer, on_change: Callable[[str], None] | None = None
+        self, server: StageServer, on_change: Callable[[str], None] | None = None,
+        hash_cache: Path | None = None,
     ) -> None:
         self.server = server
         self.on_change = on_change
+        self.hash_cache = hash_cache
         self.hosted: dict[str, Host] = {}
-        self._hashes: dict[str, str] = {}
         server.endpoint.on_stream(KIND, self._serve)
 
     async def _serve(self, stream: Stream, peer: PeerConnection) -> None:
@@ -114,8 +116,7 @@ class StageHost:
         path = Path(request.path)
         if not path.is_file():
             return Refused(message=f"no file at {path} on this worker")
-        digest = self._hashes.get(request.path) or await asyncio.to_thread(file_sha256, path)
-        self._hashes[request.path] = digest
+        digest = await asyncio.to_thread(file_sha256, path, self.hash_cache)
         if digest != request.sha256:
             return Refused(message=f"{path} on this worker has sha256 {digest[:12]}, not {request.sha256[:12]}")
         stage = await asyncio.to_thread(
@@ -134,13 +135,12 @@ class StageHost:
 async def ask(endpoint: Endpoint, node_id: str, addr: str, request: Request,
               timeout: float = HOST_TIMEOUT_S) -> Hosted | Released:
     """Send one control request to ``node_id`` at ``addr``; :class:`HostRefused` unless it succeeds."""
-    host, _, port = addr.rpartition(":")
     try:
-        conn = await endpoint.connect((host.strip("[]"), int(port)), node_id, timeout=3.0)
+        conn = await endpoint.connect(parse_addr(addr), node_id, timeout=3.0)
         stream = await conn.open_stream(KIND)
         await stream.send(request)
         reply = await stream.recv(Reply, timeout=timeout)
-    except (NetError, OSError, ValueError) as exc:
+    except (NetError, OSError, DecodeError) as exc:
         raise HostRefused(f"node {node_id[:12]} did not answer the stage request: {exc}") from None
     if reply is None or isinstance(reply, Refused):
         why = reply.message if reply is not None else "stream ended (is it a --worker?)"

@@ -22,13 +22,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshllm.engine.numpy import StageModel
+from meshllm.errors import DecodeError
 from meshllm.net import NetError, PeerEvent, PeerEventKind
 from meshllm.split import codec
-from meshllm.split.compute import Compute
 from meshllm.split.errors import StageFailed
 from meshllm.split.frames import Decode, Error, Hop, Open, Prefill, Sampling, Stop, Tokens
 from meshllm.split.lanes import PROBE_TIMEOUT, Lane
 from meshllm.split.stage import StageServer
+from meshllm.wire.addr import parse_addr
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ class SplitCoordinator:
         self.chain = list(chain)
         self.deadlines = deadlines or Deadlines()
         self.on_stage_failed = on_stage_failed
-        self._compute = Compute()
+        self._compute = server.compute
         self.step_s = 0.0
         """Recent decode step time (exponential average): sets how soon a silent chain is checked."""
 
@@ -95,13 +96,12 @@ class SplitCoordinator:
         max_tokens: int,
         sampling: Sampling | None = None,
         dtype: codec.Dtype = "f32",
-        stop_ids: Sequence[int] = (),
         session: str | None = None,
     ) -> AsyncIterator[SplitToken]:
         """Stream the tokens generated after ``prompt``; raises :class:`StageFailed` naming a failed stage."""
         run = _Run(self, session or uuid.uuid4().hex, dtype)
         try:
-            await run.start(list(prompt), sampling or Sampling(), list(stop_ids))
+            await run.start(list(prompt), sampling or Sampling())
             token = await run.prefill(list(prompt))
             for n in range(1, max_tokens + 1):
                 finish = token.finish or ("length" if n == max_tokens else None)
@@ -129,7 +129,7 @@ class _Run:
         self._index = {hop.node_id: i for i, hop in enumerate(coord.chain)}
         self._cleanup: list[Callable[[], object]] = []
 
-    async def start(self, prompt: list[int], sampling: Sampling, stop_ids: list[int]) -> None:
+    async def start(self, prompt: list[int], sampling: Sampling) -> None:
         c, server = self.c, self.c.server
         self._cleanup.append(server.route_replies(self.session, self._reply))
         self._cleanup.append(server.endpoint.on_peer_event(self._peer_event))
@@ -141,7 +141,7 @@ class _Run:
             await self.lane.send(Open(
                 session=self.session, model=c.model, layer_start=hop.layer_start, layer_end=hop.layer_end,
                 dtype=self.dtype, chain=c.chain, index=1, sampling=sampling,
-                history=prompt if penalties else [], stop_ids=stop_ids, max_context=c.first.max_context,
+                history=prompt if penalties else [], max_context=c.first.max_context,
             ))
         except NetError as exc:
             raise StageFailed(1, hop.node_id, f"lane unreachable: {exc}") from None
@@ -185,12 +185,11 @@ class _Run:
 
     async def _connect(self, index: int) -> None:
         hop = self.c.chain[index]
-        host, _, port = hop.addr.rpartition(":")
         try:
             await self.c.server.endpoint.connect(
-                (host.strip("[]"), int(port)), hop.node_id, timeout=self.c.deadlines.connect_timeout
+                parse_addr(hop.addr), hop.node_id, timeout=self.c.deadlines.connect_timeout
             )
-        except (NetError, OSError, ValueError) as exc:
+        except (NetError, OSError, DecodeError) as exc:
             raise StageFailed(index, hop.node_id, f"unreachable: {exc}") from None
 
     async def _run_first(self, ids: list[int], pos: int) -> np.ndarray:

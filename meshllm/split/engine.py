@@ -13,6 +13,7 @@ End of generation is decided here, not on the last stage (no stop ids go down th
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -26,10 +27,12 @@ from meshllm.engine.base import (
     GenerationRequest,
     LoadReport,
     TokenRate,
+    context_cap,
 )
-from meshllm.engine.numpy.gguf_file import GGUFFile
+from meshllm.engine.numpy.engine import sampling_params
 from meshllm.engine.numpy.tokenizer import Tokenizer
 from meshllm.engine.text import TextStream, token_budget
+from meshllm.models.metadata import read_metadata
 from meshllm.split.coordinator import SplitCoordinator
 from meshllm.split.errors import StageFailed
 from meshllm.split.frames import Sampling
@@ -43,10 +46,7 @@ class ChainUnavailable(EngineBusy):
 
 def chain_sampling(params: GenerationParams) -> Sampling:
     """OpenAI semantics for the last stage's sampler (no min-p, no repetition penalty), as NumpyEngine."""
-    return Sampling(
-        temperature=params.temperature, top_k=params.top_k or 0, top_p=params.top_p, min_p=0.0,
-        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty, seed=params.seed,
-    )
+    return Sampling(**dataclasses.asdict(sampling_params(params)))
 
 
 class SplitEngine(Engine):
@@ -68,11 +68,9 @@ class SplitEngine(Engine):
         self.tokenizer = await asyncio.to_thread(self._load_tokenizer)
 
     def _load_tokenizer(self) -> Tokenizer:
-        header = GGUFFile(self.path)
-        arch = str(header.fields.get("general.architecture", ""))
-        self.max_context = min(self.max_context, int(header.fields.get(f"{arch}.context_length", self.max_context)))
-        template = header.fields.get("tokenizer.chat_template")
-        return Tokenizer(self.path, arch, template if isinstance(template, str) else None)
+        meta = read_metadata(self.path)
+        self.max_context = context_cap(meta.context_length, cap=self.max_context)
+        return Tokenizer(self.path, meta.architecture, meta.chat_template)
 
     async def close(self) -> None:
         if self.tokenizer is not None:

@@ -78,8 +78,6 @@ class Open(msgspec.Struct, frozen=True, kw_only=True, tag="open"):
     sampling: Sampling = Sampling()
     history: list[TokenId] = []
     """Prompt token ids, for the last stage's repetition penalties (empty when none are used)."""
-    stop_ids: list[TokenId] = []
-    """Token ids that end generation; the last stage marks them ``finish="stop"``."""
     max_context: Count = 4096
 
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from meshllm.net import Endpoint, NetError, Stream, StreamClosed
+from meshllm.errors import DecodeError
+from meshllm.net import ConnectError, Endpoint, NetError, Stream, StreamClosed
 from meshllm.split.errors import BadFrame
 from meshllm.split.frames import (
     KIND,
@@ -35,6 +36,7 @@ from meshllm.split.frames import (
     Stop,
     decode_frame,
 )
+from meshllm.wire.addr import parse_addr
 
 log = logging.getLogger(__name__)
 
@@ -246,8 +248,11 @@ class LanePool:
                 return lane
             if lane is not None:
                 lane.close("probe failed before reuse")
-            host, _, port = addr.rpartition(":")
-            peer = await self.endpoint.connect((host.strip("[]"), int(port)), node_id, timeout=self._connect_timeout)
+            try:
+                target = parse_addr(addr)
+            except DecodeError as exc:
+                raise ConnectError(f"bad address for {node_id[:12]}: {exc}") from None
+            peer = await self.endpoint.connect(target, node_id, timeout=self._connect_timeout)
             stream = await peer.open_stream(KIND, max_frame=LANE_FRAME_MAX)
             lane = Lane(stream, node_id, self._on_frame, self._closed)
             self._lanes[node_id] = lane

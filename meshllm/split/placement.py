@@ -72,11 +72,12 @@ def memory_budget(capacity: Capacity, max_memory: int | None) -> int:
 
 def model_profile(path: Path, context: int) -> ModelProfile:
     """Per-layer and end costs of the GGUF at ``path`` (header only: milliseconds)."""
-    layer = estimate_memory(path, 0, 1, context, first=False, last=False)
-    first = estimate_memory(path, 0, 1, context, first=True, last=False) - layer
-    last = estimate_memory(path, 0, 1, context, first=False, last=True) - layer
-    n_layers = read_hparams(GGUFFile(path)).n_layers
-    return ModelProfile(n_layers=n_layers, layer_bytes=layer, first_bytes=first, last_bytes=last,
+    reader = GGUFFile(path)
+    hp = read_hparams(reader)
+    layer = estimate_memory(reader, 0, 1, context, first=False, last=False, hp=hp)
+    first = estimate_memory(reader, 0, 1, context, first=True, last=False, hp=hp) - layer
+    last = estimate_memory(reader, 0, 1, context, first=False, last=True, hp=hp) - layer
+    return ModelProfile(n_layers=hp.n_layers, layer_bytes=layer, first_bytes=first, last_bytes=last,
                         layer_flops=2.0 * layer / _F32, head_flops=2.0 * last / _F32)
 
 
@@ -141,7 +142,8 @@ class SplitPlacement:
     def __init__(self, *, own: Callable[[], PeerRecord], members: Callable[[], dict[str, PeerRecord]],
                  rtt: Callable[[], dict[str, dict[str, float]]], server: StageServer, engine: SplitEngine,
                  ref: ModelRef, options: SplitOptions, budget: int,
-                 publish: Callable[..., Any], on_chain: Callable[[list[Hop] | None], None]) -> None:
+                 publish: Callable[..., Any], on_chain: Callable[[list[Hop] | None], None],
+                 profile: ModelProfile | None = None) -> None:
         self._own, self._members, self._rtt = own, members, rtt
         self.server = server
         self.engine = engine
@@ -150,7 +152,7 @@ class SplitPlacement:
         self.budget = budget
         self.publish = publish
         self.on_chain = on_chain
-        self.profile = model_profile(ref.path, options.context)
+        self.profile = profile or model_profile(ref.path, options.context)
         self.chain: list[Hop] = []
         self.plan: Plan | None = None
         self._first: StageModel | None = None

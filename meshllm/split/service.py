@@ -12,6 +12,7 @@ range (routable: it serves the whole model), a worker each hosted range with ``e
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -34,7 +35,7 @@ from meshllm.split.placement import (
     needs_split,
     plan_options,
 )
-from meshllm.split.planner import plan
+from meshllm.split.planner import ModelProfile, plan
 from meshllm.split.stage import StageServer
 
 SPLIT_ENGINE = "split"
@@ -54,16 +55,18 @@ class SplitService:
     """Stage server, worker host and split placements of one node."""
 
     def __init__(self, mesh: MeshService, serving: Serving, events: EventHub, role: str,
-                 options: SplitOptions) -> None:
+                 options: SplitOptions, hash_cache: Path | None = None) -> None:
+        """``hash_cache``: JSON file remembering model sha256s by path, size and mtime (e.g. in the node home)."""
         assert mesh.endpoint is not None and mesh.gossip is not None
         self.mesh = mesh
         self.serving = serving
         self.events = events
         self.options = options
+        self.hash_cache = hash_cache
         self.server = StageServer(mesh.endpoint)
-        self.host = StageHost(self.server, self._hosted_changed) if role == "worker" else None
+        self.host = StageHost(self.server, self._hosted_changed, hash_cache) if role == "worker" else None
         self.placements: dict[str, SplitPlacement] = {}
-        self._pending: list[ModelRef] = []
+        self._pending: list[tuple[ModelRef, ModelProfile]] = []
         self._chains: dict[str, list[Hop]] = {}
 
     def _own(self) -> PeerRecord:
@@ -92,21 +95,21 @@ class SplitService:
             ref = await asyncio.to_thread(resolve_model, spec)
             profile = await asyncio.to_thread(model_profile, ref.path, self.options.context)
             if needs_split(self.options, profile, self.budget):
-                self._pending.append(await asyncio.to_thread(ref.hashed))
+                self._pending.append((await asyncio.to_thread(ref.hashed, self.hash_cache), profile))
             else:
                 rest.append(spec)
         return rest
 
     async def start(self) -> None:
         """Register a :class:`SplitEngine` per split model and start placing its chain."""
-        for ref in self._pending:
+        for ref, profile in self._pending:
             engine = SplitEngine(ref.path, ref.model_id, self.options.context)
             await engine.load()
             self.serving.add_engine(engine)
             placement = SplitPlacement(
                 own=self._own, members=self._members, rtt=self._rtt, server=self.server, engine=engine, ref=ref,
                 options=self.options, budget=self.budget, publish=self.events.publish,
-                on_chain=lambda chain, model=ref.model_id: self._chain_changed(model, chain),
+                on_chain=lambda chain, model=ref.model_id: self._chain_changed(model, chain), profile=profile,
             )
             self.placements[ref.model_id] = placement
             self.events.publish("split_placing", model=ref.model_id, mode=self.options.mode,

@@ -20,6 +20,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
 from meshllm.engine.numpy import Sampler, SamplingParams, StageModel
@@ -75,7 +76,8 @@ class StageServer:
         self._stages: dict[str, StageModel] = {}
         self._sessions: dict[str, _Session] = {}
         self._replies: dict[str, ReplySink] = {}
-        self._compute = Compute()
+        self.compute = Compute()
+        """The node's one compute runner (local coordinators use it too): steps never overlap."""
         endpoint.on_stream(KIND, self._serve, max_frame=LANE_FRAME_MAX)
         self._unsubscribe = endpoint.on_peer_event(self._peer_event)
 
@@ -163,17 +165,12 @@ class StageServer:
             session.downstream = await self.pool.get(target.node_id, target.addr)
             if not last:
                 nxt = {"index": frame.index + 1, "layer_start": target.layer_start, "layer_end": target.layer_end}
-                await session.downstream.send(Open(**{**_fields(frame), **nxt}))
+                await session.downstream.send(msgspec.structs.replace(frame, **nxt))
         except (NetError, OSError, ValueError) as exc:
             culprit = 0 if last else frame.index + 1
             return await self._refuse(lane, frame, "hop-lost", f"cannot reach {target.node_id[:12]}: {exc}", culprit)
         if last:
-            s = frame.sampling
-            session.sampler = Sampler(SamplingParams(
-                temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
-                repeat_penalty=s.repeat_penalty, repeat_last_n=s.repeat_last_n,
-                presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty, seed=s.seed,
-            ))
+            session.sampler = Sampler(SamplingParams(**msgspec.structs.asdict(frame.sampling)))
             session.history = list(frame.history)
         stage.reset(frame.session)
         self._sessions[frame.session] = session
@@ -184,19 +181,19 @@ class StageServer:
         try:
             x = codec.decode(frame.activations, frame.dtype, frame.n_tokens, frame.shape[1])
             stage, small = session.stage, frame.n_tokens == 1
-            out = await self._compute.run(
+            out = await self.compute.run(
                 session.open.model, small, lambda: stage.forward(sid, x, frame.pos, last_only=session.last)
             )
         except MeshllmError as exc:
             return await self._refuse(session.upstream, frame, "stage-error", str(exc))
         if not session.last:
-            step = type(frame)(**{**_fields(frame), "activations": codec.encode(out, frame.dtype), "shape": out.shape})
+            step = msgspec.structs.replace(frame, activations=codec.encode(out, frame.dtype), shape=out.shape)
             return await self._forward(session, step)
         if isinstance(frame, Prefill) and not frame.sample:
             return None
-        token = await self._compute.run("sample", True, lambda: self._sample(session, out[-1]))
+        token = await self.compute.run("sample", True, lambda: self._sample(session, out[-1]))
         end = frame.pos + frame.n_tokens
-        finish = "stop" if token in session.open.stop_ids else "length" if end + 1 >= session.open.max_context else None
+        finish = "length" if end + 1 >= session.open.max_context else None
         return await self._forward(session, Tokens(session=sid, pos=end, token_ids=[token], finish=finish))
 
     def _sample(self, session: _Session, logits: np.ndarray) -> int:
@@ -263,7 +260,3 @@ class StageServer:
             session.stage.reset(sid)
             if session.downstream is not None and not session.last and session.downstream.closed is None:
                 asyncio.get_running_loop().create_task(self._send_quietly(session.downstream, Stop(session=sid)))
-
-
-def _fields(frame: LaneFrame) -> dict[str, object]:
-    return {name: getattr(frame, name) for name in frame.__struct_fields__}

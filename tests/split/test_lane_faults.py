@@ -96,8 +96,8 @@ def test_stall_is_diagnosed_by_position(tiny_model: Path) -> None:
         try:
             stuck = chain.servers[2]
             async for _ in chain.coordinator.generate(PROMPT, max_tokens=200):
-                if not stuck._compute.lock.locked():
-                    await stuck._compute.lock.acquire()  # the third stage never computes again
+                if not stuck.compute.lock.locked():
+                    await stuck.compute.lock.acquire()  # the third stage never computes again
         except StageFailed as exc:
             return exc
         finally:

@@ -27,17 +27,14 @@ from meshllm.engine.base import (
     GenerationRequest,
     LoadReport,
     TokenRate,
+    context_cap,
 )
-from meshllm.engine.numpy.gguf_file import GGUFFile
 from meshllm.engine.numpy.sampler import Sampler, SamplingParams
 from meshllm.engine.numpy.stage import StageModel
 from meshllm.engine.numpy.tokenizer import Tokenizer
 from meshllm.engine.text import TextStream, token_budget
+from meshllm.models.metadata import read_metadata
 from meshllm.models.refs import ModelRef
-
-DEFAULT_MAX_CONTEXT = 4096
-"""Context per request unless the caller chooses: a model's full trained context costs GBs of KV."""
-"""Weight of the latest request in the decode-speed average."""
 
 
 def sampling_params(params: GenerationParams) -> SamplingParams:
@@ -81,12 +78,9 @@ class NumpyEngine(Engine):
         self.stage, self.tokenizer = await asyncio.to_thread(self._load_blocking)
 
     def _load_blocking(self) -> tuple[StageModel, Tokenizer]:
-        header = GGUFFile(self.path)
-        arch = str(header.fields.get("general.architecture", ""))
-        context = int(header.fields.get(f"{arch}.context_length", DEFAULT_MAX_CONTEXT))
-        stage = StageModel.load(self.path, max_context=self._n_ctx or min(context, DEFAULT_MAX_CONTEXT))
-        template = header.fields.get("tokenizer.chat_template")
-        return stage, Tokenizer(self.path, arch, template if isinstance(template, str) else None)
+        meta = read_metadata(self.path)
+        stage = StageModel.load(self.path, max_context=context_cap(meta.context_length, self._n_ctx))
+        return stage, Tokenizer(self.path, meta.architecture, meta.chat_template)
 
     async def close(self) -> None:
         """Free the model; a request in flight fails at its next token with :class:`EngineNotLoaded`."""

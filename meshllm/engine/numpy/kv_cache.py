@@ -72,10 +72,6 @@ class KVCache:
             raise StageInputError(f"cannot trim a session of {self.length} tokens to {n}")
         self.length = n
 
-    def reset(self) -> None:
-        """Forget every token but keep the arrays for reuse."""
-        self.length = 0
-
     @property
     def nbytes(self) -> int:
         """Bytes held by the cache arrays now."""

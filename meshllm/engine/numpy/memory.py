@@ -10,28 +10,31 @@ from __future__ import annotations
 from pathlib import Path
 
 from meshllm.engine.numpy.gguf_file import GGUFFile
-from meshllm.engine.numpy.hparams import read_hparams
+from meshllm.engine.numpy.hparams import HParams, read_hparams
 from meshllm.engine.numpy.weights import plan_stage
 
 _F32 = 4
 
 
 def estimate_memory(
-    gguf_path: str | Path,
+    gguf_path: str | Path | GGUFFile,
     layer_start: int,
     layer_end: int,
     context: int,
     first: bool | None = None,
     last: bool | None = None,
+    hp: HParams | None = None,
 ) -> int:
     """Bytes for layers [layer_start, layer_end) as float32 plus one session's KV cache of ``context`` tokens.
 
     ``first`` adds the token embeddings and ``last`` the output norm and head; by default they follow
     the range (layer 0 / the final layer). A tied head shared with the embeddings is counted once.
-    Raises :class:`UnsupportedModel` for a model the numpy runtime cannot run.
+    ``gguf_path`` may be an already-open :class:`GGUFFile` (``hp`` its hparams) so that several
+    estimates read the header once. Raises :class:`UnsupportedModel` for a model the numpy runtime
+    cannot run.
     """
-    reader = GGUFFile(gguf_path)
-    hp = read_hparams(reader)
+    reader = gguf_path if isinstance(gguf_path, GGUFFile) else GGUFFile(gguf_path)
+    hp = read_hparams(reader) if hp is None else hp
     plan = plan_stage(reader, hp, layer_start, layer_end)
     by_name = {t.name: t for t in reader.tensors}
     first = layer_start == 0 if first is None else first

@@ -4,7 +4,7 @@ Loading only the vocabulary takes well under a second and no weight memory, and 
 tokenizer guarantees the numpy runtime sees exactly the token ids llama.cpp would, which the
 comparison tests (and mixed llama.cpp / numpy meshes) depend on. Chat prompts come from the GGUF's
 template when it has one, else from the family's llama-cpp-python format (the default Gemma 3 270M has
-no template), the same choice :class:`meshllm.engine.llama.LlamaEngine` makes.
+no template): :func:`meshllm.engine.chat_format.chat_renderer`, as :class:`meshllm.engine.llama.LlamaEngine`.
 """
 
 from __future__ import annotations
@@ -15,16 +15,9 @@ from typing import Any
 
 import llama_cpp
 from llama_cpp import Llama
-from llama_cpp import llama_chat_format as chat_formats
 
 from meshllm.engine.base import BadChat, ChatRequest, GenerationRequest
-
-#: llama-cpp-python chat format for a GGUF without a template, by architecture.
-FAMILY_CHAT_FORMATS: dict[str, Callable[..., Any]] = {
-    "gemma3": chat_formats.format_gemma,
-    "qwen2": chat_formats.format_chatml,
-    "llama": chat_formats.format_llama2,
-}
+from meshllm.engine.chat_format import chat_renderer, family_of
 
 
 class Tokenizer:
@@ -33,16 +26,8 @@ class Tokenizer:
     def __init__(self, path: str | Path, architecture: str, chat_template: str | None) -> None:
         self._llama = Llama(model_path=str(path), vocab_only=True, verbose=False)
         self._vocab = self._llama._model.vocab
-        if chat_template:
-            model = self._llama._model
-            eos, bos = self._llama.token_eos(), self._llama.token_bos()
-            self._render: Callable[..., Any] = chat_formats.Jinja2ChatFormatter(
-                template=chat_template,
-                eos_token=model.token_get_text(eos) if eos != -1 else "",
-                bos_token=model.token_get_text(bos) if bos != -1 else "",
-            )
-        else:
-            self._render = FAMILY_CHAT_FORMATS.get(architecture, chat_formats.format_llama2)
+        self._render: Callable[..., Any]
+        self._render, self.chat_format = chat_renderer(self._llama, family_of(architecture), chat_template)
 
     def encode(self, text: str, *, add_bos: bool = True, special: bool = False) -> list[int]:
         """Token ids of ``text``; ``special`` parses control tokens written in the text (chat prompts)."""
