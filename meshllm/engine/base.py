@@ -77,6 +77,13 @@ class GenerationParams(msgspec.Struct, frozen=True, kw_only=True):
     """Generation ends *before* the first occurrence of any of these; the stop text is not returned."""
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    grammar: str | None = None
+    """A GBNF grammar (llama.cpp syntax, start rule ``root``) that every sampled token must keep the
+    text inside; the API builds it from ``response_format`` and ``tool_choice``. ``None``: free text.
+    An engine that cannot constrain sampling refuses a request that sets it."""
+    logprobs: int | None = None
+    """``None``: no log-probabilities; ``k`` (0-20): each generated token's logprob with its ``k`` most
+    likely alternatives, on :attr:`TextDelta.logprobs`."""
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
@@ -96,15 +103,21 @@ class ChatRequest(msgspec.Struct, frozen=True, kw_only=True, tag="chat"):
     """OpenAI tool definitions, passed to chat templates that render them."""
     user: str | None = None
     """Client's end-user or session id; routing uses it for affinity."""
+    continuation: tuple[int, ...] = ()
+    """Token ids this request already generated on another engine (failover replay): the engine
+    prefills prompt + these, feeds them silently through its text core, and continues after them."""
 
 
 class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True, tag="completion"):
     """Continue a raw text prompt."""
 
     model: str
-    prompt: str
+    prompt: str | tuple[int, ...]
+    """Text, or token ids fed as they are (OpenAI's token-id prompts)."""
     params: GenerationParams = GenerationParams()
     user: str | None = None
+    continuation: tuple[int, ...] = ()
+    """As :attr:`ChatRequest.continuation`."""
 
 
 GenerationRequest = ChatRequest | CompletionRequest
@@ -115,6 +128,8 @@ class Usage(msgspec.Struct, frozen=True):
 
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
+    """Prompt tokens whose KV came from a prompt cache instead of being computed."""
 
     @property
     def total_tokens(self) -> int:
@@ -122,10 +137,33 @@ class Usage(msgspec.Struct, frozen=True):
         return self.prompt_tokens + self.completion_tokens
 
 
+class TopLogprob(msgspec.Struct, frozen=True):
+    """One candidate token at a position and its log-probability."""
+
+    token_id: int
+    piece: bytes
+    """The token's bytes (may be part of a UTF-8 character)."""
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct, frozen=True):
+    """A generated token's log-probability and the most likely alternatives at its position."""
+
+    token_id: int
+    piece: bytes
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
 class TextDelta(msgspec.Struct, frozen=True, tag="delta"):
     """The next piece of generated text (whole UTF-8 characters, never a split byte sequence)."""
 
     text: str
+    tokens: tuple[int, ...] = ()
+    """Token ids fed to the text core since the previous delta (their text may be partly held back
+    by a stop-string match); concatenated over a stream they are the request's continuation."""
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """One entry per token of ``tokens`` when the request asked for logprobs."""
 
 
 class Finish(msgspec.Struct, frozen=True, tag="finish"):
