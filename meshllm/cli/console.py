@@ -33,6 +33,14 @@ def admin_token(home: Path) -> str:
         return ""
 
 
+def page_token(api: str, home: Path) -> str:
+    """The token to hand the page: the home's admin token, but only for a node on this machine.
+
+    The token belongs to the node of ``home``; a page on another host must never receive it.
+    """
+    return admin_token(home) if urlsplit(api).hostname in LOOPBACK_HOSTS else ""
+
+
 def console_url(api: str, token: str) -> str:
     """The page's URL, with ``token`` in the fragment when there is one."""
     return f"{api}/" + (f"#admin={quote(token, safe='')}" if token else "")
@@ -65,8 +73,7 @@ def console(api: str, home: Path | None, token: str | None, print_only: bool) ->
     """
     check_console(api)
     if token is None:
-        local = urlsplit(api).hostname in LOOPBACK_HOSTS
-        token = admin_token(home_dir(home, create=False)) if local else ""
+        token = page_token(api, home_dir(home, create=False))
     url = console_url(api, token)
     if print_only:
         click.echo(url)

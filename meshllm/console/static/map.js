@@ -43,12 +43,18 @@ function describe(node) {
     models, cap, load].filter(Boolean).join("; ");
 }
 
+/** "idle" or "2 running · 1 queued", and the node's recent decode speed once it has one. */
+function loadLine(load) {
+  const busy = load.in_flight || load.queue ? `${load.in_flight || 0} running · ${load.queue || 0} queued` : "idle";
+  return load.tok_s ? `${busy} · ${Number(load.tok_s).toFixed(0)} tok/s` : busy;
+}
+
 function drawNode(node, at, lines) {
   const detail = [
     `${node.role}${node.self ? " · this node" : ""}${node.state !== "alive" ? ` · ${node.state}` : ""}`,
     node.models.map(fmtModel).join(", ") || "no models",
     node.capacity ? `${fmtBytes(node.capacity.ram_bytes)} · ${node.capacity.cpu_cores || 0} cores` : "",
-    node.load ? `${node.load.in_flight || 0}/${node.load.queue || 0} req · ${Number(node.load.tok_s || 0).toFixed(0)} tok/s` : "",
+    node.load ? loadLine(node.load) : "",
   ].filter(Boolean).slice(0, lines);
   const label = describe(node);
   return svg("g", {
