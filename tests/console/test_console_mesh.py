@@ -359,6 +359,16 @@ def test_a_killed_node_leaves_the_map_within_5_s(console: Any, mesh: Mesh) -> No
     shots(console, "after-kill", phone=False)
 
 
+def test_a_members_console_sends_management_to_the_owners_node(console: Any, mesh: Mesh) -> None:
+    assert mesh.beta is not None
+    console.get(mesh.beta.api + "/#owner")
+    note = wait_js(console, "(n => !n.hidden && n.textContent)(document.getElementById('owner-note'))", 10,
+                   "no reason shown on a member's node")
+    assert "does not hold the mesh key" in note
+    assert console.execute_script("return document.getElementById('invite-create').disabled")
+    assert "beta (host)" in console.find_element("id", "summary").text
+
+
 def test_console_command_opens_the_default_browser_with_the_token(mesh: Mesh, tmp_path: Path) -> None:
     """``meshllm console`` hands the URL to the user's browser ($BROWSER here: a script that records it)."""
     record = tmp_path / "opened.txt"

@@ -152,6 +152,29 @@ def test_unknown_event_types_are_summarised_from_their_fields(page: Any) -> None
         const names = new Map([['n1', 'alpha']]);
         return [summarise({ type: 'peer_joined', ts: 1, node_id: 'n1' }, names),
                 summarise({ type: 'peer_left', ts: 1, node_id: 'zzzzzzzzzzzz', reason: 'down' }, names),
+                summarise({ type: 'peer_joined', ts: 1, node_id: 'n2', name: 'beta' }, names),
                 summarise({ type: 'something_new', ts: 1, model: 'm', n: 3 }, names)];
     """)
-    assert texts == ["alpha joined", "zzzzzzzz left (down)", "model=m n=3"]
+    assert texts == ["alpha joined", "zzzzzzzz left (down)", "beta joined", "model=m n=3"]
+
+
+def test_the_event_list_prepends_new_events_instead_of_redrawing(page: Any) -> None:
+    # Its live region must announce only new events: existing items stay the same DOM nodes.
+    result = run(page, """
+        const { EventLog } = await import('/console/live.js');
+        const list = document.createElement('ol'), toggle = document.createElement('input');
+        toggle.type = 'checkbox'; document.body.append(list, toggle);
+        const log = new EventLog(list, toggle), names = new Map([['n1', 'alpha']]);
+        log.add({ type: 'peer_joined', ts: 1, node_id: 'n1' });
+        log.add({ type: 'record_updated', ts: 2, node_id: 'n1', seq: 5 });
+        log.render(names);
+        const first = list.firstElementChild;
+        const again = log.add({ type: 'peer_joined', ts: 1, node_id: 'n1' });  // a reconnect's replay
+        log.add({ type: 'peer_left', ts: 3, node_id: 'n1', reason: 'down' });
+        log.render(names);
+        const kept = list.children[1] === first;
+        toggle.checked = true; toggle.dispatchEvent(new Event('change'));
+        return { again, kept, texts: [...list.children].map(li => li.querySelector('.ev-text').textContent) };
+    """)
+    assert result == {"again": False, "kept": True,
+                      "texts": ["alpha left (down)", "alpha record #5", "alpha joined"]}

@@ -7,7 +7,8 @@
 import { el, fmtClock, replace, shortId, svg } from "./dom.js";
 
 const HISTORY = 180; // samples kept for the sparkline (about three minutes at one per second)
-const MAX_EVENTS = 200;
+const MAX_EVENTS = 200; // kept in memory
+const SHOWN = 60; // listed
 const NOISY = new Set(["record_updated"]); // hidden unless asked for: every gossip heartbeat makes one
 
 /** Rolling rates from snapshots: requests per second at this node, tokens per second the mesh generates now. */
@@ -57,7 +58,7 @@ export function renderSpark(el_, rates) {
 
 /** A one-line description of a node event, naming nodes by name where the snapshot knows them. */
 export function summarise(event, names) {
-  const who = (id) => (id ? names.get(id) || shortId(id) : "?");
+  const who = (id) => (id ? names.get(id) || (id === event.node_id && event.name) || shortId(id) : "?");
   switch (event.type) {
     case "peer_joined": return `${who(event.node_id)} joined`;
     case "peer_left": return `${who(event.node_id)} left (${event.reason})`;
@@ -84,14 +85,20 @@ export function summarise(event, names) {
   }
 }
 
-/** The events list: newest first, deduplicated (a reconnect replays the node's recent history). */
+/**
+ * The events list: newest first, deduplicated (a reconnect replays the node's recent history).
+ * New events are prepended to the list rather than redrawing it, so its live region announces
+ * only what is new.
+ */
 export class EventLog {
   constructor(list, toggle) {
     this.list = list;
     this.toggle = toggle;
     this.events = [];
     this.seen = new Set();
-    toggle.addEventListener("change", () => this.render(this.names || new Map()));
+    this.shown = [];
+    this.names = new Map();
+    toggle.addEventListener("change", () => { this.shown = []; this.render(this.names); });
   }
 
   /** Keep `event`; false when it was already seen. */
@@ -104,13 +111,23 @@ export class EventLog {
     return true;
   }
 
+  item(e) {
+    return el("li", { class: `event ev-${e.type}`, dataset: { type: e.type } },
+      el("time", { text: fmtClock(e.ts) }), " ", el("span", { class: "ev-type", text: e.type }), " ",
+      el("span", { class: "ev-text", text: summarise(e, this.names) }));
+  }
+
   render(names) {
     this.names = names;
-    const shown = this.events.filter((e) => this.toggle.checked || !NOISY.has(e.type)).slice(-60).reverse();
-    replace(this.list, shown.length ? shown.map((e) => el("li", { class: `event ev-${e.type}`, dataset: { type: e.type } },
-      el("time", { text: fmtClock(e.ts) }), " ", el("span", { class: "ev-type", text: e.type }), " ",
-      el("span", { class: "ev-text", text: summarise(e, names) })))
-      : el("li", { class: "muted", text: "No events yet." }));
+    const shown = this.events.filter((e) => this.toggle.checked || !NOISY.has(e.type)).slice(-SHOWN).reverse();
+    const fresh = this.shown.length ? shown.indexOf(this.shown[0]) : -1;
+    if (fresh >= 0 && shown.slice(fresh).every((e, i) => i >= this.shown.length || e === this.shown[i])) {
+      if (fresh) this.list.prepend(...shown.slice(0, fresh).map((e) => this.item(e)));
+      while (this.list.children.length > shown.length) this.list.lastElementChild.remove();
+    } else {
+      replace(this.list, shown.length ? shown.map((e) => this.item(e)) : el("li", { class: "muted", text: "No events yet." }));
+    }
+    this.shown = shown;
   }
 }
 

@@ -35,7 +35,6 @@ function applyTheme(theme) {
   if (theme === "auto") delete document.documentElement.dataset.theme;
   else document.documentElement.dataset.theme = theme;
   $("theme").textContent = `Theme: ${theme}`;
-  $("theme").setAttribute("aria-label", `Colour theme: ${theme} (change)`);
 }
 applyTheme(localStorage.getItem("meshllm.theme") || "auto");
 $("theme").addEventListener("click", () => {
