@@ -369,6 +369,20 @@ def test_a_members_console_sends_management_to_the_owners_node(console: Any, mes
     assert "beta (host)" in console.find_element("id", "summary").text
 
 
+def test_a_node_that_stops_answering_is_reported_and_retried(console: Any, mesh: Mesh) -> None:
+    assert mesh.beta is not None
+    console.get(mesh.beta.api + "/#mesh")
+    wait_js(console, f"document.getElementById('link').dataset.state === 'live' && {NODE_COUNT} === 2", 10,
+            "beta's console does not show beta and alpha live")
+    mesh.beta.kill()
+    wait_js(console, "document.getElementById('link').textContent === 'node not answering'", 10,
+            "the header does not say the node stopped answering")
+    banner = wait_js(console, "(b => !b.hidden && b.textContent)(document.getElementById('banner'))", 5, "no banner")
+    assert "not answering" in banner and "retrying" in banner
+    assert console.execute_script(f"return {NODE_COUNT}") >= 1, "the last known map was wiped"
+    screenshot(console, "node-stopped-1280")
+
+
 def test_console_command_opens_the_default_browser_with_the_token(mesh: Mesh, tmp_path: Path) -> None:
     """``meshllm console`` hands the URL to the user's browser ($BROWSER here: a script that records it)."""
     record = tmp_path / "opened.txt"

@@ -47,8 +47,8 @@ def test_sse_parser_splits_events_across_chunks_and_skips_comments(page: Any) ->
         const { SseParser } = await import('/console/api.js');
         const p = new SseParser();
         const out = [];
-        for (const chunk of ['event: peer_joined\\ndata: {"a"', ':1}\\n', '\\n: keepalive\\n\\n', 'data: x\\r\\n',
-                             'data: y\\r\\n\\r\\n', 'data: [DONE]\\n\\n', 'data: tail-without-blank-line\\n'])
+        for (const chunk of ['event: peer_joined\\ndata: {"a"', ':1}\\n', '\\n: keepalive\\n\\n', 'data: x\\r',
+                             '\\ndata: y\\r\\n\\r\\n', 'data: [DONE]\\n\\n', 'data: tail-without-blank-line\\n'])
           out.push(...p.push(chunk));
         return out;
     """)

@@ -26,16 +26,32 @@ export function takeTokenFromFragment(storage) {
   history.replaceState(null, "", location.pathname + location.search);
 }
 
-/** An AbortSignal that fires after `ms` or when `outer` fires, and a function to stop the timer. */
-function deadline(ms, outer) {
-  const ctrl = new AbortController();
-  const timer = setTimeout(() => ctrl.abort(new DOMException(`no answer within ${ms / 1000} s`, "TimeoutError")), ms);
-  const onAbort = () => ctrl.abort(outer.reason);
-  if (outer) {
-    if (outer.aborted) onAbort(); else outer.addEventListener("abort", onAbort, { once: true });
+/** An abort signal for one call: fires on a deadline (re-armed as a stream makes progress) or when `outer` fires. */
+class Deadline {
+  constructor(outer) {
+    this.ctrl = new AbortController();
+    this.outer = outer;
+    this.timer = null;
+    this.follow = () => this.ctrl.abort(outer.reason);
+    if (outer) {
+      if (outer.aborted) this.follow(); else outer.addEventListener("abort", this.follow, { once: true });
+    }
   }
-  const done = () => { clearTimeout(timer); if (outer) outer.removeEventListener("abort", onAbort); };
-  return { signal: ctrl.signal, done };
+
+  get signal() { return this.ctrl.signal; }
+
+  /** (Re)start the clock: abort with a TimeoutError saying `why` unless re-armed within `ms`. */
+  arm(ms, why) {
+    clearTimeout(this.timer);
+    this.timer = setTimeout(() => this.ctrl.abort(new DOMException(why, "TimeoutError")), ms);
+  }
+
+  /** Stop the clock and release the connection (also when a caller's handler threw). */
+  close() {
+    clearTimeout(this.timer);
+    if (this.outer) this.outer.removeEventListener("abort", this.follow);
+    this.ctrl.abort();
+  }
 }
 
 async function errorOf(response) {
@@ -53,7 +69,7 @@ async function errorOf(response) {
 /** Network failures and deadlines as ApiError (status 0); anything else (a cancel, a caller's error) as is. */
 function unreachable(err) {
   if (err && err.name === "TimeoutError") return new ApiError(0, "timeout", err.message);
-  if (err instanceof TypeError) return new ApiError(0, "unreachable", "the node is not answering");
+  if (err instanceof TypeError) return new ApiError(0, "unreachable", "the connection failed");
   return err;
 }
 
@@ -67,6 +83,7 @@ export class SseParser {
     const out = [];
     let nl;
     while ((nl = this.buffer.search(/\r\n|\r|\n/)) >= 0) {
+      if (nl === this.buffer.length - 1 && this.buffer[nl] === "\r") break; // maybe the first half of \r\n
       const line = this.buffer.slice(0, nl);
       this.buffer = this.buffer.slice(nl + (this.buffer.startsWith("\r\n", nl) ? 2 : 1));
       if (line === "") {
@@ -99,20 +116,24 @@ export class Api {
     return h;
   }
 
+  request(path, method, body, signal, accept) {
+    const headers = { ...this.headers(body !== undefined), ...(accept ? { Accept: accept } : {}) };
+    const payload = body === undefined ? undefined : JSON.stringify(body);
+    return fetch(path, { method, headers, signal, cache: "no-store", body: payload });
+  }
+
   /** One JSON call; resolves to the decoded body, rejects with ApiError. */
   async json(path, { method = "GET", body, timeoutMs = 8000, signal } = {}) {
-    const { signal: timed, done } = deadline(timeoutMs, signal);
+    const deadline = new Deadline(signal);
+    deadline.arm(timeoutMs, `no answer within ${timeoutMs / 1000} s`);
     try {
-      const response = await fetch(path, {
-        method, headers: this.headers(body !== undefined), signal: timed, cache: "no-store",
-        body: body === undefined ? undefined : JSON.stringify(body),
-      });
+      const response = await this.request(path, method, body, deadline.signal);
       if (!response.ok) throw await errorOf(response);
       return await response.json();
     } catch (err) {
       throw unreachable(err);
     } finally {
-      done();
+      deadline.close();
     }
   }
 
@@ -122,39 +143,24 @@ export class Api {
    * every `idleMs`; `onOpen` runs once the node accepted the request.
    */
   async stream(path, { method = "GET", body, signal, onEvent, onOpen, connectMs = 10000, idleMs = 40000 }) {
-    const ctrl = new AbortController();
-    const stop = () => ctrl.abort(signal.reason);
-    if (signal) {
-      if (signal.aborted) stop(); else signal.addEventListener("abort", stop, { once: true });
-    }
-    let timer = setTimeout(() => ctrl.abort(new DOMException(`no answer within ${connectMs / 1000} s`, "TimeoutError")),
-      connectMs);
-    const rearm = () => {
-      clearTimeout(timer);
-      timer = setTimeout(() => ctrl.abort(new DOMException(`silent for ${idleMs / 1000} s`, "TimeoutError")), idleMs);
-    };
+    const deadline = new Deadline(signal);
+    deadline.arm(connectMs, `no answer within ${connectMs / 1000} s`);
     try {
-      const response = await fetch(path, {
-        method, headers: { ...this.headers(body !== undefined), Accept: "text/event-stream" }, signal: ctrl.signal,
-        cache: "no-store", body: body === undefined ? undefined : JSON.stringify(body),
-      });
+      const response = await this.request(path, method, body, deadline.signal, "text/event-stream");
       if (!response.ok) throw await errorOf(response);
       if (onOpen) onOpen();
-      rearm();
       const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
       const parser = new SseParser();
       for (;;) {
+        deadline.arm(idleMs, `silent for ${idleMs / 1000} s`);
         const { value, done } = await reader.read();
         if (done) return;
-        rearm();
         for (const event of parser.push(value)) onEvent(event);
       }
     } catch (err) {
       throw unreachable(err);
     } finally {
-      clearTimeout(timer);
-      if (signal) signal.removeEventListener("abort", stop);
-      ctrl.abort(); // release the connection when a caller's handler threw or the stream ended
+      deadline.close();
     }
   }
 }

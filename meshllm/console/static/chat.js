@@ -73,7 +73,8 @@ export class Chat {
     const text = input.value.trim();
     if (!text || this.ctrl || !this.form.reportValidity()) return;
     const system = this.form.elements.namedItem("system").value.trim();
-    const messages = [...(system ? [{ role: "system", content: system }] : []), ...this.history, { role: "user", content: text }];
+    const messages = [...(system ? [{ role: "system", content: system }] : []), ...this.history,
+      { role: "user", content: text }];
     const body = chatBody(this.form, messages);
     input.value = "";
     this.bubble("user", text);

@@ -39,6 +39,11 @@ export function replace(node, ...children) {
   if (key !== undefined) node.querySelector(`[data-focus-key="${CSS.escape(key)}"]`)?.focus();
 }
 
+/** Set `node`'s text only when it changes: live regions then announce changes, not every redraw. */
+export function setText(node, text) {
+  if (node.textContent !== text) node.textContent = text;
+}
+
 export const shortId = (id) => String(id || "").slice(0, 8);
 
 export function fmtBytes(n) {
@@ -55,6 +60,12 @@ export function fmtMs(ms) {
   if (ms < 10) return ms.toFixed(1);
   if (ms < 1000) return ms.toFixed(0);
   return `${(ms / 1000).toFixed(1)}s`;
+}
+
+/** An RTT with its unit: "0.8 ms", "12 ms", "2.1 s"; "—" when not measured. */
+export function fmtRtt(ms) {
+  if (ms === null || ms === undefined) return "—";
+  return ms < 1000 ? `${fmtMs(ms)} ms` : `${(ms / 1000).toFixed(1)} s`;
 }
 
 export function fmtDuration(seconds) {

@@ -18,7 +18,8 @@ export class Rates {
   /** Add a snapshot taken at `now` (ms); returns the figures to show. */
   add(status, nodes, now) {
     const total = status.requests?.total ?? 0;
-    const reqS = this.last && now > this.last.now ? Math.max(0, (total - this.last.total) * 1000 / (now - this.last.now)) : 0;
+    const dt = this.last ? (now - this.last.now) / 1000 : 0;
+    const reqS = dt > 0 ? Math.max(0, (total - this.last.total) / dt) : 0;
     this.last = { now, total };
     // A node's tok_s is its recent decode speed; only nodes generating now add to the mesh's output.
     const tokS = nodes.reduce((sum, n) => sum + (n.load?.in_flight ? Number(n.load.tok_s) || 0 : 0), 0);
@@ -45,14 +46,16 @@ export function renderRates(container, figures) {
 }
 
 /** Two sparklines (tokens/s and requests/s, each scaled to its own peak) over the kept samples. */
-export function renderSpark(el_, rates) {
+export function renderSpark(target, rates) {
   const w = 300, h = 56, s = rates.samples;
   const line = (key) => {
     const peak = Math.max(1e-9, ...s.map((p) => p[key]));
-    return s.map((p, i) => `${i ? "L" : "M"}${(i * w / Math.max(1, HISTORY - 1)).toFixed(1)} ${(h - 4 - (h - 8) * p[key] / peak).toFixed(1)}`).join(" ");
+    const x = (i) => (i * w / (HISTORY - 1)).toFixed(1);
+    const y = (v) => (h - 4 - (h - 8) * v / peak).toFixed(1);
+    return s.map((p, i) => `${i ? "L" : "M"}${x(i)} ${y(p[key])}`).join(" ");
   };
-  el_.setAttribute("viewBox", `0 0 ${w} ${h}`);
-  replace(el_, s.length < 2 ? [] : [svg("path", { class: "spark-tok", d: line("tokS") }),
+  target.setAttribute("viewBox", `0 0 ${w} ${h}`);
+  replace(target, s.length < 2 ? [] : [svg("path", { class: "spark-tok", d: line("tokS") }),
     svg("path", { class: "spark-req", d: line("reqS") })]);
 }
 
@@ -125,7 +128,8 @@ export class EventLog {
       if (fresh) this.list.prepend(...shown.slice(0, fresh).map((e) => this.item(e)));
       while (this.list.children.length > shown.length) this.list.lastElementChild.remove();
     } else {
-      replace(this.list, shown.length ? shown.map((e) => this.item(e)) : el("li", { class: "muted", text: "No events yet." }));
+      replace(this.list, shown.length ? shown.map((e) => this.item(e))
+        : el("li", { class: "muted", text: "No events yet." }));
     }
     this.shown = shown;
   }

@@ -6,7 +6,7 @@
 
 import { Api, takeTokenFromFragment } from "./api.js";
 import { Chat } from "./chat.js";
-import { fmtDuration, meshNodes, nodeNames, replace, shortId } from "./dom.js";
+import { el, fmtDuration, meshNodes, nodeNames, replace, setText, shortId } from "./dom.js";
 import { EventFeed, EventLog, Rates, renderRates, renderSpark } from "./live.js";
 import { renderMap, renderNodes } from "./map.js";
 import { renderMatrix } from "./matrix.js";
@@ -78,21 +78,27 @@ function showLink() {
   else if (err) { s = "offline"; text = "node not answering"; }
   else if (!state.status) { s = "connecting"; text = "connecting"; }
   link.dataset.state = s;
-  link.textContent = text;
-  const banner = $("banner");
+  setText(link, text);
+  // The banner is an alert: redraw it only when what it says changes, or it is announced every second.
   const authErr = err && err.unauthorized ? err : state.feed === "unauthorized" ? state.feedError : null;
-  banner.hidden = !err && !authErr;
+  const said = authErr ? `auth:${authErr.message}` : err ? `down:${err.message}` : "";
+  const banner = $("banner");
+  if (banner.dataset.said === said) return;
+  banner.dataset.said = said;
+  banner.hidden = !said;
   if (authErr) {
     replace(banner, `The node asks for a token: ${authErr.message}. `,
-      Object.assign(document.createElement("a"), { href: "#owner", textContent: "Enter its admin token or API key" }), ".");
+      el("a", { href: "#owner", text: "Enter its admin token or API key" }), ".");
   } else if (err) {
-    replace(banner, `The node is not answering (${err.message}); retrying every second. Is \`meshllm serve\` still running?`);
+    replace(banner, `The node is not answering (${err.message}); retrying every second. `,
+      "Is meshllm serve still running?");
   }
 }
 
 function showSummary(status) {
   const owned = status.mesh_owner ? " · mesh owner" : "";
-  $("summary").textContent = `${status.name} (${status.role}${owned}) · ${status.mesh_id} · v${status.version} · up ${fmtDuration(status.uptime_s)}`;
+  $("summary").textContent = `${status.name} (${status.role}${owned}) · ${status.mesh_id} · v${status.version}`
+    + ` · up ${fmtDuration(status.uptime_s)}`;
   $("summary").title = `node ${status.node_id}`;
   document.title = `${status.name} · meshllm console`;
 }
@@ -162,8 +168,9 @@ function onEvent(event) {
   }
 }
 
-new ResizeObserver(() => { if (state.status && !$("view-mesh").hidden) renderMap($("map"), state.status, meshNodes(state.status)); })
-  .observe($("map").parentElement);
+new ResizeObserver(() => {
+  if (state.status && !$("view-mesh").hidden) renderMap($("map"), state.status, meshNodes(state.status));
+}).observe($("map").parentElement);
 refreshStatus();
 refreshModels();
 feed.run();

@@ -1,7 +1,7 @@
 // The mesh as a map: nodes on a ring with their role, models, capacity and load; links coloured by
 // path type (direct, punched, relayed) and labelled with their RTT on the heat-map colour scale.
 
-import { el, fmtBytes, fmtCapacity, fmtLoad, fmtModel, fmtMs, replace, svg } from "./dom.js";
+import { el, fmtBytes, fmtCapacity, fmtLoad, fmtModel, fmtRtt, replace, svg } from "./dom.js";
 import { rttLevel } from "./matrix.js";
 
 const DETAIL_LIMIT = 8; // beyond this many nodes, only names are drawn (the table has the rest)
@@ -73,7 +73,7 @@ function drawNode(node, at, lines) {
 function drawLink(link, a, b, names) {
   const mx = (a.x + b.x) / 2, my = (a.y + b.y) / 2;
   const measured = link.rtt_ms !== null && link.rtt_ms !== undefined;
-  const text = measured ? `${fmtMs(link.rtt_ms)} ms` : "?";
+  const text = measured ? fmtRtt(link.rtt_ms) : "?";
   const badge = svg("rect", { x: -24, y: -10, width: 48, height: 20, rx: 10, class: measured ? "heat" : null });
   if (measured) badge.style.setProperty("--level", rttLevel(link.rtt_ms).toFixed(3));
   return svg("g", { class: "link", dataset: { a: link.a, b: link.b, path: link.path } },
@@ -111,7 +111,7 @@ export function renderNodes(container, nodes) {
       el("td", { class: "nowrap" }, el("span", { class: `dot ${n.state}`, "aria-hidden": "true" }), n.state),
       el("td", { text: n.role }),
       el("td", { text: n.self ? "—" : n.path }),
-      el("td", { text: n.self ? "—" : `${fmtMs(n.rtt_ms)} ms` }),
+      el("td", { text: n.self ? "—" : fmtRtt(n.rtt_ms) }),
       el("td", { text: n.models.map(fmtModel).join(", ") || "—" }),
       el("td", { text: fmtCapacity(n.capacity) }),
       el("td", { text: fmtLoad(n.load) }))))));

@@ -24,14 +24,16 @@ export function modelGroups(nodes, listed) {
 
 function chip(node, text) {
   return el("li", { class: `chip${node.self ? " self" : ""}`, dataset: { nodeId: node.id } },
-    el("strong", { text: node.name }), text ? ` ${text}` : "", node.self ? el("span", { class: "muted", text: " (this node)" }) : "");
+    el("strong", { text: node.name }), text ? ` ${text}` : "",
+    node.self ? el("span", { class: "muted", text: " (this node)" }) : "");
 }
 
 function range(layers) { return layers ? `[${layers[0]}–${layers[1]})` : ""; }
 
 function servedBy(g) {
   const items = [
-    ...g.servers.map((s) => chip(s.node, s.engine === "split" ? `· split coordinator ${range(s.layers)}` : `· ${s.engine}`)),
+    ...g.servers.map((s) => chip(s.node, s.engine === "split" ? `· split coordinator ${range(s.layers)}`
+      : `· ${s.engine}`)),
     ...g.stages.map((s) => chip(s.node, `· stage ${range(s.layers)}`)),
   ];
   return items.length ? el("ul", { class: "chips" }, items) : el("span", { class: "muted", text: "no live node" });
@@ -63,14 +65,15 @@ function chainView(model, stages, meta) {
 export function renderSplits(container, status, nodes) {
   const chains = [];
   for (const split of status.splits || []) {
-    const meta = [split.state, split.reason, split.predicted_ms_per_token ? `${split.predicted_ms_per_token} ms/token predicted` : ""]
-      .filter(Boolean).join(" · ");
+    const predicted = split.predicted_ms_per_token ? `${split.predicted_ms_per_token} ms/token predicted` : "";
+    const meta = [split.state, split.reason, predicted].filter(Boolean).join(" · ");
     chains.push(chainView(split.model, split.stages, `coordinated here · ${meta}`));
   }
   for (const g of modelGroups(nodes, [])) {
     for (const coord of g.servers.filter((s) => s.engine === "split" && !s.node.self)) {
       const stages = [{ name: coord.node.name, layers: coord.layers },
-        ...g.stages.map((s) => ({ name: s.node.name, layers: s.layers }))].sort((a, b) => (a.layers?.[0] ?? 0) - (b.layers?.[0] ?? 0));
+        ...g.stages.map((s) => ({ name: s.node.name, layers: s.layers }))]
+        .sort((a, b) => (a.layers?.[0] ?? 0) - (b.layers?.[0] ?? 0));
       chains.push(chainView(g.name, stages, `coordinated by ${coord.node.name} (from gossip)`));
     }
   }
@@ -98,7 +101,8 @@ function objectRows(items) {
     const p = progressOf(item);
     return el("li", {}, p === null ? null : el("progress", { max: 1, value: p.toFixed(3),
       "aria-label": `${item.model || "transfer"}: ${(p * 100).toFixed(0)} %` }),
-    el("dl", { class: "fields" }, Object.entries(item).map(([k, v]) => [el("dt", { text: k }), el("dd", { text: fieldText(k, v) })])));
+    el("dl", { class: "fields" },
+      Object.entries(item).map(([k, v]) => [el("dt", { text: k }), el("dd", { text: fieldText(k, v) })])));
   }));
 }
 
@@ -107,6 +111,7 @@ export function renderOptional(card, body, value) {
   card.hidden = value === undefined || value === null;
   if (card.hidden) return;
   const items = Array.isArray(value) ? value
-    : Object.entries(value).map(([model, v]) => (v && typeof v === "object" && !Array.isArray(v) ? { model, ...v } : { model, value: v }));
+    : Object.entries(value).map(([model, v]) => (v && typeof v === "object" && !Array.isArray(v)
+      ? { model, ...v } : { model, value: v }));
   replace(body, items.length ? objectRows(items) : el("p", { class: "muted", text: "None right now." }));
 }

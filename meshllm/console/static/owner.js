@@ -2,7 +2,7 @@
 // node, publish and unpublish the mesh. The node decides who may do them (its admin token or API
 // key); the page only says why a button is disabled and shows the node's answer.
 
-import { el, replace, shortId } from "./dom.js";
+import { el, replace, setText, shortId } from "./dom.js";
 
 const $ = (id) => document.getElementById(id);
 const BUTTONS = ["invite-create", "revoke-submit", "publish-on", "publish-off"];
@@ -62,8 +62,8 @@ export class Owner {
 
   renderAccess(rejected) {
     const has = Boolean(this.api.token);
-    $("token-state").textContent = rejected ? `The node refused the token: ${rejected}`
-      : has ? "A token is set for this tab; every call sends it." : "No token: the console is read-only.";
+    setText($("token-state"), rejected ? `The node refused the token: ${rejected}`
+      : has ? "A token is set for this tab; every call sends it." : "No token: the console is read-only.");
     $("token-state").classList.toggle("bad", Boolean(rejected));
     $("token-forget").disabled = !has;
   }
@@ -73,7 +73,7 @@ export class Owner {
     const first = !this.status && status;
     this.status = status;
     const reason = gateReason(status, Boolean(this.api.token));
-    this.note.textContent = reason;
+    setText(this.note, reason);
     this.note.hidden = !reason;
     for (const id of BUTTONS) $(id).disabled = Boolean(reason);
     if (first && status.mesh_owner) this.refreshPublish();
@@ -108,10 +108,16 @@ export class Owner {
     const uses = answer.max_uses === 0 ? "unlimited uses" : `${answer.max_uses} use${answer.max_uses === 1 ? "" : "s"}`;
     const copied = el("span", { class: "muted", "aria-live": "polite" });
     const item = el("li", { class: "invite", dataset: { inviteId: id } },
-      el("p", {}, el("strong", { text: id ? `Invite ${id}` : "Invite" }), el("span", { class: "muted", text: ` · expires ${expires} · ${uses}` })),
+      el("p", {}, el("strong", { text: id ? `Invite ${id}` : "Invite" }),
+        el("span", { class: "muted", text: ` · expires ${expires} · ${uses}` })),
       el("div", { class: "row" }, field,
         el("button", { type: "button", class: "copy", onclick: async () => {
-          try { await copy(answer.token, field); copied.textContent = "Copied."; } catch (err) { copied.textContent = err.message; }
+          try {
+            await copy(answer.token, field);
+            copied.textContent = "Copied.";
+          } catch (err) {
+            copied.textContent = err.message;
+          }
         } }, "Copy"),
         id ? el("button", { type: "button", class: "danger", onclick: () => this.revoke("invite", id) }, "Revoke") : null),
       copied);
@@ -142,7 +148,8 @@ export class Owner {
   renderPublish(info) {
     const where = [info.lan ? "the LAN" : "", info.dht ? "the DHT" : ""].filter(Boolean).join(" and ");
     $("publish-state").textContent = info.published
-      ? `Published as “${info.name}” on ${where || "its listing endpoint"}; others join with: meshllm join ${info.mesh_id}`
+      ? `Published as “${info.name}” on ${where || "its listing endpoint"}; `
+        + `others join with: meshllm join ${info.mesh_id}`
       : "Not published: only holders of an invite can join.";
     $("publish-state").dataset.published = String(Boolean(info.published));
   }
@@ -163,7 +170,8 @@ export class Owner {
     const peers = (status?.peers || []).filter((p) => p.state === "alive" || p.state === "suspect");
     const disabled = Boolean(gateReason(status, Boolean(this.api.token)));
     replace($("members"), peers.length ? peers.map((p) => el("li", { dataset: { nodeId: p.node_id } },
-      el("span", {}, el("strong", { text: p.name || shortId(p.node_id) }), el("code", { text: ` ${shortId(p.node_id)}…` })),
+      el("span", {}, el("strong", { text: p.name || shortId(p.node_id) }),
+        el("code", { text: ` ${shortId(p.node_id)}…` })),
       el("button", { type: "button", class: "danger", disabled, "aria-describedby": "owner-note",
         dataset: { focusKey: `revoke-${p.node_id}` },
         onclick: () => this.revoke("node", p.node_id) }, `Revoke ${p.name || shortId(p.node_id)}`)))
