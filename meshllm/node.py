@@ -18,13 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import msgspec
 import uvicorn
 
 from meshllm import __version__
 from meshllm.api.app import create_app
+from meshllm.api.console import console_router
 from meshllm.api.events import EventHub
 from meshllm.api.serving import Serving
-from meshllm.api.status import status_router
+from meshllm.api.status import mesh_links, status_router
 from meshllm.config import MODEL_HASHES_FILE, NODE_CERT_FILE, REVOCATIONS_FILE, ensure_home, resolve_home
 from meshllm.discovery.listing import LISTING_TTL_S
 from meshllm.discovery.publisher import NodeDiscovery, facts_from_records
@@ -171,6 +173,7 @@ class Node:
         assert self.serving is not None
         app = create_app(self.serving.backend)
         app.include_router(status_router(self))
+        app.include_router(console_router())
         if self.splits is not None:
             app.include_router(plan_router(self.splits))
         if self.discovery is not None:
@@ -271,9 +274,12 @@ class Node:
             "node_id": self.key.node_id, "name": self.name, "mesh_id": own.mesh_id, "version": __version__,
             "role": own.role, "api_url": self.api_url, "mesh_addr": self.mesh_addr,
             "uptime_s": round(time.time() - self.started_at, 1),
+            "mesh_owner": self.membership is not None and self.membership.mesh_key is not None,
             "models": [_model_json(m) for m in own.models.served],
+            "capacity": msgspec.structs.asdict(own.capacity), "load": msgspec.structs.asdict(own.load),
             "peers": peers,
             "rtt_matrix": {a: {b: round(ms, 3) for b, ms in row.items()} for a, row in gossip.rtt_matrix().items()},
+            "links": mesh_links([own, *gossip.members().values()]),
             "splits": self.splits.status() if self.splits is not None else [],
             "requests": self.serving.request_counters(),
         }

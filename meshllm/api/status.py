@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any, Literal, Protocol
 
 from fastapi import APIRouter
@@ -20,6 +20,8 @@ from pydantic import BaseModel, Field
 from meshllm.api.errors import error_body
 from meshllm.api.events import EventHub
 from meshllm.errors import ConfigError, DecodeError, MeshllmError
+from meshllm.mesh.admission import inspect_token
+from meshllm.mesh.records import PeerRecord
 
 KEEPALIVE_S = 15.0
 
@@ -70,12 +72,15 @@ def status_router(node: StatusSource) -> APIRouter:
                                  headers={"Cache-Control": "no-cache"})
 
     @router.post("/api/invite", response_model=None)
-    def post_invite(body: InviteRequest) -> dict[str, str] | JSONResponse:
+    def post_invite(body: InviteRequest) -> dict[str, Any] | JSONResponse:
         try:
-            return {"token": node.create_invite(body.ttl_s, body.max_uses)}
+            token = node.create_invite(body.ttl_s, body.max_uses)
         except MeshllmError as exc:  # this node does not hold the mesh key
             message = f"{exc} ({exc.hint})" if exc.hint else str(exc)
             return JSONResponse(error_body(message, "invalid_request_error", "not_mesh_owner"), status_code=409)
+        invite = inspect_token(token)  # the id and expiry, so a caller can list and revoke what it made
+        return {"token": token, "invite_id": invite.invite_id, "expires": invite.expires,
+                "max_uses": invite.max_uses}
 
     @router.post("/api/revoke", response_model=None)
     async def post_revoke(body: RevokeRequest) -> dict[str, Any] | JSONResponse:
@@ -89,6 +94,35 @@ def status_router(node: StatusSource) -> APIRouter:
                                 status_code=422)
 
     return router
+
+
+PATH_NAMES = {"direct": "direct", "punched": "punched", "relay": "relayed"}
+"""Record path kinds under the names ``/api/status`` uses for connections."""
+PATH_PREFERENCE = ("direct", "punched", "relayed")
+"""When the two ends of a link report different paths, the better one is the newer (traffic moves up)."""
+
+
+def mesh_links(records: Iterable[PeerRecord]) -> list[dict[str, Any]]:
+    """``/api/status`` ``links``: every measured link between the given nodes, once per pair.
+
+    Each node's record carries the RTT and path to the peers it is connected to; a link is kept when
+    either end measured it, with the mean RTT of both ends' figures. The console draws the mesh map
+    from this, so it can colour links this node is not part of.
+    """
+    recs = list(records)
+    known = {r.node_id for r in recs}
+    seen: dict[tuple[str, str], list[tuple[float, str]]] = {}
+    for rec in recs:
+        for peer, entry in rec.rtt.items():
+            if peer in known and peer != rec.node_id:
+                pair = (min(rec.node_id, peer), max(rec.node_id, peer))
+                seen.setdefault(pair, []).append((entry.rtt_ms, PATH_NAMES.get(entry.path, entry.path)))
+    links = []
+    for (a, b), measured in sorted(seen.items()):
+        path = min((p for _, p in measured), key=lambda p: PATH_PREFERENCE.index(p) if p in PATH_PREFERENCE else 9)
+        links.append({"a": a, "b": b, "rtt_ms": round(sum(ms for ms, _ in measured) / len(measured), 3),
+                      "path": path})
+    return links
 
 
 def _text(exc: MeshllmError) -> str:
