@@ -130,7 +130,7 @@ class EdgeGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = {k: v.decode("latin-1") for k, v in scope.get("headers") or [] if k in (b"host", b"origin")}
+        headers = {k.decode(): v.decode("latin-1") for k, v in scope.get("headers") or [] if k in (b"host", b"origin")}
         host = headers.get("host")
         if not self.policy.allows_host(host):
             await _refuse(scope, send, HostNotAllowed(
