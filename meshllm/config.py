@@ -47,14 +47,19 @@ def resolve_home(home: str | os.PathLike[str] | None = None) -> Path:
     return Path.home() / ".meshllm"
 
 
-def ensure_home(home: Path) -> Path:
+def ensure_home(home: Path, create: bool = True) -> Path:
     """Create the home folder (mode 0700) if missing; tighten an existing one; fail clearly if unusable.
+
+    ``create=False`` leaves a missing home missing (commands that only read it), but still tightens
+    and checks one that exists.
 
     A home that other users can enter lets them read the node's public files and, if writable,
     replace its keys or trust store. One created loosely (``mkdir`` under a permissive umask) is
     tightened to 0700 with a warning; one owned by another user is refused, since its owner could
     loosen it again at any time.
     """
+    if not create and not home.exists():
+        return home
     try:
         home.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:

@@ -19,27 +19,40 @@ Routes declare what they need with one of two dependencies:
 
 Secrets travel only in request headers, never in cookies: a browser never attaches them to a
 request on its own, so a web page cannot borrow the user's authority (no CSRF), and a cross-origin
-page cannot even send the header without passing CORS. :func:`audit_routes` refuses an app in
-which any ``/api/`` or ``/v1/`` route, or any state-changing route, has no guard, so a route added
-later cannot be left open by mistake.
+page cannot even send the header without passing CORS.
+
+Both dependencies declare their secrets as OpenAPI security schemes, so ``/docs`` shows them (and
+its "Authorize" button works) and :func:`audit_routes` can check every route through the public
+OpenAPI schema: an app in which any ``/api/`` or ``/v1/`` route, or any state-changing route, has
+no guard is refused, so a route added later cannot be left open by mistake.
 """
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Iterator
 from dataclasses import dataclass
 
-from fastapi import FastAPI, Request
-from fastapi.dependencies.models import Dependant
-from fastapi.routing import APIRoute
+from fastapi import FastAPI, Request, Security
+from fastapi.security import APIKeyHeader, HTTPBearer
 
 from meshllm.api.errors import Unauthorized
 from meshllm.errors import ConfigError
 
-SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+SAFE_METHODS = frozenset({"get", "head", "options"})
 GUARDED_PREFIXES = ("/api/", "/v1/")
 MIN_API_KEY_CHARS = 16
+
+_KEY_BEARER = HTTPBearer(scheme_name="KeyBearer", auto_error=False,
+                         description="An API key (`meshllm serve --api-key`) or the node's admin token; "
+                                     "needed only when the node has an API key.")
+_KEY_HEADER = APIKeyHeader(name="x-api-key", scheme_name="KeyHeader", auto_error=False,
+                           description="The same secret as an `x-api-key` header (Anthropic's clients).")
+_ADMIN_BEARER = HTTPBearer(scheme_name="AdminBearer", auto_error=False,
+                           description="The node's admin token (`$MESHLLM_HOME/admin.token`) or an API key.")
+_ADMIN_HEADER = APIKeyHeader(name="x-api-key", scheme_name="AdminHeader", auto_error=False,
+                             description="The same secret as an `x-api-key` header.")
+ADMIN_SCHEMES = frozenset({"AdminBearer", "AdminHeader"})
+KEY_SCHEMES = frozenset({"KeyBearer", "KeyHeader"})
 
 
 @dataclass(frozen=True)
@@ -92,14 +105,16 @@ def _access(request: Request) -> ApiAccess:
     return access if isinstance(access, ApiAccess) else ApiAccess()
 
 
-async def require_api_key(request: Request) -> None:
+async def require_api_key(request: Request, _bearer: object = Security(_KEY_BEARER),
+                          _header: object = Security(_KEY_HEADER)) -> None:
     """Dependency of ``/v1/*`` and read routes: an API key or the admin token, once API keys are configured."""
     access = _access(request)
     if access.keys_required:
         _check(access, request, "this node's API needs an API key")
 
 
-async def require_admin(request: Request) -> None:
+async def require_admin(request: Request, _bearer: object = Security(_ADMIN_BEARER),
+                        _header: object = Security(_ADMIN_HEADER)) -> None:
     """Dependency of every state-changing route: the node's admin token or an API key, always."""
     _check(_access(request), request, "this call changes the node or its mesh: it needs the node's admin token "
                                       "or an API key")
@@ -120,26 +135,22 @@ _HINT = ("the meshllm CLI reads the admin token from the node's home (--home or 
 def audit_routes(app: FastAPI) -> None:
     """Refuse an app with an unguarded route: each ``/api/``/``/v1/`` route needs a guard, each state change admin.
 
-    Raises :class:`ConfigError` naming every offending route, so a route added without a guard fails
-    every test that builds the app instead of shipping open.
+    Reads the app's OpenAPI schema (routes hidden from it are not checked: keep management routes
+    in it). Raises :class:`ConfigError` naming every offending route, so a route added without a
+    guard fails every test that builds the app instead of shipping open.
     """
     problems = []
-    for route in app.routes:
-        if not isinstance(route, APIRoute):
-            continue
-        guards = set(_calls(route.dependant))
-        changes = bool(set(route.methods) - SAFE_METHODS)
-        if changes and not route.path.startswith("/v1/") and require_admin not in guards:
-            problems.append(f"{'/'.join(sorted(route.methods))} {route.path} changes state without require_admin")
-        elif route.path.startswith(GUARDED_PREFIXES) and not guards & {require_admin, require_api_key}:
-            problems.append(f"{'/'.join(sorted(route.methods))} {route.path} has no require_api_key")
+    for path, item in app.openapi().get("paths", {}).items():
+        for method, operation in item.items():
+            if not isinstance(operation, dict):
+                continue
+            schemes = {name for requirement in operation.get("security", []) for name in requirement}
+            if method not in SAFE_METHODS and not path.startswith("/v1/") and not schemes & ADMIN_SCHEMES:
+                problems.append(f"{method.upper()} {path} changes state without require_admin")
+            elif path.startswith(GUARDED_PREFIXES) and not schemes & (ADMIN_SCHEMES | KEY_SCHEMES):
+                problems.append(f"{method.upper()} {path} has no require_api_key")
+    app.openapi_schema = None  # routes included later must show in /openapi.json too
     if problems:
         raise ConfigError("unguarded API routes: " + "; ".join(problems),
                           hint="add dependencies=[Depends(require_admin)] or [Depends(require_api_key)] "
                                "(meshllm/api/auth.py)")
-
-
-def _calls(dependant: Dependant) -> Iterator[object]:
-    for sub in dependant.dependencies:
-        yield sub.call
-        yield from _calls(sub)

@@ -73,9 +73,8 @@ def json_option(func: F) -> F:
 
 
 def home_dir(home: Path | None, create: bool = True) -> Path:
-    """Resolve (and by default create) the home folder for a command."""
-    path = resolve_home(home)
-    return ensure_home(path) if create else path
+    """Resolve (and by default create) the home folder for a command; an existing one is checked and tightened."""
+    return ensure_home(resolve_home(home), create=create)
 
 
 def echo_json(data: Any) -> None:
