@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from fastapi import APIRouter, Depends, FastAPI
 
 from meshllm import __version__
-from meshllm.api.auth import ApiAccess, audit_routes, require_api_key
+from meshllm.api.auth import ApiAccess, audit_routes, document_access, require_api_key
 from meshllm.api.backend import Backend, LocalBackend, ModelEntry
 from meshllm.api.edge import EdgePolicy, add_edge
 from meshllm.api.errors import install_error_handlers
@@ -42,7 +42,8 @@ def create_app(backend: Backend, limits: ApiLimits | None = None, routers: Seque
     admission = Admission(limits.max_concurrent, limits.queue_timeout_s)
     app.state.admission = admission
     app.state.backend = backend
-    app.state.access = access or ApiAccess()
+    app.state.access = access = access or ApiAccess()
+    document_access(app, access)
     install_error_handlers(app)
     surfaces = APIRouter(dependencies=[Depends(require_api_key)])
     surfaces.include_router(build_router(backend, admission))

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import FastAPI, Request, Security
 from fastapi.security import APIKeyHeader, HTTPBearer
@@ -105,6 +106,12 @@ def _access(request: Request) -> ApiAccess:
     return access if isinstance(access, ApiAccess) else ApiAccess()
 
 
+def may_read(request: Request) -> bool:
+    """Whether ``request`` may see what :func:`require_api_key` guards (for routes that answer anyone, in part)."""
+    access = _access(request)
+    return not access.keys_required or access.accepts(presented_secrets(request))
+
+
 async def require_api_key(request: Request, _bearer: object = Security(_KEY_BEARER),
                           _header: object = Security(_KEY_HEADER)) -> None:
     """Dependency of ``/v1/*`` and read routes: an API key or the admin token, once API keys are configured."""
@@ -130,6 +137,29 @@ def _check(access: ApiAccess, request: Request, need: str) -> None:
 
 _HINT = ("the meshllm CLI reads the admin token from the node's home (--home or $MESHLLM_HOME, as the user "
          "that runs the node); clients pass an API key set with `meshllm serve --api-key`")
+
+
+def document_access(app: FastAPI, access: ApiAccess) -> None:
+    """Make ``/openapi.json`` say what this node asks for: without API keys, the key is optional on ``/v1``.
+
+    OpenAPI writes "optional" as an empty security requirement next to the schemes; admin routes
+    never get one (they always need a secret).
+    """
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()
+            if not access.keys_required:
+                for item in schema.get("paths", {}).values():
+                    for operation in item.values():
+                        security = operation.get("security") if isinstance(operation, dict) else None
+                        names = {name for requirement in security or [] for name in requirement}
+                        if names and names <= KEY_SCHEMES:
+                            security.append({})
+        return app.openapi_schema or generate()
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def audit_routes(app: FastAPI) -> None:

@@ -12,8 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+
+from meshllm.api.auth import may_read
 
 LOADING_EVENTS = frozenset({"model_loading", "split_placing", "split_waiting", "split_stage_failed"})
 READY_EVENTS = frozenset({"model_ready", "split_ready"})
@@ -48,15 +50,19 @@ class Readiness:
 
 
 def health_router(readiness: Readiness, mesh_models: Callable[[], int], active: Callable[[], int]) -> APIRouter:
-    """``/health``, open to anyone (no secret needed: it says nothing a port scan would not)."""
+    """``/health``, open to anyone: probes need no secret. On a node with API keys, a caller without
+    one sees only ``status`` (the model names and counts are for clients of the API)."""
     router = APIRouter()
 
     @router.get("/health", tags=["node"], response_model=None)
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
         """200 when ready; 503 while loading or stopping. Models served here ready/loading; mesh models; requests."""
         status = readiness.status
+        code = 200 if status == "ok" else 503
+        if not may_read(request):
+            return JSONResponse({"status": status}, status_code=code)
         body = {"status": status, "models": mesh_models(), "active_requests": active(),
                 "ready_models": sorted(readiness.ready_models), "loading": sorted(readiness.loading)}
-        return JSONResponse(body, status_code=200 if status == "ok" else 503)
+        return JSONResponse(body, status_code=code)
 
     return router

@@ -79,7 +79,8 @@ def test_read_routes_need_the_key_once_there_is_one_and_health_never_does(keyed:
     assert httpx.get(keyed + "/api/look", headers={"x-api-key": KEY}).status_code == 200
     assert httpx.get(open_api + "/api/look").status_code == 200
     assert httpx.get(open_api + "/v1/models").status_code == 200
-    assert httpx.get(keyed + "/health").status_code == 200
+    assert httpx.get(keyed + "/health").json() == {"status": "ok"}, "probes need no key, and learn no more"
+    assert httpx.get(keyed + "/health", headers={"x-api-key": KEY}).json()["ready_models"] == ["tiny-llama"]
 
 
 def test_management_needs_a_secret_even_without_api_keys(keyed: str, open_api: str) -> None:
