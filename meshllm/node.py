@@ -25,7 +25,7 @@ import uvicorn
 from meshllm import __version__
 from meshllm.api.app import create_app
 from meshllm.api.auth import ApiAccess, check_api_key
-from meshllm.api.connections import guarded_protocol
+from meshllm.api.connections import ACCEPT_BACKLOG, guarded_protocol
 from meshllm.api.edge import EdgePolicy, is_loopback_host
 from meshllm.api.events import EventHub
 from meshllm.api.health import Readiness
@@ -207,8 +207,8 @@ class Node:
         app = create_app(self.serving.backend, routers=routers, access=self.access, edge=edge, policy=self.policy,
                          readiness=self.readiness)
         sock = _bind_api_socket(self.options.api_host, self.options.api_port)
-        config = uvicorn.Config(app, http=guarded_protocol(edge), log_level="warning", lifespan="off",
-                                access_log=False)
+        config = uvicorn.Config(app, http=guarded_protocol(edge), backlog=ACCEPT_BACKLOG, log_level="warning",
+                                lifespan="off", access_log=False)
         self._server = _EmbeddedServer(config)
         self._server_task = asyncio.create_task(self._server.serve(sockets=[sock]), name="http-api")
         deadline = time.monotonic() + 10.0
@@ -328,11 +328,15 @@ def _api_keys(options: NodeOptions) -> tuple[str, ...]:
 
 
 def _fit_to_descriptors(edge: EdgeLimits) -> EdgeLimits:
-    """Keep the connection cap under half the process's file-descriptor limit (QUIC, models and logs need some)."""
+    """Keep the connection cap at a quarter of the process's descriptor limit.
+
+    The rest is for sockets accepted but not yet counted (a few backlogs' worth under a connection
+    flood), connections being closed, the QUIC endpoint, models and logs.
+    """
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or edge.max_connections <= soft // 2:
+    if soft == resource.RLIM_INFINITY or edge.max_connections <= soft // 4:
         return edge
-    return dataclasses.replace(edge, max_connections=max(16, soft // 2))
+    return dataclasses.replace(edge, max_connections=max(16, soft // 4))
 
 
 def _bind_api_socket(host: str, port: int) -> socket.socket:

@@ -16,6 +16,11 @@ peers see it go quiet. The protocol here is uvicorn's h11 protocol with two addi
   408 when it had sent part of a request).
 
 The body has its own deadline in :class:`~meshllm.api.limits.BodyLimit`.
+
+Between the kernel and :meth:`GuardedH11Protocol.connection_made`, asyncio accepts up to the
+listen backlog of sockets per wake-up, and hands each to its protocol a few loop iterations
+later. Those sockets hold descriptors the cap cannot see yet, so the node listens with a small
+backlog (:data:`ACCEPT_BACKLOG`) and keeps the cap well under its descriptor limit.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from meshllm.api.errors import ApiError, NoCapacity, RequestTimeout, error_for
 from meshllm.api.limits import EdgeLimits
+
+ACCEPT_BACKLOG = 64
+"""Listen backlog, and so the most sockets asyncio accepts at one wake-up before protocols see them."""
 
 
 class ConnectionTable:

@@ -34,8 +34,9 @@ class EdgeLimits:
     """Bounds on HTTP connections, so that no client can hold the node's sockets or stall a read."""
 
     max_connections: int = 512
-    """Open connections at once. At the cap, a new connection closes the oldest one that has no request in
-    progress (idle, or still sending its headers); only when every one is serving a request is it refused (503)."""
+    """Open connections at once (the node keeps it under a quarter of its descriptor limit). At the cap,
+    a new connection closes the oldest one that has no request in progress (idle, or still sending
+    its headers); only when every one is serving a request is it refused (503)."""
     header_timeout_s: float = 10.0
     """A request's line and headers must arrive within this, counted from when the connection was ready for
     them (a slow-loris client dripping bytes is cut off; a fresh byte does not restart the clock)."""
