@@ -106,7 +106,7 @@ def node_round(samples: dict[str, list[float]]) -> None:
         peer.wait_ready()
         bootstrap, mesh_id = peer.dht_addr(), owner.ready["mesh_id"]
         start = time.perf_counter()
-        meshllm("publish", "--name", "bench", "--api", owner.api).check_returncode()
+        meshllm("publish", "--name", "bench", *owner.api_args).check_returncode()
         wait_until(lambda: bool(asyncio.run(dht_lookup([bootstrap], 5.0, mesh_id))), 30.0, interval=0.05)
         samples["publish_visible"].append((time.perf_counter() - start) * 1000)
         start = time.perf_counter()

@@ -1,12 +1,18 @@
 """Where a node keeps its files, and its defaults.
 
 The home folder is ``--home``, else ``$MESHLLM_HOME``, else ``~/.meshllm``. It holds the node key,
-the owner keystore, the trust store, mesh keys and ``config.toml`` (all optional; defaults below).
+the owner keystore, the trust store, mesh keys, the admin token and ``config.toml`` (all optional;
+defaults below). Everything in it is private to the user running the node: the folder is kept at
+mode 0700 and every secret file at 0600, and a secret that other users can read is refused.
 """
 
 from __future__ import annotations
 
+import base64
+import logging
 import os
+import secrets
+import stat
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +30,11 @@ MESH_KEY_FILE = "mesh.key"
 REVOCATIONS_FILE = "revocations.msgpack"
 MODEL_HASHES_FILE = "model-hashes.json"
 CONFIG_FILE = "config.toml"
+ADMIN_TOKEN_FILE = "admin.token"
+"""The bearer token that authorises management calls to the node's API (see :func:`load_or_create_admin_token`)."""
+ADMIN_TOKEN_BYTES = 32
+
+log = logging.getLogger(__name__)
 
 
 def resolve_home(home: str | os.PathLike[str] | None = None) -> Path:
@@ -36,8 +47,19 @@ def resolve_home(home: str | os.PathLike[str] | None = None) -> Path:
     return Path.home() / ".meshllm"
 
 
-def ensure_home(home: Path) -> Path:
-    """Create the home folder (mode 0700) if missing; fail clearly if it cannot be used."""
+def ensure_home(home: Path, create: bool = True) -> Path:
+    """Create the home folder (mode 0700) if missing; tighten an existing one; fail clearly if unusable.
+
+    ``create=False`` leaves a missing home missing (commands that only read it), but still tightens
+    and checks one that exists.
+
+    A home that other users can enter lets them read the node's public files and, if writable,
+    replace its keys or trust store. One created loosely (``mkdir`` under a permissive umask) is
+    tightened to 0700 with a warning; one owned by another user is refused, since its owner could
+    loosen it again at any time.
+    """
+    if not create and not home.exists():
+        return home
     try:
         home.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
@@ -45,6 +67,15 @@ def ensure_home(home: Path) -> Path:
                           hint="pass --home DIR or set MESHLLM_HOME to a writable folder") from exc
     if not home.is_dir():
         raise ConfigError(f"home {home} is not a folder", hint="pass --home DIR")
+    info = home.stat()
+    if info.st_uid != os.geteuid():
+        raise ConfigError(f"home folder {home} belongs to another user (uid {info.st_uid})",
+                          hint="use a home folder of your own: --home DIR or MESHLLM_HOME")
+    loose = info.st_mode & (stat.S_IRWXG | stat.S_IRWXO)
+    if loose:
+        home.chmod(0o700)
+        log.warning("tightened home folder %s from mode %o to 700: other users could read or replace its files",
+                    home, info.st_mode & 0o777)
     return home
 
 
@@ -61,6 +92,86 @@ def write_private(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def read_private(path: Path, what: str) -> bytes:
+    """The bytes of a secret file; :class:`ConfigError` if other users can access it or it cannot be read.
+
+    A loose mode is refused, not repaired: it means the secret may already be known to someone
+    else, and only the operator can decide whether it still is (``chmod 600``) or must be replaced.
+    Raises FileNotFoundError when the file does not exist (callers decide what absence means).
+    """
+    info = path.stat()
+    if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(f"{what} {path} is accessible by other users (mode {info.st_mode & 0o777:o})",
+                          hint=f"run `chmod 600 {path}` if it is still secret, else delete it")
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from exc
+
+
+def create_private(path: Path, data: bytes) -> bool:
+    """Write ``data`` at ``path`` (mode 0600) only if nothing is there yet; ``False`` if it already was.
+
+    Race-free: the data goes to a private temporary file that is hard-linked into place, which fails
+    if another process created the file first (that one then wins, whole, never half-written).
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.new")
+    write_private(tmp, data)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+    return True
+
+
+def load_or_create_admin_token(home: Path) -> str:
+    """The node's admin token, created (random, mode 0600) at first start and reused after.
+
+    Whoever can read ``$MESHLLM_HOME/admin.token`` (the user running the node, through the CLI or
+    the console) may make management calls; nobody else can. A token file that other users can
+    read is no longer a secret, and a garbled one is no token: either is replaced by a fresh token
+    (with a warning) rather than used.
+    """
+    path = ensure_home(home) / ADMIN_TOKEN_FILE
+    try:
+        token = _token_text(read_private(path, "admin token"))
+        if token is not None:
+            return token
+        log.warning("admin token file %s is malformed; writing a new one", path)
+    except FileNotFoundError:
+        fresh = _new_token()
+        if create_private(path, fresh.encode() + b"\n"):
+            return fresh
+        return load_or_create_admin_token(home)  # another process created it first: use theirs
+    except ConfigError as exc:
+        log.warning("%s; writing a new admin token", exc)
+    fresh = _new_token()
+    write_private(path, fresh.encode() + b"\n")
+    return fresh
+
+
+def read_admin_token(home: Path) -> str | None:
+    """The admin token in ``home`` if this user can read it, else ``None`` (for clients such as the CLI)."""
+    try:
+        return _token_text((home / ADMIN_TOKEN_FILE).read_bytes())
+    except OSError:
+        return None
+
+
+def _new_token() -> str:
+    return base64.urlsafe_b64encode(secrets.token_bytes(ADMIN_TOKEN_BYTES)).decode().rstrip("=")
+
+
+def _token_text(data: bytes) -> str | None:
+    """The token in a token file, or ``None`` when the file is empty or garbled."""
+    text = data.decode("ascii", "replace").strip()
+    if len(text) < 16 or not all(c.isalnum() or c in "-_" for c in text):
+        return None
+    return text
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import resource
 import socket
 import time
 from collections.abc import Iterator
@@ -23,11 +25,23 @@ import uvicorn
 
 from meshllm import __version__
 from meshllm.api.app import create_app
+from meshllm.api.auth import ApiAccess, check_api_key
+from meshllm.api.connections import ACCEPT_BACKLOG, guarded_protocol
 from meshllm.api.console import console_router
+from meshllm.api.edge import EdgePolicy, is_loopback_host
 from meshllm.api.events import EventHub
+from meshllm.api.health import Readiness
+from meshllm.api.limits import EdgeLimits
 from meshllm.api.serving import Serving
 from meshllm.api.status import mesh_links, status_router
-from meshllm.config import MODEL_HASHES_FILE, NODE_CERT_FILE, REVOCATIONS_FILE, ensure_home, resolve_home
+from meshllm.config import (
+    MODEL_HASHES_FILE,
+    NODE_CERT_FILE,
+    REVOCATIONS_FILE,
+    ensure_home,
+    load_or_create_admin_token,
+    resolve_home,
+)
 from meshllm.discovery.listing import LISTING_TTL_S
 from meshllm.discovery.publisher import NodeDiscovery, facts_from_records
 from meshllm.discovery.routes import discovery_router
@@ -83,6 +97,14 @@ class NodeOptions:
     """TCP port of the DHT node; set, it starts the DHT at start (a bootstrap peer for others)."""
     listing_ttl_s: float = LISTING_TTL_S
     """Lifetime of published listings (republished every half of it); short only in tests."""
+    api_keys: list[str] = field(default_factory=list)
+    """``--api-key``: secrets clients on other machines send; required when the API binds beyond loopback."""
+    cors_origins: list[str] = field(default_factory=list)
+    """``--cors-origin``: web origins whose pages may use the API, besides loopback pages (``*``: any)."""
+    allowed_hosts: list[str] = field(default_factory=list)
+    """``--allowed-host``: host names requests may carry besides localhost and IP literals (``*``: any)."""
+    edge: EdgeLimits = field(default_factory=EdgeLimits)
+    """HTTP connection cap and read deadlines."""
 
 
 class Node:
@@ -90,8 +112,15 @@ class Node:
 
     def __init__(self, options: NodeOptions, events: EventHub | None = None) -> None:
         self.options = options
+        api_keys = _api_keys(options)
+        self.policy = EdgePolicy.build(options.api_host, options.allowed_hosts, options.cors_origins)
         self.events = events or EventHub()
+        self.readiness = Readiness()
+        self.events.add_sink(self.readiness.on_event)
         self.home = ensure_home(resolve_home(options.home))
+        self.admin_token = load_or_create_admin_token(self.home)
+        """Management calls need it (or an API key); the CLI reads it from the home."""
+        self.access = ApiAccess(self.admin_token, api_keys)
         self.key = NodeKey.ephemeral() if options.ephemeral else NodeKey.load_or_create(self.home)
         self.name = options.name or self.key.node_id[:8]
         self.started_at = time.time()
@@ -171,15 +200,17 @@ class Node:
 
     async def _start_api(self) -> None:
         assert self.serving is not None
-        app = create_app(self.serving.backend)
-        app.include_router(status_router(self))
-        app.include_router(console_router())
+        routers = [status_router(self), console_router()]
         if self.splits is not None:
-            app.include_router(plan_router(self.splits))
+            routers.append(plan_router(self.splits))
         if self.discovery is not None:
-            app.include_router(discovery_router(self.discovery))
+            routers.append(discovery_router(self.discovery))
+        edge = _fit_to_descriptors(self.options.edge)
+        app = create_app(self.serving.backend, routers=routers, access=self.access, edge=edge, policy=self.policy,
+                         readiness=self.readiness)
         sock = _bind_api_socket(self.options.api_host, self.options.api_port)
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
+        config = uvicorn.Config(app, http=guarded_protocol(edge), backlog=ACCEPT_BACKLOG, log_level="warning",
+                                lifespan="off", access_log=False)
         self._server = _EmbeddedServer(config)
         self._server_task = asyncio.create_task(self._server.serve(sockets=[sock]), name="http-api")
         deadline = time.monotonic() + 10.0
@@ -290,6 +321,27 @@ def _model_json(model: Any) -> dict[str, Any]:
     end = model.layer_end or None
     return {"name": model.name, "engine": model.engine, "context": model.context,
             "layers": [model.layer_start, end] if end else None}
+
+
+def _api_keys(options: NodeOptions) -> tuple[str, ...]:
+    """The API keys, checked, and checked to exist when the API is reachable from other machines."""
+    keys = tuple(dict.fromkeys(check_api_key(k) for k in options.api_keys))
+    if not keys and not is_loopback_host(options.api_host):
+        raise ConfigError(f"the HTTP API would listen on {options.api_host}, beyond this machine, without an API key",
+                          hint="pass --api-key KEY (or set MESHLLM_API_KEY), or keep the API on 127.0.0.1")
+    return keys
+
+
+def _fit_to_descriptors(edge: EdgeLimits) -> EdgeLimits:
+    """Keep the connection cap at a quarter of the process's descriptor limit.
+
+    The rest is for sockets accepted but not yet counted (a few backlogs' worth under a connection
+    flood), connections being closed, the QUIC endpoint, models and logs.
+    """
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or edge.max_connections <= soft // 4:
+        return edge
+    return dataclasses.replace(edge, max_connections=max(16, soft // 4))
 
 
 def _bind_api_socket(host: str, port: int) -> socket.socket:

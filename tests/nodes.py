@@ -96,8 +96,22 @@ class NodeProcess:
         """The node's DHT multiaddr (from its ``dht_ready`` event; the node needs a DHT port)."""
         return self.wait_event(lambda e: e["type"] == "dht_ready", timeout)["multiaddrs"][0]
 
+    @property
+    def admin_token(self) -> str:
+        """The node's admin token (management calls need it), read from its home like the CLI does."""
+        return (self.home / "admin.token").read_text().strip()
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_token}"}
+
+    @property
+    def api_args(self) -> list[str]:
+        """``--api URL --home HOME``: what a CLI command needs to call this node (it sends the admin token)."""
+        return ["--api", self.api, "--home", str(self.home)]
+
     def status(self, timeout: float = 5.0) -> dict[str, Any]:
-        return httpx.get(self.api + "/api/status", timeout=timeout).json()
+        return httpx.get(self.api + "/api/status", headers=self.admin_headers, timeout=timeout).json()
 
     def terminate(self, timeout: float = 10.0) -> int:
         """SIGTERM (a graceful leave) and wait."""

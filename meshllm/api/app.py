@@ -1,37 +1,59 @@
-"""The FastAPI application: OpenAI routes and ``/health`` around a :class:`Backend`, with limits."""
+"""The FastAPI application: OpenAI routes and ``/health`` around a :class:`Backend`, with limits and auth.
+
+Layers a request passes, outermost first: :class:`~meshllm.api.edge.EdgeGuard` (the ``Host`` it
+names, the web page that sends it), CORS, :class:`~meshllm.api.limits.BodyLimit` (size and time),
+then the route, whose dependency (:mod:`meshllm.api.auth`) checks its secret. Connection counts and
+header deadlines sit below all of these, in the HTTP protocol (:mod:`meshllm.api.connections`).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, Depends, FastAPI
 
 from meshllm import __version__
+from meshllm.api.auth import ApiAccess, audit_routes, document_access, require_api_key
 from meshllm.api.backend import Backend, LocalBackend, ModelEntry
+from meshllm.api.edge import EdgePolicy, add_edge
 from meshllm.api.errors import install_error_handlers
-from meshllm.api.limits import Admission, ApiLimits, BodyLimit
+from meshllm.api.health import Readiness, health_router
+from meshllm.api.limits import Admission, ApiLimits, BodyLimit, EdgeLimits
 from meshllm.api.openai import build_router
 
-__all__ = ["ApiLimits", "Backend", "LocalBackend", "ModelEntry", "create_app"]
+__all__ = ["ApiAccess", "ApiLimits", "Backend", "EdgeLimits", "EdgePolicy", "LocalBackend", "ModelEntry",
+           "Readiness", "create_app"]
 
 
-def create_app(backend: Backend, limits: ApiLimits | None = None, routers: Sequence[APIRouter] = ()) -> FastAPI:
-    """The node's HTTP API around ``backend``; ``routers`` adds the node's own routes (status, events)."""
+def create_app(backend: Backend, limits: ApiLimits | None = None, routers: Sequence[APIRouter] = (), *,
+               access: ApiAccess | None = None, edge: EdgeLimits | None = None, policy: EdgePolicy | None = None,
+               readiness: Readiness | None = None) -> FastAPI:
+    """The node's HTTP API around ``backend``; ``routers`` adds the node's own routes (status, events, ...).
+
+    Every ``/api/`` and ``/v1/`` route must carry a guard from :mod:`meshllm.api.auth` (checked here:
+    an unguarded one is a :class:`~meshllm.errors.ConfigError`). Defaults suit tests: no API key,
+    no admin token (management routes then refuse everyone), loopback host names only, and every
+    model of ``backend`` counted as ready.
+    """
     limits = limits or ApiLimits()
+    edge = edge or EdgeLimits()
     app = FastAPI(title="meshllm", version=__version__,
                   description="OpenAI-compatible API of a meshllm node (see docs/api.md).")
     admission = Admission(limits.max_concurrent, limits.queue_timeout_s)
     app.state.admission = admission
     app.state.backend = backend
+    app.state.access = access = access or ApiAccess()
+    document_access(app, access)
     install_error_handlers(app)
-    app.include_router(build_router(backend, admission))
+    surfaces = APIRouter(dependencies=[Depends(require_api_key)])
+    surfaces.include_router(build_router(backend, admission))
+    app.include_router(surfaces)
     for router in routers:
         app.include_router(router)
-
-    @app.get("/health", tags=["node"])
-    async def health() -> dict[str, object]:
-        """Liveness: the API answers; how many models the mesh serves; requests in progress."""
-        return {"status": "ok", "models": len(backend.models()), "active_requests": admission.active}
-
-    app.add_middleware(BodyLimit, limit=limits.max_body_bytes)
+    readiness = readiness or Readiness(ready=True, models=[m.id for m in backend.models()])
+    app.include_router(health_router(readiness, lambda: len(backend.models()), lambda: admission.active))
+    audit_routes(app)
+    app.add_middleware(BodyLimit, limit=limits.max_body_bytes, drain_limit=edge.max_drain_bytes,
+                       timeout_s=edge.body_timeout_s)
+    add_edge(app, policy or EdgePolicy())
     return app

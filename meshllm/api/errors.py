@@ -9,7 +9,8 @@ exceptions are logged here and answered with a plain 500.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,12 +29,39 @@ class ApiError(MeshllmError):
     status = 500
     type = "server_error"
     code = "internal_error"
+    headers: ClassVar[Mapping[str, str] | None] = None
+    """Response headers the status needs (``WWW-Authenticate`` on a 401)."""
 
 
 class BadRequest(ApiError):
     """The request is well-formed JSON but asks for something we do not do."""
 
     status, type, code = 400, "invalid_request_error", "invalid_request"
+
+
+class Unauthorized(ApiError):
+    """The request carries no valid API key or admin token for a route that needs one."""
+
+    status, type, code = 401, "invalid_request_error", "invalid_api_key"
+    headers: ClassVar[Mapping[str, str] | None] = {"WWW-Authenticate": 'Bearer realm="meshllm"'}
+
+
+class HostNotAllowed(ApiError):
+    """The ``Host`` header names a host this node does not answer for (a DNS-rebinding page sends one)."""
+
+    status, type, code = 403, "invalid_request_error", "host_not_allowed"
+
+
+class OriginNotAllowed(ApiError):
+    """A web page of an origin this node does not trust tried to change something."""
+
+    status, type, code = 403, "invalid_request_error", "origin_not_allowed"
+
+
+class RequestTimeout(ApiError):
+    """The client did not send its request body within the deadline."""
+
+    status, type, code = 408, "invalid_request_error", "request_timeout"
 
 
 class UnknownModel(ApiError):
@@ -105,7 +133,7 @@ def error_for(exc: BaseException) -> tuple[int, dict[str, Any]]:
 def error_response(exc: BaseException) -> JSONResponse:
     """A JSONResponse for ``exc``."""
     status, body = error_for(exc)
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=getattr(exc, "headers", None))
 
 
 def _validation_response(exc: RequestValidationError) -> JSONResponse:

@@ -1,8 +1,9 @@
 """Limits that keep one client from exhausting a node.
 
-The body limit refuses oversized requests (413) before they are buffered in full. The admission
-limit bounds requests being generated at once; a request over it waits at most
-``queue_timeout_s`` for a slot and then gets a 503 instead of waiting without a deadline.
+The body limit refuses oversized requests (413) without buffering them, and bounds how long a body
+may take to arrive (408). The admission limit bounds requests being generated at once; a request
+over it waits at most ``queue_timeout_s`` for a slot and then gets a 503 instead of waiting
+without a deadline. Connection counts and header deadlines live in :mod:`meshllm.api.connections`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from meshllm.api.errors import BodyTooLarge, NoCapacity, error_for
+from meshllm.api.errors import ApiError, BodyTooLarge, NoCapacity, RequestTimeout, error_for
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,25 @@ class ApiLimits:
     """Generations in progress at once, across all models."""
     queue_timeout_s: float = 30.0
     """How long a request over ``max_concurrent`` waits for a slot before a 503."""
+
+
+@dataclass(frozen=True)
+class EdgeLimits:
+    """Bounds on HTTP connections, so that no client can hold the node's sockets or stall a read."""
+
+    max_connections: int = 512
+    """Open connections at once (the node keeps it under a quarter of its descriptor limit). At the cap,
+    a new connection closes the oldest one that has no request in progress (idle, or still sending
+    its headers); only when every one is serving a request is it refused (503)."""
+    header_timeout_s: float = 10.0
+    """A request's line and headers must arrive within this, counted from when the connection was ready for
+    them (a slow-loris client dripping bytes is cut off; a fresh byte does not restart the clock)."""
+    body_timeout_s: float = 60.0
+    """The whole body must arrive within this, counted from its headers (408 after)."""
+    max_drain_bytes: int = 64 * 1024 * 1024
+    """An over-size body up to this size is read and dropped before the 413, so the client, still sending,
+    gets the answer rather than a reset connection; larger ones are answered at once and the connection
+    closed."""
 
 
 class Admission:
@@ -73,49 +93,83 @@ class Slots:
 
 
 class BodyLimit:
-    """ASGI middleware: 413 for bodies over ``limit`` bytes, by header or by counting.
+    """ASGI middleware: 413 for bodies over ``limit`` bytes (by header or by counting), 408 for slow ones.
 
     The body is read up front (it is at most ``limit`` bytes) and replayed to the app; later
     ``receive`` calls go to the server, so disconnect notices still reach streaming responses.
+
+    A 413 sent while the client is still uploading, followed by closing the connection, is often
+    lost: the close resets the connection with the client's bytes unread and the client sees the
+    reset, not the answer. So an over-size body is read to its end and dropped (up to
+    ``drain_limit`` bytes, bounded in time like any body) and the 413 leaves on a connection that
+    stays usable. Only a body larger than ``drain_limit``, or one the client has not sent yet
+    (``Expect: 100-continue``), is answered at once, with ``connection: close``.
     """
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int, drain_limit: int | None = None, timeout_s: float = 60.0) -> None:
         self.app = app
         self.limit = limit
+        self.drain_limit = max(limit, drain_limit if drain_limit is not None else limit)
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await self._refuse(send)
+        headers = dict(scope.get("headers") or [])
+        declared_text = headers.get(b"content-length", b"")
+        declared = int(declared_text) if declared_text.isdigit() else None
+        if declared is not None and declared > self.limit and (
+                declared > self.drain_limit or b"100-continue" in headers.get(b"expect", b"").lower()):
+            await self._answer(send, self._too_large(), close=True)
             return
-        body = bytearray()
-        more = True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                break  # client went away: the app sees an empty body and the disconnect later
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > self.limit:
-                await self._refuse(send)
-                return
+        body: bytearray | None = bytearray()
+        received = 0
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                more = True
+                while more:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        if body is None:
+                            return  # the client left in the middle of an over-size body: nobody to answer
+                        break  # client went away: the app sees an empty body and the disconnect later
+                    chunk = message.get("body", b"")
+                    received += len(chunk)
+                    more = message.get("more_body", False)
+                    if received > self.limit:
+                        body = None  # over the limit: count what is left, keep none of it
+                        if received > self.drain_limit:
+                            await self._answer(send, self._too_large(), close=True)
+                            return
+                    elif body is not None:
+                        body += chunk
+        except TimeoutError:
+            await self._answer(send, RequestTimeout(f"the request body did not arrive within {self.timeout_s:g} s"),
+                               close=True)
+            return
+        if body is None:
+            await self._answer(send, self._too_large(), close=False)
+            return
+        data = bytes(body)
         replayed = False
 
         async def replay() -> Message:
             nonlocal replayed
             if not replayed:
                 replayed = True
-                return {"type": "http.request", "body": bytes(body), "more_body": False}
+                return {"type": "http.request", "body": data, "more_body": False}
             return await receive()
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send: Send) -> None:
-        status, body = error_for(BodyTooLarge(f"request body exceeds the {self.limit}-byte limit"))
-        response = JSONResponse(body, status_code=status, headers={"connection": "close"})
+    def _too_large(self) -> BodyTooLarge:
+        return BodyTooLarge(f"request body exceeds the {self.limit}-byte limit")
+
+    @staticmethod
+    async def _answer(send: Send, exc: ApiError, *, close: bool) -> None:
+        status, body = error_for(exc)
+        response = JSONResponse(body, status_code=status, headers={"connection": "close"} if close else None)
         await response({"type": "http"}, _no_receive, send)
 
 

@@ -50,6 +50,10 @@ class Target:
     local: bool = False
 
 
+MAX_COUNTED_FAILURES = 64
+"""Consecutive failures counted per target; 2**63 times any base already exceeds every sensible cap."""
+
+
 @dataclass
 class _Health:
     failures: int = 0
@@ -104,11 +108,15 @@ class Router:
     # ---- health ----------------------------------------------------------------------------
 
     def record_failure(self, node_id: str, now: float) -> float:
-        """Note a failed attempt; return when the target may be preferred again."""
+        """Note a failed attempt; return when the target may be preferred again.
+
+        The failure count is capped before it is used as an exponent: thousands of failures in a row
+        (a flood of requests to a broken peer) must neither overflow a float nor grow an integer.
+        """
         health = self._health.setdefault(node_id, _Health())
-        health.failures += 1
+        health.failures = min(health.failures + 1, MAX_COUNTED_FAILURES)
         cfg = self.config
-        delay = min(cfg.cooldown_base_s * 2 ** (health.failures - 1), cfg.cooldown_max_s)
+        delay = min(cfg.cooldown_base_s * 2.0 ** (health.failures - 1), cfg.cooldown_max_s)
         health.until = now + delay
         return health.until
 

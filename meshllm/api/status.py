@@ -4,6 +4,9 @@
 ``GET /api/events`` streams the node's events as server-sent events; ``POST /api/invite`` asks the
 node for a fresh invite token and ``POST /api/revoke`` revokes an invite or a node id and gossips
 the revocation to every member (only the node holding the mesh key can sign either).
+
+The two reads need an API key once the node has one; invites and revocations always need the
+admin token or an API key (:mod:`meshllm.api.auth`).
 """
 
 from __future__ import annotations
@@ -13,10 +16,11 @@ import json
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, Literal, Protocol
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
+from meshllm.api.auth import require_admin, require_api_key
 from meshllm.api.errors import error_body
 from meshllm.api.events import EventHub
 from meshllm.errors import ConfigError, DecodeError, MeshllmError
@@ -62,16 +66,16 @@ def status_router(node: StatusSource) -> APIRouter:
     """Routes for status, events and invites, bound to ``node``."""
     router = APIRouter()
 
-    @router.get("/api/status")
+    @router.get("/api/status", dependencies=[Depends(require_api_key)])
     def get_status() -> dict[str, Any]:
         return node.status()
 
-    @router.get("/api/events")
+    @router.get("/api/events", dependencies=[Depends(require_api_key)])
     async def get_events() -> StreamingResponse:
         return StreamingResponse(_sse(node.events), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
-    @router.post("/api/invite", response_model=None)
+    @router.post("/api/invite", response_model=None, dependencies=[Depends(require_admin)])
     def post_invite(body: InviteRequest) -> dict[str, Any] | JSONResponse:
         try:
             token = node.create_invite(body.ttl_s, body.max_uses)
@@ -82,7 +86,7 @@ def status_router(node: StatusSource) -> APIRouter:
         return {"token": token, "invite_id": invite.invite_id, "expires": invite.expires,
                 "max_uses": invite.max_uses}
 
-    @router.post("/api/revoke", response_model=None)
+    @router.post("/api/revoke", response_model=None, dependencies=[Depends(require_admin)])
     async def post_revoke(body: RevokeRequest) -> dict[str, Any] | JSONResponse:
         # async on purpose: the revocation changes the gossip core, which lives on this event loop.
         try:

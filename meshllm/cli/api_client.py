@@ -5,6 +5,10 @@ that stays silent for ``idle_timeout`` seconds simply ends, so a caller can reco
 When nothing listens at the URL, every helper raises the same :class:`NodeUnreachable`, whose
 message tells the user how to start a node; the CLI prints it as one line.
 
+Every call carries the caller's secret as ``Authorization: Bearer``: an API key when one is given
+(``--api-key``, ``$MESHLLM_API_KEY``), else the node's admin token read from its home (``--home``,
+``$MESHLLM_HOME``, ``~/.meshllm``), which only the user running that node can read.
+
 Proxy variables from the environment are ignored on purpose: the API binds 127.0.0.1 by default,
 and a stray ``HTTP_PROXY`` would otherwise send local calls to a proxy that cannot reach them.
 """
@@ -14,11 +18,13 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 
-from meshllm.config import DEFAULT_API_PORT
+from meshllm.config import ADMIN_TOKEN_FILE, DEFAULT_API_PORT, read_admin_token, resolve_home
 from meshllm.errors import MeshllmError
 
 DEFAULT_API = f"http://127.0.0.1:{DEFAULT_API_PORT}"
@@ -39,6 +45,99 @@ def unreachable(api: str) -> NodeUnreachable:
     return NodeUnreachable(f"no meshllm node is running at {api} (start one with `meshllm serve`)")
 
 
+@dataclass(frozen=True)
+class NodeApi:
+    """A running node's API: its base URL and the secret every call sends."""
+
+    url: str
+    secret: str | None = None
+    """An API key or the node's admin token (``None``: calls go without one)."""
+    source: str = ""
+    """Where the secret came from, for error messages (``--api-key``, a token file)."""
+
+    @classmethod
+    def for_cli(cls, url: str, api_key: str | None, home: Path | None) -> NodeApi:
+        """``--api-key`` if given, else the admin token in the home, else no secret."""
+        if api_key:
+            return cls(url, api_key, "--api-key")
+        folder = resolve_home(home)
+        token = read_admin_token(folder)
+        return cls(url, token, str(folder / ADMIN_TOKEN_FILE) if token else "")
+
+    def __str__(self) -> str:
+        return self.url
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.secret}"} if self.secret else {}
+
+    def get_json(self, path: str, timeout: float = 5.0) -> Any:
+        """GET ``path`` and decode its JSON body, mapping every failure to a meshllm error."""
+        return self.request_json(path, timeout=timeout)
+
+    def post_json(self, path: str, body: Any, timeout: float = 5.0) -> Any:
+        """POST ``body`` as JSON to ``path`` and decode the JSON answer (errors as in :meth:`get_json`)."""
+        return self.request_json(path, method="POST", body=body, timeout=timeout)
+
+    def request_json(self, path: str, *, method: str = "GET", body: Any = None, timeout: float = 5.0) -> Any:
+        """One JSON request to the node's API; every failure becomes a meshllm error naming what to do."""
+        try:
+            with _client(httpx.Timeout(timeout)) as client:
+                response = client.request(method, self.url + path, json=body, headers=self._headers())
+        except (httpx.ConnectError, httpx.ConnectTimeout):
+            raise unreachable(self.url) from None
+        except httpx.TimeoutException:
+            raise NodeUnreachable(f"the node at {self.url} did not answer {path} within {timeout:g} s",
+                                  hint="it may be overloaded or stuck; check its log") from None
+        except httpx.HTTPError as exc:
+            raise NodeApiError(f"talking to {self.url} failed: {exc}") from None
+        self._check(path, response)
+        try:
+            return response.json()
+        except ValueError:
+            raise NodeApiError(f"{self.url} answered {path} with something that is not JSON",
+                               hint="check --api (or $MESHLLM_API)") from None
+
+    @contextmanager
+    def events(self, connect_timeout: float = 5.0, idle_timeout: float = 30.0) -> Iterator[Iterator[Event]]:
+        """Connect to ``/api/events`` and give an iterator over its events.
+
+        Connecting raises :class:`NodeUnreachable` (nothing answers) or :class:`NodeApiError` (a wrong
+        answer). The iterator ends, without an error, when the stream closes, breaks, or stays silent
+        for ``idle_timeout`` seconds; the caller decides whether to reconnect.
+        """
+        timeout = httpx.Timeout(connect_timeout, read=idle_timeout)
+        try:
+            with _client(timeout) as client, client.stream(
+                "GET", self.url + "/api/events", headers={"Accept": "text/event-stream", **self._headers()}
+            ) as response:
+                if response.is_error:
+                    response.read()  # a streamed response's error body must be read before it is reported
+                self._check("/api/events", response)
+                yield _until_broken(parse_sse(response.iter_lines()))
+        except (httpx.ConnectError, httpx.ConnectTimeout):
+            raise unreachable(self.url) from None
+        except httpx.HTTPError as exc:
+            raise NodeApiError(f"talking to {self.url} failed: {exc}") from None
+
+    def _check(self, path: str, response: httpx.Response) -> None:
+        if response.status_code == 404:
+            raise NodeApiError(f"{self.url} answered 404 for {path}: is it a meshllm node?",
+                               hint="check --api (or $MESHLLM_API)")
+        if response.status_code == 401:
+            raise NodeApiError(f"the node at {self.url} refused {path}: {_error_message(response)}",
+                               hint=self._auth_hint())
+        if response.is_error:
+            raise NodeApiError(f"the node at {self.url} answered {response.status_code} for {path}: "
+                               f"{_error_message(response)}")
+
+    def _auth_hint(self) -> str:
+        if not self.secret:
+            return ("no admin token was found: run the command as the user that runs the node, with its --home "
+                    "(or $MESHLLM_HOME), or pass --api-key")
+        return (f"the secret from {self.source} is not valid there: pass the node's --home (its admin.token) "
+                "or one of its API keys with --api-key")
+
+
 def _client(timeout: httpx.Timeout) -> httpx.Client:
     return httpx.Client(timeout=timeout, trust_env=False)
 
@@ -49,44 +148,6 @@ def _error_message(response: httpx.Response) -> str:
         return str(response.json()["error"]["message"])
     except (ValueError, KeyError, TypeError):
         return response.text[:200].strip() or response.reason_phrase
-
-
-def _check(api: str, path: str, response: httpx.Response) -> None:
-    if response.status_code == 404:
-        raise NodeApiError(f"{api} answered 404 for {path}: is it a meshllm node?",
-                           hint="check --api (or $MESHLLM_API)")
-    if response.is_error:
-        raise NodeApiError(f"the node at {api} answered {response.status_code} for {path}: {_error_message(response)}")
-
-
-def get_json(api: str, path: str, timeout: float = 5.0) -> Any:
-    """GET ``api + path`` and decode its JSON body, mapping every failure to a meshllm error."""
-    return request_json(api, path, timeout=timeout)
-
-
-def post_json(api: str, path: str, body: Any, timeout: float = 5.0) -> Any:
-    """POST ``body`` as JSON to ``api + path`` and decode the JSON answer (errors as in :func:`get_json`)."""
-    return request_json(api, path, method="POST", body=body, timeout=timeout)
-
-
-def request_json(api: str, path: str, *, method: str = "GET", body: Any = None, timeout: float = 5.0) -> Any:
-    """One JSON request to a node's API; every failure becomes a meshllm error naming what to do."""
-    try:
-        with _client(httpx.Timeout(timeout)) as client:
-            response = client.request(method, api + path, json=body)
-    except (httpx.ConnectError, httpx.ConnectTimeout):
-        raise unreachable(api) from None
-    except httpx.TimeoutException:
-        raise NodeUnreachable(f"the node at {api} did not answer {path} within {timeout:g} s",
-                              hint="it may be overloaded or stuck; check its log") from None
-    except httpx.HTTPError as exc:
-        raise NodeApiError(f"talking to {api} failed: {exc}") from None
-    _check(api, path, response)
-    try:
-        return response.json()
-    except ValueError:
-        raise NodeApiError(f"{api} answered {path} with something that is not JSON",
-                           hint="check --api (or $MESHLLM_API)") from None
 
 
 def parse_sse(lines: Iterable[str]) -> Iterator[Event]:
@@ -125,29 +186,6 @@ def _decode(kind: str, text: str) -> Event | None:
     if kind:
         event.setdefault("type", kind)
     return event
-
-
-@contextmanager
-def open_events(api: str, connect_timeout: float = 5.0, idle_timeout: float = 30.0) -> Iterator[Iterator[Event]]:
-    """Connect to ``/api/events`` and give an iterator over its events.
-
-    Connecting raises :class:`NodeUnreachable` (nothing answers) or :class:`NodeApiError` (a wrong
-    answer). The iterator ends, without an error, when the stream closes, breaks, or stays silent
-    for ``idle_timeout`` seconds; the caller decides whether to reconnect.
-    """
-    timeout = httpx.Timeout(connect_timeout, read=idle_timeout)
-    try:
-        with _client(timeout) as client, client.stream(
-            "GET", api + "/api/events", headers={"Accept": "text/event-stream"}
-        ) as response:
-            if response.is_error:
-                response.read()  # a streamed response's error body must be read before it is reported
-            _check(api, "/api/events", response)
-            yield _until_broken(parse_sse(response.iter_lines()))
-    except (httpx.ConnectError, httpx.ConnectTimeout):
-        raise unreachable(api) from None
-    except httpx.HTTPError as exc:
-        raise NodeApiError(f"talking to {api} failed: {exc}") from None
 
 
 def _until_broken(events: Iterator[Event]) -> Iterator[Event]:

@@ -6,14 +6,22 @@ passphrase from ``$MESHLLM_OWNER_PASSPHRASE`` or prompt for it on a terminal.
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import click
 
-from meshllm.cli.common import MeshllmGroup, echo_json, home_dir, home_option, iso_utc, json_option, parse_duration
+from meshllm.cli.common import (
+    MeshllmGroup,
+    ask_passphrase,
+    echo_json,
+    home_dir,
+    home_option,
+    iso_utc,
+    json_option,
+    parse_duration,
+)
 from meshllm.config import NODE_CERT_FILE, NODE_KEY_FILE, OWNER_KEYSTORE_FILE, write_private
 from meshllm.errors import ConfigError, DecodeError, KeystoreError, VerificationError
 from meshllm.identity.certs import (
@@ -29,18 +37,20 @@ from meshllm.identity.certs import (
 )
 from meshllm.identity.ids import b32, node_public_key
 from meshllm.identity.keys import NodeKey
-from meshllm.identity.keystore import create_keystore, obtain_passphrase, read_keystore, unlock_keystore
+from meshllm.identity.keystore import (
+    OWNER_KEYSTORE,
+    PASSPHRASE_ENV,
+    create_keystore,
+    read_keystore,
+    unlock_keystore,
+)
 from meshllm.identity.signing import encode_signed
 from meshllm.identity.trust import TrustPolicy, TrustStore
 
 
-def _prompt(confirm: bool) -> str:
-    return str(click.prompt("Owner passphrase", hide_input=True, confirmation_prompt=confirm, err=True))
-
-
 def _passphrase(confirm: bool) -> str:
     """Env var, else a hidden prompt when stdin is a terminal (else a clear error)."""
-    return obtain_passphrase(confirm=confirm, prompt=_prompt if sys.stdin.isatty() else None)
+    return ask_passphrase("Owner passphrase", env=PASSPHRASE_ENV, what=OWNER_KEYSTORE, confirm=confirm)
 
 
 @click.group(cls=MeshllmGroup)

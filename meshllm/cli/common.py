@@ -8,9 +8,12 @@ the traceback (``MESHLLM_DEBUG=1``).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -70,9 +73,8 @@ def json_option(func: F) -> F:
 
 
 def home_dir(home: Path | None, create: bool = True) -> Path:
-    """Resolve (and by default create) the home folder for a command."""
-    path = resolve_home(home)
-    return ensure_home(path) if create else path
+    """Resolve (and by default create) the home folder for a command; an existing one is checked and tightened."""
+    return ensure_home(resolve_home(home), create=create)
 
 
 def echo_json(data: Any) -> None:
@@ -132,14 +134,66 @@ def check_api_url(_ctx: click.Context | None, _param: click.Parameter | None, va
     return value.rstrip("/")
 
 
-def api_option(func: F) -> F:
-    """``--api URL``: a running node's API (default the local node; also ``$MESHLLM_API``)."""
-    from meshllm.cli.api_client import DEFAULT_API  # httpx: only for the commands that talk to a node
+def api_option(func: F | None = None, *, optional: bool = False) -> Any:
+    """``--api URL`` of a running node, with the secret to send; the command gets ``api`` as a ``NodeApi``.
 
-    return click.option(
-        "--api", default=DEFAULT_API, envvar="MESHLLM_API", show_default=True, metavar="URL", callback=check_api_url,
-        help="The running node's API URL (also $MESHLLM_API).",
-    )(func)
+    Also adds ``--api-key`` (``$MESHLLM_API_KEY``) and ``--home``: without an API key the node's admin
+    token is read from the home (``--home``, ``$MESHLLM_HOME``, ``~/.meshllm``). A command that
+    declares a ``home`` parameter receives it too. ``optional``: no default URL; ``api`` is ``None``
+    unless ``--api`` is given.
+    """
+    if func is None:
+        return lambda f: api_option(f, optional=optional)
+    from meshllm.cli.api_client import DEFAULT_API, NodeApi  # httpx: only for the commands that talk to a node
+
+    wants_home = "home" in inspect.signature(func).parameters
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, api: str | None, api_key: str | None, home: Path | None, **kwargs: Any) -> Any:
+        if wants_home:
+            kwargs["home"] = home
+        node = None if api is None else NodeApi.for_cli(api, api_key, home)
+        return func(*args, api=node, **kwargs)
+
+    url_help = ("Ask the running node at this API URL (e.g. http://127.0.0.1:9337)." if optional
+                else "The running node's API URL (also $MESHLLM_API).")
+    options = [
+        click.option("--api", default=None if optional else DEFAULT_API, envvar=None if optional else "MESHLLM_API",
+                     show_default=not optional, metavar="URL", callback=check_api_url, help=url_help),
+        click.option("--api-key", default=None, envvar="MESHLLM_API_KEY", metavar="KEY",
+                     help="Secret to send (also $MESHLLM_API_KEY; default: the admin token in --home)."),
+        home_option,
+    ]
+    for option in reversed(options):
+        wrapper = option(wrapper)
+    return wrapper
+
+
+def ask_passphrase(label: str, *, env: str, what: str, confirm: bool) -> str:
+    """A passphrase from ``$env``, else a hidden prompt (``label``) when stdin is a terminal, else a clear error."""
+    from meshllm.identity.keystore import obtain_passphrase
+
+    def prompt(again: bool) -> str:
+        return str(click.prompt(label, hide_input=True, confirmation_prompt=again, err=True))
+
+    return obtain_passphrase(confirm=confirm, prompt=prompt if sys.stdin.isatty() else None, env=env, what=what)
+
+
+def mesh_passphrase(confirm: bool) -> str:
+    """The mesh key's passphrase: ``$MESHLLM_MESH_PASSPHRASE``, else a hidden prompt on a terminal."""
+    from meshllm.mesh.admission import MESH_KEY_WHAT, MESH_PASSPHRASE_ENV
+
+    return ask_passphrase("Mesh key passphrase", env=MESH_PASSPHRASE_ENV, what=MESH_KEY_WHAT, confirm=confirm)
+
+
+def load_mesh_key(folder: Path) -> Any:
+    """The ``MeshKey`` in ``folder`` (``None`` if absent), asking for its passphrase only when it is encrypted."""
+    from meshllm.mesh.admission import MeshKey
+
+    stored = MeshKey.stored(folder)
+    if stored is None:
+        return None
+    return MeshKey.load(folder, mesh_passphrase(confirm=False) if stored[1] else None)
 
 
 def iso_utc(ts: float) -> str:

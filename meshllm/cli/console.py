@@ -16,21 +16,12 @@ from urllib.parse import quote, urlsplit
 import click
 import httpx
 
-from meshllm.cli.api_client import NodeApiError, unreachable
-from meshllm.cli.common import api_option, home_dir, home_option
+from meshllm.cli.api_client import NodeApi, NodeApiError, unreachable
+from meshllm.cli.common import api_option, home_dir
+from meshllm.config import read_admin_token
 
-ADMIN_TOKEN_FILE = "admin.token"
-"""The node's management token in its home (written by the node, mode 0600)."""
 CONSOLE_MARKER = b'name="generator" content="meshllm console"'
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
-
-
-def admin_token(home: Path) -> str:
-    """The node's admin token from its home, or "" when the node has none."""
-    try:
-        return (home / ADMIN_TOKEN_FILE).read_text().strip()
-    except FileNotFoundError:
-        return ""
 
 
 def page_token(api: str, home: Path) -> str:
@@ -38,7 +29,7 @@ def page_token(api: str, home: Path) -> str:
 
     The token belongs to the node of ``home``; a page on another host must never receive it.
     """
-    return admin_token(home) if urlsplit(api).hostname in LOOPBACK_HOSTS else ""
+    return (read_admin_token(home) or "") if urlsplit(api).hostname in LOOPBACK_HOSTS else ""
 
 
 def console_url(api: str, token: str) -> str:
@@ -61,24 +52,20 @@ def check_console(api: str, timeout: float = 5.0) -> None:
 
 @click.command("console")
 @api_option
-@home_option
-@click.option("--token", default=None, envvar="MESHLLM_API_KEY", metavar="TOKEN",
-              help="Token for the page to use (default: the admin token in --home; also $MESHLLM_API_KEY).")
 @click.option("--print", "print_only", is_flag=True, help="Print the URL instead of opening a browser.")
-def console(api: str, home: Path | None, token: str | None, print_only: bool) -> None:
+def console(api: NodeApi, home: Path | None, print_only: bool) -> None:
     """Open the web console of the running node (map, models, live events, chat, owner actions).
 
     The page gets the node's admin token from --home, so management buttons work; a node at a
-    remote --api gets no token from this machine's home: pass --token (its API key) instead.
+    remote --api gets no token from this machine's home: pass --api-key (its API key) instead.
     """
-    check_console(api)
-    if token is None:
-        token = page_token(api, home_dir(home, create=False))
-    url = console_url(api, token)
+    check_console(api.url)
+    token = api.secret if api.source == "--api-key" else page_token(api.url, home_dir(home, create=False))
+    url = console_url(api.url, token or "")
     if print_only:
         click.echo(url)
         return
     if webbrowser.open(url):
-        click.echo(f"opened the console of {api} in your browser" + ("" if token else " (read-only: no token)"))
+        click.echo(f"opened the console of {api.url} in your browser" + ("" if token else " (read-only: no token)"))
     else:
         click.echo(f"no browser found; open this URL: {url}")

@@ -16,16 +16,16 @@ from typing import TYPE_CHECKING
 import click
 
 from meshllm import logs
-from meshllm.cli.api_client import get_json
-from meshllm.cli.common import api_option, dht_multiaddrs, echo_json, home_option, json_option
+from meshllm.cli.common import api_option, dht_multiaddrs, echo_json, json_option
 from meshllm.config import load_config, resolve_home
 from meshllm.errors import MeshllmError
 
 if TYPE_CHECKING:
+    from meshllm.cli.api_client import NodeApi
     from meshllm.discovery.resolve import Found
 
 
-def bootstrap_peers(option: tuple[str, ...], home: Path | None, api: str) -> list[str]:
+def bootstrap_peers(option: tuple[str, ...], home: Path | None, api: NodeApi) -> list[str]:
     """Bootstrap multiaddrs: the option, else config.toml, else a local node's DHT (empty when none)."""
     if option:
         return list(option)
@@ -33,7 +33,7 @@ def bootstrap_peers(option: tuple[str, ...], home: Path | None, api: str) -> lis
     if configured:
         return list(configured)
     try:
-        info = get_json(api, "/api/dht", timeout=2.0)
+        info = api.get_json("/api/dht", timeout=2.0)
     except MeshllmError:
         return []
     return [str(a) for a in info.get("multiaddrs", [])] if isinstance(info, dict) else []
@@ -71,10 +71,9 @@ def _capacity(found: Found) -> str:
               help="Browse mDNS only on the interface with this address (repeatable; default: all).")
 @click.option("--no-mdns", is_flag=True, help="Do not browse the LAN (DHT only).")
 @api_option
-@home_option
 @click.option("-v", "--verbose", is_flag=True, help="Also log every lookup step.")
 def discover(model: str | None, as_json: bool, dht_bootstrap: tuple[str, ...], timeout: float,
-             interfaces: tuple[str, ...], no_mdns: bool, api: str, home: Path | None, verbose: bool) -> None:
+             interfaces: tuple[str, ...], no_mdns: bool, api: NodeApi, home: Path | None, verbose: bool) -> None:
     """List published meshes: name, id, models, nodes, capacity and listing age."""
     from meshllm.discovery.resolve import discover_all  # aioquic and zeroconf: only for this command
 

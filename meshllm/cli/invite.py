@@ -7,19 +7,18 @@ from pathlib import Path
 
 import click
 
-from meshllm.cli.api_client import post_json
+from meshllm.cli.api_client import NodeApi
 from meshllm.cli.common import (
     api_option,
-    check_api_url,
     echo_json,
     home_dir,
-    home_option,
     iso_utc,
     json_option,
+    load_mesh_key,
     parse_duration,
 )
 from meshllm.errors import ConfigError, DecodeError
-from meshllm.mesh.admission import Invite, MeshKey, encode_token, inspect_token
+from meshllm.mesh.admission import Invite, encode_token, inspect_token
 from meshllm.wire.addr import parse_addr
 
 
@@ -29,15 +28,13 @@ def invite() -> None:
 
 
 @invite.command("create")
-@home_option
 @click.option("--ttl", default="24h", show_default=True, help="Lifetime: 30m, 24h, 7d or seconds.")
 @click.option("--uses", type=click.IntRange(min=0), default=1, show_default=True,
               help="How many nodes may join with it (0: unlimited).")
 @click.option("--bootstrap", "bootstrap", multiple=True, metavar="HOST:PORT",
               help="Address of a member to dial (repeatable).")
-@click.option("--api", default=None, metavar="URL", callback=check_api_url,
-              help="Ask the running node at this API URL (e.g. http://127.0.0.1:9337) instead of using --home.")
-def create(home: Path | None, ttl: str, uses: int, bootstrap: tuple[str, ...], api: str | None) -> None:
+@api_option(optional=True)
+def create(home: Path | None, ttl: str, uses: int, bootstrap: tuple[str, ...], api: NodeApi | None) -> None:
     """Sign an invite with the mesh key; print the token alone on stdout.
 
     With --api, the running node signs it and names itself as the member to dial.
@@ -45,11 +42,11 @@ def create(home: Path | None, ttl: str, uses: int, bootstrap: tuple[str, ...], a
     if api is not None:
         if bootstrap:
             raise click.UsageError("--bootstrap cannot be combined with --api (the node names itself)")
-        answer = post_json(api, "/api/invite", {"ttl_s": parse_duration(ttl), "max_uses": uses})
+        answer = api.post_json("/api/invite", {"ttl_s": parse_duration(ttl), "max_uses": uses})
         click.echo(answer["token"])
         return
     folder = home_dir(home, create=False)
-    key = MeshKey.load(folder)
+    key = load_mesh_key(folder)
     if key is None:
         raise ConfigError(f"no mesh key in {folder}",
                           hint="run `meshllm mesh create` first, or ask a running node with --api")
@@ -99,9 +96,9 @@ INVITE_ID_MAX_CHARS = 32
 """Longer arguments to ``invite revoke`` are taken as whole tokens (an invite id has 16 characters)."""
 
 
-def post_revocation(api: str, kind: str, target: str, as_json: bool) -> None:
+def post_revocation(api: NodeApi, kind: str, target: str, as_json: bool) -> None:
     """Ask the owner's node to revoke; print what was revoked."""
-    answer = post_json(api, "/api/revoke", {"kind": kind, "target": target})
+    answer = api.post_json("/api/revoke", {"kind": kind, "target": target})
     if as_json:
         echo_json(answer)
         return
@@ -113,7 +110,7 @@ def post_revocation(api: str, kind: str, target: str, as_json: bool) -> None:
 @click.argument("invite_ref", metavar="INVITE_ID_OR_TOKEN")
 @api_option
 @json_option
-def revoke(invite_ref: str, api: str, as_json: bool) -> None:
+def revoke(invite_ref: str, api: NodeApi, as_json: bool) -> None:
     """Revoke an invite in the mesh of the node at --api; members then refuse joiners holding it.
 
     Takes an invite id (`meshllm invite inspect` shows it) or the whole token.

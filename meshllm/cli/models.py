@@ -8,17 +8,17 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from meshllm.cli.api_client import get_json
+from meshllm.cli.api_client import NodeApi
 from meshllm.cli.common import api_option, echo_json, json_option
 
 
 @click.command("models")
 @api_option
 @json_option
-def models(api: str, as_json: bool) -> None:
+def models(api: NodeApi, as_json: bool) -> None:
     """List the models the node at --api serves or routes to, with the nodes serving each."""
-    listing = get_json(api, "/v1/models")["data"]
-    own_id = get_json(api, "/api/status")["node_id"]
+    listing = api.get_json("/v1/models")["data"]
+    own_id = api.get_json("/api/status")["node_id"]
     rows = [_row(entry, own_id) for entry in listing]
     if as_json:
         echo_json(rows)

@@ -11,7 +11,7 @@ from urllib.parse import urlencode
 
 import click
 
-from meshllm.cli.api_client import NodeUnreachable, get_json
+from meshllm.cli.api_client import NodeApi, NodeUnreachable
 from meshllm.cli.common import GIGABYTES, api_option, echo_json, json_option
 
 
@@ -22,12 +22,12 @@ from meshllm.cli.common import GIGABYTES, api_option, echo_json, json_option
 @click.option("--max-memory", type=GIGABYTES, default=None, metavar="GB",
               help="Memory (GiB) any one node may give the model.")
 @json_option
-def plan(model: str, api: str, stages: int | None, max_memory: float | None, as_json: bool) -> None:
+def plan(model: str, api: NodeApi, stages: int | None, max_memory: float | None, as_json: bool) -> None:
     """Show how MODEL (a GGUF path or 'default') would be placed: solo or a chain of stages."""
     query = {"model": model, **({"stages": stages} if stages else {}),
              **({"max_memory_gb": max_memory} if max_memory else {})}
     try:
-        result = get_json(api, "/api/plan?" + urlencode(query), timeout=30.0)
+        result = api.get_json("/api/plan?" + urlencode(query), timeout=30.0)
         source = f"the mesh as the node at {api} sees it"
     except NodeUnreachable:
         result = _local_plan(model, stages, max_memory)

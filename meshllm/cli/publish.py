@@ -10,7 +10,7 @@ import time
 
 import click
 
-from meshllm.cli.api_client import post_json
+from meshllm.cli.api_client import NodeApi
 from meshllm.cli.common import api_option, echo_json, json_option
 
 
@@ -19,12 +19,12 @@ from meshllm.cli.common import api_option, echo_json, json_option
 @click.option("--off", is_flag=True, help="Stop publishing: the mesh leaves discovery within one listing TTL.")
 @api_option
 @json_option
-def publish(name: str | None, off: bool, api: str, as_json: bool) -> None:
+def publish(name: str | None, off: bool, api: NodeApi, as_json: bool) -> None:
     """Publish the mesh of the running node: anyone can then find it and join it with its open invite."""
     if off and name is not None:
         raise click.UsageError("--name cannot be combined with --off")
     body: dict[str, object] = {"off": True} if off else ({"name": name} if name else {})
-    info = post_json(api, "/api/publish", body, timeout=30.0)
+    info = api.post_json("/api/publish", body, timeout=30.0)
     if as_json:
         echo_json(info)
     elif off:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -12,11 +13,11 @@ import click
 
 from meshllm import logs
 from meshllm.api.events import EventHub
-from meshllm.cli.common import GIGABYTES, dht_multiaddrs, home_option
-from meshllm.config import DEFAULT_API_PORT, DEFAULT_MESH_PORT, load_config, resolve_home
+from meshllm.cli.common import GIGABYTES, dht_multiaddrs, home_option, mesh_passphrase
+from meshllm.config import DEFAULT_API_PORT, DEFAULT_MESH_PORT, load_config, read_private, resolve_home
 from meshllm.discovery.listing import LISTING_TTL_S
-from meshllm.errors import DecodeError
-from meshllm.mesh.admission import is_mesh_id
+from meshllm.errors import ConfigError, DecodeError
+from meshllm.mesh.admission import MESH_PASSPHRASE_ENV, MeshKey, is_mesh_id
 from meshllm.wire.addr import parse_addr
 
 
@@ -37,7 +38,19 @@ def node_options(func: Any) -> Any:
         click.option("--port", "api_port", type=click.IntRange(0, 65535), default=DEFAULT_API_PORT,
                      show_default=True, help="HTTP API port on 127.0.0.1 (0: any free port)."),
         click.option("--host", "api_host", default="127.0.0.1", show_default=True,
-                     help="Address the HTTP API binds to."),
+                     help="Address the HTTP API binds to (beyond loopback it needs --api-key)."),
+        click.option("--api-key", "api_keys", multiple=True, envvar="MESHLLM_API_KEY", metavar="KEY",
+                     help="Secret clients must send (Bearer or x-api-key) on /v1 and every /api route; repeatable, "
+                          "at least 16 characters (also $MESHLLM_API_KEY; a command line is visible to other users, "
+                          "the variable or --api-key-file is not)."),
+        click.option("--api-key-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                     help="File (mode 0600) with one API key per line."),
+        click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
+                     help="Web origin whose pages may use the API, e.g. https://app.example.com (repeatable; "
+                          "pages served from localhost are always allowed; '*': any)."),
+        click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
+                     help="Host name clients may use in URLs besides localhost and IP addresses (repeatable; "
+                          "guards against DNS rebinding; '*': any, behind a proxy that checks it)."),
         click.option("--mesh-port", type=click.IntRange(0, 65535), default=DEFAULT_MESH_PORT, show_default=True,
                      help="UDP port of the QUIC mesh endpoint (0: any free port)."),
         click.option("--mesh-host", default="0.0.0.0", show_default=True, help="Address the mesh endpoint binds to."),
@@ -102,7 +115,8 @@ def _run(join_token: str | None, *, home: Path | None, name: str, api_port: int,
          mesh_host: str, announce: list[str], bootstrap: list[str], relay: str, ephemeral: bool, client: bool,
          models: tuple[str, ...], engine: str, threads: int | None, log_format: str, verbose: bool,
          dht_bootstrap: tuple[str, ...], dht_port: int | None, listing_ttl: float, worker: bool, split: str,
-         stages: int | None, max_memory: float | None, lookup_timeout: float = 15.0) -> None:
+         stages: int | None, max_memory: float | None, api_keys: tuple[str, ...], api_key_file: Path | None,
+         cors_origins: tuple[str, ...], allowed_hosts: tuple[str, ...], lookup_timeout: float = 15.0) -> None:
     from meshllm.node import Node, NodeOptions
 
     logs.configure(log_format, verbose)
@@ -111,14 +125,40 @@ def _run(join_token: str | None, *, home: Path | None, name: str, api_port: int,
     dht_peers = list(dht_bootstrap) or list(load_config(resolve_home(home)).dht_bootstrap)
     if join_token is not None and is_mesh_id(join_token):
         join_token, bootstrap = _resolve_published(hub, join_token, mesh_host, dht_peers, lookup_timeout, bootstrap)
+    if join_token is None:
+        _unlock_mesh_key(resolve_home(home))
     options = NodeOptions(
         home=home, name=name, api_host=api_host, api_port=api_port, mesh_host=mesh_host, mesh_port=mesh_port,
         announce=announce, join=join_token, bootstrap=bootstrap, ephemeral=ephemeral,
         role="client" if client else "worker" if worker else "host", models=list(models) or ["default"],
         engine=engine, threads=threads, split=split_options(split, stages, max_memory),
         dht_bootstrap=dht_peers, dht_port=dht_port, listing_ttl_s=listing_ttl, relay=relay,  # type: ignore[arg-type]
+        api_keys=[*api_keys, *_key_file(api_key_file)], cors_origins=list(cors_origins),
+        allowed_hosts=list(allowed_hosts),
     )
     asyncio.run(_serve(Node(options, hub), log_format))
+
+
+def _key_file(path: Path | None) -> list[str]:
+    """API keys from ``--api-key-file``: one per line; blank lines and ``#`` comments skipped."""
+    if path is None:
+        return []
+    try:
+        text = read_private(path, "API key file").decode("utf-8", "replace")
+    except FileNotFoundError:
+        raise ConfigError(f"no API key file at {path}") from None
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def _unlock_mesh_key(home: Path) -> None:
+    """Ask for the passphrase of an encrypted mesh key before the node starts (not needed when it is in the env).
+
+    The node reads it from ``$MESHLLM_MESH_PASSPHRASE``; a passphrase typed here is handed to it the
+    same way, in this process's own environment, which other users cannot read.
+    """
+    stored = MeshKey.stored(home) if home.is_dir() else None
+    if stored is not None and stored[1] and MESH_PASSPHRASE_ENV not in os.environ:
+        os.environ[MESH_PASSPHRASE_ENV] = mesh_passphrase(confirm=False)
 
 
 def split_options(mode: str, stages: int | None, max_memory_gb: float | None) -> Any:

@@ -26,7 +26,7 @@ import click
 from rich.console import Console
 from rich.live import Live
 
-from meshllm.cli.api_client import Event, NodeApiError, get_json, open_events
+from meshllm.cli.api_client import Event, NodeApi, NodeApiError
 from meshllm.cli.common import api_option, echo_json, json_option
 from meshllm.cli.dashboard import MAX_EVENTS, Link, render
 from meshllm.errors import MeshllmError
@@ -42,7 +42,7 @@ class EventFeed:
     process exits right after the dashboard closes, so nothing is left behind.
     """
 
-    def __init__(self, api: str, keep: int = MAX_EVENTS) -> None:
+    def __init__(self, api: NodeApi, keep: int = MAX_EVENTS) -> None:
         self._api = api
         self._events: collections.deque[Event] = collections.deque(maxlen=keep)
         self._lock = threading.Lock()
@@ -76,7 +76,7 @@ class EventFeed:
         backoff = 0.5
         while not self._stop.is_set():
             try:
-                with open_events(self._api) as events:
+                with self._api.events() as events:
                     self._set(True)
                     backoff = 0.5
                     for event in events:
@@ -123,15 +123,15 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def fetch_status(api: str, timeout: float) -> dict[str, Any]:
+def fetch_status(api: NodeApi, timeout: float) -> dict[str, Any]:
     """One ``/api/status`` snapshot, checked to be a JSON object."""
-    snapshot = get_json(api, "/api/status", timeout=timeout)
+    snapshot = api.get_json("/api/status", timeout=timeout)
     if not isinstance(snapshot, dict):
         raise NodeApiError(f"{api} answered /api/status with something that is not a status object")
     return snapshot
 
 
-def run_dashboard(api: str, snapshot: dict[str, Any], interval: float) -> None:
+def run_dashboard(api: NodeApi, snapshot: dict[str, Any], interval: float) -> None:
     """Draw the dashboard until ``q`` or Ctrl-C, polling the node every ``interval`` seconds."""
     poll_timeout = min(2.0, max(0.5, interval))
     console = Console()
@@ -144,7 +144,7 @@ def run_dashboard(api: str, snapshot: dict[str, Any], interval: float) -> None:
         with key_reader() as wait, Live(console=console, screen=True, auto_refresh=False) as live:
             while True:
                 events, events_live, version = feed.view()
-                link = Link(api, reachable, events_live, last_ok)
+                link = Link(api.url, reachable, events_live, last_ok)
                 width, height = console.size
                 live.update(render(snapshot, events, link, now=time.time(), width=width, height=height), refresh=True)
                 drawn_version = version
@@ -172,7 +172,7 @@ def run_dashboard(api: str, snapshot: dict[str, Any], interval: float) -> None:
 @json_option
 @click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
               help="Seconds between refreshes of the dashboard.")
-def status(api: str, as_json: bool, interval: float) -> None:
+def status(api: NodeApi, as_json: bool, interval: float) -> None:
     """Show a running node: peers, RTT heat map, split topology and events (q or Ctrl-C to leave)."""
     snapshot = fetch_status(api, timeout=5.0)
     if as_json:

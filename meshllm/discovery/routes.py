@@ -3,17 +3,19 @@
 ``POST /api/publish {"name": ...}`` publishes (or renames) the mesh; ``POST /api/publish
 {"off": true}`` and ``DELETE /api/publish`` withdraw it; ``GET /api/publish`` reports it.
 ``GET /api/dht`` gives the node's DHT multiaddrs, which ``meshllm discover`` on the same machine
-uses as its bootstrap when it is given none. Only the mesh owner can publish (409 otherwise).
+uses as its bootstrap when it is given none. Only the mesh owner can publish (409 otherwise), and
+only a caller with the node's admin token or an API key may ask it to (:mod:`meshllm.api.auth`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
+from meshllm.api.auth import require_admin, require_api_key
 from meshllm.api.errors import error_body
 from meshllm.discovery.publisher import NodeDiscovery, NotMeshOwner
 
@@ -29,11 +31,11 @@ def discovery_router(discovery: NodeDiscovery) -> APIRouter:
     """Routes bound to the node's :class:`NodeDiscovery`."""
     router = APIRouter()
 
-    @router.get("/api/publish")
+    @router.get("/api/publish", dependencies=[Depends(require_api_key)])
     def get_publish() -> dict[str, Any]:
         return discovery.publish_info()
 
-    @router.post("/api/publish", response_model=None)
+    @router.post("/api/publish", response_model=None, dependencies=[Depends(require_admin)])
     async def post_publish(body: PublishRequest) -> dict[str, Any] | JSONResponse:
         if body.off:
             return await discovery.unpublish()
@@ -43,11 +45,11 @@ def discovery_router(discovery: NodeDiscovery) -> APIRouter:
             return JSONResponse(error_body(f"{exc} ({exc.hint})", "invalid_request_error", "not_mesh_owner"),
                                 status_code=409)
 
-    @router.delete("/api/publish")
+    @router.delete("/api/publish", dependencies=[Depends(require_admin)])
     async def delete_publish() -> dict[str, Any]:
         return await discovery.unpublish()
 
-    @router.get("/api/dht")
+    @router.get("/api/dht", dependencies=[Depends(require_api_key)])
     def get_dht() -> dict[str, Any]:
         return discovery.dht_info()
 

@@ -8,13 +8,11 @@ to get a new identity).
 
 from __future__ import annotations
 
-import os
-import stat
 from pathlib import Path
 
 from nacl.signing import SigningKey
 
-from meshllm.config import NODE_KEY_FILE, ensure_home, write_private
+from meshllm.config import NODE_KEY_FILE, create_private, ensure_home, read_private
 from meshllm.errors import ConfigError
 from meshllm.identity.ids import node_id
 
@@ -45,17 +43,10 @@ class NodeKey:
         """Read the node key from ``home``; :class:`ConfigError` if missing or unusable."""
         path = home / NODE_KEY_FILE
         try:
-            info = path.stat()
+            seed = read_private(path, "node key")
         except FileNotFoundError:
             raise ConfigError(f"no node key at {path}", hint="run `meshllm auth status` or start a node once") \
                 from None
-        if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ConfigError(f"node key {path} is accessible by other users (mode {info.st_mode & 0o777:o})",
-                              hint=f"run `chmod 600 {path}` if the key is still secret, else delete it")
-        try:
-            seed = path.read_bytes()
-        except OSError as exc:
-            raise ConfigError(f"cannot read node key {path}: {exc.strerror}") from exc
         if len(seed) != SEED_SIZE:
             raise ConfigError(f"node key {path} has {len(seed)} bytes, expected {SEED_SIZE}",
                               hint="restore it from a backup, or delete it to create a new node identity")
@@ -65,19 +56,13 @@ class NodeKey:
     def load_or_create(cls, home: Path) -> NodeKey:
         """Load the node key, creating it on first use.
 
-        Creation is race-free: the key is written to a private temporary file and hard-linked into
-        place, which fails if another process created the key first; that key then wins.
+        Creation is race-free (:func:`~meshllm.config.create_private`): if another process created
+        the key first, that key wins.
         """
         path = ensure_home(home) / NODE_KEY_FILE
         if path.exists():
             return cls.load(home)
         key = SigningKey.generate()
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.new")
-        write_private(tmp, bytes(key))
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
+        if not create_private(path, bytes(key)):
             return cls.load(home)
-        finally:
-            tmp.unlink(missing_ok=True)
         return cls(key)

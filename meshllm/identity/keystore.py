@@ -1,5 +1,8 @@
 """The owner keystore: the owner's Ed25519 key encrypted under a passphrase.
 
+The same format seals a mesh key when its owner wants it encrypted at rest (``meshllm mesh
+encrypt``); ``what`` names the file in errors.
+
 The secret is sealed with ``SecretBox`` under a key stretched from the passphrase by argon2id.
 The file is a small versioned JSON document; its public key is in the clear so ``auth status`` can
 show the owner without asking for the passphrase. The KDF limits are stored in the file, bounded on
@@ -25,6 +28,7 @@ from meshllm.errors import DecodeError, KeystoreError
 
 KEYSTORE_VERSION = 1
 PASSPHRASE_ENV = "MESHLLM_OWNER_PASSPHRASE"
+OWNER_KEYSTORE = "owner keystore"
 
 # About 0.15 s on a small 2-core machine: slow for guessing, quick enough for a CLI command.
 DEFAULT_OPSLIMIT = 3
@@ -67,14 +71,14 @@ def encode_keystore(key: SigningKey, passphrase: str, *, opslimit: int = DEFAULT
     return msgspec.json.encode(ks)
 
 
-def decode_keystore(data: bytes) -> KeystoreFile:
+def decode_keystore(data: bytes, what: str = OWNER_KEYSTORE) -> KeystoreFile:
     """Parse and bound-check a keystore file; :class:`DecodeError` on anything malformed."""
     try:
         ks = msgspec.json.decode(data, type=KeystoreFile)
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, RecursionError) as exc:
-        raise DecodeError(f"malformed owner keystore: {exc}") from exc
+        raise DecodeError(f"malformed {what}: {exc}") from exc
     if ks.v != KEYSTORE_VERSION:
-        raise DecodeError(f"owner keystore version {ks.v} is not supported (expected {KEYSTORE_VERSION})")
+        raise DecodeError(f"{what} version {ks.v} is not supported (expected {KEYSTORE_VERSION})")
     problems = [
         ks.kdf != "argon2id" and f"unknown kdf {ks.kdf!r}",
         not argon2id.OPSLIMIT_MIN <= ks.opslimit <= MAX_OPSLIMIT and "opslimit out of range",
@@ -85,22 +89,23 @@ def decode_keystore(data: bytes) -> KeystoreFile:
     ]
     found = [p for p in problems if p]
     if found:
-        raise DecodeError(f"malformed owner keystore: {', '.join(found)}")
+        raise DecodeError(f"malformed {what}: {', '.join(found)}")
     return ks
 
 
-def decrypt_keystore(ks: KeystoreFile, passphrase: str) -> SigningKey:
-    """The owner key inside ``ks``; :class:`KeystoreError` if the passphrase is wrong."""
+def decrypt_keystore(ks: KeystoreFile, passphrase: str, what: str = OWNER_KEYSTORE,
+                     env: str = PASSPHRASE_ENV) -> SigningKey:
+    """The key inside ``ks``; :class:`KeystoreError` if the passphrase (from ``env`` or typed) is wrong."""
     box = nacl.secret.SecretBox(_derive(passphrase, ks.salt, ks.opslimit, ks.memlimit))
     try:
         seed = box.decrypt(ks.sealed)
     except CryptoError:
-        raise KeystoreError("wrong passphrase for the owner keystore (or the file was altered)",
-                            hint=f"check {PASSPHRASE_ENV} or retype the passphrase") from None
+        raise KeystoreError(f"wrong passphrase for the {what} (or the file was altered)",
+                            hint=f"check {env} or retype the passphrase") from None
     key = SigningKey(seed)
     if bytes(key.verify_key) != ks.public:
-        raise KeystoreError("owner keystore is inconsistent: its public key does not match its secret",
-                            hint="restore the keystore from a backup")
+        raise KeystoreError(f"{what} is inconsistent: its public key does not match its secret",
+                            hint="restore it from a backup")
     return key
 
 
@@ -134,18 +139,19 @@ def unlock_keystore(path: Path, passphrase: str) -> SigningKey:
     return decrypt_keystore(read_keystore(path), passphrase)
 
 
-def obtain_passphrase(*, confirm: bool, prompt: Callable[[bool], str] | None) -> str:
-    """The passphrase from ``$MESHLLM_OWNER_PASSPHRASE``, else from ``prompt(confirm)``.
+def obtain_passphrase(*, confirm: bool, prompt: Callable[[bool], str] | None, env: str = PASSPHRASE_ENV,
+                      what: str = OWNER_KEYSTORE) -> str:
+    """The passphrase from the environment variable ``env``, else from ``prompt(confirm)``.
 
     ``prompt`` is None when there is no terminal to ask on; then there is no way to get a
     passphrase, and saying so beats hanging on a read that never completes.
     """
-    env = os.environ.get(PASSPHRASE_ENV)
-    if env is not None:
-        return env
+    value = os.environ.get(env)
+    if value is not None:
+        return value
     if prompt is None:
-        raise KeystoreError("the owner keystore needs a passphrase, and there is no terminal to ask on",
-                            hint=f"set {PASSPHRASE_ENV} or run the command in a terminal")
+        raise KeystoreError(f"the {what} needs a passphrase, and there is no terminal to ask on",
+                            hint=f"set {env} or run the command in a terminal")
     return prompt(confirm)
 
 

@@ -22,18 +22,20 @@ from typing import Literal
 import msgspec
 from nacl.signing import SigningKey
 
-from meshllm.config import MESH_KEY_FILE, write_private
+from meshllm.config import MESH_KEY_FILE, read_private, write_private
 from meshllm.errors import (
     DecodeError,
     InviteExhausted,
     InviteExpired,
     InviteRevoked,
+    KeystoreError,
     NodeRevoked,
     VerificationError,
     WrongMesh,
     WrongSigner,
 )
 from meshllm.identity.ids import b32, node_id, node_public_key
+from meshllm.identity.keystore import KeystoreFile, decode_keystore, decrypt_keystore, encode_keystore
 from meshllm.identity.signing import CLOCK_SKEW_S, Signed, decode_signed, encode_signed, sign, verify
 
 MESH_ID_PREFIX = "mesh-"
@@ -102,8 +104,19 @@ class Revocation(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fi
     issued: float
 
 
+MESH_PASSPHRASE_ENV = "MESHLLM_MESH_PASSPHRASE"
+"""Where a node finds the passphrase of an encrypted mesh key (``meshllm serve`` prompts on a terminal)."""
+MESH_KEY_WHAT = "mesh key"
+
+
 class MeshKey:
-    """The key that defines a mesh. Whoever holds it can invite and revoke."""
+    """The key that defines a mesh. Whoever holds it can invite and revoke.
+
+    At rest (``$MESHLLM_HOME/mesh.key``, mode 0600) it is either the raw 32-byte seed or, when the
+    owner asked for it (``meshllm mesh encrypt``), the owner-keystore format: the seed sealed under
+    a passphrase stretched by argon2id (:mod:`meshllm.identity.keystore`). A file other users can
+    read is refused, like the node key: the mesh may already be someone else's.
+    """
 
     def __init__(self, signing_key: SigningKey) -> None:
         self.signing_key = signing_key
@@ -115,19 +128,40 @@ class MeshKey:
         return cls(SigningKey.generate())
 
     @classmethod
-    def load(cls, home: Path) -> MeshKey | None:
-        """The mesh key in ``home``, or ``None`` when this node never created a mesh."""
-        path = home / MESH_KEY_FILE
-        if not path.exists():
-            return None
-        seed = path.read_bytes()
-        if len(seed) != 32:
-            raise DecodeError(f"{path} is not a mesh key (expected 32 bytes, found {len(seed)})")
-        return cls(SigningKey(seed))
+    def load(cls, home: Path, passphrase: str | None = None) -> MeshKey | None:
+        """The mesh key in ``home``, or ``None`` when this node never created a mesh.
 
-    def save(self, home: Path) -> Path:
+        An encrypted key is unlocked with ``passphrase``, else with ``$MESHLLM_MESH_PASSPHRASE``;
+        without either it is a :class:`~meshllm.errors.KeystoreError` that says so.
+        """
         path = home / MESH_KEY_FILE
-        write_private(path, self.signing_key.encode())
+        stored = _read_mesh_key(path)
+        if stored is None:
+            return None
+        if isinstance(stored, bytes):
+            return cls(SigningKey(stored))
+        if passphrase is None:
+            passphrase = os.environ.get(MESH_PASSPHRASE_ENV)
+        if passphrase is None:
+            raise KeystoreError(f"mesh key {path} is encrypted and no passphrase was given",
+                                hint=f"set {MESH_PASSPHRASE_ENV}, or start the node in a terminal to type it")
+        return cls(decrypt_keystore(stored, passphrase, MESH_KEY_WHAT, MESH_PASSPHRASE_ENV))
+
+    @staticmethod
+    def stored(home: Path) -> tuple[bytes, bool] | None:
+        """``(mesh public key, encrypted)`` of the key in ``home`` without unlocking it; ``None`` if absent."""
+        stored = _read_mesh_key(home / MESH_KEY_FILE)
+        if stored is None:
+            return None
+        if isinstance(stored, bytes):
+            return bytes(SigningKey(stored).verify_key), False
+        return stored.public, True
+
+    def save(self, home: Path, passphrase: str | None = None) -> Path:
+        """Write the key to ``home`` (0600, atomic); sealed under ``passphrase`` when one is given."""
+        path = home / MESH_KEY_FILE
+        data = encode_keystore(self.signing_key, passphrase) if passphrase is not None else self.signing_key.encode()
+        write_private(path, data)
         return path
 
     def invite(self, now: float, ttl_s: float = DEFAULT_INVITE_TTL_S, max_uses: int = 1,
@@ -142,6 +176,21 @@ class MeshKey:
     def revoke(self, target_kind: RevocationTarget, target: str, now: float) -> Signed:
         """Sign a revocation of an invite id or a node id."""
         return sign(self.signing_key, REVOCATION_DOMAIN, Revocation(self.mesh_id, target_kind, target, now))
+
+
+def _read_mesh_key(path: Path) -> bytes | KeystoreFile | None:
+    """The raw seed or the sealed keystore in ``path``; ``None`` if there is no file."""
+    try:
+        data = read_private(path, MESH_KEY_WHAT)
+    except FileNotFoundError:
+        return None
+    if len(data) == 32:
+        return data
+    try:
+        return decode_keystore(data, MESH_KEY_WHAT)
+    except DecodeError:
+        raise DecodeError(f"{path} is not a mesh key (neither a 32-byte seed nor an encrypted key)",
+                          hint="restore it from a backup; without it this mesh can no longer invite") from None
 
 
 def encode_token(invite: Signed) -> str:

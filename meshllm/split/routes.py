@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Depends, Query
 from fastapi.responses import JSONResponse
 
+from meshllm.api.auth import require_api_key
 from meshllm.api.errors import error_body
 from meshllm.errors import MeshllmError
 from meshllm.split.planner import GIB
@@ -26,7 +27,7 @@ def plan_router(source: PlanSource) -> APIRouter:
     """The plan route, bound to the node's split service."""
     router = APIRouter()
 
-    @router.get("/api/plan", response_model=None)
+    @router.get("/api/plan", response_model=None, dependencies=[Depends(require_api_key)])
     def get_plan(model: str = Query(min_length=1, max_length=4096), stages: int | None = Query(None, ge=1, le=8),
                  max_memory_gb: float | None = Query(None, gt=0, lt=1e6)) -> dict[str, Any] | JSONResponse:
         cap = int(max_memory_gb * GIB) if max_memory_gb else None

@@ -6,15 +6,20 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
 
 
 @contextmanager
-def serve(app: FastAPI) -> Iterator[str]:
-    """Run ``app`` on uvicorn in a thread at a free port of 127.0.0.1; yield its base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+def serve(app: FastAPI, **config: Any) -> Iterator[str]:
+    """Run ``app`` on uvicorn in a thread at a free port of 127.0.0.1; yield its base URL.
+
+    ``config`` goes to ``uvicorn.Config`` (``http=guarded_protocol(limits)`` serves it as a node does).
+    """
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
+                                           **config))
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()
     deadline = time.monotonic() + 10

@@ -12,10 +12,11 @@ import httpx
 import openai
 import pytest
 from api_server import serve
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 from nodes import wait_until
 
 from meshllm.api.app import ApiLimits, LocalBackend, ModelEntry, create_app
+from meshllm.api.auth import require_api_key
 from meshllm.api.errors import NoCapacity
 from meshllm.engine.base import Finish, GenerationEvent, GenerationRequest, TextDelta, Usage
 from meshllm.engine.llama import LlamaEngine
@@ -101,7 +102,8 @@ def test_unknown_route_and_method_are_openai_shaped(tiny_server: str) -> None:
 
 
 def test_health(tiny_server: str) -> None:
-    assert httpx.get(tiny_server + "/health").json() == {"status": "ok", "models": 1, "active_requests": 0}
+    assert httpx.get(tiny_server + "/health").json() == {"status": "ok", "models": 1, "active_requests": 0,
+                                                         "ready_models": ["tiny-llama"], "loading": []}
 
 
 class GatedBackend:
@@ -176,7 +178,7 @@ def test_client_disconnect_cancels_generation(slow_engine: LlamaEngine, stream: 
 
 
 def test_extra_routers_are_served_with_openai_shaped_errors() -> None:
-    extra = APIRouter()
+    extra = APIRouter(dependencies=[Depends(require_api_key)])
 
     @extra.get("/api/ping")
     async def ping() -> dict[str, str]:

@@ -11,7 +11,8 @@ from api.api_server import serve
 from fastapi import FastAPI
 from nodes import meshllm
 
-from meshllm.cli.console import ADMIN_TOKEN_FILE, console_url, page_token
+from meshllm.cli.console import console_url, page_token
+from meshllm.config import ADMIN_TOKEN_FILE
 
 
 def test_the_token_rides_in_the_fragment_and_is_escaped() -> None:
@@ -21,9 +22,9 @@ def test_the_token_rides_in_the_fragment_and_is_escaped() -> None:
 
 def test_only_a_node_on_this_machine_gets_the_homes_admin_token(tmp_path: Path) -> None:
     assert page_token("http://127.0.0.1:9337", tmp_path) == ""  # no token file: read-only page
-    (tmp_path / ADMIN_TOKEN_FILE).write_text("secret\n")
+    (tmp_path / ADMIN_TOKEN_FILE).write_text("secret-token-0123456789\n")
     for local in ("http://127.0.0.1:9337", "http://localhost:1", "http://[::1]:9337"):
-        assert page_token(local, tmp_path) == "secret"
+        assert page_token(local, tmp_path) == "secret-token-0123456789"
     assert page_token("http://10.1.2.3:9337", tmp_path) == ""
     assert page_token("https://mesh.example.org", tmp_path) == ""
 

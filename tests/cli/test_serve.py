@@ -37,7 +37,7 @@ def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[NodeProcess]
 
 
 def test_invite_from_the_running_owner(trio: list[NodeProcess]) -> None:
-    out = meshllm("invite", "create", "--api", trio[0].api, "--ttl", "1h", "--uses", "2")
+    out = meshllm("invite", "create", *trio[0].api_args, "--ttl", "1h", "--uses", "2")
     assert out.returncode == 0, out.stderr
     info = json.loads(meshllm("invite", "inspect", out.stdout.strip(), "--json").stdout)
     assert info["mesh_id"] == trio[0].ready["mesh_id"] and info["max_uses"] == 2
@@ -45,7 +45,7 @@ def test_invite_from_the_running_owner(trio: list[NodeProcess]) -> None:
 
 
 def test_invite_from_a_member_that_is_not_the_owner_is_a_clear_error(trio: list[NodeProcess]) -> None:
-    out = meshllm("invite", "create", "--api", trio[1].api)
+    out = meshllm("invite", "create", *trio[1].api_args)
     assert out.returncode == 1 and "mesh key" in out.stderr and "Traceback" not in out.stderr
 
 
@@ -102,9 +102,9 @@ def test_second_node_on_a_busy_api_port_says_what_to_do(trio: list[NodeProcess],
 
 
 def test_event_stream_replays_history_then_streams_live_events(trio: list[NodeProcess], tmp_path: Path) -> None:
-    from meshllm.cli.api_client import open_events
+    from meshllm.cli.api_client import NodeApi
 
-    with open_events(trio[0].api, idle_timeout=10.0) as events:
+    with NodeApi(trio[0].api, trio[0].admin_token).events(idle_timeout=10.0) as events:
         seen = []
         for event in events:
             seen.append(event)
@@ -134,12 +134,12 @@ def test_event_stream_replays_history_then_streams_live_events(trio: list[NodePr
 
 
 def test_revoked_invite_cannot_join_and_only_the_owner_revokes(trio: list[NodeProcess], tmp_path: Path) -> None:
-    token = meshllm("invite", "create", "--api", trio[0].api, "--ttl", "1h").stdout.strip()
+    token = meshllm("invite", "create", *trio[0].api_args, "--ttl", "1h").stdout.strip()
     invite_id = json.loads(meshllm("invite", "inspect", token, "--json").stdout)["invite_id"]
-    out = meshllm("invite", "revoke", token, "--api", trio[0].api)
+    out = meshllm("invite", "revoke", token, *trio[0].api_args)
     assert out.returncode == 0, out.stderr
     assert f"revoked invite {invite_id}" in out.stdout
-    out = meshllm("invite", "revoke", invite_id, "--api", trio[0].api, "--json")  # by id, again: harmless
+    out = meshllm("invite", "revoke", invite_id, *trio[0].api_args, "--json")  # by id, again: harmless
     assert out.returncode == 0 and json.loads(out.stdout)["target"] == invite_id
     # The revocation reached the other members (the owner logs it; so do they).
     for node in trio[1:]:
@@ -152,8 +152,8 @@ def test_revoked_invite_cannot_join_and_only_the_owner_revokes(trio: list[NodePr
     assert len(lines) == 1 and "revoked" in out.stderr and "Traceback" not in out.stderr
     assert time.monotonic() - started < 20
     # A member that does not hold the mesh key answers 409; a bad node id is 422.
-    out = meshllm("mesh", "revoke-node", trio[0].node_id, "--api", trio[1].api)
+    out = meshllm("mesh", "revoke-node", trio[0].node_id, *trio[1].api_args)
     assert out.returncode == 1 and "mesh key" in out.stderr and "409" in out.stderr
-    out = meshllm("mesh", "revoke-node", "not-a-node-id", "--api", trio[0].api)
+    out = meshllm("mesh", "revoke-node", "not-a-node-id", *trio[0].api_args)
     assert out.returncode == 1 and "422" in out.stderr and "Traceback" not in out.stderr
     assert "revoked" not in {p["state"] for p in trio[0].status()["peers"]}

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from meshllm.cli.api_client import NodeApiError, NodeUnreachable, get_json, open_events, parse_sse
+from meshllm.cli.api_client import NodeApi, NodeApiError, NodeUnreachable, parse_sse
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_STATUS = "-m meshllm status"  # through the meshllm group, as a user runs it
@@ -236,7 +236,7 @@ def test_parse_sse_handles_comments_multiline_and_junk() -> None:
 def test_open_events_reads_stream_and_ends_when_idle(node: FakeNode) -> None:
     node.silent.set()
     start = time.monotonic()
-    with open_events(node.url, idle_timeout=0.5) as events:
+    with NodeApi(node.url).events(idle_timeout=0.5) as events:
         got = [event["type"] for event in events]  # ends by itself once the stream goes quiet
     assert got == ["peer_joined", "model_ready"]
     assert time.monotonic() - start < 3
@@ -244,14 +244,14 @@ def test_open_events_reads_stream_and_ends_when_idle(node: FakeNode) -> None:
 
 def test_open_events_without_node(node: FakeNode) -> None:
     node.stop()
-    with pytest.raises(NodeUnreachable, match="meshllm serve"), open_events(node.url, connect_timeout=1.0):
+    with pytest.raises(NodeUnreachable, match="meshllm serve"), NodeApi(node.url).events(connect_timeout=1.0):
         pass
 
 
 def test_get_json_errors(node: FakeNode) -> None:
-    assert get_json(node.url, "/api/status")["name"] == "alpha"
+    assert NodeApi(node.url).get_json("/api/status")["name"] == "alpha"
     with pytest.raises(NodeApiError, match="404"):
-        get_json(node.url, "/nope")
+        NodeApi(node.url).get_json("/nope")
     url = free_url()
     with pytest.raises(NodeUnreachable, match=f"no meshllm node is running at {url}"):
-        get_json(url, "/api/status", timeout=1.0)
+        NodeApi(url).get_json("/api/status", timeout=1.0)

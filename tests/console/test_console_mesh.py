@@ -10,14 +10,13 @@ read-only page without a token, keyboard use, and gamma killed and gone from the
 Every state is saved as screenshots (1280x800 and 390 px wide, light and dark) in
 ``tests/console/results/``.
 
-The node's management routes may or may not demand the admin token (another change adds that);
-the page always sends it, so these tests pass either way.
+The node's management routes demand the admin token; the page sends the one it took from the
+fragment, and a page without it is read-only.
 """
 
 from __future__ import annotations
 
 import os
-import secrets
 import subprocess
 import sys
 import time
@@ -43,7 +42,7 @@ from console_browser import (
 from nodes import NodeProcess, meshllm, meshllm_json, running_nodes, wait_until
 from tinymodels import write_tiny_llama
 
-from meshllm.cli.console import ADMIN_TOKEN_FILE
+from meshllm.config import ADMIN_TOKEN_FILE
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -79,11 +78,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory, models: dict[str, Path]) -> I
                             "alpha")
         nodes.append(alpha)
         alpha.wait_ready()
-        token_file = alpha.home / ADMIN_TOKEN_FILE
-        if not token_file.exists():  # a node that does not make one yet: the page must send whatever it holds
-            token_file.write_text(secrets.token_urlsafe(24))
-            token_file.chmod(0o600)
-        yield Mesh(alpha, token=token_file.read_text().strip())
+        yield Mesh(alpha, token=(alpha.home / ADMIN_TOKEN_FILE).read_text().strip())
         for node in nodes[1:]:
             node.kill()
 
@@ -403,5 +398,5 @@ def test_console_print_needs_a_node_that_serves_the_console(mesh: Mesh) -> None:
     done = meshllm("console", "--print", "--api", mesh.alpha.api + "/v1", "--home", str(mesh.alpha.home))
     assert done.returncode == 1 and "serves no meshllm console" in done.stderr
     # An explicit token wins over the home's (e.g. an API key for the page to send).
-    done = meshllm("console", "--print", "--api", mesh.alpha.api, "--token", "key with/odd=chars")
+    done = meshllm("console", "--print", "--api", mesh.alpha.api, "--api-key", "key with/odd=chars")
     assert done.returncode == 0 and done.stdout.strip() == f"{mesh.alpha.api}/#admin=key%20with%2Fodd%3Dchars"

@@ -44,7 +44,7 @@ def test_publish_discover_join_and_chat(tmp_path: Path) -> None:
         mesh_id = a.ready["mesh_id"]
 
         start = time.monotonic()
-        published = meshllm_json("publish", "--name", "demo", "--api", a.api)
+        published = meshllm_json("publish", "--name", "demo", *a.api_args)
         assert published["published"] and published["mesh_id"] == mesh_id and published["dht"]
         found: list[dict[str, object]] = []
 
@@ -73,7 +73,7 @@ def test_publish_discover_join_and_chat(tmp_path: Path) -> None:
         wait_until(lambda: any(p["node_id"] == a.node_id and p["state"] == "alive" for p in e.status()["peers"]), 15)
         print(f"join by mesh id -> member seeing A in {time.monotonic() - start:.2f} s")
 
-        not_owner = meshllm("publish", "--api", e.api)
+        not_owner = meshllm("publish", *e.api_args)
         assert not_owner.returncode == 1 and "only the node holding the mesh key" in not_owner.stderr
 
         models = httpx.get(e.api + "/v1/models", timeout=5).json()["data"]
@@ -83,7 +83,7 @@ def test_publish_discover_join_and_chat(tmp_path: Path) -> None:
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["message"]["content"] is not None
 
-        off = meshllm_json("publish", "--off", "--api", a.api)
+        off = meshllm_json("publish", "--off", *a.api_args)
         assert off["published"] is False
         gone = wait_until(lambda: all(m["mesh_id"] != mesh_id for m in discover(bootstrap)), float(TTL) + 15, 0.2)
         print(f"unpublished mesh left discover in {gone:.2f} s (listing TTL {TTL} s)")
@@ -104,7 +104,7 @@ def test_join_unknown_mesh_fails_in_one_line(tmp_path: Path) -> None:
         assert lines[0].startswith("error: no live listing of mesh-aaaa") and "DHT" in lines[0], done.stderr
         assert took < 15, took
 
-        owner_only = meshllm("publish", "--api", a.api)  # A owns its mesh: fine
+        owner_only = meshllm("publish", *a.api_args)  # A owns its mesh: fine
         assert owner_only.returncode == 0, owner_only.stderr
         nothing = meshllm("discover", "--no-mdns", "--timeout", "2", "--api", NO_LOCAL_NODE,
                           "--home", str(tmp_path / "x"))

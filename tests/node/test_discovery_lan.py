@@ -27,7 +27,7 @@ def test_find_and_join_over_mdns_without_bootstrap(tmp_path: Path) -> None:
         nodes.append(a)
         a.wait_ready()
         mesh_id = a.ready["mesh_id"]
-        published = meshllm_json("publish", "--name", "lan-demo", "--api", a.api, prefix=in_a)
+        published = meshllm_json("publish", "--name", "lan-demo", *a.api_args, prefix=in_a)
         assert published["lan"], published
 
         start = time.monotonic()
@@ -45,7 +45,7 @@ def test_find_and_join_over_mdns_without_bootstrap(tmp_path: Path) -> None:
         assert b.wait_event(lambda e: e["type"] == "mesh_found", 1)["via"] == "lan"
 
         def b_sees_a() -> bool:
-            status = meshllm_json("status", "--api", b.api, prefix=in_b, timeout=10)
+            status = meshllm_json("status", *b.api_args, prefix=in_b, timeout=10)
             return any(p["node_id"] == a.node_id and p["state"] == "alive" for p in status["peers"])
 
         wait_until(b_sees_a, 15.0, interval=0.3)
