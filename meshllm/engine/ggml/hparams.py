@@ -12,10 +12,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from meshllm.engine.numpy.errors import UnsupportedModel
-from meshllm.engine.numpy.gguf_file import GGUFFile
+import numpy as np
 
-#: Architectures the numpy runtime implements. Mistral and SmolLM GGUFs carry the ``llama`` architecture.
+from meshllm.engine.ggml.errors import UnsupportedModel
+from meshllm.models.gguf_file import GGUFFile
+
+#: Architectures the runtime implements. Mistral and SmolLM GGUFs carry the ``llama`` architecture.
 LLAMA_FAMILY = ("llama", "qwen2")
 SUPPORTED_ARCHITECTURES = (*LLAMA_FAMILY, "gemma3")
 
@@ -96,6 +98,15 @@ class HParams:
         return self.sliding_window if self.swa_layers[layer] else 0
 
 
+def _f32_sqrt(x: float) -> float:
+    """``sqrtf(x)``: llama.cpp computes its scales in float32, and so must we to match it bit for bit."""
+    return float(np.sqrt(np.float32(x)))
+
+
+def _f32_div(a: float, b: float) -> float:
+    return float(np.float32(a) / np.float32(b))
+
+
 def metadata(reader: GGUFFile, key: str, default: Any = _MISSING) -> Any:
     """The value of metadata ``key``, ``default`` if absent; a missing required key is refused."""
     value = reader.fields.get(key, default)
@@ -104,21 +115,34 @@ def metadata(reader: GGUFFile, key: str, default: Any = _MISSING) -> Any:
     return value
 
 
-def _per_layer_constant(value: Any, key: str) -> int:
-    """Head counts may be given per layer; we implement only models where they are all equal."""
+def _number(reader: GGUFFile, key: str, kind: type, default: Any = _MISSING) -> Any:
+    """``key`` as an ``int`` or ``float``; a value of another type (a string, an array) is refused."""
+    value = metadata(reader, key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and not isinstance(value, int)):
+        raise UnsupportedModel(f"GGUF key {key!r} is {value!r}, expected a number")
+    if not math.isfinite(value):
+        raise UnsupportedModel(f"GGUF key {key!r} is {value}")
+    return kind(value)
+
+
+def _count(reader: GGUFFile, key: str, default: Any = _MISSING, *, minimum: int = 1) -> int:
+    """A positive count (layers, heads, widths), possibly given per layer; per-layer values must agree."""
+    value = metadata(reader, key, default)
     if isinstance(value, list):
-        if len(set(value)) != 1:
+        if not value or len(set(value)) != 1:
             raise UnsupportedModel(f"{key} differs between layers ({sorted(set(value))}); not implemented")
-        return int(value[0])
-    return int(value)
+        value = value[0]
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= 1 << 24:
+        raise UnsupportedModel(f"GGUF key {key!r} is {value!r}, expected a count >= {minimum}")
+    return value
 
 
 def architecture(reader: GGUFFile) -> str:
-    """The GGUF's ``general.architecture``, refused unless the numpy runtime implements it."""
+    """The GGUF's ``general.architecture``, refused unless the runtime implements it."""
     arch = str(metadata(reader, "general.architecture"))
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModel(
-            f"architecture {arch!r} is not supported by the numpy stage runtime "
+            f"architecture {arch!r} is not supported by the ggml stage runtime "
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
     return arch
@@ -130,12 +154,15 @@ def _rope_configs(reader: GGUFFile, arch: str, n_rot: int, context: int) -> tupl
     scaling = str(metadata(reader, f"{a}.rope.scaling.type", "linear"))
     if scaling not in ("none", "linear", "yarn"):
         raise UnsupportedModel(f"rope scaling type {scaling!r} is not implemented (none, linear, yarn are)")
-    factor = float(metadata(reader, f"{a}.rope.scaling.factor", 0.0) or metadata(reader, f"{a}.rope.scale_linear", 0.0))
-    freq_scale = 1.0 if scaling == "none" or factor == 0.0 else 1.0 / factor
-    attn_factor = float(metadata(reader, f"{a}.rope.scaling.attn_factor", 1.0))
+    factor = _number(reader, f"{a}.rope.scaling.factor", float, 0.0) or _number(
+        reader, f"{a}.rope.scale_linear", float, 0.0)
+    if factor < 0:
+        raise UnsupportedModel(f"rope scaling factor {factor} is negative")
+    freq_scale = 1.0 if scaling == "none" or factor == 0.0 else _f32_div(1.0, factor)
+    attn_factor = _number(reader, f"{a}.rope.scaling.attn_factor", float, 1.0)
     ext_factor = 0.0
     if scaling == "yarn":
-        if float(metadata(reader, f"{a}.rope.scaling.yarn_log_multiplier", 0.0)) != 0.0:
+        if _number(reader, f"{a}.rope.scaling.yarn_log_multiplier", float, 0.0) != 0.0:
             raise UnsupportedModel("YaRN with a log multiplier (DeepSeek style) is not implemented")
         ext_factor = 1.0
         f = 1.0 / freq_scale
@@ -147,16 +174,18 @@ def _rope_configs(reader: GGUFFile, arch: str, n_rot: int, context: int) -> tupl
         "n_rot": n_rot,
         "ext_factor": ext_factor,
         "attn_factor": attn_factor,
-        "beta_fast": float(metadata(reader, f"{a}.rope.scaling.yarn_beta_fast", 32.0)),
-        "beta_slow": float(metadata(reader, f"{a}.rope.scaling.yarn_beta_slow", 1.0)),
-        "n_ctx_orig": int(metadata(reader, f"{a}.rope.scaling.original_context_length", context)),
+        "beta_fast": _number(reader, f"{a}.rope.scaling.yarn_beta_fast", float, 32.0),
+        "beta_slow": _number(reader, f"{a}.rope.scaling.yarn_beta_slow", float, 1.0),
+        "n_ctx_orig": _count(reader, f"{a}.rope.scaling.original_context_length", context),
     }
-    base = float(metadata(reader, f"{a}.rope.freq_base", 10000.0))
+    base = _number(reader, f"{a}.rope.freq_base", float, 10000.0)
+    if base <= 0:
+        raise UnsupportedModel(f"rope freq_base {base} is not positive")
     rope = RopeConfig(freq_base=base, freq_scale=freq_scale, **common)
     if arch == "gemma3":
         # Gemma 3's local layers keep their own base (1e4 unless stated) and are never scaled.
         rope_swa = RopeConfig(
-            freq_base=float(metadata(reader, f"{a}.rope.freq_base_swa", 10000.0)), freq_scale=1.0, **common
+            freq_base=_number(reader, f"{a}.rope.freq_base_swa", float, 10000.0), freq_scale=1.0, **common
         )
     else:
         rope_swa = rope
@@ -165,15 +194,16 @@ def _rope_configs(reader: GGUFFile, arch: str, n_rot: int, context: int) -> tupl
 
 def _swa_layers(reader: GGUFFile, arch: str, n_layers: int) -> tuple[int, tuple[bool, ...]]:
     """Sliding window size and which layers use it; only Gemma 3 has local layers among our families."""
-    window = int(metadata(reader, f"{arch}.attention.sliding_window", 0)) if arch == "gemma3" else 0
+    window = _count(reader, f"{arch}.attention.sliding_window", 0, minimum=0) if arch == "gemma3" else 0
     if window <= 0:
         return 0, (False,) * n_layers
-    pattern = metadata(reader, f"{arch}.attention.sliding_window_pattern", _GEMMA3_SWA_PATTERN)
+    key = f"{arch}.attention.sliding_window_pattern"
+    pattern = metadata(reader, key, _GEMMA3_SWA_PATTERN)
     if isinstance(pattern, list):
         if len(pattern) < n_layers:
             raise UnsupportedModel(f"sliding_window_pattern has {len(pattern)} entries for {n_layers} layers")
         return window, tuple(bool(p) for p in pattern[:n_layers])
-    n = int(pattern)
+    n = _count(reader, key, _GEMMA3_SWA_PATTERN, minimum=0)
     return window, tuple(n == 0 or il % n < n - 1 for il in range(n_layers))
 
 
@@ -181,35 +211,35 @@ def read_hparams(reader: GGUFFile) -> HParams:
     """Read and validate the hyperparameters of the GGUF behind ``reader``."""
     arch = architecture(reader)
     a = arch
-    n_layers = int(metadata(reader, f"{a}.block_count"))
-    width = int(metadata(reader, f"{a}.embedding_length"))
-    n_heads = _per_layer_constant(metadata(reader, f"{a}.attention.head_count"), "head_count")
-    n_kv_heads = _per_layer_constant(metadata(reader, f"{a}.attention.head_count_kv", n_heads), "head_count_kv")
-    ffn = _per_layer_constant(metadata(reader, f"{a}.feed_forward_length"), "feed_forward_length")
-    head_dim = int(metadata(reader, f"{a}.attention.key_length", width // n_heads))
-    v_head_dim = int(metadata(reader, f"{a}.attention.value_length", width // n_heads))
+    n_layers = _count(reader, f"{a}.block_count")
+    width = _count(reader, f"{a}.embedding_length")
+    n_heads = _count(reader, f"{a}.attention.head_count")
+    n_kv_heads = _count(reader, f"{a}.attention.head_count_kv", n_heads)
+    ffn = _count(reader, f"{a}.feed_forward_length")
+    head_dim = _count(reader, f"{a}.attention.key_length", max(1, width // n_heads))
+    v_head_dim = _count(reader, f"{a}.attention.value_length", max(1, width // n_heads))
     if v_head_dim != head_dim:
         raise UnsupportedModel(f"key length {head_dim} != value length {v_head_dim}; not implemented")
     if n_heads % n_kv_heads:
         raise UnsupportedModel(f"{n_heads} query heads cannot be grouped over {n_kv_heads} KV heads")
-    n_rot = int(metadata(reader, f"{a}.rope.dimension_count", head_dim))
+    n_rot = _count(reader, f"{a}.rope.dimension_count", head_dim)
     if n_rot > head_dim or n_rot % 2:
         raise UnsupportedModel(f"rope dimension count {n_rot} does not fit head size {head_dim}")
-    context = int(metadata(reader, f"{a}.context_length"))
-    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-    if embd is None:
-        raise UnsupportedModel("GGUF has no token_embd.weight tensor")
-    vocab = int(embd.shape[1])
+    context = _count(reader, f"{a}.context_length")
+    embd = reader.tensor("token_embd.weight")
+    if embd is None or len(embd.shape) != 2 or embd.shape[0] != width:
+        raise UnsupportedModel(f"GGUF has no token_embd.weight of width {width}")
+    vocab = embd.shape[1]
     rope, rope_swa = _rope_configs(reader, arch, n_rot, context)
     window, swa_layers = _swa_layers(reader, arch, n_layers)
     if arch == "gemma3":
         # llama.cpp: 1/sqrt(head size), except Gemma 3 27B (62 layers) whose query_pre_attn_scalar is
         # width / heads. The GGUF does not store that scalar, so this mirrors llama.cpp exactly.
-        attn_scale = 1.0 / math.sqrt(width / n_heads if n_layers == 62 else head_dim)
-        embed_scale = math.sqrt(width)
-        softcap = float(metadata(reader, f"{a}.final_logit_softcapping", 0.0))
+        attn_scale = _f32_div(1.0, _f32_sqrt(width // n_heads if n_layers == 62 else head_dim))
+        embed_scale = _f32_sqrt(width)
+        softcap = _number(reader, f"{a}.final_logit_softcapping", float, 0.0)
     else:
-        attn_scale = 1.0 / math.sqrt(head_dim)
+        attn_scale = _f32_div(1.0, _f32_sqrt(head_dim))
         embed_scale = 1.0
         softcap = 0.0
     return HParams(
@@ -221,7 +251,7 @@ def read_hparams(reader: GGUFFile) -> HParams:
         head_dim=head_dim,
         ffn=ffn,
         vocab=vocab,
-        rms_eps=float(metadata(reader, f"{a}.attention.layer_norm_rms_epsilon")),
+        rms_eps=_number(reader, f"{a}.attention.layer_norm_rms_epsilon", float),
         context_length=context,
         attn_scale=attn_scale,
         embed_scale=embed_scale,
