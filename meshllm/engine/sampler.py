@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from meshllm.engine.base import GenerationParams
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -35,6 +37,18 @@ class SamplingParams:
     """OpenAI: subtract this times the token's count in the window."""
     seed: int | None = None
     """Seed of the random draw; None draws a fresh one."""
+
+
+def sampling_params(params: GenerationParams) -> SamplingParams:
+    """OpenAI semantics for the API's parameters: no min-p and no repetition penalty unless asked."""
+    return SamplingParams(
+        temperature=params.temperature,
+        top_k=params.top_k or 0,
+        top_p=params.top_p,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        seed=params.seed,
+    )
 
 
 class Sampler:

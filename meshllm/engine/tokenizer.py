@@ -1,8 +1,8 @@
 """Tokenizer and chat template of a GGUF, through llama-cpp-python loaded with ``vocab_only=True``.
 
 Loading only the vocabulary takes well under a second and no weight memory, and reusing llama.cpp's
-tokenizer guarantees the numpy runtime sees exactly the token ids llama.cpp would, which the
-comparison tests (and mixed llama.cpp / numpy meshes) depend on. Chat prompts come from the GGUF's
+tokenizer guarantees the ggml stage runtime sees exactly the token ids llama.cpp would, which the
+comparison tests (and mixed llama.cpp / ggml-runtime meshes) depend on. Chat prompts come from the GGUF's
 template when it has one, else from the family's llama-cpp-python format (the default Gemma 3 270M has
 no template): :func:`meshllm.engine.chat_format.chat_renderer`, as :class:`meshllm.engine.llama.LlamaEngine`.
 """
@@ -16,7 +16,7 @@ from typing import Any
 import llama_cpp
 from llama_cpp import Llama
 
-from meshllm.engine.base import BadChat, ChatRequest, GenerationRequest
+from meshllm.engine.base import BadChat, ChatRequest, GenerationRequest, Unsupported
 from meshllm.engine.chat_format import chat_renderer, family_of
 
 
@@ -59,8 +59,17 @@ class Tokenizer:
                 raise BadChat(f"model {model_id} cannot render this conversation: {exc}") from exc
             stops += format_stops
         else:
-            tokens = self.encode(request.prompt)
+            tokens = self.encode(request.prompt) if isinstance(request.prompt, str) else self.ids(request.prompt)
         return tokens, tuple(s for s in stops if s)
+
+    def ids(self, tokens: Sequence[int]) -> list[int]:
+        """A token-id prompt as given, refused (naming ``prompt``) when an id is outside the vocabulary."""
+        vocab = self._llama.n_vocab()
+        bad = next((t for t in tokens if not 0 <= t < vocab), None)
+        if bad is not None or not tokens:
+            raise Unsupported(f"token id {bad} is outside the vocabulary of {vocab}" if bad is not None
+                              else "the token-id prompt is empty", param="prompt")
+        return list(tokens)
 
     def chat_prompt(
         self, messages: Sequence[dict[str, str]], tools: Sequence[dict[str, Any]] = ()

@@ -1,6 +1,6 @@
 """SplitEngine: a model served by a chain of stages, behind the same :class:`Engine` interface as a local model.
 
-The API routes cannot tell it from :class:`~meshllm.engine.numpy.engine.NumpyEngine`: it tokenizes
+The API routes cannot tell it from :class:`~meshllm.engine.ggml.engine.GgmlEngine`: it tokenizes
 (the coordinator holds the tokenizer), streams text with stop strings cut, and reports usage. The chain
 itself is swappable: placement (:mod:`meshllm.split.placement`) attaches a :class:`SplitCoordinator`
 when a plan is hosted and detaches it when a stage fails; meanwhile requests get a 503 that says why,
@@ -29,9 +29,9 @@ from meshllm.engine.base import (
     TokenRate,
     context_cap,
 )
-from meshllm.engine.numpy.engine import sampling_params
-from meshllm.engine.numpy.tokenizer import Tokenizer
+from meshllm.engine.sampler import sampling_params
 from meshllm.engine.text import TextStream, token_budget
+from meshllm.engine.tokenizer import Tokenizer
 from meshllm.models.metadata import read_metadata
 from meshllm.split.coordinator import SplitCoordinator
 from meshllm.split.errors import StageFailed
@@ -45,7 +45,7 @@ class ChainUnavailable(EngineBusy):
 
 
 def chain_sampling(params: GenerationParams) -> Sampling:
-    """OpenAI semantics for the last stage's sampler (no min-p, no repetition penalty), as NumpyEngine."""
+    """OpenAI semantics for the last stage's sampler (no min-p, no repetition penalty), as GgmlEngine."""
     return Sampling(**dataclasses.asdict(sampling_params(params)))
 
 

@@ -83,6 +83,7 @@ class StageModel:
         self._sessions: dict[str, KVCache] = {}
         self._graphs: OrderedDict[tuple[object, ...], _Compiled] = OrderedDict()
         self._lock = threading.Lock()
+        self._closed = False
         self._kv_bufts = [backends.gpu_buft if lw.on_accelerator else backends.cpu_buft for lw in weights.layers]
         self.compute_bytes = 0
         """Largest compute buffer a graph of this stage has needed so far (all backends)."""
@@ -162,6 +163,7 @@ class StageModel:
     def trim(self, session: str, n: int) -> None:
         """Keep only the first ``n`` cached tokens of ``session`` (rejected draft tokens, a shared prefix)."""
         with self._lock:
+            self._check_open()
             cache = self._sessions.get(session)
             if cache is None:
                 if n:
@@ -181,6 +183,7 @@ class StageModel:
         inputs = self._checked(inputs)
         n = inputs.shape[0]
         with self._lock:
+            self._check_open()
             cache = self._sessions.get(session)
             if cache is None:
                 cache = KVCache(self.backends, self._kv_bufts, self.hparams.n_kv_heads * self.hparams.head_dim,
@@ -203,6 +206,10 @@ class StageModel:
                     outs.append(out)
             cache.length += n
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StageInputError(f"layers [{self.layer_start}, {self.layer_end}) were unloaded")
 
     def _checked(self, inputs: np.ndarray) -> np.ndarray:
         """Token ids (first stage) or a float32 [n, width] hand-over, checked before ggml sees them."""
@@ -288,6 +295,9 @@ class StageModel:
     def close(self) -> None:
         """Free every session, graph, weight buffer and backend."""
         with self._lock:
+            if self._closed:
+                return
+            self._closed = True
             g = self.backends.g
             for compiled in self._graphs.values():
                 compiled.close(g)
