@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from meshllm.engine.numpy.tokenizer import Tokenizer
+from meshllm.engine.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 

