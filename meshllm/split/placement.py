@@ -28,7 +28,7 @@ from meshllm.mesh.records import Capacity, PeerRecord
 from meshllm.models.gguf_file import GGUFFile
 from meshllm.models.refs import ModelRef
 from meshllm.split.control import Host, ask
-from meshllm.split.coordinator import SplitCoordinator
+from meshllm.split.coordinator import Deadlines, SplitCoordinator
 from meshllm.split.engine import SplitEngine
 from meshllm.split.errors import SplitError, StageFailed
 from meshllm.split.frames import Hop
@@ -87,18 +87,19 @@ def memory_budget(capacity: Capacity, max_memory: int | None) -> int:
 def model_profile(path: Path, context: int) -> ModelProfile:
     """Per-layer and end costs of the GGUF at ``path`` (header only: milliseconds).
 
-    Bytes are what the ggml runtime holds (stored tensor bytes, f16 KV for ``context`` tokens,
-    compute buffers per stage); layers are priced at the largest layer so that a plan never
-    counts on a layer being smaller than it is.
+    Bytes are what the ggml runtime holds (stored tensor bytes, f16 KV for ``context`` tokens or
+    the model's own context if shorter, compute buffers per stage); layers are priced at the
+    largest layer so that a plan never counts on a layer being smaller than it is.
     """
     reader = GGUFFile(path)
     hp = read_hparams(reader)
-    mem = memory_profile(reader, hp, context)
+    # a split never holds more than the model's context, and its stages get the lane's prompt chunks
+    mem = memory_profile(reader, hp, min(context, hp.context_length), Deadlines().prefill_chunk)
     return ModelProfile(
         n_layers=hp.n_layers, layer_bytes=max(mem.layer_bytes) + mem.kv_bytes_per_layer,
         first_bytes=mem.embed_bytes, last_bytes=mem.head_bytes + mem.logits_bytes,
         layer_flops=2.0 * max(mem.layer_params), head_flops=2.0 * mem.head_params,
-        stage_bytes=mem.compute_bytes + mem.rope_bytes,
+        stage_bytes=mem.compute_bytes + mem.rope_bytes, shared_bytes=mem.embed_bytes if mem.tied else 0,
     )
 
 

@@ -34,7 +34,7 @@ def test_64_greedy_steps_are_bit_identical_to_llama_cpp(default_model: Path, def
             theirs.append(int(np.argmax(rows[-1])))
             if step < STEPS - 1:
                 llm.eval([theirs[-1]])
-        their_text = llm.detokenize(theirs)
+        their_text = llm.detokenize(theirs).decode("utf-8", errors="replace")
     finally:
         llm.close()
     # ours, left to generate on its own: the prompt in one call, then one token per call
@@ -50,6 +50,12 @@ def test_64_greedy_steps_are_bit_identical_to_llama_cpp(default_model: Path, def
     equal = sum(np.array_equal(a, b) for a, b in zip(logits, rows, strict=True))
     assert equal == STEPS, f"bit-identical at {equal} of {STEPS} steps"
     assert ours == theirs
+    from meshllm.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(default_model, "gemma3", None)
+    our_text = tokenizer.decode(ours)
+    tokenizer.close()
+    assert our_text == their_text and len(our_text) > 100
 
 
 @pytest.mark.parametrize("k", [1, 6, 17])

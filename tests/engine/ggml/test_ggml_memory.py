@@ -48,7 +48,8 @@ def test_estimate_is_the_stage_parts(tiny_llama: Path, start: int, end: int) -> 
         assert w.mapped_bytes + w.copied_bytes == plan.nbytes
         kv = kv_bytes_per_token(end - start, hp.n_kv_heads * hp.head_dim) * padded(context)
         logits = hp.vocab * 4 if stage.last else 0
-        assert estimate_memory(tiny_llama, start, end, context) == plan.nbytes + kv + compute_bytes(hp, context) + logits
+        expected = plan.nbytes + kv + compute_bytes(hp, context) + logits
+        assert estimate_memory(tiny_llama, start, end, context) == expected
         # a full context: the cache holds exactly the estimated KV, and the compute buffers stay under the bound
         inputs = np.arange(context) % 256 + 3 if stage.first else np.zeros((context, 64), np.float32)
         stage.forward("s", inputs, 0)

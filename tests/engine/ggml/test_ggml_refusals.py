@@ -40,7 +40,7 @@ def _layer(prefix: str = "blk.0.") -> dict[str, np.ndarray]:
     out["blk.0.attn_k.weight"] = out["blk.0.attn_v.weight"] = np.zeros((32, 64), np.float32)  # 2 KV heads of 16
     out["blk.0.ffn_gate.weight"] = out["blk.0.ffn_up.weight"] = np.zeros((128, 64), np.float32)
     out["blk.0.ffn_down.weight"] = np.zeros((64, 128), np.float32)
-    out.update({f"{prefix}attn_norm.weight": np.ones(64, np.float32), f"{prefix}ffn_norm.weight": np.ones(64, np.float32)})
+    out[f"{prefix}attn_norm.weight"] = out[f"{prefix}ffn_norm.weight"] = np.ones(64, np.float32)
     return out
 
 
