@@ -64,6 +64,9 @@ class Step:
             self.x_in = graph.new(lib.F32, hp.width, n, name="inp_embd", input=True)
         self.pos = graph.new(lib.I32, n, name="inp_pos", input=True)
         self.kv_rows = graph.new(lib.I64, n, name="inp_kv_rows", input=True)
+        width = hp.n_kv_heads * hp.head_dim
+        self.v_rows = graph.new(lib.I64, n * width, name="inp_v_rows", input=True) if cache.v_trans else self.kv_rows
+        """Where V goes: the token rows, or for a transposed V one index per (token, dimension) element."""
         mask_type = lib.F16 if flash_attn else lib.F32
         self.masks: dict[int, T] = {}
         """Attention window (0: unlimited) -> its mask [n_kv, n]."""
@@ -85,6 +88,10 @@ class Step:
         positions = np.arange(pos, pos + n, dtype=np.int32)
         _set(g, self.pos, positions)
         _set(g, self.kv_rows, positions.astype(np.int64))
+        if self.v_rows is not self.kv_rows:  # element (token i, dim j) of a transposed V: j * capacity + pos_i
+            width = self.hp.n_kv_heads * self.hp.head_dim
+            dims = np.arange(width, dtype=np.int64) * self.cache.capacity
+            _set(g, self.v_rows, (positions.astype(np.int64)[:, None] + dims[None, :]).reshape(-1))
         cells = np.arange(n_kv)[None, :]
         q = positions[:, None]
         visible = cells <= q  # causal: a token sees every earlier position and itself
@@ -128,22 +135,28 @@ class Step:
         g.expand(k)
         k_cache, v_cache = cache.k[slot], cache.v[slot]
         g.expand(g.set_rows(k_cache, g.view(k, (width, n), (k.nb[2],)), self.kv_rows))
-        g.expand(g.set_rows(v_cache, g.view(v, (width, n), (v.nb[2],)), self.kv_rows))
-        row = int(g.g.ggml_row_size(k_cache.type, hp.head_dim))
-        stride = int(g.g.ggml_row_size(k_cache.type, width))
+        if cache.v_trans:  # one "row" per element: (token, dim) -> dim * capacity + position
+            g.expand(g.set_rows(g.reshape(v_cache, 1, v_cache.n_elements), g.reshape(v, 1, width * n), self.v_rows))
+        else:
+            g.expand(g.set_rows(v_cache, g.view(v, (width, n), (v.nb[2],)), self.kv_rows))
+        elt = int(g.g.ggml_row_size(k_cache.type, 1))
         n_kv = self.shape.n_kv
-        keys = g.permute(g.view(k_cache, (hp.head_dim, hp.n_kv_heads, n_kv), (row, stride)), 0, 2, 1, 3)
-        values = g.permute(g.view(v_cache, (hp.head_dim, hp.n_kv_heads, n_kv), (row, stride)), 0, 2, 1, 3)
+        keys = g.permute(g.view(k_cache, (hp.head_dim, hp.n_kv_heads, n_kv), (elt * hp.head_dim, elt * width)),
+                         0, 2, 1, 3)
         q = g.permute(q, 0, 2, 1, 3)
         mask = self.masks[hp.window_for(layer)]
         if self.flash_attn:
+            values = g.permute(g.view(v_cache, (hp.head_dim, hp.n_kv_heads, n_kv), (elt * hp.head_dim, elt * width)),
+                               0, 2, 1, 3)
             out = g.f32_accumulation(g.flash_attn(q, keys, values, mask, kq_scale))
             out = g.reshape(out, hp.head_dim * hp.n_heads, n)
         else:
+            cap = cache.capacity  # the transposed V: [n_kv, kv_heads, head_dim] -> [n_kv, head_dim, kv_heads]
+            strides = (elt * cap * hp.head_dim, elt * cap)
+            values = g.permute(g.view(v_cache, (n_kv, hp.n_kv_heads, hp.head_dim), strides), 0, 2, 1, 3)
             kq = g.f32_accumulation(g.mul_mat(keys, q))
             kq = g.soft_max(kq, mask, kq_scale)
-            # the cache keeps V like K (rows are tokens); llama.cpp's non-transposed branch
-            kqv = g.mul_mat(g.cont(g.transpose(values)), kq)
+            kqv = g.mul_mat(values, kq)
             out = g.cont_2d(g.permute(kqv, 0, 2, 1, 3), hp.head_dim * hp.n_heads, n)
         g.expand(out)
         return out

@@ -1,12 +1,15 @@
 """Per-session keys and values of a stage's layers, in backend buffers (float16 unless asked otherwise).
 
-Each layer has a K and a V tensor of ``[kv_heads * head_dim, capacity]``: one row per cached token
-(position), as llama.cpp's K cache. Graphs write a step's rows with ``set_rows`` at the session's next
-positions and attend over a view of the first ``n_kv`` rows, where ``n_kv`` is the length rounded up
-to 256 (:func:`padded`), exactly llama.cpp's choice: the view only changes every 256 tokens, so a
-decode graph is reused for 256 steps, and summations run over the same number of (masked) terms as
-llama.cpp's, which keeps results bit-identical. Rows past the length are zeroed when allocated and
-always masked.
+Each layer has a K tensor of ``[kv_heads * head_dim, capacity]``: one row per cached token
+(position), as llama.cpp's K cache. V is the same with flash attention; for softmax attention it is
+stored transposed, ``[capacity, kv_heads * head_dim]`` (one row per value dimension), so that the
+attention's ``V x softmax`` product reads it in place, exactly like llama.cpp's ``v_trans`` cache.
+Graphs write a step's entries with ``set_rows`` at the session's next positions and attend over a
+view of the first ``n_kv`` positions, where ``n_kv`` is the length rounded up to 256
+(:func:`padded`), exactly llama.cpp's choice: the view only changes every 256 tokens, so a decode
+graph is reused for 256 steps, and summations run over the same number of (masked) terms as
+llama.cpp's, which keeps results bit-identical. Entries past the length are zeroed when allocated
+and always masked.
 
 Capacity grows by doubling (in steps of 256, up to the session's context limit): the first
 ``length`` rows are copied into the new buffers and the :attr:`KVCache.generation` changes, which
@@ -37,8 +40,11 @@ def padded(n: int) -> int:
 class KVCache:
     """Keys and values of one session for ``len(bufts)`` consecutive layers (``bufts[i]``: where layer i's go)."""
 
-    def __init__(self, backends: Backends, bufts: list[int], width: int, kv_type: int, max_tokens: int) -> None:
+    def __init__(self, backends: Backends, bufts: list[int], width: int, kv_type: int, max_tokens: int,
+                 v_trans: bool = False) -> None:
         self.backends = backends
+        self.v_trans = v_trans
+        """V is stored transposed (softmax attention), one row per value dimension."""
         self.bufts = bufts
         self.width = width
         """Elements per row: kv_heads x head_dim."""
@@ -84,7 +90,8 @@ class KVCache:
         g = b.g
         graph = Graph(g, max_tensors=2 * len(self.bufts))
         k = [graph.new(self.kv_type, self.width, capacity, name=f"cache_k_l{i}") for i in range(len(self.bufts))]
-        v = [graph.new(self.kv_type, self.width, capacity, name=f"cache_v_l{i}") for i in range(len(self.bufts))]
+        v_shape = (capacity, self.width) if self.v_trans else (self.width, capacity)
+        v = [graph.new(self.kv_type, *v_shape, name=f"cache_v_l{i}") for i in range(len(self.bufts))]
         buffers = []
         try:
             for buft in dict.fromkeys(self.bufts):
@@ -96,12 +103,23 @@ class KVCache:
                 g.ggml_backend_buffer_free(buf)
             graph.close()
             raise
-        if self.length:
-            rows = int(g.ggml_row_size(self.kv_type, self.width)) * self.length
-            staging = np.empty(rows, np.uint8)
-            for old, new in zip(self.k + self.v, k + v, strict=True):
-                g.ggml_backend_tensor_get(old.p, staging.ctypes.data, 0, rows)
-                g.ggml_backend_tensor_set(new.p, staging.ctypes.data, 0, rows)
+        if self.length:  # carry the cached entries over, through host memory (rare: capacity doubles)
+            row = int(g.ggml_row_size(self.kv_type, self.width))
+            staging = np.empty(row * self.length, np.uint8)
+            for old, new in zip(self.k, k, strict=True):
+                g.ggml_backend_tensor_get(old.p, staging.ctypes.data, 0, staging.nbytes)
+                g.ggml_backend_tensor_set(new.p, staging.ctypes.data, 0, staging.nbytes)
+            for old, new in zip(self.v, v, strict=True):
+                if not self.v_trans:
+                    g.ggml_backend_tensor_get(old.p, staging.ctypes.data, 0, staging.nbytes)
+                    g.ggml_backend_tensor_set(new.p, staging.ctypes.data, 0, staging.nbytes)
+                    continue
+                size = row // self.width  # bytes per element
+                whole = np.empty((self.width, self.capacity * size), np.uint8)
+                g.ggml_backend_tensor_get(old.p, whole.ctypes.data, 0, whole.nbytes)
+                grown = np.zeros((self.width, capacity * size), np.uint8)
+                grown[:, : self.length * size] = whole[:, : self.length * size]
+                g.ggml_backend_tensor_set(new.p, grown.ctypes.data, 0, grown.nbytes)
         self._free()
         self.k, self.v, self._graph, self._buffers = k, v, graph, buffers
         self.capacity = capacity

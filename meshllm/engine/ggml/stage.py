@@ -187,7 +187,7 @@ class StageModel:
             cache = self._sessions.get(session)
             if cache is None:
                 cache = KVCache(self.backends, self._kv_bufts, self.hparams.n_kv_heads * self.hparams.head_dim,
-                                KV_TYPES[self.kv_type], self.max_context)
+                                KV_TYPES[self.kv_type], self.max_context, v_trans=not self.flash_attn)
             if pos != cache.length:
                 raise StageInputError(
                     f"session {session!r} is at position {cache.length} on layers "
