@@ -30,7 +30,7 @@ from meshllm.config import MODEL_HASHES_FILE, NODE_CERT_FILE, REVOCATIONS_FILE, 
 from meshllm.discovery.listing import LISTING_TTL_S
 from meshllm.discovery.publisher import NodeDiscovery, facts_from_records
 from meshllm.discovery.routes import discovery_router
-from meshllm.engine.capacity import measure_capacity
+from meshllm.engine.capacity import compute_devices, measure_capacity
 from meshllm.errors import ConfigError, DecodeError
 from meshllm.identity.ids import node_public_key, unb32
 from meshllm.identity.keys import NodeKey
@@ -280,6 +280,8 @@ class Node:
             "rtt_matrix": {a: {b: round(ms, 3) for b, ms in row.items()} for a, row in gossip.rtt_matrix().items()},
             "splits": self.splits.status() if self.splits is not None else [],
             "requests": self.serving.request_counters(),
+            "devices": [{"name": d.name, "description": d.description, "kind": d.kind,
+                         "memory_free": d.memory_free, "memory_total": d.memory_total} for d in compute_devices()],
         }
 
 

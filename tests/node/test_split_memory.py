@@ -35,8 +35,9 @@ def test_auto_split_serves_a_model_larger_than_every_node(tmp_path: Path) -> Non
         nodes += [NodeProcess(tmp_path / f"w{i}", ["--worker", "--join", token, *cap], f"w{i}") for i in (1, 2)]
         ready = coord.wait_event(lambda e: e["type"] == "split_ready", 60.0)
         assert len(ready["stages"]) >= 2
-        split = coord.status()["splits"][0]
-        assert split["state"] == "ready"
+        status = coord.status()
+        assert status["splits"][0]["state"] == "ready"
+        assert [d["kind"] for d in status["devices"]] == ["cpu"]  # this machine's llama-cpp-python: CPU only
         solo.wait_ready()
         kwargs = {"model": "tiny", "prompt": "Hello", "max_tokens": 24, "temperature": 0}
         ours = openai.OpenAI(base_url=coord.api + "/v1", api_key="x", max_retries=0)
