@@ -78,7 +78,11 @@ class Step:
     # -- inputs -------------------------------------------------------------------------------
 
     def set_inputs(self, g: lib.Ggml, inputs: np.ndarray, pos: int) -> None:
-        """Write this step's inputs: token ids (first stage) or activations, positions, KV rows, masks."""
+        """Write this step's inputs: token ids (first stage) or activations, positions, KV rows, masks.
+
+        All of them, before every compute: ggml's allocator may reuse an input's memory once its last
+        reader ran, so nothing left in a reused graph's inputs can be trusted.
+        """
         n, n_kv = self.shape.n, self.shape.n_kv
         if self.tokens is not None:
             _set(g, self.tokens, np.ascontiguousarray(inputs, dtype=np.int32))

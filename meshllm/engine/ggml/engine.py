@@ -43,7 +43,8 @@ from meshllm.engine.tokenizer import Tokenizer
 from meshllm.models.metadata import read_metadata
 from meshllm.models.refs import ModelRef
 
-ENGINE_NAME = "ggml"
+SUPPORTS = frozenset({"token_prompts"})
+"""Optional request features the ggml runtime's engines honour (the engine contract's capability names)."""
 
 
 def refuse_unsupported(request: GenerationRequest, model_id: str) -> None:
@@ -55,11 +56,27 @@ def refuse_unsupported(request: GenerationRequest, model_id: str) -> None:
         raise Unsupported(f"model {model_id} (ggml runtime) cannot report logprobs", param="logprobs")
 
 
+def replay(text: TextStream, request: GenerationRequest, vocab: int) -> list[int]:
+    """Feed ``request.continuation`` (sent to the client by the engine that began it) silently to ``text``.
+
+    Returns the tokens fed, which follow the prompt in what the engine prefills; generation ends at
+    once if they already ended it. Ids outside the vocabulary are refused.
+    """
+    if any(not 0 <= t < vocab for t in request.continuation):
+        raise Unsupported("the continuation has a token id outside the vocabulary", param="continuation")
+    fed = []
+    for token in request.continuation:
+        if text.done:
+            break
+        text.feed(token)
+        fed.append(token)
+    return fed
+
+
 class GgmlEngine(Engine):
     """Serve one GGUF with the ggml stage runtime (layers [0, n) in one stage)."""
 
-    supports = frozenset({"token_prompts"})
-    """Optional request features honoured (the engine contract's capability names)."""
+    supports = SUPPORTS
 
     def __init__(
         self,
@@ -152,21 +169,13 @@ class GgmlEngine(Engine):
     async def _generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         stage, tokenizer = self._require()
         prompt, stop_strings = await asyncio.to_thread(self.prompt_tokens, request)
-        replay = list(request.continuation)
-        if any(not 0 <= t < stage.hparams.vocab for t in replay):
-            raise Unsupported("the continuation has a token id outside the vocabulary", param="continuation")
         limit = token_budget(len(prompt), stage.max_context, request.params.max_tokens, self.model_id)
         sampler = Sampler(sampling_params(request.params))
         text = TextStream(is_end=tokenizer.is_end, token_bytes=tokenizer.token_bytes, stops=stop_strings,
                           limit=limit, prompt_tokens=len(prompt))
-        deltas = _Deltas()
-        fed = 0
-        for token in replay:  # already sent to the client by the engine that started the request
-            if text.done:
-                break
-            text.feed(token)
-            fed += 1
-        history = prompt + replay[:fed]
+        deltas = DeltaTokens()
+        fed = replay(text, request, stage.hparams.vocab)
+        history = prompt + fed
         session = uuid.uuid4().hex
         started = time.monotonic()
         step: asyncio.Future[int] | None = None
@@ -188,7 +197,7 @@ class GgmlEngine(Engine):
                     await asyncio.shield(step)
             if self.stage is not None:
                 self.stage.reset(session)
-            self._rate.observe(text.generated - fed, started, time.monotonic())
+            self._rate.observe(text.generated - len(fed), started, time.monotonic())
         for event in text.finish():
             yield deltas.wrap(event, None) if isinstance(event, TextDelta) else event
 
@@ -204,7 +213,7 @@ class GgmlEngine(Engine):
         return sampler(logits[-1], history)
 
 
-class _Deltas:
+class DeltaTokens:
     """Attaches to each text delta the token ids fed since the previous one (unless the text core did)."""
 
     def __init__(self) -> None:

@@ -104,10 +104,6 @@ class Graph:
     def contiguous(self, t: T) -> bool:
         return bool(self.g.ggml_is_contiguous(t.p))
 
-    @property
-    def n_nodes(self) -> int:
-        return int(self.g.ggml_graph_n_nodes(self.gf))
-
     # -- leaves -------------------------------------------------------------------------------------
 
     def new(self, type_id: int, *ne: int, name: str | None = None, input: bool = False) -> T:
@@ -216,21 +212,10 @@ class Graph:
             raise self._fail("permute", f"axes {axes} are not a permutation of 0..3", a)
         return self._op(self.g.ggml_permute, a.p, *axes)
 
-    def transpose(self, a: T) -> T:
-        return self._op(self.g.ggml_transpose, a.p)
-
-    def cont(self, a: T) -> T:
-        return self._op(self.g.ggml_cont, a.p)
-
     def cont_2d(self, a: T, ne0: int, ne1: int) -> T:
         if ne0 * ne1 != a.n_elements:
             raise self._fail("cont_2d", f"{ne0} x {ne1} elements", a)
         return self._op(self.g.ggml_cont_2d, a.p, ne0, ne1)
-
-    def cpy(self, src: T, dst: T) -> T:
-        if src.n_elements != dst.n_elements:
-            raise self._fail("cpy", "element counts differ", src, dst)
-        return self._op(self.g.ggml_cpy, src.p, dst.p)
 
     def rope(self, a: T, pos: T, freqs: T | None, *, n_dims: int, mode: int, n_ctx_orig: int, freq_base: float,
              freq_scale: float, ext_factor: float, attn_factor: float, beta_fast: float, beta_slow: float) -> T:

@@ -19,6 +19,7 @@ at most :data:`KEPT_GRAPHS` small ones are kept, least recently used first out.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -308,6 +309,10 @@ class StageModel:
             self.weights.close()
             self.backends.close()
 
+    def __del__(self) -> None:  # a stage dropped without close() still gives its native memory back
+        with contextlib.suppress(Exception):
+            self.close()
+
 
 def _gpu_layers(plan: StagePlan, hp: HParams, context: int, kv_type: str, accel: Device | None,
                 requested: int | None) -> int:
@@ -317,7 +322,7 @@ def _gpu_layers(plan: StagePlan, hp: HParams, context: int, kv_type: str, accel:
         return 0
     if requested is not None:
         return n if requested < 0 else min(requested, n)
-    per_layer = sum(t.nbytes for t in plan.layers[0].values())
+    per_layer = max(sum(t.nbytes for t in layer.values()) for layer in plan.layers)
     per_layer += kv_bytes_per_token(1, hp.n_kv_heads * hp.head_dim, kv_type) * context
     head = plan.head.nbytes if plan.head is not None else 0
     return layers_that_fit(accel.memory_free, per_layer, n, fixed_bytes=head)
