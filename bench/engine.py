@@ -62,18 +62,27 @@ def _llama_argmax(llm: Any) -> int:
     return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
 
 
-def side_by_side(stage: StageModel, llm: Any, prompt: list[int], decode: int) -> dict[str, Any]:
+def side_by_side(stage: StageModel, llm: Any, prompt: list[int], decode: int, ggml_first: bool) -> dict[str, Any]:
     """One run of both engines, interleaved step by step so that load swings hit both alike.
 
-    Prefill: the prompt on each (ggml first). Decode: ``decode`` greedy steps where each step runs
-    both engines on the same token, in alternating order; every step is timed on its own. Returns the
+    Prefill: the prompt on each (``ggml_first`` says which goes first; callers alternate it). Decode:
+    ``decode`` greedy steps where each step runs both engines on the same token, in alternating
+    order; every step is timed on its own. Returns the
     prefill times, the per-step times and whether llama.cpp's greedy choice matched at every step.
     """
     stage.reset("bench")
     llm.reset()
     out: list[np.ndarray] = []
-    prefill_ggml = _timed(lambda: out.append(stage.forward("bench", np.array(prompt), 0, last_only=True)))
-    prefill_llama = _timed(lambda: llm.eval(prompt))
+
+    def ggml_prefill() -> float:
+        return _timed(lambda: out.append(stage.forward("bench", np.array(prompt), 0, last_only=True)))
+
+    if ggml_first:
+        prefill_ggml = ggml_prefill()
+        prefill_llama = _timed(lambda: llm.eval(prompt))
+    else:
+        prefill_llama = _timed(lambda: llm.eval(prompt))
+        prefill_ggml = ggml_prefill()
     token = int(np.argmax(out[-1][-1]))
     agree = _llama_argmax(llm) == token
     steps_ggml, steps_llama = [], []
@@ -195,8 +204,8 @@ def main() -> None:
     for t in threads:
         prefill: dict[str, list[float]] = {"ggml": [], "llama.cpp": []}
         steps: dict[str, list[float]] = {"ggml": [], "llama.cpp": []}
-        for _ in range(args.runs):
-            run = side_by_side(stages[t], llamas[t], prompt, args.decode_tokens)
+        for i in range(args.runs):
+            run = side_by_side(stages[t], llamas[t], prompt, args.decode_tokens, ggml_first=i % 2 == 0)
             for name, p_s, d_s in zip(("ggml", "llama.cpp"), run["prefill"], run["steps"], strict=True):
                 prefill[name].append(p_s)
                 steps[name] += d_s
