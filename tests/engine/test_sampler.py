@@ -75,3 +75,25 @@ def test_penalties_only_look_at_the_recent_window() -> None:
     logits = np.array([2.0, 1.9], np.float32)
     sampler = Sampler(SamplingParams(temperature=0.0, repeat_penalty=2.0, repeat_last_n=2))
     assert sampler(logits, history=[0, 1, 1]) == 0
+
+
+def test_fast_paths_equal_the_whole_vocabulary_computations() -> None:
+    """Top-k from a strided bound, top-p from a shortlist and the block-wise draw match the plain ones."""
+    from meshllm.engine.sampler import _candidates, _draw, _top_p
+
+    rng = np.random.default_rng(11)
+    for logits in (rng.normal(0, 3, 262_144).astype(np.float32), rng.normal(0, 0.01, 100_000).astype(np.float32)):
+        for k in (1, 40, 3000):
+            assert set(_candidates(logits, k).tolist()) == set(np.argpartition(-logits, k - 1)[:k].tolist())
+        probs = np.exp(logits.astype(np.float64) - logits.max())
+        probs /= probs.sum()
+        order = np.argsort(-probs, kind="stable")
+        for top_p in (0.05, 0.5, 0.95):
+            n = int(np.searchsorted(np.cumsum(probs[order]), top_p)) + 1
+            assert set(np.flatnonzero(_top_p(probs, top_p)).tolist()) == set(order[:n].tolist())
+    weights = np.zeros(5000, np.float32)
+    weights[[3, 1500, 4999]] = [1.0, 2.0, 1.0]
+    drawn = np.bincount([_draw(weights, u) for u in rng.random(8000)], minlength=5000)
+    assert set(np.flatnonzero(drawn).tolist()) == {3, 1500, 4999}  # never a zero-weight token
+    assert abs(drawn[1500] / 8000 - 0.5) < 0.03
+    assert _draw(weights, 1.0 - 1e-16) == 4999  # the very end: the last token with weight
