@@ -35,8 +35,8 @@ from meshllm.errors import ConfigError, MeshllmError
 from meshllm.identity.keys import NodeKey
 from meshllm.identity.signing import encode_signed
 from meshllm.mesh.admission import Revocation, RevocationTarget
-from meshllm.mesh.failure import FailureDetector, Probe
-from meshllm.mesh.gossip import Gossip, Rejected, RevocationApplied, Send
+from meshllm.mesh.failure import FailureDetector, Overstep, Probe
+from meshllm.mesh.gossip import AccuserBanned, Gossip, Rejected, RevocationApplied, Send
 from meshllm.mesh.membership import Membership
 from meshllm.mesh.messages import MeshMessage
 from meshllm.mesh.records import Addresses, CheckTrust, PathKind, PeerRecord, RecordVerifier
@@ -44,9 +44,10 @@ from meshllm.mesh.traversal import Traversal, parse_relay_entry
 from meshllm.mesh.view import ACTIVE, PeerAdded, PeerRemoved, PeerStatus, RecordUpdated, ViewEvent
 from meshllm.net.backoff import Backoff
 from meshllm.net.endpoint import Endpoint, EndpointOptions
-from meshllm.net.errors import AdmissionRefused, ConnectError
+from meshllm.net.errors import AdmissionRefused, ConnectError, NetTimeout
 from meshllm.net.events import PeerEvent, PeerEventKind
 from meshllm.net.interfaces import lan_addresses
+from meshllm.net.messages import ResetCode
 from meshllm.net.nat import RelayMode
 from meshllm.wire.addr import format_addr, parse_addr
 
@@ -56,6 +57,11 @@ GOSSIP_STREAM = "gossip"
 TICK_MAX_S = 0.1
 """Longest sleep between core ticks: bounds how late a timer fires."""
 SEND_TIMEOUT_S = 2.0
+"""Deadline for reading a gossip message (the whole frame) and for queueing one."""
+DRAIN_TIMEOUT_S = 10.0
+"""A gossip message must have left within this long: a peer that grants no credit gets a strike."""
+SENDS_IN_FLIGHT = 16
+"""Gossip messages to one peer still leaving; more are dropped (and the peer gets a strike)."""
 DIAL_TIMEOUT_S = 3.0
 BOOTSTRAP_DEADLINE_S = 15.0
 RECORD_PATHS: dict[str, PathKind] = {"direct": "direct", "punched": "punched", "relayed": "relay"}
@@ -111,6 +117,8 @@ class MeshService:
         self._relay_backoff: dict[str, tuple[Backoff, float]] = {}
         self._rebootstrap: tuple[Backoff, float, asyncio.Task[None] | None] = (Backoff(0.5, 2.0, 5.0), 0.0, None)
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._in_flight: dict[str, int] = {}
+        """Gossip sends per peer that have not left yet (bounded by SENDS_IN_FLIGHT)."""
         self._runner: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._stopping = False
@@ -124,6 +132,7 @@ class MeshService:
             admit=self._admit, local_proof=lambda: self.membership.proof, options=self._endpoint_options,
         )
         self.endpoint.on_stream(GOSSIP_STREAM, self._serve_gossip)
+        self.endpoint.on_cool_down = lambda peer, reason: self._on_event("peer_cooled", node_id=peer, reason=reason)
         self.traversal = Traversal(self.endpoint, self._relay_mode, bool(self._announce), self._on_event)
         self.endpoint.on_peer_event(self._on_peer_event)
         self._listen = self._bound_addrs()
@@ -249,9 +258,18 @@ class MeshService:
         for out in outputs:
             if isinstance(out, Probe):
                 self._spawn(self._send(out.to, out.message))
+            elif isinstance(out, Overstep):
+                self._overstep(out)
             else:
                 verdicts.append(out)
         return verdicts
+
+    def _overstep(self, out: Overstep) -> None:
+        """A peer overstepped a gossip limit: a strike on its connection (enough cool it down)."""
+        assert self.endpoint is not None
+        conn = self.endpoint.peers.get(out.peer)
+        if conn is not None:
+            conn.strike(out.reason)
 
     def _handle(self, outputs: list[Any]) -> None:
         self._handle_outputs(outputs)
@@ -269,6 +287,11 @@ class MeshService:
                                reason=str(out.error))
             elif isinstance(out, RevocationApplied):
                 self._on_revocation(out)
+            elif isinstance(out, Overstep):
+                self._overstep(out)
+            elif isinstance(out, AccuserBanned):
+                log.warning("ignoring down notices from %s for a while: too many were refuted", out.node_id[:8])
+                self._on_event("accuser_banned", node_id=out.node_id)
             else:
                 self._report(out)
 
@@ -471,20 +494,45 @@ class MeshService:
     # -- messages ----------------------------------------------------------------------------------
 
     async def _send(self, to: str, message: MeshMessage) -> None:
+        """One message on a stream of its own; a peer that does not take it in time gets a strike."""
         assert self.endpoint is not None
         conn = self.endpoint.peers.get(to)
         if conn is None:
             return
+        if self._in_flight.get(to, 0) >= SENDS_IN_FLIGHT:
+            conn.strike(f"{SENDS_IN_FLIGHT} gossip messages to it are still waiting to leave")
+            return  # dropped: gossip repairs itself, and a peer that reads nothing must not grow us
+        self._in_flight[to] = self._in_flight.get(to, 0) + 1
+        stream = None
         try:
             stream = await conn.open_stream(GOSSIP_STREAM)
             await stream.send(message, timeout=SEND_TIMEOUT_S)
             stream.close()
+            stream.discard_input()
+            await stream.drain(timeout=DRAIN_TIMEOUT_S)
+        except NetTimeout as exc:
+            if stream is not None:
+                stream.reset()  # frees what it held
+            conn.strike(f"gossip did not leave in time: {exc}")
         except MeshllmError as exc:
             log.debug("gossip send to %s failed: %s", to[:8], exc)
+        finally:
+            left = self._in_flight.get(to, 1) - 1
+            if left > 0:
+                self._in_flight[to] = left
+            else:
+                self._in_flight.pop(to, None)
 
     async def _serve_gossip(self, stream: Any, conn: Any) -> None:
+        """One message per stream (the protocol's rule), read within one deadline for the whole frame."""
         assert self.gossip is not None
-        while (message := await stream.recv(MeshMessage, timeout=SEND_TIMEOUT_S)) is not None:
+        try:
+            message = await stream.recv(MeshMessage, timeout=SEND_TIMEOUT_S)
+        except NetTimeout as exc:
+            stream.fail(ResetCode.TIMEOUT, str(exc))
+            conn.strike(f"gossip message not complete within {SEND_TIMEOUT_S:.0f} s")
+            return
+        if message is not None:
             now = time.time()
             source = conn.node_id
             self._handle(self.gossip.receive(source, message, now))

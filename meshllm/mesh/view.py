@@ -80,7 +80,11 @@ class MarkAlive:
 
 @dataclass(frozen=True, slots=True)
 class MarkDown:
-    """A down notice (ours or a verified one) for the peer at ``seq``; ignored if it spoke since."""
+    """A down notice (ours or a verified one) for the peer at exactly ``seq``, the version we hold.
+
+    A notice naming a later sequence than ours is ignored too: we cannot tell whether the peer ever
+    signed it, and accepting it would let an accuser name a sequence the peer can never exceed.
+    """
 
     node_id: str
     seq: int
@@ -139,7 +143,7 @@ def apply(state: ViewState, update: Update) -> ViewState:
         new = replace(entry, status="suspect", changed=update.now)
     elif isinstance(update, MarkAlive) and entry.status == "suspect":
         new = replace(entry, status="alive", changed=update.now)
-    elif isinstance(update, MarkDown) and entry.status in ACTIVE and entry.record.seq <= update.seq:
+    elif isinstance(update, MarkDown) and entry.status in ACTIVE and entry.record.seq == update.seq:
         new = replace(entry, status="down", changed=update.now, notice=update.notice)
     elif isinstance(update, MarkRevoked) and entry.status != "revoked":
         new = replace(entry, status="revoked", changed=update.now, notice=None)

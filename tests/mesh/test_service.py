@@ -168,7 +168,7 @@ async def send_gossip(conn: Any, message: Any) -> None:
 
 async def gossip_honest_record(h: Harness, conn: Any, key: SigningKey, name: str) -> PeerRecord:
     """Gossip a valid record for ``key`` through ``conn``; return it once the owner has stored it."""
-    record = PeerRecord(node_id=node_id(bytes(key.verify_key)), mesh_id=h.mesh_key.mesh_id, seq=10,
+    record = PeerRecord(node_id=node_id(bytes(key.verify_key)), mesh_id=h.mesh_key.mesh_id, seq=10, signed_at=time.time(),
                         membership_proof=proof_for(key, h.token()), name=name)
     await send_gossip(conn, Exchange([sign_record(key, record)]))
     assert h.owner.gossip is not None

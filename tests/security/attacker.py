@@ -1,0 +1,141 @@
+"""A hostile mesh member for the security tests, built from the project's own modules.
+
+The attacker joins for real: it is a :class:`~meshllm.mesh.service.MeshService` admitted with a
+genuine invite (the token a running owner printed), so everything it sends arrives over an admitted
+QUIC connection, exactly as a compromised member's traffic would. On top of that it crafts what an
+honest node never sends: forged or replayed gossip, raw bytes on streams, frames that never end,
+streams it never reads. The victims are real nodes started through the CLI (``tests/nodes.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from nacl.signing import SigningKey
+
+from meshllm.identity.keys import NodeKey
+from meshllm.mesh.membership import join_mesh
+from meshllm.mesh.messages import MeshMessage
+from meshllm.mesh.records import Models, PeerRecord
+from meshllm.mesh.service import GOSSIP_STREAM, MeshService
+from meshllm.net import EndpointOptions, PeerConnection, Stream
+from meshllm.wire.addr import parse_addr
+from meshllm.wire.frames import encode_frame
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of process ``pid`` in MB (from /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+class Attacker:
+    """One hostile member: a real mesh service plus helpers that send what honest code never would."""
+
+    def __init__(self, token: str, name: str = "mallory", key: SigningKey | None = None, padding: int = 0,
+                 window: int | None = None) -> None:
+        """``padding`` bytes of model names inflate our record towards the 64 KiB cap; ``window``
+        shrinks the stream credit we grant (a peer that barely reads)."""
+        self.key = NodeKey(key or SigningKey.generate())
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        membership = join_mesh(self.key.signing_key, token, time.time())
+        models = Models(available=[f"m{i:05d}" + "x" * 58 for i in range(padding // 64)])
+        record = PeerRecord(node_id=self.key.node_id, mesh_id=membership.mesh_id, seq=0,
+                            membership_proof=membership.proof, name=name, role="client", models=models)
+        self.service = MeshService(
+            self.key, membership, record, check_trust=lambda *_: None,
+            on_event=lambda kind, **fields: self.events.append((kind, fields)), host="127.0.0.1",
+            rng=random.Random(os.urandom(8)),
+            endpoint_options=None if window is None else EndpointOptions(stream_window=window),
+        )
+
+    @property
+    def node_id(self) -> str:
+        return self.key.node_id
+
+    async def start(self) -> None:
+        await self.service.start()
+
+    async def stop(self) -> None:
+        await self.service.stop(graceful=False)
+
+    async def connect(self, mesh_addr: str, node_id: str | None = None, timeout: float = 5.0) -> PeerConnection:
+        """An admitted connection to the node at ``mesh_addr`` (reused if the service holds one)."""
+        assert self.service.endpoint is not None
+        return await self.service.endpoint.connect(parse_addr(mesh_addr), expected_node_id=node_id, timeout=timeout)
+
+    def stop_reading_gossip(self) -> None:
+        """From now on, gossip streams the victims open to us are accepted and never read."""
+        assert self.service.endpoint is not None
+
+        async def never_read(stream: Stream, conn: PeerConnection) -> None:
+            await asyncio.sleep(3600)
+
+        self.service.endpoint.on_stream(GOSSIP_STREAM, never_read)
+
+    async def send_gossip(self, conn: PeerConnection, message: MeshMessage) -> None:
+        """One gossip message on a stream of its own, as the protocol wants it."""
+        stream = await conn.open_stream(GOSSIP_STREAM)
+        await stream.send(message, timeout=5.0)
+        stream.close()
+
+
+def write_raw(stream: Stream, data: bytes) -> None:
+    """Put raw bytes on a stream, bypassing the framing an honest sender uses."""
+    stream.peer.stream_op(lambda q: q.send_stream_data(stream.id, data))
+
+
+def frame(message: Any, max_size: int = 64 * 1024 * 1024) -> bytes:
+    """A well-formed frame (length prefix and msgpack body) of ``message``."""
+    return encode_frame(message, max_size)
+
+
+def garbage_initial(dcid: bytes | None = None) -> bytes:
+    """A 1,200-byte datagram that parses as a QUIC v1 Initial and decrypts to nothing."""
+    dcid = dcid or os.urandom(8)
+    scid = os.urandom(8)
+    header = bytes([0xC0]) + (1).to_bytes(4, "big") + bytes([len(dcid)]) + dcid + bytes([len(scid)]) + scid
+    header += b"\x00"  # token length 0
+    body_len = 1200 - len(header) - 2
+    header += (0x4000 | body_len).to_bytes(2, "big")
+    return header + os.urandom(body_len)
+
+
+class InitialFlood:
+    """Sends garbage QUIC Initials at ``rate`` per second from a throwaway UDP socket."""
+
+    def __init__(self, target: str, rate: float) -> None:
+        self.addr = parse_addr(target)
+        self.rate = rate
+        self.sent = 0
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self._sock.setblocking(False)
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        interval = 1.0 / self.rate
+        while True:
+            for _ in range(max(1, int(self.rate / 50))):
+                try:
+                    self._sock.sendto(garbage_initial(), self.addr)
+                    self.sent += 1
+                except BlockingIOError:
+                    pass
+            await asyncio.sleep(interval * max(1, int(self.rate / 50)))
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self._sock.close()
+        await asyncio.sleep(0)
