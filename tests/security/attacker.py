@@ -13,6 +13,7 @@ import asyncio
 import os
 import random
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -110,32 +111,27 @@ def garbage_initial(dcid: bytes | None = None) -> bytes:
 
 
 class InitialFlood:
-    """Sends garbage QUIC Initials at ``rate`` per second from a throwaway UDP socket."""
+    """Sends garbage QUIC Initials at about ``rate`` a second from one UDP socket, in a thread."""
 
     def __init__(self, target: str, rate: float) -> None:
         self.addr = parse_addr(target)
         self.rate = rate
         self.sent = 0
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self._sock.setblocking(False)
-        self._task: asyncio.Task[None] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
+    def __enter__(self) -> InitialFlood:
+        self._thread.start()
+        return self
 
-    async def _run(self) -> None:
-        interval = 1.0 / self.rate
-        while True:
-            for _ in range(max(1, int(self.rate / 50))):
-                try:
-                    self._sock.sendto(garbage_initial(), self.addr)
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        batch = max(1, int(self.rate / 50))
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            while not self._stop.wait(batch / self.rate):
+                for _ in range(batch):
+                    sock.sendto(garbage_initial(), self.addr)
                     self.sent += 1
-                except BlockingIOError:
-                    pass
-            await asyncio.sleep(interval * max(1, int(self.rate / 50)))
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-        self._sock.close()
-        await asyncio.sleep(0)
