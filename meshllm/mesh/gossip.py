@@ -80,8 +80,9 @@ WANT_MAX = ITEMS_MAX
 PULLS_PER_S = 4.0
 """Digests and ``want`` lists one peer may make us answer per second (an honest one sends ~1)."""
 PULL_BURST = 8.0
-NOTICE_TTL_S = 30.0
-"""A down notice older than this (or dated in the future beyond the clock skew) is ignored."""
+NOTICE_TTL_S = 120.0
+"""A down notice older than this (or dated in the future beyond the clock skew) is ignored. By then
+every member has dropped the record it names anyway (``stale_after`` counts from its signature)."""
 NOTICES_PER_S = 1.0
 """Down notices accepted per accuser per second, on average ..."""
 NOTICE_BURST = 16.0

@@ -102,7 +102,11 @@ class MarkRevoked:
 
 @dataclass(frozen=True, slots=True)
 class Expire:
-    """Housekeeping: peers silent for ``stale_after`` go down; tombstones older than ``forget_after`` go."""
+    """Housekeeping: peers silent for ``stale_after`` go down; tombstones older than ``forget_after`` go.
+
+    Silence counts from when the peer's sequence last advanced here or from when its newest record
+    was signed, whichever is earlier: a replayed record starts out as old as its signature.
+    """
 
     now: float
     stale_after: float
@@ -156,7 +160,8 @@ def _expire(state: ViewState, update: Expire) -> ViewState:
     peers: dict[str, PeerEntry] = {}
     touched = False
     for node, entry in state.peers.items():
-        if entry.status in ACTIVE and update.now - entry.heard > update.stale_after:
+        silent = min(entry.heard, entry.record.signed_at)  # a replayed old record is as old as its signature
+        if entry.status in ACTIVE and update.now - silent > update.stale_after:
             peers[node] = replace(entry, status="down", changed=update.now)
             touched = True
         elif entry.status not in ACTIVE and update.now - entry.changed > update.forget_after:
