@@ -292,7 +292,10 @@ class Gossip:
         if now >= self._next_expire:
             self._next_expire = now + 1.0
             cfg = self.config
+            before = self.state
             out += self._apply(view.Expire(now, cfg.stale_after, cfg.forget_after), None)
+            for gone in before.peers.keys() - self.state.peers.keys():
+                self._verifier.forget(gone)
             self._accused = {n: a for n, a in self._accused.items()
                              if (e := self.state.peers.get(n)) is not None and e.status == "down"}
         if now >= self._next_round:
@@ -392,16 +395,17 @@ class Gossip:
             self.revoked_nodes.add(rev.target)
             if rev.target != self.node_id:
                 out += self._apply(view.MarkRevoked(rev.target, now), rev.target)
-        else:  # an invite: every peer that joined with it is out too (the membership check says so)
-            for node, entry in list(self.state.peers.items()):
-                if entry.status == "revoked":
-                    continue
-                try:
-                    self._verifier.check_member(node, entry.record.membership_proof, now)
-                except Revoked:
-                    out += self._apply(view.MarkRevoked(node, now), node)
-                except MeshllmError:
-                    pass  # not this revocation's business
+        # Every peer whose credential no longer holds is out too: members of a revoked invite, and
+        # nodes admitted (directly or down the chain) by a revoked node. The membership check says so.
+        for node, entry in list(self.state.peers.items()):
+            if entry.status == "revoked":
+                continue
+            try:
+                self._verifier.check_member(node, entry.record.membership_proof, now)
+            except Revoked:
+                out += self._apply(view.MarkRevoked(node, now), node)
+            except MeshllmError:
+                pass  # not this revocation's business
         return out + self._flood(Revocations([raw]), exclude=source)
 
     def _items_cap(self) -> int:

@@ -181,8 +181,11 @@ class SignatureCache:
             self._ok.popitem(last=False)
 
 
-CheckMember = Callable[[str, bytes, float], None]
-"""``check_member(node_id, proof, now)``: raise a VerificationError unless the proof admits the node."""
+CheckMember = Callable[[str, bytes, float], object]
+"""``check_member(node_id, proof, now)``: raise a VerificationError unless the proof admits the node
+(whatever it returns is not used here)."""
+ForgetMember = Callable[[str], None]
+"""``forget_member(node_id)``: the node left our table (it no longer counts towards any quota)."""
 CheckTrust = Callable[[str, "bytes | None", float], object]
 """``check_trust(node_id, owner_cert, now)``: raise a VerificationError unless local policy accepts it
 (whatever it returns, e.g. a trust decision, is not used here)."""
@@ -206,16 +209,23 @@ class RecordVerifier:
         check_trust: CheckTrust,
         cache: SignatureCache | None = None,
         max_age_s: float = RECORD_MAX_AGE_S,
+        forget_member: ForgetMember | None = None,
     ) -> None:
         self.mesh_id = mesh_id
         self._check_member = check_member
         self._check_trust = check_trust
+        self._forget_member = forget_member
         self.cache = cache if cache is not None else SignatureCache()
         self.max_age_s = max_age_s
 
     def check_member(self, node_id: str, proof: bytes, now: float) -> None:
         """Re-run the membership check alone (after a revocation, on records already stored)."""
         self._check_member(node_id, proof, now)
+
+    def forget(self, node_id: str) -> None:
+        """``node_id`` left the table (see :data:`ForgetMember`)."""
+        if self._forget_member is not None:
+            self._forget_member(node_id)
 
     def verify(self, raw: bytes, now: float, held: HeldSeq | None = None) -> PeerRecord:
         """The verified record in ``raw``; ``held(node_id)`` is the sequence we already hold, if any."""

@@ -7,9 +7,11 @@ and reports what changed through an ``on_event(type, **fields)`` callback (the n
 into log lines and ``/api/events``). Each gossip message travels on a stream of its own: QUIC
 streams are cheap, and a lost or slow one never holds up another.
 
-Admission of a connecting peer (see docs/architecture.md): a peer we accept that is not yet a
-known member must hold a live invite (:meth:`AdmissionState.admit`); a member we already know, and
-any peer we dial, is checked with :meth:`AdmissionState.verify_member`.
+Admission of a connecting peer (see docs/architecture.md): a peer that dials us either holds a
+good credential already (a grant from a member) or must present an invite that is live now, and
+then gets a grant from us in the Welcome (:meth:`AdmissionState.admit`); a peer we dial is checked
+with :meth:`AdmissionState.verify_member`. The grant we are given when we join completes our own
+credential (:meth:`Membership.take_grant`) before our record is first gossiped.
 
 Revocations: the mesh-key holder signs one with :meth:`MeshService.revoke`; the gossip core
 verifies every revocation it hears with :meth:`AdmissionState.apply_revocation` (so admission
@@ -31,17 +33,17 @@ from typing import Any
 import msgspec
 
 from meshllm.config import write_private
-from meshllm.errors import ConfigError, MeshllmError
+from meshllm.errors import ConfigError, MeshllmError, VerificationError
 from meshllm.identity.keys import NodeKey
 from meshllm.identity.signing import encode_signed
-from meshllm.mesh.admission import Revocation, RevocationTarget
+from meshllm.mesh.admission import Revocation, RevocationTarget, credential_invite_id, make_grant
 from meshllm.mesh.failure import FailureDetector, Overstep, Probe
 from meshllm.mesh.gossip import AccuserBanned, Gossip, Rejected, RevocationApplied, Send
 from meshllm.mesh.membership import Membership
 from meshllm.mesh.messages import MeshMessage
 from meshllm.mesh.records import Addresses, CheckTrust, PathKind, PeerRecord, RecordVerifier
 from meshllm.mesh.traversal import Traversal, parse_relay_entry
-from meshllm.mesh.view import ACTIVE, PeerAdded, PeerRemoved, PeerStatus, RecordUpdated, ViewEvent
+from meshllm.mesh.view import PeerAdded, PeerRemoved, PeerStatus, RecordUpdated, ViewEvent
 from meshllm.net.backoff import Backoff
 from meshllm.net.endpoint import Endpoint, EndpointOptions
 from meshllm.net.errors import AdmissionRefused, ConnectError, NetTimeout
@@ -95,7 +97,8 @@ class MeshService:
         self.admission = membership.admission()
         self._check_node_id = check_node_id
         """Local trust checks that need no certificate (revoked ids, allowlist), run at admission."""
-        self.verifier = RecordVerifier(membership.mesh_id, self.admission.verify_member, check_trust)
+        self.verifier = RecordVerifier(membership.mesh_id, self.admission.verify_member, check_trust,
+                                       forget_member=self.admission.forget)
         self._record_template = record
         self._on_event = on_event
         self._host, self._port = host, port
@@ -130,6 +133,7 @@ class MeshService:
         self.endpoint = await Endpoint.create(
             self.key.signing_key, self._host, self._port,
             admit=self._admit, local_proof=lambda: self.membership.proof, options=self._endpoint_options,
+            take_grant=self._take_grant,
         )
         self.endpoint.on_stream(GOSSIP_STREAM, self._serve_gossip)
         self.endpoint.on_cool_down = lambda peer, reason: self._on_event("peer_cooled", node_id=peer, reason=reason)
@@ -214,22 +218,43 @@ class MeshService:
             raise ConfigError("only the node that holds the mesh key can revoke",
                               hint="ask the mesh owner's node (--api URL of the node that created the mesh)")
         now = time.time()
-        signed = mesh_key.revoke(kind, target, now)
+        entry = self.gossip.state.peers.get(target) if kind == "node" else None
+        closes = (credential_invite_id(entry.record.membership_proof) or "") if entry is not None else ""
+        signed = mesh_key.revoke(kind, target, now, closes)
         self._handle(self.gossip.add_revocation(encode_signed(signed), now))
         self._wake.set()
-        return Revocation(mesh_key.mesh_id, kind, target, now)
+        return Revocation(mesh_key.mesh_id, kind, target, now, closes)
 
     # -- admission ---------------------------------------------------------------------------------
 
-    def _admit(self, peer_id: str, proof: bytes, dialer: bool) -> None:
+    def _admit(self, peer_id: str, proof: bytes, dialer: bool) -> bytes | None:
+        """The endpoint's admission check; returns the grant for a node joining through us."""
         now = time.time()
         self._check_node_id(peer_id)
-        entry = self.gossip.state.peers.get(peer_id) if self.gossip is not None else None
-        known = entry is not None and entry.status in ACTIVE
-        if dialer or known:
+        if dialer:
             self.admission.verify_member(peer_id, proof, now)
-        else:
-            self.admission.admit(peer_id, proof, now)
+            return None
+        if not self.membership.granted:
+            raise VerificationError("this node has not been admitted itself yet",
+                                    hint="join through another member")
+        owner = self.membership.mesh_key is not None
+        invite = self.admission.admit(peer_id, proof, now, quota_for=None if owner else self.node_id)
+        if invite is None:
+            return None
+        return make_grant(self.key.signing_key, self.membership.proof, self.membership.mesh_id, peer_id,
+                          invite.invite_id, now)
+
+    def _take_grant(self, peer_id: str, grant: bytes) -> None:
+        """A member we dialed accepted us: keep its grant as our credential (the first one only)."""
+        if self.membership.granted:
+            return
+        if not grant:
+            raise VerificationError(f"member {peer_id[:8]} accepted us without a grant",
+                                    hint="join through another member (it may run an older meshllm)")
+        now = time.time()
+        if self.membership.take_grant(self.node_id, peer_id, grant, now) and self.gossip is not None:
+            self.gossip.update_own(now, membership_proof=self.membership.proof)
+            self._on_event("admitted", admitter=peer_id)
 
     # -- the loop ----------------------------------------------------------------------------------
 

@@ -341,6 +341,7 @@ class PeerConnection:
             local_proof=self.endpoint.local_proof(),
             admit=lambda proof: self.endpoint.admit(peer, proof, self.dialer),
             peer_addr=self.remote_addr,
+            take_grant=None if self.endpoint.take_grant is None else lambda g: self.endpoint.take_grant(peer, g),
         )
         if self.dialer:
             stream_id = self.quic.get_next_available_stream_id()

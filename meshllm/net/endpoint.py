@@ -68,11 +68,14 @@ log = logging.getLogger(__name__)
 FRAME_BUDGET = 40 * 1024 * 1024
 """Default frame budget: one 32 MiB stage-lane frame plus room for smaller large ones."""
 
-Admit = Callable[[str, bytes, bool], None]
+Admit = Callable[[str, bytes, bool], "bytes | None"]
 """``admit(peer_node_id, proof, dialer)``: return to accept the peer, raise a MeshllmError to refuse.
 
 ``dialer`` is True when we dialed the peer: the mesh layer checks a peer it chose to dial
-differently from a stranger that dialed it (see mesh/service.py)."""
+differently from a stranger that dialed it (see mesh/service.py). Bytes returned when accepting a
+dialer travel to it in the Welcome (the mesh layer's admission grant)."""
+TakeGrant = Callable[[str, bytes], None]
+"""``take_grant(peer_node_id, grant)``: a peer we dialed accepted us and gave us ``grant``."""
 StreamHandler = Callable[[Stream, PeerConnection], Awaitable[None]]
 """Serves one incoming stream; the stream is closed cleanly when it returns, reset if it raises."""
 
@@ -121,7 +124,8 @@ class Endpoint:
     """A node's QUIC endpoint: its connections, stream handlers and peer events."""
 
     def __init__(
-        self, signing_key: SigningKey, admit: Admit, local_proof: Callable[[], bytes], options: EndpointOptions
+        self, signing_key: SigningKey, admit: Admit, local_proof: Callable[[], bytes], options: EndpointOptions,
+        take_grant: TakeGrant | None = None,
     ) -> None:
         self.node_id = node_id(bytes(signing_key.verify_key))
         self.options = options
@@ -129,6 +133,8 @@ class Endpoint:
         """The injected admission check (see :data:`Admit`)."""
         self.local_proof = local_proof
         """Returns the proof we present to peers (called once per connection)."""
+        self.take_grant = take_grant
+        """Handles what a peer we dialed granted us (None: grants are ignored)."""
         self.peers: dict[str, PeerConnection] = {}
         """Admitted, open connections by peer node id (one per peer)."""
         self._client_config = make_configuration(
@@ -169,9 +175,10 @@ class Endpoint:
         admit: Admit,
         local_proof: Callable[[], bytes],
         options: EndpointOptions | None = None,
+        take_grant: TakeGrant | None = None,
     ) -> Endpoint:
         """Bind the UDP socket (port 0 picks a free one) and start serving."""
-        endpoint = cls(signing_key, admit, local_proof, options or EndpointOptions())
+        endpoint = cls(signing_key, admit, local_proof, options or EndpointOptions(), take_grant)
         loop = asyncio.get_running_loop()
         transport, _ = await loop.create_datagram_endpoint(lambda: _Socket(endpoint), local_addr=(host, port))
         endpoint._transport = transport  # type: ignore[assignment]

@@ -44,6 +44,8 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True):
     proof: bytes
     observed: Addr
     """The address the acceptor sees the dialer at."""
+    grant: bytes = b""
+    """Opaque: what the acceptor's ``admit`` gave the dialer (the mesh layer's admission grant)."""
 
 
 class Confirm(msgspec.Struct, tag="confirm", frozen=True):
