@@ -10,6 +10,7 @@ streams it never reads. The victims are real nodes started through the CLI (``te
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import socket
@@ -18,9 +19,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
+from msgspec import msgpack
 from nacl.signing import SigningKey
 
+from meshllm.errors import MeshllmError
 from meshllm.identity.keys import NodeKey
+from meshllm.identity.signing import Signed, decode_signed
+from meshllm.mesh.admission import INVITE_DOMAIN, verify_invite
 from meshllm.mesh.membership import join_mesh
 from meshllm.mesh.messages import MeshMessage
 from meshllm.mesh.records import Models, PeerRecord
@@ -42,12 +48,15 @@ class Attacker:
     """One hostile member: a real mesh service plus helpers that send what honest code never would."""
 
     def __init__(self, token: str, name: str = "mallory", key: SigningKey | None = None, padding: int = 0,
-                 window: int | None = None) -> None:
+                 window: int | None = None, bootstrap: list[str] | None = None, joined: float | None = None) -> None:
         """``padding`` bytes of model names inflate our record towards the 64 KiB cap; ``window``
-        shrinks the stream credit we grant (a peer that barely reads)."""
+        shrinks the stream credit we grant (a peer that barely reads); ``bootstrap`` replaces the
+        invite's addresses (join through another member); ``joined`` backdates our proof."""
         self.key = NodeKey(key or SigningKey.generate())
         self.events: list[tuple[str, dict[str, Any]]] = []
-        membership = join_mesh(self.key.signing_key, token, time.time())
+        membership = join_mesh(self.key.signing_key, token, time.time() if joined is None else joined)
+        if bootstrap is not None:
+            membership.bootstrap = bootstrap
         models = Models(available=[f"m{i:05d}" + "x" * 58 for i in range(padding // 64)])
         record = PeerRecord(node_id=self.key.node_id, mesh_id=membership.mesh_id, seq=0,
                             membership_proof=membership.proof, name=name, role="client", models=models)
@@ -82,11 +91,51 @@ class Attacker:
 
         self.service.endpoint.on_stream(GOSSIP_STREAM, never_read)
 
+    @property
+    def mesh_addr(self) -> str:
+        return self.service.listen_addrs()[0]
+
+    def admit_anyone(self) -> None:
+        """Tamper with our own admission: any invite, live or not, used up or not, lets a node in."""
+        self.service.admission.check_invite = lambda signed, now, joiner=None: verify_invite(signed)  # type: ignore[method-assign]
+
+    def own_record(self) -> bytes:
+        """Our current signed record, as the victims would receive it."""
+        assert self.service.gossip is not None
+        return self.service.gossip.own_raw
+
     async def send_gossip(self, conn: PeerConnection, message: MeshMessage) -> None:
         """One gossip message on a stream of its own, as the protocol wants it."""
         stream = await conn.open_stream(GOSSIP_STREAM)
         await stream.send(message, timeout=5.0)
         stream.close()
+
+
+def invites_in(data: bytes) -> list[Signed]:
+    """Every signed invite anywhere inside ``data`` (msgpack, however deeply nested in bytes)."""
+    found: list[Signed] = []
+
+    def walk(value: object) -> None:
+        if isinstance(value, bytes):
+            try:
+                signed = decode_signed(value, "x")
+            except MeshllmError:
+                signed = None
+            if signed is not None and signed.domain == INVITE_DOMAIN:
+                found.append(signed)
+            with contextlib.suppress(msgspec.DecodeError, ValueError, TypeError):
+                walk(msgpack.decode(value))
+        elif isinstance(value, list | tuple):
+            if len(value) == 4 and value[0] == INVITE_DOMAIN and all(isinstance(v, bytes) for v in value[1:]):
+                found.append(Signed(*value))  # an invite embedded as a struct, not as bytes
+            for item in value:
+                walk(item)
+        elif isinstance(value, dict):
+            for item in value.values():
+                walk(item)
+
+    walk(data)
+    return found
 
 
 def write_raw(stream: Stream, data: bytes) -> None:
