@@ -40,7 +40,7 @@ from meshllm.mesh.admission import Revocation, RevocationTarget, credential_invi
 from meshllm.mesh.failure import FailureDetector, Overstep, Probe
 from meshllm.mesh.gossip import AccuserBanned, Gossip, Rejected, RevocationApplied, Send
 from meshllm.mesh.membership import Membership
-from meshllm.mesh.messages import MeshMessage
+from meshllm.mesh.messages import MeshMessage, encode_message
 from meshllm.mesh.records import Addresses, CheckTrust, PathKind, PeerRecord, RecordVerifier
 from meshllm.mesh.traversal import Traversal, parse_relay_entry
 from meshllm.mesh.view import PeerAdded, PeerRemoved, PeerStatus, RecordUpdated, ViewEvent
@@ -59,11 +59,14 @@ GOSSIP_STREAM = "gossip"
 TICK_MAX_S = 0.1
 """Longest sleep between core ticks: bounds how late a timer fires."""
 SEND_TIMEOUT_S = 2.0
-"""Deadline for reading a gossip message (the whole frame) and for queueing one."""
+"""Deadline for queueing one gossip message."""
+RECV_TIMEOUT_S = 5.0
+"""Deadline for a gossip stream's one message to arrive, whole."""
 DRAIN_TIMEOUT_S = 10.0
 """A gossip message must have left within this long: a peer that grants no credit gets a strike."""
-SENDS_IN_FLIGHT = 16
-"""Gossip messages to one peer still leaving; more are dropped (and the peer gets a strike)."""
+SEND_BYTES_IN_FLIGHT = 8 * 1024 * 1024
+"""Bytes of gossip to one peer that may be waiting to leave; more messages are dropped (gossip
+repairs itself). Only a peer that lets a message sit past DRAIN_TIMEOUT_S gets a strike."""
 DIAL_TIMEOUT_S = 3.0
 BOOTSTRAP_DEADLINE_S = 15.0
 RECORD_PATHS: dict[str, PathKind] = {"direct": "direct", "punched": "punched", "relayed": "relay"}
@@ -121,7 +124,7 @@ class MeshService:
         self._rebootstrap: tuple[Backoff, float, asyncio.Task[None] | None] = (Backoff(0.5, 2.0, 5.0), 0.0, None)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._in_flight: dict[str, int] = {}
-        """Gossip sends per peer that have not left yet (bounded by SENDS_IN_FLIGHT)."""
+        """Bytes of gossip per peer that have not left yet (bounded by SEND_BYTES_IN_FLIGHT)."""
         self._runner: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._stopping = False
@@ -524,14 +527,15 @@ class MeshService:
         conn = self.endpoint.peers.get(to)
         if conn is None:
             return
-        if self._in_flight.get(to, 0) >= SENDS_IN_FLIGHT:
-            conn.strike(f"{SENDS_IN_FLIGHT} gossip messages to it are still waiting to leave")
-            return  # dropped: gossip repairs itself, and a peer that reads nothing must not grow us
-        self._in_flight[to] = self._in_flight.get(to, 0) + 1
+        data = encode_message(message)
+        if self._in_flight.get(to, 0) + len(data) > SEND_BYTES_IN_FLIGHT:
+            log.debug("dropping a gossip message to %s: %d bytes still waiting to leave", to[:8], self._in_flight[to])
+            return  # gossip repairs itself; a peer that reads nothing must not grow us
+        self._in_flight[to] = self._in_flight.get(to, 0) + len(data)
         stream = None
         try:
             stream = await conn.open_stream(GOSSIP_STREAM)
-            await stream.send(message, timeout=SEND_TIMEOUT_S)
+            await stream.send(msgspec.Raw(data), timeout=SEND_TIMEOUT_S)
             stream.close()
             stream.discard_input()
             await stream.drain(timeout=DRAIN_TIMEOUT_S)
@@ -542,7 +546,7 @@ class MeshService:
         except MeshllmError as exc:
             log.debug("gossip send to %s failed: %s", to[:8], exc)
         finally:
-            left = self._in_flight.get(to, 1) - 1
+            left = self._in_flight.get(to, 0) - len(data)
             if left > 0:
                 self._in_flight[to] = left
             else:
@@ -552,10 +556,12 @@ class MeshService:
         """One message per stream (the protocol's rule), read within one deadline for the whole frame."""
         assert self.gossip is not None
         try:
-            message = await stream.recv(MeshMessage, timeout=SEND_TIMEOUT_S)
+            message = await stream.recv(MeshMessage, timeout=RECV_TIMEOUT_S)
         except NetTimeout as exc:
+            started = stream.buffered > 0  # a frame begun and not finished, not merely an idle stream
             stream.fail(ResetCode.TIMEOUT, str(exc))
-            conn.strike(f"gossip message not complete within {SEND_TIMEOUT_S:.0f} s")
+            if started:
+                conn.strike(f"gossip message not complete within {RECV_TIMEOUT_S:.0f} s")
             return
         if message is not None:
             now = time.time()

@@ -24,12 +24,13 @@ from msgspec import msgpack
 from nacl.signing import SigningKey
 
 from meshllm.errors import MeshllmError
+from meshllm.identity.ids import node_id as node_id_of
 from meshllm.identity.keys import NodeKey
-from meshllm.identity.signing import Signed, decode_signed
-from meshllm.mesh.admission import INVITE_DOMAIN, verify_invite
+from meshllm.identity.signing import Signed, decode_signed, sign
+from meshllm.mesh.admission import INVITE_DOMAIN, inspect_token, make_grant, verify_invite, with_grant
 from meshllm.mesh.membership import join_mesh
 from meshllm.mesh.messages import MeshMessage
-from meshllm.mesh.records import Models, PeerRecord
+from meshllm.mesh.records import RECORD_DOMAIN, Models, PeerRecord
 from meshllm.mesh.service import GOSSIP_STREAM, MeshService
 from meshllm.net import EndpointOptions, PeerConnection, Stream
 from meshllm.wire.addr import parse_addr
@@ -103,6 +104,23 @@ class Attacker:
         """Our current signed record, as the victims would receive it."""
         assert self.service.gossip is not None
         return self.service.gossip.own_raw
+
+    def forge_member(self, token: str, name: str) -> bytes:
+        """The signed record of a fresh node id that we "admitted" ourselves, as any member can.
+
+        Its credential is genuine as far as it goes: a proof on ``token`` and our own grant, dated
+        now. What members do with such nodes is the point (attributable to us, bounded, revocable).
+        """
+        key = SigningKey.generate()
+        nid = node_id_of(bytes(key.verify_key))
+        now = time.time()
+        membership = join_mesh(key, token, now)
+        grant = make_grant(self.key.signing_key, self.service.membership.proof, membership.mesh_id, nid,
+                           inspect_token(token).invite_id, now)
+        record = {"node_id": nid, "mesh_id": membership.mesh_id, "seq": int(now * 1000),
+                  "membership_proof": with_grant(membership.proof, grant), "name": name, "role": "client",
+                  "signed_at": now}
+        return msgpack.encode(sign(key, RECORD_DOMAIN, record))
 
     async def send_gossip(self, conn: PeerConnection, message: MeshMessage) -> None:
         """One gossip message on a stream of its own, as the protocol wants it."""
