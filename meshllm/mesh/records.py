@@ -107,10 +107,14 @@ class Load(msgspec.Struct, frozen=True, kw_only=True):
     tok_s: float = 0.0
 
 
+RttMs = Annotated[float, msgspec.Meta(ge=0.0, le=3_600_000.0)]
+"""A round trip in milliseconds as it may appear on the wire (finite, non-negative: the planner adds them)."""
+
+
 class RttEntry(msgspec.Struct, frozen=True, array_like=True):
     """Measured round trip from the record's node to one peer."""
 
-    rtt_ms: float
+    rtt_ms: RttMs
     path: PathKind
 
 

@@ -187,6 +187,7 @@ class PeerConnection:
 
         True when granted now; False when queued (``stream.on_reserved()`` is called once it is).
         First come, first served, and all or nothing, so large frames never deadlock half-way.
+        The stream gives the bytes back (:meth:`unreserve`) once the frame has been read.
         """
         budget = self.endpoint.options.frame_budget
         if size > budget:
@@ -194,26 +195,27 @@ class PeerConnection:
             self.strike("frame larger than the connection's frame budget")
             return True
         if not self._reserve_queue and self._reserved + size <= budget:
-            stream.reserved = size
             self._reserved += size
             return True
         self._reserve_queue.append((stream, size))
         return False
 
-    def release(self, stream: Stream) -> None:
-        """``stream`` no longer needs its reservation (its frame ended, or the stream did)."""
-        if stream.reserved:
-            self._reserved -= stream.reserved
-            stream.reserved = 0
-        else:
-            self._reserve_queue = deque((s, n) for s, n in self._reserve_queue if s is not stream)
-        stream.awaiting_reservation = False
+    def cancel_reservation(self, stream: Stream) -> None:
+        """``stream`` no longer waits for room (it ended)."""
+        self._reserve_queue = deque((s, n) for s, n in self._reserve_queue if s is not stream)
+        self._grant_waiting()
+
+    def unreserve(self, size: int) -> None:
+        """Give ``size`` reserved bytes back (their frame was read, or its stream ended)."""
+        self._reserved = max(0, self._reserved - size)
+        self._grant_waiting()
+
+    def _grant_waiting(self) -> None:
         budget = self.endpoint.options.frame_budget
         while self._reserve_queue and self._reserved + self._reserve_queue[0][1] <= budget:
             waiting, size = self._reserve_queue.popleft()
-            waiting.reserved = size
             self._reserved += size
-            waiting.on_reserved()
+            waiting.on_reserved(size)
 
     def retire(self, reason: str) -> None:
         """Close once our streams on this connection are done (another connection replaced it)."""

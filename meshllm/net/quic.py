@@ -44,7 +44,8 @@ from nacl.signing import SigningKey
 from meshllm.net import tls
 from meshllm.net.errors import AioquicIncompatible
 
-ALPN = "meshllm/1"
+ALPN = "meshllm/2"
+"""Protocol version 2: admission grants (issue 18). Nodes of another version fail the handshake."""
 MAX_DATAGRAM_SIZE = 1452
 """QUIC packet size: a 1500-byte Ethernet MTU less IPv6 and UDP headers (FACTS: faster than 1200)."""
 CONNECTION_WINDOW = 16 * 1024 * 1024

@@ -11,10 +11,11 @@ names its kind (:class:`~meshllm.net.messages.StreamOpen`). Both directions are 
   buffers. Complete-but-unread frames, an incoming stream's unparsed header and a partial frame
   all hold credit back. A frame longer than half a window could then never arrive, so such a
   frame first *reserves* its whole size from its connection's frame budget
-  (:meth:`~meshllm.net.connection.PeerConnection.reserve`); while the reservation holds, its
-  partial bytes count as consumed. Reservations are all-or-nothing and first come, first served,
-  so two large frames can never deadlock each other half-way, and a connection holds at most its
-  frame budget of partial frames however many streams its peer opens.
+  (:meth:`~meshllm.net.connection.PeerConnection.reserve`), and holds the reservation until the
+  frame has been read; its bytes then count as consumed. Reservations are all-or-nothing and
+  first come, first served, so two large frames can never deadlock each other half-way. However
+  many streams its peer opens, a connection holds at most its frame budget of large frames
+  (partial or unread) plus its connection window of everything else.
 
 Deadlines bound whole operations, not wake-ups: ``recv`` and ``send`` have one deadline for the
 call, and the connection's sweep (:meth:`Stream.overdue`) resets an incoming stream whose header
@@ -73,8 +74,10 @@ class Stream:
         self._window = peer.quic.stream_window
         self._decoder: FrameDecoder[msgspec.Raw] | None = None if kind is None else self._new_decoder()
         self._head = bytearray()
-        self._inbox: deque[msgspec.Raw] = deque()
+        self._inbox: deque[tuple[msgspec.Raw, int]] = deque()
+        """Complete unread frames, each with the bytes reserved for it (0 for a small one)."""
         self._inbox_bytes = 0
+        self._inbox_reserved = 0
         self._received = 0
         self._ended = False
         self._fin_sent = False
@@ -86,7 +89,7 @@ class Stream:
         self._writable = asyncio.Event()
         self._writable.set()
         self._opened_at = peer.now()
-        self.reserved = 0
+        self._partial_reserved = 0
         """Bytes of the connection's frame budget held for the partial frame (0: none)."""
         self.awaiting_reservation = False
         self._frame_no = -1
@@ -94,6 +97,8 @@ class Stream:
         self._frame_clock: float | None = None
         self._sized = False
         """The partial frame's length prefix has been seen (and a reservation asked for if needed)."""
+        self._deferred = 0
+        """Size of a large partial frame still waiting for this stream's earlier large frame to be read."""
         self._discarded = False
 
     def __repr__(self) -> str:
@@ -153,8 +158,12 @@ class Stream:
                 return None
             self._readable.clear()
             await self._wait(self._readable, deadline, timeout, "recv")
-        raw = self._inbox.popleft()
+        raw, reserved = self._inbox.popleft()
         self._inbox_bytes -= len(raw) + HEADER.size
+        if reserved:
+            self._inbox_reserved -= reserved
+            self.peer.unreserve(reserved)
+            self._request_reservation()
         if not self._inbox and self._frame_clock is not None:
             self._frame_clock = self.peer.now()  # the next frame waited on us, not on the peer
         self._grant_credit()
@@ -262,9 +271,18 @@ class Stream:
             return True
         return False
 
-    def on_reserved(self) -> None:
+    @property
+    def reserved(self) -> int:
+        """Bytes of the connection's frame budget this stream holds (its partial and unread large frames)."""
+        return self._partial_reserved + self._inbox_reserved
+
+    def on_reserved(self, size: int) -> None:
         """The connection granted the reservation this stream asked for: its frame may flow now."""
         self.awaiting_reservation = False
+        if self._error is not None or self._discarded:
+            self.peer.unreserve(size)
+            return
+        self._partial_reserved = size
         self._frame_clock = self.peer.now()
         self._grant_credit()
 
@@ -274,7 +292,7 @@ class Stream:
             return None
         if self._decoder is None and not self._ended and now - self._opened_at > HEADER_DEADLINE_S:
             return f"no stream header within {HEADER_DEADLINE_S:.0f} s"
-        if self._frame_clock is None or self._inbox or self.awaiting_reservation:
+        if self._frame_clock is None or self._inbox or self.awaiting_reservation or self._deferred:
             return None
         size = self._decoder.pending_size() if self._decoder is not None else None
         allowed = FRAME_DEADLINE_S + (size or 0) / FRAME_MIN_RATE
@@ -321,22 +339,38 @@ class Stream:
         decoder = self._decoder
         partial = decoder.buffered > 0
         if self._frame_no != -1 and (not partial or decoder.completed != self._frame_no):
-            self._frame_no, self._frame_clock, self._sized = -1, None, False
-            if self.reserved or self.awaiting_reservation:
-                self.peer.release(self)
+            self._frame_no, self._frame_clock, self._sized, self._deferred = -1, None, False, 0
         if not partial:
             return
         if self._frame_no == -1:
             self._frame_no, self._frame_clock = decoder.completed, self.peer.now()
         if not self._sized and (size := decoder.pending_size()) is not None:
             self._sized = True
-            if size > self._window // 2 and not self.peer.reserve(self, size):
-                self.awaiting_reservation = True
+            if size > self._window // 2:
+                self._deferred = size
+                self._request_reservation()
+
+    def _request_reservation(self) -> None:
+        """Ask for room for the deferred large frame, once no earlier large frame waits to be read
+        (a stream holds at most one, so a slow reader slows its sender)."""
+        size = self._deferred
+        if not size or self._inbox_reserved:
+            return
+        self._deferred = 0
+        if self.peer.reserve(self, size):
+            self._partial_reserved = size
+            self._frame_clock = self.peer.now()
+            self._grant_credit()
+        else:
+            self.awaiting_reservation = True
 
     def _push(self, frames: list[msgspec.Raw]) -> None:
         for raw in frames:
-            self._inbox.append(raw)
+            # The first frame completed is the one that was partial: its reservation moves with it.
+            reserved, self._partial_reserved = self._partial_reserved, 0
+            self._inbox.append((raw, reserved))
             self._inbox_bytes += len(raw) + HEADER.size
+            self._inbox_reserved += reserved
 
     def send_nowait(self, message: Any) -> None:
         """Write one small control frame without waiting for budget (admission exchange)."""
@@ -346,8 +380,8 @@ class Stream:
     def _held(self) -> int:
         """Received bytes that still hold back credit: unread frames, an unparsed header, and a
         partial frame unless the connection reserved room for all of it."""
-        partial = self._decoder.buffered if self._decoder is not None and not self.reserved else 0
-        return len(self._head) + self._inbox_bytes + partial
+        partial = self._decoder.buffered if self._decoder is not None and not self._partial_reserved else 0
+        return len(self._head) + self._inbox_bytes - self._inbox_reserved + partial
 
     def _grant_credit(self) -> None:
         if self._error is None and self.peer.quic.consume(self.id, self._received - self._held()):
@@ -372,9 +406,13 @@ class Stream:
         self._head = bytearray()
         if self._decoder is not None:
             self._decoder.clear()
-        self._frame_clock, self._frame_no, self._sized = None, -1, False
-        if self.reserved or self.awaiting_reservation:
-            self.peer.release(self)
+        self._frame_clock, self._frame_no, self._sized, self._deferred = None, -1, False, 0
+        if self.reserved:
+            self.peer.unreserve(self.reserved)
+            self._partial_reserved = self._inbox_reserved = 0
+        if self.awaiting_reservation:
+            self.awaiting_reservation = False
+            self.peer.cancel_reservation(self)
 
     def _fail(self, code: ResetCode, why: str) -> None:
         if code is not ResetCode.CANCELLED:
