@@ -353,3 +353,65 @@ def test_revocations_survive_a_restart(tmp_path: Path) -> None:
             await second.stop(graceful=False)
 
     asyncio.run(main())
+
+
+def test_a_joiner_through_a_member_carries_that_members_grant() -> None:
+    async def body(h: Harness) -> None:
+        member, member_key = await joined(h, "member")
+        key = NodeKey.ephemeral()
+        membership = join_mesh(key.signing_key, h.token(), time.time())
+        membership.bootstrap = list(member.listen_addrs())
+        joiner = h.service(key, membership, "joiner")
+        h.extra.append(joiner)
+        await joiner.start()
+        standing = h.owner.admission.standing(key.node_id, joiner.membership.proof, time.time())
+        assert standing.admitters == (member_key.node_id,)  # attributable to the member
+        assert h.owner.gossip is not None
+        await until(lambda: key.node_id in h.owner.gossip.members())  # type: ignore[union-attr]
+        # Revoking the member voids its grants: the joiner leaves every view with it.
+        h.owner.revoke("node", member_key.node_id)
+        await until(lambda: key.node_id not in h.owner.gossip.members())  # type: ignore[union-attr]
+        assert h.owner.gossip.state.peers[key.node_id].status == "revoked"
+
+    run(body)
+
+
+def test_revoking_a_node_closes_the_invite_it_joined_with() -> None:
+    async def body(h: Harness) -> None:
+        token = h.token()
+        key = NodeKey.ephemeral()
+        victim = h.service(key, join_mesh(key.signing_key, token, time.time()), "victim")
+        h.extra.append(victim)
+        await victim.start()
+        assert h.owner.gossip is not None
+        await until(lambda: key.node_id in h.owner.gossip.members())  # type: ignore[union-attr]
+        rev = h.owner.revoke("node", key.node_id)
+        assert rev.closes == inspect_token(token).invite_id
+        fresh = SigningKey.generate()
+        ep = await h.raw_endpoint(proof_for(fresh, token), fresh)
+        with pytest.raises(AdmissionRefused, match="closed"):
+            await ep.connect(h.owner_addr, timeout=5)
+
+    run(body)
+
+
+def test_a_member_comes_back_after_its_invite_expired_with_its_saved_credential(tmp_path: Path) -> None:
+    async def body(h: Harness) -> None:
+        token = h.token(ttl_s=1.5)
+        key = NodeKey.ephemeral()
+        first = h.service(key, join_mesh(key.signing_key, token, time.time(), home=tmp_path), "member")
+        await first.start()
+        await first.stop(graceful=True)
+        await asyncio.sleep(2.0)  # the invite is gone now
+        again = h.service(key, join_mesh(key.signing_key, token, time.time(), home=tmp_path), "member")
+        h.extra.append(again)
+        await again.start()  # admitted: its credential carries the owner's grant
+        assert h.owner.gossip is not None
+        await until(lambda: key.node_id in h.owner.gossip.members())  # type: ignore[union-attr]
+        stranger = NodeKey.ephemeral()
+        late = h.service(stranger, join_mesh(stranger.signing_key, token, time.time(), home=tmp_path / "x"), "late")
+        with pytest.raises(AdmissionRefused, match="expired"):
+            await late.start()
+        await late.stop(graceful=False)
+
+    run(body)
