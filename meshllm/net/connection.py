@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -90,9 +89,6 @@ class PeerConnection:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._sending_watch: dict[Stream, bool] = {}
         """Streams whose blocked sender waits for transmits (value: wait until nothing is unsent)."""
-        self._reserved = 0
-        """Bytes of the frame budget reserved by streams receiving large frames."""
-        self._reserve_queue: deque[tuple[Stream, int]] = deque()
         self.pending_source: Addr | None = None
         """The source address an incoming connection counts against until it is admitted or gone."""
         self._ready: asyncio.Future[None] = self._loop.create_future()
@@ -180,42 +176,24 @@ class PeerConnection:
         """The loop clock streams time their deadlines with."""
         return self._loop.time()
 
-    # -- frame budget: room for large partial frames ---------------------------------------------
+    # -- frame budget: room for large partial frames (see budget.py) ----------------------------
 
     def reserve(self, stream: Stream, size: int) -> bool:
-        """Reserve ``size`` bytes of the frame budget for ``stream``'s partial frame.
-
-        True when granted now; False when queued (``stream.on_reserved()`` is called once it is).
-        First come, first served, and all or nothing, so large frames never deadlock half-way.
-        The stream gives the bytes back (:meth:`unreserve`) once the frame has been read.
-        """
-        budget = self.endpoint.options.frame_budget
-        if size > budget:
-            stream.fail(ResetCode.BAD_FRAME, f"a frame of {size} bytes exceeds the connection's {budget}-byte budget")
-            self.strike("frame larger than the connection's frame budget")
+        """Reserve ``size`` bytes of room for ``stream``'s large frame: True now, False when queued
+        (``stream.on_reserved(size)`` follows once granted). A frame no budget can hold resets its stream."""
+        budget = self.endpoint.frames
+        if not budget.fits(size):
+            stream.fail(ResetCode.BAD_FRAME, f"a frame of {size} bytes exceeds the frame budget")
+            self.strike("frame larger than the frame budget")
             return True
-        if not self._reserve_queue and self._reserved + size <= budget:
-            self._reserved += size
-            return True
-        self._reserve_queue.append((stream, size))
-        return False
+        return budget.reserve(self, stream, size)
 
     def cancel_reservation(self, stream: Stream) -> None:
-        """``stream`` no longer waits for room (it ended)."""
-        self._reserve_queue = deque((s, n) for s, n in self._reserve_queue if s is not stream)
-        self._grant_waiting()
+        self.endpoint.frames.cancel(stream)
 
     def unreserve(self, size: int) -> None:
         """Give ``size`` reserved bytes back (their frame was read, or its stream ended)."""
-        self._reserved = max(0, self._reserved - size)
-        self._grant_waiting()
-
-    def _grant_waiting(self) -> None:
-        budget = self.endpoint.options.frame_budget
-        while self._reserve_queue and self._reserved + self._reserve_queue[0][1] <= budget:
-            waiting, size = self._reserve_queue.popleft()
-            self._reserved += size
-            waiting.on_reserved(size)
+        self.endpoint.frames.release(self, size)
 
     def retire(self, reason: str) -> None:
         """Close once our streams on this connection are done (another connection replaced it)."""

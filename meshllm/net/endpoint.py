@@ -46,6 +46,7 @@ from aioquic.quic.retry import QuicRetryTokenHandler
 from nacl.signing import SigningKey
 
 from meshllm.identity.ids import node_id
+from meshllm.net.budget import FrameBudget
 from meshllm.net.circuit import RelayChannel
 from meshllm.net.connection import PeerConnection
 from meshllm.net.errors import ConnectError, ConnectTimeout, PeerMismatch
@@ -66,7 +67,9 @@ from meshllm.wire.frames import CONTROL_FRAME_MAX
 log = logging.getLogger(__name__)
 
 FRAME_BUDGET = 40 * 1024 * 1024
-"""Default frame budget: one 32 MiB stage-lane frame plus room for smaller large ones."""
+"""Default frame budget per connection: one 32 MiB stage-lane frame plus room for smaller large ones."""
+TOTAL_FRAME_BUDGET = 48 * 1024 * 1024
+"""Default frame budget of the whole endpoint."""
 
 Admit = Callable[[str, bytes, bool], "bytes | None"]
 """``admit(peer_node_id, proof, dialer)``: return to accept the peer, raise a MeshllmError to refuse.
@@ -89,7 +92,9 @@ class EndpointOptions:
     connection_window: int = CONNECTION_WINDOW
     """Most bytes a peer may send over all its streams beyond what we have read."""
     frame_budget: int = FRAME_BUDGET
-    """Room per connection for partial frames larger than half a stream window (see streams.py)."""
+    """Room per connection for frames larger than half a stream window, partial or unread (budget.py)."""
+    total_frame_budget: int = TOTAL_FRAME_BUDGET
+    """The same room for all connections together: what many peers at once can make us hold."""
     send_budget: int = SEND_BUDGET
     """Most unsent bytes a stream holds before ``send`` waits."""
     max_datagram_size: int = MAX_DATAGRAM_SIZE
@@ -160,6 +165,8 @@ class Endpoint:
         self._pending_ips: Counter[str] = Counter()
         self._pending_addrs: Counter[Addr] = Counter()
         self._retry = QuicRetryTokenHandler()
+        self.frames = FrameBudget(options.total_frame_budget, options.frame_budget)
+        """Room for large frames, shared by every connection (streams reserve from it)."""
         self._strikes: Strikes[str] = Strikes()
         self._cooling: CoolDowns[str] = CoolDowns()
         self.on_cool_down: Callable[[str, str], None] | None = None

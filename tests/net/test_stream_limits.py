@@ -106,7 +106,7 @@ def test_unfinished_frames_are_bounded_and_released_when_their_streams_go() -> N
         assert sum(s.reserved for s in b.peers[a.node_id]._streams.values()) <= budget
         for stream in outs:
             stream.reset()
-        await until(lambda: held(b, a.node_id) == 0 and b.peers[a.node_id]._reserved == 0)
+        await until(lambda: held(b, a.node_id) == 0 and b.frames.used == 0)
         await a.close()
         await b.close()
 
