@@ -29,12 +29,13 @@ from meshllm.identity.keys import NodeKey
 from meshllm.identity.signing import Signed, decode_signed, sign
 from meshllm.mesh.admission import INVITE_DOMAIN, inspect_token, make_grant, verify_invite, with_grant
 from meshllm.mesh.membership import join_mesh
-from meshllm.mesh.messages import MeshMessage
-from meshllm.mesh.records import RECORD_DOMAIN, Models, PeerRecord
+from meshllm.mesh.messages import Digest, DownNotice, MeshMessage, Notices, sign_notice
+from meshllm.mesh.records import RECORD_DOMAIN, SEQ_LIMIT, Models, PeerRecord
 from meshllm.mesh.service import GOSSIP_STREAM, MeshService
 from meshllm.net import EndpointOptions, PeerConnection, Stream
+from meshllm.split.frames import KIND as LANE_KIND
 from meshllm.wire.addr import parse_addr
-from meshllm.wire.frames import encode_frame
+from meshllm.wire.frames import HEADER, encode_frame
 
 
 def rss_mb(pid: int) -> float:
@@ -202,3 +203,68 @@ class InitialFlood:
                 for _ in range(batch):
                     sock.sendto(garbage_initial(), self.addr)
                     self.sent += 1
+
+
+# -- attack routines (shared by the single-finding tests' campaign and the soak) ----------------
+
+FRAME_31M = 31 * 1024 * 1024
+
+
+async def flood_digests(mallory: Attacker, conn: PeerConnection, until: float, loops: int = 4) -> None:
+    """Empty digests, as fast as we can send them, while reading none of the answers."""
+    mallory.stop_reading_gossip()
+
+    async def loop() -> None:
+        while time.monotonic() < until and conn.close_reason is None:
+            with contextlib.suppress(MeshllmError):
+                stream = await conn.open_stream(GOSSIP_STREAM)
+                for _ in range(50):
+                    await stream.send(Digest({}), timeout=1.0)
+                stream.close()
+            await asyncio.sleep(0)
+
+    await asyncio.gather(*(loop() for _ in range(loops)))
+
+
+async def unfinished_lane_frames(conn: PeerConnection, streams: int = 20, size: int = FRAME_31M) -> list[Stream]:
+    """``streams`` stage-lane streams, each announcing a ``size`` frame and sending all but 1 MiB of it."""
+    chunk = b"\x00" * (1024 * 1024)
+    out = []
+    for _ in range(streams):
+        stream = await conn.open_stream(LANE_KIND)
+        write_raw(stream, HEADER.pack(size - HEADER.size))
+        for _ in range(size // len(chunk) - 1):
+            write_raw(stream, chunk)
+        out.append(stream)
+    return out
+
+
+async def drip(stream: Stream, seconds: float) -> float | None:
+    """Announce a 100-byte frame and send it a byte a second; when the peer reset it, or None."""
+    start = time.monotonic()
+    write_raw(stream, HEADER.pack(100))
+    while time.monotonic() - start < seconds:
+        try:
+            await stream.recv(bytes, timeout=1.0)
+            return time.monotonic() - start
+        except MeshllmError as exc:
+            if "timed out" not in str(exc):
+                return time.monotonic() - start
+        write_raw(stream, b"\x00")
+    return None
+
+
+async def forge_notices(mallory: Attacker, targets: list[tuple[str, str]], until: float) -> None:
+    """Every 2 s, tell each target (mesh address) that its victim (node id) is down, two ways:
+    at a sequence the victim can never exceed, and at the one the victim holds now."""
+    assert mallory.service.gossip is not None
+    while time.monotonic() < until:
+        now = time.time()
+        for addr, victim in targets:
+            entry = mallory.service.gossip.state.peers.get(victim)
+            held = entry.record.seq if entry is not None else 1
+            notices = [sign_notice(mallory.key.signing_key, DownNotice(victim, seq, mallory.node_id, now))
+                       for seq in (SEQ_LIMIT - 1, held)]
+            with contextlib.suppress(MeshllmError):
+                await mallory.send_gossip(await mallory.connect(addr, timeout=2.0), Notices(notices))
+        await asyncio.sleep(2.0)

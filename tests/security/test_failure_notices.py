@@ -13,12 +13,8 @@ import asyncio
 import time
 
 import pytest
-from attacker import Attacker
+from attacker import Attacker, forge_notices
 from nodes import NodeProcess
-
-from meshllm.errors import MeshllmError
-from meshllm.mesh.messages import DownNotice, Notices, sign_notice
-from meshllm.mesh.records import SEQ_LIMIT
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,28 +32,16 @@ def test_forged_down_notices_never_mark_a_live_member_down(pair: tuple[NodeProce
     async def attack() -> None:
         mallory = Attacker(a.ready["invite"])
         await mallory.start()
-        gossip = mallory.service.gossip
-        assert gossip is not None
-        key = mallory.key.signing_key
         end = time.monotonic() + ATTACK_S
-        next_burst = 0.0
-        while time.monotonic() < end:
-            if time.monotonic() >= next_burst:
-                next_burst = time.monotonic() + 2.0
-                now = time.time()
-                for target, victim in ((a, b.node_id), (b, a.node_id)):
-                    entry = gossip.state.peers.get(victim)
-                    held = entry.record.seq if entry is not None else 1
-                    notices = [sign_notice(key, DownNotice(victim, seq, mallory.node_id, now))
-                               for seq in (SEQ_LIMIT - 1, held)]
-                    try:  # our own view follows the victims' (a notice they flood closes our link)
-                        conn = await mallory.connect(target.mesh_addr, timeout=2.0)
-                        await mallory.send_gossip(conn, Notices(notices))
-                    except MeshllmError:
-                        pass
-            samples["b at a"].append(await asyncio.to_thread(states_of, a, b.node_id))
-            samples["a at b"].append(await asyncio.to_thread(states_of, b, a.node_id))
-            await asyncio.sleep(0.2)
+
+        async def sample() -> None:
+            while time.monotonic() < end:
+                samples["b at a"].append(await asyncio.to_thread(states_of, a, b.node_id))
+                samples["a at b"].append(await asyncio.to_thread(states_of, b, a.node_id))
+                await asyncio.sleep(0.2)
+
+        await asyncio.gather(forge_notices(mallory, [(a.mesh_addr, b.node_id), (b.mesh_addr, a.node_id)], end),
+                             sample())
         await mallory.stop()
 
     asyncio.run(attack())

@@ -7,32 +7,14 @@ on every wake-up. Deadlines now bound the whole frame, and a peer that keeps try
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
-from attacker import Attacker, write_raw
+from attacker import Attacker, drip
 from nodes import NodeProcess, wait_until
 
 from meshllm.mesh.service import GOSSIP_STREAM
-from meshllm.net import NetError, Stream
-from meshllm.wire.frames import HEADER
 
 pytestmark = pytest.mark.timeout(120)
-
-
-async def drip(stream: Stream, seconds: float) -> float | None:
-    """Announce a 100-byte frame and send it a byte a second; when the peer reset it, or None."""
-    start = time.monotonic()
-    write_raw(stream, HEADER.pack(100))
-    while time.monotonic() - start < seconds:
-        try:
-            await stream.recv(bytes, timeout=1.0)
-            return time.monotonic() - start  # a clean end would be wrong too, but it ends the drip
-        except NetError as exc:
-            if "timed out" not in str(exc):
-                return time.monotonic() - start
-        write_raw(stream, b"\x00")
-    return None
 
 
 def test_a_dripping_gossip_stream_is_reset_and_its_peer_cooled_down(pair: tuple[NodeProcess, NodeProcess]) -> None:

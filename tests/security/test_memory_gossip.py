@@ -11,13 +11,9 @@ import asyncio
 import time
 
 import pytest
-from attacker import Attacker, rss_mb
+from attacker import Attacker, flood_digests, rss_mb
 from conftest import sees
 from nodes import NodeProcess
-
-from meshllm.mesh.messages import Digest
-from meshllm.mesh.service import GOSSIP_STREAM
-from meshllm.net import NetError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,20 +30,7 @@ def test_digest_flood_from_a_non_reader_is_bounded_and_cooled_down(pair: tuple[N
         mallory = Attacker(a.ready["invite"], padding=56 * 1024, window=2048)
         await mallory.start()
         conn = await mallory.connect(a.mesh_addr)
-        mallory.stop_reading_gossip()
         end = time.monotonic() + ATTACK_S
-
-        async def flood() -> None:
-            while time.monotonic() < end:
-                try:
-                    c = await mallory.connect(a.mesh_addr, conn.node_id, timeout=1.0)
-                    stream = await c.open_stream(GOSSIP_STREAM)
-                    for _ in range(50):
-                        await stream.send(Digest({}), timeout=1.0)
-                    stream.close()
-                except NetError:
-                    await asyncio.sleep(0.2)
-                await asyncio.sleep(0)
 
         async def watch() -> None:
             nonlocal peak
@@ -55,7 +38,7 @@ def test_digest_flood_from_a_non_reader_is_bounded_and_cooled_down(pair: tuple[N
                 peak = max(peak, rss_mb(a.proc.pid))
                 await asyncio.sleep(0.25)
 
-        await asyncio.gather(*(flood() for _ in range(4)), watch())
+        await asyncio.gather(flood_digests(mallory, conn, end), watch())
         await mallory.stop()
 
     asyncio.run(attack())

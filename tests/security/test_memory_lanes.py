@@ -11,17 +11,15 @@ import asyncio
 import time
 
 import pytest
-from attacker import Attacker, rss_mb, write_raw
+from attacker import FRAME_31M, Attacker, rss_mb, unfinished_lane_frames
 from nodes import NodeProcess, wait_until
 
 from meshllm.net.messages import ResetCode
-from meshllm.split.frames import KIND
-from meshllm.wire.frames import HEADER
 
 pytestmark = pytest.mark.timeout(120)
 
 STREAMS = 20
-FRAME = 31 * 1024 * 1024
+FRAME = FRAME_31M
 ATTACK_S = 15.0
 
 
@@ -35,14 +33,7 @@ def test_unfinished_lane_frames_are_bounded_and_released(pair: tuple[NodeProcess
         mallory = Attacker(a.ready["invite"])
         await mallory.start()
         conn = await mallory.connect(a.mesh_addr)
-        chunk = b"\x00" * (1024 * 1024)
-        streams = []
-        for _ in range(STREAMS):
-            stream = await conn.open_stream(KIND)
-            write_raw(stream, HEADER.pack(FRAME - HEADER.size))
-            for _ in range(FRAME // len(chunk) - 1):  # one MiB short: the frame never ends
-                write_raw(stream, chunk)
-            streams.append(stream)
+        streams = await unfinished_lane_frames(conn, STREAMS, FRAME)
         end = time.monotonic() + ATTACK_S
         while time.monotonic() < end:
             peak = max(peak, rss_mb(a.proc.pid))
