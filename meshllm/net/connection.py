@@ -454,10 +454,19 @@ class PeerConnection:
         self.forget_if_finished(stream)
 
     async def _run_sweeps(self) -> None:
-        """Reset streams whose header or current frame is overdue (a trickle never holds a stream)."""
+        """Reset streams whose header or current frame is overdue (a trickle never holds a stream).
+
+        A sweep that wakes up late measures our own loop's stall: that time is forgiven, so a busy
+        node never blames its peers for frames it was too slow to read.
+        """
+        due = self._loop.time() + SWEEP_INTERVAL_S
         while self.close_reason is None:
-            await asyncio.sleep(SWEEP_INTERVAL_S)
+            await asyncio.sleep(max(0.0, due - self._loop.time()))
             now = self._loop.time()
+            lag, due = now - due, now + SWEEP_INTERVAL_S
+            if lag > SWEEP_INTERVAL_S:
+                for stream in self._streams.values():
+                    stream.forgive(lag)
             for stream in list(self._streams.values()):
                 reason = stream.overdue(now)
                 if reason is not None:

@@ -59,6 +59,7 @@ from meshllm.net.quic import (
     MAX_DATAGRAM_SIZE,
     STREAM_WINDOW,
     MeshQuicConnection,
+    initial_decrypts,
     make_configuration,
 )
 from meshllm.net.streams import SEND_BUDGET, Stream
@@ -189,6 +190,7 @@ class Endpoint:
         loop = asyncio.get_running_loop()
         transport, _ = await loop.create_datagram_endpoint(lambda: _Socket(endpoint), local_addr=(host, port))
         endpoint._transport = transport  # type: ignore[assignment]
+        _enlarge_buffers(transport.get_extra_info("socket"))
         return endpoint
 
     # -- public API ---------------------------------------------------------------------------
@@ -400,8 +402,9 @@ class Endpoint:
             self._pending_total >= self.options.max_pending
             or self._pending_ips[source[0]] >= self.options.max_pending_per_ip
             or self._pending_addrs[source] >= self.options.max_pending_per_addr
+            or not initial_decrypts(data, self._server_config.connection_id_length)
         ):
-            return
+            return  # garbage is dropped here, before any state (or any Retry) is made for it
         original_dcid, retry_cid = header.destination_cid, None
         if not is_virtual(source) and (header.token or self._pending_total >= self.options.retry_above):
             if not header.token:
@@ -489,6 +492,21 @@ class Endpoint:
         except (OSError, TimeoutError) as exc:
             raise ConnectError(f"cannot resolve {host!r}: {exc}") from exc
         return normalize_addr(infos[0][4])
+
+
+SOCKET_BUFFER = 4 * 1024 * 1024
+"""UDP socket buffers we ask for: one socket carries every peer, so a burst from one (a bulk
+transfer, a flood) must not overflow it and drop another's probes. The kernel may grant less."""
+
+
+def _enlarge_buffers(sock: socket.socket | None) -> None:
+    if sock is None:
+        return
+    for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
+        except OSError as exc:  # some platforms refuse large buffers: keep the default
+            log.debug("cannot enlarge the UDP socket buffer: %s", exc)
 
 
 def _addr(addr: tuple[object, ...]) -> Addr:

@@ -19,9 +19,11 @@ names its kind (:class:`~meshllm.net.messages.StreamOpen`). Both directions are 
 
 Deadlines bound whole operations, not wake-ups: ``recv`` and ``send`` have one deadline for the
 call, and the connection's sweep (:meth:`Stream.overdue`) resets an incoming stream whose header
-or any partial frame takes too long to arrive (:data:`HEADER_DEADLINE_S`, and
-:data:`FRAME_DEADLINE_S` plus one second per :data:`FRAME_MIN_RATE` bytes), so a peer dripping a
-byte a second cannot hold a stream, or the memory behind it, open.
+takes longer than :data:`HEADER_DEADLINE_S`, whose small frame makes less than
+:data:`PROGRESS_BYTES` of progress in :data:`FRAME_DEADLINE_S`, or whose large (reserved) frame
+takes longer than :data:`FRAME_DEADLINE_S` plus one second per :data:`FRAME_MIN_RATE` bytes, so a
+peer dripping a byte a second cannot hold a stream, or the room behind it, while an honest peer on
+a congested path that keeps making progress is left alone.
 
 A malformed or oversized frame from the peer resets this stream only; the connection survives.
 Everything a reset stream buffered is released at once.
@@ -56,7 +58,9 @@ HEADER_DEADLINE_S = 5.0
 FRAME_DEADLINE_S = 5.0
 """A frame that has started arriving must end within this long, plus the size allowance below."""
 FRAME_MIN_RATE = 1024 * 1024
-"""Bytes per second a frame is allowed at the slowest (a 32 MiB frame gets 5 + 32 s)."""
+"""Bytes per second a large frame is allowed at the slowest (a 32 MiB frame gets 5 + 32 s)."""
+PROGRESS_BYTES = 1024
+"""A small frame's clock restarts on each this many bytes of progress (a drip never gets there)."""
 
 
 class Stream:
@@ -95,6 +99,8 @@ class Stream:
         self._frame_no = -1
         """``decoder.completed`` when the partial frame being timed began (-1: none)."""
         self._frame_clock: float | None = None
+        self._progress = 0
+        """Bytes of the current small frame since its clock last (re)started."""
         self._sized = False
         """The partial frame's length prefix has been seen (and a reservation asked for if needed)."""
         self._deferred = 0
@@ -207,6 +213,9 @@ class Stream:
         if self._error is not None or self._discarded:
             return
         self._received += len(data)
+        self._progress += len(data)
+        if self._frame_clock is not None and not self._partial_reserved and self._progress >= PROGRESS_BYTES:
+            self._frame_clock, self._progress = self.peer.now(), 0  # a small frame moving along
         if self._decoder is None:
             self._head += data
             self._ended = self._ended or end
@@ -295,10 +304,21 @@ class Stream:
         if self._frame_clock is None or self._inbox or self.awaiting_reservation or self._deferred:
             return None
         size = self._decoder.pending_size() if self._decoder is not None else None
-        allowed = FRAME_DEADLINE_S + (size or 0) / FRAME_MIN_RATE
+        allowed = FRAME_DEADLINE_S + (size or 0) / FRAME_MIN_RATE if self._partial_reserved else FRAME_DEADLINE_S
         if now - self._frame_clock > allowed:
             return f"a frame of {size if size is not None else '?'} bytes did not arrive within {allowed:.0f} s"
         return None
+
+    def forgive(self, seconds: float) -> None:
+        """Our own loop stalled for ``seconds``: that time does not count against the peer."""
+        if self._frame_clock is not None:
+            self._frame_clock += seconds
+        self._opened_at += seconds
+
+    @property
+    def blocked_by_peer(self) -> bool:
+        """Unsent data waits for the peer's credit (it is not reading), not for the network."""
+        return self.queued > 0 and self.peer.quic.credit_blocked(self.id)
 
     @property
     def buffered(self) -> int:
@@ -343,7 +363,7 @@ class Stream:
         if not partial:
             return
         if self._frame_no == -1:
-            self._frame_no, self._frame_clock = decoder.completed, self.peer.now()
+            self._frame_no, self._frame_clock, self._progress = decoder.completed, self.peer.now(), 0
         if not self._sized and (size := decoder.pending_size()) is not None:
             self._sized = True
             if size > self._window // 2:
