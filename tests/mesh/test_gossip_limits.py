@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from sim import check_trust, make_key, make_record, make_verifier
 
-from meshllm.errors import InviteRevoked
+from meshllm.errors import DecodeError, InviteRevoked
 from meshllm.mesh.failure import Overstep
 from meshllm.mesh.gossip import (
     ACCUSER_BAN_S,
@@ -19,7 +20,16 @@ from meshllm.mesh.gossip import (
     Rejected,
     Send,
 )
-from meshllm.mesh.messages import Digest, DownNotice, Exchange, Notices, sign_notice
+from meshllm.mesh.messages import (
+    IDS_MAX,
+    Digest,
+    DownNotice,
+    Exchange,
+    Notices,
+    decode_message,
+    encode_message,
+    sign_notice,
+)
 from meshllm.mesh.records import SEQ_LIMIT, RecordVerifier, sign_record
 from meshllm.mesh.view import PeerRemoved
 
@@ -142,3 +152,12 @@ def test_a_refused_record_is_reported_once_and_not_asked_for_again() -> None:
     assert g.receive(nid(C), Exchange([record(e, 10)]), NOW + 1) == []  # quiet from then on
     (reply,) = g.receive(nid(C), Digest({nid(e): 11}), NOW + 2)
     assert nid(e) not in reply.message.want  # type: ignore[union-attr]
+
+
+def test_digests_and_want_lists_naming_too_many_ids_do_not_decode() -> None:
+    fakes = {f"id{i}": 1 for i in range(IDS_MAX + 1)}
+    with pytest.raises(DecodeError):
+        decode_message(encode_message(Digest(fakes)))
+    with pytest.raises(DecodeError):
+        decode_message(encode_message(Exchange([], want=list(fakes))))
+    assert decode_message(encode_message(Digest(dict(list(fakes.items())[:IDS_MAX]))))
