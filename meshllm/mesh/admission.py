@@ -312,6 +312,11 @@ def with_grant(credential: bytes, grant: bytes) -> bytes:
     return encode_credential(msgspec.structs.replace(decode_credential(credential), grant=grant))
 
 
+def grant_admitter(grant: bytes) -> str:
+    """The admitter a signed grant names (structure only; :meth:`AdmissionState.standing` checks it)."""
+    return decode_struct(decode_signed(grant, "grant").body, Grant, what="grant").admitter
+
+
 def credential_invite_id(credential: bytes) -> str | None:
     """The invite id a credential was issued on (None for the owner's, or if it does not parse)."""
     try:

@@ -20,10 +20,12 @@ from meshllm.errors import ConfigError, MeshllmError, VerificationError
 from meshllm.identity.ids import node_id
 from meshllm.mesh.admission import (
     AdmissionState,
+    Invite,
     MeshKey,
     decode_credential,
     decode_token,
     encode_token,
+    grant_admitter,
     joining_credential,
     verify_invite,
     with_grant,
@@ -68,9 +70,9 @@ class Membership:
         if self.granted or not grant:
             return False
         credential = with_grant(self.proof, grant)
-        standing = self.admission().standing(node, credential, now)
-        if standing.admitters[:1] not in ((admitter,), ()):
-            raise VerificationError(f"the grant from {admitter[:8]} is signed by another member")
+        self.admission().standing(node, credential, now)
+        if grant_admitter(grant) != admitter:
+            raise VerificationError(f"the grant from {admitter[:8]} names another member as its admitter")
         self.proof = credential
         if self.credential_file is not None:
             try:
@@ -112,15 +114,14 @@ def join_mesh(node_key: SigningKey, token: str, now: float, home: Path | None = 
                       credential_file=path)
 
 
-def _saved_credential(path: Path | None, node: str, invite: object, now: float) -> bytes | None:
+def _saved_credential(path: Path | None, node: str, invite: Invite, now: float) -> bytes | None:
     """The saved credential if it is ours, granted, and on the invite we join with now."""
     if path is None or not path.exists():
         return None
     try:
         data = path.read_bytes()
-        state = AdmissionState(invite.mesh_id, invite.mesh_pub)  # type: ignore[attr-defined]
-        standing = state.standing(node, data, now)
+        standing = AdmissionState(invite.mesh_id, invite.mesh_pub).standing(node, data, now)
     except (OSError, MeshllmError) as exc:
         log.info("not reusing the saved credential in %s: %s", path, exc)
         return None
-    return data if standing.invite_id == invite.invite_id else None  # type: ignore[attr-defined]
+    return data if standing.invite_id == invite.invite_id else None
