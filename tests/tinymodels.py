@@ -243,6 +243,8 @@ def write_tiny_tool_model(path: str | Path) -> Path:
     model calls the tool when tools are listed and no result came back yet, and says ``OK``
     otherwise, which is exactly what a tool round trip needs. Lower-case letters cycle (``a`` ->
     ``b`` ... ``z`` -> ``a``), so plain completions produce text; most other tokens end the turn.
+    Under a grammar that forbids the successor, the model prefers ``"``, then ``}``, then ``]``,
+    so constrained JSON closes quickly instead of running to ``max_tokens``.
     """
     path = Path(path)
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
@@ -294,6 +296,8 @@ def write_tiny_tool_model(path: str | Path) -> Path:
     out = np.zeros((vocab, width), np.float32)
     out[[succ[t] for t in range(vocab)], np.arange(vocab)] = 3.0
     out[calls[0], decide] = 2.0
+    for char, weight in (('"', 1.0), ("}", 0.9), ("]", 0.8)):  # under a grammar that forbids the successor,
+        out[byte[ord(char)], bias] = weight                      # close strings, then objects, then arrays
 
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("tiny-tools")

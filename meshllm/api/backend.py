@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from meshllm.api.errors import UnknownModel
-from meshllm.engine.base import Engine, EngineError, GenerationEvent, GenerationRequest
+from meshllm.engine.base import Engine, EngineError, GenerationEvent, GenerationRequest, check_supported
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,7 @@ class LocalBackend:
         engine = self.engines.get(request.model)
         if engine is None:
             raise UnknownModel(f"model {request.model!r} is not served here")
+        check_supported(engine, request)
         return engine.generate(request)
 
 

@@ -25,7 +25,7 @@ from meshllm.api.counters import RequestCounters
 from meshllm.api.errors import ApiError, NoCapacity, UnknownModel, UpstreamError, UpstreamTimeout, classify
 from meshllm.api.router import Attempt, PeerView, Router, Target, affinity_key
 from meshllm.api.tunnel import STREAM_KIND, ServerFrame, TunnelClient, failover_allowed
-from meshllm.engine.base import Engine, GenerationEvent, GenerationRequest
+from meshllm.engine.base import Engine, GenerationEvent, GenerationRequest, check_supported
 from meshllm.errors import MeshllmError
 from meshllm.identity.ids import short
 from meshllm.mesh.records import PeerRecord, ServedModel
@@ -196,7 +196,9 @@ class MeshBackend:
 
     def _open(self, target: Target, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         if target.local:
-            return self.engines[request.model].generate(request)
+            engine = self.engines[request.model]
+            check_supported(engine, request)
+            return engine.generate(request)
         return self._remote(target.node_id, request)
 
     def _name(self, target: Target) -> str:

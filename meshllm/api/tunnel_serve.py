@@ -18,7 +18,7 @@ from meshllm.api.counters import RequestCounters
 from meshllm.api.errors import NoCapacity, UnknownModel, UpstreamTimeout
 from meshllm.api.limits import Slots
 from meshllm.api.tunnel import CallerFrame, TunnelServer
-from meshllm.engine.base import Engine, GenerationRequest
+from meshllm.engine.base import Engine, GenerationRequest, Unsupported, check_supported
 from meshllm.identity.ids import short
 from meshllm.net.connection import PeerConnection
 from meshllm.net.errors import NetTimeout, StreamClosed
@@ -76,6 +76,11 @@ class TunnelService:
     @staticmethod
     async def _generate(engine: Engine, request: GenerationRequest, stream: Stream, server: TunnelServer,
                         deadline_s: float) -> None:
+        try:
+            check_supported(engine, request)
+        except Unsupported as exc:
+            await stream.send(server.error(exc), timeout=SEND_TIMEOUT_S)
+            return
         events = engine.generate(request)
         try:
             async with asyncio.timeout(deadline_s):
