@@ -31,7 +31,9 @@ I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
-class _Lenient(BaseModel):
+class Lenient(BaseModel):
+    """A request body that ignores fields it does not know (clients written for newer API versions)."""
+
     model_config = ConfigDict(extra="ignore")
 
 
@@ -78,21 +80,21 @@ def choice_seed(seed: int | None, index: int) -> int | None:
 
 # ---- chat ---------------------------------------------------------------------------------------
 
-class ContentPart(_Lenient):
+class ContentPart(Lenient):
     """A part of a multi-part message; text models take ``text`` parts only."""
 
     type: str
     text: str | None = None
 
 
-class FunctionCallIn(_Lenient):
+class FunctionCallIn(Lenient):
     """A call's function and its arguments (JSON text)."""
 
     name: str
     arguments: str = "{}"
 
 
-class ToolCallIn(_Lenient):
+class ToolCallIn(Lenient):
     """An assistant message's earlier tool call."""
 
     id: str = Field(max_length=256)
@@ -100,7 +102,7 @@ class ToolCallIn(_Lenient):
     function: FunctionCallIn
 
 
-class ChatMessageIn(_Lenient):
+class ChatMessageIn(Lenient):
     """One message; ``content`` as a string or a list of text parts."""
 
     role: Role
@@ -110,7 +112,7 @@ class ChatMessageIn(_Lenient):
     tool_call_id: str | None = Field(default=None, max_length=256)
 
 
-class FunctionDef(_Lenient):
+class FunctionDef(Lenient):
     """A function a tool offers."""
 
     name: str
@@ -120,32 +122,32 @@ class FunctionDef(_Lenient):
                                                           "call is forced; see docs/api.md")
 
 
-class ToolIn(_Lenient):
+class ToolIn(Lenient):
     """A tool: only ``function`` tools exist for a local model."""
 
     type: str = "function"
     function: FunctionDef
 
 
-class NamedFunction(_Lenient):
+class NamedFunction(Lenient):
     name: str
 
 
-class NamedToolChoice(_Lenient):
+class NamedToolChoice(Lenient):
     """``{"type": "function", "function": {"name": ...}}``: this function must be called."""
 
     type: Literal["function"] = "function"
     function: NamedFunction
 
 
-class JsonSchemaFormat(_Lenient):
+class JsonSchemaFormat(Lenient):
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Lenient):
+class ResponseFormat(Lenient):
     """``text``, ``json_object`` or ``json_schema`` (both JSON kinds by grammar-constrained sampling)."""
 
     type: Literal["text", "json_object", "json_schema"] = "text"
@@ -160,13 +162,13 @@ class ResponseFormat(_Lenient):
         return {"type": self.type}
 
 
-class StreamOptions(_Lenient):
+class StreamOptions(Lenient):
     """``include_usage``: send a last chunk with ``usage`` and no choices."""
 
     include_usage: bool = False
 
 
-class _SamplingFields(_Lenient):
+class _SamplingFields(Lenient):
     """Fields shared by chat and text completions."""
 
     model: str = Field(min_length=1, max_length=512)
