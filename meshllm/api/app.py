@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from fastapi import APIRouter, FastAPI
 
 from meshllm import __version__
-from meshllm.api import embeddings, model_list, openai_chat, openai_completions, responses
+from meshllm.api import anthropic, embeddings, model_list, openai_chat, openai_completions, responses
 from meshllm.api.backend import Backend, LocalBackend, ModelEntry
 from meshllm.api.errors import install_error_handlers
 from meshllm.api.limits import Admission, ApiLimits, BodyLimit
@@ -29,6 +29,7 @@ def create_app(backend: Backend, limits: ApiLimits | None = None, routers: Seque
     app.include_router(openai_completions.router(backend, admission))
     app.include_router(embeddings.router(backend, admission))
     app.include_router(responses.router(backend, admission))
+    app.include_router(anthropic.router(backend, admission))
     for router in routers:
         app.include_router(router)
 

@@ -165,6 +165,7 @@ class Ended:
 
     reason: ReplyReason
     usage: Usage
+    stop_sequence: str | None = None
 
 
 ReplyEvent = TextPiece | ToolCallPiece | Ended
@@ -190,7 +191,8 @@ async def reply(generation: Generation, tools: ToolSpec) -> AsyncIterator[ReplyE
             if held:
                 yield TextPiece("", tuple(held))
             made_calls = parser is not None and bool(parser.calls)
-            yield Ended("tool_calls" if made_calls and event.reason == "stop" else event.reason, event.usage)
+            yield Ended("tool_calls" if made_calls and event.reason == "stop" else event.reason, event.usage,
+                        event.stop_sequence)
 
 
 @dataclass
@@ -202,6 +204,7 @@ class Collected:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     reason: ReplyReason = "stop"
     usage: Usage = field(default_factory=lambda: Usage(0, 0))
+    stop_sequence: str | None = None
 
 
 async def collect(pieces: AsyncIterator[ReplyEvent]) -> Collected:
@@ -214,7 +217,7 @@ async def collect(pieces: AsyncIterator[ReplyEvent]) -> Collected:
         elif isinstance(piece, ToolCallPiece):
             out.calls.append(piece.call)
         else:
-            out.reason, out.usage = piece.reason, piece.usage
+            out.reason, out.usage, out.stop_sequence = piece.reason, piece.usage, piece.stop_sequence
     out.text = "".join(parts)
     return out
 

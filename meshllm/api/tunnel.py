@@ -72,6 +72,7 @@ class FinishFrame(msgspec.Struct, frozen=True, tag="finish"):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    stop_sequence: str | None = None
 
 
 class EmbeddingsFrame(msgspec.Struct, frozen=True, tag="embeddings"):
@@ -142,7 +143,7 @@ class TunnelClient:
         self.state = "done"
         if isinstance(frame, FinishFrame):
             return Finish(reason=frame.reason, usage=Usage(frame.prompt_tokens, frame.completion_tokens,
-                                                           frame.cached_tokens))
+                                                           frame.cached_tokens), stop_sequence=frame.stop_sequence)
         if isinstance(frame, EmbeddingsFrame):
             return Embeddings(frame.vectors, frame.prompt_tokens)
         raise RemoteError(frame)
@@ -189,7 +190,8 @@ class TunnelServer:
         if isinstance(event, Embeddings):
             return EmbeddingsFrame(event.vectors, event.prompt_tokens)
         return FinishFrame(reason=event.reason, prompt_tokens=event.usage.prompt_tokens,
-                           completion_tokens=event.usage.completion_tokens, cached_tokens=event.usage.cached_tokens)
+                           completion_tokens=event.usage.completion_tokens, cached_tokens=event.usage.cached_tokens,
+                           stop_sequence=event.stop_sequence)
 
     def error(self, exc: BaseException) -> ErrorFrame:
         """The frame reporting ``exc`` with the status the caller's client should get."""

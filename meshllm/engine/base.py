@@ -208,6 +208,8 @@ class Finish(msgspec.Struct, frozen=True, tag="finish"):
 
     reason: FinishReason
     usage: Usage
+    stop_sequence: str | None = None
+    """The stop string that ended generation (``reason`` is ``stop``); ``None`` for an end-of-sequence token."""
 
 
 GenerationEvent = TextDelta | Finish
