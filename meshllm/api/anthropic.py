@@ -143,7 +143,8 @@ class MessagesRequest(Lenient):
             raise BadRequest(f"{which} is not supported", param=which)
         if self.service_tier not in (None, "auto", "standard_only"):
             raise BadRequest("service_tier: only auto or standard_only", param="service_tier")
-        travels(self.model_dump(include={"tools", "messages", "system"}), "the request")
+        for name in ("tools", "messages", "system"):
+            travels(getattr(self, name), name, name)
 
     def tool_spec(self) -> ToolSpec:
         functions = []

@@ -108,7 +108,8 @@ class ResponsesRequest(Lenient):
                 raise BadRequest(f"{name} is not supported: {why}", param=name)
         if self.service_tier not in (None, "auto", "default"):
             raise BadRequest("service_tier: only auto or default", param="service_tier")
-        travels(self.model_dump(include={"tools", "text", "input"}), "the request")
+        for name in ("tools", "text", "input"):
+            travels(getattr(self, name), name, name)
 
     def tool_spec(self) -> ToolSpec:
         functions = []

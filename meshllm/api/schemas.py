@@ -50,13 +50,19 @@ def refuse(body: BaseModel, why: dict[str, str]) -> None:
             raise BadRequest(f"{name} is not supported: {reason}", param=name)
 
 
-def travels(value: Any, what: str) -> Any:
-    """Refuse what msgpack cannot carry to a peer (integers beyond 64 bits in a schema, say)."""
+def travels(value: Any, what: str, param: str | None = None) -> None:
+    """Refuse what msgpack cannot carry to a peer (integers beyond 64 bits in a schema, say).
+
+    Inside a pydantic validator (``param`` None) this is a ``ValueError`` (a 422 naming the field);
+    elsewhere a 400 naming ``param``.
+    """
     try:
         msgspec.msgpack.encode(value)
     except (OverflowError, TypeError, ValueError) as exc:
-        raise ValueError(f"{what} cannot be sent to the serving node: {exc}") from None
-    return value
+        message = f"{what} cannot be sent to the serving node: {exc}"
+        if param is None:
+            raise ValueError(message) from None
+        raise BadRequest(message, param=param) from None
 
 
 def params(*, max_tokens: int | None, temperature: float | None, top_p: float | None = None,
