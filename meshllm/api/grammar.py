@@ -40,10 +40,37 @@ def _literal(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r") + '"'
 
 
-def _visit(converter: Any, schema: Any, name: str, param: str) -> str:
-    """Add ``schema``'s rules under ``name``; a schema the converter cannot take is a 400 naming ``param``."""
+UNENFORCED = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems",
+                        "not", "if", "then", "else", "patternProperties", "propertyNames", "contains",
+                        "minProperties", "maxProperties", "dependentRequired", "dependentSchemas"})
+"""JSON-schema keywords the converter does not turn into grammar rules: a strict schema using one is a 400."""
+
+
+def unenforced(schema: Any) -> str | None:
+    """The first keyword of ``schema`` (at any depth) that sampling would not enforce, or ``None``."""
+    if isinstance(schema, dict):
+        for key, value in schema.items():
+            if key in UNENFORCED:
+                return key
+            if key not in ("enum", "const", "default", "examples") and (found := unenforced(value)):
+                return found
+    elif isinstance(schema, list):
+        return next((found for item in schema if (found := unenforced(item))), None)
+    return None
+
+
+def _visit(converter: Any, schema: Any, name: str, param: str, strict: bool = False) -> str:
+    """Add ``schema``'s rules under ``name``; a schema the converter cannot take is a 400 naming ``param``.
+
+    ``strict``: the client asked for output that always validates, so a keyword sampling cannot
+    enforce is refused; otherwise the grammar enforces what it can (best effort, as non-strict
+    schemas are at OpenAI).
+    """
     if not isinstance(schema, dict):
         raise BadRequest(f"{param} must be a JSON schema object", param=param)
+    if strict and (keyword := unenforced(schema)):
+        raise BadRequest(f"{param}: the keyword {keyword!r} cannot be enforced while sampling; drop it or set "
+                         "strict to false (then the rest of the schema is enforced)", param=param)
     try:
         resolved = converter.resolve_refs(json.loads(json.dumps(schema)), "input")
         return str(converter.visit(resolved, name))
@@ -57,7 +84,7 @@ def _tool_rules(converter: Any, functions: tuple[Function, ...], parallel: bool)
     """Rules for forced calls; the last line defines ``tool-calls``."""
     lines, alternatives = [], []
     for i, fn in enumerate(functions):
-        args = _visit(converter, fn.parameters, f"tool{i}-arguments", f"tools[{i}].parameters")
+        args = _visit(converter, fn.parameters, f"tool{i}-arguments", f"tools[{i}].parameters", fn.strict)
         head = _literal('{"name": "' + fn.name + '", "arguments": ')
         lines.append(f"tool{i}-call ::= {head} {args} {_literal('}')}")
         alternatives.append(f"tool{i}-call")
@@ -87,13 +114,13 @@ def build_grammar(tools: ToolSpec, response_format: dict[str, Any] | None,
         root = "tool-calls"
     else:
         spec = response_format or {}
+        inner = spec["json_schema"] if isinstance(spec.get("json_schema"), dict) else spec
         if kind == "json_object":
             schema, where = {"type": "object"}, format_param
-        elif isinstance(spec.get("json_schema"), dict):
-            schema, where = spec["json_schema"].get("schema", {"type": "object"}), f"{format_param}.json_schema.schema"
         else:
-            schema, where = spec.get("schema", {"type": "object"}), f"{format_param}.schema"
-        format_rule = _visit(converter, schema, "format", where)
+            schema = inner.get("schema", {"type": "object"})
+            where = f"{format_param}.json_schema.schema" if inner is not spec else f"{format_param}.schema"
+        format_rule = _visit(converter, schema, "format", where, kind == "json_schema" and inner.get("strict") is True)
         root = f"tool-calls | {format_rule}" if lines else format_rule
     rules = converter.format_grammar().replace(_LOOSE_CHAR, _JSON_CHAR)
     grammar = f"root ::= {root}\n" + rules + ("\n" + "\n".join(lines) if lines else "")

@@ -118,7 +118,7 @@ class ResponsesRequest(Lenient):
                 raise BadRequest(f"tools[{i}].type {tool.get('type')!r} is not supported (only function tools)",
                                  param=f"tools[{i}].type")
             functions.append(function(tool.get("name"), tool.get("description"), tool.get("parameters"),
-                                      f"tools[{i}]"))
+                                      f"tools[{i}]", tool.get("strict")))
         choice: Choice = "auto"
         if isinstance(self.tool_choice, str):
             choice = self.tool_choice

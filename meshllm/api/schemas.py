@@ -124,8 +124,7 @@ class FunctionDef(Lenient):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = Field(default=None, description="the arguments always follow the schema when the "
-                                                          "call is forced; see docs/api.md")
+    strict: bool | None = Field(default=None, description="refuse schema keywords sampling cannot enforce")
 
 
 class ToolIn(Lenient):
@@ -164,7 +163,8 @@ class ResponseFormat(Lenient):
             if self.json_schema is None:
                 raise BadRequest("response_format.json_schema is required for type json_schema",
                                  param="response_format.json_schema")
-            return {"type": "json_schema", "json_schema": {"schema": self.json_schema.schema_ or {"type": "object"}}}
+            return {"type": "json_schema", "json_schema": {"schema": self.json_schema.schema_ or {"type": "object"},
+                                                           "strict": self.json_schema.strict}}
         return {"type": self.type}
 
 
@@ -252,7 +252,7 @@ class ChatCompletionRequest(_SamplingFields):
                 raise BadRequest(f"tools[{i}].type {tool.type!r} is not supported (only function tools)",
                                  param=f"tools[{i}].type")
             fn = tool.function
-            functions.append(function(fn.name, fn.description, fn.parameters, f"tools[{i}].function"))
+            functions.append(function(fn.name, fn.description, fn.parameters, f"tools[{i}].function", fn.strict))
         for i, fn in enumerate(self.functions or ()):
             functions.append(function(fn.name, fn.description, fn.parameters, f"functions[{i}]"))
         picked = self.tool_choice if self.tool_choice is not None else self.function_call

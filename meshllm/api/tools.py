@@ -47,6 +47,8 @@ class Function:
     description: str | None = None
     parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object"})
     """JSON schema of the arguments."""
+    strict: bool = False
+    """Forced calls must follow the schema exactly: a keyword sampling cannot enforce is a 400."""
 
     def engine_tool(self) -> dict[str, Any]:
         """The OpenAI chat shape chat templates read."""
@@ -101,7 +103,7 @@ class ToolSpec:
 NO_TOOLS = ToolSpec(())
 
 
-def function(name: Any, description: Any, parameters: Any, where: str) -> Function:
+def function(name: Any, description: Any, parameters: Any, where: str, strict: Any = None) -> Function:
     """A validated :class:`Function`; ``where`` names the field in errors (``tools[0]``)."""
     if not isinstance(name, str) or not TOOL_NAME.match(name):
         raise BadRequest(f"{where}: a tool name is 1-64 letters, digits, '_' or '-'", param=f"{where}.name")
@@ -111,7 +113,7 @@ def function(name: Any, description: Any, parameters: Any, where: str) -> Functi
         raise BadRequest(f"{where}: parameters must be a JSON schema object", param=f"{where}.parameters")
     if description is not None and not isinstance(description, str):
         raise BadRequest(f"{where}: description must be a string", param=f"{where}.description")
-    return Function(name=name, description=description, parameters=parameters)
+    return Function(name=name, description=description, parameters=parameters, strict=strict is True)
 
 
 # ---- parsing a reply ------------------------------------------------------------------------
@@ -248,7 +250,10 @@ class ToolCallParser:
                 return []
             if not self._started:
                 stripped = buf.lstrip()
-                if stripped[:1] in ("{", "["):
+                marker_ahead = any(m.startswith(stripped[:len(m)]) for m in MARKERS) and stripped
+                if marker_ahead and not final and not any(stripped.startswith(m) for m in MARKERS):
+                    return []  # "[TOOL" could still become [TOOL_CALLS]
+                if stripped[:1] in ("{", "[") and not any(stripped.startswith(m) for m in MARKERS):
                     self._mode = "json"
                     return []
                 if not stripped and not final:
@@ -258,9 +263,12 @@ class ToolCallParser:
                 at, marker = min(hits)
                 self._buf = buf[at + len(marker):]
                 self._mode = "hermes" if marker == HERMES_OPEN else "mistral" if marker == MISTRAL_OPEN else "json"
-                self._started = self._started or bool(buf[:at].strip())
-                return self._text(buf[:at])
+                before = buf[:at]
+                self._started = self._started or bool(before.strip())
+                return [] if self.calls and not before.strip() else self._text(before)
             keep = 0 if final else _held_suffix(buf, MARKERS)
+            if self.calls and not buf[: len(buf) - keep].strip():
+                keep = len(buf)  # blank text after a call waits for what follows it
             self._buf = buf[len(buf) - keep:] if keep else ""
             return self._text(buf[: len(buf) - keep])
         if self._mode == "hermes":
