@@ -223,6 +223,8 @@ TOOL_MODEL_TEMPLATE = (
 """A Hermes-style chat template (ChatML turns, tools listed in ``<tools>``, ``<tool_call>`` calls,
 ``<tool_response>`` results), written for these tests."""
 
+TOOL_MODEL = "tiny-tools"
+"""The model id the tests give the tool model (its file name without ``.gguf``)."""
 TOOL_CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 """What the tool model answers when the prompt lists tools and holds no tool result yet."""
 TOOL_MODEL_REPLY = "OK"

@@ -304,7 +304,7 @@ def check_supported(engine: Engine, request: GenerationRequest) -> None:
     params = request.params
     if params.grammar is not None and GRAMMAR not in engine.supports:
         raise Unsupported(f"model {engine.model_id} cannot constrain sampling with a grammar on this node "
-                          "(response_format / tool_choice need it)", param="response_format")
+                          "(a JSON response_format or a forced tool_choice needs it)", param="response_format")
     if params.logprobs is not None and LOGPROBS not in engine.supports:
         raise Unsupported(f"model {engine.model_id} cannot report logprobs on this node", param="logprobs")
     if isinstance(request, CompletionRequest) and not isinstance(request.prompt, str) \

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from api_server import serve
 from nodes import NodeProcess, running_nodes, wait_until
-from tinymodels import write_tiny_llama, write_tiny_tool_model
+from tinymodels import TOOL_MODEL, write_tiny_llama, write_tiny_tool_model
 
 from meshllm.api.app import ApiLimits, LocalBackend, create_app
 from meshllm.engine.llama import LlamaEngine
@@ -43,9 +43,6 @@ def tiny_server(tiny_engine: LlamaEngine) -> Iterator[str]:
     app = create_app(LocalBackend([tiny_engine], node_id="node-a"), ApiLimits(max_body_bytes=256 * 1024))
     with serve(app) as url:
         yield url
-
-
-TOOL_MODEL = "tiny-tools"
 
 
 @pytest.fixture(scope="session")
