@@ -95,9 +95,10 @@ class ResponsesRequest(Lenient):
         if self.truncation == "auto":
             raise BadRequest("truncation 'auto' is not supported: a conversation over the context is a 400",
                              param="truncation")
-        if self.reasoning and any(v is not None for v in self.reasoning.values()):
-            raise BadRequest("reasoning is not supported: the models served here do not reason separately",
-                             param="reasoning")
+        effort = (self.reasoning or {}).get("effort")
+        if effort not in (None, "none"):  # a summary of no reasoning is honoured trivially
+            raise BadRequest("reasoning.effort is not supported: the models served here do not reason separately",
+                             param="reasoning.effort")
         other = [i for i in self.include or () if i != "reasoning.encrypted_content"]
         if other:
             raise BadRequest(f"include {other[0]!r} is not supported", param="include")
