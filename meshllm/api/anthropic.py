@@ -15,7 +15,11 @@ failure after the first event is an ``error`` event. Errors, validation errors i
 Anthropic's shape ``{"type": "error", "error": {"type", "message"}}``.
 
 ``cache_control`` marks on blocks are accepted: prompt caching here is automatic (the engine
-reuses cached prefixes), and ``usage.cache_read_input_tokens`` reports what it reused.
+reuses cached prefixes), and ``usage.cache_read_input_tokens`` reports what it reused. What
+Claude Code sends on every request is accepted where it asks for nothing these models lack:
+``thinking`` ``adaptive`` or ``disabled`` (they never think), ``clear_thinking`` context edits
+(there is no thinking to clear), ``output_config.effort`` (they have one effort level);
+``output_config.format`` (a JSON schema) is enforced by grammar like OpenAI's ``response_format``.
 """
 
 from __future__ import annotations
@@ -129,15 +133,24 @@ class MessagesRequest(Lenient):
     tool_choice: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    context_management: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
     service_tier: str | None = None
     container: Any = None
     mcp_servers: list[Any] | None = None
 
     def check(self) -> None:
         """400 for what we cannot honour."""
-        if self.thinking and self.thinking.get("type") not in (None, "disabled"):
-            raise BadRequest("thinking is not supported: the models served here do not think separately",
-                             param="thinking")
+        if self.thinking and self.thinking.get("type") not in (None, "disabled", "adaptive"):
+            raise BadRequest("thinking is not supported: the models served here do not think separately "
+                             "(disabled and adaptive are accepted: they never think)", param="thinking")
+        edits = (self.context_management or {}).get("edits") or []
+        if any(not str(e.get("type", "")).startswith("clear_thinking") for e in edits if isinstance(e, dict)):
+            raise BadRequest("context_management: only clear_thinking edits (there is no thinking to clear); "
+                             "the conversation is never edited server-side", param="context_management")
+        fmt = (self.output_config or {}).get("format")
+        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "json_schema"):
+            raise BadRequest("output_config.format: only {type: json_schema, schema}", param="output_config.format")
         if self.container is not None or self.mcp_servers:
             which = "container" if self.container is not None else "mcp_servers"
             raise BadRequest(f"{which} is not supported", param=which)
@@ -336,7 +349,8 @@ def router(backend: Backend, admission: Admission) -> APIRouter:
     async def messages(body: MessagesRequest, http: Request) -> Response:
         """Create a message; ``stream=true`` for its events."""
         tools = body.tool_spec()
-        request = engine_request(body, tools, body.max_tokens, build_grammar(tools, None))
+        fmt = (body.output_config or {}).get("format")
+        request = engine_request(body, tools, body.max_tokens, build_grammar(tools, fmt, "output_config.format"))
         message_id = f"msg_{uuid.uuid4().hex}"
         generations = await start_all(backend, admission, [request])
         if body.stream:

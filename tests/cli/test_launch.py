@@ -1,10 +1,11 @@
 """``meshllm launch``: each agent's variables and arguments, the command against a real node, and a real agent.
 
-The last test installs the Codex CLI from the npm registry (a pinned version, into a cache folder
-reused by later runs) and has it complete one turn against a node serving the tiny tool model:
-Codex sends its Responses request with its tools, the model calls a tool Codex does not have,
-Codex answers with the error, and the model's reply ends the turn. It is skipped, saying why,
-when npm or the package cannot be had.
+The last tests install real agents from the npm registry (pinned versions, into a cache folder
+reused by later runs) and have each complete one turn against a node serving the tiny tool
+model. Codex sends its Responses request with its tools, the model calls a tool Codex does not
+have, Codex answers with the error, and the model's reply ends the turn; Claude Code in print
+mode sends a Messages request and prints the reply. They are skipped, saying why, when npm or
+the package cannot be had.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ pytestmark = pytest.mark.timeout(300)
 
 API = "http://127.0.0.1:9999"
 CODEX = "@openai/codex@0.171.0"
-"""The Codex CLI version the real-agent test was written against (its flags change between releases)."""
+CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.197"
+"""The agent versions the real-agent tests were written against (their flags change between releases)."""
 
 
 def test_claude_code_gets_anthropic_variables_for_every_model_tier() -> None:
@@ -111,27 +113,39 @@ def test_clear_errors_for_an_unknown_model_or_a_missing_agent(node: NodeProcess,
     assert "Traceback" not in missing.stderr + unknown.stderr
 
 
-def installed_codex() -> Path:
-    """The pinned Codex CLI from the npm registry, installed once into a cache folder; skips when it cannot be."""
+def installed(package: str, command: str) -> Path:
+    """A pinned agent CLI from the npm registry, installed once into a cache folder; skips when it cannot be."""
     npm = shutil.which("npm")
     if npm is None or shutil.which("node") is None:
         pytest.skip("npm and node are not installed, so no agent CLI can be installed from the npm registry")
     cache = Path(os.environ.get("MESHLLM_TEST_AGENTS", Path.home() / ".cache" / "meshllm-test-agents"))
-    prefix = cache / CODEX.replace("/", "+")
-    binary = prefix / "node_modules" / ".bin" / "codex"
+    prefix = cache / package.replace("/", "+")
+    binary = prefix / "node_modules" / ".bin" / command
     if not binary.exists():
         try:
-            done = subprocess.run([npm, "install", "--prefix", str(prefix), "--no-audit", "--no-fund", CODEX],
+            done = subprocess.run([npm, "install", "--prefix", str(prefix), "--no-audit", "--no-fund", package],
                                   capture_output=True, text=True, timeout=240)
         except subprocess.TimeoutExpired:
-            pytest.skip(f"npm did not install {CODEX} within 240 s")
+            pytest.skip(f"npm did not install {package} within 240 s")
         if done.returncode != 0 or not binary.exists():
-            pytest.skip(f"npm could not install {CODEX}: {done.stderr.strip()[-300:]}")
+            pytest.skip(f"npm could not install {package}: {done.stderr.strip()[-300:]}")
+    version = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
+    if version.returncode != 0:
+        pytest.skip(f"{package} does not run here: {(version.stderr or version.stdout).strip()[-300:]}")
     return binary
 
 
+def run_agent(agent: str, binary: Path, api: str, args: list[str], home: Path) -> subprocess.CompletedProcess[str]:
+    """``meshllm launch <agent> --api <api> -- <args>`` with the installed agent first on PATH."""
+    home.mkdir()
+    env = {**os.environ, "PATH": f"{binary.parent}{os.pathsep}{os.environ['PATH']}", "HOME": str(home),
+           "CODEX_HOME": str(home)}
+    return subprocess.run([sys.executable, "-m", "meshllm", "launch", agent, "--api", api, "--", *args],
+                          capture_output=True, text=True, env=env, timeout=120, stdin=subprocess.DEVNULL, cwd=home)
+
+
 def test_a_real_codex_cli_completes_a_turn_against_the_node(node: NodeProcess, tmp_path: Path) -> None:
-    binary = installed_codex()
+    binary = installed(CODEX, "codex")
     instructions = tmp_path / "instructions.md"
     instructions.write_text("Answer briefly.")
     # Codex's default prompt and tools are ~40 KB; the tiny model reads one token per byte, so the
@@ -140,12 +154,15 @@ def test_a_real_codex_cli_completes_a_turn_against_the_node(node: NodeProcess, t
             "-c", "skills.bundled.enabled=false", "-c", 'web_search="disabled"',
             *[arg for feature in ("multi_agent", "goals", "skill_search", "plugins", "apps", "shell_tool",
                                   "image_generation", "view_image") for arg in ("--disable", feature)]]
-    env = {**os.environ, "PATH": f"{binary.parent}{os.pathsep}{os.environ['PATH']}",
-           "CODEX_HOME": str(tmp_path / "codex-home")}
-    (tmp_path / "codex-home").mkdir()
-    done = subprocess.run([sys.executable, "-m", "meshllm", "launch", "codex", "--api", node.api, "--",
-                           "exec", "--skip-git-repo-check", *slim, "Say hi"],
-                          capture_output=True, text=True, env=env, timeout=120, stdin=subprocess.DEVNULL,
-                          cwd=tmp_path)
+    done = run_agent("codex", binary, node.api, ["exec", "--skip-git-repo-check", *slim, "Say hi"], tmp_path / "h")
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == TOOL_MODEL_REPLY, done.stdout[-2000:]
+
+
+def test_claude_code_in_print_mode_completes_a_turn_against_the_node(node: NodeProcess, tmp_path: Path) -> None:
+    binary = installed(CLAUDE_CODE, "claude")
+    # Without its ~60 KB of built-in tools and system prompt (one token per byte for the tiny model).
+    done = run_agent("claude", binary, node.api, ["-p", "Say hi", "--bare", "--tools", "",
+                                                  "--system-prompt", "Answer briefly."], tmp_path / "h")
+    assert done.returncode == 0, done.stderr[-2000:] + done.stdout[-2000:]
+    assert done.stdout.strip() == TOOL_MODEL_REPLY
