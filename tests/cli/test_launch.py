@@ -161,7 +161,7 @@ def test_a_real_codex_cli_completes_a_turn_against_the_node(node: NodeProcess, t
 
 def test_claude_code_in_print_mode_completes_a_turn_against_the_node(node: NodeProcess, tmp_path: Path) -> None:
     binary = installed(CLAUDE_CODE, "claude")
-    # Without its ~60 KB of built-in tools and system prompt (one token per byte for the tiny model).
+    # Without its ~78 KB of built-in tools and system prompt (one token per byte for the tiny model).
     done = run_agent("claude", binary, node.api, ["-p", "Say hi", "--bare", "--tools", "",
                                                   "--system-prompt", "Answer briefly."], tmp_path / "h")
     assert done.returncode == 0, done.stderr[-2000:] + done.stdout[-2000:]
