@@ -352,7 +352,7 @@ def router(backend: Backend, admission: Admission) -> APIRouter:
         fmt = (body.output_config or {}).get("format")
         request = engine_request(body, tools, body.max_tokens, build_grammar(tools, fmt, "output_config.format"))
         message_id = f"msg_{uuid.uuid4().hex}"
-        generations = await start_all(backend, admission, [request])
+        generations = await start_all(backend, admission, [request], http)
         if body.stream:
             def error_event(exc: BaseException) -> str:
                 status, err = error_for(exc)
@@ -368,10 +368,10 @@ def router(backend: Backend, admission: Admission) -> APIRouter:
         return JSONResponse(_whole(message_id, body.model, got))
 
     @routes.post("/messages/count_tokens")
-    async def count_tokens(body: CountTokensRequest) -> dict[str, int]:
+    async def count_tokens(body: CountTokensRequest, http: Request) -> dict[str, int]:
         """Tokens the conversation takes, counted by the serving engine (it evaluates the prompt and one token)."""
         request = engine_request(body, body.tool_spec(), 1, None)
-        generations = await start_all(backend, admission, [request])
+        generations = await start_all(backend, admission, [request], http)
         try:
             got = await collect(reply(generations[0], NO_TOOLS))
         finally:

@@ -28,7 +28,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from meshllm.api.backend import Backend
-from meshllm.api.errors import UpstreamError
+from meshllm.api.errors import ApiError, UpstreamError
 from meshllm.api.limits import Admission
 from meshllm.api.schemas import ErrorResponse
 from meshllm.api.tools import CallOut, ParsedCall, TextOut, ToolSpec
@@ -107,8 +107,26 @@ async def start(backend: Backend, admission: Admission, request: GenerationReque
         raise
 
 
-async def start_all(backend: Backend, admission: Admission, requests: Sequence[GenerationRequest]) -> list[Generation]:
-    """Start every request (the choices of one API request) concurrently; if one fails, stop the others."""
+class ClientGone(ApiError):
+    """The HTTP client disconnected before the answer began: nothing is sent (499, nginx's code for it)."""
+
+    status, type, code = 499, "invalid_request_error", "client_disconnected"
+
+
+async def start_all(backend: Backend, admission: Admission, requests: Sequence[GenerationRequest],
+                    http: Request) -> list[Generation]:
+    """Start every request (the choices of one API request) concurrently; if one fails, stop the others.
+
+    A client that disconnects while they start (a queued request can wait long for its first
+    event) cancels them all and raises :class:`ClientGone`.
+    """
+    started = await unless_disconnected(http, _start_all(backend, admission, requests))
+    if started is None:
+        raise ClientGone("the client disconnected before the first token")
+    return started
+
+
+async def _start_all(backend: Backend, admission: Admission, requests: Sequence[GenerationRequest]) -> list[Generation]:
     tasks = [asyncio.ensure_future(start(backend, admission, r)) for r in requests]
     try:
         await asyncio.gather(*tasks)
@@ -320,6 +338,7 @@ def sse_response(generations: Sequence[Generation], body: AsyncIterator[str],
         except Exception as exc:  # after the first byte the status is sent: report inside the stream
             yield error_event(exc)
         finally:
+            await aclose(body)  # stops any task still reading the generations, then they are closed
             await close_all(generations)
 
     return StreamingResponse(events(), media_type="text/event-stream",

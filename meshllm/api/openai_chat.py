@@ -9,6 +9,7 @@ streams it: one delta naming the call (``index``, ``id``, ``type``, ``function.n
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -40,7 +41,7 @@ from meshllm.api.generation import (
 from meshllm.api.limits import Admission
 from meshllm.api.schemas import ChatCompletion, ChatCompletionRequest
 from meshllm.api.tools import ToolSpec
-from meshllm.engine.base import TokenLogprob
+from meshllm.engine.base import TokenLogprob, Usage
 
 
 def chat_logprobs(logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
@@ -95,19 +96,20 @@ async def _chunks(shape: ChatShape, generations: list[Generation], tools: ToolSp
                   include_usage: bool) -> AsyncIterator[str]:
     for i in range(len(generations)):
         yield sse(shape.delta(i, {"role": "assistant", "content": ""}))
-    usages = [None] * len(generations)
-    async for i, piece in merged([reply(g, tools) for g in generations]):
-        if isinstance(piece, TextPiece):
-            yield sse(shape.delta(i, {"content": piece.text}, logprobs=piece.logprobs))
-        elif isinstance(piece, Ended):
-            usages[i] = piece.usage  # type: ignore[call-overload]
-            yield sse(shape.delta(i, {}, finish=piece.reason))
-        else:
-            head = {"index": piece.index, "id": piece.call.id, "type": "function",
-                    "function": {"name": piece.call.name, "arguments": ""}}
-            yield sse(shape.delta(i, {"tool_calls": [head]}))
-            yield sse(shape.delta(i, {"tool_calls": [{"index": piece.index,
-                                                      "function": {"arguments": piece.call.arguments}}]}))
+    usages: list[Usage | None] = [None] * len(generations)
+    async with contextlib.aclosing(merged([reply(g, tools) for g in generations])) as pieces:
+        async for i, piece in pieces:
+            if isinstance(piece, TextPiece):
+                yield sse(shape.delta(i, {"content": piece.text}, logprobs=piece.logprobs))
+            elif isinstance(piece, Ended):
+                usages[i] = piece.usage
+                yield sse(shape.delta(i, {}, finish=piece.reason))
+            else:
+                head = {"index": piece.index, "id": piece.call.id, "type": "function",
+                        "function": {"name": piece.call.name, "arguments": ""}}
+                yield sse(shape.delta(i, {"tool_calls": [head]}))
+                yield sse(shape.delta(i, {"tool_calls": [{"index": piece.index,
+                                                          "function": {"arguments": piece.call.arguments}}]}))
     if include_usage:
         yield sse(shape.chunk([], usage_total([u for u in usages if u is not None])))
     yield "data: [DONE]\n\n"
@@ -124,7 +126,7 @@ def router(backend: Backend, admission: Admission) -> APIRouter:
         tools = body.tool_spec()
         requests = body.to_engine(tools)
         shape = ChatShape(body.model, logprobs=bool(body.logprobs))
-        generations = await start_all(backend, admission, requests)
+        generations = await start_all(backend, admission, requests, http)
         if body.stream:
             return sse_response(generations, _chunks(shape, generations, tools, body.include_usage),
                                 lambda exc: sse(error_for(exc)[1]))

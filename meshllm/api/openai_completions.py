@@ -7,6 +7,7 @@ concurrently; choice ``index`` is ``prompt * n + choice``, OpenAI's order. Strea
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -38,7 +39,7 @@ from meshllm.api.generation import (
 from meshllm.api.limits import Admission
 from meshllm.api.schemas import Completion, CompletionRequestIn
 from meshllm.api.tools import NO_TOOLS
-from meshllm.engine.base import TokenLogprob
+from meshllm.engine.base import TokenLogprob, Usage
 
 
 def completion_logprobs(logprobs: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any]:
@@ -84,15 +85,16 @@ async def _chunks(shape: CompletionShape, generations: list[Generation], include
         if echo:
             yield sse(shape.chunk(i, echo))
     offsets = [len(e) for e in shape.echoes]
-    usages = [None] * len(generations)
-    async for i, piece in merged([reply(g, NO_TOOLS) for g in generations]):
-        if isinstance(piece, TextPiece):
-            lp = completion_logprobs(piece.logprobs, offsets[i]) if shape.logprobs else None
-            offsets[i] += len(piece.text)
-            yield sse(shape.chunk(i, piece.text, logprobs=lp))
-        elif isinstance(piece, Ended):
-            usages[i] = piece.usage  # type: ignore[call-overload]
-            yield sse(shape.chunk(i, "", finish=piece.reason))
+    usages: list[Usage | None] = [None] * len(generations)
+    async with contextlib.aclosing(merged([reply(g, NO_TOOLS) for g in generations])) as pieces:
+        async for i, piece in pieces:
+            if isinstance(piece, TextPiece):
+                lp = completion_logprobs(piece.logprobs, offsets[i]) if shape.logprobs else None
+                offsets[i] += len(piece.text)
+                yield sse(shape.chunk(i, piece.text, logprobs=lp))
+            elif isinstance(piece, Ended):
+                usages[i] = piece.usage
+                yield sse(shape.chunk(i, "", finish=piece.reason))
     if include_usage:
         usage = usage_total([u for u in usages if u is not None], shape.prompts)
         yield sse({**shape.chunk(0, ""), "choices": [], "usage": openai_usage(usage)})
@@ -111,7 +113,7 @@ def router(backend: Backend, admission: Admission) -> APIRouter:
         echoes = [r.prompt if body.echo and isinstance(r.prompt, str) else "" for r in requests]
         shape = CompletionShape(body.model, echoes, logprobs=body.logprobs is not None,
                                 prompts=len(body.prompts()))
-        generations = await start_all(backend, admission, requests)
+        generations = await start_all(backend, admission, requests, http)
         if body.stream:
             return sse_response(generations, _chunks(shape, generations, body.include_usage),
                                 lambda exc: sse(error_for(exc)[1]))

@@ -368,7 +368,7 @@ def router(backend: Backend, admission: Admission) -> APIRouter:
                           grammar=build_grammar(tools, body.text_format(), "text.format")),
             user=clean(key) if key else None)
         shape = ResponseShape(body, tools)
-        generations = await start_all(backend, admission, [request])
+        generations = await start_all(backend, admission, [request], http)
         if body.stream:
             events, done = _Events(), []
 

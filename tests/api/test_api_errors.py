@@ -172,11 +172,12 @@ def slow_engine(tiny_engine: LlamaEngine, monkeypatch: pytest.MonkeyPatch) -> Ll
     return tiny_engine
 
 
-@pytest.mark.parametrize("stream", [True, False])
-def test_client_disconnect_cancels_generation(slow_engine: LlamaEngine, stream: bool) -> None:
+@pytest.mark.parametrize(("stream", "n"), [(True, 1), (False, 1), (False, 2)])
+def test_client_disconnect_cancels_generation(slow_engine: LlamaEngine, stream: bool, n: int) -> None:
+    """Every choice stops, even one still queued behind the other (this engine runs one request at a time)."""
     app = create_app(LocalBackend([slow_engine]))
     before = slow_engine.stats.cancelled, slow_engine.stats.completion_tokens
-    body = {"model": "tiny-llama", "prompt": "go", "max_tokens": 400, "temperature": 0, "stream": stream}
+    body = {"model": "tiny-llama", "prompt": "go", "max_tokens": 400, "temperature": 0, "stream": stream, "n": n}
     with serve(app) as url:
         if stream:
             with httpx.stream("POST", url + "/v1/completions", json=body) as response:
@@ -185,9 +186,9 @@ def test_client_disconnect_cancels_generation(slow_engine: LlamaEngine, stream: 
         else:
             with pytest.raises(httpx.ReadTimeout):
                 httpx.post(url + "/v1/completions", json=body, timeout=0.3)
-        wait_until(lambda: slow_engine.stats.cancelled == before[0] + 1, 5.0, interval=0.01)
+        wait_until(lambda: slow_engine.stats.cancelled == before[0] + n, 10.0, interval=0.01)
     generated = slow_engine.stats.completion_tokens - before[1]
-    assert generated < 300  # stopped long before max_tokens
+    assert generated < 300 * n  # every choice stopped long before max_tokens
     assert slow_engine.load_report().running == 0
 
 
