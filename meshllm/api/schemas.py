@@ -256,10 +256,16 @@ class ChatCompletionRequest(_SamplingFields):
         for i, fn in enumerate(self.functions or ()):
             functions.append(function(fn.name, fn.description, fn.parameters, f"functions[{i}]"))
         picked = self.tool_choice if self.tool_choice is not None else self.function_call
-        choice: Choice = picked if isinstance(picked, str) else picked.function.name if isinstance(
-            picked, NamedToolChoice) else picked.name if picked is not None else "auto"
-        return ToolSpec(tuple(functions), choice, parallel=self.parallel_tool_calls is not False) \
-            if functions or choice != "auto" else NO_TOOLS
+        choice: Choice
+        if picked is None or isinstance(picked, str):
+            choice = picked or "auto"
+        elif isinstance(picked, NamedToolChoice):
+            choice = picked.function.name
+        else:
+            choice = picked.name
+        if not functions and choice == "auto":
+            return NO_TOOLS
+        return ToolSpec(tuple(functions), choice, parallel=self.parallel_tool_calls is not False)
 
     def engine_messages(self) -> tuple[ChatMessage, ...]:
         """The conversation as the engine takes it; a part we cannot feed a text model is a 400."""

@@ -242,49 +242,58 @@ class ToolCallParser:
                 return out
 
     def _step(self, final: bool) -> list[ParseEvent]:
-        buf = self._buf
         if self._mode == "text":
-            if self.calls and not buf.strip():  # blank lines between or after calls are formatting
-                if final:
-                    self._buf = ""
-                return []
-            if not self._started:
-                stripped = buf.lstrip()
-                marker_ahead = any(m.startswith(stripped[:len(m)]) for m in MARKERS) and stripped
-                if marker_ahead and not final and not any(stripped.startswith(m) for m in MARKERS):
-                    return []  # "[TOOL" could still become [TOOL_CALLS]
-                if stripped[:1] in ("{", "[") and not any(stripped.startswith(m) for m in MARKERS):
-                    self._mode = "json"
-                    return []
-                if not stripped and not final:
-                    return []
-            hits = [(buf.find(m), m) for m in MARKERS if m in buf]
-            if hits:
-                at, marker = min(hits)
-                self._buf = buf[at + len(marker):]
-                self._mode = "hermes" if marker == HERMES_OPEN else "mistral" if marker == MISTRAL_OPEN else "json"
-                before = buf[:at]
-                self._started = self._started or bool(before.strip())
-                return [] if self.calls and not before.strip() else self._text(before)
-            keep = 0 if final else _held_suffix(buf, MARKERS)
-            if self.calls and not buf[: len(buf) - keep].strip():
-                keep = len(buf)  # blank text after a call waits for what follows it
-            self._buf = buf[len(buf) - keep:] if keep else ""
-            return self._text(buf[: len(buf) - keep])
+            return self._text_mode(final)
         if self._mode == "hermes":
-            end = buf.find(HERMES_CLOSE)
-            if end < 0 and not final:
-                return []
-            body = buf if end < 0 else buf[:end]
-            self._buf = "" if end < 0 else buf[end + len(HERMES_CLOSE):]
-            self._mode = "text"
-            calls = parse_calls(body.strip())
-            if calls is None:
-                return self._text(HERMES_OPEN + body + ("" if end < 0 else HERMES_CLOSE))
-            return self._emit(calls)
+            return self._hermes(final)
         if self._mode == "mistral":
             return self._mistral(final)
         return self._json(final)
+
+    def _text_mode(self, final: bool) -> list[ParseEvent]:
+        """Pass text on, up to a marker (or a reply-opening JSON value) that may begin calls."""
+        buf = self._buf
+        if self.calls and not buf.strip():  # blank lines between or after calls are formatting
+            if final:
+                self._buf = ""
+            return []
+        if not self._started:
+            stripped = buf.lstrip()
+            at_marker = any(stripped.startswith(m) for m in MARKERS)
+            if stripped and not final and not at_marker and any(m.startswith(stripped[:len(m)]) for m in MARKERS):
+                return []  # "[TOOL" could still become [TOOL_CALLS]
+            if stripped[:1] in ("{", "[") and not at_marker:
+                self._mode = "json"
+                return []
+            if not stripped and not final:
+                return []
+        hits = [(buf.find(m), m) for m in MARKERS if m in buf]
+        if hits:
+            at, marker = min(hits)
+            self._buf = buf[at + len(marker):]
+            self._mode = "hermes" if marker == HERMES_OPEN else "mistral" if marker == MISTRAL_OPEN else "json"
+            before = buf[:at]
+            self._started = self._started or bool(before.strip())
+            return [] if self.calls and not before.strip() else self._text(before)
+        keep = 0 if final else _held_suffix(buf, MARKERS)
+        if self.calls and not buf[: len(buf) - keep].strip():
+            keep = len(buf)  # blank text after a call waits for what follows it
+        self._buf = buf[len(buf) - keep:] if keep else ""
+        return self._text(buf[: len(buf) - keep])
+
+    def _hermes(self, final: bool) -> list[ParseEvent]:
+        """Inside ``<tool_call>``: wait for ``</tool_call>`` (or the end of the reply)."""
+        buf = self._buf
+        end = buf.find(HERMES_CLOSE)
+        if end < 0 and not final:
+            return []
+        body = buf if end < 0 else buf[:end]
+        self._buf = "" if end < 0 else buf[end + len(HERMES_CLOSE):]
+        self._mode = "text"
+        calls = parse_calls(body.strip())
+        if calls is None:
+            return self._text(HERMES_OPEN + body + ("" if end < 0 else HERMES_CLOSE))
+        return self._emit(calls)
 
     def _mistral(self, final: bool) -> list[ParseEvent]:
         buf = self._buf
