@@ -85,8 +85,8 @@ def anthropic_error(status: int, message: str) -> dict[str, Any]:
 class AnthropicRoute(APIRoute):
     """A route whose errors, however raised (validation included), leave in Anthropic's shape.
 
-    The app's own handlers still decide status and message (one place for that); this only
-    re-wraps their OpenAI-shaped body.
+    The app's own handlers still decide status, message and headers (``Retry-After``,
+    ``WWW-Authenticate``: one place for that); this only re-wraps their OpenAI-shaped body.
     """
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
@@ -98,8 +98,9 @@ class AnthropicRoute(APIRoute):
             except Exception as exc:
                 openai_shaped = await _app_error_response(request, exc)
                 message = json.loads(bytes(openai_shaped.body))["error"]["message"]
+                headers = {k: v for k, v in openai_shaped.headers.items() if k not in ("content-length", "content-type")}
                 return JSONResponse(anthropic_error(openai_shaped.status_code, message),
-                                    status_code=openai_shaped.status_code)
+                                    status_code=openai_shaped.status_code, headers=headers)
 
         return route
 
