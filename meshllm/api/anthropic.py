@@ -59,6 +59,8 @@ from meshllm.api.tools import NO_TOOLS, Choice, ParsedCall, ToolSpec, function
 from meshllm.engine.base import ChatMessage, ChatRequest, ToolCall, Usage
 
 MAX_STOP_SEQUENCES = 16
+_BODY_HEADERS = ("content-length", "content-type")
+"""Headers of the re-wrapped error body that are recomputed for the new one."""
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 422: "invalid_request_error",
                 429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}
@@ -98,7 +100,7 @@ class AnthropicRoute(APIRoute):
             except Exception as exc:
                 openai_shaped = await _app_error_response(request, exc)
                 message = json.loads(bytes(openai_shaped.body))["error"]["message"]
-                headers = {k: v for k, v in openai_shaped.headers.items() if k not in ("content-length", "content-type")}
+                headers = {k: v for k, v in openai_shaped.headers.items() if k not in _BODY_HEADERS}
                 return JSONResponse(anthropic_error(openai_shaped.status_code, message),
                                     status_code=openai_shaped.status_code, headers=headers)
 
