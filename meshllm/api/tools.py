@@ -150,27 +150,44 @@ def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
+class JsonEnd:
+    """Where a JSON object or array ends, found as the text grows: each character is scanned once."""
+
+    def __init__(self) -> None:
+        self._pos = 0
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+
+    def scan(self, text: str, start: int) -> int | None:
+        """Index just past the value that begins at ``text[start]``; ``None`` while it is not complete.
+
+        ``text`` must extend the text of the previous call (same beginning, more at the end).
+        """
+        for i in range(max(self._pos, start), len(text)):
+            ch = text[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    return i + 1
+        self._pos = len(text)
+        return None
+
+
 def json_value_end(text: str, start: int) -> int | None:
     """Index just past the JSON object or array that begins at ``text[start]``; ``None`` if it is not complete yet."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        ch = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+    return JsonEnd().scan(text, start)
 
 
 def _call(obj: Any) -> tuple[str, str] | None:
@@ -221,6 +238,10 @@ class ToolCallParser:
         self.calls: list[ParsedCall] = []
         self._buf = ""
         self._mode: Literal["text", "hermes", "mistral", "json"] = "text"
+        self._scan = JsonEnd()
+        """The JSON value being read in ``mistral`` and ``json`` mode (a fresh one per value)."""
+        self._searched = 0
+        """How much of the buffer holds no ``</tool_call>`` (``hermes`` mode searches only past it)."""
         self._started = False
         """Some non-blank text went out: a bare JSON object can no longer be a call."""
 
@@ -263,7 +284,7 @@ class ToolCallParser:
             if stripped and not final and not at_marker and any(m.startswith(stripped[:len(m)]) for m in MARKERS):
                 return []  # "[TOOL" could still become [TOOL_CALLS]
             if stripped[:1] in ("{", "[") and not at_marker:
-                self._mode = "json"
+                self._enter("json")
                 return []
             if not stripped and not final:
                 return []
@@ -271,7 +292,7 @@ class ToolCallParser:
         if hits:
             at, marker = min(hits)
             self._buf = buf[at + len(marker):]
-            self._mode = "hermes" if marker == HERMES_OPEN else "mistral" if marker == MISTRAL_OPEN else "json"
+            self._enter("hermes" if marker == HERMES_OPEN else "mistral" if marker == MISTRAL_OPEN else "json")
             before = buf[:at]
             self._started = self._started or bool(before.strip())
             return [] if self.calls and not before.strip() else self._text(before)
@@ -284,8 +305,9 @@ class ToolCallParser:
     def _hermes(self, final: bool) -> list[ParseEvent]:
         """Inside ``<tool_call>``: wait for ``</tool_call>`` (or the end of the reply)."""
         buf = self._buf
-        end = buf.find(HERMES_CLOSE)
+        end = buf.find(HERMES_CLOSE, self._searched)
         if end < 0 and not final:
+            self._searched = max(0, len(buf) - len(HERMES_CLOSE) + 1)
             return []
         body = buf if end < 0 else buf[:end]
         self._buf = "" if end < 0 else buf[end + len(HERMES_CLOSE):]
@@ -300,7 +322,7 @@ class ToolCallParser:
         lead = buf.lstrip()
         if lead[:1] in ("[", "{"):
             start = len(buf) - len(lead)
-            end = json_value_end(buf, start)
+            end = self._scan.scan(buf, start)
             if end is None and not final:
                 return []
             calls = parse_calls(buf[start:end] if end is not None else "")
@@ -318,7 +340,7 @@ class ToolCallParser:
         name, rest = buf[:args_at].strip(), buf[args_at + len(MISTRAL_ARGS):]
         lead = rest.lstrip()
         start = len(rest) - len(lead)
-        end = json_value_end(rest, start) if lead[:1] == "{" else None
+        end = self._scan.scan(rest, start) if lead[:1] == "{" else None
         if end is None and not final and lead[:1] in ("", "{"):
             return []
         call = _call({"name": name, "arguments": rest[start:end]}) if end is not None else None
@@ -333,7 +355,7 @@ class ToolCallParser:
         buf = self._buf
         lead = buf.lstrip()
         start = len(buf) - len(lead)
-        end = json_value_end(buf, start) if lead[:1] in ("{", "[") else None
+        end = self._scan.scan(buf, start) if lead[:1] in ("{", "[") else None
         if end is None and not final and lead[:1] in ("", "{", "["):
             return []
         calls = parse_calls(buf[start:end]) if end is not None else None
@@ -342,6 +364,9 @@ class ToolCallParser:
             return self._text(buf)
         self._mode, self._buf = "text", buf[end:]
         return self._emit(calls)
+
+    def _enter(self, mode: Literal["hermes", "mistral", "json"]) -> None:
+        self._mode, self._scan, self._searched = mode, JsonEnd(), 0
 
     def _text(self, text: str) -> list[ParseEvent]:
         if not text:
