@@ -393,28 +393,62 @@ class LlamaEngine(Engine):
             a.job.text.cached_tokens = a.reused
             a.job.started = now
             self.stats.cached_tokens += a.reused
-        for run in _runs(step.decode):
-            self._decode(run)
+        if step.decode:
+            self._decode(step.decode)
         for chunk in step.prefill:
             self._prefill(chunk)
 
-    def _decode(self, run: list[DecodeRow]) -> None:
-        """One batch: the next token of consecutive generating slots (llama.cpp batches only such runs)."""
-        tokens = [r.token for r in run]
-        pos = [r.pos for r in run]
-        seqs = [r.slot for r in run]
-        pad = self._pad_row(run[-1].slot + 1, run[-1].token) if len(run) == 1 and self.pad_lone_rows else None
-        if pad is not None:
-            tokens, pos, seqs = [*tokens, pad[0]], [*pos, pad[1]], [*seqs, pad[2]]
+    def _decode(self, rows: list[DecodeRow]) -> None:
+        """Every generating slot's next token, in one call.
+
+        llama.cpp puts only consecutive sequences in one batch, so a free or prefilling slot between two
+        generating ones gets a padding row (its next position, removed after the call): a row costs far
+        less than a second pass over the weights.
+        """
+        for segment in self._segments(rows):
+            self._decode_segment(segment)
+
+    def _segments(self, rows: list[DecodeRow]) -> Iterator[list[DecodeRow | tuple[int, int, int]]]:
+        """Rows and gap pads ``(token, pos, seq)`` covering consecutive sequences; a gap that cannot be
+        padded (its sequence is full) splits the call."""
+        by_slot = {r.slot: r for r in rows}
+        segment: list[DecodeRow | tuple[int, int, int]] = []
+        for seq in range(min(by_slot), max(by_slot) + 1):
+            row = by_slot.get(seq)
+            pad = None if row is not None else self._pad_row(seq, rows[0].token)
+            if row is None and pad is None:
+                if segment:
+                    yield segment
+                segment = []
+                continue
+            segment.append(row if row is not None else pad)  # type: ignore[arg-type]
+        if segment:
+            yield segment
+
+    def _decode_segment(self, segment: list[DecodeRow | tuple[int, int, int]]) -> None:
+        real = [(i, e) for i, e in enumerate(segment) if isinstance(e, DecodeRow)]
+        if not real:
+            return
+        pads = [e for e in segment if not isinstance(e, DecodeRow)]
+        tokens = [e.token if isinstance(e, DecodeRow) else e[0] for e in segment]
+        pos = [e.pos if isinstance(e, DecodeRow) else e[1] for e in segment]
+        seqs = [e.slot if isinstance(e, DecodeRow) else e[2] for e in segment]
+        outputs = [isinstance(e, DecodeRow) for e in segment]
+        if self.pad_lone_rows and len(real) == 1:  # a second output row, so the lone row computes as in a batch
+            if pads:
+                outputs[segment.index(pads[0])] = True
+            elif (extra := self._pad_row(seqs[-1] + 1, tokens[-1])) is not None:
+                pads.append(extra)
+                tokens, pos, seqs, outputs = [*tokens, extra[0]], [*pos, extra[1]], [*seqs, extra[2]], [*outputs, True]
         try:
-            self._ctx.decode(tokens, pos, seqs, [True] * len(tokens))
+            self._ctx.decode(tokens, pos, seqs, outputs)
         finally:
-            if pad is not None:
-                self._ctx.trim(pad[2], pad[1])
+            for _token, at, seq in pads:
+                self._ctx.trim(seq, at)
         self.stats.decode_calls += 1
-        self.stats.decode_rows += len(run)
+        self.stats.decode_rows += len(real)
         assert self._sched is not None
-        for i, row in enumerate(run):
+        for i, row in real:
             with self._cond:
                 self._sched.decoded(row.slot)
             self._after_logits(row.slot, self._ctx.logits(i))
@@ -447,8 +481,10 @@ class LlamaEngine(Engine):
             self._after_logits(chunk.slot, self._ctx.logits(n - 1))
 
     def _pad_row(self, seq: int, token: int) -> tuple[int, int, int] | None:
-        """A row for sequence ``seq`` (the next one: llama.cpp batches only consecutive sequences) at its
-        next position, removed right after the call; ``None`` when that sequence is full."""
+        """A throwaway row ``(token, pos, seq)`` at sequence ``seq``'s next position (the caller removes it
+        after the call); ``None`` when that sequence does not exist or is full."""
+        if seq >= self._ctx.n_seq:
+            return None
         at = self._ctx.length(seq)
         return (token, at, seq) if at < self._ctx.n_ctx_seq else None
 
@@ -525,18 +561,6 @@ class LlamaEngine(Engine):
                 job.ended = True
                 job.sampler.close()
                 job.emit(error)
-
-
-def _runs(rows: list[DecodeRow]) -> Iterator[list[DecodeRow]]:
-    """Decode rows grouped into runs of consecutive slots (one llama.cpp call each)."""
-    run: list[DecodeRow] = []
-    for row in sorted(rows, key=lambda r: r.slot):
-        if run and row.slot != run[-1].slot + 1:
-            yield run
-            run = []
-        run.append(row)
-    if run:
-        yield run
 
 
 class _TemplateTokens:

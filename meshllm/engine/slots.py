@@ -4,8 +4,9 @@ The engine owns one llama.cpp context of ``n_slots`` sequences. Every step, :met
 returns:
 
 1. **assignments**: waiting requests that get a free slot, the request whose client holds the fewest
-   slots first (then the client served longest ago, then the oldest request), and the slot whose cached prompt it can reuse most of
-   (:func:`meshllm.engine.prompt_cache.reusable`), else an empty or least recently used one;
+   slots first (then the client served longest ago, then the oldest request), and the slot whose
+   cached prompt it can reuse most of (:func:`meshllm.engine.prompt_cache.reusable`), else an empty
+   or the least recently used one;
 2. **decode rows**: one per generating slot, its last sampled token;
 3. **prefill chunks** on the fixed grid, the prefilling slots taking turns, at most ``chunk`` tokens
    in all (but always one chunk): a long prompt holds the generating slots up for one chunk at a

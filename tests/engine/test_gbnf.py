@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -49,7 +50,7 @@ def test_valid_grammars_pass(grammar: str) -> None:
 
 @pytest.mark.parametrize(("grammar", "why"), BAD)
 def test_bad_grammars_are_refused_with_the_reason(grammar: str, why: str) -> None:
-    with pytest.raises(BadGrammar, match=why.replace("(", r"\(").replace(")", r"\)").replace("\\x", r"\\x")):
+    with pytest.raises(BadGrammar, match=re.escape(why)):
         check_grammar(grammar)
 
 
@@ -65,7 +66,7 @@ def test_what_passes_compiles_in_llama_cpp(tmp_path: Path) -> None:
     try:
         for grammar in GOOD:
             NativeSampler.grammar(model, grammar).close()
-        with pytest.raises(BadGrammar, match="llama.cpp refused"):
+        with pytest.raises(BadGrammar, match=r"llama\.cpp refused"):
             NativeSampler.grammar(model, "root ::= root \"a\"")  # left recursion: llama.cpp's own check
     finally:
         model.close()
