@@ -54,7 +54,8 @@ from meshllm.engine.base import (
 )
 from meshllm.engine.capacity import total_ram_bytes
 from meshllm.engine.chat_format import chat_renderer
-from meshllm.engine.slots import Chunk, DecodeRow, QueueFull, Scheduler, Step
+from meshllm.engine.fair_queue import QueueFull
+from meshllm.engine.slots import Chunk, DecodeRow, Scheduler, Step
 from meshllm.engine.text import TextStream, token_budget
 from meshllm.models.metadata import ArrayInfo, GGUFMetadata, read_metadata
 from meshllm.models.refs import ModelRef

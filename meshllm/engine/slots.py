@@ -13,10 +13,9 @@ returns:
    time, and a short prompt waits for at most one chunk of each long one.
 
 The driver runs the step on llama.cpp and reports back (:meth:`prefilled`, :meth:`decoded`,
-:meth:`sampled`, :meth:`release`). The waiting queue is bounded and shared fairly: when it is full,
-a request of a client holding less than its share of the queue displaces the newest request of the
-client holding the most (:meth:`submit` returns those it displaced). Nothing here touches llama.cpp,
-threads or clocks; time is passed in.
+:meth:`sampled`, :meth:`release`). The waiting queue is a :class:`~meshllm.engine.fair_queue.FairQueue`:
+bounded, shared fairly between clients (:meth:`submit` returns the requests a newcomer displaced).
+Nothing here touches llama.cpp, threads or clocks; time is passed in.
 """
 
 from __future__ import annotations
@@ -25,13 +24,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from meshllm.engine.fair_queue import FairQueue
 from meshllm.engine.prompt_cache import grid_end, reusable
 
 J = TypeVar("J")
-
-
-class QueueFull(Exception):
-    """The waiting queue (or this client's share of it) is full."""
 
 
 @dataclass(eq=False)
@@ -105,8 +101,6 @@ class _Waiting(Generic[J]):
     job: J
     tokens: tuple[int, ...]
     client: str
-    since: float
-    seq: int
 
 
 class Scheduler(Generic[J]):
@@ -118,9 +112,7 @@ class Scheduler(Generic[J]):
         self.slots: list[Slot[J]] = [Slot(i) for i in range(n_slots)]
         self.chunk = chunk
         self.max_queue = max_queue
-        self._waiting: list[_Waiting[J]] = []
-        self._served: dict[str, int] = {}
-        """When each client present last got a slot (round robin between clients)."""
+        self._waiting: FairQueue[_Waiting[J]] = FairQueue(max_queue)
         self._seq = 0
 
     # ---- load ------------------------------------------------------------------------------
@@ -140,32 +132,14 @@ class Scheduler(Generic[J]):
     # ---- the queue -------------------------------------------------------------------------
 
     def submit(self, job: J, tokens: tuple[int, ...], client: str, now: float) -> list[J]:
-        """Queue ``job``; return the jobs it displaced. Raises :class:`QueueFull`."""
+        """Queue ``job``; return the jobs it displaced. Raises :class:`~meshllm.engine.fair_queue.QueueFull`."""
         if not tokens:
             raise ValueError("a request needs at least one token to prefill")
-        displaced: list[J] = []
-        if len(self._waiting) >= self.max_queue:
-            counts = Counter(w.client for w in self._waiting)
-            share = max(1, self.max_queue // len(counts.keys() | {client}))
-            if counts[client] >= share:
-                raise QueueFull(f"this client already has {counts[client]} of the {self.max_queue} queue places")
-            most = max(counts.values(), default=0)
-            over = [w for w in self._waiting if counts[w.client] == most > share]
-            if not over:
-                raise QueueFull(f"{len(self._waiting)} requests are waiting (limit {self.max_queue})")
-            victim = max(over, key=lambda w: w.seq)  # the newest request of the client holding the most
-            self._waiting.remove(victim)
-            displaced.append(victim.job)
-        self._seq += 1
-        self._waiting.append(_Waiting(job, tokens, client, now, self._seq))
-        return displaced
+        return [w.job for w in self._waiting.push(_Waiting(job, tokens, client), client, now)]
 
     def expired(self, now: float, timeout_s: float) -> list[J]:
         """Remove and return the jobs that waited longer than ``timeout_s``."""
-        old = [w for w in self._waiting if now - w.since > timeout_s]
-        for w in old:
-            self._waiting.remove(w)
-        return [w.job for w in old]
+        return [w.job for w in self._waiting.expired(now, timeout_s)]
 
     def cancel(self, job: J) -> int | None:
         """Forget ``job``: out of the queue, or out of its slot (whose index is returned)."""
@@ -202,16 +176,7 @@ class Scheduler(Generic[J]):
         return Step(assigned, decode, prefill)
 
     def _next_waiting(self) -> _Waiting[J]:
-        """The client holding the fewest slots, then the one served longest ago, then the oldest request."""
-        holding = Counter(s.client for s in self.slots if s.job is not None)
-        best = min(self._waiting, key=lambda w: (holding[w.client], self._served.get(w.client, 0), w.seq))
-        self._waiting.remove(best)
-        self._seq += 1
-        self._served[best.client] = self._seq
-        present = holding.keys() | {w.client for w in self._waiting} | {best.client}
-        for gone in self._served.keys() - present:  # bounded by the clients waiting or served now
-            del self._served[gone]
-        return best
+        return self._waiting.pop(Counter(s.client for s in self.slots if s.job is not None))
 
     def _assign(self, w: _Waiting[J]) -> Assignment[J]:
         free = [s for s in self.slots if s.job is None]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from meshllm.engine.slots import Chunk, DecodeRow, QueueFull, Scheduler
+from meshllm.engine.fair_queue import QueueFull
+from meshllm.engine.slots import Chunk, DecodeRow, Scheduler
 
 C = 4  # chunk
 
