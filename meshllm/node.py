@@ -29,6 +29,7 @@ from meshllm.config import MODEL_HASHES_FILE, NODE_CERT_FILE, REVOCATIONS_FILE, 
 from meshllm.discovery.listing import LISTING_TTL_S
 from meshllm.discovery.publisher import NodeDiscovery, facts_from_records
 from meshllm.discovery.routes import discovery_router
+from meshllm.engine.base import DEFAULT_MAX_TOKENS
 from meshllm.engine.capacity import measure_capacity
 from meshllm.errors import ConfigError, DecodeError
 from meshllm.identity.ids import node_public_key, unb32
@@ -71,6 +72,10 @@ class NodeOptions:
     engine: str = "llama"
     threads: int | None = None
     """llama.cpp threads per model (None: its default)."""
+    parallel: int | None = None
+    """llama.cpp slots per model: requests generated at once in one batch (None: sized from memory)."""
+    max_tokens_default: int = DEFAULT_MAX_TOKENS
+    """Tokens generated for a request that sets no ``max_tokens``."""
     relay: Literal["on", "off", "auto"] = "auto"
     """Relay for members behind NATs: always, never, or when peers find us reachable (auto)."""
     split: SplitOptions = field(default_factory=SplitOptions)
@@ -138,7 +143,8 @@ class Node:
         await self._start_api()
         self.events.publish("mesh_ready", mesh_id=self.membership.mesh_id, mesh_addr=self.mesh_addr)
         whole = await self.splits.prepare(opts.models if opts.role == "host" else [])
-        await self.serving.load_models(whole, engine=opts.engine, threads=opts.threads)
+        await self.serving.load_models(whole, engine=opts.engine, threads=opts.threads, parallel=opts.parallel,
+                                       max_tokens_default=opts.max_tokens_default)
         await self.splits.start()
         self.invite = self._ready_invite()
         await self.discovery.start()

@@ -22,12 +22,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from meshllm.api.backend import Backend
 from meshllm.api.errors import UnknownModel, UpstreamError, error_for
-from meshllm.api.limits import Admission
+from meshllm.api.limits import Admission, client_key
 from meshllm.api.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -45,6 +46,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     404: {**_ERROR, "description": "Unknown model"},
     413: {**_ERROR, "description": "Request body too large"},
     422: {**_ERROR, "description": "A field is missing or has the wrong type or range"},
+    429: {**_ERROR, "description": "Saturated: no place for this request now; retry after the Retry-After seconds"},
     502: {**_ERROR, "description": "The serving node failed"},
     503: {**_ERROR, "description": "No capacity: all slots or queues are full"},
     504: {**_ERROR, "description": "The serving node did not answer in time"},
@@ -111,9 +113,9 @@ class _Shape:
         return body.model_dump()
 
 
-def _usage(usage: Usage) -> dict[str, int]:
+def _usage(usage: Usage) -> dict[str, Any]:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens}
+            "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 
 def _sse(obj: dict[str, Any]) -> str:
@@ -158,7 +160,9 @@ def build_router(backend: Backend, admission: Admission) -> APIRouter:
 
     async def serve(http: Request, request: GenerationRequest, shape: _Shape, stream: bool,
                     include_usage: bool) -> Response:
-        await admission.acquire()  # the backend raises UnknownModel (404) or NoCapacity (503) itself
+        client = client_key(request.user, http)
+        request = msgspec.structs.replace(request, client=client)  # peers queue it fairly too
+        await admission.acquire(client)  # the backend raises UnknownModel (404) or NoCapacity (503) itself
         try:
             events = backend.generate(request)
             first = await _first(events)

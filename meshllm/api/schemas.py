@@ -88,7 +88,8 @@ class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessageIn] = Field(min_length=1, max_length=10_000)
-    max_tokens: int | None = Field(default=None, ge=1, le=I64_MAX)
+    max_tokens: int | None = Field(default=None, ge=1, le=I64_MAX,
+                                   description="default: the serving node's cap (meshllm serve --max-tokens-default)")
     max_completion_tokens: int | None = Field(default=None, ge=1, le=I64_MAX)
     tools: list[dict[str, Any]] | None = None
 
@@ -151,12 +152,19 @@ def clean(text: str) -> str:
 
 # ---- responses -----------------------------------------------------------------------------
 
+class PromptTokensDetails(BaseModel):
+    """``cached_tokens``: prompt tokens the serving engine took from its prompt cache."""
+
+    cached_tokens: int = 0
+
+
 class UsageOut(BaseModel):
     """Token counts."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class AssistantMessage(BaseModel):

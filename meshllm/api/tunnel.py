@@ -64,6 +64,7 @@ class FinishFrame(msgspec.Struct, frozen=True, tag="finish"):
     reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
 
 
 class ErrorFrame(msgspec.Struct, frozen=True, tag="error"):
@@ -119,7 +120,8 @@ class TunnelClient:
             return TextDelta(frame.text)
         self.state = "done"
         if isinstance(frame, FinishFrame):
-            return Finish(reason=frame.reason, usage=Usage(frame.prompt_tokens, frame.completion_tokens))
+            return Finish(reason=frame.reason, usage=Usage(frame.prompt_tokens, frame.completion_tokens,
+                                                           frame.cached_tokens))
         raise RemoteError(frame)
 
     def stream_ended(self) -> None:
@@ -162,7 +164,7 @@ class TunnelServer:
             return DeltaFrame(event.text)
         self.done = True
         return FinishFrame(reason=event.reason, prompt_tokens=event.usage.prompt_tokens,
-                           completion_tokens=event.usage.completion_tokens)
+                           completion_tokens=event.usage.completion_tokens, cached_tokens=event.usage.cached_tokens)
 
     def error(self, exc: BaseException) -> ErrorFrame:
         """The frame reporting ``exc`` with the status the caller's client should get."""
