@@ -269,7 +269,8 @@ class Node:
                 "models": [_model_json(m) for m in rec.models.served],
                 "capacity": {"ram_bytes": rec.capacity.ram_bytes, "vram_bytes": rec.capacity.vram_bytes,
                              "cpu_cores": rec.capacity.cpu_cores, "gflops": rec.capacity.gflops},
-                "load": {"in_flight": rec.load.in_flight, "queue": rec.load.queue, "tok_s": rec.load.tok_s},
+                "load": {"in_flight": rec.load.in_flight, "queue": rec.load.queue, "tok_s": rec.load.tok_s,
+                         "slots": rec.load.slots, "free_slots": rec.load.free_slots},
                 "addr": (rec.addresses.listen or [""])[0], "seq": rec.seq,
             })
         own = gossip.own
