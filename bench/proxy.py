@@ -8,12 +8,14 @@ shared and noisy, so a slow moment hits all three alike):
 * ``routed``: the same request to node B (``--client``), which sends it to A over QUIC.
 
 Reported per path: median time to first token and median decode speed (tokens after the first
-over the time after the first), and each as a ratio to ``direct``.
+over the time after the first), each as a ratio to ``direct``, and the median of the per-prompt
+TTFT differences to ``direct`` (paired: the three paths run the same prompt back to back).
 
 Two things keep the comparison fair on one small host. Every run's prompt starts with a tag of its
 own, so no path finds its prompt in llama.cpp's prefix cache from an earlier run. And llama.cpp
-runs one thread on every path (``--threads 1``): with both cores busy in llama.cpp, the routing
-node and the client (which on a real mesh run on other machines) would steal its cycles.
+runs one thread on every path, for prefill as for decode (``--threads 1``; llama-cpp-python's own
+default is every core for prefill): with both cores busy in llama.cpp, the routing node and the
+client (which on a real mesh run on other machines) would steal its cycles.
 
     .venv/bin/python bench/proxy.py [--prompts 4] [--rounds 2] [--max-tokens 64] [--out PATH]
 """
@@ -95,7 +97,7 @@ def main() -> None:
     from llama_cpp import Llama
 
     ref = resolve_model("default", progress=False)
-    llm = Llama(model_path=str(ref.path), n_ctx=4096, n_threads=THREADS, verbose=False)
+    llm = Llama(model_path=str(ref.path), n_ctx=4096, n_threads=THREADS, n_threads_batch=THREADS, verbose=False)
     samples: dict[str, list[tuple[float, float, int]]] = {"direct": [], "local": [], "routed": []}
     with tempfile.TemporaryDirectory() as tmp, running_nodes() as nodes:
         a = NodeProcess(Path(tmp) / "a", ["--threads", str(THREADS)], "a")
@@ -119,15 +121,18 @@ def main() -> None:
         rows[path] = {"ttft_ms": statistics.median(r[0] for r in runs) * 1000,
                       "decode_tok_s": statistics.median(r[1] for r in runs),
                       "tokens": statistics.median(r[2] for r in runs), "runs": len(runs)}
-    for row in rows.values():
+    for path, row in rows.items():
         row["decode_ratio"] = row["decode_tok_s"] / rows["direct"]["decode_tok_s"]
         row["ttft_ratio"] = row["ttft_ms"] / rows["direct"]["ttft_ms"]
+        row["ttft_minus_direct_ms"] = statistics.median(
+            (mine[0] - direct[0]) * 1000 for mine, direct in zip(samples[path], samples["direct"], strict=True))
     print(f"default model {ref.model_id}, {args.max_tokens} tokens max, greedy, "
-          f"{args.prompts} prompts x {args.rounds} rounds, medians")
-    print(f"{'path':8} {'TTFT ms':>9} {'decode tok/s':>13} {'decode vs direct':>17} {'TTFT vs direct':>15}")
+          f"{args.prompts} prompts x {args.rounds} rounds, medians; load average {os.getloadavg()[0]:.2f}")
+    print(f"{'path':8} {'TTFT ms':>9} {'- direct ms':>12} {'decode tok/s':>13} {'decode vs direct':>17} "
+          f"{'TTFT vs direct':>15}")
     for path, row in rows.items():
-        print(f"{path:8} {row['ttft_ms']:9.1f} {row['decode_tok_s']:13.1f} {row['decode_ratio']:17.3f} "
-              f"{row['ttft_ratio']:15.2f}")
+        print(f"{path:8} {row['ttft_ms']:9.1f} {row['ttft_minus_direct_ms']:12.1f} {row['decode_tok_s']:13.1f} "
+              f"{row['decode_ratio']:17.3f} {row['ttft_ratio']:15.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "bench": "proxy", "when": datetime.now(UTC).isoformat(timespec="seconds"), "host": platform.node(),
