@@ -76,6 +76,8 @@ class NodeOptions:
     """llama.cpp slots per model: requests generated at once in one batch (None: sized from memory)."""
     max_tokens_default: int = DEFAULT_MAX_TOKENS
     """Tokens generated for a request that sets no ``max_tokens``."""
+    kernels: Literal["exact", "fast"] = "exact"
+    """llama.cpp kernels: row-exact (answers independent of batching) or fast."""
     relay: Literal["on", "off", "auto"] = "auto"
     """Relay for members behind NATs: always, never, or when peers find us reachable (auto)."""
     split: SplitOptions = field(default_factory=SplitOptions)
@@ -144,7 +146,7 @@ class Node:
         self.events.publish("mesh_ready", mesh_id=self.membership.mesh_id, mesh_addr=self.mesh_addr)
         whole = await self.splits.prepare(opts.models if opts.role == "host" else [])
         await self.serving.load_models(whole, engine=opts.engine, threads=opts.threads, parallel=opts.parallel,
-                                       max_tokens_default=opts.max_tokens_default)
+                                       max_tokens_default=opts.max_tokens_default, kernels=opts.kernels)
         await self.splits.start()
         self.invite = self._ready_invite()
         await self.discovery.start()

@@ -24,7 +24,7 @@ from meshllm.api.mesh_backend import MeshBackend
 from meshllm.api.tunnel import STREAM_KIND
 from meshllm.api.tunnel_serve import TunnelService
 from meshllm.engine.base import DEFAULT_MAX_TOKENS, Engine
-from meshllm.engine.llama import LlamaEngine
+from meshllm.engine.llama import Kernels, LlamaEngine
 from meshllm.errors import ConfigError
 from meshllm.mesh.records import Load, Models, ServedModel
 from meshllm.mesh.service import MeshService
@@ -53,17 +53,19 @@ class Serving:
         self._last_load: Load | None = None
 
     async def load_models(self, specs: list[str], engine: str = "llama", threads: int | None = None,
-                          parallel: int | None = None, max_tokens_default: int = DEFAULT_MAX_TOKENS) -> None:
+                          parallel: int | None = None, max_tokens_default: int = DEFAULT_MAX_TOKENS,
+                          kernels: Kernels = "exact") -> None:
         """Resolve and load each model, then announce them all in our record.
 
         ``parallel`` is the llama.cpp engine's slots per model (``None``: sized from memory);
-        ``max_tokens_default`` caps its requests that set no ``max_tokens``.
+        ``max_tokens_default`` caps its requests that set no ``max_tokens``; ``kernels`` picks
+        row-exact or fast llama.cpp kernels.
         """
         if engine not in ENGINES:
             raise ConfigError(f"unknown engine {engine!r}", hint=f"choose one of {', '.join(ENGINES)}")
         for spec in specs:
             ref = await asyncio.to_thread(resolve_model, spec)
-            instance = self._make_engine(engine, ref, threads, parallel, max_tokens_default)
+            instance = self._make_engine(engine, ref, threads, parallel, max_tokens_default, kernels)
             self.events.publish("model_loading", model=ref.model_id, path=str(ref.path), engine=engine,
                                 size_bytes=ref.path.stat().st_size)
             started = time.monotonic()
@@ -83,12 +85,13 @@ class Serving:
 
     @staticmethod
     def _make_engine(engine: str, ref: Any, threads: int | None, parallel: int | None,
-                     max_tokens_default: int) -> Engine:
+                     max_tokens_default: int, kernels: Kernels) -> Engine:
         if engine == "numpy":
             from meshllm.engine.numpy.engine import NumpyEngine
 
             return NumpyEngine(ref.path, model_id=ref.model_id)
-        return LlamaEngine(ref, n_threads=threads, parallel=parallel, default_max_tokens=max_tokens_default)
+        return LlamaEngine(ref, n_threads=threads, parallel=parallel, default_max_tokens=max_tokens_default,
+                           kernels=kernels)
 
     async def _publish_load(self) -> None:
         """Copy the engines' load into our record when it changes (gossip spreads it)."""

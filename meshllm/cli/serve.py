@@ -69,6 +69,9 @@ def node_options(func: Any) -> Any:
                           "as many as a quarter of the free memory holds KV caches for)."),
         click.option("--max-tokens-default", type=click.IntRange(min=1), default=DEFAULT_MAX_TOKENS,
                      show_default=True, help="Tokens generated for a request that sets no max_tokens."),
+        click.option("--kernels", type=click.Choice(["exact", "fast"]), default="exact", show_default=True,
+                     help="llama.cpp kernels: exact (a request's text never depends on what runs beside it) or "
+                          "fast (also its repacked and tiled kernels: faster prompts on some CPUs)."),
         click.option("--dht-bootstrap", multiple=True, metavar="MULTIADDR", callback=dht_multiaddrs,
                      help="DHT peer to join at start, /ip4/HOST/tcp/PORT/p2p/PEERID (repeatable; "
                           "default: dht_bootstrap in config.toml)."),
@@ -107,7 +110,7 @@ def join(token: str, lookup_timeout: float, **kwargs: Any) -> None:
 def _run(join_token: str | None, *, home: Path | None, name: str, api_port: int, api_host: str, mesh_port: int,
          mesh_host: str, announce: list[str], bootstrap: list[str], relay: str, ephemeral: bool, client: bool,
          models: tuple[str, ...], engine: str, threads: int | None, parallel: int | None, max_tokens_default: int,
-         log_format: str, verbose: bool,
+         kernels: str, log_format: str, verbose: bool,
          dht_bootstrap: tuple[str, ...], dht_port: int | None, listing_ttl: float, worker: bool, split: str,
          stages: int | None, max_memory: float | None, lookup_timeout: float = 15.0) -> None:
     from meshllm.node import Node, NodeOptions
@@ -122,7 +125,7 @@ def _run(join_token: str | None, *, home: Path | None, name: str, api_port: int,
         home=home, name=name, api_host=api_host, api_port=api_port, mesh_host=mesh_host, mesh_port=mesh_port,
         announce=announce, join=join_token, bootstrap=bootstrap, ephemeral=ephemeral,
         role="client" if client else "worker" if worker else "host", models=list(models) or ["default"],
-        engine=engine, threads=threads, parallel=parallel, max_tokens_default=max_tokens_default,
+        engine=engine, threads=threads, parallel=parallel, max_tokens_default=max_tokens_default, kernels=kernels,
         split=split_options(split, stages, max_memory),
         dht_bootstrap=dht_peers, dht_port=dht_port, listing_ttl_s=listing_ttl, relay=relay,  # type: ignore[arg-type]
     )

@@ -25,6 +25,7 @@ small models, one decode batch plus at most one chunk on large ones).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import threading
@@ -32,7 +33,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -66,6 +67,9 @@ KV_MEMORY_SHARE = 0.25
 """Share of the memory available at load that the default slot count may spend on KV caches."""
 PREFILL_CHUNK = 64
 """Tokens per prefill chunk: the grid prompts are prefilled on, and the prefill work per step."""
+Kernels = Literal["exact", "fast"]
+"""``exact``: llama.cpp kernels that compute a row the same way whatever else is in the batch (a
+request's text never depends on what runs beside it); ``fast``: its repacked and tiled kernels too."""
 
 
 @dataclass
@@ -93,7 +97,9 @@ class _Job:
     request: GenerationRequest
     prompt_len: int
     target: tuple[int, ...]
-    """Prompt + continuation: what the slot must hold before the first sample."""
+    """The prompt: what the slot prefills."""
+    forced: collections.deque[int]
+    """Continuation tokens still to decode before sampling resumes (generated elsewhere, already sent)."""
     text: TextStream
     sampler: Any
     """Its :class:`~meshllm.engine.llama_sampling.SlotSampler` (``None`` when it needs no slot)."""
@@ -118,7 +124,8 @@ class LlamaEngine(Engine):
     ``DEFAULT_MAX_CONTEXT``); ``parallel`` the number of slots (default: up to
     :data:`MAX_DEFAULT_PARALLEL`, as many as a quarter of the free memory holds). ``max_queue`` bounds
     waiting requests, ``queue_timeout_s`` how long one may wait; ``default_max_tokens`` caps requests
-    that set no ``max_tokens``. ``pad_lone_rows`` overrides the load-time measurement.
+    that set no ``max_tokens``. ``kernels`` picks row-exact or fast llama.cpp kernels (see :data:`Kernels`;
+    ``exact`` holds for the whole process). ``pad_lone_rows`` overrides the load-time measurement.
     """
 
     def __init__(
@@ -136,6 +143,7 @@ class LlamaEngine(Engine):
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
         prefill_chunk: int = PREFILL_CHUNK,
         pad_lone_rows: bool | None = None,
+        kernels: Kernels = "exact",
     ) -> None:
         if parallel is not None and parallel < 1:
             raise EngineError("parallel must be at least 1")
@@ -152,6 +160,7 @@ class LlamaEngine(Engine):
         self.prefill_chunk = prefill_chunk
         self.pad_lone_rows = pad_lone_rows
         """Whether every call gets at least two rows (measured at load unless set)."""
+        self.kernels = kernels
         self.stats = EngineStats()
         self.metadata: GGUFMetadata | None = None
         self.chat_format: str = ""
@@ -177,10 +186,12 @@ class LlamaEngine(Engine):
         await asyncio.to_thread(self._load_blocking)
 
     def _load_blocking(self) -> None:
-        from meshllm.engine.llama_native import NativeContext, NativeModel
+        from meshllm.engine.llama_native import NativeContext, NativeModel, use_row_exact_kernels
 
         meta = read_metadata(self.path)
-        model = NativeModel(self.path, n_gpu_layers=self._n_gpu_layers)
+        if self.kernels == "exact":
+            use_row_exact_kernels()
+        model = NativeModel(self.path, n_gpu_layers=self._n_gpu_layers, repack=self.kernels == "fast")
         try:
             n_ctx_seq = context_cap(meta.context_length, self._n_ctx)
             parallel = self._parallel or default_parallel(meta, n_ctx_seq)
@@ -281,8 +292,8 @@ class LlamaEngine(Engine):
                 sampler.close()
                 raise
         client = request.client or (f"user:{request.user}" if request.user else "")
-        return _Job(request=request, prompt_len=len(tokens), target=(*tokens, *request.continuation), text=text,
-                    sampler=sampler, client=client)
+        return _Job(request=request, prompt_len=len(tokens), target=tuple(tokens),
+                    forced=collections.deque(request.continuation), text=text, sampler=sampler, client=client)
 
     def _require(self) -> Any:
         if self._model is None or self._closed:
@@ -494,6 +505,10 @@ class LlamaEngine(Engine):
         assert self._sched is not None
         job = self._sched.slots[index].job
         if job is None or job.cancelled:
+            return
+        if job.forced:  # a continuation token: decoded as the first engine decoded it, not sampled
+            with self._cond:
+                self._sched.sampled(index, job.forced.popleft())
             return
         try:
             token = job.sampler.sample(logits, job.text.generated)

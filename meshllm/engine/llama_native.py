@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,6 +46,17 @@ def _forward_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
                 text.decode("utf-8", "replace").rstrip())
 
 
+def use_row_exact_kernels() -> None:
+    """Make ggml compute every row the same way whatever the batch holds (call before the first decode).
+
+    ggml's tiled K-quant matmul (taken for batches of 8 rows and more) accumulates differently from
+    its row-by-row kernel; ``GGML_CPU_TILED_MM=0`` turns it off. It is read once per process, at the
+    first matmul: the choice holds for the whole process. Repacked weights are the other half
+    (:class:`NativeModel` ``repack=False``).
+    """
+    os.environ.setdefault("GGML_CPU_TILED_MM", "0")
+
+
 def _init_backend() -> None:
     global _backend_ready
     with _backend_lock:
@@ -57,10 +69,13 @@ def _init_backend() -> None:
 class NativeModel:
     """Weights and vocabulary of one GGUF."""
 
-    def __init__(self, path: Path, *, n_gpu_layers: int = 0) -> None:
+    def __init__(self, path: Path, *, n_gpu_layers: int = 0, repack: bool = True) -> None:
+        """``repack=False`` keeps quantized weights in their file layout: no repacked matrix kernels,
+        whose 1-3 row and 4-row forms accumulate differently (row-exact batching needs that)."""
         _init_backend()
         params = L.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
+        params.use_extra_bufts = repack
         ptr = L.llama_model_load_from_file(str(path).encode(), params)
         if not ptr:
             raise EngineError(f"llama.cpp could not load {path}",
