@@ -65,14 +65,15 @@ def direct_run(llm: Any, prompt: str, max_tokens: int) -> tuple[float, float, in
     return first - start, (n - 1) / (last - first) if n > 1 else 0.0, n
 
 
-def api_run(api: str, model: str, prompt: str, max_tokens: int) -> tuple[float, float, int]:
-    """The same over a node's API (SSE), tokens counted by the server's usage."""
+def api_run(http: httpx.Client, api: str, model: str, prompt: str, max_tokens: int) -> tuple[float, float, int]:
+    """The same over a node's API (SSE, on a kept-alive connection as an OpenAI client's), tokens counted
+    by the server's usage."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     first = last = 0.0
     tokens = 0
-    with httpx.stream("POST", f"{api}/v1/completions", json=body, timeout=120) as response:
+    with http.stream("POST", f"{api}/v1/completions", json=body, timeout=120) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -99,7 +100,7 @@ def main() -> None:
     ref = resolve_model("default", progress=False)
     llm = Llama(model_path=str(ref.path), n_ctx=4096, n_threads=THREADS, n_threads_batch=THREADS, verbose=False)
     samples: dict[str, list[tuple[float, float, int]]] = {"direct": [], "local": [], "routed": []}
-    with tempfile.TemporaryDirectory() as tmp, running_nodes() as nodes:
+    with tempfile.TemporaryDirectory() as tmp, running_nodes() as nodes, httpx.Client(trust_env=False) as http:
         a = NodeProcess(Path(tmp) / "a", ["--threads", str(THREADS)], "a")
         nodes.append(a)
         token = a.wait_ready()["invite"]
@@ -107,14 +108,16 @@ def main() -> None:
         nodes.append(b)
         b.wait_ready()
         wait_until(lambda: bool(httpx.get(f"{b.api}/v1/models").json()["data"]), 15)
-        api_run(a.api, ref.model_id, "warm up", 4)
-        api_run(b.api, ref.model_id, "warm up", 4)
+        api_run(http, a.api, ref.model_id, "warm up", 4)
+        api_run(http, b.api, ref.model_id, "warm up", 4)
         direct_run(llm, "warm up", 4)
         for rnd in range(args.rounds):
             for i, prompt in enumerate(PROMPTS[: args.prompts]):
                 samples["direct"].append(direct_run(llm, f"Note d{rnd}{i}. {prompt}", args.max_tokens))
-                samples["local"].append(api_run(a.api, ref.model_id, f"Note l{rnd}{i}. {prompt}", args.max_tokens))
-                samples["routed"].append(api_run(b.api, ref.model_id, f"Note r{rnd}{i}. {prompt}", args.max_tokens))
+                samples["local"].append(api_run(http, a.api, ref.model_id, f"Note l{rnd}{i}. {prompt}",
+                                                args.max_tokens))
+                samples["routed"].append(api_run(http, b.api, ref.model_id, f"Note r{rnd}{i}. {prompt}",
+                                                 args.max_tokens))
 
     rows = {}
     for path, runs in samples.items():

@@ -298,7 +298,9 @@ def _model_json(model: Any) -> dict[str, Any]:
 def _bind_api_socket(host: str, port: int) -> socket.socket:
     """Bind the API's listening socket ourselves, so a busy port is a clear error, not uvicorn's exit."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named explicitly: asyncio sets TCP_NODELAY only on sockets that say so, and without it
+    # Nagle's algorithm held a response's second write for the client's delayed ACK (~40 ms a request)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
