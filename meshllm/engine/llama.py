@@ -56,7 +56,7 @@ from meshllm.engine.base import (
 from meshllm.engine.capacity import total_ram_bytes
 from meshllm.engine.chat_format import chat_renderer
 from meshllm.engine.fair_queue import QueueFull
-from meshllm.engine.slots import Chunk, DecodeRow, Scheduler, Step
+from meshllm.engine.slots import CallCosts, Chunk, DecodeRow, Scheduler, Step
 from meshllm.engine.text import TextStream, token_budget
 from meshllm.models.metadata import ArrayInfo, GGUFMetadata, read_metadata
 from meshllm.models.refs import ModelRef
@@ -178,6 +178,7 @@ class LlamaEngine(Engine):
         self._thread: threading.Thread | None = None
         self._rate = TokenRate()
         self._mean_request_s = 1.0
+        self._costs = CallCosts()
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -415,8 +416,14 @@ class LlamaEngine(Engine):
 
         llama.cpp puts only consecutive sequences in one batch, so a free or prefilling slot between two
         generating ones gets a padding row (its next position, removed after the call): a row costs far
-        less than a second pass over the weights.
+        less than a second pass over the weights. Where one-row calls are measured to be faster than
+        the batch (:class:`~meshllm.engine.slots.CallCosts`), the rows go one by one instead; with
+        row-exact kernels that changes no result (with padding on, a lone row would, so never then).
         """
+        if not self.pad_lone_rows and self._costs.split(len(rows)):
+            for row in rows:
+                self._decode_segment([row])
+            return
         for segment in self._segments(rows):
             self._decode_segment(segment)
 
@@ -452,11 +459,13 @@ class LlamaEngine(Engine):
             elif (extra := self._pad_row(seqs[-1] + 1, tokens[-1])) is not None:
                 pads.append(extra)
                 tokens, pos, seqs, outputs = [*tokens, extra[0]], [*pos, extra[1]], [*seqs, extra[2]], [*outputs, True]
+        started = time.perf_counter()
         try:
             self._ctx.decode(tokens, pos, seqs, outputs)
         finally:
             for _token, at, seq in pads:
                 self._ctx.trim(seq, at)
+        self._costs.observe(len(tokens), time.perf_counter() - started)
         self.stats.decode_calls += 1
         self.stats.decode_rows += len(real)
         assert self._sched is not None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from meshllm.engine.fair_queue import QueueFull
-from meshllm.engine.slots import Chunk, DecodeRow, Scheduler
+from meshllm.engine.slots import CallCosts, Chunk, DecodeRow, Scheduler
 
 C = 4  # chunk
 
@@ -159,3 +159,17 @@ def test_forget_drops_a_slots_cache() -> None:
     s.release(0)
     s.submit("b", tuple(range(9)), "x", 0.0)
     assert s.plan().assigned[0].reused == 0
+
+
+def test_call_costs_split_a_batch_only_when_single_rows_are_measured_faster() -> None:
+    costs = CallCosts(reprobe=3)
+    assert not costs.split(2)  # nothing measured: batch, and measure it
+    costs.observe(1, 0.018)
+    costs.observe(2, 0.048)
+    costs.observe(8, 0.090)
+    assert costs.split(2) and costs.split(2)
+    assert not costs.split(2)  # every third time the batch is measured again
+    assert not costs.split(8)  # 8 x 18 ms > 90 ms
+    for _ in range(30):
+        costs.observe(2, 0.030)  # the batch got cheaper
+    assert not costs.split(2)
