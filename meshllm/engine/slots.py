@@ -5,8 +5,8 @@ returns:
 
 1. **assignments**: waiting requests that get a free slot, the request whose client holds the fewest
    slots first (then the client served longest ago, then the oldest request), and the slot whose
-   cached prompt it can reuse most of (:func:`meshllm.engine.prompt_cache.reusable`), else an empty
-   or the least recently used one;
+   cached prompt it can reuse most of (:func:`meshllm.engine.prompt_cache.reusable`), else one next to
+   the busy slots (a decode batch covers consecutive slots), an empty one, the least recently used;
 2. **decode rows**: one per generating slot, its last sampled token;
 3. **prefill chunks** on the fixed grid, the prefilling slots taking turns, at most ``chunk`` tokens
    in all (but always one chunk): a long prompt holds the generating slots up for one chunk at a
@@ -184,8 +184,14 @@ class Scheduler(Generic[J]):
         best = max(reuse.values())
         if best > 0:
             slot = next(s for s in free if reuse[s.index] == best)
-        else:  # no reuse: an empty slot, else the least recently used cache goes
-            slot = min(free, key=lambda s: (bool(s.cached), s.touched, s.index))
+        else:  # no reuse: next to the busy slots (one batch covers only consecutive ones), then an empty
+            busy = [s.index for s in self.slots if s.job is not None]  # slot, then the least recently used
+
+            def gaps(s: Slot[J]) -> int:
+                span = [*busy, s.index]
+                return max(span) - min(span) + 1 - len(span)
+
+            slot = min(free, key=lambda s: (gaps(s), bool(s.cached), s.touched, s.index))
         self._seq += 1
         keep = reuse[slot.index]
         slot.job, slot.client, slot.target = w.job, w.client, w.tokens

@@ -173,3 +173,18 @@ def test_call_costs_split_a_batch_only_when_single_rows_are_measured_faster() ->
     for _ in range(30):
         costs.observe(2, 0.030)  # the batch got cheaper
     assert not costs.split(2)
+
+
+def test_without_reuse_a_request_takes_a_slot_next_to_the_busy_ones() -> None:
+    s = sched(slots=6)
+    for job in "abcdef":
+        s.submit(job, (ord(job),), job, 0.0)
+    run_prefill(s)
+    for index in (0, 1, 3, 4, 5):
+        s.release(index)  # only c (slot 2) runs; slot 5 was released last, slot 0 first
+    s.submit("g", (1,), "g", 0.0)
+    assert s.plan().assigned[0].slot == 1  # adjacent to 2 and least recently used of the adjacent ones
+    s.submit("h", (2,), "h", 0.0)
+    assert s.plan().assigned[0].slot == 0  # 0 and 3 are both adjacent now: 0's cache is the older
+    s.submit("i", (3,), "i", 0.0)
+    assert s.plan().assigned[0].slot == 3  # not 4 or 5, which would leave a gap
