@@ -138,7 +138,7 @@ class LlamaEngine(Engine):
         n_gpu_layers: int = 0,
         parallel: int | None = None,
         max_queue: int = 32,
-        queue_timeout_s: float = 120.0,
+        queue_timeout_s: float = 30.0,
         chat_format: str | None = None,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
         prefill_chunk: int = PREFILL_CHUNK,
