@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -60,6 +61,8 @@ from meshllm.engine.slots import CallCosts, Chunk, DecodeRow, Scheduler, Step
 from meshllm.engine.text import TextStream, token_budget
 from meshllm.models.metadata import ArrayInfo, GGUFMetadata, read_metadata
 from meshllm.models.refs import ModelRef
+
+log = logging.getLogger(__name__)
 
 MAX_DEFAULT_PARALLEL = 8
 """``--parallel`` when not given is at most this: on a CPU, batches past 8 rows add little."""
@@ -368,13 +371,12 @@ class LlamaEngine(Engine):
                     self._cond.wait()
                 if self._closed:
                     break
-                self._apply_cancels()
-                for job in sched.expired(time.monotonic(), self.queue_timeout_s):
-                    job.ended = True
-                    job.sampler.close()
-                    job.emit(EngineBusy(f"model {self.model_id}: request waited over {self.queue_timeout_s:g}s "
-                                        "for a slot", retry_after_s=self._retry_after()))
-                step = sched.plan()
+                try:
+                    step = self._next_step()
+                except Exception as exc:  # a bug: nothing can be trusted, every request ends with it
+                    log.exception("llama engine %s: scheduling failed", self.model_id)
+                    self._end_all(EngineError(f"generation failed: {exc}"))
+                    continue
                 if step.empty:
                     self._cond.wait(0.05)  # only waiting requests that expire later
                     continue
@@ -382,7 +384,19 @@ class LlamaEngine(Engine):
                 self._run(step)
             except Exception as exc:  # a bug or a native failure: fail what the step touched, carry on
                 self._fail_step(step, exc)
-        self._shutdown()
+        with self._cond:
+            self._end_all(EngineNotLoaded(f"model {self.model_id} is shutting down"))
+
+    def _next_step(self) -> Step[_Job]:
+        """(Lock held.) Cancellations and expired waits first, then the plan."""
+        assert self._sched is not None
+        self._apply_cancels()
+        for job in self._sched.expired(time.monotonic(), self.queue_timeout_s):
+            job.ended = True
+            job.sampler.close()
+            job.emit(EngineBusy(f"model {self.model_id}: request waited over {self.queue_timeout_s:g}s for a slot",
+                                retry_after_s=self._retry_after()))
+        return self._sched.plan()
 
     def _apply_cancels(self) -> None:
         """(Lock held.) Free the slots of requests whose consumers went away."""
@@ -573,19 +587,21 @@ class LlamaEngine(Engine):
                     job.emit(error)
                     self._end(job, index)
 
-    def _shutdown(self) -> None:
-        """(Worker, on close.) Every request still queued or running ends with an error."""
+    def _end_all(self, error: EngineError) -> None:
+        """(Lock held.) Every request queued or running ends with ``error``; no cache is trusted."""
         assert self._sched is not None
-        error = EngineNotLoaded(f"model {self.model_id} is shutting down")
-        with self._cond:
-            for slot in self._sched.slots:
-                if slot.job is not None:
-                    slot.job.emit(error)
-                    self._end(slot.job, slot.index)
-            for job in self._sched.expired(float("inf"), -1.0):
-                job.ended = True
-                job.sampler.close()
-                job.emit(error)
+        for slot in self._sched.slots:
+            if slot.job is not None:
+                slot.job.emit(error)
+                self._end(slot.job, slot.index)
+            self._sched.forget(slot.index)
+            with contextlib.suppress(EngineError):
+                if self._ctx is not None:
+                    self._ctx.trim(slot.index, 0)
+        for job in self._sched.expired(float("inf"), -1.0):
+            job.ended = True
+            job.sampler.close()
+            job.emit(error)
 
 
 class _TemplateTokens:

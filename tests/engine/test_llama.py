@@ -16,6 +16,7 @@ from meshllm.engine.base import (
     ChatRequest,
     CompletionRequest,
     EngineBusy,
+    EngineError,
     EngineNotLoaded,
     Finish,
     GenerationEvent,
@@ -305,3 +306,29 @@ def test_stop_matcher_never_leaks_a_partial_stop(pieces: list[str], stops: list[
     if not matcher.hit:
         out += matcher.flush()
     assert (out, matcher.hit) == (expected, hit)
+
+
+@pytest.mark.parametrize("where", ["plan", "decode"])
+def test_a_failing_step_ends_its_requests_with_an_error_and_the_engine_carries_on(
+        tiny: Path, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    eng = LlamaEngine(tiny, n_ctx=256, n_threads=1, parallel=2)
+    asyncio.run(eng.load())
+    try:
+        target = eng._sched if where == "plan" else eng._ctx
+        original = getattr(target, where)
+        calls = {"n": 0}
+
+        def fail_once(*args: object) -> object:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError(f"injected {where} failure")
+            return original(*args)
+
+        monkeypatch.setattr(target, where, fail_once)
+        with pytest.raises(EngineError, match=f"injected {where} failure"):
+            run(eng, completion("doomed", max_tokens=50, temperature=0.0))
+        finish = run(eng, completion("next", max_tokens=5, temperature=0.0))[-1]
+        assert isinstance(finish, Finish) and finish.usage.completion_tokens == 5
+        assert idle(eng)
+    finally:
+        asyncio.run(eng.close())
