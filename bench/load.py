@@ -11,8 +11,14 @@ between the nodes so a noisy moment on this shared host hits both alike.
 ``--client`` routes) for ``--duration`` seconds; every request ends ``completed``, ``failed`` (a
 clean error, e.g. a 429 when saturated) or ``lost`` (no clean end: must be 0).
 
+``steps``: what one llama.cpp call costs by its rows (1, 2, 4, 8 sequences decoding one token each,
+and a 64-token prefill chunk), with the engine's ``exact`` and ``fast`` kernels, each in processes
+of its own (ggml reads its kernel switch once per process), alternating; medians. It explains the
+ceiling of batching on a CPU: a lone row is bandwidth-bound, a batch compute-bound.
+
     .venv/bin/python bench/load.py [--model default|tiny] [--streams 1,2,4,8] [--parallel 1,8] [--requests 3]
     .venv/bin/python bench/load.py --mode mesh [--clients 32] [--duration 60] [--model tiny]
+    .venv/bin/python bench/load.py --mode steps [--runs 4]
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -204,9 +211,63 @@ def bench_mesh(args: argparse.Namespace, spec: str, model: str, tmp: Path) -> di
     return summary
 
 
+# ---- steps: the cost of one call by its rows ------------------------------------------------
+
+STEP_ROWS = (1, 2, 4, 8)
+
+
+def steps_child(path: str, kernels: str, threads: int) -> dict[str, float]:
+    """(In a process of its own.) Median milliseconds per decode call of 1/2/4/8 rows and per 64-token chunk."""
+    from meshllm.engine.llama_native import NativeContext, NativeModel, use_row_exact_kernels
+
+    if kernels == "exact":
+        use_row_exact_kernels()
+    model = NativeModel(Path(path), repack=kernels == "fast")
+    ctx = NativeContext(model, n_seq=9, n_ctx_seq=1024, n_batch=65, threads=threads)
+    for seq in range(8):
+        ctx.decode([100 + i for i in range(20)], list(range(20)), [seq] * 20, [False] * 19 + [True])
+    out: dict[str, float] = {}
+    for rows in STEP_ROWS:
+        times = []
+        for _ in range(15):
+            started = time.perf_counter()
+            ctx.decode([200] * rows, [ctx.length(s) for s in range(rows)], list(range(rows)), [True] * rows)
+            times.append(time.perf_counter() - started)
+        out[f"decode_{rows}_ms"] = statistics.median(times) * 1000
+    times = []
+    for _ in range(5):
+        ctx.trim(8, 0)
+        started = time.perf_counter()
+        ctx.decode([300 + i for i in range(64)], list(range(64)), [8] * 64, [False] * 63 + [True])
+        times.append(time.perf_counter() - started)
+    out["prefill_64_ms"] = statistics.median(times) * 1000
+    return out
+
+
+def bench_steps(args: argparse.Namespace, spec: str, model: str, tmp: Path) -> dict[str, object]:
+    from meshllm.models import resolve_model
+
+    path = spec if args.model == "tiny" else str(resolve_model("default", progress=False).path)
+    runs: dict[str, list[dict[str, float]]] = {"exact": [], "fast": []}
+    for _ in range(args.runs):
+        for kernels in runs:
+            done = subprocess.run([sys.executable, __file__, "--mode", "steps-child", "--kernels", kernels,
+                                   "--path", path, "--threads", str(args.threads)],
+                                  capture_output=True, text=True, timeout=300, check=True)
+            runs[kernels].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    medians = {k: {m: round(statistics.median(r[m] for r in v), 1) for m in v[0]} for k, v in runs.items()}
+    print(f"{model}: ms per llama.cpp call, --threads {args.threads}, medians of {args.runs} processes each")
+    keys = list(medians["exact"])
+    print(f"{'kernels':8} " + " ".join(f"{k:>14}" for k in keys) + f" {'8 rows vs 8 x 1':>16}")
+    for kernels, row in medians.items():
+        ratio = 8 * row["decode_1_ms"] / row["decode_8_ms"]
+        print(f"{kernels:8} " + " ".join(f"{row[k]:14.1f}" for k in keys) + f" {ratio:15.2f}x")
+    return {"medians": medians, "runs": runs}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mode", choices=["slots", "mesh"], default="slots")
+    parser.add_argument("--mode", choices=["slots", "mesh", "steps", "steps-child"], default="slots")
     parser.add_argument("--model", choices=["tiny", "default"], default="default")
     parser.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8])
     parser.add_argument("--parallel", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
@@ -215,13 +276,20 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=32, help="mesh: streaming clients")
     parser.add_argument("--duration", type=float, default=60.0, help="mesh: seconds")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=4, help="steps: processes per kernel choice")
+    parser.add_argument("--kernels", choices=["exact", "fast"], default="exact", help=argparse.SUPPRESS)
+    parser.add_argument("--path", default="", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.mode == "steps-child":
+        print(json.dumps(steps_child(args.path, args.kernels, args.threads)))
+        return
     out = args.out or Path(__file__).parent / "results" / f"load-{args.mode}.json"
     with tempfile.TemporaryDirectory() as tmp:
         spec = str(write_tiny_llama(Path(tmp) / "tiny.gguf", seed=0)) if args.model == "tiny" else "default"
         model = "tiny" if args.model == "tiny" else "gemma-3-270m-q4_k_m"
-        result = (bench_slots if args.mode == "slots" else bench_mesh)(args, spec, model, Path(tmp))
+        run = {"slots": bench_slots, "mesh": bench_mesh, "steps": bench_steps}[args.mode]
+        result = run(args, spec, model, Path(tmp))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "bench": f"load-{args.mode}", "when": datetime.now(UTC).isoformat(timespec="seconds"),
