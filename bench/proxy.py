@@ -12,7 +12,8 @@ over the time after the first), each as a ratio to ``direct``, and the median of
 TTFT differences to ``direct`` (paired: the three paths run the same prompt back to back).
 
 Two things keep the comparison fair on one small host. Every run's prompt starts with a tag of its
-own, so no path finds its prompt in llama.cpp's prefix cache from an earlier run. And llama.cpp
+own, so no path finds its prompt in a prefix cache from an earlier run (and llama-cpp-python is
+reset before each run, since it reuses even a few shared leading tokens). And llama.cpp
 runs one thread on every path, for prefill as for decode (``--threads 1``; llama-cpp-python's own
 default is every core for prefill): with both cores busy in llama.cpp, the routing node and the
 client (which on a real mesh run on other machines) would steal its cycles.
@@ -53,7 +54,12 @@ PROMPTS = [
 
 
 def direct_run(llm: Any, prompt: str, max_tokens: int) -> tuple[float, float, int]:
-    """(time to first token, decode tok/s, tokens) for llama-cpp-python called directly."""
+    """(time to first token, decode tok/s, tokens) for llama-cpp-python called directly.
+
+    ``reset()`` first: llama-cpp-python keeps any common prefix of the previous prompt, even the 3-4
+    tokens of "Note d" that the tags share, and would prefill less than the other paths.
+    """
+    llm.reset()
     start = time.perf_counter()
     first = last = 0.0
     n = 0
