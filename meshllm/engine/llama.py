@@ -12,11 +12,13 @@ and events cross from the worker to the loop with ``call_soon_threadsafe``.
 **Same request, same answer.** A request's output does not depend on what the engine ran before:
 prompts are prefilled on a fixed chunk grid and a slot's cached prompt is lent only in whole grid
 chunks (:mod:`meshllm.engine.prompt_cache`), so a cache hit reproduces the KV a fresh prefill
-would compute. Whether it depends on what runs *beside* it is up to llama.cpp's kernels: where a
-lone row is computed differently from a row among others (measured at load, :func:`lone_row_differs`),
+would compute. Whether it depends on what runs *beside* it is up to llama.cpp's kernels: with
+``kernels="exact"`` (the default) the model is loaded without repacked weights and ggml's tiled
+matmul is off, which leaves kernels that compute a row the same way in any batch, except that a
+lone row of float weights differs from a pair (measured at load, :func:`lone_row_differs`); then
 every call gets a second row (a padding row in a neighbouring sequence, or the prompt's last two
-positions), so a request computes the same way alone and among up to ``--parallel`` others. Some
-quantized kernels switch again at 4 and 8 rows; docs/engine.md has the measured residual.
+positions). A continuation is decoded token by token, as its first engine did. docs/llama-engine.md
+has the measurements.
 
 Closing a request's iterator frees its slot at the next step boundary (one step: milliseconds on
 small models, one decode batch plus at most one chunk on large ones).
