@@ -30,6 +30,7 @@ from typing import Literal
 
 import msgspec
 
+from meshllm.config import MODEL_HASHES_FILE, load_config
 from meshllm.errors import ConfigError, MeshllmError
 from meshllm.models.manifest import MODEL_ID, Manifest, build_manifest, decode_manifest, encode_manifest
 from meshllm.models.metadata import GGUF_MAGIC, NotGGUF
@@ -106,6 +107,14 @@ class Library:
         self.hash_cache = hash_cache
         self.pinned: set[str] = set()
         """Keys of entries in use by this process (never evicted)."""
+
+    @classmethod
+    def for_home(cls, home: Path) -> Library:
+        """The library of the node whose home is ``home``, with the folders and budget of its config.toml."""
+        config = load_config(home)
+        budget = config.models_disk_budget_gb
+        return cls(home / LIBRARY_DIR, [Path(d) for d in config.model_dirs],
+                   int(budget * 1e9) if budget is not None else None, home / MODEL_HASHES_FILE)
 
     # -- files ----------------------------------------------------------------------------------
 

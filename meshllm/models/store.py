@@ -23,9 +23,10 @@ from nacl.signing import SigningKey
 
 from meshllm.errors import DecodeError, MeshllmError
 from meshllm.identity.ids import short
-from meshllm.models.library import Library, LibraryEntry
+from meshllm.models.gguf_file import GGUFFile
+from meshllm.models.library import MIN_PREFIX, AmbiguousModel, Library, LibraryEntry
 from meshllm.models.manifest import Manifest, sign_manifest
-from meshllm.models.refs import file_sha256
+from meshllm.models.refs import SHORT_HASH, ModelNotFound, file_sha256
 from meshllm.models.stage_file import stage_layout, whole_layout
 from meshllm.models.transfer import (
     TransferFailed,
@@ -39,8 +40,25 @@ from meshllm.net import Endpoint, NetError
 
 log = logging.getLogger(__name__)
 
-Holders = Callable[[str], list[tuple[str, str]]]
-"""``holders(model_id)``: peers offering that model, as (node id, ``host:port``), best first."""
+Check = Callable[[GGUFFile], None]
+"""``check(header)``: raise to refuse a stage before its bytes are fetched or loaded."""
+
+
+@dataclass(frozen=True)
+class Offer:
+    """A peer offers a whole model file (from its peer record's ``models.available``)."""
+
+    node_id: str
+    addr: str
+    model_id: str
+    name: str
+    size: int
+
+
+Catalog = Callable[[], list[Offer]]
+"""What the mesh offers now, best holders first (the node builds it from gossip)."""
+MESH_WAIT_S = 30.0
+"""How long ``serve --model NAME`` waits for a peer offering the model to show up in gossip."""
 PROGRESS_EVENT_S = 1.0
 """At most one ``transfer_progress`` event per transfer per second."""
 KEEP_FINISHED_S = 120.0
@@ -76,13 +94,15 @@ class TransferView:
 class ModelStore:
     """The library, served to peers and filled from them."""
 
-    def __init__(self, library: Library, endpoint: Endpoint, signing_key: SigningKey, holders: Holders,
-                 publish: Callable[..., Any]) -> None:
+    def __init__(self, library: Library, endpoint: Endpoint, signing_key: SigningKey, catalog: Catalog,
+                 publish: Callable[..., Any], on_change: Callable[[], None] | None = None) -> None:
+        """``on_change()`` is called when the library's whole models change (the peer record lists them)."""
         self.library = library
         self.endpoint = endpoint
         self.key = signing_key
-        self.holders = holders
+        self.catalog = catalog
         self.publish = publish
+        self.on_change = on_change
         self.transfers: dict[str, TransferView] = {}
         self._running: dict[str, asyncio.Task[LibraryEntry]] = {}
         self.server = TransferServer(endpoint, self.offered, self.signed_manifest, self._served)
@@ -103,6 +123,62 @@ class ModelStore:
 
     def _served(self, peer: str, model: str, nbytes: int) -> None:
         self.served_bytes += nbytes
+
+    def holders(self, model_id: str) -> list[tuple[str, str]]:
+        """Peers offering ``model_id`` (node id, ``host:port``), best first."""
+        return [(o.node_id, o.addr) for o in self.catalog() if o.model_id == model_id]
+
+    def find_in_mesh(self, ref: str) -> Offer | None:
+        """The model a peer offers under ``ref`` (an id, an id prefix, a name or ``name@prefix``)."""
+        name, _, prefix = ref.strip().partition("@")
+        offers = self.catalog()
+        by_id = [o for o in offers if len(ref) >= MIN_PREFIX and o.model_id.startswith(ref)]
+        matches = by_id or [o for o in offers if o.name == name and o.model_id.startswith(prefix)]
+        ids = {o.model_id for o in matches}
+        if len(ids) > 1:
+            listing = ", ".join(sorted({f"{o.name}@{o.model_id[:SHORT_HASH]}" for o in matches}))
+            raise AmbiguousModel(f"{ref!r} matches several models in the mesh: {listing}")
+        return matches[0] if matches else None
+
+    async def fetch_from_mesh(self, ref: str, wait_s: float = MESH_WAIT_S) -> LibraryEntry:
+        """The whole model a peer offers under ``ref``, fetched into the library (waiting for gossip)."""
+        deadline = time.monotonic() + wait_s
+        while (offer := self.find_in_mesh(ref)) is None:
+            if time.monotonic() > deadline:
+                raise ModelNotFound(f"no model {ref!r} here, in the library or in the mesh (waited {wait_s:.0f} s)",
+                                    hint="`meshllm models list` shows what this node and its peers have")
+            await asyncio.sleep(0.5)
+        return await self.whole_file(offer.model_id, offer.name)
+
+    def hub_reporter(self, spec: str) -> Callable[[int, int | None], None]:
+        """A progress callback for a Hugging Face download (called from its thread) that feeds the status."""
+        loop = asyncio.get_running_loop()
+        view = TransferView(spec, spec, "download", None)
+        self.transfers[spec] = view
+
+        def update(done: int, total: int | None) -> None:
+            def apply() -> None:
+                view.bytes_done, view.bytes_total = done, total or 0
+                now = time.monotonic()
+                if now - view.last_event >= PROGRESS_EVENT_S:
+                    view.last_event = now
+                    self.publish("transfer_progress", model=spec, kind="download", bytes_done=done,
+                                 bytes_total=total or 0)
+            loop.call_soon_threadsafe(apply)
+
+        return update
+
+    def download_ended(self, spec: str, error: str | None = None) -> None:
+        view = self.transfers.get(spec)
+        if view is not None:
+            view.state, view.ended, view.error = ("failed" if error else "done"), time.monotonic(), error
+        if error is None and self.on_change is not None:
+            self.on_change()
+
+    def changed(self) -> None:
+        """The library's whole models changed (a model was added or removed)."""
+        if self.on_change is not None:
+            self.on_change()
 
     # -- status -------------------------------------------------------------------------------------
 
@@ -133,19 +209,23 @@ class ModelStore:
     # -- what we fetch ------------------------------------------------------------------------------
 
     async def stage_file(self, manifest: Manifest, name: str, start: int, end: int,
-                         first: list[tuple[str, str]], names: dict[str, str] | None = None) -> LibraryEntry:
+                         first: list[tuple[str, str]], names: dict[str, str] | None = None,
+                         check: Check | None = None) -> LibraryEntry:
         """A file holding layers ``[start, end)`` of ``manifest``'s model: the whole model if the
         library has it, a stage file it holds, or one fetched now from ``first`` (the coordinator)
-        and every other holder."""
-        whole = self.library.whole(manifest.model)
-        if whole is not None:
-            return whole
-        staged = self.library.stage(manifest.model, start, end)
-        if staged is not None:
-            self.library.touch(staged)
-            return staged
+        and every other holder.
+
+        ``check(header)`` sees the model's header before anything is fetched (or the file found) and
+        raises to refuse (a worker's memory quota, say).
+        """
+        found = self.library.whole(manifest.model) or self.library.stage(manifest.model, start, end)
+        if found is not None:
+            if check is not None:
+                await asyncio.to_thread(check, GGUFFile(found.file))
+            self.library.touch(found)
+            return found
         key = f"{manifest.model}:{start}-{end}"
-        return await self._once(key, lambda: self._fetch_stage(manifest, name, start, end, first, names or {}))
+        return await self._once(key, lambda: self._fetch_stage(manifest, name, start, end, first, names or {}, check))
 
     async def whole_file(self, model_id: str, name: str, names: dict[str, str] | None = None) -> LibraryEntry:
         """The whole model ``model_id``, fetched from the peers that hold it unless the library has it."""
@@ -164,7 +244,7 @@ class ModelStore:
         return await asyncio.shield(task)
 
     async def _fetch_stage(self, manifest: Manifest, name: str, start: int, end: int,
-                           first: list[tuple[str, str]], names: dict[str, str]) -> LibraryEntry:
+                           first: list[tuple[str, str]], names: dict[str, str], check: Check | None) -> LibraryEntry:
         holders = _unique([*first, *self.holders(manifest.model)])
         view = TransferView(manifest.model, name, "stage", (start, end))
         self.transfers[f"{manifest.model}:{start}-{end}"] = view
@@ -172,6 +252,8 @@ class ModelStore:
                      holders=[h for h, _ in holders])
         try:
             header = await self._header(manifest, holders)
+            if check is not None:
+                check(GGUFFile(f"model {manifest.model[:12]}", header=header, size=manifest.size))
             layout = stage_layout(manifest, header, start, end)
             part = self.library.incoming(f"{manifest.model}.{start}-{end}.part")
             await asyncio.to_thread(self.library.reserve, layout.fetch_bytes + len(layout.header or b""))
@@ -236,6 +318,8 @@ class ModelStore:
 
     def _done(self, view: TransferView, entry: LibraryEntry) -> LibraryEntry:
         view.state, view.ended = "done", time.monotonic()
+        if entry.kind == "whole":
+            self.changed()
         took = view.ended - view.started
         self.publish("transfer_done", model=view.name, id=view.model, kind=view.kind,
                      layers=list(view.layers) if view.layers else None, bytes=view.bytes_done, took_s=round(took, 3),

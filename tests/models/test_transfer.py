@@ -21,7 +21,7 @@ from meshllm.engine.ggml import StageModel
 from meshllm.models.gguf_file import GGUFFile
 from meshllm.models.library import Library
 from meshllm.models.manifest import build_manifest, sign_manifest
-from meshllm.models.store import ModelStore
+from meshllm.models.store import ModelStore, Offer
 from meshllm.models.transfer import TransferFailed, TransferState
 from meshllm.net import Endpoint
 
@@ -60,12 +60,12 @@ def test_stage_file_from_two_holders_drops_the_corrupt_one(model: Path, tmp_path
         eps = [await endpoint(k) for k in keys]
         good_lib, _ = holder(tmp_path, "good", model)
         bad_lib, _ = holder(tmp_path, "bad", model, corrupt_at=manifest.spans[4].offset + 100)
-        stores = [ModelStore(lib, ep, key, lambda _m: [], lambda *a, **k: None)
+        stores = [ModelStore(lib, ep, key, list, lambda *a, **k: None)
                   for lib, ep, key in ((good_lib, eps[0], keys[0]), (bad_lib, eps[1], keys[1]))]
         events: list[tuple[str, dict]] = []
         worker_lib = Library(tmp_path / "worker" / "models")
-        worker = ModelStore(worker_lib, eps[2], keys[2],
-                            lambda _m: [(eps[0].node_id, addr(eps[0]))], lambda t, **f: events.append((t, f)))
+        good = Offer(eps[0].node_id, addr(eps[0]), manifest.model, "tiny", 1)
+        worker = ModelStore(worker_lib, eps[2], keys[2], lambda: [good], lambda t, **f: events.append((t, f)))
         try:
             # the corrupt holder is asked first: it gets the piece with the flipped byte
             entry = await worker.stage_file(manifest, "tiny", 2, 4, [(eps[1].node_id, addr(eps[1]))])
@@ -111,8 +111,8 @@ def test_whole_file_skips_a_lying_holder_and_resumes(model: Path, tmp_path: Path
         eps = [await endpoint(k) for k in keys]
         bad_lib, _ = holder(tmp_path, "bad", model, corrupt_at=model.stat().st_size * 3 // 4)
         good_lib, _ = holder(tmp_path, "good", model)
-        LyingStore(bad_lib, eps[0], keys[0], lambda _m: [], lambda *a, **k: None)
-        ModelStore(good_lib, eps[1], keys[1], lambda _m: [], lambda *a, **k: None)
+        LyingStore(bad_lib, eps[0], keys[0], list, lambda *a, **k: None)
+        ModelStore(good_lib, eps[1], keys[1], list, lambda *a, **k: None)
         worker_lib = Library(tmp_path / "w" / "models")
         # a previous, interrupted transfer left half of the file behind
         part = worker_lib.incoming(f"{model_id}.part")
@@ -120,7 +120,7 @@ def test_whole_file_skips_a_lying_holder_and_resumes(model: Path, tmp_path: Path
         part.write_bytes(half + bytes(model.stat().st_size - len(half)))
         events: list[tuple[str, dict]] = []
         holders = [(eps[0].node_id, addr(eps[0])), (eps[1].node_id, addr(eps[1]))]
-        worker = ModelStore(worker_lib, eps[2], keys[2], lambda _m: holders,
+        worker = ModelStore(worker_lib, eps[2], keys[2], lambda: [Offer(n, a, model_id, 'tiny', 1) for n, a in holders],
                             lambda t, **f: events.append((t, f)))
         try:
             entry = await worker.whole_file(model_id, "tiny")
@@ -143,8 +143,8 @@ def test_no_holder_left_is_a_clear_error(model: Path, tmp_path: Path) -> None:
     async def main() -> None:
         keys = [SigningKey.generate() for _ in range(2)]
         eps = [await endpoint(k) for k in keys]
-        ModelStore(Library(tmp_path / "empty" / "models"), eps[0], keys[0], lambda _m: [], lambda *a, **k: None)
-        worker = ModelStore(Library(tmp_path / "w" / "models"), eps[1], keys[1], lambda _m: [],
+        ModelStore(Library(tmp_path / "empty" / "models"), eps[0], keys[0], list, lambda *a, **k: None)
+        worker = ModelStore(Library(tmp_path / "w" / "models"), eps[1], keys[1], list,
                             lambda *a, **k: None)
         try:
             with pytest.raises(TransferFailed, match="does not offer"):
