@@ -179,5 +179,4 @@ def test_release_from_a_non_coordinator_leaves_the_chain_serving(mesh: Mesh) -> 
     for _ in range(3):
         answer = mesh.completion()
         assert answer.status_code == 200, answer.text
-    stages = [m for p in mesh.coord.status()["peers"] if p["node_id"] == mesh.worker.node_id for m in p["models"]]
-    assert any(m["engine"] == "stage" for m in stages)
+    assert any(m["engine"] == "stage" for m in mesh.worker.status()["models"])
