@@ -51,7 +51,7 @@ def models_router(store: ModelStore, resolve: Any) -> APIRouter:
         try:
             ref = await resolve(body.ref)
         except MeshllmError as exc:
-            return _refused(exc, 404)
+            return _refused(exc, 422)
         entry = store.library.find(ref.sha256) if ref.sha256 else None
         return {"id": ref.sha256, "name": ref.model_id, "path": str(ref.path),
                 "entry": entry_json(entry) if entry else None}
@@ -64,7 +64,7 @@ def models_router(store: ModelStore, resolve: Any) -> APIRouter:
                                          hint="stop serving it first"), 409)
         removed = await asyncio.to_thread(store.library.remove, ref)
         if not removed:
-            return _refused(MeshllmError(f"no model {ref!r} in this node's library"), 404)
+            return _refused(MeshllmError(f"no model {ref!r} in this node's library"), 422)
         store.changed()
         return {"removed": [entry_json(e) | {"deleted": e.owned} for e in removed]}
 
@@ -73,5 +73,5 @@ def models_router(store: ModelStore, resolve: Any) -> APIRouter:
 
 def _refused(exc: MeshllmError, status: int) -> JSONResponse:
     message = f"{exc} ({exc.hint})" if exc.hint else str(exc)
-    return JSONResponse(error_body(message, "invalid_request_error", "model_not_found" if status == 404
+    return JSONResponse(error_body(message, "invalid_request_error", "model_not_found" if status == 422
                                    else "model_in_use"), status_code=status)
