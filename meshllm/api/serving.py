@@ -61,7 +61,7 @@ class Serving:
         assert mesh.endpoint is not None
         mesh.endpoint.on_stream(STREAM_KIND, self.tunnel.handle)
         self._load_task: asyncio.Task[None] | None = None
-        self._index_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
         self._last_load: Load | None = None
 
     async def load_models(self, specs: list[str], engine: str = "llama", threads: int | None = None,
@@ -80,7 +80,9 @@ class Serving:
             self.events.publish("model_ready", model=instance.model_id, engine=engine,
                                 context=instance.context_length, load_s=round(time.monotonic() - started, 2))
             if self.store is not None:
-                self._index_task = asyncio.create_task(self._index(ref), name=f"index-{ref.model_id}")
+                task = asyncio.create_task(self._index(ref), name=f"index-{ref.model_id}")
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
         own = self.mesh.gossip.own if self.mesh.gossip is not None else None
         self.mesh.update_own(models=Models(served=[
             ServedModel(name=mid, context=e.context_length, engine=engine) for mid, e in self.engines.items()
@@ -109,11 +111,12 @@ class Serving:
         """Add a loaded model to the library (hashing it, off the loop) so peers may fetch it."""
         assert self.store is not None
         try:
-            await asyncio.to_thread(self.store.library.add, ref.path, source="file", owned=False,
-                                    name=ref.model_id, model_id=ref.sha256)
+            entry = await asyncio.to_thread(self.store.library.add, ref.path, source="file", owned=False,
+                                            name=ref.model_id, model_id=ref.sha256)
         except (OSError, MeshllmError) as exc:
             log.warning("could not add %s to the model library: %s", ref.path, exc)
             return
+        self.store.library.pin(entry)  # in use: never evicted or removed while served
         self.store.changed()
 
     def add_engine(self, engine: Engine) -> None:

@@ -196,8 +196,9 @@ class Library:
                              mtime_ns=st.st_mtime_ns, last_used=time.time())
         with self._locked() as entries:
             old = entries.get(entry.key)
-            if old is not None and old.path != entry.path and _unchanged(old) and not owned:
-                return old  # the same model is already indexed elsewhere (e.g. the library's own copy)
+            if old is not None and _unchanged(old) and (old.path == entry.path or not owned):
+                old.last_used = entry.last_used
+                return old  # already indexed (as the library's own file, or from elsewhere): keep its origin
             entries[entry.key] = entry
         return entry
 
