@@ -126,9 +126,12 @@ def _list(api: NodeApi | None, as_json: bool, home: Path | None) -> None:
     node = api or NodeApi.for_cli(DEFAULT_API, None, home)
     served: list[dict[str, Any]] = []
     mesh: list[dict[str, Any]] = []
+    names: dict[str, str] = {}
     try:
         listing = node.get_json("/v1/models")["data"]
-        own_id = node.get_json("/api/status")["node_id"]
+        status = node.get_json("/api/status")
+        own_id = status["node_id"]
+        names = {p["node_id"]: p["name"] for p in status["peers"]}
         served = [_row(entry, own_id) for entry in listing]
         library = node.get_json("/api/models")
         files, mesh = library["library"], library["mesh"]
@@ -161,7 +164,7 @@ def _list(api: NodeApi | None, as_json: bool, home: Path | None) -> None:
         table.add_row(f["name"], f["id"][:12], fmt_bytes(f.get("disk_bytes") or f["size"]), kind, f"here: {f['path']}")
     for offer in mesh:
         table.add_row(offer["name"], offer["model_id"][:12], fmt_bytes(offer["size"]), "whole",
-                      f"peer {offer['node_id'][:8]}")
+                      f"peer {names.get(offer['node_id'], offer['node_id'][:8])}")
     if files or mesh:
         console.print(table)
     else:
