@@ -148,6 +148,8 @@ def main() -> None:
         results: dict[str, list[float]] = {"bulk": [], "stage x1": [], "stage x2": []}
         cpu: dict[str, list[float]] = {k: [] for k in results}
         """CPU seconds (receiver + holders) per wall second of each run: how busy the 2 cores were."""
+        receiver: dict[str, list[float]] = {k: [] for k in results}
+        """The receiver's share alone (one Python process: it saturates at 1.0)."""
         nbytes = 0
 
         def measured(name: str, job: Any) -> Any:
@@ -158,6 +160,7 @@ def main() -> None:
             wall = time.perf_counter() - wall
             after = [cpu_seconds(pid) for pid in pids] + [time.process_time()]
             cpu[name].append(sum(a - b for a, b in zip(after, before, strict=True)) / wall)
+            receiver[name].append((after[-1] - before[-1]) / wall)
             return out
 
         try:
@@ -178,18 +181,19 @@ def main() -> None:
     print(f"layers [{start}, {end}) of a {manifest.size / 1e6:.0f} MB model: {nbytes / 1e6:.1f} MB per transfer, "
           f"{args.runs} runs, medians")
     busy = {k: statistics.median(v) for k, v in cpu.items()}
-    print(f"{'path':<10} {'MB/s':>8} {'cores busy':>11}   runs (MB/s)")
+    rx = {k: statistics.median(v) for k, v in receiver.items()}
+    print(f"{'path':<10} {'MB/s':>8} {'cores busy':>11} {'receiver':>9}   runs (MB/s)")
     for name, runs in results.items():
         each = " ".join(f"{r / 1e6:.1f}" for r in runs)
-        print(f"{name:<10} {medians[name] / 1e6:>8.1f} {busy[name]:>11.2f}   {each}")
+        print(f"{name:<10} {medians[name] / 1e6:>8.1f} {busy[name]:>11.2f} {rx[name]:>9.2f}   {each}")
     print(f"stage x1 / bulk = {ratios['stage_x1_over_bulk']:.2f} (goal >= 0.7); "
           f"stage x2 / stage x1 = {ratios['stage_x2_over_x1']:.2f} (goal >= 1.5)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"date": datetime.date.today().isoformat(), "layers": [start, end],
                                "bytes_per_transfer": nbytes, "runs": args.runs,
-                               "medians_bytes_s": medians, "cores_busy": busy, "ratios": ratios, "raw": results},
-                              indent=2))
+                               "medians_bytes_s": medians, "cores_busy": busy, "receiver_cores": rx,
+                               "ratios": ratios, "raw": results}, indent=2))
 
 
 if __name__ == "__main__":

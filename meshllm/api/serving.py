@@ -35,7 +35,7 @@ from meshllm.errors import ConfigError, MeshllmError
 from meshllm.mesh.records import Load, Models, ServedModel
 from meshllm.mesh.service import MeshService
 from meshllm.models.hub import is_hub_ref
-from meshllm.models.refs import ModelNotFound, ModelRef, resolve_model
+from meshllm.models.refs import ModelNotFound, ModelRef, looks_like_path, resolve_model
 from meshllm.models.store import ModelStore
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class Serving:
         except ModelNotFound as exc:
             if report is not None:
                 self.store.download_ended(spec, str(exc))  # type: ignore[union-attr]
-            if self.store is None or is_hub_ref(spec) or "/" in spec or spec.lower().endswith(".gguf"):
+            if self.store is None or is_hub_ref(spec) or looks_like_path(spec):
                 raise
             self.events.publish("model_fetching", model=spec, reason="not on this node; asking the mesh")
             entry = await self.store.fetch_from_mesh(spec)

@@ -90,7 +90,7 @@ def resolve_model(spec: str | os.PathLike[str] | None = None, *, progress: bool 
         entry = pull(text, library, report=report)
         return ModelRef(path=entry.file, model_id=entry.name, sha256=entry.id)
     path = Path(text).expanduser()
-    if not path.exists() and library is not None and not _looks_like_path(text):
+    if not path.exists() and library is not None and not looks_like_path(text):
         entry = library.find(text)
         if entry is not None:
             library.touch(entry)
@@ -108,7 +108,7 @@ def resolve_model(spec: str | os.PathLike[str] | None = None, *, progress: bool 
     return ModelRef(path=path.resolve(), model_id=model_id_for(path))
 
 
-def _looks_like_path(text: str) -> bool:
+def looks_like_path(text: str) -> bool:
     """A reference with a folder separator or a ``.gguf`` suffix names a file, never a library entry."""
     return "/" in text or os.sep in text or text.lower().endswith(".gguf") or text.startswith(("~", "."))
 

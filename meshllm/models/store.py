@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from nacl.signing import SigningKey
@@ -110,7 +111,8 @@ class ModelStore:
 
     # -- what we offer ------------------------------------------------------------------------------
 
-    def offered(self, model_id: str) -> Any:
+    def offered(self, model_id: str) -> Path | None:
+        """The whole file of ``model_id`` this node offers to peers (every whole model of its library)."""
         entry = self.library.whole(model_id)
         return entry.file if entry is not None else None
 

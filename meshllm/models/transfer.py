@@ -182,7 +182,7 @@ class TransferState:
 
 # -- the holder side ----------------------------------------------------------------------------
 
-Locate = Callable[[str], "Path | None"]
+Locate = Callable[[str], Path | None]
 """``locate(model_id)``: the whole file of that model this node offers to peers, or None."""
 SignedManifest = Callable[[str], bytes]
 """``signed_manifest(model_id)``: its manifest signed by this node (blocking: run in a thread)."""

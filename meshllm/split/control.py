@@ -278,7 +278,7 @@ async def ask(endpoint: Endpoint, node_id: str, addr: str, request: Request,
     """
     try:
         conn = await endpoint.connect(parse_addr(addr), node_id, timeout=3.0)
-        stream = await conn.open_stream(KIND)
+        stream = await conn.open_stream(KIND, max_frame=CONTROL_FRAME)
         await stream.send(request)
         while isinstance(reply := await stream.recv(Reply, timeout=timeout), Progress):
             pass
