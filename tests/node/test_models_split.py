@@ -98,23 +98,25 @@ def test_three_stages_from_one_file_match_solo(gguf: Path, tmp_path: Path) -> No
 def test_a_killed_holder_and_a_corrupt_holder_do_not_stop_the_chain(gguf: Path, tmp_path: Path) -> None:
     manifest = build_manifest(gguf)
     copies = []
-    for name in ("h1", "h2"):
-        (tmp_path / name).mkdir()
-        copies.append(shutil.copy(gguf, tmp_path / name / f"{MODEL}.gguf"))
+    for name in ("h1", "h2"):  # two --client nodes keep a copy in a folder their config.toml lists
+        folder = tmp_path / f"{name}-files"
+        folder.mkdir()
+        copies.append(shutil.copy(gguf, folder / f"{MODEL}.gguf"))
+        (tmp_path / f"{name}-home").mkdir()
+        (tmp_path / f"{name}-home" / "config.toml").write_text(f'model_dirs = ["{folder}"]\n')
     with running_nodes() as nodes:
         solo = NodeProcess(tmp_path / "solo", ["--engine", "ggml", "--model", str(gguf)], "solo")
         coord = NodeProcess(tmp_path / "c", ["--model", str(gguf), "--split", "force", "--stages", "2"], "coord")
         nodes += [solo, coord]
         token = coord.wait_ready()["invite"]
-        holders = [NodeProcess(tmp_path / f"{n}-home", ["--join", token, "--model", str(c), "--engine", "ggml"], n)
-                   for n, c in zip(("h1", "h2"), copies, strict=True)]
+        # clients serve nothing and are never stages, but offer their library's files to the mesh
+        holders = [NodeProcess(tmp_path / f"{n}-home", ["--join", token, "--client"], n) for n in ("h1", "h2")]
         nodes += holders
         for h in holders:
             h.wait_ready()
-        # both hosts offer the model to the mesh (their records list it) ...
         wait_until(lambda: sum(any(m["id"] == manifest.model for m in p["available"])
                                for p in coord.status()["peers"]) == 2, 30.0)
-        # ... and h2's copy then rots: every layer's bytes flipped in place, size and mtime kept
+        # h2's copy then rots: every layer's bytes flipped in place, size and mtime kept
         st = os.stat(copies[1])
         with open(copies[1], "r+b") as fh:
             for span in manifest.spans[2:]:
