@@ -55,8 +55,6 @@ CONNECT_S = 3.0
 PER_PEER_STREAMS = 8
 """Requests a holder serves at once for one peer (more wait: a member cannot take every slot)."""
 TOTAL_STREAMS = 32
-REQUEST_FRAME_MAX = 4096
-"""Requests are a few dozen bytes: a holder accepts nothing bigger on a ``model-fetch`` stream."""
 
 ModelId = Annotated[str, Meta(pattern=MODEL_ID.pattern)]
 
@@ -201,7 +199,8 @@ class TransferServer:
         """``on_served(peer_id, model_id, nbytes)`` after each range served."""
         self._per_peer: dict[str, int] = {}
         self._total = asyncio.Semaphore(TOTAL_STREAMS)
-        endpoint.on_stream(KIND, self._serve, max_frame=REQUEST_FRAME_MAX)
+        # the cap applies both ways on a stream: it must fit a signed manifest going out
+        endpoint.on_stream(KIND, self._serve, max_frame=REPLY_FRAME_MAX)
 
     async def _serve(self, stream: Stream, peer: PeerConnection) -> None:
         peer_id = peer.node_id or ""
