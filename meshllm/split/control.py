@@ -98,6 +98,8 @@ class Hosted(msgspec.Struct, frozen=True, kw_only=True, tag="hosted"):
     layer_end: int
     fetched_bytes: int = 0
     """Bytes the worker fetched from peers to host the range (0 when it had them)."""
+    bad_holders: list[str] = []
+    """Holders dropped from that transfer for sending bytes that did not match the manifest."""
 
 
 class Released(msgspec.Struct, frozen=True, kw_only=True, tag="released"):
@@ -146,7 +148,9 @@ class StageHost:
 
     def __init__(self, server: StageServer, store: ModelStore, budget: int,
                  on_change: Callable[[str], None] | None = None, load: Loader | None = None,
-                 names: Callable[[], dict[str, str]] | None = None) -> None:
+                 names: Callable[[], dict[str, str]] | None = None,
+                 is_owner: Callable[[str], bool] | None = None) -> None:
+        """``is_owner(node_id)``: whether that peer is the mesh owner's node (which may release any stage)."""
         self.server = server
         self.store = store
         self.budget = budget
@@ -154,6 +158,7 @@ class StageHost:
         self.load = load or (lambda path, a, b, ctx: StageModel.load(path, a, b, max_context=ctx))
         """``load(path, layer_start, layer_end, max_context)``: the node's stage loader (threads, GPU layers)."""
         self.names = names or dict
+        self.is_owner = is_owner or (lambda _node: False)
         self.hosted: dict[tuple[str, str], HostedStage] = {}
         """(owner node id, model) -> what is hosted for that coordinator."""
         server.endpoint.on_stream(KIND, self._serve, max_frame=CONTROL_FRAME)
@@ -172,11 +177,15 @@ class StageHost:
 
     async def _handle(self, stream: Stream, peer_id: str, request: Request) -> Reply:
         if isinstance(request, Release):
-            held = self.hosted.pop((peer_id, request.model), None)
-            if held is None:
+            keys = [(peer_id, request.model)] if (peer_id, request.model) in self.hosted else []
+            if not keys and self.is_owner(peer_id):  # the mesh owner may release any member's stage of it
+                keys = [k for k in self.hosted if k[1] == request.model]
+            if not keys:
                 return Refused(message=f"no stage of {request.model} is hosted here for node {short(peer_id)}")
-            self.server.unhost(request.model, owner=peer_id)
-            self.store.library.unpin(held.entry)
+            for owner, model in keys:
+                held = self.hosted.pop((owner, model))
+                self.server.unhost(model, owner=owner)
+                self.store.library.unpin(held.entry)
             self._changed(request.model)
             return Released(model=request.model)
         return await self._host(stream, peer_id, request)
@@ -213,8 +222,9 @@ class StageHost:
         had = library.whole(manifest.model) or library.stage(manifest.model, start, end)
         entry = await self._keep_alive(stream, asyncio.ensure_future(self.store.stage_file(
             manifest, request.model, start, end, [(peer_id, request.chain[0].addr)], names, check)), transfer)
-        view = self.store.transfers.get(transfer)
-        fetched = view.bytes_done if view is not None and had is None else 0
+        view = self.store.transfers.get(transfer) if had is None else None
+        fetched = view.bytes_done if view is not None else 0
+        bad = [h["node_id"] for h in view.holders.values() if h["bad"]] if view is not None else []
         stage = await self._keep_alive(stream, asyncio.ensure_future(
             asyncio.to_thread(self.load, entry.file, start, end, request.max_context)), None)
         library.pin(entry)
@@ -223,7 +233,7 @@ class StageHost:
             library.unpin(held.entry)
         self.hosted[key] = HostedStage(peer_id, request, memory[0] if memory else 0, entry)
         self._changed(request.model)
-        return Hosted(model=request.model, layer_start=start, layer_end=end, fetched_bytes=fetched)
+        return Hosted(model=request.model, layer_start=start, layer_end=end, fetched_bytes=fetched, bad_holders=bad)
 
     def _check_request(self, peer_id: str, request: Host) -> str | None:
         """Why ``request`` is refused before anything is fetched, or None."""

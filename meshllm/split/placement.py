@@ -272,7 +272,8 @@ class SplitPlacement:
         ))
         if isinstance(hosted, Hosted) and hosted.fetched_bytes:
             self.publish("split_stage_fetched", model=self.engine.model_id, node=hop.node_id,
-                         layers=[hop.layer_start, hop.layer_end], bytes=hosted.fetched_bytes)
+                         layers=[hop.layer_start, hop.layer_end], bytes=hosted.fetched_bytes,
+                         bad_holders=hosted.bad_holders)
 
     async def _load_first(self, hop: Hop) -> None:
         held = self._first

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from typing import Any
 
 import msgspec
@@ -21,6 +22,7 @@ from nacl.signing import SigningKey
 
 from meshllm.api.events import EventHub
 from meshllm.api.serving import Serving
+from meshllm.errors import MeshllmError
 from meshllm.mesh.records import Capacity, Models, PeerRecord, ServedModel
 from meshllm.mesh.service import MeshService
 from meshllm.models.manifest import sign_manifest
@@ -69,7 +71,7 @@ class SplitService:
         self.key = signing_key
         self.server = StageServer(mesh.endpoint)
         self.host = StageHost(self.server, store, self.budget, self._hosted_changed, options.load_stage,
-                              names=self._names) if role == "worker" else None
+                              names=self._names, is_owner=self._is_mesh_owner) if role == "worker" else None
         self.placements: dict[str, SplitPlacement] = {}
         self._pending: list[tuple[ModelRef, ModelProfile, bytes]] = []
         self._chains: dict[str, list[Hop]] = {}
@@ -81,6 +83,17 @@ class SplitService:
     def _members(self) -> dict[str, PeerRecord]:
         assert self.mesh.gossip is not None
         return self.mesh.gossip.members()
+
+    def _is_mesh_owner(self, node_id: str) -> bool:
+        """Whether ``node_id`` holds the mesh owner's membership (from its record, checked now)."""
+        record = self._members().get(node_id)
+        if record is None:
+            return False
+        try:
+            standing = self.mesh.admission.standing(node_id, record.membership_proof, time.time())
+        except MeshllmError:
+            return False
+        return standing.via == "owner"
 
     def _names(self) -> dict[str, str]:
         return {n: r.name for n, r in self._members().items()}

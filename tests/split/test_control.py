@@ -145,3 +145,24 @@ def test_a_hosted_stage_opens_sessions_only_for_its_placed_chain(tiny_model: Pat
         assert np.all(np.asarray(tokens) >= 0)
 
     asyncio.run(main())
+
+
+def test_the_mesh_owner_may_release_any_members_stage(tiny_model: Path, tmp_path: Path) -> None:
+    async def main() -> None:
+        coord, worker, owner, other = [await node(tmp_path, n) for n in ("coord", "worker", "owner", "other")]
+        entry = coord.library.add(tiny_model, source="file", owned=False)
+        signed = sign_manifest(coord.key, build_manifest(tiny_model))
+        server = StageServer(worker.ep)
+        host = StageHost(server, worker.store, budget=1 << 30, is_owner=lambda n: n == owner.id)
+        try:
+            await ask(coord.ep, worker.id, addr(worker.ep), host_request(coord, worker, coord.key, entry.id, signed))
+            with pytest.raises(HostRefused, match="no stage"):
+                await ask(other.ep, worker.id, addr(worker.ep), Release(model=MODEL))
+            await ask(owner.ep, worker.id, addr(worker.ep), Release(model=MODEL))
+            assert not host.hosted
+        finally:
+            server.close()
+            for n in (coord, worker, owner, other):
+                await n.ep.close()
+
+    asyncio.run(main())
