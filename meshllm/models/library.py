@@ -32,9 +32,11 @@ import msgspec
 
 from meshllm.config import MODEL_HASHES_FILE, load_config
 from meshllm.errors import ConfigError, MeshllmError
+from meshllm.models.gguf_file import GGUFFile
 from meshllm.models.manifest import MODEL_ID, Manifest, build_manifest, decode_manifest, encode_manifest
 from meshllm.models.metadata import GGUF_MAGIC, NotGGUF
 from meshllm.models.refs import SHORT_HASH, file_sha256, model_id_for
+from meshllm.models.stage_file import stage_range
 
 LIBRARY_DIR = "models"
 INDEX_FILE = "index.json"
@@ -172,7 +174,11 @@ class Library:
             return sorted(entries.values(), key=lambda e: (e.name, e.key))
 
     def scan(self) -> list[LibraryEntry]:
-        """Index the GGUFs of the configured folders and the library's own folder (hashing new ones)."""
+        """Index the GGUFs of the configured folders and the library's own files (hashing new ones).
+
+        The library's own stage files carry their model id and range in their metadata, so a lost
+        index loses nothing.
+        """
         known = {e.path: e for e in self.entries()}
         found = []
         own = [p for p in self.root.glob("*.gguf") if MODEL_ID.match(p.stem)]
@@ -181,6 +187,17 @@ class Library:
             if entry is None and _is_gguf(path):
                 owned = path.parent == self.root
                 entry = self.add(path, source="library" if owned else "folder", owned=owned)
+            if entry is not None:
+                found.append(entry)
+        for path in sorted((self.root / "stages").glob("*.gguf")):
+            entry = known.get(str(path.resolve()))
+            if entry is None:
+                with contextlib.suppress(NotGGUF):
+                    stage = stage_range(GGUFFile(path))
+                    if stage is not None:
+                        model, name, start, end = stage
+                        entry = self.add(path, source="library", owned=True, name=name or model[:SHORT_HASH],
+                                         model_id=model, layers=(start, end))
             if entry is not None:
                 found.append(entry)
         return found

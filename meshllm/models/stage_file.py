@@ -26,6 +26,7 @@ from meshllm.models.manifest import BadManifest, Manifest, Piece
 from meshllm.models.metadata import GGUF_MAGIC
 
 KEY_MODEL = "meshllm.stage.model"
+KEY_NAME = "meshllm.stage.name"
 KEY_START = "meshllm.stage.layer_start"
 KEY_END = "meshllm.stage.layer_end"
 KEY_SHAPE_ONLY = "meshllm.stage.shape_only"
@@ -79,8 +80,11 @@ def stage_tensors(header: bytes, manifest: Manifest, start: int, end: int) -> tu
     return reader, plan_stage(reader, hp, start, end).tensors()
 
 
-def stage_layout(manifest: Manifest, header: bytes, start: int, end: int) -> Layout:
-    """The layout of the stage file for layers ``[start, end)``, from the model's verified header."""
+def stage_layout(manifest: Manifest, header: bytes, start: int, end: int, name: str = "") -> Layout:
+    """The layout of the stage file for layers ``[start, end)``, from the model's verified header.
+
+    ``name`` (the model's API name) is recorded with the id and the range.
+    """
     reader, needed = stage_tensors(header, manifest, start, end)
     spans = manifest.spans_for([(t.offset, t.nbytes) for t in needed])
     align = reader.alignment
@@ -100,10 +104,10 @@ def stage_layout(manifest: Manifest, header: bytes, start: int, end: int) -> Lay
     if table is not None and all(t is not table for t in needed):
         shape_only.append(SHAPE_ONLY)
         entries.append((table, at))
-    extra = (_kv_string(KEY_MODEL, manifest.model) + _kv_u32(KEY_START, start) + _kv_u32(KEY_END, end)
-             + _kv_strings(KEY_SHAPE_ONLY, shape_only))
+    extra = (_kv_string(KEY_MODEL, manifest.model) + _kv_string(KEY_NAME, name) + _kv_u32(KEY_START, start)
+             + _kv_u32(KEY_END, end) + _kv_strings(KEY_SHAPE_ONLY, shape_only))
     directory = b"".join(_tensor_entry(t, offset) for t, offset in entries)
-    head = (GGUF_MAGIC + _U32.pack(reader.version) + _U64.pack(len(entries)) + _U64.pack(reader.n_kv + 4)
+    head = (GGUF_MAGIC + _U32.pack(reader.version) + _U64.pack(len(entries)) + _U64.pack(reader.n_kv + 5)
             + header[_KV_START : reader.kv_end] + extra + directory)
     data_start = _align(len(head), align)
     head += bytes(data_start - len(head))
@@ -113,11 +117,11 @@ def stage_layout(manifest: Manifest, header: bytes, start: int, end: int) -> Lay
                   fetch_bytes=sum(manifest.spans[i].length for i in spans))
 
 
-def stage_range(reader: GGUFFile) -> tuple[str, int, int] | None:
-    """``(model id, layer_start, layer_end)`` of a stage file, or None for an ordinary GGUF."""
-    model, start, end = (reader.fields.get(k) for k in (KEY_MODEL, KEY_START, KEY_END))
-    if isinstance(model, str) and isinstance(start, int) and isinstance(end, int):
-        return model, start, end
+def stage_range(reader: GGUFFile) -> tuple[str, str, int, int] | None:
+    """``(model id, name, layer_start, layer_end)`` of a stage file, or None for an ordinary GGUF."""
+    model, name, start, end = (reader.fields.get(k) for k in (KEY_MODEL, KEY_NAME, KEY_START, KEY_END))
+    if isinstance(model, str) and isinstance(name, str) and isinstance(start, int) and isinstance(end, int):
+        return model, name, start, end
     return None
 
 

@@ -106,8 +106,7 @@ class ModelStore:
         self.on_change = on_change
         self.transfers: dict[str, TransferView] = {}
         self._running: dict[str, asyncio.Task[LibraryEntry]] = {}
-        self.server = TransferServer(endpoint, self.offered, self.signed_manifest, self._served)
-        self.served_bytes = 0
+        self.server = TransferServer(endpoint, self.offered, self.signed_manifest)
 
     # -- what we offer ------------------------------------------------------------------------------
 
@@ -122,9 +121,6 @@ class ModelStore:
         if entry is None:
             raise TransferFailed(f"this node does not hold model {model_id[:12]}")
         return sign_manifest(self.key, self.library.manifest(entry))
-
-    def _served(self, peer: str, model: str, nbytes: int) -> None:
-        self.served_bytes += nbytes
 
     def holders(self, model_id: str) -> list[tuple[str, str]]:
         """Peers offering ``model_id`` (node id, ``host:port``), best first."""
@@ -256,7 +252,7 @@ class ModelStore:
             header = await self._header(manifest, holders)
             if check is not None:
                 check(GGUFFile(f"model {manifest.model[:12]}", header=header, size=manifest.size))
-            layout = stage_layout(manifest, header, start, end)
+            layout = stage_layout(manifest, header, start, end, name)
             part = self.library.incoming(f"{manifest.model}.{start}-{end}.part")
             await asyncio.to_thread(self.library.reserve, layout.fetch_bytes + len(layout.header or b""))
             state = await fetch(self.endpoint, manifest, layout, holders, part, progress=self._progress(view, names))

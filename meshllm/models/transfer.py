@@ -191,12 +191,9 @@ SignedManifest = Callable[[str], bytes]
 class TransferServer:
     """Serves ``model-fetch`` streams from the node's library."""
 
-    def __init__(self, endpoint: Endpoint, locate: Locate, signed_manifest: SignedManifest,
-                 on_served: Callable[[str, str, int], None] | None = None) -> None:
+    def __init__(self, endpoint: Endpoint, locate: Locate, signed_manifest: SignedManifest) -> None:
         self.locate = locate
         self.signed_manifest = signed_manifest
-        self.on_served = on_served
-        """``on_served(peer_id, model_id, nbytes)`` after each range served."""
         self._per_peer: dict[str, int] = {}
         self._total = asyncio.Semaphore(TOTAL_STREAMS)
         # the cap applies both ways on a stream: it must fit a signed manifest going out
@@ -213,13 +210,13 @@ class TransferServer:
         self._per_peer[peer_id] = self._per_peer.get(peer_id, 0) + 1
         try:
             async with self._total:
-                await self._answer(stream, peer_id, request)
+                await self._answer(stream, request)
         finally:
             self._per_peer[peer_id] -= 1
             if not self._per_peer[peer_id]:
                 del self._per_peer[peer_id]
 
-    async def _answer(self, stream: Stream, peer_id: str, request: Request) -> None:
+    async def _answer(self, stream: Stream, request: Request) -> None:
         path = self.locate(request.model)
         if path is None:
             await stream.send(Refused(message=f"this node does not offer model {request.model[:12]}"))
@@ -252,8 +249,6 @@ class TransferServer:
                 at += len(data)
         finally:
             os.close(fd)
-        if self.on_served is not None:
-            self.on_served(peer_id, request.model, request.length)
 
 
 # -- the requester side -------------------------------------------------------------------------

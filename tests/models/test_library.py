@@ -91,3 +91,28 @@ def test_remove_deletes_only_what_the_library_made(tmp_path: Path) -> None:
     assert sorted(e.kind for e in removed) == ["stage", "whole"]
     assert all(not Path(e.path).exists() for e in removed) and not lib.entries()
     assert lib.remove("fetched") == []
+
+
+def test_a_lost_index_is_rebuilt_from_the_files(tmp_path: Path) -> None:
+    """Whole files are named by their id and stage files carry id, name and range: a scan finds them again."""
+    from meshllm.models.manifest import build_manifest
+    from meshllm.models.stage_file import stage_layout
+
+    model = write_tiny_llama(tmp_path / "m.gguf", n_layers=4, seed=9)
+    lib = Library(tmp_path / "models")
+    digest = owned_copy(lib, model, "m")
+    manifest = build_manifest(model)
+    raw = model.read_bytes()
+    layout = stage_layout(manifest, raw[: manifest.header.length], 1, 3, "m")
+    part = lib.incoming("s.part")
+    with part.open("wb") as fh:
+        assert layout.header is not None
+        fh.write(layout.header)
+        for i, dest in layout.placements.items():
+            fh.seek(dest)
+            fh.write(raw[manifest.spans[i].offset : manifest.spans[i].end])
+        fh.truncate(layout.size)
+    lib.commit(part, model_id=digest, name="m", source="peer:x", layers=(1, 3))
+    (tmp_path / "models" / "index.json").unlink()
+    found = sorted((e.kind, e.name, e.layers) for e in Library(tmp_path / "models").scan())
+    assert found == [("stage", "m", (1, 3)), ("whole", digest, None)]

@@ -22,7 +22,7 @@ from meshllm.models.stage_file import KEY_SHAPE_ONLY, stage_layout, stage_range
 def write_stage(model: Path, out: Path, start: int, end: int) -> Path:
     manifest = build_manifest(model, piece_size=1 << 16)
     raw = model.read_bytes()
-    layout = stage_layout(manifest, raw[: manifest.header.length], start, end)
+    layout = stage_layout(manifest, raw[: manifest.header.length], start, end, "tiny")
     with out.open("wb") as fh:
         assert layout.header is not None
         fh.write(layout.header)
@@ -75,7 +75,7 @@ def test_a_stage_file_computes_what_the_whole_file_computes(tmp_path: Path, boun
     start, end = bounds
     stage = write_stage(model, tmp_path / "s.gguf", start, end)
     reader = GGUFFile(stage)
-    assert stage_range(reader) == (build_manifest(model).model, start, end)
+    assert stage_range(reader) == (build_manifest(model).model, "tiny", start, end)
     assert reader.fields[KEY_SHAPE_ONLY] == ([] if start == 0 or (end == 6 and "g.gguf" in str(model)) else
                                              ["token_embd.weight"])
     ours, whole = StageModel.load(stage, start, end, max_context=64), StageModel.load(model, start, end,
