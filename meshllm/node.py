@@ -35,7 +35,6 @@ from meshllm.api.limits import EdgeLimits
 from meshllm.api.serving import Serving
 from meshllm.api.status import mesh_links, status_router
 from meshllm.config import (
-    MODEL_HASHES_FILE,
     NODE_CERT_FILE,
     REVOCATIONS_FILE,
     ensure_home,
@@ -48,14 +47,17 @@ from meshllm.discovery.routes import discovery_router
 from meshllm.engine.base import DEFAULT_MAX_TOKENS
 from meshllm.engine.capacity import compute_devices, measure_capacity
 from meshllm.engine.kernels import Kernels
-from meshllm.errors import ConfigError, DecodeError
+from meshllm.errors import ConfigError, DecodeError, MeshllmError
 from meshllm.identity.ids import node_public_key, unb32
 from meshllm.identity.keys import NodeKey
 from meshllm.identity.trust import TrustStore
 from meshllm.mesh.admission import INVITE_ID_BYTES
 from meshllm.mesh.membership import Membership, join_mesh, own_mesh
-from meshllm.mesh.records import PeerRecord
+from meshllm.mesh.records import MAX_AVAILABLE, DiskModel, PeerRecord
 from meshllm.mesh.service import MeshService
+from meshllm.models.library import Library
+from meshllm.models.routes import models_router
+from meshllm.models.store import ModelStore, Offer
 from meshllm.split.placement import SplitOptions
 from meshllm.split.routes import plan_router
 from meshllm.split.service import SplitService, offered_capacity
@@ -138,6 +140,8 @@ class Node:
         self.mesh: MeshService | None = None
         self.serving: Serving | None = None
         self.splits: SplitService | None = None
+        self.store: ModelStore | None = None
+        self._scan_task: asyncio.Task[None] | None = None
         self.discovery: NodeDiscovery | None = None
         self.api_url = ""
         self.invite: str | None = None
@@ -173,10 +177,15 @@ class Node:
             relay=opts.relay, revocations_file=self.home / REVOCATIONS_FILE,
         )
         await self.mesh.start()
-        self.serving = Serving(self.key.node_id, self.mesh, self.events)
+        assert self.mesh.endpoint is not None
+        self.store = ModelStore(Library.for_home(self.home), self.mesh.endpoint, self.key.signing_key,
+                                self._model_offers, self.events.publish, on_change=self._advertise_models)
+        self._advertise_models()
+        self._scan_task = asyncio.create_task(self._scan_library(), name="scan-model-library")
+        self.serving = Serving(self.key.node_id, self.mesh, self.events, store=self.store)
         split = dataclasses.replace(opts.split, threads=opts.threads, gpu_layers=opts.gpu_layers, kernels=opts.kernels)
-        self.splits = SplitService(self.mesh, self.serving, self.events, opts.role, split,
-                                   hash_cache=self.home / MODEL_HASHES_FILE)
+        self.splits = SplitService(self.mesh, self.serving, self.events, opts.role, split, self.store,
+                                   self.key.signing_key)
         self.discovery = self._make_discovery()
         await self._start_api()
         self.events.publish("mesh_ready", mesh_id=self.membership.mesh_id, mesh_addr=self.mesh_addr)
@@ -198,6 +207,8 @@ class Node:
             self.events.publish("stopping", node_id=self.key.node_id)
         if self._server is not None:
             self._server.should_exit = True
+        if self._scan_task is not None:
+            self._scan_task.cancel()
         if self.discovery is not None:
             await self.discovery.stop()
         if self.mesh is not None:
@@ -217,6 +228,8 @@ class Node:
         routers = [status_router(self), console_router()]
         if self.splits is not None:
             routers.append(plan_router(self.splits))
+        if self.store is not None:
+            routers.append(models_router(self.store, self.serving.resolve))
         if self.discovery is not None:
             routers.append(discovery_router(self.discovery))
         edge = _fit_to_descriptors(self.options.edge)
@@ -248,6 +261,36 @@ class Node:
             quic_port=self.mesh.endpoint.local_addr[1], host=opts.mesh_host, dht_bootstrap=opts.dht_bootstrap,
             dht_port=opts.dht_port, listing_ttl_s=opts.listing_ttl_s, on_event=self.events.publish,
         )
+
+    # -- the model library ------------------------------------------------------------------------
+
+    async def _scan_library(self) -> None:
+        """Index the library's folders (hashing new files off the loop), then advertise what is there."""
+        assert self.store is not None
+        try:
+            await asyncio.to_thread(self.store.library.scan)
+        except (OSError, MeshllmError) as exc:
+            log.warning("could not scan the model library: %s", exc)
+        self._advertise_models()
+
+    def _advertise_models(self) -> None:
+        """Our record's ``models.available``: the whole models of the library, most recently used first."""
+        assert self.mesh is not None and self.store is not None and self.mesh.gossip is not None
+        entries = sorted(self.store.library.available(), key=lambda e: -e.last_used)[:MAX_AVAILABLE]
+        available = [DiskModel(e.id, e.name[:200], e.size) for e in entries]
+        own = self.mesh.gossip.own
+        if available != own.models.available:
+            self.mesh.update_own(models=msgspec.structs.replace(own.models, available=available))
+
+    def _model_offers(self) -> list[Offer]:
+        """Whole models peers offer, from their records; the closest holders (by RTT) first."""
+        assert self.mesh is not None and self.mesh.gossip is not None
+        gossip = self.mesh.gossip
+        rtt = gossip.own.rtt
+        offers = [Offer(node_id, rec.addresses.listen[0], m.id, m.name, m.size)
+                  for node_id, rec in gossip.members().items() if rec.state == "alive" and rec.addresses.listen
+                  for m in rec.models.available]
+        return sorted(offers, key=lambda o: rtt[o.node_id].rtt_ms if o.node_id in rtt else 1e9)
 
     # -- StatusSource -----------------------------------------------------------------------------
 
@@ -314,6 +357,7 @@ class Node:
                 "load": {"in_flight": rec.load.in_flight, "queue": rec.load.queue, "tok_s": rec.load.tok_s,
                          "slots": rec.load.slots, "free_slots": rec.load.free_slots},
                 "addr": (rec.addresses.listen or [""])[0], "seq": rec.seq,
+                "available": [{"id": m.id, "name": m.name, "size": m.size} for m in rec.models.available],
             })
         own = gossip.own
         return {
@@ -327,6 +371,7 @@ class Node:
             "rtt_matrix": {a: {b: round(ms, 3) for b, ms in row.items()} for a, row in gossip.rtt_matrix().items()},
             "links": mesh_links([own, *gossip.members().values()]),
             "splits": self.splits.status() if self.splits is not None else [],
+            "transfers": self.store.status() if self.store is not None else [],
             "requests": self.serving.request_counters(),
             "devices": [{"name": d.name, "description": d.description, "kind": d.kind,
                          "memory_free": d.memory_free, "memory_total": d.memory_total} for d in compute_devices()],

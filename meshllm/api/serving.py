@@ -7,6 +7,12 @@ routers of other nodes read. ``backend`` is what the HTTP routes call: a
 routes to peers) before, while and after models load; a ``--client`` node has no engines and
 only routes. Peers' requests arrive on ``"request"`` streams, served by
 :class:`~meshllm.api.tunnel_serve.TunnelService` with the same engines.
+
+``--model`` references resolve in one place (:func:`~meshllm.models.refs.resolve_model`): a path, a
+name or id from the node's model library, or ``hf:...`` (downloaded into it); a name or id that is
+neither here nor on the hub is fetched whole from a peer that offers it (``models/store.py``), so a
+mesh downloads a model once, not once per machine. Every model the node loads joins its library, and
+so its peer record's list of models peers may fetch.
 """
 
 from __future__ import annotations
@@ -26,10 +32,12 @@ from meshllm.api.tunnel_serve import TunnelService
 from meshllm.engine.base import DEFAULT_MAX_TOKENS, Engine
 from meshllm.engine.kernels import Kernels
 from meshllm.engine.llama import LlamaEngine
-from meshllm.errors import ConfigError
+from meshllm.errors import ConfigError, MeshllmError
 from meshllm.mesh.records import Load, Models, ServedModel
 from meshllm.mesh.service import MeshService
-from meshllm.models.refs import resolve_model
+from meshllm.models.hub import is_hub_ref
+from meshllm.models.refs import ModelNotFound, ModelRef, looks_like_path, resolve_model
+from meshllm.models.store import ModelStore
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +48,13 @@ ENGINES = ("llama", "ggml")
 class Serving:
     """Engines of this node, the backend the API routes call, and the tunnel peers call."""
 
-    def __init__(self, node_id: str, mesh: MeshService, events: EventHub, limits: ApiLimits | None = None) -> None:
+    def __init__(self, node_id: str, mesh: MeshService, events: EventHub, limits: ApiLimits | None = None,
+                 store: ModelStore | None = None) -> None:
         self.node_id = node_id
         self.mesh = mesh
         self.events = events
+        self.store = store
+        """The node's models on disk (None: references are paths or ``default`` only)."""
         self.engines: dict[str, Engine] = {}
         self.counters = RequestCounters()
         self.backend = MeshBackend(node_id, self.engines, mesh, counters=self.counters, on_event=events.publish)
@@ -51,6 +62,7 @@ class Serving:
         assert mesh.endpoint is not None
         mesh.endpoint.on_stream(STREAM_KIND, self.tunnel.handle)
         self._load_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
         self._last_load: Load | None = None
 
     async def load_models(self, specs: list[str], engine: str = "llama", threads: int | None = None,
@@ -65,7 +77,7 @@ class Serving:
         if engine not in ENGINES:
             raise ConfigError(f"unknown engine {engine!r}", hint=f"choose one of {', '.join(ENGINES)}")
         for spec in specs:
-            ref = await asyncio.to_thread(resolve_model, spec)
+            ref = await self.resolve(spec)
             instance = self._make_engine(engine, ref, threads, gpu_layers, parallel, max_tokens_default, kernels)
             self.events.publish("model_loading", model=ref.model_id, path=str(ref.path), engine=engine,
                                 size_bytes=ref.path.stat().st_size)
@@ -75,10 +87,45 @@ class Serving:
             self.events.publish("model_ready", model=instance.model_id, engine=engine,
                                 context=instance.context_length, slots=instance.load_report().slots,
                                 load_s=round(time.monotonic() - started, 2))
+            if self.store is not None:
+                task = asyncio.create_task(self._index(ref), name=f"index-{ref.model_id}")
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        own = self.mesh.gossip.own if self.mesh.gossip is not None else None
         self.mesh.update_own(models=Models(served=[
             ServedModel(name=mid, context=e.context_length, engine=engine) for mid, e in self.engines.items()
-        ]))
+        ], available=own.models.available if own is not None else []))
         self._load_task = asyncio.create_task(self._publish_load(), name="publish-load")
+
+    async def resolve(self, spec: str) -> ModelRef:
+        """The model a ``--model`` reference names, downloading or fetching it when needed."""
+        report = self.store.hub_reporter(spec) if self.store is not None and is_hub_ref(spec) else None
+        library = self.store.library if self.store is not None else None
+        try:
+            ref = await asyncio.to_thread(resolve_model, spec, library=library, report=report)
+        except ModelNotFound as exc:
+            if report is not None:
+                self.store.download_ended(spec, str(exc))  # type: ignore[union-attr]
+            if self.store is None or is_hub_ref(spec) or looks_like_path(spec):
+                raise
+            self.events.publish("model_fetching", model=spec, reason="not on this node; asking the mesh")
+            entry = await self.store.fetch_from_mesh(spec)
+            return ModelRef(path=entry.file, model_id=entry.name, sha256=entry.id)
+        if report is not None:
+            self.store.download_ended(spec)  # type: ignore[union-attr]
+        return ref
+
+    async def _index(self, ref: ModelRef) -> None:
+        """Add a loaded model to the library (hashing it, off the loop) so peers may fetch it."""
+        assert self.store is not None
+        try:
+            entry = await asyncio.to_thread(self.store.library.add, ref.path, source="file", owned=False,
+                                            name=ref.model_id, model_id=ref.sha256)
+        except (OSError, MeshllmError) as exc:
+            log.warning("could not add %s to the model library: %s", ref.path, exc)
+            return
+        self.store.library.pin(entry)  # in use: never evicted or removed while served
+        self.store.changed()
 
     def add_engine(self, engine: Engine) -> None:
         """Serve an engine built elsewhere (a split model's chain) as a local model; its owner announces it."""

@@ -304,24 +304,51 @@ def split_bar(split: Mapping[str, Any], names: Mapping[str, str], colours: Mappi
     return bar
 
 
+def active_transfers(snapshot: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """Model transfers still running (``/api/status`` ``transfers``)."""
+    return [t for t in snapshot.get("transfers") or [] if t.get("state") in ("fetching", "verifying")]
+
+
+def transfer_line(transfer: Mapping[str, Any], width: int) -> Text:
+    """``<- model layers a-b  42%  10.5/25.0 MB  3.1 MB/s  from coord, h1``: one model transfer in flight."""
+    done, total = int(transfer.get("bytes_done") or 0), int(transfer.get("bytes_total") or 0)
+    layers = transfer.get("layers")
+    what = f"layers {layers[0]}-{layers[1]}" if layers else str(transfer.get("kind", "whole"))
+    holders = [h.get("name", "?") for h in transfer.get("holders") or [] if not h.get("dropped")]
+    line = Text(no_wrap=True, overflow="ellipsis")
+    line.append("  <- ", style="cyan")
+    line.append(f"{transfer.get('model', '?')} {what}  ", style="bold")
+    line.append(f"{100 * done / total:3.0f}%  " if total else "  ?%  ")
+    line.append(f"{fmt_bytes(done)}/{fmt_bytes(total)}  {fmt_bytes(transfer.get('rate_bytes_s') or 0)}/s")
+    if holders:
+        line.append(f"  from {', '.join(holders)}", style="dim")
+    line.truncate(width)
+    return line
+
+
 def render_splits(snapshot: Mapping[str, Any], width: int, max_rows: int | None) -> list[RenderableType]:
-    """Split topology: one bar per model served by a chain of nodes, stages labelled name + layers."""
+    """Split topology: one bar per model served by a chain of nodes, stages labelled name + layers;
+    then one line per model transfer in flight (a worker fetching its layers, a node fetching a model)."""
     splits = snapshot.get("splits") or []
+    transfers = active_transfers(snapshot)
     out: list[RenderableType] = [_section("split topology")]
-    if not splits:
+    if not splits and not transfers:
         out.append(Text("  no splits", style="dim"))
         return out
     names = node_names(snapshot)
     colours = {node: NODE_COLOURS[i % len(NODE_COLOURS)] for i, node in enumerate(names)}
-    label_w = min(20, max(len(str(s.get("model", "?"))) for s in splits))
-    shown = splits if max_rows is None or len(splits) <= max_rows else splits[: max(0, max_rows - 1)]
-    for split in shown:
+    label_w = min(20, max((len(str(s.get("model", "?"))) for s in splits), default=0))
+    rows: list[RenderableType] = []
+    for split in splits:
         line = Text(no_wrap=True, overflow="ellipsis")
         line.append(f"{str(split.get('model', '?'))[:label_w]:<{label_w}} ", style="bold")
         line.append_text(split_bar(split, names, colours, width - label_w - 1))
-        out.append(line)
-    if len(shown) < len(splits):
-        out.append(_more(len(splits) - len(shown), "splits"))
+        rows.append(line)
+    rows += [transfer_line(t, width) for t in transfers]
+    shown = rows if max_rows is None or len(rows) <= max_rows else rows[: max(0, max_rows - 1)]
+    out += shown
+    if len(shown) < len(rows):
+        out.append(_more(len(rows) - len(shown), "splits and transfers"))
     return out
 
 
@@ -362,7 +389,7 @@ def render_events(events: Sequence[Mapping[str, Any]], snapshot: Mapping[str, An
 def _table_rows(snapshot: Mapping[str, Any]) -> tuple[int, int, int]:
     peers = len(snapshot.get("peers") or [])
     nodes = len(matrix_nodes(snapshot))
-    return peers, nodes if nodes >= 2 else 0, len(snapshot.get("splits") or [])
+    return peers, nodes if nodes >= 2 else 0, len(snapshot.get("splits") or []) + len(active_transfers(snapshot))
 
 
 def fit(height: int | None, snapshot: Mapping[str, Any], n_events: int) -> tuple[int | None, ...]:

@@ -90,13 +90,27 @@ class ServedModel(msgspec.Struct, frozen=True, kw_only=True):
     layer_end: int = 0
     """Exclusive end of the served layer range; 0 with ``layer_start`` 0 means the whole model."""
     engine: str = "llama.cpp"
+    id: str = ""
+    """The model id (sha256 of its GGUF, hex) when known; "" when the node has not hashed it."""
+
+
+class DiskModel(msgspec.Struct, frozen=True, array_like=True):
+    """A whole model file the node has on disk and offers to peers (``model-fetch``)."""
+
+    id: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
+    name: Annotated[str, msgspec.Meta(max_length=200)]
+    size: Annotated[int, msgspec.Meta(ge=0)]
+
+
+MAX_AVAILABLE = 64
+"""Most models on disk a record lists (the most recently used first): bounds the record's size."""
 
 
 class Models(msgspec.Struct, frozen=True, kw_only=True):
-    """Served models and those on disk that could be loaded quickly."""
+    """Served models and the model files on disk, which peers may fetch."""
 
     served: list[ServedModel] = []
-    available: list[str] = []
+    available: Annotated[list[DiskModel], msgspec.Meta(max_length=MAX_AVAILABLE)] = []
 
 
 class Load(msgspec.Struct, frozen=True, kw_only=True):

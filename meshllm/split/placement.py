@@ -2,8 +2,9 @@
 
 The pure part turns what gossip knows (peer records: role, capacity, addresses; the RTT matrix) into
 the planner's inputs and a plan into hops and JSON. :class:`SplitPlacement` is the node-side driver
-for one split model: it plans, asks each worker over ``stage-control`` to host its range (workers load
-the same file from their own disk, checked by sha256), loads the first range itself, and attaches a
+for one split model: it plans, asks each worker over ``stage-control`` to host its range (naming the
+model by id, with this node's signed manifest of the file: a worker without the file fetches just
+its range's tensors from this node and other holders), loads the first range itself, and attaches a
 :class:`SplitCoordinator` to the model's :class:`SplitEngine`. When a request reports a failed stage,
 the engine is detached at once (new requests get a 503 that says a replan is running), the node is
 kept out of plans for a while, and a new chain is placed over the nodes that are left.
@@ -28,7 +29,7 @@ from meshllm.errors import MeshllmError
 from meshllm.mesh.records import Capacity, PeerRecord
 from meshllm.models.gguf_file import GGUFFile
 from meshllm.models.refs import ModelRef
-from meshllm.split.control import Host, ask
+from meshllm.split.control import Host, Hosted, ask
 from meshllm.split.coordinator import Deadlines, SplitCoordinator
 from meshllm.split.engine import SplitEngine
 from meshllm.split.errors import SplitError, StageFailed
@@ -167,13 +168,15 @@ class SplitPlacement:
 
     def __init__(self, *, own: Callable[[], PeerRecord], members: Callable[[], dict[str, PeerRecord]],
                  rtt: Callable[[], dict[str, dict[str, float]]], server: StageServer, engine: SplitEngine,
-                 ref: ModelRef, options: SplitOptions, budget: int,
+                 ref: ModelRef, manifest: bytes, options: SplitOptions, budget: int,
                  publish: Callable[..., Any], on_chain: Callable[[list[Hop] | None], None],
                  profile: ModelProfile | None = None) -> None:
+        """``manifest``: the model's manifest signed by this node, sent with every stage request."""
         self._own, self._members, self._rtt = own, members, rtt
         self.server = server
         self.engine = engine
         self.ref = ref
+        self.manifest = manifest
         self.options = options
         self.budget = budget
         self.publish = publish
@@ -251,7 +254,7 @@ class SplitPlacement:
             raise SplitError("the plan does not start at this node with at least one worker")
         chain = hops(chosen, own, members)
         first = chain[0]
-        await asyncio.gather(*(self._host(h) for h in chain[1:]), self._load_first(first))
+        await asyncio.gather(*(self._host(chain, i) for i in range(1, len(chain))), self._load_first(first))
         assert self._first is not None
         coordinator = SplitCoordinator(self.server, self.engine.model_id, self._first, chain,
                                        on_stage_failed=self.stage_failed)
@@ -263,12 +266,17 @@ class SplitPlacement:
                      stages=[[names.get(h.node_id, h.node_id[:8]), h.layer_start, h.layer_end] for h in chain],
                      predicted_ms=round(chosen.total_s * 1e3, 3), took_s=round(time.monotonic() - started, 3))
 
-    async def _host(self, hop: Hop) -> None:
+    async def _host(self, chain: list[Hop], index: int) -> None:
         assert self.ref.sha256 is not None
-        await ask(self.server.endpoint, hop.node_id, hop.addr, Host(
-            model=self.engine.model_id, path=str(self.ref.path), sha256=self.ref.sha256,
-            layer_start=hop.layer_start, layer_end=hop.layer_end, max_context=self.engine.max_context,
+        hop = chain[index]
+        hosted = await ask(self.server.endpoint, hop.node_id, hop.addr, Host(
+            model=self.engine.model_id, model_id=self.ref.sha256, manifest=self.manifest, chain=chain, index=index,
+            max_context=self.engine.max_context,
         ))
+        if isinstance(hosted, Hosted) and hosted.fetched_bytes:
+            self.publish("split_stage_fetched", model=self.engine.model_id, node=hop.node_id,
+                         layers=[hop.layer_start, hop.layer_end], bytes=hosted.fetched_bytes,
+                         bad_holders=hosted.bad_holders)
 
     async def _load_first(self, hop: Hop) -> None:
         held = self._first

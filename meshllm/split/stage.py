@@ -11,6 +11,13 @@ closes, or a next-hop node the transport reports suspect or closed, fails every 
 through it at once (an Error naming that stage), so a dead stage fails requests in well under a
 second instead of after a timeout. Every node runs one server: the coordinator's replies (Tokens,
 Errors) arrive on it too and are handed to the sinks registered with :meth:`route_replies`.
+
+**Who may open sessions.** A stage placed by a coordinator (``stage-control`` ``Host``) belongs to
+it: it is kept under (owner, model) with the chain it was placed for, and an ``Open`` is accepted
+only when its chain starts at that owner and equals the placed chain hop for hop (nodes, addresses,
+ranges); the lane already checks that it comes from the chain's previous hop. So a member outside
+the plan cannot borrow the stage's compute, and a member inside it cannot redirect its output. Each
+owner may keep at most :data:`MAX_SESSIONS_PER_OWNER` sessions open on this node.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from meshllm.split.frames import (
     LANE_FRAME_MAX,
     Decode,
     Error,
+    Hop,
     LaneFrame,
     Open,
     Ping,
@@ -47,8 +55,24 @@ from meshllm.split.lanes import MAX_ACTIVATION_BYTES, Lane, LanePool
 
 log = logging.getLogger(__name__)
 
+MAX_SESSIONS_PER_OWNER = 32
+"""Sessions one coordinator may keep open on this node's stages (each holds a KV cache)."""
+
 ReplySink = Callable[[str, Tokens | Error], None]
 """``sink(peer_id, frame)``: where a coordinator session receives its Tokens and Errors."""
+
+
+@dataclass
+class _Hosted:
+    """A hosted range: its layers, the coordinator it belongs to and the chain it was placed for.
+
+    ``owner`` and ``chain`` are None for a stage wired by hand (tests, benchmarks), which any chain
+    may use.
+    """
+
+    stage: StageModel
+    owner: str | None = None
+    chain: list[Hop] | None = None
 
 
 @dataclass
@@ -74,7 +98,8 @@ class StageServer:
         self.max_activation_bytes = max_activation_bytes
         """Largest activation payload accepted from upstream (larger steps get a ``too-large`` Error)."""
         self.pool = LanePool(endpoint, self._from_downstream, self._downstream_closed)
-        self._stages: dict[str, StageModel] = {}
+        self._stages: dict[tuple[str | None, str], _Hosted] = {}
+        """(owner, model) -> hosted range; owner None: a stage any chain may use."""
         self._sessions: dict[str, _Session] = {}
         self._replies: dict[str, ReplySink] = {}
         self.compute = Compute()
@@ -84,18 +109,29 @@ class StageServer:
 
     # -- API for the node and the coordinator ------------------------------------------------
 
-    def host(self, model: str, stage: StageModel) -> None:
-        """Serve ``stage`` (a loaded layer range) as part of ``model``'s chains (freeing the one it replaces)."""
-        old = self._stages.get(model)
-        self._stages[model] = stage
-        if old is not None and old is not stage:
-            self._free(old)
+    def host(self, model: str, stage: StageModel, *, owner: str | None = None,
+             chain: list[Hop] | None = None) -> None:
+        """Serve ``stage`` (a loaded layer range) as part of ``model``'s chains (freeing the one it replaces).
 
-    def unhost(self, model: str) -> None:
-        """Stop serving ``model`` and free its layers; its sessions fail at their next step."""
-        old = self._stages.pop(model, None)
+        With ``owner`` (the coordinator that placed it) and ``chain``, only that exact chain may open
+        sessions on it.
+        """
+        old = self._stages.get((owner, model))
+        self._stages[(owner, model)] = _Hosted(stage, owner, chain)
+        if old is not None and old.stage is not stage:
+            self._free(old.stage)
+
+    def place(self, model: str, *, owner: str, chain: list[Hop]) -> None:
+        """The owner re-placed its chain with the same layers here: accept Opens for the new chain."""
+        held = self._stages.get((owner, model))
+        if held is not None:
+            held.chain = chain
+
+    def unhost(self, model: str, *, owner: str | None = None) -> None:
+        """Stop serving ``owner``'s ``model`` and free its layers; its sessions fail at their next step."""
+        old = self._stages.pop((owner, model), None)
         if old is not None:
-            self._free(old)
+            self._free(old.stage)
 
     def _free(self, stage: StageModel) -> None:
         """Close a stage off the loop (it waits for a step in flight, then frees weights and caches).
@@ -124,8 +160,8 @@ class StageServer:
         for session in list(self._sessions.values()):
             session.stage.reset(session.open.session)
         self._sessions.clear()
-        for stage in self._stages.values():
-            stage.close()
+        for held in self._stages.values():
+            held.stage.close()
         self._stages.clear()
 
     # -- incoming lanes ------------------------------------------------------------------------
@@ -165,18 +201,30 @@ class StageServer:
                 await self._forward(session, frame)
 
     async def _open(self, lane: Lane, frame: Open) -> None:
-        stage = self._stages.get(frame.model)
+        owner = frame.chain[0].node_id
+        held = self._stages.get((owner, frame.model)) or self._stages.get((None, frame.model))
+        stage = held.stage if held is not None else None
         me = frame.chain[frame.index]
         if frame.session in self._sessions:
             return await self._refuse(lane, frame, "duplicate", f"session {frame.session} is open on another lane")
         if me.node_id != self.endpoint.node_id:
             return await self._refuse(lane, frame, "not-in-plan", "this node is not that stage of the chain")
+        if held is not None and held.chain is not None and frame.chain != held.chain:
+            return await self._refuse(lane, frame, "not-in-plan",
+                                      "the chain differs from the one its coordinator placed this stage for")
+        if held is None and any(model == frame.model for _, model in self._stages):
+            return await self._refuse(lane, frame, "not-in-plan",
+                                      f"no stage of {frame.model} was placed here by node {owner[:12]}")
         if stage is None or (stage.layer_start, stage.layer_end) != (frame.layer_start, frame.layer_end):
-            held = f"[{stage.layer_start}, {stage.layer_end})" if stage else "nothing"
+            where = f"[{stage.layer_start}, {stage.layer_end})" if stage else "nothing"
             return await self._refuse(
                 lane, frame, "wrong-stage",
-                f"asked for {frame.model} layers [{frame.layer_start}, {frame.layer_end}), this node holds {held}",
+                f"asked for {frame.model} layers [{frame.layer_start}, {frame.layer_end}), this node holds {where}",
             )
+        if held is not None and held.owner is not None and sum(
+                1 for s in self._sessions.values() if s.open.chain[0].node_id == owner) >= MAX_SESSIONS_PER_OWNER:
+            return await self._refuse(lane, frame, "busy", f"node {owner[:12]} already has {MAX_SESSIONS_PER_OWNER} "
+                                      "sessions open on this stage")
         session = _Session(frame, stage, lane)
         last = frame.index == len(frame.chain) - 1
         target = frame.chain[0] if last else frame.chain[frame.index + 1]
