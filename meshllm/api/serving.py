@@ -7,6 +7,13 @@ routers of other nodes read. ``backend`` is what the HTTP routes call: a
 routes to peers) before, while and after models load; a ``--client`` node has no engines and
 only routes. Peers' requests arrive on ``"request"`` streams, served by
 :class:`~meshllm.api.tunnel_serve.TunnelService` with the same engines.
+
+Models come and go while the node serves (``meshllm models load|unload``, owner commands, standby):
+:meth:`Serving.load_model` loads one and announces it; :meth:`Serving.unload_model` first takes it
+out of the engine table and the peer record (no new request reaches it, here or from peers), waits
+for the requests still running on it to finish (up to a deadline), then frees it. Each engine this
+node loads is wrapped in a :class:`TrackedEngine`, which counts the requests in flight on it (what
+a drain waits for) and when it was last used (what a standby's idle timeout reads).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from meshllm.api.counters import RequestCounters
@@ -23,17 +31,86 @@ from meshllm.api.limits import ApiLimits, Slots
 from meshllm.api.mesh_backend import MeshBackend
 from meshllm.api.tunnel import STREAM_KIND
 from meshllm.api.tunnel_serve import TunnelService
-from meshllm.engine.base import Engine
+from meshllm.engine.base import Engine, GenerationEvent, GenerationRequest, LoadReport
+from meshllm.engine.capacity import compute_devices
 from meshllm.engine.llama import LlamaEngine
-from meshllm.errors import ConfigError
+from meshllm.errors import ConfigError, MeshllmError
 from meshllm.mesh.records import Load, Models, ServedModel
 from meshllm.mesh.service import MeshService
-from meshllm.models.refs import resolve_model
+from meshllm.models.refs import ModelRef, resolve_model
 
 log = logging.getLogger(__name__)
 
 LOAD_PUBLISH_S = 2.0
 ENGINES = ("llama", "ggml")
+MEMORY_HEADROOM = 1.1
+"""A model needs about its file size in memory plus its KV cache and buffers: refuse to load one whose
+file is larger than the free memory divided by this (llama.cpp would fail, or the system swap)."""
+
+
+class ModelNotServed(MeshllmError):
+    """An unload names a model this node does not serve (or serves as a split chain, which it cannot unload)."""
+
+
+class TrackedEngine(Engine):
+    """An engine whose use is counted: requests in flight (what a drain waits for) and when it was last used."""
+
+    def __init__(self, inner: Engine, kind: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.inner = inner
+        self.kind = kind
+        """The engine name announced in the peer record (``llama``, ``ggml``)."""
+        self.model_id = inner.model_id
+        self.active = 0
+        """Requests generating or waiting on this engine now."""
+        self.requests = 0
+        """Requests started on it since it was loaded."""
+        self._clock = clock
+        self.last_used = clock()
+        """Monotonic time a request last started or ended here (the load time before the first)."""
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)  # engine-specific attributes (stats, path, ...)
+
+    async def load(self) -> None:
+        await self.inner.load()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    @property
+    def context_length(self) -> int:
+        return self.inner.context_length
+
+    def load_report(self) -> LoadReport:
+        return self.inner.load_report()
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        self.active += 1
+        self.requests += 1
+        self._idle.clear()
+        self.last_used = self._clock()
+        events = self.inner.generate(request)
+        try:
+            async for event in events:
+                yield event
+        finally:
+            close = getattr(events, "aclose", None)
+            if close is not None:
+                await close()
+            self.active -= 1
+            self.last_used = self._clock()
+            if not self.active:
+                self._idle.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no request is in flight here; False if some still are after ``timeout_s``."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout=timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
 
 class Serving:
@@ -51,26 +128,95 @@ class Serving:
         mesh.endpoint.on_stream(STREAM_KIND, self.tunnel.handle)
         self._load_task: asyncio.Task[None] | None = None
         self._last_load: Load | None = None
+        self.tracked: dict[str, TrackedEngine] = {}
+        """The whole models this node loaded (split chains are the split service's): what unload may free."""
+        self.draining: dict[str, TrackedEngine] = {}
+        """Models being unloaded: out of the engine table, finishing their requests."""
+        self._announced: set[str] = set()
+        self._manage = asyncio.Lock()
+        """One load or unload changes the tables at a time (a load of the same model twice loads it once)."""
+        self._engine, self._threads, self._gpu_layers = "llama", None, None
 
     async def load_models(self, specs: list[str], engine: str = "llama", threads: int | None = None,
                           gpu_layers: int | None = None) -> None:
-        """Resolve and load each model, then announce them all in our record."""
+        """Resolve and load each model, then announce them all in our record; later loads use the same engine."""
         if engine not in ENGINES:
             raise ConfigError(f"unknown engine {engine!r}", hint=f"choose one of {', '.join(ENGINES)}")
+        self._engine, self._threads, self._gpu_layers = engine, threads, gpu_layers
         for spec in specs:
-            ref = await asyncio.to_thread(resolve_model, spec)
-            instance = self._make_engine(engine, ref, threads, gpu_layers)
-            self.events.publish("model_loading", model=ref.model_id, path=str(ref.path), engine=engine,
-                                size_bytes=ref.path.stat().st_size)
-            started = time.monotonic()
-            await instance.load()
-            self.engines[instance.model_id] = instance
-            self.events.publish("model_ready", model=instance.model_id, engine=engine,
-                                context=instance.context_length, load_s=round(time.monotonic() - started, 2))
-        self.mesh.update_own(models=Models(served=[
-            ServedModel(name=mid, context=e.context_length, engine=engine) for mid, e in self.engines.items()
-        ]))
+            await self._start(await asyncio.to_thread(resolve_model, spec))
+        self.announce()
         self._load_task = asyncio.create_task(self._publish_load(), name="publish-load")
+
+    async def load_model(self, spec: str) -> tuple[TrackedEngine, bool]:
+        """Load ``spec`` while serving and announce it; ``(engine, False)`` when it is served already.
+
+        Raises :class:`ConfigError` when the model would not fit the free memory or is being unloaded,
+        and the resolver's or engine's error when the reference or the file is bad.
+        """
+        async with self._manage:
+            ref = await asyncio.to_thread(resolve_model, spec)
+            present = self.tracked.get(ref.model_id)
+            if present is not None:
+                return present, False
+            if ref.model_id in self.engines:
+                raise ConfigError(f"{ref.model_id} is served here as a split chain",
+                                  hint="split models are placed at start (--split)")
+            if ref.model_id in self.draining:
+                raise ConfigError(f"{ref.model_id} is being unloaded here", hint="load it again once that finished")
+            check_fits(ref)
+            engine = await self._start(ref)
+            self.announce()
+            return engine, True
+
+    async def unload_model(self, model_id: str, timeout_s: float) -> dict[str, Any]:
+        """Stop serving ``model_id``: unannounce it, let its requests finish (up to ``timeout_s``), free it.
+
+        Requests still running at the deadline are cancelled (their clients get an error). Returns
+        ``{model, drained, cancelled, waited_s}``.
+        """
+        async with self._manage:
+            engine = self.tracked.pop(model_id, None)
+            if engine is None:
+                what = "as a split chain, which it cannot unload" if model_id in self.engines else ""
+                raise ModelNotServed(f"this node does not serve {model_id!r} {what}".rstrip(),
+                                     hint="`meshllm models --api URL` lists what each node serves")
+            self.engines.pop(model_id, None)
+            self.draining[model_id] = engine
+            self.announce()
+        started = time.monotonic()
+        self.events.publish("model_draining", model=model_id, in_flight=engine.active, timeout_s=timeout_s)
+        drained = await engine.wait_idle(timeout_s)
+        cancelled = engine.active
+        with contextlib.suppress(Exception):
+            await engine.close()
+        self.draining.pop(model_id, None)
+        waited = round(time.monotonic() - started, 2)
+        self.events.publish("model_unloaded", model=model_id, drained=drained, cancelled=cancelled, waited_s=waited)
+        return {"model": model_id, "drained": drained, "cancelled": cancelled, "waited_s": waited}
+
+    async def _start(self, ref: ModelRef) -> TrackedEngine:
+        """Load one model with this node's engine settings and put it in the engine table."""
+        engine = TrackedEngine(self._make_engine(self._engine, ref, self._threads, self._gpu_layers), self._engine)
+        self.events.publish("model_loading", model=ref.model_id, path=str(ref.path), engine=self._engine,
+                            size_bytes=ref.path.stat().st_size)
+        started = time.monotonic()
+        await engine.load()
+        self.tracked[engine.model_id] = engine
+        self.engines[engine.model_id] = engine
+        self.events.publish("model_ready", model=engine.model_id, engine=self._engine,
+                            context=engine.context_length, load_s=round(time.monotonic() - started, 2))
+        return engine
+
+    def announce(self) -> None:
+        """Our record's ``models.served``: the models loaded here, beside the split service's own entries."""
+        gossip = self.mesh.gossip
+        assert gossip is not None
+        own = gossip.own.models
+        served = [m for m in own.served if m.name not in self._announced]
+        served += [ServedModel(name=mid, context=e.context_length, engine=e.kind) for mid, e in self.tracked.items()]
+        self._announced = set(self.tracked)
+        self.mesh.update_own(models=Models(served=served, available=own.available))
 
     def add_engine(self, engine: Engine) -> None:
         """Serve an engine built elsewhere (a split model's chain) as a local model; its owner announces it."""
@@ -90,7 +236,7 @@ class Serving:
     async def _publish_load(self) -> None:
         """Copy the engines' load into our record when it changes (gossip spreads it)."""
         while True:
-            reports = [e.load_report() for e in self.engines.values()]
+            reports = [e.load_report() for e in [*self.engines.values(), *self.draining.values()]]
             load = Load(in_flight=sum(r.running for r in reports), queue=sum(r.queued for r in reports),
                         tok_s=round(sum(r.tokens_per_s for r in reports), 1))
             if load != self._last_load:
@@ -105,6 +251,26 @@ class Serving:
     async def close(self) -> None:
         if self._load_task is not None:
             self._load_task.cancel()
-        for engine in self.engines.values():
+        for engine in [*self.engines.values(), *self.draining.values()]:
             with contextlib.suppress(Exception):
                 await engine.close()
+
+
+def free_memory() -> int:
+    """Bytes a new model could use now: the system's available RAM (ggml reports the CPU's total) plus
+    the accelerators' free memory; 0 when unknown."""
+    devices = compute_devices()
+    ram = next((d.memory_free for d in devices if d.kind == "cpu"), 0)
+    with contextlib.suppress(OSError, ValueError, StopIteration), open("/proc/meminfo") as fh:
+        line = next(line for line in fh if line.startswith("MemAvailable:"))
+        ram = int(line.split()[1]) * 1024
+    return ram + sum(d.memory_free for d in devices if d.kind != "cpu")
+
+
+def check_fits(ref: ModelRef) -> None:
+    """Refuse (:class:`ConfigError`) a model whose file would not fit the memory free now (RAM and accelerators)."""
+    free = free_memory()
+    size = ref.path.stat().st_size
+    if free and size * MEMORY_HEADROOM > free:
+        raise ConfigError(f"{ref.model_id} ({size / 2**30:.1f} GiB) does not fit the {free / 2**30:.1f} GiB "
+                          "of memory free on this node", hint="unload another model first")
