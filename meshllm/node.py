@@ -366,7 +366,7 @@ class Node:
                 "capacity": {"ram_bytes": rec.capacity.ram_bytes, "vram_bytes": rec.capacity.vram_bytes,
                              "cpu_cores": rec.capacity.cpu_cores, "gflops": rec.capacity.gflops},
                 "load": {"in_flight": rec.load.in_flight, "queue": rec.load.queue, "tok_s": rec.load.tok_s},
-                "addr": (rec.addresses.listen or [""])[0], "seq": rec.seq,
+                "addr": (rec.addresses.listen or [""])[0], "seq": rec.seq, "standby": list(rec.standby),
             })
         own = gossip.own
         return {

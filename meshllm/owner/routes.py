@@ -160,7 +160,7 @@ def owner_router(owner: OwnerService, nodes: Callable[[], list[tuple[str, str]]]
         try:
             return await serving.unload_model(body.model, body.timeout_s)
         except ModelNotServed as exc:
-            return _error(exc, 404, "model_not_served", "model")
+            return _error(exc, 409, "model_not_served", "model")
 
     return router
 

@@ -11,8 +11,9 @@ or its servers have ``queue_depth`` or more requests waiting and no free slot (`
 promotes such a model once the need has lasted ``hold_s``, plus ``stagger_s`` for every other standby
 ranked ahead of it for that model (rendezvous hashing: every node ranks the same way, without
 talking). Whenever the set of servers changes, the clock restarts, so once the first standby serves
-the model, the next one acts only if the need persists with it serving: two standbys do not both
-jump on one surge. A promoted model is unloaded after ``idle_s`` without a request on it, and that
+the model, the next one acts only if the need persists for its whole wait with that one serving
+(which is longer than a load figure takes to reach it by gossip): two standbys do not both jump on
+one surge. A promoted model is unloaded after ``idle_s`` without a request on it, and that
 model is then not taken again for ``cooldown_s``. Only models the controller loaded itself are
 ever unloaded by it.
 """
@@ -131,9 +132,10 @@ class StandbyController:
             return "queue"
         return None
 
-    def rank(self, model: str, standbys: Mapping[str, Sequence[str]], supply: Supply) -> int:
-        """How many standbys (not serving ``model`` yet) go before this node for it."""
-        rivals = [n for n, models in standbys.items() if model in models and n not in supply.servers]
+    def rank(self, model: str, standbys: Mapping[str, Sequence[str]]) -> int:
+        """How many standbys for ``model`` go before this node (those serving it already included, so a
+        node's rank does not move when another one takes the model)."""
+        rivals = [n for n, models in standbys.items() if model in models]
         if self.node_id not in rivals:
             rivals.append(self.node_id)
         order = sorted(rivals, key=lambda n: (-rendezvous_score(model, n), n))
@@ -174,7 +176,7 @@ class StandbyController:
                 watch.since = now
             if now < self._cooldown.get(model, 0.0) or loading or actions:
                 continue
-            wait = self.config.hold_s + self.config.stagger_s * self.rank(model, standbys, have)
+            wait = self.config.hold_s + self.config.stagger_s * self.rank(model, standbys)
             if now - watch.since >= wait:
                 actions.append(Promote(model, watch.reason))
         return actions
