@@ -47,11 +47,11 @@ from meshllm.discovery.listing import LISTING_TTL_S
 from meshllm.discovery.publisher import NodeDiscovery, facts_from_records
 from meshllm.discovery.routes import discovery_router
 from meshllm.engine.capacity import compute_devices, measure_capacity
-from meshllm.errors import ConfigError, DecodeError, VerificationError
+from meshllm.errors import ConfigError, DecodeError, KeystoreError, VerificationError
 from meshllm.identity.certs import decode_certificate, open_certificate
-from meshllm.identity.ids import node_public_key, unb32
+from meshllm.identity.ids import b32, node_public_key, unb32
 from meshllm.identity.keys import NodeKey
-from meshllm.identity.keystore import obtain_passphrase, unlock_keystore
+from meshllm.identity.keystore import obtain_passphrase, read_keystore, unlock_keystore
 from meshllm.identity.trust import TrustStore
 from meshllm.mesh.admission import INVITE_ID_BYTES
 from meshllm.mesh.membership import Membership, join_mesh, own_mesh
@@ -340,6 +340,15 @@ class Node:
                    if e.status in ("alive", "suspect") and n != self.key.node_id]
         return [(self.key.node_id, self.name), *sorted(members)]
 
+    def _owner_key(self) -> str | None:
+        """The owner key whose keystore is in this node's home (its public half: no passphrase needed)."""
+        path = self.home / OWNER_KEYSTORE_FILE
+        if not path.exists():
+            return None
+        with contextlib.suppress(KeystoreError):
+            return b32(read_keystore(path).public)
+        return None
+
     def _unlock_owner(self, passphrase: str | None) -> Any:
         """The owner key from the keystore in this node's home (for console commands; never kept)."""
         if passphrase is None:
@@ -374,6 +383,7 @@ class Node:
             "role": own.role, "api_url": self.api_url, "mesh_addr": self.mesh_addr,
             "uptime_s": round(time.time() - self.started_at, 1),
             "mesh_owner": self.membership is not None and self.membership.mesh_key is not None,
+            "owner_key": self._owner_key(),
             "models": [_model_json(m) for m in own.models.served],
             "capacity": msgspec.structs.asdict(own.capacity), "load": msgspec.structs.asdict(own.load),
             "peers": peers,

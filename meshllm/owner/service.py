@@ -207,13 +207,18 @@ class OwnerService:
     def status(self, now: float) -> dict[str, Any]:
         """``/api/status`` ``demand`` and ``standby``."""
         served: dict[str, list[str]] = {}
+        standby: dict[str, list[str]] = {}
         for record in self.records():
+            name = record.name or short(record.node_id)
             for model in record.models.served:
                 if takes_requests(model):
-                    served.setdefault(model.name, []).append(record.name or short(record.node_id))
+                    served.setdefault(model.name, []).append(name)
+            for model_id in record.standby:
+                standby.setdefault(model_id, []).append(name)
         demand = [{"model": d.model, "requests": d.requests, "unmet": d.unmet,
                    "last_active_age_s": round(max(0.0, now - d.last_active), 1),
-                   "origins": len(d.origins), "served_by": served.get(d.model, [])}
+                   "origins": len(d.origins), "served_by": served.get(d.model, []),
+                   "standby": standby.get(d.model, [])}
                   for d in sorted(self.mesh_demand(now).values(), key=lambda d: (-d.requests, d.model))]
         return {"demand": demand,
                 "standby": self.standby.controller.status(now) if self.standby is not None else None}
