@@ -11,9 +11,8 @@ only routes. Peers' requests arrive on ``"request"`` streams, served by
 Models come and go while the node serves (``meshllm models load|unload``, owner commands, standby):
 :meth:`Serving.load_model` loads one and announces it; :meth:`Serving.unload_model` first takes it
 out of the engine table and the peer record (no new request reaches it, here or from peers), waits
-for the requests still running on it to finish (up to a deadline), then frees it. Each engine this
-node loads is wrapped in a :class:`TrackedEngine`, which counts the requests in flight on it (what
-a drain waits for) and when it was last used (what a standby's idle timeout reads).
+until the engine reports no request running or queued (up to a deadline), then frees it. The
+engine's own load report is what a drain reads, so it works for every engine alike.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from meshllm.api.counters import RequestCounters
@@ -31,7 +29,7 @@ from meshllm.api.limits import ApiLimits, Slots
 from meshllm.api.mesh_backend import MeshBackend
 from meshllm.api.tunnel import STREAM_KIND
 from meshllm.api.tunnel_serve import TunnelService
-from meshllm.engine.base import Engine, GenerationEvent, GenerationRequest, LoadReport
+from meshllm.engine.base import Engine
 from meshllm.engine.capacity import compute_devices
 from meshllm.engine.llama import LlamaEngine
 from meshllm.errors import ConfigError, MeshllmError
@@ -42,6 +40,7 @@ from meshllm.models.refs import ModelRef, resolve_model
 log = logging.getLogger(__name__)
 
 LOAD_PUBLISH_S = 2.0
+DRAIN_POLL_S = 0.05
 ENGINES = ("llama", "ggml")
 MEMORY_HEADROOM = 1.1
 """A model needs about its file size in memory plus its KV cache and buffers: refuse to load one whose
@@ -50,67 +49,6 @@ file is larger than the free memory divided by this (llama.cpp would fail, or th
 
 class ModelNotServed(MeshllmError):
     """An unload names a model this node does not serve (or serves as a split chain, which it cannot unload)."""
-
-
-class TrackedEngine(Engine):
-    """An engine whose use is counted: requests in flight (what a drain waits for) and when it was last used."""
-
-    def __init__(self, inner: Engine, kind: str, clock: Callable[[], float] = time.monotonic) -> None:
-        self.inner = inner
-        self.kind = kind
-        """The engine name announced in the peer record (``llama``, ``ggml``)."""
-        self.model_id = inner.model_id
-        self.active = 0
-        """Requests generating or waiting on this engine now."""
-        self.requests = 0
-        """Requests started on it since it was loaded."""
-        self._clock = clock
-        self.last_used = clock()
-        """Monotonic time a request last started or ended here (the load time before the first)."""
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)  # engine-specific attributes (stats, path, ...)
-
-    async def load(self) -> None:
-        await self.inner.load()
-
-    async def close(self) -> None:
-        await self.inner.close()
-
-    @property
-    def context_length(self) -> int:
-        return self.inner.context_length
-
-    def load_report(self) -> LoadReport:
-        return self.inner.load_report()
-
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
-        self.active += 1
-        self.requests += 1
-        self._idle.clear()
-        self.last_used = self._clock()
-        events = self.inner.generate(request)
-        try:
-            async for event in events:
-                yield event
-        finally:
-            close = getattr(events, "aclose", None)
-            if close is not None:
-                await close()
-            self.active -= 1
-            self.last_used = self._clock()
-            if not self.active:
-                self._idle.set()
-
-    async def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until no request is in flight here; False if some still are after ``timeout_s``."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout=timeout_s)
-        except TimeoutError:
-            return False
-        return True
 
 
 class Serving:
@@ -128,9 +66,10 @@ class Serving:
         mesh.endpoint.on_stream(STREAM_KIND, self.tunnel.handle)
         self._load_task: asyncio.Task[None] | None = None
         self._last_load: Load | None = None
-        self.tracked: dict[str, TrackedEngine] = {}
-        """The whole models this node loaded (split chains are the split service's): what unload may free."""
-        self.draining: dict[str, TrackedEngine] = {}
+        self.loaded: dict[str, str] = {}
+        """Model id -> engine name of the whole models this node loaded (split chains are the split
+        service's): what unload may free."""
+        self.draining: dict[str, Engine] = {}
         """Models being unloaded: out of the engine table, finishing their requests."""
         self._announced: set[str] = set()
         self._manage = asyncio.Lock()
@@ -148,7 +87,7 @@ class Serving:
         self.announce()
         self._load_task = asyncio.create_task(self._publish_load(), name="publish-load")
 
-    async def load_model(self, spec: str) -> tuple[TrackedEngine, bool]:
+    async def load_model(self, spec: str) -> tuple[Engine, bool]:
         """Load ``spec`` while serving and announce it; ``(engine, False)`` when it is served already.
 
         Raises :class:`ConfigError` when the model would not fit the free memory or is being unloaded,
@@ -156,9 +95,8 @@ class Serving:
         """
         async with self._manage:
             ref = await asyncio.to_thread(resolve_model, spec)
-            present = self.tracked.get(ref.model_id)
-            if present is not None:
-                return present, False
+            if ref.model_id in self.loaded:
+                return self.engines[ref.model_id], False
             if ref.model_id in self.engines:
                 raise ConfigError(f"{ref.model_id} is served here as a split chain",
                                   hint="split models are placed at start (--split)")
@@ -176,18 +114,19 @@ class Serving:
         ``{model, drained, cancelled, waited_s}``.
         """
         async with self._manage:
-            engine = self.tracked.pop(model_id, None)
-            if engine is None:
+            if model_id not in self.loaded:
                 what = "as a split chain, which it cannot unload" if model_id in self.engines else ""
                 raise ModelNotServed(f"this node does not serve {model_id!r} {what}".rstrip(),
                                      hint="`meshllm models --api URL` lists what each node serves")
-            self.engines.pop(model_id, None)
-            self.draining[model_id] = engine
+            del self.loaded[model_id]
+            engine = self.draining[model_id] = self.engines.pop(model_id)
             self.announce()
         started = time.monotonic()
-        self.events.publish("model_draining", model=model_id, in_flight=engine.active, timeout_s=timeout_s)
-        drained = await engine.wait_idle(timeout_s)
-        cancelled = engine.active
+        self.events.publish("model_draining", model=model_id, in_flight=in_flight(engine), timeout_s=timeout_s)
+        while in_flight(engine) and time.monotonic() - started < timeout_s:
+            await asyncio.sleep(DRAIN_POLL_S)
+        cancelled = in_flight(engine)
+        drained = not cancelled
         with contextlib.suppress(Exception):
             await engine.close()
         self.draining.pop(model_id, None)
@@ -195,14 +134,14 @@ class Serving:
         self.events.publish("model_unloaded", model=model_id, drained=drained, cancelled=cancelled, waited_s=waited)
         return {"model": model_id, "drained": drained, "cancelled": cancelled, "waited_s": waited}
 
-    async def _start(self, ref: ModelRef) -> TrackedEngine:
+    async def _start(self, ref: ModelRef) -> Engine:
         """Load one model with this node's engine settings and put it in the engine table."""
-        engine = TrackedEngine(self._make_engine(self._engine, ref, self._threads, self._gpu_layers), self._engine)
+        engine = self._make_engine(self._engine, ref, self._threads, self._gpu_layers)
         self.events.publish("model_loading", model=ref.model_id, path=str(ref.path), engine=self._engine,
                             size_bytes=ref.path.stat().st_size)
         started = time.monotonic()
         await engine.load()
-        self.tracked[engine.model_id] = engine
+        self.loaded[engine.model_id] = self._engine
         self.engines[engine.model_id] = engine
         self.events.publish("model_ready", model=engine.model_id, engine=self._engine,
                             context=engine.context_length, load_s=round(time.monotonic() - started, 2))
@@ -214,8 +153,9 @@ class Serving:
         assert gossip is not None
         own = gossip.own.models
         served = [m for m in own.served if m.name not in self._announced]
-        served += [ServedModel(name=mid, context=e.context_length, engine=e.kind) for mid, e in self.tracked.items()]
-        self._announced = set(self.tracked)
+        served += [ServedModel(name=mid, context=self.engines[mid].context_length, engine=kind)
+                   for mid, kind in self.loaded.items()]
+        self._announced = set(self.loaded)
         self.mesh.update_own(models=Models(served=served, available=own.available))
 
     def add_engine(self, engine: Engine) -> None:
@@ -254,6 +194,12 @@ class Serving:
         for engine in [*self.engines.values(), *self.draining.values()]:
             with contextlib.suppress(Exception):
                 await engine.close()
+
+
+def in_flight(engine: Engine) -> int:
+    """Requests running or waiting on ``engine`` (what an unload waits for)."""
+    report = engine.load_report()
+    return report.running + report.queued
 
 
 def free_memory() -> int:

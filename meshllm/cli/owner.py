@@ -123,9 +123,9 @@ def _print_status(data: dict[str, Any]) -> None:
                f"up {data.get('uptime_s', 0):.0f} s, certificate "
                f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime(expires)) + ' UTC' if expires else 'none'}")
     for m in data.get("models", []):
-        tag = " (standby)" if m.get("standby") else ""
-        click.echo(f"  serves {m['model']}{tag}: {m['in_flight']} in flight, {m['requests']} requests, "
-                   f"idle {m['idle_s']:g} s")
+        tag = f" (standby, idle {m['idle_s']:g} s)" if m.get("standby") else ""
+        click.echo(f"  serves {m['model']}{tag}: {m['running']} running, {m['queued']} queued, "
+                   f"{m['tok_s']:g} tok/s")
     for m in data.get("draining", []):
         click.echo(f"  draining {m['model']}: {m['in_flight']} in flight")
     standby = data.get("standby")

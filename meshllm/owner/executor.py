@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from meshllm.api.serving import Serving
+from meshllm.api.serving import Serving, in_flight
 from meshllm.errors import ConfigError
 from meshllm.owner.commands import OwnerCommand
 from meshllm.owner.standby import StandbyDriver
@@ -65,14 +65,15 @@ class Executor:
             raise ConfigError(f"{spec} is still loading after {timeout_s:g} s",
                               hint="it is served as soon as it is loaded; check with `meshllm owner NODE status`") \
                 from None
-        data = {"model": engine.model_id, "engine": engine.kind, "context": engine.context_length, "loaded": fresh}
+        data = {"model": engine.model_id, "engine": self.serving.loaded[engine.model_id],
+                "context": engine.context_length, "loaded": fresh}
         return (f"loaded {engine.model_id}" if fresh else f"{engine.model_id} was already served"), data
 
     async def drain(self, timeout_s: float) -> tuple[str, dict[str, Any]]:
         """Unload every model loaded here, concurrently, and pause the standby controller."""
         if self.standby is not None:
             self.standby.controller.enabled = False
-        models = list(self.serving.tracked)
+        models = list(self.serving.loaded)
         results = await asyncio.gather(*(self.serving.unload_model(m, timeout_s) for m in models))
         cancelled = sum(r["cancelled"] for r in results)
         message = f"drained {len(results)} model{'s' if len(results) != 1 else ''}" + \
@@ -109,12 +110,17 @@ class Executor:
 
     def status(self) -> dict[str, Any]:
         """The node's serving state, standby controller and own demand."""
-        now, mono = time.time(), time.monotonic()
-        models = [{"model": m, "engine": e.kind, "in_flight": e.active, "requests": e.requests,
-                   "idle_s": round(mono - e.last_used, 1),
-                   "standby": self.standby is not None and m in self.standby.controller.promoted}
-                  for m, e in sorted(self.serving.tracked.items())]
-        draining = [{"model": m, "in_flight": e.active} for m, e in sorted(self.serving.draining.items())]
+        now = time.time()
+        models = []
+        for model, kind in sorted(self.serving.loaded.items()):
+            report = self.serving.engines[model].load_report()
+            entry = {"model": model, "engine": kind, "running": report.running, "queued": report.queued,
+                     "tok_s": report.tokens_per_s, "standby": False}
+            if self.standby is not None and model in self.standby.controller.promoted:
+                used = self.standby.last_used.get(model, now)
+                entry.update(standby=True, idle_s=round(now - used, 1))
+            models.append(entry)
+        draining = [{"model": m, "in_flight": in_flight(e)} for m, e in sorted(self.serving.draining.items())]
         return {**self.describe(), "models": models, "draining": draining,
                 "standby": self.standby.controller.status(now) if self.standby is not None else None}
 

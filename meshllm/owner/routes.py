@@ -153,7 +153,8 @@ def owner_router(owner: OwnerService, nodes: Callable[[], list[tuple[str, str]]]
             return _error(exc, 409, "cannot_load")
         except EngineError as exc:
             return _error(exc, 422, "model_load_failed", "model")
-        return {"model": engine.model_id, "engine": engine.kind, "context": engine.context_length, "loaded": fresh}
+        return {"model": engine.model_id, "engine": serving.loaded[engine.model_id], "context": engine.context_length,
+                "loaded": fresh}
 
     @router.post("/api/models/unload", response_model=None, dependencies=[Depends(require_admin)])
     async def unload(body: UnloadRequest) -> dict[str, Any] | JSONResponse:

@@ -228,6 +228,9 @@ class StandbyDriver:
         self.specs = dict(specs)
         """Model id -> the reference to load it from."""
         self.on_event = on_event
+        self.last_used: dict[str, float] = {}
+        """Wall-clock time each promoted model was last seen busy."""
+        self._seen: dict[str, tuple[int, int, float]] = {}
         self._task: asyncio.Task[None] | None = None
         self._busy: asyncio.Task[None] | None = None
 
@@ -257,17 +260,29 @@ class StandbyDriver:
         ctl = self.controller
         loading = self._busy is not None and not self._busy.done()
         if not loading:
-            for model in [m for m in ctl.promoted if m not in self.serving.tracked]:
+            for model in [m for m in ctl.promoted if m not in self.serving.loaded]:
                 ctl.demoted_now(model, now, "unloaded by the owner")  # an owner unload or drain
+        self._watch_use(now)
         demand, supply, standbys = self.observe(now)
-        mono = time.monotonic()
-        last_used = {m: now - (mono - e.last_used) for m, e in self.serving.tracked.items() if m in ctl.promoted}
-        for action in ctl.step(now, demand, supply, standbys, last_used, loading):
+        for action in ctl.step(now, demand, supply, standbys, self.last_used, loading):
             if isinstance(action, Promote):
                 self._busy = asyncio.create_task(self._promote(action), name=f"standby-load-{action.model}")
             else:
                 self._busy = asyncio.create_task(self._demote(action), name=f"standby-unload-{action.model}")
             break
+
+    def _watch_use(self, now: float) -> None:
+        """A promoted model counts as used at ``now`` while its engine has requests, or when its load
+        report changed since the last tick (a request came and went in between)."""
+        for model in self.controller.promoted:
+            engine = self.serving.engines.get(model)
+            if engine is None:
+                continue
+            report = engine.load_report()
+            seen = (report.running, report.queued, report.tokens_per_s)
+            if report.running or report.queued or seen != self._seen.get(model, seen):
+                self.last_used[model] = now
+            self._seen[model] = seen
 
     async def _promote(self, action: Promote) -> None:
         ctl = self.controller
@@ -278,10 +293,14 @@ class StandbyDriver:
             ctl.failed(action.model, time.time(), str(exc))
             self.on_event("standby_failed", model=action.model, error=str(exc))
             return
-        ctl.promoted_now(action.model, time.time(), action.reason)
+        now = time.time()
+        ctl.promoted_now(action.model, now, action.reason)
+        self.last_used[action.model] = now
 
     async def _demote(self, action: Demote) -> None:
         self.on_event("standby_demote", model=action.model, idle_s=action.idle_s)
         with contextlib.suppress(MeshllmError):
             await self.serving.unload_model(action.model, timeout_s=30.0)
         self.controller.demoted_now(action.model, time.time(), f"idle {action.idle_s:g} s")
+        self.last_used.pop(action.model, None)
+        self._seen.pop(action.model, None)

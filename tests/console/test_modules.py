@@ -208,4 +208,5 @@ def test_owner_control_gate_and_answers(page: Any) -> None:
                               "unloaded m; 2 requests still running were cancelled",
                               "refused (uncertified): no certificate", "status"]
     assert out["hidden"] and out["shown"] and out["decision"] == "promote"
-    assert "library tiny" in out["text"] and "qwen: queue for 1.5 s" in out["text"] and "promote tiny (queue)" in out["text"]
+    text = out["text"]
+    assert "library tiny" in text and "qwen: queue for 1.5 s" in text and "promote tiny (queue)" in text

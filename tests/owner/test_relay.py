@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import msgspec
 import pytest
 from hypothesis import given, settings
@@ -57,7 +59,5 @@ SAMPLE = seal_command(SigningKey(b"o" * 32), NodeKey(SigningKey(b"n" * 32)).node
                          for i, b in enumerate(SAMPLE))),
 ))
 def test_a_relay_reads_envelope_targets_with_typed_errors_only(data: bytes) -> None:
-    try:
+    with contextlib.suppress(DecodeError):
         envelope_target(data)
-    except DecodeError:
-        pass
