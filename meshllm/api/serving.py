@@ -72,8 +72,8 @@ class Serving:
         self.draining: dict[str, Engine] = {}
         """Models being unloaded: out of the engine table, finishing their requests."""
         self._announced: set[str] = set()
-        self._manage = asyncio.Lock()
-        """One load or unload changes the tables at a time (a load of the same model twice loads it once)."""
+        self._loading: dict[str, asyncio.Future[Engine]] = {}
+        """Loads in progress by model id: a second load of the same model waits for the first."""
         self._engine, self._threads, self._gpu_layers = "llama", None, None
 
     async def load_models(self, specs: list[str], engine: str = "llama", threads: int | None = None,
@@ -93,19 +93,34 @@ class Serving:
         Raises :class:`ConfigError` when the model would not fit the free memory or is being unloaded,
         and the resolver's or engine's error when the reference or the file is bad.
         """
-        async with self._manage:
-            ref = await asyncio.to_thread(resolve_model, spec)
-            if ref.model_id in self.loaded:
-                return self.engines[ref.model_id], False
-            if ref.model_id in self.engines:
-                raise ConfigError(f"{ref.model_id} is served here as a split chain",
-                                  hint="split models are placed at start (--split)")
-            if ref.model_id in self.draining:
-                raise ConfigError(f"{ref.model_id} is being unloaded here", hint="load it again once that finished")
-            check_fits(ref)
+        ref = await asyncio.to_thread(resolve_model, spec)
+        model_id = ref.model_id
+        if model_id in self.loaded:
+            return self.engines[model_id], False
+        if model_id in self._loading:
+            return await asyncio.shield(self._loading[model_id]), False
+        if model_id in self.engines:
+            raise ConfigError(f"{model_id} is served here as a split chain",
+                              hint="split models are placed at start (--split)")
+        if model_id in self.draining:
+            raise ConfigError(f"{model_id} is being unloaded here", hint="load it again once that finished")
+        check_fits(ref)
+        loading = self._loading[model_id] = asyncio.get_running_loop().create_future()
+        try:
             engine = await self._start(ref)
-            self.announce()
-            return engine, True
+        except asyncio.CancelledError:
+            loading.cancel()
+            raise
+        except Exception as exc:
+            loading.set_exception(exc)
+            loading.exception()  # retrieved here: a load nobody else waited for is not an unhandled error
+            raise
+        else:
+            loading.set_result(engine)
+        finally:
+            del self._loading[model_id]
+        self.announce()
+        return engine, True
 
     async def unload_model(self, model_id: str, timeout_s: float) -> dict[str, Any]:
         """Stop serving ``model_id``: unannounce it, let its requests finish (up to ``timeout_s``), free it.
@@ -113,14 +128,14 @@ class Serving:
         Requests still running at the deadline are cancelled (their clients get an error). Returns
         ``{model, drained, cancelled, waited_s}``.
         """
-        async with self._manage:
-            if model_id not in self.loaded:
-                what = "as a split chain, which it cannot unload" if model_id in self.engines else ""
-                raise ModelNotServed(f"this node does not serve {model_id!r} {what}".rstrip(),
-                                     hint="`meshllm models --api URL` lists what each node serves")
-            del self.loaded[model_id]
-            engine = self.draining[model_id] = self.engines.pop(model_id)
-            self.announce()
+        if model_id not in self.loaded:
+            what = "as a split chain, which it cannot unload" if model_id in self.engines else \
+                "yet (it is still loading)" if model_id in self._loading else ""
+            raise ModelNotServed(f"this node does not serve {model_id!r} {what}".rstrip(),
+                                 hint="`meshllm models --api URL` lists what each node serves")
+        del self.loaded[model_id]
+        engine = self.draining[model_id] = self.engines.pop(model_id)
+        self.announce()
         started = time.monotonic()
         self.events.publish("model_draining", model=model_id, in_flight=in_flight(engine), timeout_s=timeout_s)
         while in_flight(engine) and time.monotonic() - started < timeout_s:

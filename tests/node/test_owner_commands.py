@@ -189,6 +189,21 @@ def test_models_load_and_unload_on_the_node_itself(mesh: Mesh) -> None:
     wait_until(lambda: listed(mesh.gamma, "tiny3") == [mesh.alpha.node_id], 2.0)
     answer = meshllm_json("models", "unload", "tiny3", *mesh.alpha.api_args)
     assert answer == {"model": "tiny3", "drained": True, "cancelled": 0, "waited_s": answer["waited_s"]}
+    # two loads of one model at once: one loads it, the other waits for that load
+    answers: list[dict[str, object]] = []
+
+    def load() -> None:
+        answers.append(httpx.post(f"{mesh.alpha.api}/api/models/load", json={"model": str(mesh.models / "tiny3.gguf")},
+                                  headers=mesh.alpha.admin_headers, timeout=60).json())
+
+    loaders = [threading.Thread(target=load) for _ in range(2)]
+    for t in loaders:
+        t.start()
+    for t in loaders:
+        t.join(60)
+    assert sorted(bool(a["loaded"]) for a in answers) == [False, True], answers
+    assert sum(1 for e in mesh.alpha.events if e["type"] == "model_loading" and e["model"] == "tiny3") == 2  # the load above, and one for both of these
+    meshllm_json("models", "unload", "tiny3", *mesh.alpha.api_args)
     missing = meshllm("models", "unload", "tiny3", *mesh.alpha.api_args)
     assert missing.returncode == 1 and "does not serve 'tiny3'" in missing.stderr
     unauthorised = httpx.post(f"{mesh.alpha.api}/api/models/load", json={"model": "default"}, timeout=5)
