@@ -49,14 +49,18 @@ MAX_RESULT = 48 * 1024
 MAX_HOPS = 4
 """Relays an envelope may pass before it is dropped (a mesh's partial views are a few hops across)."""
 MAX_PATH = 8
+MAX_ATTEMPTS = 3
+"""Next hops one node tries for an envelope (bounds the fan-out to ``MAX_ATTEMPTS ** MAX_HOPS``)."""
 MAX_DELIVERY_S = MAX_TIMEOUT_S + 30.0
 REQUEST_TIMEOUT_S = 5.0
 """A peer that opened an owner stream must send its Deliver frame within this."""
 CONNECT_TIMEOUT_S = 3.0
 SEND_TIMEOUT_S = 5.0
-RATE_PER_S = 2.0
-RATE_BURST = 20
-"""Envelopes one peer may hand us: a burst of 20, then 2 a second (an owner sends a few a minute)."""
+RATE_PER_S = 20.0
+RATE_BURST = 100
+"""Envelopes one peer may hand us: a burst of 100, then 20 a second. An owner's script steering many
+nodes through one relay stays far below; each costs the receiver a decode, and its target a signature
+check and a read of its trust store, so a flood past this is cheap to refuse."""
 IN_FLIGHT_PER_PEER = 4
 IN_FLIGHT_TOTAL = 32
 
@@ -153,27 +157,35 @@ class OwnerRelay:
         deadline = time.monotonic() + timeout_s
         frame = Deliver(envelope, target, hops - 1, [*path, self.node_id][-MAX_PATH:], 1)
         errors = []
-        for hop in self._candidates(target, path):
+        for hop in self._candidates(target, path)[:MAX_ATTEMPTS]:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
             try:
                 stream = await self._open(hop, deadline)
+                return await self._exchange(stream, msgspec.structs.replace(frame, timeout_ms=max(1, int(left * 1000))),
+                                            hop, left)
             except (MeshllmError, OSError) as exc:
+                # the next hop may do; if this one did deliver and only its answer was lost, a second
+                # copy is refused at the target as a replay, so a command never runs twice
                 errors.append(f"{short(hop)}: {exc}")
-                continue  # nothing was sent: the next hop may do
-            left = deadline - time.monotonic()
-            return await self._exchange(stream, msgspec.structs.replace(frame, timeout_ms=max(1, int(left * 1000))),
-                                        hop, left)
         why = "; ".join(errors) or "no known path and no address"
         raise RelayError(f"cannot reach node {short(target)} from {short(self.node_id)} ({why})")
 
     def _candidates(self, target: str, path: Iterable[str]) -> list[str]:
-        """Connected next hops on known paths, then the target itself (dialed) as the last resort."""
+        """Connected next hops on known paths, then the target itself (dialed), then, when no path is
+        known (gossip may not have told us yet), the other connected peers, which may be connected to it."""
         assert self.mesh.endpoint is not None and self.mesh.gossip is not None
         gossip = self.mesh.gossip
         connected = [n for n, c in self.mesh.endpoint.peers.items() if c.state != "suspect"]
         links = {n: list(e.record.rtt) for n, e in gossip.state.peers.items() if e.status == "alive"}
         links[self.node_id] = connected
-        hops = next_hops(self.node_id, target, connected, links, set(path))
-        return hops if target in hops else [*hops, target]
+        avoid = set(path)
+        hops = next_hops(self.node_id, target, connected, links, avoid)
+        if target in hops:
+            return hops
+        rest = [] if hops else sorted(n for n in connected if n not in avoid)
+        return [*hops, target, *rest]
 
     async def _open(self, hop: str, deadline: float) -> Stream:
         assert self.mesh.endpoint is not None and self.mesh.gossip is not None
