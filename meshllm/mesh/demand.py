@@ -29,6 +29,9 @@ MAX_TRACKED = 4 * MAX_DEMAND
 """Models one tracker remembers; the least recently asked for goes first (a client inventing names
 cannot grow it)."""
 CLOCK_SKEW_S = 60.0
+REPUBLISH_S = 10.0
+"""A demand map that only drifted is republished at most this often (a record re-signed every couple
+of seconds by every busy node would multiply gossip for little: standbys count recency in tens of seconds)."""
 
 
 @dataclass
@@ -92,6 +95,24 @@ class DemandTracker:
     def _trim(self, counts: _Counts, now: float) -> None:
         while counts.buckets and counts.buckets[0][0] <= now - self.window_s:
             counts.buckets.popleft()
+
+
+def worth_publishing(old: list[DemandEntry], new: list[DemandEntry], since_s: float) -> bool:
+    """Whether a node should re-sign its record for a new demand map, ``since_s`` after the last one.
+
+    At once when a model appears or goes, when refusals grew, or when a count changed by a quarter
+    (and at least 2); a drift of counts and times waits for :data:`REPUBLISH_S`.
+    """
+    if old == new:
+        return False
+    before = {e.model: e for e in old}
+    if set(before) != {e.model for e in new}:
+        return True
+    for entry in new:
+        prior = before[entry.model]
+        if entry.unmet > prior.unmet or abs(entry.requests - prior.requests) >= max(2, prior.requests // 4):
+            return True
+    return since_s >= REPUBLISH_S
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from meshllm.identity.ids import node_id as node_id_of
 from meshllm.identity.ids import short
 from meshllm.identity.keys import NodeKey
 from meshllm.identity.trust import TrustStore
-from meshllm.mesh.demand import DemandTracker, ModelDemand, mesh_demand
+from meshllm.mesh.demand import DemandTracker, ModelDemand, mesh_demand, worth_publishing
 from meshllm.mesh.records import MAX_DEMAND, PeerRecord, takes_requests
 from meshllm.mesh.service import MeshService
 from meshllm.owner.commands import OwnerResult, command_digest, seal_result
@@ -103,6 +103,7 @@ class OwnerService:
             self.standby = StandbyDriver(controller, serving, self.observe, standby, on_event)
         self.executor = Executor(serving, self.standby, rename, describe)
         self._task: asyncio.Task[None] | None = None
+        self._published = 0.0
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._publish(), name="publish-demand")
@@ -166,12 +167,14 @@ class OwnerService:
             await asyncio.sleep(DEMAND_PUBLISH_S)
 
     def publish(self, now: float) -> None:
+        """Re-sign our record when the demand map changed enough (``worth_publishing``) or the standby list did."""
         gossip = self.mesh.gossip
         assert gossip is not None
         demand = self.demand.entries(now)
         standby = self.standby_models()
         own = gossip.own
-        if demand != own.demand or standby != own.standby:
+        if standby != own.standby or worth_publishing(own.demand, demand, now - self._published):
+            self._published = now
             self.mesh.update_own(demand=demand, standby=standby)
 
     def standby_models(self) -> list[str]:

@@ -5,9 +5,11 @@ from __future__ import annotations
 from meshllm.mesh.demand import (
     DEMAND_TTL_S,
     MAX_TRACKED,
+    REPUBLISH_S,
     DemandTracker,
     mesh_demand,
     wanted_models,
+    worth_publishing,
 )
 from meshllm.mesh.records import MAX_DEMAND, DemandEntry
 
@@ -65,3 +67,14 @@ def test_wanted_models_are_unserved_or_refused_and_recent() -> None:
                                  DemandEntry("missing", 5, 5, T0 - 3), DemandEntry("stale", 9, 9, T0 - 120),
                                  DemandEntry("quiet", 0, 0, T0 - 1)])], T0)
     assert wanted_models(merged, ["served", "full"], now=T0) == ["missing", "full"]
+
+
+def test_a_record_is_re_signed_for_real_changes_and_only_now_and_then_for_drift() -> None:
+    base = [DemandEntry("m", 20, 0, T0)]
+    assert not worth_publishing(base, base, 100.0)
+    assert worth_publishing(base, [*base, DemandEntry("n", 1, 0, T0)], 0.0)  # a model appears
+    assert worth_publishing(base, [], 0.0)  # ... or goes
+    assert worth_publishing(base, [DemandEntry("m", 20, 1, T0)], 0.0)  # a refusal
+    assert worth_publishing(base, [DemandEntry("m", 26, 0, T0)], 0.0)  # a quarter more
+    drift = [DemandEntry("m", 22, 0, T0 + 1)]
+    assert not worth_publishing(base, drift, 2.0) and worth_publishing(base, drift, REPUBLISH_S)
