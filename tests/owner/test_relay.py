@@ -12,7 +12,7 @@ from nacl.signing import SigningKey
 
 from meshllm.errors import DecodeError
 from meshllm.identity.keys import NodeKey
-from meshllm.owner.commands import OwnerCommand, envelope_target, seal_command
+from meshllm.owner.commands import OwnerCommand, decode_command, envelope_target, seal_command
 from meshllm.owner.relay import MAX_ENVELOPE, MAX_HOPS, MAX_PATH, Deliver, OwnerFrame, next_hops
 
 
@@ -61,3 +61,14 @@ SAMPLE = seal_command(SigningKey(b"o" * 32), NodeKey(SigningKey(b"n" * 32)).node
 def test_a_relay_reads_envelope_targets_with_typed_errors_only(data: bytes) -> None:
     with contextlib.suppress(DecodeError):
         envelope_target(data)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.one_of(st.binary(max_size=200), st.dictionaries(st.sampled_from(["op", "model", "key", "value", "timeout_s",
+                                                                           "x"]),
+                                                          st.one_of(st.text(max_size=5), st.floats(), st.integers(-2**63, 2**63)))
+                 .map(msgspec.msgpack.encode)))
+def test_command_payloads_decode_with_typed_errors_only(data: bytes) -> None:
+    """What a node decodes after the signature checked out: still only DecodeError for anything wrong."""
+    with contextlib.suppress(DecodeError):
+        decode_command(data)
