@@ -22,13 +22,38 @@ from dataclasses import dataclass, field
 
 from meshllm.api.backend import ModelEntry, engine_context
 from meshllm.api.counters import RequestCounters
-from meshllm.api.errors import ApiError, NoCapacity, UnknownModel, UpstreamError, UpstreamTimeout, classify
+from meshllm.api.errors import (
+    ApiError,
+    NoCapacity,
+    Saturated,
+    UnknownModel,
+    UpstreamError,
+    UpstreamTimeout,
+    classify,
+)
 from meshllm.api.router import Attempt, PeerView, Router, Target, affinity_key
-from meshllm.api.tunnel import STREAM_KIND, ServerFrame, TunnelClient, failover_allowed
-from meshllm.engine.base import Engine, GenerationEvent, GenerationRequest
+from meshllm.api.tunnel import (
+    STREAM_KIND,
+    RemoteError,
+    Routable,
+    ServerFrame,
+    TunnelClient,
+    TunnelEvent,
+    failover_allowed,
+)
+from meshllm.engine.base import (
+    Embeddings,
+    EmbedRequest,
+    Engine,
+    EngineBusy,
+    GenerationEvent,
+    GenerationRequest,
+    check_supported,
+)
+from meshllm.engine.embed import embed_stream
 from meshllm.errors import MeshllmError
 from meshllm.identity.ids import short
-from meshllm.mesh.records import PeerRecord, ServedModel
+from meshllm.mesh.records import PeerRecord, takes_requests
 from meshllm.mesh.service import MeshService
 from meshllm.net.connection import PeerConnection
 from meshllm.net.errors import NetTimeout, StreamClosed
@@ -101,7 +126,7 @@ class MeshBackend:
             nodes[mid], names[mid], context[mid] = [self.node_id], [self._own_name()], engine_context(engine)
         for node_id, record in sorted(self._alive_records().items()):
             for model in record.models.served:
-                if _whole(model):
+                if takes_requests(model):
                     nodes.setdefault(model.name, []).append(node_id)
                     names.setdefault(model.name, []).append(record.name or short(node_id))
                     context.setdefault(model.name, model.context)
@@ -127,10 +152,22 @@ class MeshBackend:
             rtt = conn.rtt_ms if conn is not None else None
             if rtt is None and node_id in own_rtt:
                 rtt = own_rtt[node_id].rtt_ms
-            load = max(record.load.in_flight + record.load.queue, len(self._calls.get(node_id, ())))
-            views.append(PeerView(node_id=node_id, models=frozenset(m.name for m in record.models.served if _whole(m)),
-                                  load=load, rtt_ms=rtt, alive=conn is None or conn.state != "suspect"))
+            ours = len(self._calls.get(node_id, ()))
+            load = max(record.load.in_flight + record.load.queue, ours)
+            # the record is up to a few seconds old: our own calls in flight may already fill its free slots
+            free = max(0, record.load.free_slots - ours) if record.load.slots else None
+            served = frozenset(m.name for m in record.models.served if takes_requests(m))
+            views.append(PeerView(node_id=node_id, models=served, load=load, free_slots=free, rtt_ms=rtt,
+                                  alive=conn is None or conn.state != "suspect"))
         return views
+
+    def _local_free(self, model: str) -> int | None:
+        """Free slots of this node's engine for ``model``: slots no request holds or waits for."""
+        engine = self.engines.get(model)
+        if engine is None:
+            return None
+        report = engine.load_report()
+        return max(0, report.slots - report.running - report.queued)
 
     def _known_anywhere(self, model: str) -> bool:
         """Some member (alive, suspect or recently gone) serves ``model``: 503, not 404."""
@@ -150,9 +187,26 @@ class MeshBackend:
             self.counters.failed_one()
             raise
 
-    async def _route(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+    async def embed(self, request: EmbedRequest) -> Embeddings:
+        """Embeddings from the best target, failing over like a generation (the answer is one event)."""
+        self.counters.started(time.time(), remote=request.model not in self.engines)
+        events = self._route(request)
+        try:
+            answer = await _first(events, "the serving node")
+        except Exception:
+            self.counters.failed_one()
+            raise
+        finally:
+            await _aclose(events)
+        if not isinstance(answer, Embeddings):
+            self.counters.failed_one()
+            raise UpstreamError("the serving node answered an embeddings request with text")
+        return answer
+
+    async def _route(self, request: Routable) -> AsyncIterator[TunnelEvent]:
         targets = self.router.order(request.model, local_models=self.engines.keys(), peers=self._peer_views(),
-                                    now=self.clock(), key=affinity_key(request))
+                                    now=self.clock(), key=affinity_key(request),
+                                    local_free=self._local_free(request.model))
         if not targets:
             if self._known_anywhere(request.model):
                 raise NoCapacity(f"no reachable node serves {request.model!r} right now "
@@ -188,16 +242,24 @@ class MeshBackend:
         raise self._exhausted(request.model, failures)
 
     def _exhausted(self, model: str, failures: list[tuple[Target, BaseException]]) -> ApiError:
-        """The error after every target failed: a timeout stays 504, anything else is a 503."""
+        """The error after every target failed: a timeout stays 504; every node busy is a 429 with
+        Retry-After (the client should come back); anything else is a 503."""
         why = "; ".join(f"{self._name(t)}: {e}" for t, e in failures)
         if failures and isinstance(failures[-1][1], UpstreamTimeout):
             return UpstreamTimeout(f"every node serving {model!r} failed ({why})")
+        if failures and all(_busy(e) for _, e in failures):
+            hints = [e.retry_after_s for _, e in failures if isinstance(e, EngineBusy)]
+            return Saturated(f"every node serving {model!r} is busy ({why})", retry_after_s=min(hints, default=1.0))
         return NoCapacity(f"every node serving {model!r} failed ({why})")
 
-    def _open(self, target: Target, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
-        if target.local:
-            return self.engines[request.model].generate(request)
-        return self._remote(target.node_id, request)
+    def _open(self, target: Target, request: Routable) -> AsyncIterator[TunnelEvent]:
+        if not target.local:
+            return self._remote(target.node_id, request)
+        engine = self.engines[request.model]
+        if isinstance(request, EmbedRequest):
+            return embed_stream(engine, request)
+        check_supported(engine, request)
+        return engine.generate(request)
 
     def _name(self, target: Target) -> str:
         if target.local:
@@ -205,7 +267,7 @@ class MeshBackend:
         record = self._alive_records().get(target.node_id)
         return f"node {record.name if record is not None and record.name else short(target.node_id)}"
 
-    async def _remote(self, node_id: str, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+    async def _remote(self, node_id: str, request: Routable) -> AsyncIterator[TunnelEvent]:
         """One request through the tunnel to ``node_id``; every wait has a deadline."""
         dl = self.deadlines
         name = self._name(Target(node_id))
@@ -268,12 +330,9 @@ class MeshBackend:
                 call.abort(why)
 
 
-def _whole(model: ServedModel) -> bool:
-    """The node answers requests for ``model``: it serves it whole, or coordinates a split of it.
-
-    A worker's ``stage`` entry (one layer range of someone else's chain) takes no requests.
-    """
-    return model.engine == "split" or (model.engine != "stage" and model.layer_start == 0 and model.layer_end == 0)
+def _busy(exc: BaseException) -> bool:
+    """The target refused because all its slots or queue places are taken (it works; it is full)."""
+    return isinstance(exc, EngineBusy) or (isinstance(exc, RemoteError) and exc.code == "no_capacity")
 
 
 def _hang_up(stream: Stream, client: TunnelClient) -> None:
@@ -286,14 +345,15 @@ def _hang_up(stream: Stream, client: TunnelClient) -> None:
         pass
 
 
-async def _first(events: AsyncIterator[GenerationEvent], name: str) -> GenerationEvent:
+
+async def _first(events: AsyncIterator[TunnelEvent], name: str) -> TunnelEvent:
     try:
         return await anext(events)
     except StopAsyncIteration:
         raise UpstreamError(f"{name} ended the response without a result") from None
 
 
-async def _aclose(events: AsyncIterator[GenerationEvent]) -> None:
+async def _aclose(events: AsyncIterator[TunnelEvent]) -> None:
     close = getattr(events, "aclose", None)
     if close is not None:
         await close()

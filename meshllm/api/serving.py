@@ -29,9 +29,9 @@ from meshllm.api.limits import ApiLimits, Slots
 from meshllm.api.mesh_backend import MeshBackend
 from meshllm.api.tunnel import STREAM_KIND
 from meshllm.api.tunnel_serve import TunnelService
-from meshllm.engine.base import Engine
+from meshllm.engine.base import DEFAULT_MAX_TOKENS, Engine
 from meshllm.engine.capacity import compute_devices
-from meshllm.engine.llama import LlamaEngine
+from meshllm.engine.llama import Kernels, LlamaEngine
 from meshllm.errors import ConfigError, MeshllmError
 from meshllm.mesh.records import Load, Models, ServedModel
 from meshllm.mesh.service import MeshService
@@ -74,14 +74,23 @@ class Serving:
         self._announced: set[str] = set()
         self._loading: dict[str, asyncio.Future[Engine]] = {}
         """Loads in progress by model id: a second load of the same model waits for the first."""
-        self._engine, self._threads, self._gpu_layers = "llama", None, None
+        self._engine = "llama"
+        self._settings: tuple[Any, ...] = (None, None, None, DEFAULT_MAX_TOKENS, "exact")
+        """``threads, gpu_layers, parallel, max_tokens_default, kernels`` of :meth:`load_models`, for later loads."""
 
     async def load_models(self, specs: list[str], engine: str = "llama", threads: int | None = None,
-                          gpu_layers: int | None = None) -> None:
-        """Resolve and load each model, then announce them all in our record; later loads use the same engine."""
+                          gpu_layers: int | None = None, parallel: int | None = None,
+                          max_tokens_default: int = DEFAULT_MAX_TOKENS, kernels: Kernels = "exact") -> None:
+        """Resolve and load each model, then announce them all in our record; later loads use the same settings.
+
+        ``gpu_layers``: layers to offload to the accelerator (None: all that fit); ``parallel`` is the
+        llama.cpp engine's slots per model (``None``: sized from memory); ``max_tokens_default``
+        caps its requests that set no ``max_tokens``; ``kernels`` picks row-exact or fast llama.cpp kernels.
+        """
         if engine not in ENGINES:
             raise ConfigError(f"unknown engine {engine!r}", hint=f"choose one of {', '.join(ENGINES)}")
-        self._engine, self._threads, self._gpu_layers = engine, threads, gpu_layers
+        self._engine = engine
+        self._settings = (threads, gpu_layers, parallel, max_tokens_default, kernels)
         for spec in specs:
             await self._start(await asyncio.to_thread(resolve_model, spec))
         self.announce()
@@ -151,7 +160,7 @@ class Serving:
 
     async def _start(self, ref: ModelRef) -> Engine:
         """Load one model with this node's engine settings and put it in the engine table."""
-        engine = self._make_engine(self._engine, ref, self._threads, self._gpu_layers)
+        engine = self._make_engine(self._engine, ref, *self._settings)
         self.events.publish("model_loading", model=ref.model_id, path=str(ref.path), engine=self._engine,
                             size_bytes=ref.path.stat().st_size)
         started = time.monotonic()
@@ -159,7 +168,8 @@ class Serving:
         self.loaded[engine.model_id] = self._engine
         self.engines[engine.model_id] = engine
         self.events.publish("model_ready", model=engine.model_id, engine=self._engine,
-                            context=engine.context_length, load_s=round(time.monotonic() - started, 2))
+                            context=engine.context_length, slots=engine.load_report().slots,
+                            load_s=round(time.monotonic() - started, 2))
         return engine
 
     def announce(self) -> None:
@@ -178,7 +188,8 @@ class Serving:
         self.engines[engine.model_id] = engine
 
     @staticmethod
-    def _make_engine(engine: str, ref: Any, threads: int | None, gpu_layers: int | None) -> Engine:
+    def _make_engine(engine: str, ref: Any, threads: int | None, gpu_layers: int | None, parallel: int | None,
+                     max_tokens_default: int, kernels: Kernels) -> Engine:
         """``gpu_layers``: layers to offload to the accelerator (None: all that fit; 0 on CPU-only nodes)."""
         if engine == "ggml":
             from meshllm.engine.ggml.engine import GgmlEngine
@@ -186,14 +197,16 @@ class Serving:
             return GgmlEngine(ref.path, model_id=ref.model_id, threads=threads, gpu_layers=gpu_layers)
         from meshllm.engine.capacity import accelerator, llama_gpu_layers
 
-        return LlamaEngine(ref, n_threads=threads, n_gpu_layers=llama_gpu_layers(ref.path, gpu_layers, accelerator()))
+        return LlamaEngine(ref, n_threads=threads, n_gpu_layers=llama_gpu_layers(ref.path, gpu_layers, accelerator()),
+                           parallel=parallel, default_max_tokens=max_tokens_default, kernels=kernels)
 
     async def _publish_load(self) -> None:
         """Copy the engines' load into our record when it changes (gossip spreads it)."""
         while True:
             reports = [e.load_report() for e in [*self.engines.values(), *self.draining.values()]]
             load = Load(in_flight=sum(r.running for r in reports), queue=sum(r.queued for r in reports),
-                        tok_s=round(sum(r.tokens_per_s for r in reports), 1))
+                        tok_s=round(sum(r.tokens_per_s for r in reports), 1), slots=sum(r.slots for r in reports),
+                        free_slots=sum(max(0, r.slots - r.running) for r in reports))
             if load != self._last_load:
                 self._last_load = load
                 self.mesh.update_own(load=load)

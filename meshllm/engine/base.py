@@ -24,6 +24,9 @@ FinishReason = Literal["stop", "length"]
 """``stop``: end-of-sequence token or a stop string; ``length``: ``max_tokens`` or context full."""
 DEFAULT_MAX_CONTEXT = 4096
 """Cap on the context we allocate when the caller does not choose: a 32k KV cache costs GBs."""
+DEFAULT_MAX_TOKENS = 1024
+"""Tokens generated for a request that sets no ``max_tokens`` (``meshllm serve --max-tokens-default``):
+a client that forgets the field must not hold a slot until the context is full."""
 
 
 def context_cap(trained: int, requested: int | None = None, *, cap: int = DEFAULT_MAX_CONTEXT) -> int:
@@ -51,10 +54,20 @@ class BadChat(EngineError):
     hint = "check the order and roles of the messages"
 
 
+class InvalidRequest(EngineError):
+    """The request asks for something the engine cannot do with it (a client error: HTTP 400)."""
+
+
 class EngineBusy(EngineError):
-    """The engine's queue is full or the request waited too long for its turn (HTTP 503)."""
+    """The engine's queue is full or the request waited too long for its turn (HTTP 503, or 429 once
+    every node serving the model is busy)."""
 
     hint = "retry later, or add nodes serving this model"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        """When a slot is likely to be free again (the engine's estimate)."""
 
 
 class Unsupported(EngineError):
@@ -73,14 +86,17 @@ class GenerationParams(msgspec.Struct, frozen=True, kw_only=True):
     """Sampling and stopping controls shared by chat and text completion."""
 
     max_tokens: int | None = None
-    """Most tokens to generate; ``None``: until end of sequence or the context is full."""
+    """Most tokens to generate; ``None``: the serving engine's default cap (:data:`DEFAULT_MAX_TOKENS`
+    unless configured). Always clamped to the context left after the prompt."""
     temperature: float = 1.0
     """0 means greedy (deterministic without a seed)."""
     top_p: float = 1.0
     top_k: int | None = None
     """``None`` or 0: no top-k cut."""
     seed: int | None = None
-    """Same seed, prompt and parameters on the same engine give the same text."""
+    """Same seed, prompt and parameters on the same engine give the same text. The random draw of
+    step ``k`` (the ``k``-th generated token) depends only on ``(seed, k)``, so an engine resuming
+    from a :attr:`ChatRequest.continuation` of ``k`` tokens draws what the first engine would have."""
     stop: tuple[str, ...] = ()
     """Generation ends *before* the first occurrence of any of these; the stop text is not returned."""
     presence_penalty: float = 0.0
@@ -91,14 +107,33 @@ class GenerationParams(msgspec.Struct, frozen=True, kw_only=True):
     An engine that cannot constrain sampling refuses a request that sets it."""
     logprobs: int | None = None
     """``None``: no log-probabilities; ``k`` (0-20): each generated token's logprob with its ``k`` most
-    likely alternatives, on :attr:`TextDelta.logprobs`."""
+    likely alternatives, on :attr:`TextDelta.logprobs`. They are the model's own distribution (a
+    softmax of the raw logits), before penalties, grammar, top-k/top-p and temperature."""
+
+
+class ToolCall(msgspec.Struct, frozen=True):
+    """A function call an assistant turn made (OpenAI's ``tool_calls`` entry, flattened)."""
+
+    id: str
+    name: str
+    arguments: str
+    """The arguments as JSON text, exactly as the model (or the client) wrote them."""
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
-    """One turn of a conversation, content already flattened to text."""
+    """One turn of a conversation, content already flattened to text.
+
+    Chat templates read more than role and content: an assistant turn's ``tool_calls``, a tool
+    result's ``tool_call_id`` and ``name``. They ride along so the template (or our family format)
+    can render them; :func:`meshllm.engine.chat_format.template_message` is the one place that
+    turns a message into what templates read.
+    """
 
     role: str
     content: str
+    name: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
 
 
 class ChatRequest(msgspec.Struct, frozen=True, kw_only=True, tag="chat"):
@@ -108,9 +143,13 @@ class ChatRequest(msgspec.Struct, frozen=True, kw_only=True, tag="chat"):
     messages: tuple[ChatMessage, ...]
     params: GenerationParams = GenerationParams()
     tools: tuple[dict[str, Any], ...] = ()
-    """OpenAI tool definitions, passed to chat templates that render them."""
+    """OpenAI tool definitions (``{"type": "function", "function": {...}}``), passed to the chat
+    template; a template that knows no tools gets them described in a system message instead."""
     user: str | None = None
     """Client's end-user or session id; routing uses it for affinity."""
+    client: str | None = None
+    """Who is asking, for fair queueing: ``user:<user>`` or the HTTP connection, set by the node whose
+    API took the request (a routed request keeps it). ``None``: one shared anonymous share."""
     continuation: tuple[int, ...] = ()
     """Token ids this request already generated on another engine (failover replay): the engine
     prefills prompt + these, feeds them silently through its text core, and continues after them."""
@@ -124,8 +163,20 @@ class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True, tag="completi
     """Text, or token ids fed as they are (OpenAI's token-id prompts)."""
     params: GenerationParams = GenerationParams()
     user: str | None = None
+    client: str | None = None
+    """As :attr:`ChatRequest.client`."""
     continuation: tuple[int, ...] = ()
     """As :attr:`ChatRequest.continuation`."""
+
+
+class EmbedRequest(msgspec.Struct, frozen=True, kw_only=True, tag="embed"):
+    """Pooled hidden states of each input (``/v1/embeddings``)."""
+
+    model: str
+    inputs: tuple[str | tuple[int, ...], ...]
+    """Texts, or token ids fed as they are."""
+    user: str | None = None
+    """As :attr:`ChatRequest.user` (routing affinity)."""
 
 
 GenerationRequest = ChatRequest | CompletionRequest
@@ -179,16 +230,28 @@ class Finish(msgspec.Struct, frozen=True, tag="finish"):
 
     reason: FinishReason
     usage: Usage
+    stop_sequence: str | None = None
+    """The stop string that ended generation (``reason`` is ``stop``); ``None`` for an end-of-sequence token."""
 
 
 GenerationEvent = TextDelta | Finish
+
+
+class Embeddings(msgspec.Struct, frozen=True, tag="embeddings"):
+    """The answer to an :class:`EmbedRequest`: one float32 vector per input, in input order."""
+
+    vectors: tuple[bytes, ...]
+    """Little-endian float32 values (what llama.cpp computes; OpenAI's base64 encoding is these bytes)."""
+    prompt_tokens: int
 
 
 class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
     """How busy an engine is; gossiped as the node's load and used by the router."""
 
     running: int
-    """Requests generating now."""
+    """Requests generating now (each holds one slot)."""
+    slots: int = 1
+    """Requests that can generate at once (``--parallel``); ``slots - running`` are free."""
     queued: int
     """Requests waiting for their turn."""
     max_queue: int
@@ -214,11 +277,22 @@ class TokenRate:
             self.value = speed if not self.value else (1 - self.ALPHA) * self.value + self.ALPHA * speed
 
 
+GRAMMAR = "grammar"
+"""Capability: honours :attr:`GenerationParams.grammar`."""
+LOGPROBS = "logprobs"
+"""Capability: honours :attr:`GenerationParams.logprobs`."""
+TOKEN_PROMPTS = "token_prompts"
+"""Capability: takes :attr:`CompletionRequest.prompt` as token ids."""
+
+
 class Engine(ABC):
     """One loaded model that generates text. Implementations run blocking work off the loop."""
 
     model_id: str
     """The API id this engine serves (see ``meshllm.models.refs``)."""
+    supports: frozenset[str] = frozenset()
+    """Optional request features this engine honours (:data:`GRAMMAR`, :data:`LOGPROBS`,
+    :data:`TOKEN_PROMPTS`); :func:`check_supported` refuses the others before ``generate``."""
 
     @abstractmethod
     async def load(self) -> None:
@@ -243,3 +317,20 @@ class Engine(ABC):
 
         Closing the iterator early cancels the generation between two tokens.
         """
+
+
+def check_supported(engine: Engine, request: GenerationRequest) -> None:
+    """Raise :class:`Unsupported` naming the first field of ``request`` that ``engine`` cannot honour.
+
+    Every place that hands a request to an engine (local backends, the tunnel's serving end) calls
+    this first, so a field is refused the same way wherever the request runs.
+    """
+    params = request.params
+    if params.grammar is not None and GRAMMAR not in engine.supports:
+        raise Unsupported(f"model {engine.model_id} cannot constrain sampling with a grammar on this node "
+                          "(a JSON response_format or a forced tool_choice needs it)", param="response_format")
+    if params.logprobs is not None and LOGPROBS not in engine.supports:
+        raise Unsupported(f"model {engine.model_id} cannot report logprobs on this node", param="logprobs")
+    if isinstance(request, CompletionRequest) and not isinstance(request.prompt, str) \
+            and TOKEN_PROMPTS not in engine.supports:
+        raise Unsupported(f"model {engine.model_id} cannot take token-id prompts on this node", param="prompt")

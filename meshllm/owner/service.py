@@ -24,7 +24,7 @@ from typing import Any
 from meshllm.api.backend import Backend, ModelEntry
 from meshllm.api.errors import classify
 from meshllm.api.serving import Serving
-from meshllm.engine.base import GenerationEvent, GenerationRequest
+from meshllm.engine.base import Embeddings, EmbedRequest, GenerationEvent, GenerationRequest
 from meshllm.errors import DecodeError, MeshllmError
 from meshllm.identity.envelope import decode_envelope
 from meshllm.identity.ids import node_id as node_id_of
@@ -58,10 +58,24 @@ class DemandBackend:
     def models(self) -> Sequence[ModelEntry]:
         return self.inner.models()
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
-        remote = request.model not in self._local()
+    async def embed(self, request: EmbedRequest) -> Embeddings:
+        remote = self._count(request.model)
+        try:
+            return await self.inner.embed(request)
+        except Exception as exc:
+            if remote and classify(exc)[0] in UNMET_STATUSES:
+                self.tracker.unmet(request.model, time.time())
+            raise
+
+    def _count(self, model: str) -> bool:
+        """Count a request for ``model`` when this node does not serve it; whether it was counted."""
+        remote = model not in self._local()
         if remote:
-            self.tracker.record(request.model, time.time())
+            self.tracker.record(model, time.time())
+        return remote
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        remote = self._count(request.model)
         events = self.inner.generate(request)
         started = False
         try:
@@ -199,10 +213,14 @@ class OwnerService:
         """The standby controller's inputs: demand, who serves each model and how loaded, the standbys."""
         supply: dict[str, Supply] = {}
         for record in self.records():
+            load = record.load
             for model in record.models.served:
                 if takes_requests(model):
                     have = supply.get(model.name, Supply())
-                    supply[model.name] = Supply((*have.servers, record.node_id), have.queue + record.load.queue)
+                    free = have.free_slots
+                    if load.slots:  # a node too old to report slots adds nothing to what is known free
+                        free = (free or 0) + load.free_slots
+                    supply[model.name] = Supply((*have.servers, record.node_id), have.queue + load.queue, free)
         standbys = {r.node_id: list(r.standby) for r in self.records()[1:] if r.standby}
         standbys[self.key.node_id] = self.standby_models()
         return self.mesh_demand(now), supply, standbys

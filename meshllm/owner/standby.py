@@ -65,7 +65,7 @@ class Supply:
     queue: int = 0
     """Requests waiting at those servers (their whole node's queue: records give load per node)."""
     free_slots: int | None = None
-    """Free slots summed over servers that report slots; ``None`` when none does."""
+    """Free slots summed over the servers that report slots (per node, like ``queue``); ``None`` when none does."""
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ def test_bad_json_is_400(tiny_server: str) -> None:
         ({"messages": [{"role": "user", "content": "x"}]}, "model"),
         ({**HELLO, "temperature": 9}, "temperature"),
         ({**HELLO, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
-        ({**HELLO, "n": 2}, "n"),
+        ({**HELLO, "n": 17}, "n"),
         ({**HELLO, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ],
 )
@@ -67,14 +67,30 @@ def test_missing_or_invalid_fields_are_422(tiny_server: str, body: dict[str, Any
 
 
 @pytest.mark.parametrize(
-    ("path", "body", "words"),
+    ("path", "body", "param"),
     [
-        (CHAT, {**HELLO, "response_format": {"type": "json_object"}}, "response_format"),
+        (CHAT, {**HELLO, "logit_bias": {"5": 1.0}}, "logit_bias"),
+        (CHAT, {**HELLO, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+         "messages[0].content[0].type"),
+        (CHAT, {**HELLO, "tools": [{"type": "web_search", "function": {"name": "f"}}]}, "tools[0].type"),
+        (CHAT, {**HELLO, "tools": [{"type": "function", "function": {"name": "bad name"}}]},
+         "tools[0].function.name"),
+        (CHAT, {**HELLO, "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+        (CHAT, {**HELLO, "tool_choice": "required"}, "tool_choice"),
+        (CHAT, {**HELLO, "top_logprobs": 2}, "top_logprobs"),
+        (CHAT, {**HELLO, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        (CHAT, {**HELLO, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
         ("/v1/completions", {"model": "tiny-llama", "prompt": "x", "suffix": "y"}, "suffix"),
+        ("/v1/completions", {"model": "tiny-llama", "prompt": "x", "best_of": 2}, "best_of"),
+        ("/v1/completions", {"model": "tiny-llama", "prompt": [1, 2], "echo": True}, "echo"),
+        ("/v1/completions", {"model": "tiny-llama", "prompt": ["a"] * 9, "n": 2}, "n"),
     ],
 )
-def test_unsupported_values_are_400(tiny_server: str, path: str, body: dict[str, Any], words: str) -> None:
-    assert words in assert_openai_error(httpx.post(tiny_server + path, json=body), 400)["message"]
+def test_unsupported_values_are_400_naming_the_field(tiny_server: str, path: str, body: dict[str, Any],
+                                                    param: str) -> None:
+    error = assert_openai_error(httpx.post(tiny_server + path, json=body), 400)
+    assert error["param"] == param, error
 
 
 def test_prompt_over_the_context_is_400(tiny_server: str) -> None:
@@ -124,7 +140,7 @@ class GatedBackend:
         yield Finish(reason="stop", usage=Usage(1, 1))
 
 
-def test_concurrency_limit_gives_503_after_the_queue_deadline() -> None:
+def test_concurrency_limit_gives_429_with_retry_after_after_the_queue_deadline() -> None:
     backend = GatedBackend()
     app = create_app(backend, ApiLimits(max_concurrent=1, queue_timeout_s=0.2))
     body = {"model": "gated", "prompt": "x"}
@@ -136,7 +152,8 @@ def test_concurrency_limit_gives_503_after_the_queue_deadline() -> None:
         started = time.monotonic()
         refused = httpx.post(url + "/v1/completions", json=body)
         assert 0.15 < time.monotonic() - started < 3
-        assert_openai_error(refused, 503, "no_capacity")
+        assert_openai_error(refused, 429, "rate_limit_exceeded")
+        assert int(refused.headers["retry-after"]) >= 1
         backend.release.set()
         holder.join(10)
         assert results[0].status_code == 200 and results[0].json()["choices"][0]["text"] == "ok"
@@ -145,24 +162,23 @@ def test_concurrency_limit_gives_503_after_the_queue_deadline() -> None:
 
 @pytest.fixture
 def slow_engine(tiny_engine: LlamaEngine, monkeypatch: pytest.MonkeyPatch) -> LlamaEngine:
-    """The tiny engine, slowed to ~200 tokens/s so a disconnect lands mid-generation."""
-    llama = tiny_engine._llama
-    original = llama.generate
+    """The tiny engine, its steps slowed to ~200 tokens/s so a disconnect lands mid-generation."""
+    original = tiny_engine._run
 
-    def slow_generate(*args: Any, **kwargs: Any) -> Iterator[int]:
-        for token in original(*args, **kwargs):
-            time.sleep(0.005)
-            yield token
+    def slow_run(step: Any) -> None:
+        time.sleep(0.005)
+        original(step)
 
-    monkeypatch.setattr(llama, "generate", slow_generate)
+    monkeypatch.setattr(tiny_engine, "_run", slow_run)
     return tiny_engine
 
 
-@pytest.mark.parametrize("stream", [True, False])
-def test_client_disconnect_cancels_generation(slow_engine: LlamaEngine, stream: bool) -> None:
+@pytest.mark.parametrize(("stream", "n"), [(True, 1), (False, 1), (False, 2)])
+def test_client_disconnect_cancels_generation(slow_engine: LlamaEngine, stream: bool, n: int) -> None:
+    """Every choice stops, even one still queued behind the other (this engine runs one request at a time)."""
     app = create_app(LocalBackend([slow_engine]))
     before = slow_engine.stats.cancelled, slow_engine.stats.completion_tokens
-    body = {"model": "tiny-llama", "prompt": "go", "max_tokens": 400, "temperature": 0, "stream": stream}
+    body = {"model": "tiny-llama", "prompt": "go", "max_tokens": 400, "temperature": 0, "stream": stream, "n": n}
     with serve(app) as url:
         if stream:
             with httpx.stream("POST", url + "/v1/completions", json=body) as response:
@@ -171,9 +187,9 @@ def test_client_disconnect_cancels_generation(slow_engine: LlamaEngine, stream: 
         else:
             with pytest.raises(httpx.ReadTimeout):
                 httpx.post(url + "/v1/completions", json=body, timeout=0.3)
-        wait_until(lambda: slow_engine.stats.cancelled == before[0] + 1, 5.0, interval=0.01)
+        wait_until(lambda: slow_engine.stats.cancelled == before[0] + n, 10.0, interval=0.01)
     generated = slow_engine.stats.completion_tokens - before[1]
-    assert generated < 300  # stopped long before max_tokens
+    assert generated < 300 * n  # every choice stopped long before max_tokens
     assert slow_engine.load_report().running == 0
 
 
@@ -198,5 +214,6 @@ def test_values_a_peer_could_not_receive_are_refused_at_the_edge(tiny_server: st
     """A routed request must never fail while being encoded (and charge healthy peers with the failure)."""
     huge = httpx.post(tiny_server + CHAT, json={**HELLO, "max_tokens": 10**30})
     assert assert_openai_error(huge, 422, "invalid_value")["param"] == "max_tokens"
-    tools = httpx.post(tiny_server + CHAT, json={**HELLO, "tools": [{"type": "function", "n": 10**30}]})
+    tools = httpx.post(tiny_server + CHAT, json={**HELLO, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "integer", "maximum": 10**30}}}]})
     assert "tools" in assert_openai_error(tools, 422, "invalid_value")["message"]

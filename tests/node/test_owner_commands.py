@@ -202,7 +202,8 @@ def test_models_load_and_unload_on_the_node_itself(mesh: Mesh) -> None:
     for t in loaders:
         t.join(60)
     assert sorted(bool(a["loaded"]) for a in answers) == [False, True], answers
-    assert sum(1 for e in mesh.alpha.events if e["type"] == "model_loading" and e["model"] == "tiny3") == 2  # the load above, and one for both of these
+    loads = [e for e in mesh.alpha.events if e["type"] == "model_loading" and e["model"] == "tiny3"]
+    assert len(loads) == 2  # the load above, and one for both of these
     meshllm_json("models", "unload", "tiny3", *mesh.alpha.api_args)
     missing = meshllm("models", "unload", "tiny3", *mesh.alpha.api_args)
     assert missing.returncode == 1 and "does not serve 'tiny3'" in missing.stderr

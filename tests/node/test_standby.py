@@ -1,6 +1,7 @@
 """A standby node under real load (subprocesses through the CLI, real QUIC and llama.cpp on 127.0.0.1).
 
-``server`` serves ``tiny`` one request at a time; ``standby`` has ``tiny`` in its standby library;
+``server`` serves ``tiny`` one request at a time (``--parallel 1``: one slot); ``standby`` has ``tiny``
+in its standby library;
 the load generator sends more concurrent requests than ``server`` can take through the ``--client``
 node ``entry``. The standby must start serving within 10 s, the routed requests then spread over
 both, and once the load stops the standby unloads after its idle timeout.
@@ -65,11 +66,11 @@ class Load:
 def test_a_standby_takes_load_the_server_cannot_and_leaves_when_idle(tmp_path: Path) -> None:
     model = write_tiny_llama(tmp_path / "tiny.gguf", seed=0)
     with running_nodes() as nodes:
-        server = NodeProcess(tmp_path / "server", ["--model", str(model)], "server")
+        server = NodeProcess(tmp_path / "server", ["--model", str(model), "--parallel", "1"], "server")
         nodes.append(server)
         token = server.wait_ready()["invite"]
         standby = NodeProcess(tmp_path / "standby", ["--standby", "--model", str(model), "--standby-idle", str(IDLE_S),
-                                                     "--join", token], "standby")
+                                                     "--parallel", "2", "--join", token], "standby")
         entry = NodeProcess(tmp_path / "entry", ["--client", "--join", token], "entry")
         nodes += [standby, entry]
         standby.wait_ready()

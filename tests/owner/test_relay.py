@@ -64,10 +64,12 @@ def test_a_relay_reads_envelope_targets_with_typed_errors_only(data: bytes) -> N
 
 
 @settings(max_examples=2000, deadline=None)
-@given(st.one_of(st.binary(max_size=200), st.dictionaries(st.sampled_from(["op", "model", "key", "value", "timeout_s",
-                                                                           "x"]),
-                                                          st.one_of(st.text(max_size=5), st.floats(), st.integers(-2**63, 2**63)))
-                 .map(msgspec.msgpack.encode)))
+@given(st.one_of(
+    st.binary(max_size=200),
+    st.dictionaries(st.sampled_from(["op", "model", "key", "value", "timeout_s", "x"]),
+                    st.one_of(st.text(max_size=5), st.floats(), st.integers(-2**63, 2**63)))
+    .map(msgspec.msgpack.encode),
+))
 def test_command_payloads_decode_with_typed_errors_only(data: bytes) -> None:
     """What a node decodes after the signature checked out: still only DecodeError for anything wrong."""
     with contextlib.suppress(DecodeError):
