@@ -36,6 +36,7 @@ from meshllm.api.serving import Serving
 from meshllm.api.status import mesh_links, status_router
 from meshllm.config import (
     NODE_CERT_FILE,
+    OWNER_KEYSTORE_FILE,
     REVOCATIONS_FILE,
     ensure_home,
     load_or_create_admin_token,
@@ -47,9 +48,11 @@ from meshllm.discovery.routes import discovery_router
 from meshllm.engine.base import DEFAULT_MAX_TOKENS
 from meshllm.engine.capacity import compute_devices, measure_capacity
 from meshllm.engine.kernels import Kernels
-from meshllm.errors import ConfigError, DecodeError, MeshllmError
-from meshllm.identity.ids import node_public_key, unb32
+from meshllm.errors import ConfigError, DecodeError, KeystoreError, MeshllmError, VerificationError
+from meshllm.identity.certs import decode_certificate, open_certificate
+from meshllm.identity.ids import b32, node_public_key, unb32
 from meshllm.identity.keys import NodeKey
+from meshllm.identity.keystore import obtain_passphrase, read_keystore, unlock_keystore
 from meshllm.identity.trust import TrustStore
 from meshllm.mesh.admission import INVITE_ID_BYTES
 from meshllm.mesh.membership import Membership, join_mesh, own_mesh
@@ -58,6 +61,9 @@ from meshllm.mesh.service import MeshService
 from meshllm.models.library import Library
 from meshllm.models.routes import models_router
 from meshllm.models.store import ModelStore, Offer
+from meshllm.owner.routes import owner_router
+from meshllm.owner.service import OwnerService
+from meshllm.owner.standby import StandbyConfig
 from meshllm.split.placement import SplitOptions
 from meshllm.split.routes import plan_router
 from meshllm.split.service import SplitService, offered_capacity
@@ -117,6 +123,10 @@ class NodeOptions:
     """``--allowed-host``: host names requests may carry besides localhost and IP literals (``*``: any)."""
     edge: EdgeLimits = field(default_factory=EdgeLimits)
     """HTTP connection cap and read deadlines."""
+    standby: bool = False
+    """``--standby``: load none of ``models`` at start; serve each when the mesh wants it and cannot keep up."""
+    standby_idle_s: float = StandbyConfig.idle_s
+    """``--standby-idle``: a model a standby took is unloaded after this long without a request."""
 
 
 class Node:
@@ -142,6 +152,7 @@ class Node:
         self.splits: SplitService | None = None
         self.store: ModelStore | None = None
         self._scan_task: asyncio.Task[None] | None = None
+        self.owner: OwnerService | None = None
         self.discovery: NodeDiscovery | None = None
         self.api_url = ""
         self.invite: str | None = None
@@ -186,14 +197,20 @@ class Node:
         split = dataclasses.replace(opts.split, threads=opts.threads, gpu_layers=opts.gpu_layers, kernels=opts.kernels)
         self.splits = SplitService(self.mesh, self.serving, self.events, opts.role, split, self.store,
                                    self.key.signing_key)
+        self.owner = OwnerService(
+            self.key, self.mesh, self.serving, trust=lambda: TrustStore.load(self.home), certificate=self._owner_cert,
+            rename=self._rename, describe=self._describe, on_event=self.events.publish,
+            standby=await self._standby_library(), standby_config=StandbyConfig(idle_s=opts.standby_idle_s),
+        )
         self.discovery = self._make_discovery()
         await self._start_api()
         self.events.publish("mesh_ready", mesh_id=self.membership.mesh_id, mesh_addr=self.mesh_addr)
-        whole = await self.splits.prepare(opts.models if opts.role == "host" else [])
+        whole = await self.splits.prepare(opts.models if opts.role == "host" and not opts.standby else [])
         await self.serving.load_models(whole, engine=opts.engine, threads=opts.threads, gpu_layers=opts.gpu_layers,
                                        parallel=opts.parallel, max_tokens_default=opts.max_tokens_default,
                                        kernels=opts.kernels)
         await self.splits.start()
+        self.owner.start()
         self.invite = self._ready_invite()
         await self.discovery.start()
         self.events.publish(
@@ -211,6 +228,8 @@ class Node:
             self._scan_task.cancel()
         if self.discovery is not None:
             await self.discovery.stop()
+        if self.owner is not None:
+            await self.owner.stop()
         if self.mesh is not None:
             await self.mesh.stop(graceful=True)
         if self.splits is not None:
@@ -230,10 +249,13 @@ class Node:
             routers.append(plan_router(self.splits))
         if self.store is not None:
             routers.append(models_router(self.store, self.serving.resolve))
+        if self.owner is not None:
+            routers.append(owner_router(self.owner, self._node_names, self._unlock_owner))
         if self.discovery is not None:
             routers.append(discovery_router(self.discovery))
         edge = _fit_to_descriptors(self.options.edge)
-        app = create_app(self.serving.backend, routers=routers, access=self.access, edge=edge, policy=self.policy,
+        backend = self.owner.backend if self.owner is not None else self.serving.backend
+        app = create_app(backend, routers=routers, access=self.access, edge=edge, policy=self.policy,
                          readiness=self.readiness)
         sock = _bind_api_socket(self.options.api_host, self.options.api_port)
         config = uvicorn.Config(app, http=guarded_protocol(edge), backlog=ACCEPT_BACKLOG, log_level="warning",
@@ -257,7 +279,7 @@ class Node:
         return NodeDiscovery(
             node_key=self.key.signing_key, node_id=self.key.node_id, node_name=self.name,
             mesh_key=self.membership.mesh_key,
-            facts=lambda: facts_from_records(gossip.own, list(gossip.members().values())),
+            facts=lambda: facts_from_records(gossip.own, list(gossip.members().values()), time.time()),
             quic_port=self.mesh.endpoint.local_addr[1], host=opts.mesh_host, dht_bootstrap=opts.dht_bootstrap,
             dht_port=opts.dht_port, listing_ttl_s=opts.listing_ttl_s, on_event=self.events.publish,
         )
@@ -332,8 +354,58 @@ class Node:
         return self.create_invite(SERVE_INVITE_TTL_S, 0)
 
     def _owner_cert(self) -> bytes | None:
+        """``node.cert`` as it is now (read again for every owner command: installing one needs no restart)."""
         path = self.home / NODE_CERT_FILE
         return path.read_bytes() if path.exists() and not self.options.ephemeral else None
+
+    # -- owner control ------------------------------------------------------------------------------
+
+    async def _standby_library(self) -> dict[str, str] | None:
+        """``--standby``: model id -> reference of each ``--model`` it may take (resolved, not loaded)."""
+        opts = self.options
+        if not opts.standby:
+            return None
+        if opts.role != "host":
+            raise ConfigError("--standby serves models on demand, so it cannot be combined with --client or --worker")
+        refs = [await self.serving.resolve(spec) for spec in opts.models]
+        return {ref.model_id: spec for ref, spec in zip(refs, opts.models, strict=True)}
+
+    def _rename(self, name: str) -> None:
+        assert self.mesh is not None
+        self.name = name
+        self.mesh.update_own(name=name)
+
+    def _describe(self) -> dict[str, Any]:
+        """What an owner ``status`` command reports about the node itself."""
+        cert = self._owner_cert()
+        expires = None
+        if cert is not None:
+            with contextlib.suppress(DecodeError, VerificationError):
+                expires = open_certificate(decode_certificate(cert)).expires
+        return {"node_id": self.key.node_id, "name": self.name, "version": __version__,
+                "uptime_s": round(time.time() - self.started_at, 1), "certificate_expires": expires}
+
+    def _node_names(self) -> list[tuple[str, str]]:
+        """``(node id, name)`` of this node and every member it knows (for naming a command's target)."""
+        assert self.mesh is not None and self.mesh.gossip is not None
+        members = [(n, e.record.name) for n, e in self.mesh.gossip.state.peers.items()
+                   if e.status in ("alive", "suspect") and n != self.key.node_id]
+        return [(self.key.node_id, self.name), *sorted(members)]
+
+    def _owner_key(self) -> str | None:
+        """The owner key whose keystore is in this node's home (its public half: no passphrase needed)."""
+        path = self.home / OWNER_KEYSTORE_FILE
+        if not path.exists():
+            return None
+        with contextlib.suppress(KeystoreError):
+            return b32(read_keystore(path).public)
+        return None
+
+    def _unlock_owner(self, passphrase: str | None) -> Any:
+        """The owner key from the keystore in this node's home (for console commands; never kept)."""
+        if passphrase is None:
+            passphrase = obtain_passphrase(confirm=False, prompt=None)
+        return unlock_keystore(self.home / OWNER_KEYSTORE_FILE, passphrase)
 
     def status(self) -> dict[str, Any]:
         """The ``/api/status`` snapshot (schema in docs/api.md)."""
@@ -356,7 +428,7 @@ class Node:
                              "cpu_cores": rec.capacity.cpu_cores, "gflops": rec.capacity.gflops},
                 "load": {"in_flight": rec.load.in_flight, "queue": rec.load.queue, "tok_s": rec.load.tok_s,
                          "slots": rec.load.slots, "free_slots": rec.load.free_slots},
-                "addr": (rec.addresses.listen or [""])[0], "seq": rec.seq,
+                "addr": (rec.addresses.listen or [""])[0], "seq": rec.seq, "standby": list(rec.standby),
                 "available": [{"id": m.id, "name": m.name, "size": m.size} for m in rec.models.available],
             })
         own = gossip.own
@@ -365,6 +437,7 @@ class Node:
             "role": own.role, "api_url": self.api_url, "mesh_addr": self.mesh_addr,
             "uptime_s": round(time.time() - self.started_at, 1),
             "mesh_owner": self.membership is not None and self.membership.mesh_key is not None,
+            "owner_key": self._owner_key(),
             "models": [_model_json(m) for m in own.models.served],
             "capacity": msgspec.structs.asdict(own.capacity), "load": msgspec.structs.asdict(own.load),
             "peers": peers,
@@ -372,6 +445,7 @@ class Node:
             "links": mesh_links([own, *gossip.members().values()]),
             "splits": self.splits.status() if self.splits is not None else [],
             "transfers": self.store.status() if self.store is not None else [],
+            **(self.owner.status(time.time()) if self.owner is not None else {}),
             "requests": self.serving.request_counters(),
             "devices": [{"name": d.name, "description": d.description, "kind": d.kind,
                          "memory_free": d.memory_free, "memory_total": d.memory_total} for d in compute_devices()],

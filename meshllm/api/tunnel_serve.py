@@ -15,7 +15,7 @@ import logging
 from collections.abc import AsyncIterator, Mapping
 
 from meshllm.api.counters import RequestCounters
-from meshllm.api.errors import NoCapacity, UnknownModel, UpstreamTimeout
+from meshllm.api.errors import NoCapacity, UpstreamTimeout
 from meshllm.api.limits import Slots
 from meshllm.api.tunnel import CallerFrame, Routable, TunnelEvent, TunnelServer
 from meshllm.engine.base import EmbedRequest, Engine, Unsupported, check_supported
@@ -51,8 +51,8 @@ class TunnelService:
         assert server.request is not None
         request = server.request.request
         engine = self.engines.get(request.model)
-        if engine is None:
-            await stream.send(server.error(UnknownModel(f"model {request.model!r} is not served by this node")))
+        if engine is None:  # the caller's view of our record is stale (an unload): a 503 lets it fail over
+            await stream.send(server.error(NoCapacity(f"model {request.model!r} is not served by this node now")))
             return
         if not self.slots.try_take():
             await stream.send(server.error(NoCapacity(f"all {self.slots.limit} peer request slots are busy")))

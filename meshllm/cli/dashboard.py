@@ -5,8 +5,8 @@ so every layout is tested by rendering sample snapshots to a recording console. 
 from another process and may lack fields; every read has a default so a partial snapshot still draws.
 
 The layout fits the terminal it is given: sections are stacked (header, peers, RTT heat map, split
-topology, events) and, when the height is short, long sections are cut with a "+N more" line,
-events first, so an 80x24 terminal stays readable.
+topology, demand and standby when the mesh has any, events) and, when the height is short, long
+sections are cut with a "+N more" line, events first, so an 80x24 terminal stays readable.
 """
 
 from __future__ import annotations
@@ -352,6 +352,60 @@ def render_splits(snapshot: Mapping[str, Any], width: int, max_rows: int | None)
     return out
 
 
+def demand_rows(snapshot: Mapping[str, Any]) -> int:
+    """Lines of the demand section (0: the section is not shown)."""
+    return len(snapshot.get("demand") or []) + (1 if snapshot.get("standby") else 0)
+
+
+def demand_line(entry: Mapping[str, Any], width: int) -> Text:
+    """``model  12 req/min  3 refused  served by a, b  last 4s ago``: the mesh's demand for one model."""
+    line = Text(no_wrap=True, overflow="ellipsis")
+    line.append(f"  {entry.get('model', '?')}  ", style="bold")
+    line.append(f"{entry.get('requests', 0)} req/min")
+    if entry.get("unmet"):
+        line.append(f"  {entry['unmet']} refused", style="red")
+    servers = entry.get("served_by") or []
+    line.append(f"  served by {', '.join(servers)}" if servers else "  served by nobody",
+                style="dim" if servers else "yellow")
+    line.append(f"  last {fmt_duration(float(entry.get('last_active_age_s') or 0))} ago", style="dim")
+    line.truncate(width)
+    return line
+
+
+def standby_line(standby: Mapping[str, Any], width: int) -> Text:
+    """``standby on · library a, b · serving a · waiting b: queue 1.5s · cooling c``: this node's standby state."""
+    line = Text(no_wrap=True, overflow="ellipsis")
+    line.append("  standby ", style="bold")
+    line.append("on" if standby.get("enabled") else "paused", style="green" if standby.get("enabled") else "yellow")
+    line.append(f" · library {', '.join(standby.get('candidates') or []) or '-'}")
+    line.append(f" · serving {', '.join(standby.get('serving') or []) or 'nothing'}")
+    for wait in standby.get("waiting") or []:
+        line.append(f" · {wait.get('model')}: {wait.get('reason')} for {wait.get('for_s')}s", style="yellow")
+    if standby.get("cooling"):
+        line.append(f" · cooling {', '.join(standby['cooling'])}", style="dim")
+    decisions = standby.get("decisions") or []
+    if decisions:
+        last = decisions[-1]
+        line.append(f" · last: {last.get('action')} {last.get('model')} ({last.get('reason')})", style="dim")
+    line.truncate(width)
+    return line
+
+
+def render_demand(snapshot: Mapping[str, Any], width: int, max_rows: int | None) -> list[RenderableType]:
+    """Demand per model (what clients asked for that their own node does not serve) and this node's standby."""
+    if not demand_rows(snapshot):
+        return []
+    rows: list[RenderableType] = []
+    if snapshot.get("standby"):
+        rows.append(standby_line(snapshot["standby"], width))
+    rows += [demand_line(entry, width) for entry in snapshot.get("demand") or []]
+    shown = rows if max_rows is None or len(rows) <= max_rows else rows[: max(0, max_rows - 1)]
+    out: list[RenderableType] = [_section("demand and standby"), *shown]
+    if len(shown) < len(rows):
+        out.append(_more(len(rows) - len(shown), "models asked for"))
+    return out
+
+
 def describe_event(event: Mapping[str, Any], names: Mapping[str, str]) -> str:
     """The fields of an event beyond type and time, node ids replaced by names."""
     parts = []
@@ -393,18 +447,20 @@ def _table_rows(snapshot: Mapping[str, Any]) -> tuple[int, int, int]:
 
 
 def fit(height: int | None, snapshot: Mapping[str, Any], n_events: int) -> tuple[int | None, ...]:
-    """Rows for peers, matrix, splits and events so the whole screen fits ``height`` lines.
+    """Rows for peers, matrix, splits, demand and events so the whole screen fits ``height`` lines.
 
     Fixed cost: two header lines, a title per section and a column-header line per table. What is
-    left goes to peers first, then the matrix, splits and events (events are the first to shrink).
+    left goes to peers first, then the matrix, splits, demand and events (events are the first to
+    shrink). The demand section costs nothing while the snapshot has no demand and no standby.
     """
     if height is None:
-        return None, None, None, None
+        return None, None, None, None, None
     peers, nodes, splits = _table_rows(snapshot)
-    fixed = 2 + 4 + (1 if peers else 0) + (1 if nodes else 0)
+    demand = demand_rows(snapshot)
+    fixed = 2 + 4 + (1 if peers else 0) + (1 if nodes else 0) + (1 if demand else 0)
     left = max(0, height - fixed)
-    wants = [max(1, peers), max(1, nodes), max(1, splits), max(1, min(MAX_EVENTS, n_events))]
-    floors = [min(w, 3) for w in wants[:3]] + [min(wants[3], 2)]
+    wants = [max(1, peers), max(1, nodes), max(1, splits), demand, max(1, min(MAX_EVENTS, n_events))]
+    floors = [min(w, 3) for w in wants[:3]] + [min(demand, 2), min(wants[4], 2)]
     rows = floors[:]
     left -= sum(floors)
     for i, want in enumerate(wants):  # top-up in priority order
@@ -417,11 +473,12 @@ def fit(height: int | None, snapshot: Mapping[str, Any], n_events: int) -> tuple
 def render(snapshot: Mapping[str, Any], events: Sequence[Mapping[str, Any]], link: Link, *,
            now: float, width: int, height: int | None = None) -> RenderableType:
     """The whole dashboard at unix time ``now`` for ``width`` x ``height`` (height None: no limit)."""
-    peer_rows, matrix_rows, split_rows, event_rows = fit(height, snapshot, len(events))
+    peer_rows, matrix_rows, split_rows, demand_rows_, event_rows = fit(height, snapshot, len(events))
     return Group(
         render_header(snapshot, link, now, width),
         *render_peers(snapshot, width, peer_rows),
         *render_matrix(snapshot, width, matrix_rows),
         *render_splits(snapshot, width, split_rows),
+        *render_demand(snapshot, width, demand_rows_),
         *render_events(events, snapshot, event_rows),
     )

@@ -1,4 +1,4 @@
-"""``meshllm models [list|pull|rm]``: the models you can call, and the model files here and in the mesh.
+"""``meshllm models [list|pull|rm|load|unload]``: the models you can call, and the model files here and in the mesh.
 
 ``list`` (also plain ``meshllm models``) shows the models the mesh serves (from the running node at
 ``--api``) and the model files: this node's library (its home's ``models/`` and the folders in
@@ -7,6 +7,9 @@ downloaded from Hugging Face (resuming an interrupted download); a name or id a 
 fetched from the mesh by the running node. ``rm ID`` forgets a model and deletes the files the
 library made (never a file in your own folders). With ``--api`` the running node does the work;
 without it, ``pull hf:...``, ``list`` and ``rm`` work on the home's library directly.
+
+``load|unload`` change what the running node itself serves (its admin token is the authority; to
+steer another node, use ``meshllm owner NODE ...``).
 """
 
 from __future__ import annotations
@@ -20,17 +23,18 @@ from rich.console import Console
 from rich.table import Table
 
 from meshllm.cli.api_client import DEFAULT_API, NodeApi, NodeUnreachable
-from meshllm.cli.common import api_option, echo_json, home_dir, json_option
+from meshllm.cli.common import MeshllmGroup, api_option, echo_json, home_dir, json_option
 from meshllm.cli.dashboard import fmt_bytes
 from meshllm.models.hub import is_hub_ref
 
 
-@click.group("models", invoke_without_command=True)
+@click.group("models", cls=MeshllmGroup, invoke_without_command=True)
 @api_option(optional=True)
 @json_option
 @click.pass_context
 def models(ctx: click.Context, api: NodeApi | None, as_json: bool, home: Path | None) -> None:
-    """The models the mesh serves and the model files here and on peers (`list`), `pull` and `rm`."""
+    """The models the mesh serves and the model files here and on peers (`list`), `pull` and `rm`; `load`/`unload`
+    change what the running node serves."""
     if ctx.invoked_subcommand is None:
         _list(api, as_json, home)
 
@@ -177,3 +181,38 @@ def _row(entry: dict[str, Any], own_id: str) -> dict[str, Any]:
     names = entry.get("node_names") or ids
     return {"id": entry["id"], "context_length": entry.get("context_length"),
             "nodes": [{"id": i, "name": n, "local": i == own_id} for i, n in zip(ids, names, strict=False)]}
+
+
+@models.command("load")
+@click.argument("model")
+@api_option
+@json_option
+@click.option("--timeout", type=click.FloatRange(1.0, 3600.0), default=300.0, show_default=True,
+              help="Seconds to wait for the model to load.")
+def load(model: str, api: NodeApi, as_json: bool, timeout: float) -> None:
+    """Load MODEL (a path, a library name or id, hf:..., or `default`) into the running node and serve it."""
+    answer = api.post_json("/api/models/load", {"model": model}, timeout=timeout)
+    if as_json:
+        echo_json(answer)
+    elif answer["loaded"]:
+        click.echo(f"loaded {answer['model']} ({answer['engine']}, context {answer['context']}); "
+                   "the mesh lists it within a gossip round")
+    else:
+        click.echo(f"{answer['model']} was already served")
+
+
+@models.command("unload")
+@click.argument("model")
+@api_option
+@json_option
+@click.option("--timeout", type=click.FloatRange(0.0, 600.0), default=60.0, show_default=True,
+              help="Seconds requests in flight may take to finish; those still running then are cancelled.")
+def unload(model: str, api: NodeApi, as_json: bool, timeout: float) -> None:
+    """Stop serving MODEL: no new request reaches it, running ones finish, then it is freed."""
+    answer = api.post_json("/api/models/unload", {"model": model, "timeout_s": timeout}, timeout=timeout + 10.0)
+    if as_json:
+        echo_json(answer)
+    elif answer["drained"]:
+        click.echo(f"unloaded {answer['model']} after its requests finished ({answer['waited_s']:g} s)")
+    else:
+        click.echo(f"unloaded {answer['model']}; {answer['cancelled']} requests still running were cancelled")

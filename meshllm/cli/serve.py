@@ -73,6 +73,12 @@ def node_options(func: Any) -> Any:
                      help="Memory (GiB) this node gives models or, with --worker, offers to splits."),
         click.option("--model", "models", multiple=True, metavar="REF",
                      help="Model to serve: a GGUF path or 'default' (repeatable; default: the bundled model)."),
+        click.option("--standby", is_flag=True,
+                     help="Load no model at start: serve each --model when the mesh asks for it and cannot keep up "
+                          "(nobody serves it, requests queue or are refused); unload it again once idle."),
+        click.option("--standby-idle", "standby_idle_s", type=click.FloatRange(1.0, 86400.0), default=300.0,
+                     show_default=True, metavar="SECONDS",
+                     help="With --standby: unload a model after this long without a request."),
         click.option("--engine", type=click.Choice(["llama", "ggml"]), default="llama", show_default=True,
                      help="Inference engine for served models: llama.cpp, or the ggml stage runtime splits use."),
         click.option("--threads", type=click.IntRange(min=1), default=None,
@@ -129,7 +135,8 @@ def _run(join_token: str | None, *, home: Path | None, name: str, api_port: int,
          max_tokens_default: int, kernels: str, log_format: str, verbose: bool,
          dht_bootstrap: tuple[str, ...], dht_port: int | None, listing_ttl: float, worker: bool, split: str,
          stages: int | None, max_memory: float | None, api_keys: tuple[str, ...], api_key_file: Path | None,
-         cors_origins: tuple[str, ...], allowed_hosts: tuple[str, ...], lookup_timeout: float = 15.0) -> None:
+         cors_origins: tuple[str, ...], allowed_hosts: tuple[str, ...], standby: bool, standby_idle_s: float,
+         lookup_timeout: float = 15.0) -> None:
     from meshllm.node import Node, NodeOptions
 
     logs.configure(log_format, verbose)
@@ -148,7 +155,7 @@ def _run(join_token: str | None, *, home: Path | None, name: str, api_port: int,
         kernels=kernels, split=split_options(split, stages, max_memory),
         dht_bootstrap=dht_peers, dht_port=dht_port, listing_ttl_s=listing_ttl, relay=relay,  # type: ignore[arg-type]
         api_keys=[*api_keys, *_key_file(api_key_file)], cors_origins=list(cors_origins),
-        allowed_hosts=list(allowed_hosts),
+        allowed_hosts=list(allowed_hosts), standby=standby, standby_idle_s=standby_idle_s,
     )
     asyncio.run(_serve(Node(options, hub), log_format))
 
