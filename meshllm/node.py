@@ -45,7 +45,7 @@ from meshllm.config import (
 from meshllm.discovery.listing import LISTING_TTL_S
 from meshllm.discovery.publisher import NodeDiscovery, facts_from_records
 from meshllm.discovery.routes import discovery_router
-from meshllm.engine.capacity import measure_capacity
+from meshllm.engine.capacity import compute_devices, measure_capacity
 from meshllm.errors import ConfigError, DecodeError
 from meshllm.identity.ids import node_public_key, unb32
 from meshllm.identity.keys import NodeKey
@@ -86,7 +86,9 @@ class NodeOptions:
     models: list[str] = field(default_factory=lambda: ["default"])
     engine: str = "llama"
     threads: int | None = None
-    """llama.cpp threads per model (None: its default)."""
+    """CPU threads per model and per stage (None: the machine's cores, up to 8)."""
+    gpu_layers: int | None = None
+    """Layers put on the accelerator, for whole models and stages (None: all that fit; -1: all)."""
     relay: Literal["on", "off", "auto"] = "auto"
     """Relay for members behind NATs: always, never, or when peers find us reachable (auto)."""
     split: SplitOptions = field(default_factory=SplitOptions)
@@ -163,13 +165,14 @@ class Node:
         )
         await self.mesh.start()
         self.serving = Serving(self.key.node_id, self.mesh, self.events)
-        self.splits = SplitService(self.mesh, self.serving, self.events, opts.role, opts.split,
+        split = dataclasses.replace(opts.split, threads=opts.threads, gpu_layers=opts.gpu_layers)
+        self.splits = SplitService(self.mesh, self.serving, self.events, opts.role, split,
                                    hash_cache=self.home / MODEL_HASHES_FILE)
         self.discovery = self._make_discovery()
         await self._start_api()
         self.events.publish("mesh_ready", mesh_id=self.membership.mesh_id, mesh_addr=self.mesh_addr)
         whole = await self.splits.prepare(opts.models if opts.role == "host" else [])
-        await self.serving.load_models(whole, engine=opts.engine, threads=opts.threads)
+        await self.serving.load_models(whole, engine=opts.engine, threads=opts.threads, gpu_layers=opts.gpu_layers)
         await self.splits.start()
         self.invite = self._ready_invite()
         await self.discovery.start()
@@ -313,6 +316,8 @@ class Node:
             "links": mesh_links([own, *gossip.members().values()]),
             "splits": self.splits.status() if self.splits is not None else [],
             "requests": self.serving.request_counters(),
+            "devices": [{"name": d.name, "description": d.description, "kind": d.kind,
+                         "memory_free": d.memory_free, "memory_total": d.memory_total} for d in compute_devices()],
         }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import gguf
+import gguf.quants
 import numpy as np
 
 VOCAB = 259
@@ -50,10 +51,14 @@ def write_tiny_llama(
     arch: str = "llama",
     context: int = 2048,
     rope_scaling: dict[str, object] | None = None,
+    rope_freqs: bool = False,
+    weight_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
 ) -> Path:
     """Write a llama-style model (``arch`` llama or qwen2; qwen2 gets q/k/v biases) and return its path.
 
-    ``rope_scaling`` adds ``<arch>.rope.scaling.*`` keys, e.g. ``{"type": "linear", "factor": 2.0}``.
+    ``rope_scaling`` adds ``<arch>.rope.scaling.*`` keys, e.g. ``{"type": "linear", "factor": 2.0}``;
+    ``rope_freqs`` adds llama 3's per-dimension rope frequency factors. ``weight_type`` quantizes the
+    matrices (embeddings, projections, head) with the ``gguf`` package (Q4_0, Q5_0, Q8_0...).
     """
     path = Path(path)
     rng = np.random.default_rng(seed)
@@ -79,24 +84,33 @@ def write_tiny_llama(
         else:
             w.add_float32(full, float(value))
     _add_vocab(w)
-    w.add_tensor("token_embd.weight", (rng.standard_normal((VOCAB, width)) * 0.5).astype(np.float32))
+
+    def matrix(name: str, array: np.ndarray) -> None:
+        if weight_type == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, array)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(array, weight_type), raw_dtype=weight_type)
+
+    matrix("token_embd.weight", (rng.standard_normal((VOCAB, width)) * 0.5).astype(np.float32))
+    if rope_freqs:
+        w.add_tensor("rope_freqs.weight", np.linspace(1.0, 8.0, head_dim // 2).astype(np.float32))
     for il in range(n_layers):
         p = f"blk.{il}."
         w.add_tensor(p + "attn_norm.weight", _norm(rng, width))
-        w.add_tensor(p + "attn_q.weight", _matrix(rng, heads * head_dim, width))
-        w.add_tensor(p + "attn_k.weight", _matrix(rng, kv_heads * head_dim, width))
-        w.add_tensor(p + "attn_v.weight", _matrix(rng, kv_heads * head_dim, width))
+        matrix(p + "attn_q.weight", _matrix(rng, heads * head_dim, width))
+        matrix(p + "attn_k.weight", _matrix(rng, kv_heads * head_dim, width))
+        matrix(p + "attn_v.weight", _matrix(rng, kv_heads * head_dim, width))
         if arch == "qwen2":
             w.add_tensor(p + "attn_q.bias", (0.1 * rng.standard_normal(heads * head_dim)).astype(np.float32))
             w.add_tensor(p + "attn_k.bias", (0.1 * rng.standard_normal(kv_heads * head_dim)).astype(np.float32))
             w.add_tensor(p + "attn_v.bias", (0.1 * rng.standard_normal(kv_heads * head_dim)).astype(np.float32))
-        w.add_tensor(p + "attn_output.weight", _matrix(rng, width, heads * head_dim))
+        matrix(p + "attn_output.weight", _matrix(rng, width, heads * head_dim))
         w.add_tensor(p + "ffn_norm.weight", _norm(rng, width))
-        w.add_tensor(p + "ffn_gate.weight", _matrix(rng, ffn, width))
-        w.add_tensor(p + "ffn_up.weight", _matrix(rng, ffn, width))
-        w.add_tensor(p + "ffn_down.weight", _matrix(rng, width, ffn))
+        matrix(p + "ffn_gate.weight", _matrix(rng, ffn, width))
+        matrix(p + "ffn_up.weight", _matrix(rng, ffn, width))
+        matrix(p + "ffn_down.weight", _matrix(rng, width, ffn))
     w.add_tensor("output_norm.weight", _norm(rng, width))
-    w.add_tensor("output.weight", _matrix(rng, VOCAB, width, scale=2.0 / np.sqrt(width)))
+    matrix("output.weight", _matrix(rng, VOCAB, width, scale=2.0 / np.sqrt(width)))
     _finish(w)
     return path
 

@@ -33,7 +33,7 @@ from meshllm.models.refs import resolve_model
 log = logging.getLogger(__name__)
 
 LOAD_PUBLISH_S = 2.0
-ENGINES = ("llama", "numpy")
+ENGINES = ("llama", "ggml")
 
 
 class Serving:
@@ -52,13 +52,14 @@ class Serving:
         self._load_task: asyncio.Task[None] | None = None
         self._last_load: Load | None = None
 
-    async def load_models(self, specs: list[str], engine: str = "llama", threads: int | None = None) -> None:
+    async def load_models(self, specs: list[str], engine: str = "llama", threads: int | None = None,
+                          gpu_layers: int | None = None) -> None:
         """Resolve and load each model, then announce them all in our record."""
         if engine not in ENGINES:
             raise ConfigError(f"unknown engine {engine!r}", hint=f"choose one of {', '.join(ENGINES)}")
         for spec in specs:
             ref = await asyncio.to_thread(resolve_model, spec)
-            instance = self._make_engine(engine, ref, threads)
+            instance = self._make_engine(engine, ref, threads, gpu_layers)
             self.events.publish("model_loading", model=ref.model_id, path=str(ref.path), engine=engine,
                                 size_bytes=ref.path.stat().st_size)
             started = time.monotonic()
@@ -76,12 +77,15 @@ class Serving:
         self.engines[engine.model_id] = engine
 
     @staticmethod
-    def _make_engine(engine: str, ref: Any, threads: int | None) -> Engine:
-        if engine == "numpy":
-            from meshllm.engine.numpy.engine import NumpyEngine
+    def _make_engine(engine: str, ref: Any, threads: int | None, gpu_layers: int | None) -> Engine:
+        """``gpu_layers``: layers to offload to the accelerator (None: all that fit; 0 on CPU-only nodes)."""
+        if engine == "ggml":
+            from meshllm.engine.ggml.engine import GgmlEngine
 
-            return NumpyEngine(ref.path, model_id=ref.model_id)
-        return LlamaEngine(ref, n_threads=threads)
+            return GgmlEngine(ref.path, model_id=ref.model_id, threads=threads, gpu_layers=gpu_layers)
+        from meshllm.engine.capacity import accelerator, llama_gpu_layers
+
+        return LlamaEngine(ref, n_threads=threads, n_gpu_layers=llama_gpu_layers(ref.path, gpu_layers, accelerator()))
 
     async def _publish_load(self) -> None:
         """Copy the engines' load into our record when it changes (gossip spreads it)."""

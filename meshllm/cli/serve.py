@@ -72,10 +72,13 @@ def node_options(func: Any) -> Any:
                      help="Memory (GiB) this node gives models or, with --worker, offers to splits."),
         click.option("--model", "models", multiple=True, metavar="REF",
                      help="Model to serve: a GGUF path or 'default' (repeatable; default: the bundled model)."),
-        click.option("--engine", type=click.Choice(["llama", "numpy"]), default="llama", show_default=True,
-                     help="Inference engine for served models."),
+        click.option("--engine", type=click.Choice(["llama", "ggml"]), default="llama", show_default=True,
+                     help="Inference engine for served models: llama.cpp, or the ggml stage runtime splits use."),
         click.option("--threads", type=click.IntRange(min=1), default=None,
-                     help="CPU threads llama.cpp uses per model (default: the machine's cores, up to 8)."),
+                     help="CPU threads per model and stage (default: the machine's cores, up to 8)."),
+        click.option("--gpu-layers", type=click.IntRange(min=-1), default=None, metavar="N",
+                     help="Layers to put on the GPU when llama-cpp-python has one (-1: all; "
+                          "default: all that fit; ignored on CPU-only builds)."),
         click.option("--dht-bootstrap", multiple=True, metavar="MULTIADDR", callback=dht_multiaddrs,
                      help="DHT peer to join at start, /ip4/HOST/tcp/PORT/p2p/PEERID (repeatable; "
                           "default: dht_bootstrap in config.toml)."),
@@ -113,7 +116,8 @@ def join(token: str, lookup_timeout: float, **kwargs: Any) -> None:
 
 def _run(join_token: str | None, *, home: Path | None, name: str, api_port: int, api_host: str, mesh_port: int,
          mesh_host: str, announce: list[str], bootstrap: list[str], relay: str, ephemeral: bool, client: bool,
-         models: tuple[str, ...], engine: str, threads: int | None, log_format: str, verbose: bool,
+         models: tuple[str, ...], engine: str, threads: int | None, gpu_layers: int | None, log_format: str,
+         verbose: bool,
          dht_bootstrap: tuple[str, ...], dht_port: int | None, listing_ttl: float, worker: bool, split: str,
          stages: int | None, max_memory: float | None, api_keys: tuple[str, ...], api_key_file: Path | None,
          cors_origins: tuple[str, ...], allowed_hosts: tuple[str, ...], lookup_timeout: float = 15.0) -> None:
@@ -131,7 +135,7 @@ def _run(join_token: str | None, *, home: Path | None, name: str, api_port: int,
         home=home, name=name, api_host=api_host, api_port=api_port, mesh_host=mesh_host, mesh_port=mesh_port,
         announce=announce, join=join_token, bootstrap=bootstrap, ephemeral=ephemeral,
         role="client" if client else "worker" if worker else "host", models=list(models) or ["default"],
-        engine=engine, threads=threads, split=split_options(split, stages, max_memory),
+        engine=engine, threads=threads, gpu_layers=gpu_layers, split=split_options(split, stages, max_memory),
         dht_bootstrap=dht_peers, dht_port=dht_port, listing_ttl_s=listing_ttl, relay=relay,  # type: ignore[arg-type]
         api_keys=[*api_keys, *_key_file(api_key_file)], cors_origins=list(cors_origins),
         allowed_hosts=list(allowed_hosts),

@@ -1,1 +1,1 @@
-"""Inference engines: llama.cpp (llama-cpp-python) and the numpy stage runtime for layer splits."""
+"""Inference engines: llama.cpp (llama-cpp-python) and the ggml stage runtime (layer splits, ``--engine ggml``)."""

@@ -57,6 +57,14 @@ class EngineBusy(EngineError):
     hint = "retry later, or add nodes serving this model"
 
 
+class Unsupported(EngineError):
+    """The engine cannot honour a field of the request (HTTP 400 naming ``param``), rather than ignore it."""
+
+    def __init__(self, message: str, *, param: str | None = None, hint: str | None = None) -> None:
+        super().__init__(message, hint)
+        self.param = param
+
+
 class EngineNotLoaded(EngineError):
     """``generate`` was called before ``load`` finished, or after ``close``."""
 

@@ -1,17 +1,27 @@
-"""What this machine offers the mesh: memory, cores and a measured compute speed.
+"""What this machine offers the mesh: memory (RAM and accelerator), cores and a measured compute speed.
 
 The speed is measured (a short float32 matrix product), not read from a datasheet: the planner
-compares nodes by what they actually deliver under their current load.
+compares nodes by what they actually deliver under their current load. Accelerators come from
+ggml's backend registry (:mod:`meshllm.engine.ggml.backends`): a CUDA, Metal, Vulkan or ROCm build of
+llama-cpp-python lists its GPUs there with their free memory, a CPU build lists none, so
+``vram_bytes`` is 0 and everything behaves as on a CPU-only node.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 
+from meshllm.engine.ggml.backends import Device, choose_accelerator, devices, layers_that_fit
+from meshllm.errors import MeshllmError
 from meshllm.mesh.records import Capacity
+from meshllm.models.metadata import read_metadata
+
+log = logging.getLogger(__name__)
 
 BENCH_N = 256
 BENCH_REPEATS = 5
@@ -38,7 +48,40 @@ def measure_gflops(n: int = BENCH_N, repeats: int = BENCH_REPEATS) -> float:
     return round(2 * n**3 / max(best, 1e-9) / 1e9, 2)
 
 
+def compute_devices() -> list[Device]:
+    """ggml's devices, or an empty list when its libraries cannot be checked (reported, never fatal)."""
+    try:
+        return devices()
+    except MeshllmError as exc:
+        log.warning("no device list from ggml: %s", exc)
+        return []
+
+
+def accelerator() -> Device | None:
+    """The accelerator models and stages would use, if llama-cpp-python has one."""
+    return choose_accelerator(compute_devices())
+
+
 def measure_capacity() -> Capacity:
-    """This machine's capacity for its peer record."""
-    return Capacity(ram_bytes=total_ram_bytes(), vram_bytes=0, cpu_cores=os.cpu_count() or 1,
-                    gflops=measure_gflops())
+    """This machine's capacity for its peer record; ``vram_bytes`` is the accelerator's free memory."""
+    accel = accelerator()
+    return Capacity(ram_bytes=total_ram_bytes(), vram_bytes=accel.memory_free if accel else 0,
+                    cpu_cores=os.cpu_count() or 1, gflops=measure_gflops())
+
+
+def llama_gpu_layers(path: Path, requested: int | None, accel: Device | None) -> int:
+    """``n_gpu_layers`` for llama.cpp: ``requested`` (``-1`` all), else every layer that fits ``accel``.
+
+    Without an accelerator it is 0 whatever was asked (a CPU build ignores it anyway). A layer is
+    priced at the file's size over its blocks (llama.cpp runs architectures our header reader does
+    not know, so this uses only the generic metadata); all layers fitting means the output layer too.
+    """
+    if accel is None:
+        return 0
+    if requested is not None:
+        return requested
+    meta = read_metadata(path)
+    blocks = max(1, meta.block_count)
+    per_layer = meta.file_size // (blocks + 1)  # the embeddings and head count as one more block
+    fit = layers_that_fit(accel.memory_free, per_layer, blocks, fixed_bytes=per_layer)
+    return -1 if fit >= blocks else fit

@@ -3,7 +3,7 @@
 Activations are a float32 ``[n_tokens, width]`` array on both sides; the codec only decides what
 crosses the wire. float16 halves the bytes at ~1e-3 relative error; int8-per-row (a float32 scale
 per token row, then ``width`` int8 values, the idea behind distributed-llama's Q80) cuts them to
-about a quarter at ~1% error. Compute stays float32 (numpy float16 arithmetic is 10x slower here).
+about a quarter at ~1% error. Stages always compute from float32 (the residual stream ggml keeps).
 Sizes are exact functions of the shape, so a receiver checks ``len(payload)`` before decoding.
 """
 

@@ -4,7 +4,7 @@ A thread hand-off costs about 0.1-0.2 ms each way, which is most of a small stag
 shows up directly in the per-hop overhead P. A step that took under :data:`INLINE_MAX_S` last time
 runs inline (it blocks the loop for less than that); anything bigger, and every prompt chunk, goes
 to a thread so the loop keeps serving lanes, probes and the API. One runner per node serialises
-compute (numpy already uses every core for one step).
+compute (a stage's ggml backend already uses the node's threads for one step).
 """
 
 from __future__ import annotations

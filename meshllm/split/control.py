@@ -18,7 +18,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from meshllm.engine.numpy import StageModel
+from meshllm.engine.ggml import StageModel
 from meshllm.errors import DecodeError, MeshllmError
 from meshllm.models.refs import file_sha256
 from meshllm.net import Endpoint, NetError, PeerConnection, Stream
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 KIND = "stage-control"
 HOST_TIMEOUT_S = 60.0
-"""Loading a range dequantizes it: seconds for the default model on a slow machine."""
+"""Loading a range maps it (milliseconds) and copies what is repacked or offloaded (seconds for big models)."""
 
 ModelName = Annotated[str, Meta(min_length=1, max_length=200)]
 
@@ -86,11 +86,13 @@ class StageHost:
 
     def __init__(
         self, server: StageServer, on_change: Callable[[str], None] | None = None,
-        hash_cache: Path | None = None,
+        hash_cache: Path | None = None, load: Callable[[Path, int, int, int], StageModel] | None = None,
     ) -> None:
         self.server = server
         self.on_change = on_change
         self.hash_cache = hash_cache
+        self.load = load or (lambda path, a, b, ctx: StageModel.load(path, a, b, max_context=ctx))
+        """``load(path, layer_start, layer_end, max_context)``: the node's stage loader (threads, GPU layers)."""
         self.hosted: dict[str, Host] = {}
         server.endpoint.on_stream(KIND, self._serve)
 
@@ -119,9 +121,7 @@ class StageHost:
         digest = await asyncio.to_thread(file_sha256, path, self.hash_cache)
         if digest != request.sha256:
             return Refused(message=f"{path} on this worker has sha256 {digest[:12]}, not {request.sha256[:12]}")
-        stage = await asyncio.to_thread(
-            StageModel.load, path, request.layer_start, request.layer_end, max_context=request.max_context
-        )
+        stage = await asyncio.to_thread(self.load, path, request.layer_start, request.layer_end, request.max_context)
         self.server.host(request.model, stage)
         self.hosted[request.model] = request
         self._changed(request.model)

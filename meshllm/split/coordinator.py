@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshllm.engine.numpy import StageModel
+from meshllm.engine.ggml import StageModel
 from meshllm.errors import DecodeError
 from meshllm.net import NetError, PeerEvent, PeerEventKind
 from meshllm.split import codec

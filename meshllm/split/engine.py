@@ -1,6 +1,6 @@
 """SplitEngine: a model served by a chain of stages, behind the same :class:`Engine` interface as a local model.
 
-The API routes cannot tell it from :class:`~meshllm.engine.numpy.engine.NumpyEngine`: it tokenizes
+The API routes cannot tell it from :class:`~meshllm.engine.ggml.engine.GgmlEngine`: it tokenizes
 (the coordinator holds the tokenizer), streams text with stop strings cut, and reports usage. The chain
 itself is swappable: placement (:mod:`meshllm.split.placement`) attaches a :class:`SplitCoordinator`
 when a plan is hosted and detaches it when a stage fails; meanwhile requests get a 503 that says why,
@@ -26,12 +26,14 @@ from meshllm.engine.base import (
     GenerationParams,
     GenerationRequest,
     LoadReport,
+    TextDelta,
     TokenRate,
     context_cap,
 )
-from meshllm.engine.numpy.engine import sampling_params
-from meshllm.engine.numpy.tokenizer import Tokenizer
+from meshllm.engine.ggml.engine import SUPPORTS, DeltaTokens, refuse_unsupported, replay
+from meshllm.engine.sampler import sampling_params
 from meshllm.engine.text import TextStream, token_budget
+from meshllm.engine.tokenizer import Tokenizer
 from meshllm.models.metadata import read_metadata
 from meshllm.split.coordinator import SplitCoordinator
 from meshllm.split.errors import StageFailed
@@ -45,12 +47,14 @@ class ChainUnavailable(EngineBusy):
 
 
 def chain_sampling(params: GenerationParams) -> Sampling:
-    """OpenAI semantics for the last stage's sampler (no min-p, no repetition penalty), as NumpyEngine."""
+    """OpenAI semantics for the last stage's sampler (no min-p, no repetition penalty), as GgmlEngine."""
     return Sampling(**dataclasses.asdict(sampling_params(params)))
 
 
 class SplitEngine(Engine):
     """Serves ``model_id`` through whichever chain is attached; 503 while none is."""
+
+    supports = SUPPORTS
 
     def __init__(self, path: Path, model_id: str, max_context: int) -> None:
         self.path = path
@@ -107,16 +111,24 @@ class SplitEngine(Engine):
             raise EngineNotLoaded(f"model {self.model_id} is not loaded")
         if coordinator is None:
             raise ChainUnavailable(f"split model {self.model_id} is not available: {self.unavailable}")
+        refuse_unsupported(request, self.model_id)
         prompt, stop_strings = self.prompt_tokens(request)
         limit = token_budget(len(prompt), self.max_context, request.params.max_tokens, self.model_id)
         text = TextStream(is_end=tokenizer.is_end, token_bytes=tokenizer.token_bytes, stops=stop_strings,
                           limit=limit, prompt_tokens=len(prompt))
+        deltas = DeltaTokens()
+        fed = replay(text, request, coordinator.first.hparams.vocab)
+        if text.done:
+            for event in text.finish():
+                yield event
+            return
         started = time.monotonic()
         self._running += 1
-        tokens = coordinator.generate(prompt, max_tokens=max(limit, 1), sampling=chain_sampling(request.params))
+        tokens = coordinator.generate(prompt + fed, max_tokens=max(limit - len(fed), 1),
+                                      sampling=chain_sampling(request.params))
         try:
             async for token in tokens:
-                delta = text.feed(token.token_id, last=bool(token.finish))
+                delta = deltas.wrap(text.feed(token.token_id, last=bool(token.finish)), token.token_id)
                 if delta is not None:
                     yield delta
                 if text.done:
@@ -126,7 +138,7 @@ class SplitEngine(Engine):
         finally:
             await tokens.aclose()
             self._running -= 1
-            self._rate.observe(text.generated, started, time.monotonic())
+            self._rate.observe(text.generated - len(fed), started, time.monotonic())
         for event in text.finish():
-            yield event
+            yield deltas.wrap(event, None) if isinstance(event, TextDelta) else event
 

@@ -50,7 +50,7 @@ class Hop(msgspec.Struct, frozen=True, array_like=True):
 
 
 class Sampling(msgspec.Struct, frozen=True, kw_only=True):
-    """Sampling parameters for the last stage (mirrors :class:`~meshllm.engine.numpy.SamplingParams`)."""
+    """Sampling parameters for the last stage (mirrors :class:`~meshllm.engine.sampler.SamplingParams`)."""
 
     temperature: float = 0.0
     top_k: Annotated[int, Meta(ge=0)] = 0

@@ -20,14 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from meshllm.engine.numpy import StageModel, estimate_memory
-from meshllm.engine.numpy.gguf_file import GGUFFile
-from meshllm.engine.numpy.hparams import read_hparams
+from meshllm.engine.ggml import StageModel
+from meshllm.engine.ggml.hparams import read_hparams
+from meshllm.engine.ggml.memory import memory_profile
 from meshllm.errors import MeshllmError
 from meshllm.mesh.records import Capacity, PeerRecord
+from meshllm.models.gguf_file import GGUFFile
 from meshllm.models.refs import ModelRef
 from meshllm.split.control import Host, ask
-from meshllm.split.coordinator import SplitCoordinator
+from meshllm.split.coordinator import Deadlines, SplitCoordinator
 from meshllm.split.engine import SplitEngine
 from meshllm.split.errors import SplitError, StageFailed
 from meshllm.split.frames import Hop
@@ -43,7 +44,6 @@ SUSPECT_S = 30.0
 """How long a node whose stage failed stays out of plans (gossip drops a dead one well before)."""
 RETRY_S = 1.0
 """Pause between placement attempts while no chain fits (workers missing, a host refused)."""
-_F32 = 4
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,15 @@ class SplitOptions:
     """Bytes per node (this one and every worker) the plan may use."""
     context: int = 4096
     """Tokens of KV each stage reserves per session (priced into every layer)."""
+    threads: int | None = None
+    """CPU threads of each stage this node loads (``--threads``)."""
+    gpu_layers: int | None = None
+    """Layers of each stage this node loads that go to its accelerator (``--gpu-layers``; None: all that fit)."""
+
+    def load_stage(self, path: Path, layer_start: int, layer_end: int, max_context: int) -> StageModel:
+        """Load a layer range with this node's threads and accelerator settings (blocking)."""
+        return StageModel.load(path, layer_start, layer_end, max_context=max_context, threads=self.threads,
+                               gpu_layers=self.gpu_layers)
 
 
 class NotEnoughWorkers(SplitError):
@@ -66,19 +75,32 @@ class NotEnoughWorkers(SplitError):
 
 
 def memory_budget(capacity: Capacity, max_memory: int | None) -> int:
-    """Bytes a node offers to models: ``max_memory`` when given, else a share of its RAM."""
-    return max_memory if max_memory is not None else int(capacity.ram_bytes * RAM_SHARE)
+    """Bytes a node offers to models: ``max_memory`` (else a share of its RAM) plus its accelerator's free memory.
+
+    A stage puts the layers that fit on the accelerator (``--gpu-layers``) and the rest in RAM, so
+    both count; ``--max-memory`` caps the RAM part.
+    """
+    ram = max_memory if max_memory is not None else int(capacity.ram_bytes * RAM_SHARE)
+    return ram + capacity.vram_bytes
 
 
 def model_profile(path: Path, context: int) -> ModelProfile:
-    """Per-layer and end costs of the GGUF at ``path`` (header only: milliseconds)."""
+    """Per-layer and end costs of the GGUF at ``path`` (header only: milliseconds).
+
+    Bytes are what the ggml runtime holds (stored tensor bytes, f16 KV for ``context`` tokens or
+    the model's own context if shorter, compute buffers per stage); layers are priced at the
+    largest layer so that a plan never counts on a layer being smaller than it is.
+    """
     reader = GGUFFile(path)
     hp = read_hparams(reader)
-    layer = estimate_memory(reader, 0, 1, context, first=False, last=False, hp=hp)
-    first = estimate_memory(reader, 0, 1, context, first=True, last=False, hp=hp) - layer
-    last = estimate_memory(reader, 0, 1, context, first=False, last=True, hp=hp) - layer
-    return ModelProfile(n_layers=hp.n_layers, layer_bytes=layer, first_bytes=first, last_bytes=last,
-                        layer_flops=2.0 * layer / _F32, head_flops=2.0 * last / _F32)
+    # a split never holds more than the model's context, and its stages get the lane's prompt chunks
+    mem = memory_profile(reader, hp, min(context, hp.context_length), Deadlines().prefill_chunk)
+    return ModelProfile(
+        n_layers=hp.n_layers, layer_bytes=max(mem.layer_bytes) + mem.kv_bytes_per_layer,
+        first_bytes=mem.embed_bytes, last_bytes=mem.head_bytes + mem.logits_bytes,
+        layer_flops=2.0 * max(mem.layer_params), head_flops=2.0 * mem.head_params,
+        stage_bytes=mem.compute_bytes + mem.rope_bytes, shared_bytes=mem.embed_bytes if mem.tied else 0,
+    )
 
 
 def candidates(own: PeerRecord, own_budget: int, members: Mapping[str, PeerRecord],
@@ -92,7 +114,8 @@ def candidates(own: PeerRecord, own_budget: int, members: Mapping[str, PeerRecor
     for node_id, rec in sorted(members.items()):
         if rec.role != "worker" or node_id in exclude or rec.state != "alive":
             continue
-        out.append(Candidate(node_id, rec.capacity.ram_bytes, gflops=rec.capacity.gflops, role="worker",
+        out.append(Candidate(node_id, rec.capacity.ram_bytes + rec.capacity.vram_bytes,
+                             gflops=rec.capacity.gflops, role="worker",
                              relay_only=not rec.addresses.listen))
     return out
 
@@ -168,6 +191,10 @@ class SplitPlacement:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        self.engine.detach("stopped")
+        if self._first is not None:
+            await asyncio.to_thread(self._first.close)
+            self._first = None
 
     def status(self) -> dict[str, Any]:
         """The ``/api/status`` ``splits`` entry: the chain with names and ranges, and its state."""
@@ -244,8 +271,10 @@ class SplitPlacement:
         held = self._first
         if held is None or (held.layer_start, held.layer_end) != (hop.layer_start, hop.layer_end):
             self._first = await asyncio.to_thread(
-                StageModel.load, self.ref.path, hop.layer_start, hop.layer_end, max_context=self.engine.max_context
+                self.options.load_stage, self.ref.path, hop.layer_start, hop.layer_end, self.engine.max_context
             )
+            if held is not None:  # the old chain is detached; free its first stage
+                await asyncio.to_thread(held.close)
 
 
 def needs_split(options: SplitOptions, profile: ModelProfile, budget: int) -> bool:
@@ -254,5 +283,4 @@ def needs_split(options: SplitOptions, profile: ModelProfile, budget: int) -> bo
         return False
     if options.mode == "force":
         return True
-    whole = profile.n_layers * profile.layer_bytes + profile.first_bytes + profile.last_bytes
-    return whole > budget
+    return profile.whole_bytes > budget

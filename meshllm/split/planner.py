@@ -33,15 +33,30 @@ class ModelProfile:
 
     n_layers: int
     layer_bytes: int
-    """Memory of one block as the stage holds it, including its KV cache for the planned context."""
+    """Memory of one block as the stage holds it (stored, quantized bytes) plus its KV for the planned context."""
     first_bytes: int
     """Extra memory of the first stage (token embeddings)."""
     last_bytes: int
-    """Extra memory of the last stage (output norm and head)."""
+    """Extra memory of the last stage (output norm, head, a row of logits)."""
     layer_flops: float
     """Floating-point operations per token through one block (about 2 x its parameters)."""
     head_flops: float = 0.0
     """Floating-point operations per token of the head (2 x width x vocabulary)."""
+    stage_bytes: int = 0
+    """Memory every stage needs whatever its layers: compute buffers for a full prompt chunk."""
+    shared_bytes: int = 0
+    """Part of ``first_bytes`` that ``last_bytes`` counts again (a tied embedding/head table), held
+    once by a stage that is both first and last."""
+
+    def ends_bytes(self, first: bool, last: bool) -> int:
+        """What a stage holds besides its layers: compute buffers, and the embeddings and/or head."""
+        return self.stage_bytes + (self.first_bytes if first else 0) + (self.last_bytes if last else 0) - (
+            self.shared_bytes if first and last else 0)
+
+    @property
+    def whole_bytes(self) -> int:
+        """The whole model on one node."""
+        return self.n_layers * self.layer_bytes + self.ends_bytes(True, True)
 
 
 @dataclass(frozen=True)
@@ -172,8 +187,7 @@ def _memory(c: Candidate, opts: PlanOptions) -> int:
 
 def _cap(model: ModelProfile, c: Candidate, opts: PlanOptions, *, first: bool, last: bool) -> int:
     """How many layers ``c`` can hold in this position of the chain."""
-    extra = (model.first_bytes if first else 0) + (model.last_bytes if last else 0)
-    free = _memory(c, opts) - extra
+    free = _memory(c, opts) - model.ends_bytes(first, last)
     if free < 0:
         return 0
     if model.layer_bytes <= 0:
@@ -204,8 +218,7 @@ def _price(
         compute = counts[i] * per_layer[i]
         if last:
             compute += model.head_flops / ((c.gflops or opts.assumed_gflops) * 1e9)
-        memory = counts[i] * model.layer_bytes + (model.first_bytes if i == 0 else 0)
-        memory += model.last_bytes if last else 0
+        memory = counts[i] * model.layer_bytes + model.ends_bytes(i == 0, last)
         stages.append(PlannedStage(c.node_id, start, end, memory, compute))
         start = end
     network = 0.0
@@ -224,8 +237,8 @@ def _rtt(rtt_ms: Mapping[str, Mapping[str, float]], a: str, b: str, opts: PlanOp
 
 
 def _no_fit(model: ModelProfile, nodes: list[Candidate], max_stages: int, opts: PlanOptions) -> NoChainFits:
-    need = model.n_layers * model.layer_bytes + model.first_bytes + model.last_bytes
     roomiest = sorted((_memory(c, opts) for c in nodes), reverse=True)[:max_stages]
+    need = model.whole_bytes + max(0, len(roomiest) - 1) * model.stage_bytes  # each stage has its buffers
     have = sum(roomiest)
     short = max(need - have, 0)
     if not nodes:

@@ -64,7 +64,8 @@ class SplitService:
         self.options = options
         self.hash_cache = hash_cache
         self.server = StageServer(mesh.endpoint)
-        self.host = StageHost(self.server, self._hosted_changed, hash_cache) if role == "worker" else None
+        self.host = StageHost(self.server, self._hosted_changed, hash_cache, options.load_stage) \
+            if role == "worker" else None
         self.placements: dict[str, SplitPlacement] = {}
         self._pending: list[tuple[ModelRef, ModelProfile]] = []
         self._chains: dict[str, list[Hop]] = {}

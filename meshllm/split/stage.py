@@ -1,4 +1,4 @@
-"""Stage server: hosts layer ranges (numpy :class:`StageModel`) and serves ``stage-lane`` streams.
+"""Stage server: hosts layer ranges (ggml :class:`StageModel`) and serves ``stage-lane`` streams.
 
 Per session it keeps the KV cache on this node, runs each Prefill/Decode through its layers in a
 worker thread, and either forwards the activations to the next stage over its own pooled lane or,
@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
-from meshllm.engine.numpy import Sampler, SamplingParams, StageModel
+from meshllm.engine.ggml import StageModel
+from meshllm.engine.sampler import Sampler, SamplingParams
 from meshllm.errors import MeshllmError
 from meshllm.net import Endpoint, NetError, PeerConnection, PeerEvent, PeerEventKind, Stream
 from meshllm.split import codec
@@ -84,12 +85,27 @@ class StageServer:
     # -- API for the node and the coordinator ------------------------------------------------
 
     def host(self, model: str, stage: StageModel) -> None:
-        """Serve ``stage`` (a loaded layer range) as part of ``model``'s chains."""
+        """Serve ``stage`` (a loaded layer range) as part of ``model``'s chains (freeing the one it replaces)."""
+        old = self._stages.get(model)
         self._stages[model] = stage
+        if old is not None and old is not stage:
+            self._free(old)
 
     def unhost(self, model: str) -> None:
-        """Stop serving ``model``; its sessions fail at their next step."""
-        self._stages.pop(model, None)
+        """Stop serving ``model`` and free its layers; its sessions fail at their next step."""
+        old = self._stages.pop(model, None)
+        if old is not None:
+            self._free(old)
+
+    def _free(self, stage: StageModel) -> None:
+        """Close a stage off the loop (it waits for a step in flight, then frees weights and caches).
+
+        Sessions still open on it fail at their next step with an Error naming this stage.
+        """
+        try:
+            asyncio.get_running_loop().run_in_executor(None, stage.close)
+        except RuntimeError:  # no loop (tests, shutdown): close here
+            stage.close()
 
     @property
     def sessions(self) -> int:
@@ -102,12 +118,15 @@ class StageServer:
         return lambda: self._replies.pop(session, None) if self._replies.get(session) is sink else None
 
     def close(self) -> None:
-        """Close every lane and free every session."""
+        """Close every lane, free every session and the hosted stages."""
         self._unsubscribe()
         self.pool.close()
         for session in list(self._sessions.values()):
             session.stage.reset(session.open.session)
         self._sessions.clear()
+        for stage in self._stages.values():
+            stage.close()
+        self._stages.clear()
 
     # -- incoming lanes ------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
-"""The README's main command, and the numpy engine end to end, as real ``meshllm serve`` processes.
+"""The README's main command, and the ggml engine end to end, as real ``meshllm serve`` processes.
 
 ``./install.sh && meshllm serve`` then a chat through the ``openai`` package must return text
-from the bundled default model. ``meshllm serve --engine numpy`` must answer through the same API,
+from the bundled default model. ``meshllm serve --engine ggml`` must answer through the same API,
 with the same greedy text as llama.cpp on the same GGUF.
 """
 
@@ -45,21 +45,24 @@ def test_meshllm_serve_with_no_model_chats_with_the_default_model(tmp_path: Path
 
 
 @pytest.mark.slow
-def test_numpy_engine_serves_the_default_model(tmp_path: Path) -> None:
+def test_ggml_engine_serves_the_default_model_with_llama_cpps_text(tmp_path: Path) -> None:
     with running_nodes() as nodes:
-        node = NodeProcess(tmp_path / "n", ["--engine", "numpy"], "n")
-        nodes.append(node)
+        llama = NodeProcess(tmp_path / "llama", ["--threads", "1"], "llama")
+        node = NodeProcess(tmp_path / "n", ["--engine", "ggml", "--threads", "1"], "n")
+        nodes += [llama, node]
         node.wait_ready(timeout=90)
-        assert next(e for e in node.events if e["type"] == "model_ready")["engine"] == "numpy"
-        assert chat_text(node, DEFAULT_MODEL, 4).strip()
+        llama.wait_ready(timeout=90)
+        assert next(e for e in node.events if e["type"] == "model_ready")["engine"] == "ggml"
+        text = chat_text(node, DEFAULT_MODEL, 24)
+        assert text.strip() and text == chat_text(llama, DEFAULT_MODEL, 24)
 
 
-def test_numpy_and_llama_engines_give_the_same_greedy_text_through_the_api(tmp_path: Path) -> None:
+def test_ggml_and_llama_engines_give_the_same_greedy_text_through_the_api(tmp_path: Path) -> None:
     gguf = write_tiny_llama(tmp_path / "tiny.gguf", seed=0)
     with running_nodes() as nodes:
         llama = NodeProcess(tmp_path / "llama", ["--model", str(gguf)], "llama")
-        numpy = NodeProcess(tmp_path / "numpy", ["--model", str(gguf), "--engine", "numpy"], "numpy")
-        nodes += [llama, numpy]
+        ggml = NodeProcess(tmp_path / "ggml", ["--model", str(gguf), "--engine", "ggml"], "ggml")
+        nodes += [llama, ggml]
         for node in nodes:
             node.wait_ready()
         texts = []

@@ -1,7 +1,7 @@
 """A forced split of a 6-layer tiny model over real nodes started through the CLI.
 
 One run covers the whole life of a chain: a 3-stage chain (coordinator + two ``--worker``s) gives
-exactly the solo numpy node's greedy text through the ``openai`` client, streamed and not; its
+exactly the solo ggml node's greedy text (which is llama.cpp's) through the ``openai`` client, streamed and not; its
 chain shows in ``/api/status`` and the peer records; ``kill -9`` of the middle stage ends the
 client's stream with an error within 1 s; new requests get a 503 until the replan, then a 2-stage
 chain serves the same text again; no other node crashes.
@@ -64,7 +64,7 @@ def test_tiny_split_3_then_2_stages_matches_solo_and_survives_kill9(tmp_path: Pa
     gguf = write_tiny_llama(tmp_path / "tiny.gguf", n_layers=6, seed=3)
     model = "tiny"
     with running_nodes() as nodes:
-        solo = NodeProcess(tmp_path / "solo", ["--engine", "numpy", "--model", str(gguf)], "solo")
+        solo = NodeProcess(tmp_path / "solo", ["--engine", "ggml", "--model", str(gguf)], "solo")
         coord = NodeProcess(tmp_path / "c", ["--model", str(gguf), "--split", "force", "--stages", "3"], "coord")
         nodes += [solo, coord]
         token = coord.wait_ready()["invite"]

@@ -12,7 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tinymode
 
 from net.net_helpers import endpoint
 
-from meshllm.engine.numpy import Sampler, SamplingParams, StageModel
+from meshllm.engine.ggml import StageModel
+from meshllm.engine.sampler import Sampler, SamplingParams
 from meshllm.net import Endpoint
 from meshllm.split import Hop, SplitCoordinator, StageServer
 

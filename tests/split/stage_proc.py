@@ -10,7 +10,7 @@ import sys
 
 from nacl.signing import SigningKey
 
-from meshllm.engine.numpy import StageModel
+from meshllm.engine.ggml import StageModel
 from meshllm.net import Endpoint, EndpointOptions
 from meshllm.split import StageServer
 

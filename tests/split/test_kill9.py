@@ -12,7 +12,7 @@ from pathlib import Path
 
 from split_helpers import MODEL, PROMPT, addr, endpoint
 
-from meshllm.engine.numpy import StageModel
+from meshllm.engine.ggml import StageModel
 from meshllm.split import Hop, SplitCoordinator, StageFailed, StageServer
 
 HERE = Path(__file__).resolve().parent

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from split_helpers import MODEL, PROMPT, addr, endpoint, make_chain, solo_greedy
 
-from meshllm.engine.numpy import StageModel
+from meshllm.engine.ggml import StageModel
 from meshllm.split import Hop, SplitCoordinator, StageFailed, StageServer, codec
 from meshllm.split.frames import Decode, Error, Open, Prefill
 

@@ -51,8 +51,9 @@ def test_forced_stages_wait_for_workers_then_degrade_after_a_failure() -> None:
 
 def test_auto_splits_only_what_does_not_fit(tiny_model: Path) -> None:
     profile = model_profile(tiny_model, 256)
-    assert profile.n_layers == 6 and profile.layer_bytes > 0 and profile.first_bytes > 0
-    whole = 6 * profile.layer_bytes + profile.first_bytes + profile.last_bytes
+    assert profile.n_layers == 6 and profile.layer_bytes > 0 and profile.first_bytes > 0 and profile.stage_bytes > 0
+    whole = 6 * profile.layer_bytes + profile.first_bytes + profile.last_bytes + profile.stage_bytes
+    assert profile.whole_bytes == whole
     assert not needs_split(SplitOptions(mode="auto"), profile, whole)
     assert needs_split(SplitOptions(mode="auto"), profile, whole - 1)
     assert needs_split(SplitOptions(mode="force"), profile, 100 * GB)

@@ -112,3 +112,20 @@ def test_plans_are_contiguous_cover_all_layers_and_fit(
         assert not c.relay_only and c.role != "client"
         assert s.memory_bytes <= min(c.memory_bytes, cap or c.memory_bytes)
     assert p.total_s == pytest.approx(p.compute_s + p.network_s + p.overhead_s)
+
+
+def test_every_stage_pays_its_buffers_and_a_solo_stage_holds_a_tied_table_once() -> None:
+    """Per-stage compute buffers count on every stage; a tied embedding/head table counts once when solo."""
+    tied = ModelProfile(n_layers=4, layer_bytes=GB, first_bytes=2 * GB, last_bytes=2 * GB, layer_flops=1e8,
+                        stage_bytes=GB, shared_bytes=2 * GB)
+    assert tied.whole_bytes == 4 * GB + GB + 2 * GB  # layers, buffers, one table
+    solo = plan(tied, [Candidate("a", 7 * GB, gflops=10)], {}, "a")
+    assert solo.solo and solo.stages[0].memory_bytes == 7 * GB
+    # split, each stage holds its own copy of the table and its own buffers
+    nodes = [Candidate("a", 5 * GB, gflops=10), Candidate("b", 5 * GB, gflops=10)]
+    split = plan(tied, nodes, rtts(["a", "b"], 1.0), "a")
+    assert [(s.layer_start, s.layer_end) for s in split.stages] == [(0, 2), (2, 4)]
+    assert [s.memory_bytes for s in split.stages] == [5 * GB, 5 * GB]
+    with pytest.raises(NoChainFits):
+        plan(tied, [Candidate("a", 4 * GB + GB // 2, gflops=10), Candidate("b", 4 * GB + GB // 2, gflops=10)],
+             rtts(["a", "b"], 1.0), "a")

@@ -1,0 +1,211 @@
+"""The pieces every family's graph is made of, in llama.cpp's order: inputs, norms, rope, attention, head.
+
+A :class:`Step` builds one forward graph of a stage for ``n`` tokens at positions ``pos .. pos+n-1``
+of one session: its input tensors (token ids or the previous stage's activations, positions, the KV
+rows to write, the attention masks, the output rows), the shared blocks, and the output (activations,
+or logits of the rows in ``out_ids`` on the last stage). The family modules
+(:mod:`~meshllm.engine.ggml.llama`, :mod:`~meshllm.engine.ggml.gemma3`) only say how one layer is
+wired from these blocks, mirroring llama.cpp's ``src/models/*.cpp`` and ``llm_graph_context``
+(``build_norm``, ``build_attn``, ``build_ffn``) op for op, because the same ops in the same order are
+what make the logits bit-identical to llama.cpp's.
+
+Inputs are what a reused graph rewrites each step (:meth:`Step.set_inputs`); everything else in the
+graph, including the views of the KV cache, stays.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+
+from meshllm.engine.ggml import lib
+from meshllm.engine.ggml.graph import Graph, T
+from meshllm.engine.ggml.hparams import HParams
+from meshllm.engine.ggml.kv_cache import KVCache
+from meshllm.engine.ggml.weights import StageWeights
+
+TENSORS_PER_LAYER = 64
+"""Upper bound on ggml tensors one layer's graph creates (ops and views); sizes the graph context."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a graph is built for; a graph is reused for another step only when its shape is the same."""
+
+    n: int
+    """Tokens in the step."""
+    n_kv: int
+    """KV rows attended over (the cache length after the step, rounded up to 256)."""
+    n_out: int
+    """Rows of logits the last stage returns (the last ``n_out`` tokens); 0 on other stages."""
+
+
+class Step:
+    """One forward graph under construction (then reused): inputs, blocks, output."""
+
+    def __init__(self, graph: Graph, hp: HParams, weights: StageWeights, cache: KVCache, shape: Shape,
+                 *, first: bool, last: bool, flash_attn: bool) -> None:
+        self.g = graph
+        self.hp = hp
+        self.w = weights
+        self.cache = cache
+        self.shape = shape
+        self.first = first
+        self.last = last
+        self.flash_attn = flash_attn
+        n = shape.n
+        if first:
+            self.tokens: T | None = graph.new(lib.I32, n, name="inp_tokens", input=True)
+            self.x_in: T | None = None
+        else:
+            self.tokens = None
+            self.x_in = graph.new(lib.F32, hp.width, n, name="inp_embd", input=True)
+        self.pos = graph.new(lib.I32, n, name="inp_pos", input=True)
+        self.kv_rows = graph.new(lib.I64, n, name="inp_kv_rows", input=True)
+        width = hp.n_kv_heads * hp.head_dim
+        self.v_rows = graph.new(lib.I64, n * width, name="inp_v_rows", input=True) if cache.v_trans else self.kv_rows
+        """Where V goes: the token rows, or for a transposed V one index per (token, dimension) element."""
+        mask_type = lib.F16 if flash_attn else lib.F32
+        self.masks: dict[int, T] = {}
+        """Attention window (0: unlimited) -> its mask [n_kv, n]."""
+        for window in sorted({hp.window_for(lw.index) for lw in weights.layers}):
+            self.masks[window] = graph.new(mask_type, shape.n_kv, n, name=f"inp_kq_mask_w{window}", input=True)
+        self.out_ids = graph.new(lib.I32, shape.n_out, name="inp_out_ids", input=True) if last else None
+        self.out: T | None = None
+
+    # -- inputs -------------------------------------------------------------------------------
+
+    def set_inputs(self, g: lib.Ggml, inputs: np.ndarray, pos: int) -> None:
+        """Write this step's inputs: token ids (first stage) or activations, positions, KV rows, masks.
+
+        All of them, before every compute: ggml's allocator may reuse an input's memory once its last
+        reader ran, so nothing left in a reused graph's inputs can be trusted.
+        """
+        n, n_kv = self.shape.n, self.shape.n_kv
+        if self.tokens is not None:
+            _set(g, self.tokens, np.ascontiguousarray(inputs, dtype=np.int32))
+        else:
+            assert self.x_in is not None
+            _set(g, self.x_in, np.ascontiguousarray(inputs, dtype=np.float32))
+        positions = np.arange(pos, pos + n, dtype=np.int32)
+        _set(g, self.pos, positions)
+        _set(g, self.kv_rows, positions.astype(np.int64))
+        if self.v_rows is not self.kv_rows:  # element (token i, dim j) of a transposed V: j * capacity + pos_i
+            width = self.hp.n_kv_heads * self.hp.head_dim
+            dims = np.arange(width, dtype=np.int64) * self.cache.capacity
+            _set(g, self.v_rows, (positions.astype(np.int64)[:, None] + dims[None, :]).reshape(-1))
+        cells = np.arange(n_kv)[None, :]
+        q = positions[:, None]
+        visible = cells <= q  # causal: a token sees every earlier position and itself
+        for window, mask in self.masks.items():
+            seen = visible & (q - cells < window) if window else visible
+            dtype = np.float16 if mask.type == lib.F16 else np.float32
+            _set(g, mask, np.where(seen, 0.0, -np.inf).astype(dtype))
+        if self.out_ids is not None:
+            _set(g, self.out_ids, np.arange(n - self.shape.n_out, n, dtype=np.int32))
+
+    # -- blocks -------------------------------------------------------------------------------
+
+    def norm(self, x: T, weight: T) -> T:
+        """RMS norm then the learned scale (llama.cpp's ``build_norm``; the CPU fuses the pair)."""
+        return self.g.mul(self.g.rms_norm(x, self.hp.rms_eps), weight)
+
+    def linear(self, x: T, weight: T, bias: T | None = None) -> T:
+        y = self.g.mul_mat(weight, x)
+        return self.g.add(y, bias) if bias is not None else y
+
+    def rope(self, x: T, layer: int, factors: T | None) -> T:
+        """Rotary embedding of ``x`` [head_dim, heads, n] as layer ``layer`` uses it."""
+        cfg = self.hp.rope_for(layer)
+        return self.g.rope(
+            x, self.pos, factors, n_dims=cfg.n_rot, mode=lib.ROPE_NEOX if cfg.neox else lib.ROPE_NORMAL,
+            n_ctx_orig=cfg.n_ctx_orig, freq_base=cfg.freq_base, freq_scale=cfg.freq_scale,
+            ext_factor=cfg.ext_factor, attn_factor=cfg.attn_factor, beta_fast=cfg.beta_fast,
+            beta_slow=cfg.beta_slow,
+        )
+
+    def attention(self, slot: int, layer: int, q: T, k: T, v: T, kq_scale: float) -> T:
+        """Store this step's K/V rows in the cache, attend over ``n_kv`` rows; returns [heads*head_dim, n].
+
+        ``q`` is [head_dim, heads, n], ``k``/``v`` [head_dim, kv_heads, n]; llama.cpp's ``build_attn``
+        with its KV cache: the writes are expanded into the graph before the attention that reads them.
+        """
+        g, hp, cache, n = self.g, self.hp, self.cache, self.shape.n
+        width = hp.n_kv_heads * hp.head_dim
+        g.expand(q)
+        g.expand(v)
+        g.expand(k)
+        k_cache, v_cache = cache.k[slot], cache.v[slot]
+        g.expand(g.set_rows(k_cache, g.view(k, (width, n), (k.nb[2],)), self.kv_rows))
+        if cache.v_trans:  # one "row" per element: (token, dim) -> dim * capacity + position
+            g.expand(g.set_rows(g.reshape(v_cache, 1, v_cache.n_elements), g.reshape(v, 1, width * n), self.v_rows))
+        else:
+            g.expand(g.set_rows(v_cache, g.view(v, (width, n), (v.nb[2],)), self.kv_rows))
+        elt = int(g.g.ggml_row_size(k_cache.type, 1))
+        n_kv = self.shape.n_kv
+        keys = g.permute(g.view(k_cache, (hp.head_dim, hp.n_kv_heads, n_kv), (elt * hp.head_dim, elt * width)),
+                         0, 2, 1, 3)
+        q = g.permute(q, 0, 2, 1, 3)
+        mask = self.masks[hp.window_for(layer)]
+        if self.flash_attn:
+            values = g.permute(g.view(v_cache, (hp.head_dim, hp.n_kv_heads, n_kv), (elt * hp.head_dim, elt * width)),
+                               0, 2, 1, 3)
+            out = g.f32_accumulation(g.flash_attn(q, keys, values, mask, kq_scale))
+            out = g.reshape(out, hp.head_dim * hp.n_heads, n)
+        else:
+            cap = cache.capacity  # the transposed V: [n_kv, kv_heads, head_dim] -> [n_kv, head_dim, kv_heads]
+            strides = (elt * cap * hp.head_dim, elt * cap)
+            values = g.permute(g.view(v_cache, (n_kv, hp.n_kv_heads, hp.head_dim), strides), 0, 2, 1, 3)
+            kq = g.f32_accumulation(g.mul_mat(keys, q))
+            kq = g.soft_max(kq, mask, kq_scale)
+            kqv = g.mul_mat(values, kq)
+            out = g.cont_2d(g.permute(kqv, 0, 2, 1, 3), hp.head_dim * hp.n_heads, n)
+        g.expand(out)
+        return out
+
+    def output_rows(self, layer: int, *xs: T) -> tuple[T, ...]:
+        """In the model's last layer, keep only the rows whose logits are wanted (llama.cpp's ``out_ids``)."""
+        if layer != self.hp.n_layers - 1 or self.out_ids is None:
+            return xs
+        return tuple(self.g.get_rows(x, self.out_ids) for x in xs)
+
+    def embed(self) -> T:
+        """Token embeddings of the step's ids (first stage), as f32 [width, n]."""
+        assert self.tokens is not None and self.w.embed is not None
+        return self.g.get_rows(self.w.embed, self.tokens)
+
+    def head(self, x: T) -> T:
+        """Output norm, head (+ bias) and optional final soft-capping: [width, n_out] -> logits [vocab, n_out]."""
+        w, g = self.w, self.g
+        assert w.output_norm is not None and w.head is not None
+        logits = self.linear(self.norm(x, w.output_norm), w.head, w.head_bias)
+        cap = self.hp.final_logit_softcap
+        if cap:
+            logits = g.scale(g.tanh(g.scale(logits, 1.0 / cap)), cap)
+        return logits
+
+    def finish(self, out: T) -> T:
+        """Mark ``out`` as the graph's output and close the graph."""
+        self.out = self.g.output(out)
+        self.g.expand(out)
+        return out
+
+
+def _set(g: lib.Ggml, t: T, data: np.ndarray) -> None:
+    """Copy ``data`` into input ``t``; the byte counts must agree exactly (checked, never trusted)."""
+    nbytes = int(g.ggml_nbytes(t.p))
+    if data.nbytes != nbytes or not data.flags.c_contiguous:
+        raise ValueError(f"input of {data.nbytes} bytes for a tensor of {nbytes}")
+    g.ggml_backend_tensor_set(t.p, ctypes.c_void_p(data.ctypes.data), 0, nbytes)
+
+
+def read(g: lib.Ggml, t: T) -> np.ndarray:
+    """A f32 tensor [ne0, ne1] as a new numpy array of shape (ne1, ne0)."""
+    ne0, ne1 = t.ne[0], t.ne[1]
+    out = np.empty((ne1, ne0), np.float32)
+    if t.type != lib.F32 or int(g.ggml_nbytes(t.p)) != out.nbytes:
+        raise ValueError(f"cannot read {t} as f32 [{ne1}, {ne0}]")
+    g.ggml_backend_tensor_get(t.p, ctypes.c_void_p(out.ctypes.data), 0, out.nbytes)
+    return out

@@ -1,0 +1,228 @@
+"""GgmlEngine: the whole model as one ggml stage, behind the shared :class:`Engine` interface.
+
+``meshllm serve --engine ggml`` serves with it, so the stage runtime that splits run on is exercised end
+to end through the same API as llama.cpp (and gives the same greedy text: its logits are llama.cpp's).
+Each forward step (and the sampling after it) runs in a worker thread via ``asyncio.to_thread``; the
+event loop only moves tokens. Requests take turns on one lock (a stage computes one step at a time);
+a consumer that stops iterating cancels its request before the next token.
+
+It honours token-id prompts and a request's ``continuation`` (prefilled with the prompt and fed
+silently through the text core). Grammars and logprobs are refused with :class:`Unsupported` (a 400
+naming the field) rather than ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from meshllm.engine.base import (
+    Engine,
+    EngineBusy,
+    EngineNotLoaded,
+    GenerationEvent,
+    GenerationRequest,
+    LoadReport,
+    TextDelta,
+    TokenRate,
+    Unsupported,
+    context_cap,
+)
+from meshllm.engine.ggml.errors import StageInputError
+from meshllm.engine.ggml.stage import StageModel
+from meshllm.engine.sampler import Sampler, sampling_params
+from meshllm.engine.text import TextStream, token_budget
+from meshllm.engine.tokenizer import Tokenizer
+from meshllm.models.metadata import read_metadata
+from meshllm.models.refs import ModelRef
+
+SUPPORTS = frozenset({"token_prompts"})
+"""Optional request features the ggml runtime's engines honour (the engine contract's capability names)."""
+
+
+def refuse_unsupported(request: GenerationRequest, model_id: str) -> None:
+    """Raise :class:`Unsupported` for fields the ggml runtime cannot honour yet (grammar, logprobs)."""
+    if request.params.grammar is not None:
+        raise Unsupported(f"model {model_id} (ggml runtime) cannot constrain sampling with a grammar",
+                          param="response_format")
+    if request.params.logprobs is not None:
+        raise Unsupported(f"model {model_id} (ggml runtime) cannot report logprobs", param="logprobs")
+
+
+def replay(text: TextStream, request: GenerationRequest, vocab: int) -> list[int]:
+    """Feed ``request.continuation`` (sent to the client by the engine that began it) silently to ``text``.
+
+    Returns the tokens fed, which follow the prompt in what the engine prefills; generation ends at
+    once if they already ended it. Ids outside the vocabulary are refused.
+    """
+    if any(not 0 <= t < vocab for t in request.continuation):
+        raise Unsupported("the continuation has a token id outside the vocabulary", param="continuation")
+    fed = []
+    for token in request.continuation:
+        if text.done:
+            break
+        text.feed(token)
+        fed.append(token)
+    return fed
+
+
+class GgmlEngine(Engine):
+    """Serve one GGUF with the ggml stage runtime (layers [0, n) in one stage)."""
+
+    supports = SUPPORTS
+
+    def __init__(
+        self,
+        model: ModelRef | Path,
+        *,
+        model_id: str | None = None,
+        n_ctx: int | None = None,
+        threads: int | None = None,
+        gpu_layers: int | None = None,
+        max_queue: int = 32,
+        queue_timeout_s: float = 120.0,
+    ) -> None:
+        self.path = model.path if isinstance(model, ModelRef) else Path(model)
+        self.model_id = model_id or (model.model_id if isinstance(model, ModelRef) else self.path.stem)
+        self._n_ctx = n_ctx
+        self._threads = threads
+        self._gpu_layers = gpu_layers
+        self.max_queue = max_queue
+        self.queue_timeout_s = queue_timeout_s
+        self.stage: StageModel | None = None
+        self.tokenizer: Tokenizer | None = None
+        self._turn = asyncio.Lock()
+        self._queued = 0
+        self._running = 0
+        self._rate = TokenRate()
+
+    async def load(self) -> None:
+        """Map the model and load its tokenizer, off the event loop."""
+        self.stage, self.tokenizer = await asyncio.to_thread(self._load_blocking)
+
+    def _load_blocking(self) -> tuple[StageModel, Tokenizer]:
+        meta = read_metadata(self.path)
+        stage = StageModel.load(self.path, max_context=context_cap(meta.context_length, self._n_ctx),
+                                threads=self._threads, gpu_layers=self._gpu_layers)
+        return stage, Tokenizer(self.path, meta.architecture, meta.chat_template)
+
+    async def close(self) -> None:
+        """Free the model; a request in flight fails at its next token with :class:`EngineNotLoaded`."""
+        stage, tokenizer = self.stage, self.tokenizer
+        self.stage = self.tokenizer = None
+        if tokenizer is not None:
+            tokenizer.close()
+        if stage is not None:
+            await asyncio.to_thread(stage.close)  # waits for a step in flight
+
+    @property
+    def context_length(self) -> int:
+        """Tokens per request (prompt plus completion)."""
+        return self._require()[0].max_context
+
+    def load_report(self) -> LoadReport:
+        """Running/queued requests and the recent decode speed."""
+        return LoadReport(
+            running=self._running, queued=self._queued, max_queue=self.max_queue,
+            tokens_per_s=round(self._rate.value, 2),
+        )
+
+    def _require(self) -> tuple[StageModel, Tokenizer]:
+        if self.stage is None or self.tokenizer is None:
+            raise EngineNotLoaded(f"model {self.model_id} is not loaded")
+        return self.stage, self.tokenizer
+
+    def prompt_tokens(self, request: GenerationRequest) -> tuple[list[int], tuple[str, ...]]:
+        """The tokens fed for ``request`` and its stop strings (the client's plus the chat format's)."""
+        return self._require()[1].request_prompt(request, self.model_id)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        """Wait for a turn, then stream ``request``'s text and one :class:`Finish`."""
+        self._require()
+        refuse_unsupported(request, self.model_id)
+        if self._queued >= self.max_queue:
+            raise EngineBusy(f"model {self.model_id} has {self._queued} requests queued (limit {self.max_queue})")
+        self._queued += 1
+        try:
+            await asyncio.wait_for(self._turn.acquire(), self.queue_timeout_s)
+        except TimeoutError:
+            raise EngineBusy(
+                f"model {self.model_id}: request waited {self.queue_timeout_s:.0f}s for its turn"
+            ) from None
+        finally:
+            self._queued -= 1
+        self._running += 1
+        try:
+            async for event in self._generate(request):
+                yield event
+        finally:
+            self._running -= 1
+            self._turn.release()
+
+    async def _generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        stage, tokenizer = self._require()
+        prompt, stop_strings = await asyncio.to_thread(self.prompt_tokens, request)
+        limit = token_budget(len(prompt), stage.max_context, request.params.max_tokens, self.model_id)
+        sampler = Sampler(sampling_params(request.params))
+        text = TextStream(is_end=tokenizer.is_end, token_bytes=tokenizer.token_bytes, stops=stop_strings,
+                          limit=limit, prompt_tokens=len(prompt))
+        deltas = DeltaTokens()
+        fed = replay(text, request, stage.hparams.vocab)
+        history = prompt + fed
+        session = uuid.uuid4().hex
+        started = time.monotonic()
+        step: asyncio.Future[int] | None = None
+        try:
+            pos = 0
+            while not text.done:
+                step = asyncio.ensure_future(asyncio.to_thread(self._step, session, history, pos, sampler))
+                token = await step
+                pos = len(history)
+                history.append(token)
+                delta = deltas.wrap(text.feed(token), token)
+                if delta is not None:
+                    yield delta
+        finally:
+            # A cancelled request's forward pass still runs in its thread: let it end before the
+            # session's KV cache is freed and the next request takes the turn.
+            if step is not None and not step.done():
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(step)
+            if self.stage is not None:
+                self.stage.reset(session)
+            self._rate.observe(text.generated - len(fed), started, time.monotonic())
+        for event in text.finish():
+            yield deltas.wrap(event, None) if isinstance(event, TextDelta) else event
+
+    def _step(self, session: str, history: list[int], pos: int, sampler: Sampler) -> int:
+        """Worker thread: feed ``history[pos:]`` and sample the next token."""
+        stage = self.stage
+        if stage is None:
+            raise EngineNotLoaded(f"model {self.model_id} was unloaded during the request")
+        try:
+            logits = stage.forward(session, np.asarray(history[pos:], dtype=np.int64), pos, last_only=True)
+        except StageInputError as exc:
+            raise EngineNotLoaded(f"model {self.model_id}: {exc}") from exc
+        return sampler(logits[-1], history)
+
+
+class DeltaTokens:
+    """Attaches to each text delta the token ids fed since the previous one (unless the text core did)."""
+
+    def __init__(self) -> None:
+        self._pending: list[int] = []
+
+    def wrap(self, delta: TextDelta | None, token: int | None) -> TextDelta | None:
+        if token is not None:
+            self._pending.append(token)
+        if delta is None:
+            return None
+        tokens, self._pending = tuple(self._pending), []
+        return delta if delta.tokens else msgspec.structs.replace(delta, tokens=tokens)

@@ -1,0 +1,263 @@
+"""Hyperparameters of a GGUF model, read from its metadata and checked against what we implement.
+
+Everything the forward pass needs is decided here, once, from the GGUF keys llama.cpp itself reads,
+with llama.cpp's defaults where a key is absent, so that our output matches llama.cpp on the same file.
+An unknown architecture or an unimplemented feature (an unknown rope scaling type, differing head
+counts per layer, ...) raises :class:`UnsupportedModel` here, before any tensor data is touched.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from meshllm.engine.ggml.errors import UnsupportedModel
+from meshllm.models.gguf_file import GGUFFile
+
+#: Architectures the runtime implements. Mistral and SmolLM GGUFs carry the ``llama`` architecture.
+LLAMA_FAMILY = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = (*LLAMA_FAMILY, "gemma3")
+
+#: Architectures whose rotary embedding rotates the two halves of a head (GPT-NeoX style) rather than
+#: adjacent pairs; this follows llama.cpp's ``llama_model_rope_type``.
+_NEOX_ROPE = frozenset({"qwen2", "gemma3"})
+
+#: Gemma 3 alternates five sliding-window layers with one global layer unless the GGUF says otherwise.
+_GEMMA3_SWA_PATTERN = 6
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding of one kind of layer, in the terms of ggml's ``rope_ext``."""
+
+    neox: bool
+    """Rotate halves (GPT-NeoX) instead of adjacent pairs (original LLaMA layout)."""
+    n_rot: int
+    """How many leading dimensions of each head are rotated."""
+    freq_base: float
+    """Theta base: dimension pair i turns at ``freq_base ** (-2 i / n_rot)`` radians per position."""
+    freq_scale: float
+    """Position interpolation factor (1 / rope scaling factor)."""
+    ext_factor: float = 0.0
+    """YaRN extrapolation mix; 0 disables YaRN."""
+    attn_factor: float = 1.0
+    """Magnitude scale applied to cos and sin (YaRN's attention temperature)."""
+    beta_fast: float = 32.0
+    """YaRN: rotations at which the ramp between interpolation and extrapolation starts."""
+    beta_slow: float = 1.0
+    """YaRN: rotations at which that ramp ends."""
+    n_ctx_orig: int = 0
+    """YaRN: the context length the model was trained on."""
+
+
+@dataclass(frozen=True)
+class HParams:
+    """The shape and numerics of a supported model; see the module docstring for where they come from."""
+
+    arch: str
+    n_layers: int
+    width: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    rms_eps: float
+    context_length: int
+    attn_scale: float
+    """Multiplies q.k before the softmax."""
+    embed_scale: float
+    """Multiplies token embeddings (Gemma: sqrt(width))."""
+    final_logit_softcap: float
+    """``c * tanh(logits / c)`` when non-zero (Gemma 2 style); 0 when absent."""
+    rope: RopeConfig
+    """Rotary embedding of global (full attention) layers."""
+    rope_swa: RopeConfig
+    """Rotary embedding of sliding-window layers (Gemma 3's local layers have their own base)."""
+    sliding_window: int
+    """Window of sliding-window layers in tokens; 0 when the model has none."""
+    swa_layers: tuple[bool, ...]
+    """Per layer: does it attend only within the sliding window?"""
+
+    @property
+    def family(self) -> str:
+        """``"llama"`` for the llama-style architectures, else the architecture itself."""
+        return "llama" if self.arch in LLAMA_FAMILY else self.arch
+
+    def rope_for(self, layer: int) -> RopeConfig:
+        """The rotary embedding layer ``layer`` uses."""
+        return self.rope_swa if self.swa_layers[layer] else self.rope
+
+    def window_for(self, layer: int) -> int:
+        """The attention window of ``layer`` in tokens, 0 for unlimited."""
+        return self.sliding_window if self.swa_layers[layer] else 0
+
+
+def _f32_sqrt(x: float) -> float:
+    """``sqrtf(x)``: llama.cpp computes its scales in float32, and so must we to match it bit for bit."""
+    return float(np.sqrt(np.float32(x)))
+
+
+def _f32_div(a: float, b: float) -> float:
+    return float(np.float32(a) / np.float32(b))
+
+
+def metadata(reader: GGUFFile, key: str, default: Any = _MISSING) -> Any:
+    """The value of metadata ``key``, ``default`` if absent; a missing required key is refused."""
+    value = reader.fields.get(key, default)
+    if value is _MISSING:
+        raise UnsupportedModel(f"GGUF metadata lacks the required key {key!r}")
+    return value
+
+
+def _number(reader: GGUFFile, key: str, kind: type, default: Any = _MISSING) -> Any:
+    """``key`` as an ``int`` or ``float``; a value of another type (a string, an array) is refused."""
+    value = metadata(reader, key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and not isinstance(value, int)):
+        raise UnsupportedModel(f"GGUF key {key!r} is {value!r}, expected a number")
+    if not math.isfinite(value):
+        raise UnsupportedModel(f"GGUF key {key!r} is {value}")
+    return kind(value)
+
+
+def _count(reader: GGUFFile, key: str, default: Any = _MISSING, *, minimum: int = 1) -> int:
+    """A positive count (layers, heads, widths), possibly given per layer; per-layer values must agree."""
+    value = metadata(reader, key, default)
+    if isinstance(value, list):
+        if not value or len(set(value)) != 1:
+            raise UnsupportedModel(f"{key} differs between layers ({sorted(set(value))}); not implemented")
+        value = value[0]
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= 1 << 24:
+        raise UnsupportedModel(f"GGUF key {key!r} is {value!r}, expected a count >= {minimum}")
+    return value
+
+
+def architecture(reader: GGUFFile) -> str:
+    """The GGUF's ``general.architecture``, refused unless the runtime implements it."""
+    arch = str(metadata(reader, "general.architecture"))
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModel(
+            f"architecture {arch!r} is not supported by the ggml stage runtime "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    return arch
+
+
+def _rope_configs(reader: GGUFFile, arch: str, n_rot: int, context: int) -> tuple[RopeConfig, RopeConfig]:
+    """Global and sliding-window rope settings, resolved the way llama.cpp's context setup does."""
+    a = arch
+    scaling = str(metadata(reader, f"{a}.rope.scaling.type", "linear"))
+    if scaling not in ("none", "linear", "yarn"):
+        raise UnsupportedModel(f"rope scaling type {scaling!r} is not implemented (none, linear, yarn are)")
+    factor = _number(reader, f"{a}.rope.scaling.factor", float, 0.0) or _number(
+        reader, f"{a}.rope.scale_linear", float, 0.0)
+    if factor < 0:
+        raise UnsupportedModel(f"rope scaling factor {factor} is negative")
+    freq_scale = 1.0 if scaling == "none" or factor == 0.0 else _f32_div(1.0, factor)
+    attn_factor = _number(reader, f"{a}.rope.scaling.attn_factor", float, 1.0)
+    ext_factor = 0.0
+    if scaling == "yarn":
+        if _number(reader, f"{a}.rope.scaling.yarn_log_multiplier", float, 0.0) != 0.0:
+            raise UnsupportedModel("YaRN with a log multiplier (DeepSeek style) is not implemented")
+        ext_factor = 1.0
+        f = 1.0 / freq_scale
+        mscale = 1.0 if f <= 1.0 else 0.1 * math.log(f) + 1.0
+        # llama.cpp cancels the magnitude factor its rope kernel applies again for YaRN.
+        attn_factor *= mscale / (1.0 + 0.1 * math.log(f))
+    common = {
+        "neox": arch in _NEOX_ROPE,
+        "n_rot": n_rot,
+        "ext_factor": ext_factor,
+        "attn_factor": attn_factor,
+        "beta_fast": _number(reader, f"{a}.rope.scaling.yarn_beta_fast", float, 32.0),
+        "beta_slow": _number(reader, f"{a}.rope.scaling.yarn_beta_slow", float, 1.0),
+        "n_ctx_orig": _count(reader, f"{a}.rope.scaling.original_context_length", context),
+    }
+    base = _number(reader, f"{a}.rope.freq_base", float, 10000.0)
+    if base <= 0:
+        raise UnsupportedModel(f"rope freq_base {base} is not positive")
+    rope = RopeConfig(freq_base=base, freq_scale=freq_scale, **common)
+    if arch == "gemma3":
+        # Gemma 3's local layers keep their own base (1e4 unless stated) and are never scaled.
+        rope_swa = RopeConfig(
+            freq_base=_number(reader, f"{a}.rope.freq_base_swa", float, 10000.0), freq_scale=1.0, **common
+        )
+    else:
+        rope_swa = rope
+    return rope, rope_swa
+
+
+def _swa_layers(reader: GGUFFile, arch: str, n_layers: int) -> tuple[int, tuple[bool, ...]]:
+    """Sliding window size and which layers use it; only Gemma 3 has local layers among our families."""
+    window = _count(reader, f"{arch}.attention.sliding_window", 0, minimum=0) if arch == "gemma3" else 0
+    if window <= 0:
+        return 0, (False,) * n_layers
+    key = f"{arch}.attention.sliding_window_pattern"
+    pattern = metadata(reader, key, _GEMMA3_SWA_PATTERN)
+    if isinstance(pattern, list):
+        if len(pattern) < n_layers:
+            raise UnsupportedModel(f"sliding_window_pattern has {len(pattern)} entries for {n_layers} layers")
+        return window, tuple(bool(p) for p in pattern[:n_layers])
+    n = _count(reader, key, _GEMMA3_SWA_PATTERN, minimum=0)
+    return window, tuple(n == 0 or il % n < n - 1 for il in range(n_layers))
+
+
+def read_hparams(reader: GGUFFile) -> HParams:
+    """Read and validate the hyperparameters of the GGUF behind ``reader``."""
+    arch = architecture(reader)
+    a = arch
+    n_layers = _count(reader, f"{a}.block_count")
+    width = _count(reader, f"{a}.embedding_length")
+    n_heads = _count(reader, f"{a}.attention.head_count")
+    n_kv_heads = _count(reader, f"{a}.attention.head_count_kv", n_heads)
+    ffn = _count(reader, f"{a}.feed_forward_length")
+    head_dim = _count(reader, f"{a}.attention.key_length", max(1, width // n_heads))
+    v_head_dim = _count(reader, f"{a}.attention.value_length", max(1, width // n_heads))
+    if v_head_dim != head_dim:
+        raise UnsupportedModel(f"key length {head_dim} != value length {v_head_dim}; not implemented")
+    if n_heads % n_kv_heads:
+        raise UnsupportedModel(f"{n_heads} query heads cannot be grouped over {n_kv_heads} KV heads")
+    n_rot = _count(reader, f"{a}.rope.dimension_count", head_dim)
+    if n_rot > head_dim or n_rot % 2:
+        raise UnsupportedModel(f"rope dimension count {n_rot} does not fit head size {head_dim}")
+    context = _count(reader, f"{a}.context_length")
+    embd = reader.tensor("token_embd.weight")
+    if embd is None or len(embd.shape) != 2 or embd.shape[0] != width:
+        raise UnsupportedModel(f"GGUF has no token_embd.weight of width {width}")
+    vocab = embd.shape[1]
+    rope, rope_swa = _rope_configs(reader, arch, n_rot, context)
+    window, swa_layers = _swa_layers(reader, arch, n_layers)
+    if arch == "gemma3":
+        # llama.cpp: 1/sqrt(head size), except Gemma 3 27B (62 layers) whose query_pre_attn_scalar is
+        # width / heads. The GGUF does not store that scalar, so this mirrors llama.cpp exactly.
+        attn_scale = _f32_div(1.0, _f32_sqrt(width // n_heads if n_layers == 62 else head_dim))
+        embed_scale = _f32_sqrt(width)
+        softcap = _number(reader, f"{a}.final_logit_softcapping", float, 0.0)
+    else:
+        attn_scale = _f32_div(1.0, _f32_sqrt(head_dim))
+        embed_scale = 1.0
+        softcap = 0.0
+    return HParams(
+        arch=arch,
+        n_layers=n_layers,
+        width=width,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        ffn=ffn,
+        vocab=vocab,
+        rms_eps=_number(reader, f"{a}.attention.layer_norm_rms_epsilon", float),
+        context_length=context,
+        attn_scale=attn_scale,
+        embed_scale=embed_scale,
+        final_logit_softcap=softcap,
+        rope=rope,
+        rope_swa=rope_swa,
+        sliding_window=window,
+        swa_layers=swa_layers,
+    )

@@ -1,0 +1,158 @@
+"""Choosing the next token from logits: penalties, greedy, temperature, top-k, top-p, min-p.
+
+The order follows llama.cpp's default chain (penalties, top-k, top-p, min-p, temperature, draw), so
+the same parameters mean the same thing on either engine. Randomness comes from a numpy ``Generator``
+seeded per request: the same seed, prompt and parameters give the same tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from meshllm.engine.base import GenerationParams
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """OpenAI-like sampling controls plus llama.cpp's min-p and repetition penalty."""
+
+    temperature: float = 1.0
+    """0 (or below) is greedy: always the most likely token."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 keeps all."""
+    top_p: float = 1.0
+    """Keep the smallest set of most likely tokens whose probability reaches top_p; 1 keeps all."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p times the most likely one; 0 keeps all."""
+    repeat_penalty: float = 1.0
+    """Divide positive (multiply negative) logits of recently seen tokens by this; 1 is off."""
+    repeat_last_n: int = 64
+    """How many of the latest tokens the penalties look at."""
+    presence_penalty: float = 0.0
+    """OpenAI: subtract this from the logit of every token seen in the window."""
+    frequency_penalty: float = 0.0
+    """OpenAI: subtract this times the token's count in the window."""
+    seed: int | None = None
+    """Seed of the random draw; None draws a fresh one."""
+
+
+def sampling_params(params: GenerationParams) -> SamplingParams:
+    """OpenAI semantics for the API's parameters: no min-p and no repetition penalty unless asked."""
+    return SamplingParams(
+        temperature=params.temperature,
+        top_k=params.top_k or 0,
+        top_p=params.top_p,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        seed=params.seed,
+    )
+
+
+class Sampler:
+    """Samples tokens for one request; keep one per request so its random stream is its own."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self._rng = np.random.default_rng(params.seed)
+
+    def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+        """The next token given ``logits`` [vocab] and the tokens so far (for the penalties).
+
+        Sampling runs on every generated token, so it avoids whole-vocabulary sorts and cumulative
+        sums (each several milliseconds over Gemma's 262,144 tokens, as long as a decode step):
+        top-p sorts only the tokens that can be in its set, and the draw inverts block sums.
+        """
+        p = self.params
+        logits = self._penalized(np.asarray(logits, dtype=np.float32), history)
+        if p.temperature <= 0.0:
+            return int(np.argmax(logits))
+        ids = _candidates(logits, p.top_k)
+        z = logits if ids is None else logits[ids]
+        z = z - z.max()
+        w = np.exp(z / np.float32(p.temperature))
+        if p.min_p > 0.0 or p.top_p < 1.0:
+            probs = np.exp(z)
+            probs /= probs.sum()
+            if p.min_p > 0.0:
+                w[probs < p.min_p * probs.max()] = 0.0
+            if p.top_p < 1.0:
+                w[~_top_p(probs, p.top_p)] = 0.0
+        pick = _draw(w, self._rng.random())
+        return pick if ids is None else int(ids[pick])
+
+    def _penalized(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
+        """Logits after repetition, presence and frequency penalties over the recent window."""
+        p = self.params
+        if not history or (p.repeat_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0):
+            return logits
+        recent = np.asarray(history[-p.repeat_last_n :] if p.repeat_last_n > 0 else history, dtype=np.int64)
+        seen, counts = np.unique(recent, return_counts=True)
+        out = logits.copy()
+        vals = out[seen]
+        vals = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+        out[seen] = vals - counts * p.frequency_penalty - p.presence_penalty
+        return out
+
+
+def _top_p(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """Mask of the smallest most-likely set whose probability reaches ``top_p``.
+
+    Tokens less likely than ``(1 - top_p) / n`` together hold less than ``1 - top_p``, so the set
+    is reached before any of them: only the others are sorted (a few hundred for a trained model's
+    distribution, all of them only for a nearly uniform one).
+    """
+    n = probs.size
+    maybe = np.flatnonzero(probs >= (1.0 - top_p) / n)
+    order = maybe[np.argsort(-probs[maybe], kind="stable")]
+    count = int(np.searchsorted(np.cumsum(probs[order], dtype=np.float64), top_p)) + 1
+    mask = np.zeros(n, dtype=bool)
+    mask[order[:count]] = True
+    return mask
+
+
+_BLOCK = 1024
+
+
+def _draw(w: np.ndarray, u: float) -> int:
+    """Index ``i`` with probability ``w[i] / w.sum()`` for a uniform ``u`` in [0, 1) (weights >= 0, not all 0).
+
+    Inverse CDF over block sums, then within one block: one pass over the weights instead of a
+    full cumulative sum.
+    """
+    full = w.size // _BLOCK * _BLOCK
+    sums = w[:full].reshape(-1, _BLOCK).sum(axis=1, dtype=np.float64)
+    if full < w.size:
+        sums = np.append(sums, w[full:].sum(dtype=np.float64))
+    cdf = np.cumsum(sums)
+    target = u * cdf[-1]
+    # the first entry past the target has a positive weight; only rounding can put the target past
+    # the end, and then the last positive entry is the one
+    b = int(np.searchsorted(cdf, target, side="right"))
+    if b >= cdf.size:
+        b = int(np.flatnonzero(sums)[-1])
+    block = w[b * _BLOCK : (b + 1) * _BLOCK]
+    i = int(np.searchsorted(np.cumsum(block, dtype=np.float64), target - (cdf[b - 1] if b else 0.0), side="right"))
+    if i >= block.size:
+        i = int(np.flatnonzero(block)[-1])
+    return b * _BLOCK + i
+
+
+_STRIDE = 64
+
+
+def _candidates(logits: np.ndarray, top_k: int) -> np.ndarray | None:
+    """Token ids still in play after top-k; ``None`` for all of them (top_k 0 or not below the vocabulary).
+
+    The k-th largest of every 64th logit is a lower bound for the k-th largest of all (those k are
+    among all), so one comparison leaves a short list to partition instead of the whole vocabulary.
+    """
+    if not 0 < top_k < logits.size:
+        return None
+    if logits.size // _STRIDE > top_k:
+        bound = np.partition(logits[::_STRIDE], -top_k)[-top_k]
+        shortlist = np.flatnonzero(logits >= bound)
+        return shortlist[np.argpartition(-logits[shortlist], top_k - 1)[:top_k]]
+    return np.argpartition(-logits, top_k - 1)[:top_k]
