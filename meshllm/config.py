@@ -182,6 +182,11 @@ class Config:
     mesh_port: int = DEFAULT_MESH_PORT
     name: str = ""
     dht_bootstrap: tuple[str, ...] = ()
+    speculate: str = "auto"
+    """Speculative decoding: ``auto``, ``on`` or ``off`` (``meshllm serve --speculate``)."""
+
+
+SPECULATE_MODES = ("auto", "on", "off")
 
 
 def load_config(home: Path) -> Config:
@@ -193,16 +198,20 @@ def load_config(home: Path) -> Config:
         raw: dict[str, Any] = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"cannot read {path}: {exc}", hint="fix or delete the file") from exc
-    known = {"api_port", "mesh_port", "name", "dht_bootstrap"}
+    known = {"api_port", "mesh_port", "name", "dht_bootstrap", "speculate"}
     unknown = set(raw) - known
     if unknown:
         raise ConfigError(f"{path}: unknown settings {sorted(unknown)}", hint=f"known settings: {sorted(known)}")
+    speculate = raw.get("speculate", "auto")
+    if speculate not in SPECULATE_MODES:
+        raise ConfigError(f"{path}: speculate = {speculate!r} is not one of {', '.join(SPECULATE_MODES)}")
     try:
         return Config(
             api_port=int(raw.get("api_port", DEFAULT_API_PORT)),
             mesh_port=int(raw.get("mesh_port", DEFAULT_MESH_PORT)),
             name=str(raw.get("name", "")),
             dht_bootstrap=tuple(str(a) for a in raw.get("dht_bootstrap", ())),
+            speculate=speculate,
         )
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{path}: {exc}") from exc

@@ -46,6 +46,7 @@ from meshllm.discovery.listing import LISTING_TTL_S
 from meshllm.discovery.publisher import NodeDiscovery, facts_from_records
 from meshllm.discovery.routes import discovery_router
 from meshllm.engine.capacity import compute_devices, measure_capacity
+from meshllm.engine.speculate import SpeculateMode
 from meshllm.errors import ConfigError, DecodeError
 from meshllm.identity.ids import node_public_key, unb32
 from meshllm.identity.keys import NodeKey
@@ -93,6 +94,8 @@ class NodeOptions:
     """Relay for members behind NATs: always, never, or when peers find us reachable (auto)."""
     split: SplitOptions = field(default_factory=SplitOptions)
     """``--split``/``--stages``/``--max-memory``: whether and how to split models over workers."""
+    speculate: SpeculateMode = "auto"
+    """``--speculate``: speculative decoding on split chains and the llama engine (docs/splits.md)."""
     dht_bootstrap: list[str] = field(default_factory=list)
     """DHT peers (multiaddrs) to join at start; the DHT also starts on the first publish."""
     dht_port: int | None = None
@@ -165,7 +168,8 @@ class Node:
         )
         await self.mesh.start()
         self.serving = Serving(self.key.node_id, self.mesh, self.events)
-        split = dataclasses.replace(opts.split, threads=opts.threads, gpu_layers=opts.gpu_layers)
+        split = dataclasses.replace(opts.split, threads=opts.threads, gpu_layers=opts.gpu_layers,
+                                    speculate=opts.speculate)
         self.splits = SplitService(self.mesh, self.serving, self.events, opts.role, split,
                                    hash_cache=self.home / MODEL_HASHES_FILE)
         self.discovery = self._make_discovery()

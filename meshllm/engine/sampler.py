@@ -65,47 +65,10 @@ class Sampler:
         sums (each several milliseconds over Gemma's 262,144 tokens, as long as a decode step):
         top-p sorts only the tokens that can be in its set, and the draw inverts block sums.
         """
-        logits = self._penalized(np.asarray(logits, dtype=np.float32), history)
-        if self.params.temperature <= 0.0:
-            return int(np.argmax(logits))
-        ids, w = self._weights(logits)
-        pick = _draw(w, self._rng.random())
-        return pick if ids is None else int(ids[pick])
-
-    def verify(self, logits: np.ndarray, history: Sequence[int], draft: int) -> tuple[int, bool]:
-        """Judge a drafted token: ``(draft, True)`` if it is kept, else ``(the token chosen instead, False)``.
-
-        Greedy: kept when it is the argmax (what :meth:`__call__` returns). Sampled: the standard
-        speculative-sampling rule for a draft that proposes one token with certainty: keep it with
-        probability ``p(draft)`` under this sampler's distribution, else draw from that distribution
-        with the draft removed (renormalised). Either way the token's distribution is exactly
-        :meth:`__call__`'s, so speculation never changes what a request can produce.
-        """
-        logits = self._penalized(np.asarray(logits, dtype=np.float32), history)
-        if self.params.temperature <= 0.0:
-            token = int(np.argmax(logits))
-            return token, token == draft
-        ids, w = self._weights(logits)
-        if ids is None:
-            at = draft if 0 <= draft < w.size else -1
-        else:
-            found = np.flatnonzero(ids == draft)
-            at = int(found[0]) if found.size else -1
-        p_draft = float(w[at]) / float(w.sum(dtype=np.float64)) if at >= 0 else 0.0
-        if self._rng.random() < p_draft:
-            return draft, True
-        if at >= 0:
-            w = w.copy()
-            w[at] = 0.0
-            if not w.any():  # p(draft) rounded to just under 1: nothing else can be drawn
-                return draft, True
-        pick = _draw(w, self._rng.random())
-        return (pick if ids is None else int(ids[pick])), False
-
-    def _weights(self, logits: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
-        """Candidate ids (None: the whole vocabulary) and their unnormalised probabilities after
-        top-k, top-p, min-p and temperature."""
         p = self.params
+        logits = self._penalized(np.asarray(logits, dtype=np.float32), history)
+        if p.temperature <= 0.0:
+            return int(np.argmax(logits))
         ids = _candidates(logits, p.top_k)
         z = logits if ids is None else logits[ids]
         z = z - z.max()
@@ -117,7 +80,22 @@ class Sampler:
                 w[probs < p.min_p * probs.max()] = 0.0
             if p.top_p < 1.0:
                 w[~_top_p(probs, p.top_p)] = 0.0
-        return ids, w
+        pick = _draw(w, self._rng.random())
+        return pick if ids is None else int(ids[pick])
+
+    def verify(self, logits: np.ndarray, history: Sequence[int], draft: int) -> tuple[int, bool]:
+        """Judge a drafted token: ``(token, kept)``, where ``token`` is what this position produces.
+
+        The draft is kept exactly when the token sampled here (one draw, as :meth:`__call__`) equals
+        it. For a drafter that proposes one token with certainty this *is* the standard speculative
+        sampling rule: the draft is kept with probability ``p(draft)``, and a rejected draft's
+        replacement is distributed as ``p`` without the draft, renormalised. Coupling the rule to the
+        plain draw makes it stronger: with the same random stream, each position's token is the one
+        plain decoding would have sampled, so speculation changes neither the distribution of the
+        text nor, with a seed, the text itself. Greedy is the special case (kept iff it is the argmax).
+        """
+        token = self(logits, history)
+        return token, token == draft
 
     def _penalized(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
         """Logits after repetition, presence and frequency penalties over the recent window."""

@@ -19,8 +19,8 @@ is needed.
 
 Verification itself is the engine's: the last stage of a chain (or the local engine) runs the
 window's positions, and :meth:`meshllm.engine.sampler.Sampler.verify` applies the acceptance rule
-(greedy: exact match; sampled: the standard speculative rule, so the output distribution is that of
-plain decoding).
+(greedy: exact match; sampled: the standard speculative rule, coupled to the plain draw so that the
+text is the one plain decoding samples from the same random stream).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from typing import Any, Literal
 from meshllm.engine.ggml import StageModel
 from meshllm.engine.ggml.hparams import read_hparams
 from meshllm.engine.ggml.memory import memory_profile
+from meshllm.engine.speculate import SpeculateMode
 from meshllm.errors import MeshllmError
 from meshllm.mesh.records import Capacity, PeerRecord
 from meshllm.models.gguf_file import GGUFFile
@@ -61,6 +62,8 @@ class SplitOptions:
     """CPU threads of each stage this node loads (``--threads``)."""
     gpu_layers: int | None = None
     """Layers of each stage this node loads that go to its accelerator (``--gpu-layers``; None: all that fit)."""
+    speculate: SpeculateMode = "auto"
+    """Speculative decoding on the chains this node coordinates (``--speculate``)."""
 
     def load_stage(self, path: Path, layer_start: int, layer_end: int, max_context: int) -> StageModel:
         """Load a layer range with this node's threads and accelerator settings (blocking)."""
@@ -206,6 +209,7 @@ class SplitPlacement:
             "stages": [{"node_id": h.node_id, "name": names.get(h.node_id, h.node_id[:8]),
                         "layers": [h.layer_start, h.layer_end]} for h in self.chain],
             "predicted_ms_per_token": round(self.plan.total_s * 1e3, 3) if self.plan else None,
+            "speculation": coordinator.speculation_status() if (coordinator := self.engine.coordinator) else None,
         }
 
     def names(self) -> dict[str, str]:
@@ -251,7 +255,7 @@ class SplitPlacement:
         await asyncio.gather(*(self._host(h) for h in chain[1:]), self._load_first(first))
         assert self._first is not None
         coordinator = SplitCoordinator(self.server, self.engine.model_id, self._first, chain,
-                                       on_stage_failed=self.stage_failed)
+                                       on_stage_failed=self.stage_failed, speculate=self.options.speculate)
         self.chain, self.plan = chain, chosen
         self.engine.attach(coordinator)
         self.on_chain(chain)

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from wan import LinkProfile, WanEmulator, WanNode
+from wan import LinkProfile, WanEmulator, WanError, WanNode
 
 EARLY_S = 0.002
 
@@ -132,7 +132,7 @@ def test_a_link_can_change_while_it_runs(wan: WanEmulator) -> None:
 
 def test_names_are_unique(wan: WanEmulator) -> None:
     wan.add_node("a")
-    with pytest.raises(ValueError):
+    with pytest.raises(WanError):
         wan.add_node("a")
-    with pytest.raises(ValueError):
+    with pytest.raises(WanError):
         wan.add_node("?")
