@@ -8,11 +8,13 @@ network. One configuration:
 * ``--stages 1``: a routed request: a ``--client`` node's API forwards it to the node serving the model;
 * ``--stages S`` (2-4): a ``--split force --stages S`` coordinator and S-1 ``--worker`` nodes.
 
-Each mode (``--speculate off``, then ``on``) gets its own fresh mesh under the same emulator settings;
-per mode a warm-up request, then ``--runs`` streamed greedy completions of ``--tokens`` tokens:
+Each mode (``--speculate off`` and ``auto``, the default) gets its own mesh under the same emulator
+settings, all up at once; after a warm-up request each, ``--runs`` rounds of streamed greedy completions
+of ``--tokens`` tokens alternate between the meshes (so both see the same background load):
 TTFT (request -> first text) and TPOT ((last text - first text) / (tokens - 1)), medians. Beside them: the
-RTT the mesh measured (mean of every node's probe RTT to the others, read idle after the warm-up) and the
-planner's predicted TPOT for that chain (``/api/plan`` on the coordinator, asked at the same moment).
+RTT the mesh measured (mean of every node's probe RTT to the others, read idle once it has settled after
+the warm-up) and the planner's predicted TPOT for that chain (``/api/plan`` on the coordinator, asked
+after the runs: the gossiped RTT matrix and the stage speeds the chain measured, see docs/splits.md).
 
     .venv/bin/python bench/wan.py --rtt 40 --stages 3 --prompt repetitive --json bench/results/wan-40-3.json
     .venv/bin/python bench/wan.py --overhead                 # the emulator's own cost
@@ -66,8 +68,8 @@ FREE = "Write a short story about a lighthouse keeper who finds a message in a b
 """Free text: little of the answer is in the prompt."""
 
 PROMPTS = {"repetitive": REPETITIVE, "free": FREE}
-SETTLE_S = 2.0
-"""Idle time before the RTT is read: the probes' average (1.25 s time constant) forgets start-up and warm-up."""
+SETTLE_S = 20.0
+"""Longest wait for the probes' RTT average to settle (it starts from samples taken while nodes load)."""
 NODE_ARGS = ["--threads", "1"]
 """One llama.cpp/ggml thread per node: several nodes share this machine's cores (FACTS)."""
 
@@ -154,6 +156,19 @@ class Mesh:
                 if p["node_id"] in ids and p["rtt_ms"] is not None]
         return statistics.mean(rtts)
 
+    def settled_rtt_ms(self) -> float:
+        """The mean probe RTT once it has stopped falling: the probes' average (1.25 s time constant)
+        starts from samples taken while the nodes were loading and lanes were warming up."""
+        end = time.monotonic() + SETTLE_S
+        last = self.rtt_ms()
+        while time.monotonic() < end:
+            time.sleep(1.0)
+            now = self.rtt_ms()
+            if abs(now - last) <= max(0.2, 0.02 * last):
+                return now
+            last = now
+        return last
+
     def predicted_ms(self) -> dict[str, Any] | None:
         """The planner's prediction for this chain now (None for routed requests: nothing is planned)."""
         if self.stages == 1:
@@ -178,39 +193,49 @@ class Mesh:
             node.kill()
 
 
-def run_mode(wan: WanEmulator, tmp: Path, model: Path, args: argparse.Namespace, speculate: str) -> dict[str, Any]:
-    mesh = Mesh(wan, tmp, model, args.stages, speculate, f"{speculate}{time.monotonic_ns() % 10**6}")
+def run_modes(wan: WanEmulator, tmp: Path, model: Path, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """One mesh per mode, all up at once; the timed requests alternate between them (same load, same time)."""
+    prompt = PROMPTS[args.prompt]
+    meshes: dict[str, Mesh] = {}
     try:
-        prompt = PROMPTS[args.prompt]
-        stream_completion(mesh.entry.api, mesh.model, prompt, 8)  # warm-up: lanes, graphs, caches
-        time.sleep(SETTLE_S)
-        rtt_idle, predicted = mesh.rtt_ms(), mesh.predicted_ms()
-        samples = [stream_completion(mesh.entry.api, mesh.model, prompt, args.tokens) for _ in range(args.runs)]
-        return {
-            "ttft_ms": statistics.median(s.ttft_s for s in samples) * 1e3,
-            "tpot_ms": statistics.median(s.tpot_s for s in samples) * 1e3,
-            "tpot_ms_runs": [round(s.tpot_s * 1e3, 2) for s in samples],
-            "tokens": samples[0].tokens,
-            "text": samples[0].text,
-            "rtt_ms_measured": rtt_idle,
-            "rtt_ms_after": mesh.rtt_ms(),
-            "predicted": predicted,
-            "speculation": mesh.speculation(),
-        }
+        for mode in args.modes:
+            meshes[mode] = Mesh(wan, tmp, model, args.stages, mode, f"{mode}{time.monotonic_ns() % 10**6}")
+        for mesh in meshes.values():
+            stream_completion(mesh.entry.api, mesh.model, prompt, 8)  # warm-up: lanes, graphs, caches
+        rtt_idle = {mode: mesh.settled_rtt_ms() for mode, mesh in meshes.items()}
+        samples: dict[str, list[Sample]] = {mode: [] for mode in meshes}
+        for _ in range(args.runs):
+            for mode, mesh in meshes.items():
+                samples[mode].append(stream_completion(mesh.entry.api, mesh.model, prompt, args.tokens))
+        out = {}
+        for mode, mesh in meshes.items():
+            runs = samples[mode]
+            out[mode] = {
+                "ttft_ms": statistics.median(s.ttft_s for s in runs) * 1e3,
+                "tpot_ms": statistics.median(s.tpot_s for s in runs) * 1e3,
+                "tpot_ms_runs": [round(s.tpot_s * 1e3, 2) for s in runs],
+                "tokens": runs[0].tokens,
+                "text": runs[0].text,
+                "rtt_ms_measured": rtt_idle[mode],
+                "rtt_ms_after": mesh.rtt_ms(),
+                "predicted": mesh.predicted_ms(),  # with the stage speeds the runs measured
+                "speculation": mesh.speculation(),
+            }
+        return out
     finally:
-        mesh.close()
+        for mesh in meshes.values():
+            mesh.close()
 
 
 def run_config(args: argparse.Namespace, model: Path) -> dict[str, Any]:
     """One RTT x loss x stages x prompt configuration, every mode in ``args.modes`` side by side."""
     profile = LinkProfile.rtt(args.rtt, loss=args.loss / 100.0, jitter_ms=args.jitter)
     started = time.monotonic()
-    modes: dict[str, dict[str, Any]] = {}
     with WanEmulator(profile, seed=1) as wan, tempfile.TemporaryDirectory() as tmp:
-        for mode in args.modes:
-            modes[mode] = run_mode(wan, Path(tmp), model, args, mode)
+        modes = run_modes(wan, Path(tmp), model, args)
         lateness_ms = wan.lateness_s * 1e3
-    plain, spec = modes.get("off", modes.get("default")), modes.get("on")
+    plain = modes.get("off", modes.get("default"))
+    spec = next((modes[m] for m in args.modes if m in ("auto", "on")), None)
     base = plain or next(iter(modes.values()))
     predicted = base["predicted"]
     result: dict[str, Any] = {
@@ -311,7 +336,7 @@ def table(results: list[dict[str, Any]]) -> str:
              "TPOT plain | TPOT spec | speedup | predicted error | acceptance | tokens/pass |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        spec = (r["modes"].get("on") or {}).get("speculation") or {}
+        spec = next((r["modes"][m]["speculation"] or {} for m in ("auto", "on") if m in r["modes"]), {})
         cells = [r["prompt"], "routed" if r["stages"] == 1 else str(r["stages"]), f"{r['rtt_ms']:g}",
                  f"{r['loss_pct']:g}%", _fmt(r["rtt_ms_measured"]), _fmt(r["ttft_ms_plain"]), _fmt(r["ttft_ms_spec"]),
                  _fmt(r["tpot_ms_predicted"]), _fmt(r["tpot_ms_plain"]), _fmt(r["tpot_ms_spec"]),
@@ -336,7 +361,7 @@ def main() -> None:
     parser.add_argument("--prompt", choices=sorted(PROMPTS), default="repetitive")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--modes", default="off,on",
+    parser.add_argument("--modes", default="off,auto",
                         help="--speculate values to compare, in order ('default': no --speculate option)")
     parser.add_argument("--model", default="default", help="GGUF path, or 'default' (the bundled Gemma 3 270M)")
     parser.add_argument("--json", dest="json_out", default="bench/results/wan.json")

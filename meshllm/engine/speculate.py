@@ -35,6 +35,8 @@ SpeculateMode = Literal["off", "on", "auto"]
 MODES: tuple[SpeculateMode, ...] = ("off", "on", "auto")
 MAX_WINDOW = 16
 """Most drafted tokens one pass verifies (a window is at most this + 1 positions)."""
+AUTO_MARGIN = 0.1
+"""Predicted speed-up ``auto`` needs before it verifies drafts."""
 
 
 class NgramDrafter:
@@ -125,12 +127,16 @@ PassCost = Callable[[int, float], float]
 class WindowPolicy:
     """How many drafts the next pass verifies, from the acceptance rate and the caller's pass costs."""
 
-    def __init__(self, mode: SpeculateMode = "auto", max_window: int = MAX_WINDOW, prior: float = 0.6) -> None:
+    def __init__(self, mode: SpeculateMode = "auto", max_window: int = MAX_WINDOW, prior: float = 0.6,
+                 margin: float = AUTO_MARGIN) -> None:
         if mode not in MODES:
             raise ValueError(f"speculation mode must be one of {', '.join(MODES)}, not {mode!r}")
         self.mode = mode
         self.max_window = max(0, min(max_window, MAX_WINDOW))
         self.acceptance = Acceptance(prior=prior)
+        self.margin = margin
+        """``auto`` verifies drafts only when they are predicted this much faster than a plain step:
+        the costs are averages of noisy measurements, and a wrong guess must not slow text down."""
 
     def window(self, available: int, cost: PassCost) -> int:
         """Drafts to verify now, out of ``available`` (0: a plain decode step)."""
@@ -145,6 +151,8 @@ class WindowPolicy:
             rate = e / max(cost(k, e), 1e-9)
             if rate > best * (1.0 + 1e-6):  # ties keep the smaller window
                 best_k, best = k, rate
+        if self.mode == "auto" and best_k and best < (1.0 + self.margin) / max(cost(0, 1.0), 1e-9):
+            return 0
         return best_k
 
     def observe(self, drafted: int, accepted: int) -> None:

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import statistics
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
@@ -36,6 +38,9 @@ from meshllm.split.frames import MAX_DRAFT, Decode, Error, Hop, Open, Prefill, S
 from meshllm.split.lanes import PROBE_TIMEOUT, Lane
 from meshllm.split.stage import StageServer, forward_positions
 from meshllm.wire.addr import parse_addr
+
+STAGE_SAMPLES = 256
+"""Passes over which each stage's compute time is summarised (a median: robust to load spikes)."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,30 @@ class SplitCoordinator:
         self.acceptance = Acceptance()
         """Acceptance over every request: the prior of the next request's window policy."""
         self.stats = SpecStats(speculate)
+        self._stage_s: list[deque[float]] = [deque(maxlen=STAGE_SAMPLES) for _ in self.chain]
+        self._serve_s: deque[float] = deque(maxlen=STAGE_SAMPLES)
+        """Seconds per token between a reply and the next step: the consumer's (engine, API, stream) share."""
+
+    @property
+    def serve_seconds(self) -> float | None:
+        """Median time per token the request's consumer takes between passes (None before any)."""
+        return statistics.median(self._serve_s) if self._serve_s else None
+
+    def stage_seconds(self) -> list[float | None]:
+        """Median compute of each stage over recent passes: per position, the last stage per kept token.
+
+        What the planner should price this chain's nodes at (``placement.measured_speeds``), measured
+        by the stages themselves under whatever else their machines run.
+        """
+        return [statistics.median(d) if d else None for d in self._stage_s]
+
+    def _observe_stages(self, first_s: float, compute_ms: list[float], positions: int, tokens: int) -> None:
+        if len(compute_ms) != len(self.chain) - 1:
+            return
+        self._stage_s[0].append(first_s / positions)
+        for i, ms in enumerate(compute_ms[:-1], start=1):
+            self._stage_s[i].append(ms / 1e3 / positions)
+        self._stage_s[-1].append(compute_ms[-1] / 1e3 / tokens)
 
     async def generate(
         self,
@@ -122,6 +151,7 @@ class SplitCoordinator:
             reply = await run.prefill(list(prompt))
             produced = 0
             while True:
+                replied = time.perf_counter()
                 for i, token_id in enumerate(reply.token_ids):
                     produced += 1
                     last = i == len(reply.token_ids) - 1
@@ -137,6 +167,7 @@ class SplitCoordinator:
                     if self.costs.measured and room > 0:
                         draft = drafter.draft(min(room, MAX_DRAFT))
                         draft = draft[: policy.window(len(draft), self.costs)]
+                self._serve_s.append((time.perf_counter() - replied) / len(reply.token_ids))
                 reply = await run.step(reply.token_ids[-1], reply.pos, draft)
                 kept = len(reply.token_ids) - 1
                 policy.observe(len(draft), kept)
@@ -155,6 +186,8 @@ class SplitCoordinator:
         measured = {"fixed_ms": round(costs.fixed * 1e3, 3), "per_position_ms": round(costs.per_position * 1e3, 3),
                     "per_token_ms": round(costs.per_token * 1e3, 3),
                     "plain_ms_per_token": round(costs(0, 1.0) * 1e3, 3)} if costs.measured else None
+        if measured is not None and (serve := self.serve_seconds) is not None:
+            measured["serve_ms_per_token"] = round(serve * 1e3, 3)
         return {**self.stats.status(), "acceptance_estimate": round(self.acceptance.rate, 3), "pass_costs": measured}
 
 
@@ -218,6 +251,7 @@ class _Run:
         if reply.compute_ms:  # the stages' own figures: what of the pass was compute and what was hops
             upstream = first_s + sum(reply.compute_ms[:-1]) / 1e3
             c.costs.observe(took, len(ids), len(reply.token_ids), upstream, reply.compute_ms[-1] / 1e3)
+            c._observe_stages(first_s, reply.compute_ms, len(ids), len(reply.token_ids))
         return reply
 
     async def finish(self) -> None:

@@ -126,3 +126,12 @@ def test_sampled_verify_is_the_speculative_rule_coupled_to_the_plain_draw(params
     assert [t for t, _ in outcomes] == tokens
     assert all(kept == (t == draft) for t, kept in outcomes)
     assert 0 < sum(kept for _, kept in outcomes) < n or params.top_k  # both outcomes happen (top-k: never kept)
+
+
+def test_auto_wants_a_clear_gain_before_it_drafts() -> None:
+    """A window predicted barely faster than a plain step (5 %) is not worth the noise in the costs."""
+    costs = ChainCosts(fixed=0.005, per_position=0.010, per_token=0.016, measured=True)
+    for margin, expect_drafts in ((0.1, False), (0.0, True)):
+        policy = WindowPolicy("auto", margin=margin)
+        policy.acceptance = Acceptance(prior=0.72, prior_weight=1e9)
+        assert (policy.window(8, costs) > 0) == expect_drafts
