@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import signal
 import socket
 import statistics
 import sys
@@ -353,6 +354,7 @@ def default_model() -> Path:
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # run the finally blocks: they stop the nodes
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rtt", type=float, default=40.0, help="RTT of every link in ms")
     parser.add_argument("--loss", type=float, default=0.0, help="loss of every link in percent")

@@ -25,6 +25,8 @@ text is the one plain decoding samples from the same random stream).
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -137,6 +139,8 @@ class WindowPolicy:
         self.margin = margin
         """``auto`` verifies drafts only when they are predicted this much faster than a plain step:
         the costs are averages of noisy measurements, and a wrong guess must not slow text down."""
+        self._shadow: tuple[list[int], int] | None = None
+        """A declined draft being judged against plain tokens, and how many of it matched so far."""
 
     def window(self, available: int, cost: PassCost) -> int:
         """Drafts to verify now, out of ``available`` (0: a plain decode step)."""
@@ -156,24 +160,53 @@ class WindowPolicy:
         return best_k
 
     def observe(self, drafted: int, accepted: int) -> None:
+        """A verified pass: ``accepted`` of its ``drafted`` tokens were kept (ends any pending :meth:`decline`)."""
         self.acceptance.observe(drafted, accepted)
+        self._shadow = None
+
+    def decline(self, draft: Sequence[int]) -> None:
+        """A draft found but not verified (``auto`` judged it not worth it): judge it for free instead,
+        against the tokens plain decoding now produces (:meth:`produced`), so the acceptance rate is
+        learnt without paying for it and ``auto`` starts verifying once drafts prove good."""
+        if self._shadow is None and draft:
+            self._shadow = (list(draft), 0)
+
+    def produced(self, tokens: Sequence[int]) -> None:
+        """Tokens a plain step produced: each judges the next token of the pending declined draft."""
+        if self._shadow is None:
+            return
+        draft, kept = self._shadow
+        for token in tokens:
+            if token != draft[kept]:
+                self.acceptance.observe(len(draft), kept)
+                self._shadow = None
+                return
+            kept += 1
+            if kept == len(draft):
+                self.acceptance.observe(len(draft), kept)
+                self._shadow = None
+                return
+        self._shadow = (draft, kept)
 
 
-@dataclass
 class ChainCosts:
     """Pass costs of a split chain whose last stage stops at the first rejected position.
 
     ``T(k) = fixed + per_position * (k + 1) + per_token * E(k)``: the hops and protocol (``fixed``)
     are paid once per pass; every stage but the last runs each of the ``k + 1`` positions; the last
-    stage runs positions until the first rejection, i.e. as many as tokens come back. Each part is an
-    average of measured passes (the stages report their compute times with the tokens).
+    stage runs positions until the first rejection, i.e. as many as tokens come back. Each part is
+    the median of the last ``samples`` passes (the stages report their compute times with the
+    tokens): on a loaded machine single passes spike, and an average would follow the spikes.
     """
 
-    fixed: float = 0.0
-    per_position: float = 0.0
-    per_token: float = 0.0
-    measured: bool = False
-    alpha: float = 0.2
+    def __init__(self, samples: int = 32) -> None:
+        self._parts: tuple[deque[float], deque[float], deque[float]] = (
+            deque(maxlen=samples), deque(maxlen=samples), deque(maxlen=samples))
+        self.fixed = self.per_position = self.per_token = 0.0
+
+    @property
+    def measured(self) -> bool:
+        return bool(self._parts[0])
 
     def __call__(self, k: int, expected: float) -> float:
         return self.fixed + self.per_position * (k + 1) + self.per_token * expected
@@ -181,15 +214,10 @@ class ChainCosts:
     def observe(self, total_s: float, positions: int, tokens: int, upstream_s: float, last_s: float) -> None:
         """A pass that sent ``positions`` and got ``tokens`` back in ``total_s``; ``upstream_s`` is the
         compute of every stage but the last, ``last_s`` the last stage's."""
-        fixed = max(total_s - upstream_s - last_s, 0.0)
-        per_position, per_token = upstream_s / max(positions, 1), last_s / max(tokens, 1)
-        if not self.measured:
-            self.fixed, self.per_position, self.per_token, self.measured = fixed, per_position, per_token, True
-            return
-        a = self.alpha
-        self.fixed += a * (fixed - self.fixed)
-        self.per_position += a * (per_position - self.per_position)
-        self.per_token += a * (per_token - self.per_token)
+        parts = (max(total_s - upstream_s - last_s, 0.0), upstream_s / max(positions, 1), last_s / max(tokens, 1))
+        for d, value in zip(self._parts, parts, strict=True):
+            d.append(value)
+        self.fixed, self.per_position, self.per_token = (statistics.median(d) for d in self._parts)
 
 
 @dataclass

@@ -165,13 +165,18 @@ class SplitCoordinator:
                     # a pass yields up to len(draft) + 1 tokens, and plain decoding ends one short of the context
                     room = min(max_tokens - produced, self.first.max_context - 1 - reply.pos) - 1
                     if self.costs.measured and room > 0:
-                        draft = drafter.draft(min(room, MAX_DRAFT))
-                        draft = draft[: policy.window(len(draft), self.costs)]
+                        found = drafter.draft(min(room, MAX_DRAFT))
+                        draft = found[: policy.window(len(found), self.costs)]
+                        if not draft:
+                            policy.decline(found)
                 self._serve_s.append((time.perf_counter() - replied) / len(reply.token_ids))
                 reply = await run.step(reply.token_ids[-1], reply.pos, draft)
                 kept = len(reply.token_ids) - 1
-                policy.observe(len(draft), kept)
-                self.acceptance.observe(len(draft), kept)
+                if draft:
+                    policy.observe(len(draft), kept)
+                    self.acceptance.observe(len(draft), kept)
+                else:
+                    policy.produced(reply.token_ids)
                 self.stats.observe(len(draft), kept, len(reply.token_ids))
         except StageFailed as exc:
             if self.on_stage_failed is not None:

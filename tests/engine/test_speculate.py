@@ -60,34 +60,45 @@ def test_acceptance_counts_one_rejection_per_short_pass() -> None:
     assert acc.rate == pytest.approx((10 + 1) / (11 + 2))
 
 
+def costs(fixed: float, per_position: float, per_token: float) -> ChainCosts:
+    """Chain costs measured from one plain pass with these parts."""
+    c = ChainCosts()
+    c.observe(fixed + per_position + per_token, 1, 1, per_position, per_token)
+    return c
+
+
 def test_window_is_wide_when_the_pass_is_latency_bound_and_narrow_when_compute_bound() -> None:
     policy = WindowPolicy("auto")
     policy.acceptance = Acceptance(prior=0.8, prior_weight=1e9)
-    latency_bound = ChainCosts(fixed=0.065, per_position=0.0055, per_token=0.0136, measured=True)
-    compute_bound = ChainCosts(fixed=0.001, per_position=0.020, per_token=0.002, measured=True)
+    latency_bound = costs(0.065, 0.0055, 0.0136)
+    compute_bound = costs(0.001, 0.020, 0.002)
     wide, narrow = policy.window(16, latency_bound), policy.window(16, compute_bound)
     assert wide >= 6 and narrow <= 1
     assert policy.window(3, latency_bound) == 3  # never more than the drafter found
 
 
 def test_auto_stops_drafting_what_is_rejected_and_on_does_not() -> None:
-    costs = ChainCosts(fixed=0.01, per_position=0.02, per_token=0.002, measured=True)
+    c = costs(0.01, 0.02, 0.002)
     auto, on = WindowPolicy("auto"), WindowPolicy("on")
     for policy in (auto, on):
         for _ in range(20):
             policy.observe(drafted=4, accepted=0)
-    assert auto.window(8, costs) == 0
-    assert on.window(8, costs) == 1
-    assert WindowPolicy("off").window(8, costs) == 0
+    assert auto.window(8, c) == 0
+    assert on.window(8, c) == 1
+    assert WindowPolicy("off").window(8, c) == 0
     with pytest.raises(ValueError):
         WindowPolicy("sometimes")  # type: ignore[arg-type]
 
 
 def test_chain_costs_split_a_pass_into_its_parts() -> None:
     costs = ChainCosts()
+    assert not costs.measured
     costs.observe(total_s=0.100, positions=5, tokens=2, upstream_s=0.025, last_s=0.020)
     assert (costs.fixed, costs.per_position, costs.per_token) == pytest.approx((0.055, 0.005, 0.010))
     assert costs(4, 2.0) == pytest.approx(0.100)
+    costs.observe(total_s=0.100, positions=5, tokens=2, upstream_s=0.025, last_s=0.020)
+    costs.observe(total_s=2.000, positions=5, tokens=2, upstream_s=0.500, last_s=0.400)  # a stall
+    assert costs.per_token == pytest.approx(0.010)  # medians: one spike moves nothing
 
 
 def test_stats() -> None:
@@ -130,8 +141,26 @@ def test_sampled_verify_is_the_speculative_rule_coupled_to_the_plain_draw(params
 
 def test_auto_wants_a_clear_gain_before_it_drafts() -> None:
     """A window predicted barely faster than a plain step (5 %) is not worth the noise in the costs."""
-    costs = ChainCosts(fixed=0.005, per_position=0.010, per_token=0.016, measured=True)
+    c = costs(0.005, 0.010, 0.016)
     for margin, expect_drafts in ((0.1, False), (0.0, True)):
         policy = WindowPolicy("auto", margin=margin)
         policy.acceptance = Acceptance(prior=0.72, prior_weight=1e9)
-        assert (policy.window(8, costs) > 0) == expect_drafts
+        assert (policy.window(8, c) > 0) == expect_drafts
+
+
+def test_declined_drafts_are_judged_for_free_by_the_plain_tokens() -> None:
+    """auto learns that drafts are good without verifying any, then starts verifying them."""
+    c = costs(0.005, 0.005, 0.017)
+    policy = WindowPolicy("auto", prior=0.3)
+    draft = [5, 6, 7, 8]
+    assert policy.window(4, c) == 0
+    for _ in range(6):
+        policy.decline(draft)
+        policy.decline([9, 9])  # one pending judgement at a time
+        for token in draft:
+            policy.produced([token])
+    assert policy.acceptance.rate > 0.8 and policy.window(4, c) > 0
+    policy.decline([1, 2, 3])
+    policy.produced([1])
+    policy.produced([4])  # the second drafted token was wrong: 1 kept, 1 rejection
+    assert policy._shadow is None
