@@ -97,6 +97,8 @@ def stream_completion(api: str, model: str, prompt: str, tokens: int, timeout: f
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
+            if chunk.get("error"):
+                raise RuntimeError(f"the stream ended with an error after {len(stamps)} chunks: {chunk['error']}")
             if chunk.get("usage"):
                 used = chunk["usage"]["completion_tokens"]
             for choice in chunk.get("choices", []):
@@ -177,9 +179,11 @@ class Mesh:
         response = httpx.get(self.owner.api + "/api/plan", params={"model": str(self.path), "stages": self.stages},
                              headers=self.owner.admin_headers, timeout=30)
         response.raise_for_status()
-        predicted = response.json()["predicted_ms_per_token"]
+        chosen = response.json()
         (split,) = self.owner.status()["splits"]
-        return {**predicted, "at_placement": split["predicted_ms_per_token"]}
+        return {**chosen["predicted_ms_per_token"], "at_placement": split["predicted_ms_per_token"],
+                "stages": [[s["layers"], s["compute_ms"], s["compute"]] for s in chosen["stages"]],
+                "running": [s["layers"] for s in split["stages"]]}
 
     def speculation(self) -> dict[str, Any] | None:
         """The serving engine's speculation figures from ``/api/status`` (None if it reports none)."""
@@ -188,6 +192,11 @@ class Mesh:
             if entry.get("speculation"):
                 return entry["speculation"]
         return None
+
+    def failures(self) -> list[dict[str, Any]]:
+        """Events of the mesh's nodes that explain a failed request."""
+        kinds = {"split_stage_failed", "request_failed", "peer_suspect", "peer_down", "split_waiting"}
+        return [e for node in self.nodes for e in node.events if e.get("type") in kinds]
 
     def close(self) -> None:
         for node in self.nodes:
@@ -207,7 +216,10 @@ def run_modes(wan: WanEmulator, tmp: Path, model: Path, args: argparse.Namespace
         samples: dict[str, list[Sample]] = {mode: [] for mode in meshes}
         for _ in range(args.runs):
             for mode, mesh in meshes.items():
-                samples[mode].append(stream_completion(mesh.entry.api, mesh.model, prompt, args.tokens))
+                try:
+                    samples[mode].append(stream_completion(mesh.entry.api, mesh.model, prompt, args.tokens))
+                except (RuntimeError, httpx.HTTPError) as exc:
+                    raise RuntimeError(f"{mode}: {exc}; the chain said: {mesh.failures()}") from exc
         out = {}
         for mode, mesh in meshes.items():
             runs = samples[mode]
@@ -370,8 +382,13 @@ def main() -> None:
     parser.add_argument("--overhead", action="store_true", help="measure only the emulator's own cost")
     parser.add_argument("--matrix", action="store_true",
                         help="routed, 2 and 3 stages x RTT 0/20/40/80 x both prompts, and 1%% loss at 40 ms")
+    parser.add_argument("--table", nargs="+", metavar="JSON", help="print the table of earlier results and exit")
     args = parser.parse_args()
     args.modes = [m for m in args.modes.split(",") if m]
+    if args.table:
+        loaded = [json.loads(Path(f).read_text()) for f in args.table]
+        print(table([r for d in loaded for r in d.get("results", [d])]))
+        return
     out = Path(args.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
