@@ -4,7 +4,10 @@ The server runs in a subprocess (``--serve quic|tcp``) so client and server do n
 Python interpreter. Both stacks carry the same frames (``u32 length + msgpack``). Measured per
 run on a fresh connection: connect time, 100 B and 8 KB request/response round trips, 10 MB on
 one stream (and, for QUIC, the datagram-probe RTT). Reported: medians over runs and the
-QUIC/TCP ratios, as a table and as JSON (``--out``).
+QUIC/TCP ratios, as a table and as JSON (``--out``). Also measured, side by side in-process: what a
+garbage QUIC Initial costs an endpoint when it is checked with the client key alone
+(``initial_decrypts``, what the endpoint does) against building a connection object for it (what
+it did before issue 18).
 
     .venv/bin/python bench/net.py --runs 5
 """
@@ -15,6 +18,7 @@ import argparse
 import asyncio
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -25,6 +29,7 @@ import msgspec
 from nacl.signing import SigningKey
 
 from meshllm.net import Endpoint, EndpointOptions
+from meshllm.net.quic import MeshQuicConnection, initial_decrypts, make_configuration
 from meshllm.wire.frames import FrameDecoder, encode_frame
 
 BULK = 10 * 1024 * 1024
@@ -146,6 +151,29 @@ async def run_tcp(port: int) -> dict[str, float]:
     return out
 
 
+def garbage_initial() -> bytes:
+    """1,200 random bytes under a valid QUIC v1 Initial header."""
+    header = bytes([0xC0]) + (1).to_bytes(4, "big") + bytes([8]) + os.urandom(8) + bytes([8]) + os.urandom(8)
+    header += b"\x00"
+    body = 1200 - len(header) - 2
+    return header + (0x4000 | body).to_bytes(2, "big") + os.urandom(body)
+
+
+def initial_costs(count: int = 2000) -> dict[str, float]:
+    """Microseconds per garbage Initial: key check alone vs a connection object fed the datagram."""
+    packets = [garbage_initial() for _ in range(count)]
+    config = make_configuration(SigningKey.generate(), is_client=False)
+    start = time.perf_counter()
+    assert not any(initial_decrypts(p, 8) for p in packets)
+    checked = time.perf_counter() - start
+    start = time.perf_counter()
+    for p in packets:
+        quic = MeshQuicConnection(configuration=config, original_destination_connection_id=p[6:14])
+        quic.receive_datagram(p, ("127.0.0.1", 1), now=0.0)
+    built = time.perf_counter() - start
+    return {"initial_checked_us": checked / count * 1e6, "initial_connection_us": built / count * 1e6}
+
+
 def start_server(kind: str) -> tuple[subprocess.Popen[bytes], int]:
     proc = subprocess.Popen([sys.executable, __file__, "--serve", kind], stdout=subprocess.PIPE)
     assert proc.stdout is not None
@@ -172,6 +200,8 @@ def main() -> None:
             proc.kill()
             proc.wait()
     medians = {k: {m: statistics.median(r[m] for r in runs) for m in runs[0]} for k, runs in results.items()}
+    initials = [initial_costs() for _ in range(args.runs)]
+    initial = {key: statistics.median(run[key] for run in initials) for key in initials[0]}
     rows = [("connect (ms)", "connect_ms"), ("100 B round trip (ms)", "rtt_100B_ms"),
             ("8 KB round trip (ms)", "rtt_8192B_ms"), ("10 MB one stream (MB/s)", "bulk_MBps")]
     table = ["| metric | meshllm QUIC | asyncio TCP | QUIC/TCP |", "|---|---|---|---|"]
@@ -180,11 +210,15 @@ def main() -> None:
         table.append(f"| {label} | {q:.2f} | {t:.2f} | {q / t:.2f}x |")
     table.append(f"| datagram probe RTT (ms, EWMA) | {medians['quic']['probe_rtt_ms']:.2f} | - | - |")
     print("\n".join(table))
+    print(f"garbage Initial: {initial['initial_checked_us']:.0f} us checked with the client key, "
+          f"{initial['initial_connection_us']:.0f} us as a connection object "
+          f"({initial['initial_connection_us'] / initial['initial_checked_us']:.1f}x)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "date": datetime.date.today().isoformat(), "runs": args.runs, "medians": medians, "raw": results,
         "ratios": {key: medians["quic"][key] / medians["tcp"][key] for _, key in rows},
+        "garbage_initial_us": initial,
     }
     out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")

@@ -147,7 +147,8 @@ class Node:
         opts = self.options
         now = time.time()
         if opts.join:
-            self.membership = join_mesh(self.key.signing_key, opts.join, now)
+            home = None if opts.ephemeral else self.home  # where a granted credential is kept
+            self.membership = join_mesh(self.key.signing_key, opts.join, now, home=home)
         else:
             self.membership = own_mesh(self.key.signing_key, self.home, now)
         if opts.bootstrap:

@@ -8,6 +8,7 @@ unless a test asks for another tensor type.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import gguf
@@ -204,3 +205,148 @@ def _finish(w: gguf.GGUFWriter) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+# ---- a tiny chat model that follows its template: deterministic replies and tool calls ----------
+
+TOOL_MODEL_TEMPLATE = (
+    "{%- set nl = '\n' -%}"
+    "{%- set ns = namespace(system='') -%}"
+    "{%- for m in messages if m.role == 'system' -%}{%- set ns.system = ns.system + m.content + nl -%}{%- endfor -%}"
+    "{%- if tools -%}"
+    "{%- set ns.system = ns.system + 'You may call functions. Signatures:' + nl + '<tools>' + nl -%}"
+    "{%- for t in tools -%}{%- set ns.system = ns.system + (t | tojson) + nl -%}{%- endfor -%}"
+    "{%- set ns.system = ns.system + '</tools>' + nl + 'Call one as <tool_call>{...}</tool_call>.' + nl -%}"
+    "{%- endif -%}"
+    "{%- if ns.system -%}{{ '<|im_start|>system' + nl + ns.system + '<|im_end|>' + nl }}{%- endif -%}"
+    "{%- for m in messages if m.role != 'system' -%}"
+    "{%- if m.role == 'tool' -%}"
+    "{{ '<|im_start|>user' + nl + '<tool_response>' + nl + m.content + nl + '</tool_response><|im_end|>' + nl }}"
+    "{%- elif m.role == 'assistant' -%}"
+    "{{ '<|im_start|>assistant' + nl + (m.content or '') }}"
+    "{%- for c in m.tool_calls or [] -%}"
+    "{{ '<tool_call>' + nl + '{\"name\": \"' + c.function.name + '\", \"arguments\": ' }}"
+    "{{ c.function.arguments | tojson }}{{ '}' + nl + '</tool_call>' }}"
+    "{%- endfor -%}{{ '<|im_end|>' + nl }}"
+    "{%- else -%}"
+    "{{ '<|im_start|>' + m.role + nl + m.content + '<|im_end|>' + nl }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant' + nl }}{%- endif -%}"
+)
+"""A Hermes-style chat template (ChatML turns, tools listed in ``<tools>``, ``<tool_call>`` calls,
+``<tool_response>`` results), written for these tests."""
+
+TOOL_MODEL = "tiny-tools"
+"""The model id the tests give the tool model (its file name without ``.gguf``)."""
+TOOL_CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+"""What the tool model answers when the prompt lists tools and holds no tool result yet."""
+TOOL_MODEL_REPLY = "OK"
+"""What it answers otherwise (no tools, or after a tool result)."""
+_CALL_PIECES = ("<tool_call>\n", '{"name": "get_weather",', ' "arguments":', ' {"city": "Paris"}', "}\n</tool_call>")
+"""The call's tokens (llama-cpp-python detokenizes pieces of at most 32 bytes)."""
+
+
+def write_tiny_tool_model(path: str | Path) -> Path:
+    """A llama-architecture model whose replies are fixed by construction, not by luck.
+
+    Its layers compute: *next token = a fixed successor of the current one* (one-hot embeddings,
+    an output matrix that maps each token to its successor with a margin of ~38 logits, so even
+    temperature 1 is deterministic), except after the newline that ends the generation prompt,
+    where one SwiGLU neuron decides between ``OK`` and a call of ``get_weather``. The neuron reads
+    two flags that the attention layer (uniform attention: queries and keys are zero) averages over
+    the prompt: "the ``<tools>`` token appeared" and "a ``<tool_response>`` token appeared". So the
+    model calls the tool when tools are listed and no result came back yet, and says ``OK``
+    otherwise, which is exactly what a tool round trip needs. Lower-case letters cycle (``a`` ->
+    ``b`` ... ``z`` -> ``a``), so plain completions produce text; most other tokens end the turn.
+    Under a grammar that forbids the successor, the model prefers ``"``, then ``}``, then ``]``,
+    so constrained JSON closes quickly instead of running to ``max_tokens``.
+    """
+    path = Path(path)
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [2, 3, 3] + [6] * 256
+    im_end, tools_tok, response_tok = len(tokens) + 1, len(tokens) + 2, len(tokens) + 3
+    tokens += ["<|im_start|>", "<|im_end|>", "<tools>", "<tool_response>"]
+    types += [3, 3, 4, 4]
+    calls = list(range(len(tokens), len(tokens) + len(_CALL_PIECES)))
+    tokens += list(_CALL_PIECES)
+    types += [4] * len(_CALL_PIECES)
+    vocab = len(tokens)
+    byte = {b: 3 + b for b in range(256)}
+
+    succ = {t: im_end for t in range(vocab)}
+    for c in range(26):
+        succ[byte[ord("a") + c]] = byte[ord("a") + (c + 1) % 26]
+    succ[byte[ord("\n")]] = byte[ord("O")]
+    succ[byte[ord("O")]] = byte[ord("K")]
+    for a, b in itertools.pairwise(calls):
+        succ[a] = b
+
+    width, heads, ffn = 320, 4, 32
+    bias, flag_tools, flag_response, decide = vocab, vocab + 1, vocab + 2, vocab + 3
+    assert decide < width
+    s = np.sqrt(width / 2)  # a normalised one-hot-plus-bias embedding has s in both places
+    embd = np.zeros((vocab, width), np.float32)
+    embd[np.arange(vocab), np.arange(vocab)] = 1.0
+    embd[:, bias] = 1.0
+
+    zeros = np.zeros((width, width), np.float32)
+    wv = np.zeros((width, width), np.float32)
+    wv[0, tools_tok] = 1.0 / s  # head 0, value dim 0: "tools listed"; dim 1: "a tool result came back"
+    wv[1, response_tok] = 1.0 / s
+    wo = np.zeros((width, width), np.float32)
+    wo[flag_tools, 0] = 1.0
+    wo[flag_response, 1] = 1.0
+
+    newline = byte[ord("\n")]
+    gate = np.zeros((ffn, width), np.float32)
+    gate[0, flag_tools] = 1e5
+    gate[0, flag_response] = -1e7
+    gate[0, newline] = 1e3  # (x[newline] - x[bias]) is 0 at a newline and -s elsewhere: the neuron is off
+    gate[0, bias] = -1e3
+    up = np.zeros((ffn, width), np.float32)
+    up[0, bias] = 1.0
+    down = np.zeros((width, ffn), np.float32)
+    down[decide, 0] = 1.0
+
+    out = np.zeros((vocab, width), np.float32)
+    out[[succ[t] for t in range(vocab)], np.arange(vocab)] = 3.0
+    out[calls[0], decide] = 2.0
+    for char, weight in (('"', 1.0), ("}", 0.9), ("]", 0.8)):  # under a grammar that forbids the successor,
+        out[byte[ord(char)], bias] = weight                      # close strings, then objects, then arrays
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny-tools")
+    w.add_context_length(8192)
+    w.add_embedding_length(width)
+    w.add_block_count(1)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(heads)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(width // heads)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * vocab)
+    w.add_token_types(types)
+    w.add_bos_token_id(BOS)
+    w.add_eos_token_id(im_end)
+    w.add_unk_token_id(UNK)
+    w.add_add_space_prefix(False)
+    w.add_chat_template(TOOL_MODEL_TEMPLATE)
+    w.add_tensor("token_embd.weight", embd)
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(width, np.float32))
+    w.add_tensor("blk.0.attn_q.weight", zeros)
+    w.add_tensor("blk.0.attn_k.weight", zeros)
+    w.add_tensor("blk.0.attn_v.weight", wv)
+    w.add_tensor("blk.0.attn_output.weight", wo)
+    w.add_tensor("blk.0.ffn_norm.weight", np.ones(width, np.float32))
+    w.add_tensor("blk.0.ffn_gate.weight", gate)
+    w.add_tensor("blk.0.ffn_up.weight", up)
+    w.add_tensor("blk.0.ffn_down.weight", down)
+    w.add_tensor("output_norm.weight", np.ones(width, np.float32))
+    w.add_tensor("output.weight", out)
+    _finish(w)
+    return path

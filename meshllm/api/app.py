@@ -13,13 +13,13 @@ from collections.abc import Sequence
 from fastapi import APIRouter, Depends, FastAPI
 
 from meshllm import __version__
+from meshllm.api import anthropic, embeddings, model_list, openai_chat, openai_completions, responses
 from meshllm.api.auth import ApiAccess, audit_routes, document_access, require_api_key
 from meshllm.api.backend import Backend, LocalBackend, ModelEntry
 from meshllm.api.edge import EdgePolicy, add_edge
 from meshllm.api.errors import install_error_handlers
 from meshllm.api.health import Readiness, health_router
 from meshllm.api.limits import Admission, ApiLimits, BodyLimit, EdgeLimits
-from meshllm.api.openai import build_router
 
 __all__ = ["ApiAccess", "ApiLimits", "Backend", "EdgeLimits", "EdgePolicy", "LocalBackend", "ModelEntry",
            "Readiness", "create_app"]
@@ -46,7 +46,12 @@ def create_app(backend: Backend, limits: ApiLimits | None = None, routers: Seque
     document_access(app, access)
     install_error_handlers(app)
     surfaces = APIRouter(dependencies=[Depends(require_api_key)])
-    surfaces.include_router(build_router(backend, admission))
+    surfaces.include_router(model_list.router(backend))
+    surfaces.include_router(openai_chat.router(backend, admission))
+    surfaces.include_router(openai_completions.router(backend, admission))
+    surfaces.include_router(embeddings.router(backend, admission))
+    surfaces.include_router(responses.router(backend, admission))
+    surfaces.include_router(anthropic.router(backend, admission))
     app.include_router(surfaces)
     for router in routers:
         app.include_router(router)

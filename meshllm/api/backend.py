@@ -14,7 +14,16 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from meshllm.api.errors import UnknownModel
-from meshllm.engine.base import Engine, EngineError, GenerationEvent, GenerationRequest
+from meshllm.engine.base import (
+    Embeddings,
+    EmbedRequest,
+    Engine,
+    EngineError,
+    GenerationEvent,
+    GenerationRequest,
+    check_supported,
+)
+from meshllm.engine.embed import embed
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,10 @@ class Backend(Protocol):
         """
         ...
 
+    async def embed(self, request: EmbedRequest) -> Embeddings:
+        """The embeddings of ``request``'s inputs, wherever the model is served (errors as for ``generate``)."""
+        ...
+
 
 class LocalBackend:
     """Serves the models of engines loaded in this process."""
@@ -68,7 +81,15 @@ class LocalBackend:
         engine = self.engines.get(request.model)
         if engine is None:
             raise UnknownModel(f"model {request.model!r} is not served here")
+        check_supported(engine, request)
         return engine.generate(request)
+
+    async def embed(self, request: EmbedRequest) -> Embeddings:
+        """The engine's embeddings for ``request.model``."""
+        engine = self.engines.get(request.model)
+        if engine is None:
+            raise UnknownModel(f"model {request.model!r} is not served here")
+        return await embed(engine, request)
 
 
 def engine_context(engine: Engine) -> int | None:

@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from meshllm.engine.base import BadChat, EngineBusy, EngineNotLoaded, PromptTooLong
+from meshllm.engine.base import BadChat, EngineBusy, EngineNotLoaded, PromptTooLong, Unsupported
 from meshllm.errors import MeshllmError
 
 log = logging.getLogger(__name__)
@@ -34,9 +34,13 @@ class ApiError(MeshllmError):
 
 
 class BadRequest(ApiError):
-    """The request is well-formed JSON but asks for something we do not do."""
+    """The request is well-formed JSON but asks for something we do not do; ``param`` names the field."""
 
     status, type, code = 400, "invalid_request_error", "invalid_request"
+
+    def __init__(self, message: str, *, param: str | None = None, hint: str | None = None) -> None:
+        super().__init__(message, hint)
+        self.param = param
 
 
 class Unauthorized(ApiError):
@@ -99,6 +103,7 @@ class UpstreamTimeout(ApiError):
 _ENGINE_ERRORS: tuple[tuple[type[MeshllmError], int, str, str], ...] = (
     (PromptTooLong, 400, "invalid_request_error", "context_length_exceeded"),
     (BadChat, 400, "invalid_request_error", "invalid_messages"),
+    (Unsupported, 400, "invalid_request_error", "unsupported_parameter"),
     (EngineBusy, 503, "server_error", "no_capacity"),
     (EngineNotLoaded, 503, "server_error", "model_not_loaded"),
 )
@@ -127,7 +132,7 @@ def error_for(exc: BaseException) -> tuple[int, dict[str, Any]]:
     else:
         log.error("unexpected error while serving a request", exc_info=exc)
         message = "internal error (see the node's log)"
-    return status, error_body(message, type_, code)
+    return status, error_body(message, type_, code, getattr(exc, "param", None))
 
 
 def error_response(exc: BaseException) -> JSONResponse:

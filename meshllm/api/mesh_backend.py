@@ -24,8 +24,9 @@ from meshllm.api.backend import ModelEntry, engine_context
 from meshllm.api.counters import RequestCounters
 from meshllm.api.errors import ApiError, NoCapacity, UnknownModel, UpstreamError, UpstreamTimeout, classify
 from meshllm.api.router import Attempt, PeerView, Router, Target, affinity_key
-from meshllm.api.tunnel import STREAM_KIND, ServerFrame, TunnelClient, failover_allowed
-from meshllm.engine.base import Engine, GenerationEvent, GenerationRequest
+from meshllm.api.tunnel import STREAM_KIND, Routable, ServerFrame, TunnelClient, TunnelEvent, failover_allowed
+from meshllm.engine.base import Embeddings, EmbedRequest, Engine, GenerationEvent, GenerationRequest, check_supported
+from meshllm.engine.embed import embed_stream
 from meshllm.errors import MeshllmError
 from meshllm.identity.ids import short
 from meshllm.mesh.records import PeerRecord, ServedModel
@@ -150,7 +151,23 @@ class MeshBackend:
             self.counters.failed_one()
             raise
 
-    async def _route(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+    async def embed(self, request: EmbedRequest) -> Embeddings:
+        """Embeddings from the best target, failing over like a generation (the answer is one event)."""
+        self.counters.started(time.time(), remote=request.model not in self.engines)
+        events = self._route(request)
+        try:
+            answer = await _first(events, "the serving node")
+        except Exception:
+            self.counters.failed_one()
+            raise
+        finally:
+            await _aclose(events)
+        if not isinstance(answer, Embeddings):
+            self.counters.failed_one()
+            raise UpstreamError("the serving node answered an embeddings request with text")
+        return answer
+
+    async def _route(self, request: Routable) -> AsyncIterator[TunnelEvent]:
         targets = self.router.order(request.model, local_models=self.engines.keys(), peers=self._peer_views(),
                                     now=self.clock(), key=affinity_key(request))
         if not targets:
@@ -194,10 +211,14 @@ class MeshBackend:
             return UpstreamTimeout(f"every node serving {model!r} failed ({why})")
         return NoCapacity(f"every node serving {model!r} failed ({why})")
 
-    def _open(self, target: Target, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
-        if target.local:
-            return self.engines[request.model].generate(request)
-        return self._remote(target.node_id, request)
+    def _open(self, target: Target, request: Routable) -> AsyncIterator[TunnelEvent]:
+        if not target.local:
+            return self._remote(target.node_id, request)
+        engine = self.engines[request.model]
+        if isinstance(request, EmbedRequest):
+            return embed_stream(engine, request)
+        check_supported(engine, request)
+        return engine.generate(request)
 
     def _name(self, target: Target) -> str:
         if target.local:
@@ -205,7 +226,7 @@ class MeshBackend:
         record = self._alive_records().get(target.node_id)
         return f"node {record.name if record is not None and record.name else short(target.node_id)}"
 
-    async def _remote(self, node_id: str, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+    async def _remote(self, node_id: str, request: Routable) -> AsyncIterator[TunnelEvent]:
         """One request through the tunnel to ``node_id``; every wait has a deadline."""
         dl = self.deadlines
         name = self._name(Target(node_id))
@@ -286,14 +307,15 @@ def _hang_up(stream: Stream, client: TunnelClient) -> None:
         pass
 
 
-async def _first(events: AsyncIterator[GenerationEvent], name: str) -> GenerationEvent:
+
+async def _first(events: AsyncIterator[TunnelEvent], name: str) -> TunnelEvent:
     try:
         return await anext(events)
     except StopAsyncIteration:
         raise UpstreamError(f"{name} ended the response without a result") from None
 
 
-async def _aclose(events: AsyncIterator[GenerationEvent]) -> None:
+async def _aclose(events: AsyncIterator[TunnelEvent]) -> None:
     close = getattr(events, "aclose", None)
     if close is not None:
         await close()

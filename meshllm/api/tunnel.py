@@ -2,7 +2,9 @@
 
 One bidirectional QUIC stream of kind ``"request"`` per request. The caller sends a
 :class:`RequestFrame` (and, if its client goes away, a :class:`CancelFrame`); the server answers
-with :class:`DeltaFrame` s and ends with exactly one :class:`FinishFrame` or :class:`ErrorFrame`.
+a generation with :class:`DeltaFrame` s and ends with exactly one :class:`FinishFrame` or
+:class:`ErrorFrame`; an embedding request is answered by one :class:`EmbeddingsFrame` (or an
+error). Fields added since version 1 have defaults, so older peers' frames still decode.
 
 The net layer's streams already frame and decode typed messages (``Stream.send(struct)`` /
 ``Stream.recv(type)``), so this core works on messages, not bytes: :class:`TunnelClient` and
@@ -22,11 +24,14 @@ from meshllm.api.errors import ApiError, UpstreamError, classify, error_for
 from meshllm.engine.base import (
     ChatRequest,
     CompletionRequest,
+    Embeddings,
+    EmbedRequest,
     Finish,
     FinishReason,
     GenerationEvent,
     GenerationRequest,
     TextDelta,
+    TokenLogprob,
     Usage,
 )
 from meshllm.errors import DecodeError
@@ -40,7 +45,7 @@ class RequestFrame(msgspec.Struct, frozen=True, tag="request"):
     """Caller -> server: the request, with how long the caller will wait for it to finish."""
 
     request_id: str
-    request: ChatRequest | CompletionRequest
+    request: ChatRequest | CompletionRequest | EmbedRequest
     deadline_ms: int
     """Milliseconds from receipt; the server abandons the request after it."""
     version: int = TUNNEL_VERSION
@@ -53,9 +58,11 @@ class CancelFrame(msgspec.Struct, frozen=True, tag="cancel"):
 
 
 class DeltaFrame(msgspec.Struct, frozen=True, tag="delta"):
-    """Server -> caller: generated text."""
+    """Server -> caller: generated text, with its token ids and (when asked) their logprobs."""
 
     text: str
+    tokens: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class FinishFrame(msgspec.Struct, frozen=True, tag="finish"):
@@ -64,6 +71,15 @@ class FinishFrame(msgspec.Struct, frozen=True, tag="finish"):
     reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
+    stop_sequence: str | None = None
+
+
+class EmbeddingsFrame(msgspec.Struct, frozen=True, tag="embeddings"):
+    """Server -> caller: the vectors of an :class:`~meshllm.engine.base.EmbedRequest` (float32 bytes each)."""
+
+    vectors: tuple[bytes, ...]
+    prompt_tokens: int
 
 
 class ErrorFrame(msgspec.Struct, frozen=True, tag="error"):
@@ -72,10 +88,16 @@ class ErrorFrame(msgspec.Struct, frozen=True, tag="error"):
     status: int
     code: str
     message: str
+    param: str | None = None
+    """The request field the error is about, when it is about one."""
 
 
 CallerFrame = RequestFrame | CancelFrame
-ServerFrame = DeltaFrame | FinishFrame | ErrorFrame
+ServerFrame = DeltaFrame | FinishFrame | EmbeddingsFrame | ErrorFrame
+Routable = GenerationRequest | EmbedRequest
+"""What travels in a :class:`RequestFrame`."""
+TunnelEvent = GenerationEvent | Embeddings
+"""What the caller gets back: a generation's events, or the embeddings."""
 
 
 class RemoteError(ApiError):
@@ -85,6 +107,7 @@ class RemoteError(ApiError):
         super().__init__(frame.message)
         self.status = frame.status
         self.code = frame.code
+        self.param = frame.param
         self.type = "invalid_request_error" if frame.status < 500 else "server_error"
 
 
@@ -99,7 +122,7 @@ class TunnelClient:
     def __init__(self) -> None:
         self.state: Literal["idle", "open", "done"] = "idle"
 
-    def start(self, request_id: str, request: GenerationRequest, deadline_ms: int) -> RequestFrame:
+    def start(self, request_id: str, request: Routable, deadline_ms: int) -> RequestFrame:
         """The frame to send first."""
         if self.state != "idle":
             raise RuntimeError("tunnel already started")
@@ -111,15 +134,18 @@ class TunnelClient:
         self.state = "done"
         return CancelFrame(reason=reason)
 
-    def receive(self, frame: ServerFrame) -> GenerationEvent:
+    def receive(self, frame: ServerFrame) -> TunnelEvent:
         """The engine event a frame carries; raises the peer's error as :class:`RemoteError`."""
         if self.state != "open":
             raise DecodeError(f"tunnel peer sent {type(frame).__name__} after the response ended")
         if isinstance(frame, DeltaFrame):
-            return TextDelta(frame.text)
+            return TextDelta(frame.text, frame.tokens, frame.logprobs)
         self.state = "done"
         if isinstance(frame, FinishFrame):
-            return Finish(reason=frame.reason, usage=Usage(frame.prompt_tokens, frame.completion_tokens))
+            return Finish(reason=frame.reason, usage=Usage(frame.prompt_tokens, frame.completion_tokens,
+                                                           frame.cached_tokens), stop_sequence=frame.stop_sequence)
+        if isinstance(frame, EmbeddingsFrame):
+            return Embeddings(frame.vectors, frame.prompt_tokens)
         raise RemoteError(frame)
 
     def stream_ended(self) -> None:
@@ -155,21 +181,25 @@ class TunnelServer:
         else:
             self.cancelled = True
 
-    def event(self, event: GenerationEvent) -> ServerFrame:
+    def event(self, event: TunnelEvent) -> ServerFrame:
         """The frame for one engine event."""
         self._check_open()
         if isinstance(event, TextDelta):
-            return DeltaFrame(event.text)
+            return DeltaFrame(event.text, event.tokens, event.logprobs)
         self.done = True
+        if isinstance(event, Embeddings):
+            return EmbeddingsFrame(event.vectors, event.prompt_tokens)
         return FinishFrame(reason=event.reason, prompt_tokens=event.usage.prompt_tokens,
-                           completion_tokens=event.usage.completion_tokens)
+                           completion_tokens=event.usage.completion_tokens, cached_tokens=event.usage.cached_tokens,
+                           stop_sequence=event.stop_sequence)
 
     def error(self, exc: BaseException) -> ErrorFrame:
         """The frame reporting ``exc`` with the status the caller's client should get."""
         self._check_open()
         self.done = True
         status, body = error_for(exc)
-        return ErrorFrame(status=status, code=body["error"]["code"], message=body["error"]["message"])
+        return ErrorFrame(status=status, code=body["error"]["code"], message=body["error"]["message"],
+                          param=body["error"]["param"])
 
     def _check_open(self) -> None:
         if self.done:

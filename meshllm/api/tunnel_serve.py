@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 
 from meshllm.api.counters import RequestCounters
 from meshllm.api.errors import NoCapacity, UnknownModel, UpstreamTimeout
 from meshllm.api.limits import Slots
-from meshllm.api.tunnel import CallerFrame, TunnelServer
-from meshllm.engine.base import Engine, GenerationRequest
+from meshllm.api.tunnel import CallerFrame, Routable, TunnelEvent, TunnelServer
+from meshllm.engine.base import EmbedRequest, Engine, Unsupported, check_supported
+from meshllm.engine.embed import embed_stream
 from meshllm.identity.ids import short
 from meshllm.net.connection import PeerConnection
 from meshllm.net.errors import NetTimeout, StreamClosed
@@ -74,9 +75,17 @@ class TunnelService:
                   server.cancelled)
 
     @staticmethod
-    async def _generate(engine: Engine, request: GenerationRequest, stream: Stream, server: TunnelServer,
+    async def _generate(engine: Engine, request: Routable, stream: Stream, server: TunnelServer,
                         deadline_s: float) -> None:
-        events = engine.generate(request)
+        if isinstance(request, EmbedRequest):
+            events: AsyncIterator[TunnelEvent] = embed_stream(engine, request)
+        else:
+            try:
+                check_supported(engine, request)
+            except Unsupported as exc:
+                await stream.send(server.error(exc), timeout=SEND_TIMEOUT_S)
+                return
+            events = engine.generate(request)
         try:
             async with asyncio.timeout(deadline_s):
                 async for event in events:
@@ -102,3 +111,4 @@ class TunnelService:
                 server.receive(frame)
                 if server.cancelled:
                     return
+

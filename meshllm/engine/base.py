@@ -94,11 +94,29 @@ class GenerationParams(msgspec.Struct, frozen=True, kw_only=True):
     likely alternatives, on :attr:`TextDelta.logprobs`."""
 
 
+class ToolCall(msgspec.Struct, frozen=True):
+    """A function call an assistant turn made (OpenAI's ``tool_calls`` entry, flattened)."""
+
+    id: str
+    name: str
+    arguments: str
+    """The arguments as JSON text, exactly as the model (or the client) wrote them."""
+
+
 class ChatMessage(msgspec.Struct, frozen=True):
-    """One turn of a conversation, content already flattened to text."""
+    """One turn of a conversation, content already flattened to text.
+
+    Chat templates read more than role and content: an assistant turn's ``tool_calls``, a tool
+    result's ``tool_call_id`` and ``name``. They ride along so the template (or our family format)
+    can render them; :func:`meshllm.engine.chat_format.template_message` is the one place that
+    turns a message into what templates read.
+    """
 
     role: str
     content: str
+    name: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
 
 
 class ChatRequest(msgspec.Struct, frozen=True, kw_only=True, tag="chat"):
@@ -108,7 +126,8 @@ class ChatRequest(msgspec.Struct, frozen=True, kw_only=True, tag="chat"):
     messages: tuple[ChatMessage, ...]
     params: GenerationParams = GenerationParams()
     tools: tuple[dict[str, Any], ...] = ()
-    """OpenAI tool definitions, passed to chat templates that render them."""
+    """OpenAI tool definitions (``{"type": "function", "function": {...}}``), passed to the chat
+    template; a template that knows no tools gets them described in a system message instead."""
     user: str | None = None
     """Client's end-user or session id; routing uses it for affinity."""
     continuation: tuple[int, ...] = ()
@@ -126,6 +145,16 @@ class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True, tag="completi
     user: str | None = None
     continuation: tuple[int, ...] = ()
     """As :attr:`ChatRequest.continuation`."""
+
+
+class EmbedRequest(msgspec.Struct, frozen=True, kw_only=True, tag="embed"):
+    """Pooled hidden states of each input (``/v1/embeddings``)."""
+
+    model: str
+    inputs: tuple[str | tuple[int, ...], ...]
+    """Texts, or token ids fed as they are."""
+    user: str | None = None
+    """As :attr:`ChatRequest.user` (routing affinity)."""
 
 
 GenerationRequest = ChatRequest | CompletionRequest
@@ -179,9 +208,19 @@ class Finish(msgspec.Struct, frozen=True, tag="finish"):
 
     reason: FinishReason
     usage: Usage
+    stop_sequence: str | None = None
+    """The stop string that ended generation (``reason`` is ``stop``); ``None`` for an end-of-sequence token."""
 
 
 GenerationEvent = TextDelta | Finish
+
+
+class Embeddings(msgspec.Struct, frozen=True, tag="embeddings"):
+    """The answer to an :class:`EmbedRequest`: one float32 vector per input, in input order."""
+
+    vectors: tuple[bytes, ...]
+    """Little-endian float32 values (what llama.cpp computes; OpenAI's base64 encoding is these bytes)."""
+    prompt_tokens: int
 
 
 class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -214,11 +253,22 @@ class TokenRate:
             self.value = speed if not self.value else (1 - self.ALPHA) * self.value + self.ALPHA * speed
 
 
+GRAMMAR = "grammar"
+"""Capability: honours :attr:`GenerationParams.grammar`."""
+LOGPROBS = "logprobs"
+"""Capability: honours :attr:`GenerationParams.logprobs`."""
+TOKEN_PROMPTS = "token_prompts"
+"""Capability: takes :attr:`CompletionRequest.prompt` as token ids."""
+
+
 class Engine(ABC):
     """One loaded model that generates text. Implementations run blocking work off the loop."""
 
     model_id: str
     """The API id this engine serves (see ``meshllm.models.refs``)."""
+    supports: frozenset[str] = frozenset()
+    """Optional request features this engine honours (:data:`GRAMMAR`, :data:`LOGPROBS`,
+    :data:`TOKEN_PROMPTS`); :func:`check_supported` refuses the others before ``generate``."""
 
     @abstractmethod
     async def load(self) -> None:
@@ -243,3 +293,20 @@ class Engine(ABC):
 
         Closing the iterator early cancels the generation between two tokens.
         """
+
+
+def check_supported(engine: Engine, request: GenerationRequest) -> None:
+    """Raise :class:`Unsupported` naming the first field of ``request`` that ``engine`` cannot honour.
+
+    Every place that hands a request to an engine (local backends, the tunnel's serving end) calls
+    this first, so a field is refused the same way wherever the request runs.
+    """
+    params = request.params
+    if params.grammar is not None and GRAMMAR not in engine.supports:
+        raise Unsupported(f"model {engine.model_id} cannot constrain sampling with a grammar on this node "
+                          "(a JSON response_format or a forced tool_choice needs it)", param="response_format")
+    if params.logprobs is not None and LOGPROBS not in engine.supports:
+        raise Unsupported(f"model {engine.model_id} cannot report logprobs on this node", param="logprobs")
+    if isinstance(request, CompletionRequest) and not isinstance(request.prompt, str) \
+            and TOKEN_PROMPTS not in engine.supports:
+        raise Unsupported(f"model {engine.model_id} cannot take token-id prompts on this node", param="prompt")

@@ -31,14 +31,16 @@ class StopMatcher:
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = tuple(stops)
         self.hit = False
+        self.matched: str | None = None
+        """The stop string found (the earliest in the text)."""
         self._held = ""
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Add generated text; return what may be sent now and whether a stop string was found."""
         buf = self._held + text
-        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
+        cut, matched = min(((i, s) for s, i in ((s, buf.find(s)) for s in self.stops) if i >= 0), default=(-1, None))
         if cut >= 0:
-            self.hit = True
+            self.hit, self.matched = True, matched
             self._held = ""
             return buf[:cut], True
         keep = max((n for s in self.stops for n in range(min(len(s) - 1, len(buf)), 0, -1)
@@ -92,5 +94,6 @@ class TextStream:
             if tail:
                 out.append(TextDelta(tail))
         out.append(Finish(reason=self.reason, usage=Usage(prompt_tokens=self._prompt_tokens,
-                                                          completion_tokens=self.generated)))
+                                                          completion_tokens=self.generated),
+                          stop_sequence=self._stops.matched))
         return out

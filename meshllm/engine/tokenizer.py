@@ -9,7 +9,7 @@ no template): :func:`meshllm.engine.chat_format.chat_renderer`, as :class:`meshl
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ import llama_cpp
 from llama_cpp import Llama
 
 from meshllm.engine.base import BadChat, ChatRequest, GenerationRequest, Unsupported
-from meshllm.engine.chat_format import chat_renderer, family_of
+from meshllm.engine.chat_format import ChatTemplate, chat_renderer, family_of
 
 
 class Tokenizer:
@@ -26,7 +26,7 @@ class Tokenizer:
     def __init__(self, path: str | Path, architecture: str, chat_template: str | None) -> None:
         self._llama = Llama(model_path=str(path), vocab_only=True, verbose=False)
         self._vocab = self._llama._model.vocab
-        self._render: Callable[..., Any]
+        self._render: ChatTemplate
         self._render, self.chat_format = chat_renderer(self._llama, family_of(architecture), chat_template)
 
     def encode(self, text: str, *, add_bos: bool = True, special: bool = False) -> list[int]:
@@ -52,12 +52,12 @@ class Tokenizer:
         """
         stops = list(request.params.stop)
         if isinstance(request, ChatRequest):
-            messages = [{"role": m.role, "content": m.content} for m in request.messages]
             try:
-                tokens, format_stops = self.chat_prompt(messages, request.tools)
-            except Exception as exc:  # templates raise for conversations they cannot express
-                raise BadChat(f"model {model_id} cannot render this conversation: {exc}") from exc
-            stops += format_stops
+                rendered = self._render.render(request)
+            except BadChat as exc:
+                raise BadChat(f"model {model_id}: {exc}") from exc
+            tokens = self.encode(rendered.prompt, add_bos=not rendered.added_special, special=True)
+            stops += rendered.stop
         else:
             tokens = self.encode(request.prompt) if isinstance(request.prompt, str) else self.ids(request.prompt)
         return tokens, tuple(s for s in stops if s)
@@ -76,9 +76,7 @@ class Tokenizer:
     ) -> tuple[list[int], list[str]]:
         """Prompt tokens for a conversation and the format's stop strings."""
         rendered = self._render(messages=list(messages), tools=list(tools) or None)
-        stop = rendered.stop
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        return self.encode(rendered.prompt, add_bos=not rendered.added_special, special=True), stops
+        return self.encode(rendered.prompt, add_bos=not rendered.added_special, special=True), list(rendered.stop)
 
     def close(self) -> None:
         """Free llama.cpp's vocabulary."""

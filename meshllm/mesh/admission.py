@@ -1,13 +1,21 @@
-"""Meshes, invites, membership proofs and revocations (sans-IO; ``now`` is always passed in).
+"""Meshes, invites, credentials, grants and revocations (sans-IO; ``now`` is always passed in).
 
 A mesh is named by its key: ``mesh_id = "mesh-" + base32(sha256(mesh_pub))[:26]``. Whoever holds
-the mesh key signs **invites**; a node joins by presenting one together with its own signature
-binding its node id to that invite (a **membership proof**). The proof travels in the node's peer
-record, so every member can check any record first-hand or gossiped, with nothing but the mesh id.
-**Revocations** (of an invite or a node id) are records signed by the mesh key.
+the mesh key signs **invites** and **revocations**. Every record in a mesh carries its node's
+**credential**, which any member can check with nothing but the mesh id (docs/identity.md):
 
-Use limits (``max_uses``) are counted by each admitting member for the joiners *it* admits; a
-joiner that comes back with the same invite does not use it up again. See docs/identity.md.
+* the owner's node holds an :class:`OwnerMembership`: the mesh key's signature naming that one
+  node id. It carries no invite, so there is nothing in it anyone else could reuse;
+* any other node holds a :class:`MembershipProof` (its own signature binding its id to the invite
+  it presented) plus a :class:`Grant`: the signature of the member that admitted it first-hand,
+  made when that member checked the invite *live* under the direct-join rules, and carrying the
+  admitter's own credential, so the whole chain of admissions back to the owner can be checked.
+
+So a record enters a view only if its node was admitted, first-hand, by a member in good standing
+who can be named. A malicious member can still admit nodes of its own (its grants are valid), but
+every one of them is attributable to it, at most :data:`ADMISSIONS_PER_MEMBER` of them count at
+any time, and revoking it voids every grant it signed. Invite use limits are counted over every
+node this member knows to have used the invite (first-hand or from gossiped credentials).
 """
 
 from __future__ import annotations
@@ -16,8 +24,10 @@ import base64
 import binascii
 import hashlib
 import os
+from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import msgspec
 from nacl.signing import SigningKey
@@ -31,12 +41,22 @@ from meshllm.errors import (
     KeystoreError,
     NodeRevoked,
     VerificationError,
+    WrongDomain,
     WrongMesh,
     WrongSigner,
 )
 from meshllm.identity.ids import b32, node_id, node_public_key
 from meshllm.identity.keystore import KeystoreFile, decode_keystore, decrypt_keystore, encode_keystore
-from meshllm.identity.signing import CLOCK_SKEW_S, Signed, decode_signed, encode_signed, sign, verify
+from meshllm.identity.signing import (
+    CLOCK_SKEW_S,
+    Signed,
+    decode_signed,
+    decode_struct,
+    encode_signed,
+    sign,
+    verify,
+    verify_bytes,
+)
 
 MESH_ID_PREFIX = "mesh-"
 MESH_ID_CHARS = 26
@@ -44,10 +64,30 @@ DEFAULT_INVITE_TTL_S = 24 * 3600.0
 INVITE_ID_BYTES = 10
 """Random bytes in an invite id (16 base32 characters)."""
 MAX_TOKEN_CHARS = 16 * 1024
+SIGNATURE_CACHE = 8192
+"""Exact signatures (of proofs, grants, owner memberships) remembered as verified."""
+_T = TypeVar("_T")
 
 INVITE_DOMAIN = "invite"
 MEMBERSHIP_DOMAIN = "membership"
+OWNER_DOMAIN = "owner-membership"
+GRANT_DOMAIN = "grant"
 REVOCATION_DOMAIN = "revocation"
+CREDENTIAL_MAX = 16 * 1024
+"""Bytes of one credential (a chain of grants); a record is capped at 64 KiB in all."""
+CHAIN_MAX = 8
+"""Admitters between a node and the owner; a deeper chain is refused (join through the owner)."""
+ADMISSIONS_PER_MEMBER = 32
+"""Nodes a member other than the owner may have admitted (directly or down its chain) that count
+here at any time. Bounds what one malicious member can make every member store."""
+
+
+class NotAdmitted(VerificationError):
+    """The credential carries no grant from a member (a node that has not joined through one)."""
+
+
+class AdmitterQuota(VerificationError):
+    """The member that admitted this node already has its quota of admitted nodes here."""
 
 
 def mesh_id_for(mesh_pub: bytes) -> str:
@@ -82,14 +122,55 @@ class Invite(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields
 
 
 class MembershipProof(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
-    """A node's signed claim: "I, node_id, joined mesh_id with this invite". Carried in its record."""
+    """A node's signed claim: "I, node_id, join mesh_id with this invite". Part of its credential."""
 
     mesh_id: str
     node_id: str
     invite: Signed
     """The invite, exactly as the mesh key signed it."""
     joined: float
-    """Unix time of joining; must lie inside the invite's lifetime."""
+    """Unix time the node signed this claim."""
+
+
+class OwnerMembership(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    """Signed by the mesh key: ``node_id`` is the mesh owner's node (self-certified, no invite)."""
+
+    mesh_id: str
+    node_id: str
+    issued: float
+
+
+class Grant(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    """Signed by ``admitter``: it admitted ``node_id`` first-hand with ``invite_id`` at ``admitted``."""
+
+    mesh_id: str
+    node_id: str
+    invite_id: str
+    admitted: float
+    admitter: str
+    admitter_credential: bytes
+    """The admitter's own credential, so its standing can be checked by anyone, recursively."""
+
+
+class Credential(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    """What a record carries as its membership proof."""
+
+    proof: bytes
+    """A signed :class:`OwnerMembership` (the owner) or :class:`MembershipProof` (anyone else)."""
+    grant: bytes = b""
+    """The signed :class:`Grant` of the member that admitted us; empty until one did (or for the owner)."""
+
+
+@dataclass(frozen=True)
+class Standing:
+    """Why a credential is good: ``via`` the owner's own membership or a grant."""
+
+    node_id: str
+    via: Literal["owner", "grant"]
+    invite_id: str = ""
+    max_uses: int = 0
+    admitters: tuple[str, ...] = ()
+    """Admitters in the chain other than the owner's node: each is charged for this node."""
 
 
 RevocationTarget = Literal["invite", "node"]
@@ -102,6 +183,9 @@ class Revocation(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fi
     target_kind: RevocationTarget
     target: str
     issued: float
+    closes: str = ""
+    """With a node revocation: the invite that node joined with, closed to new joiners, so the
+    node's operator cannot re-key and come back with it (members who joined with it stay)."""
 
 
 MESH_PASSPHRASE_ENV = "MESHLLM_MESH_PASSPHRASE"
@@ -173,9 +257,15 @@ class MeshKey:
                         list(bootstrap or []))
         return sign(self.signing_key, INVITE_DOMAIN, invite)
 
-    def revoke(self, target_kind: RevocationTarget, target: str, now: float) -> Signed:
-        """Sign a revocation of an invite id or a node id."""
-        return sign(self.signing_key, REVOCATION_DOMAIN, Revocation(self.mesh_id, target_kind, target, now))
+    def revoke(self, target_kind: RevocationTarget, target: str, now: float, closes: str = "") -> Signed:
+        """Sign a revocation of an invite id or a node id (``closes``: that node's invite)."""
+        rev = Revocation(self.mesh_id, target_kind, target, now, closes)
+        return sign(self.signing_key, REVOCATION_DOMAIN, rev)
+
+    def owner_credential(self, node_id_text: str, now: float) -> bytes:
+        """The credential of the owner's node: the mesh key names it, and nothing in it is reusable."""
+        membership = sign(self.signing_key, OWNER_DOMAIN, OwnerMembership(self.mesh_id, node_id_text, now))
+        return encode_credential(Credential(encode_signed(membership)))
 
 
 def _read_mesh_key(path: Path) -> bytes | KeystoreFile | None:
@@ -242,13 +332,61 @@ def make_membership_proof(node_key: SigningKey, invite: Signed, now: float) -> b
     return encode_signed(sign(node_key, MEMBERSHIP_DOMAIN, proof))
 
 
-class AdmissionState:
-    """One member's view of who may be in its mesh: revocations and invite uses.
+def joining_credential(node_key: SigningKey, invite: Signed, now: float) -> bytes:
+    """The credential a joiner presents: its proof on ``invite``, no grant yet."""
+    return encode_credential(Credential(make_membership_proof(node_key, invite, now)))
 
-    ``admit`` is for a node joining *through us* (the invite must be live now, and a use is
-    counted); ``verify_member`` is for any record we meet later (the proof must have been made
-    while its invite was live, and nothing in it may be revoked). Both raise a typed
-    :class:`VerificationError` and change nothing on failure.
+
+def make_grant(admitter_key: SigningKey, admitter_credential: bytes, mesh_id: str, joiner: str,
+               invite_id: str, now: float) -> bytes:
+    """What an admitting member signs for a joiner it admitted first-hand (sent back in Welcome)."""
+    admitter = node_id(bytes(admitter_key.verify_key))
+    grant = Grant(mesh_id, joiner, invite_id, now, admitter, admitter_credential)
+    return encode_signed(sign(admitter_key, GRANT_DOMAIN, grant))
+
+
+def encode_credential(credential: Credential) -> bytes:
+    return msgspec.msgpack.encode(credential)
+
+
+def decode_credential(data: bytes) -> Credential:
+    """Parse a credential (structure only); :meth:`AdmissionState.standing` checks it."""
+    if len(data) > CREDENTIAL_MAX:
+        raise DecodeError(f"credential of {len(data)} bytes exceeds {CREDENTIAL_MAX}")
+    return decode_struct(data, Credential, what="credential")
+
+
+def with_grant(credential: bytes, grant: bytes) -> bytes:
+    """``credential`` completed with the grant its node was given."""
+    return encode_credential(msgspec.structs.replace(decode_credential(credential), grant=grant))
+
+
+def grant_admitter(grant: bytes) -> str:
+    """The admitter a signed grant names (structure only; :meth:`AdmissionState.standing` checks it)."""
+    return decode_struct(decode_signed(grant, "grant").body, Grant, what="grant").admitter
+
+
+def credential_invite_id(credential: bytes) -> str | None:
+    """The invite id a credential was issued on (None for the owner's, or if it does not parse)."""
+    try:
+        signed = decode_signed(decode_credential(credential).proof, "membership proof")
+        if signed.domain != MEMBERSHIP_DOMAIN:
+            return None
+        claimed = decode_struct(signed.body, MembershipProof, what="membership proof")
+        return decode_struct(claimed.invite.body, Invite, what="invite").invite_id
+    except DecodeError:
+        return None
+
+
+class AdmissionState:
+    """One member's view of who may be in its mesh: revocations, invite uses, admitters' quotas.
+
+    :meth:`standing` checks a credential and changes nothing. :meth:`verify_member` is the rule
+    for every record and every peer we meet: a good standing, within its invite's use limit and
+    its admitters' quotas as far as we know, which it then counts. :meth:`admit` is for a node
+    joining *through us*: one already holding a good grant is simply a member; any other must
+    present an invite that is live now (a use is counted) and gets a grant from us. Every check
+    raises a typed :class:`VerificationError` and changes nothing on failure.
     """
 
     def __init__(self, mesh_id: str, mesh_pub: bytes) -> None:
@@ -257,12 +395,22 @@ class AdmissionState:
         self.mesh_id = mesh_id
         self.mesh_pub = mesh_pub
         self.revoked_invites: set[str] = set()
+        self.closed_invites: set[str] = set()
+        """Invites closed to new joiners (those of revoked nodes); their members stay."""
         self.revoked_nodes: set[str] = set()
         self._uses: dict[str, set[str]] = {}
+        self._charged: dict[str, set[str]] = {}
+        """admitter -> nodes in its chains that we hold (bounded by ADMISSIONS_PER_MEMBER each)."""
+        self._charges: dict[str, tuple[str, ...]] = {}
+        self._sigs: OrderedDict[bytes, None] = OrderedDict()
 
     def uses(self, invite_id: str) -> int:
-        """How many distinct nodes this member has admitted with ``invite_id``."""
+        """How many distinct nodes this member knows to have joined with ``invite_id``."""
         return len(self._uses.get(invite_id, ()))
+
+    def admitted_by(self, admitter: str) -> int:
+        """Nodes held here that ``admitter`` (a member other than the owner) admitted."""
+        return len(self._charged.get(admitter, ()))
 
     def apply_revocation(self, data: bytes | Signed) -> Revocation:
         """Verify a revocation record (mesh key, this mesh) and apply it."""
@@ -271,10 +419,120 @@ class AdmissionState:
         if rev.mesh_id != self.mesh_id:
             raise WrongMesh(f"revocation for {rev.mesh_id}, this node is in {self.mesh_id}")
         (self.revoked_invites if rev.target_kind == "invite" else self.revoked_nodes).add(rev.target)
+        if rev.closes:
+            self.closed_invites.add(rev.closes)
         return rev
 
     def check_invite(self, signed: Signed, now: float, joiner: str | None = None) -> Invite:
         """Is ``signed`` a live, unrevoked, not-used-up invite to this mesh (for ``joiner``)?"""
+        invite = self._own_invite(signed)
+        if invite.invite_id in self.closed_invites:
+            raise InviteRevoked(f"invite {invite.invite_id} is closed to new joiners (a node that used it was revoked)",
+                                hint="ask the mesh owner for a new invite")
+        if now >= invite.expires:
+            raise InviteExpired(f"invite {invite.invite_id} expired", hint="ask for a new invite")
+        if now + CLOCK_SKEW_S < invite.issued:
+            raise InviteExpired(f"invite {invite.invite_id} is not valid yet (check the clocks)")
+        self._check_uses(invite.invite_id, invite.max_uses, joiner)
+        return invite
+
+    def standing(self, node_id_text: str, credential: bytes, now: float, depth: int = 0) -> Standing:
+        """Check a credential, its grant and the chain of admitters behind it. Changes nothing."""
+        cred = decode_credential(credential)
+        signed = decode_signed(cred.proof, "membership proof")
+        if signed.domain == OWNER_DOMAIN:
+            owner = self._verified(signed, OwnerMembership, self.mesh_pub)
+            if owner.mesh_id != self.mesh_id:
+                raise WrongMesh(f"owner membership of {owner.mesh_id}, this node is in {self.mesh_id}")
+            if owner.node_id != node_id_text:
+                raise VerificationError("owner membership names another node")
+            self._check_not_revoked(node_id_text)
+            return Standing(node_id_text, "owner")
+        claimed = self._open_proof(node_id_text, signed)
+        invite = self._own_invite(claimed.invite)
+        if invite.invite_id in self.revoked_invites:
+            raise InviteRevoked(f"node {node_id_text[:8]} joined with revoked invite {invite.invite_id}")
+        if not cred.grant:
+            raise NotAdmitted(f"node {node_id_text[:8]} was never admitted by a member",
+                              hint="join through a member of the mesh (`meshllm join TOKEN`)")
+        grant = self._verified(decode_signed(cred.grant, "grant"), Grant, None)
+        if grant.mesh_id != self.mesh_id or grant.node_id != node_id_text or grant.invite_id != invite.invite_id:
+            raise VerificationError(f"the grant of node {node_id_text[:8]} names another mesh, node or invite")
+        if grant.admitter == node_id_text:
+            raise VerificationError(f"node {node_id_text[:8]} admitted itself")
+        if not invite.issued - CLOCK_SKEW_S <= grant.admitted <= invite.expires:
+            raise InviteExpired(f"node {node_id_text[:8]} was admitted outside its invite's lifetime")
+        if grant.admitted > now + CLOCK_SKEW_S:
+            raise InviteExpired(f"node {node_id_text[:8]} claims an admission time in the future")
+        if grant.admitter in self.revoked_nodes:
+            raise NodeRevoked(f"node {node_id_text[:8]} was admitted by {grant.admitter[:8]}, "
+                              "which the mesh owner revoked", hint="ask the mesh owner for a new invite")
+        if depth + 1 >= CHAIN_MAX:
+            raise VerificationError(f"node {node_id_text[:8]} sits {CHAIN_MAX} admissions from the owner",
+                                    hint="join through the mesh owner's node")
+        admitter = self.standing(grant.admitter, grant.admitter_credential, now, depth + 1)
+        chain = () if admitter.via == "owner" else (grant.admitter, *admitter.admitters)
+        return Standing(node_id_text, "grant", invite.invite_id, invite.max_uses, chain)
+
+    def verify_member(self, node_id_text: str, credential: bytes, now: float) -> Standing:
+        """The rule for every record and peer: a good standing within use limits and quotas (counted)."""
+        standing = self.standing(node_id_text, credential, now)
+        if standing.via == "grant":
+            self._check_uses(standing.invite_id, standing.max_uses, node_id_text)
+            for admitter in standing.admitters:
+                held = self._charged.get(admitter, set())
+                if node_id_text not in held and len(held) >= ADMISSIONS_PER_MEMBER:
+                    raise AdmitterQuota(f"member {admitter[:8]} already admitted {len(held)} nodes held here")
+            self._count(node_id_text, standing)
+        return standing
+
+    def admit(self, node_id_text: str, credential: bytes, now: float, quota_for: str | None = None) -> Invite | None:
+        """A node joining through us. None: it already holds a good grant. Otherwise the invite it
+        joins with, checked live and counted: the caller signs it a grant.
+
+        ``quota_for`` is our own node id when we are not the owner: we then admit no more than
+        :data:`ADMISSIONS_PER_MEMBER` nodes ourselves, as every member will count.
+        """
+        try:
+            self.verify_member(node_id_text, credential, now)
+            return None
+        except NodeRevoked:
+            if node_id_text in self.revoked_nodes:
+                raise
+            # its admitter was revoked: it may still join afresh with a live invite
+        except VerificationError:
+            pass  # no (good) grant: the direct-join rules decide
+        cred = decode_credential(credential)
+        signed = decode_signed(cred.proof, "membership proof")
+        if signed.domain != MEMBERSHIP_DOMAIN:
+            raise WrongDomain(f"expected a {MEMBERSHIP_DOMAIN!r} proof to join with, got {signed.domain!r}")
+        claimed = self._open_proof(node_id_text, signed)
+        invite = self.check_invite(claimed.invite, now, joiner=node_id_text)
+        if quota_for is not None:
+            held = self._charged.get(quota_for, set())
+            if node_id_text not in held and len(held) >= ADMISSIONS_PER_MEMBER:
+                raise AdmitterQuota(f"this member already admitted {len(held)} nodes",
+                                    hint="join through the mesh owner's node")
+        standing = Standing(node_id_text, "grant", invite.invite_id, invite.max_uses,
+                            () if quota_for is None else (quota_for,))
+        self._count(node_id_text, standing)
+        return invite
+
+    def forget(self, node_id_text: str) -> None:
+        """``node_id_text`` left our table: it no longer counts against its admitters' quotas.
+
+        Invite uses are not forgotten: a use limit is about the invite's whole life.
+        """
+        for admitter in self._charges.pop(node_id_text, ()):
+            held = self._charged.get(admitter)
+            if held is not None:
+                held.discard(node_id_text)
+                if not held:
+                    del self._charged[admitter]
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _own_invite(self, signed: Signed) -> Invite:
         invite = verify_invite(signed)
         if invite.mesh_id != self.mesh_id or invite.mesh_pub != self.mesh_pub:
             raise WrongMesh(f"invite is for {invite.mesh_id}, this node is in {self.mesh_id}",
@@ -282,44 +540,55 @@ class AdmissionState:
         if invite.invite_id in self.revoked_invites:
             raise InviteRevoked(f"invite {invite.invite_id} was revoked by the mesh owner",
                                 hint="ask for a new invite")
-        if now >= invite.expires:
-            raise InviteExpired(f"invite {invite.invite_id} expired", hint="ask for a new invite")
-        if now + CLOCK_SKEW_S < invite.issued:
-            raise InviteExpired(f"invite {invite.invite_id} is not valid yet (check the clocks)")
-        used_by = self._uses.get(invite.invite_id, set())
-        if invite.max_uses and joiner not in used_by and len(used_by) >= invite.max_uses:
-            raise InviteExhausted(f"invite {invite.invite_id} was already used {len(used_by)} time(s)",
-                                  hint="ask for a new invite, or create one with --uses N")
         return invite
 
-    def _open_proof(self, node_id_text: str, proof: bytes) -> MembershipProof:
-        signed = decode_signed(proof, "membership proof")
-        claimed = verify(signed, MEMBERSHIP_DOMAIN, MembershipProof, signer=node_public_key(node_id_text))
+    def _check_uses(self, invite_id: str, max_uses: int, joiner: str | None) -> None:
+        used_by = self._uses.get(invite_id, set())
+        if max_uses and joiner not in used_by and len(used_by) >= max_uses:
+            raise InviteExhausted(f"invite {invite_id} was already used by {len(used_by)} node(s)",
+                                  hint="ask for a new invite, or create one with --uses N")
+
+    def _count(self, node_id_text: str, standing: Standing) -> None:
+        if standing.max_uses:
+            self._uses.setdefault(standing.invite_id, set()).add(node_id_text)
+        if self._charges.get(node_id_text) != standing.admitters:
+            self.forget(node_id_text)
+            for admitter in standing.admitters:
+                self._charged.setdefault(admitter, set()).add(node_id_text)
+            if standing.admitters:
+                self._charges[node_id_text] = standing.admitters
+
+    def _check_not_revoked(self, node_id_text: str) -> None:
+        if node_id_text in self.revoked_nodes:
+            raise NodeRevoked(f"node {node_id_text[:8]} was revoked by the mesh owner")
+
+    def _open_proof(self, node_id_text: str, signed: Signed) -> MembershipProof:
+        claimed = self._verified(signed, MembershipProof, node_public_key(node_id_text))
         if claimed.node_id != node_id_text:
             raise VerificationError("membership proof names another node")
         if claimed.mesh_id != self.mesh_id:
             raise WrongMesh(f"member of {claimed.mesh_id}, this node is in {self.mesh_id}")
-        if node_id_text in self.revoked_nodes:
-            raise NodeRevoked(f"node {node_id_text[:8]} was revoked by the mesh owner")
+        self._check_not_revoked(node_id_text)
         return claimed
 
-    def admit(self, node_id_text: str, proof: bytes, now: float) -> MembershipProof:
-        """Admit a node joining through us now: its proof must hold a live invite; counts a use."""
-        claimed = self._open_proof(node_id_text, proof)
-        invite = self.check_invite(claimed.invite, now, joiner=node_id_text)
-        self._uses.setdefault(invite.invite_id, set()).add(node_id_text)
-        return claimed
+    def _verified(self, signed: Signed, type_: type[_T], signer: bytes | None) -> _T:
+        """Check domain, signer and signature (each exact signature once) and decode the body.
 
-    def verify_member(self, node_id_text: str, proof: bytes, now: float) -> MembershipProof:
-        """Check a member's proof as carried in its record (first-hand or gossiped)."""
-        claimed = self._open_proof(node_id_text, proof)
-        invite = verify_invite(claimed.invite)
-        if invite.mesh_id != self.mesh_id or invite.mesh_pub != self.mesh_pub:
-            raise WrongMesh(f"membership proof carries an invite of {invite.mesh_id}")
-        if invite.invite_id in self.revoked_invites:
-            raise InviteRevoked(f"node {node_id_text[:8]} joined with revoked invite {invite.invite_id}")
-        if not invite.issued - CLOCK_SKEW_S <= claimed.joined <= invite.expires:
-            raise InviteExpired(f"node {node_id_text[:8]} claims to have joined outside its invite's lifetime")
-        if claimed.joined > now + CLOCK_SKEW_S:
-            raise InviteExpired(f"node {node_id_text[:8]} claims a join time in the future")
-        return claimed
+        ``signer`` None: a grant, whose signer is the admitter it names.
+        """
+        domain = {OwnerMembership: OWNER_DOMAIN, MembershipProof: MEMBERSHIP_DOMAIN, Grant: GRANT_DOMAIN}[type_]
+        if signed.domain != domain:
+            raise WrongDomain(f"expected a {domain!r} signature, got {signed.domain!r}")
+        body = decode_struct(signed.body, type_, what=domain)
+        expected = node_public_key(body.admitter) if isinstance(body, Grant) else signer
+        if signed.signer != expected:
+            raise WrongSigner(f"{domain} is not signed by the key it must be")
+        key = signed.signer + signed.sig + signed.body
+        if key in self._sigs:
+            self._sigs.move_to_end(key)
+        else:
+            verify_bytes(signed.signer, signed.domain, signed.body, signed.sig)
+            self._sigs[key] = None
+            if len(self._sigs) > SIGNATURE_CACHE:
+                self._sigs.popitem(last=False)
+        return body

@@ -19,6 +19,11 @@ under 1 s of WAN latency. The remaining ~1.5 s absorbs lost probes and loaded ev
 
 The transport's own datagram liveness (3 missed probes 250 ms apart) comes in through
 :meth:`FailureDetector.suspect` and :meth:`FailureDetector.alive`.
+
+A peer gets answers at a bounded rate: pings and ping requests beyond :data:`PROBES_PER_S` per peer
+(bursts of :data:`PROBE_BURST`) are dropped and reported as an :class:`Overstep`, and at most
+:data:`RELAYS_PER_PEER` ping requests per peer are in flight, so a member cannot use us to flood
+another one with pings.
 """
 
 from __future__ import annotations
@@ -28,6 +33,14 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from meshllm.mesh.messages import Ack, MeshMessage, Ping, PingReq
+from meshllm.net.limits import RateLimit
+
+PROBES_PER_S = 10.0
+"""Pings plus ping requests one peer may send us per second (an honest one sends about 2-4)."""
+PROBE_BURST = 20.0
+RELAYS_PER_PEER = 8
+"""Ping requests from one peer that we relay at once."""
+RELAYS_MAX = 256
 
 
 @dataclass(frozen=True)
@@ -70,6 +83,14 @@ class Failed:
     node_id: str
 
 
+@dataclass(frozen=True, slots=True)
+class Overstep:
+    """``peer`` sent more than a limit allows; what it sent was dropped (the driver counts a strike)."""
+
+    peer: str
+    reason: str
+
+
 DetectorEvent = Suspected | Recovered | Failed
 
 
@@ -101,6 +122,7 @@ class FailureDetector:
         self._relays: dict[int, _Relay] = {}
         self._suspects: dict[str, float] = {}
         self._next_probe = now
+        self._rate: RateLimit[str] = RateLimit(PROBES_PER_S, PROBE_BURST)
 
     @property
     def suspects(self) -> frozenset[str]:
@@ -138,12 +160,17 @@ class FailureDetector:
                     out.append(Probe(node, Ping(self._start(node, now))))
         return out
 
-    def receive(self, source: str, message: MeshMessage, now: float) -> list[Probe | DetectorEvent]:
+    def receive(self, source: str, message: MeshMessage, now: float) -> list[Probe | DetectorEvent | Overstep]:
         """Handle a Ping, Ack or PingReq from ``source``."""
-        out: list[Probe | DetectorEvent] = self._heard(source)
+        out: list[Probe | DetectorEvent | Overstep] = list(self._heard(source))
+        if isinstance(message, Ping | PingReq) and not self._rate.allow(source, now):
+            return [*out, Overstep(source, "more probes than the detector answers")]
         if isinstance(message, Ping):
             out.append(Probe(source, Ack(message.nonce)))
         elif isinstance(message, PingReq):
+            relayed = sum(1 for r in self._relays.values() if r.requester == source)
+            if relayed >= RELAYS_PER_PEER or len(self._relays) >= RELAYS_MAX or message.target == source:
+                return out
             nonce = self._new_nonce()
             deadline = now + self.config.indirect_timeout
             self._relays[nonce] = _Relay(source, message.target, message.nonce, deadline)

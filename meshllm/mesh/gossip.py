@@ -15,6 +15,19 @@ to every connected peer, once per change, because waiting for anti-entropy round
 life of the node, flooded once when new and sent to every newly connected peer, so a late joiner
 learns them too. A revoked peer becomes a ``revoked`` tombstone (``PeerRemoved``, reason
 ``revoked``) and its records are refused from then on.
+
+*Down notices cannot be weaponised* (docs/identity.md, threat model). A notice counts only for the
+exact sequence we hold for its subject (so the subject can always refute it with the next one),
+only while it is fresh (:data:`NOTICE_TTL_S`), at most :data:`NOTICES_PER_S` per accuser, and never
+while we hold a live connection to the subject ourselves. A notice about a node that is
+demonstrably alive is *refuted*; an accuser refuted :data:`REFUTED_TO_BAN` times in a minute may
+not accuse anyone for :data:`ACCUSER_BAN_S`.
+
+*Every peer gets a bounded share of our work.* Digests and ``want`` lists (each costs us a copy of
+our table) are answered at most :data:`PULLS_PER_S` times a second per peer; ``want`` lists and
+the records verified per message are capped; a record refused for its membership is not asked for
+again for :data:`REFUSED_MEMO_S`. What exceeds a limit is dropped and reported as an
+:class:`~meshllm.mesh.failure.Overstep`, which the driver counts against the peer's connection.
 """
 
 from __future__ import annotations
@@ -28,9 +41,18 @@ from typing import Any, Protocol
 import msgspec
 from nacl.signing import SigningKey
 
-from meshllm.errors import DecodeError, MeshllmError, Revoked, VerificationError
+from meshllm.errors import (
+    BadSignature,
+    DecodeError,
+    MeshllmError,
+    Revoked,
+    VerificationError,
+    WrongDomain,
+    WrongSigner,
+)
+from meshllm.identity.signing import CLOCK_SKEW_S
 from meshllm.mesh import rtt, view
-from meshllm.mesh.failure import Failed, Recovered, Suspected
+from meshllm.mesh.failure import Failed, Overstep, Recovered, Suspected
 from meshllm.mesh.messages import (
     REVOCATION_MAX,
     REVOCATIONS_PER_MESSAGE,
@@ -43,7 +65,8 @@ from meshllm.mesh.messages import (
     sign_notice,
     verify_notice,
 )
-from meshllm.mesh.records import PathKind, PeerRecord, RecordVerifier, StaleRecord, sign_record
+from meshllm.mesh.records import PathKind, PeerRecord, RecordVerifier, StaleRecord, decode_record, sign_record
+from meshllm.net.limits import CoolDowns, RateLimit, Strikes
 
 EXCHANGE_BUDGET = 1024 * 1024
 """Bytes of records per Exchange message, well under the 8 MiB control-frame cap."""
@@ -52,6 +75,26 @@ ITEMS_SLACK = 16
 ITEMS_MAX = 256
 """Hard cap on records (or notices) verified per message: bounds the signature checks one peer can
 make us run per message. Anything beyond is ignored; anti-entropy asks for it again next round."""
+WANT_MAX = ITEMS_MAX
+"""Ids we ask one peer for in one answer (the rest wait for the next round)."""
+PULLS_PER_S = 4.0
+"""Digests and ``want`` lists one peer may make us answer per second (an honest one sends ~1)."""
+PULL_BURST = 8.0
+NOTICE_TTL_S = 120.0
+"""A down notice older than this (or dated in the future beyond the clock skew) is ignored. By then
+every member has dropped the record it names anyway (``stale_after`` counts from its signature)."""
+NOTICES_PER_S = 1.0
+"""Down notices accepted per accuser per second, on average ..."""
+NOTICE_BURST = 16.0
+"""... in bursts of at most this many (an honest accuser reports each failure it sees, once)."""
+REFUTE_WINDOW_S = 60.0
+"""A peer accused and heard alive again within this long refutes the notice."""
+REFUTED_TO_BAN = 3
+ACCUSER_BAN_S = 300.0
+REFUSED_MEMO_S = 60.0
+"""A node whose genuine record was refused (its membership) is not asked for for this long."""
+FORGED = (BadSignature, WrongSigner, WrongDomain, DecodeError)
+"""Verification failures no honest peer forwards (every member checks these the same way)."""
 
 
 class UnknownReporter(VerificationError):
@@ -72,6 +115,13 @@ class Rejected:
 
     source: str
     error: MeshllmError
+
+
+@dataclass(frozen=True, slots=True)
+class AccuserBanned:
+    """``node_id``'s down notices were refuted too often: its notices are ignored for a while."""
+
+    node_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +169,7 @@ class GossipConfig:
     rtt_max_age: float = 30.0
 
 
-Output = Send | Rejected | RevocationApplied | view.ViewEvent
+Output = Send | Rejected | RevocationApplied | AccuserBanned | Overstep | view.ViewEvent
 
 
 class Gossip:
@@ -145,6 +195,7 @@ class Gossip:
         self.revocations: dict[bytes, None] = {}
         """Verified revocation records, as signed bytes, in the order learned."""
         self.revoked_nodes: set[str] = set()
+        record = msgspec.structs.replace(record, signed_at=now)
         self.own, self.own_raw = record, sign_record(key, record)
         self.state = view.empty(record.node_id)
         self.connected: set[str] = set()
@@ -153,6 +204,13 @@ class Gossip:
         self._rtt: rtt.RttTable = {}
         self._next_round = self._next_rotate = now
         self._next_expire = now + 1.0
+        self._pulls: RateLimit[str] = RateLimit(PULLS_PER_S, PULL_BURST)
+        self._notice_rate: RateLimit[str] = RateLimit(NOTICES_PER_S, NOTICE_BURST)
+        self._refutations: Strikes[str] = Strikes(REFUTED_TO_BAN, REFUTE_WINDOW_S)
+        self._banned: CoolDowns[str] = CoolDowns()
+        self._refused: CoolDowns[str] = CoolDowns()
+        self._accused: dict[str, tuple[str, float]] = {}
+        """subject -> (accuser, notice time) of the notice that took it down (refutation tracking)."""
         # A random first phase: nodes started together must not heartbeat in lockstep.
         self._next_heartbeat = now + rng.uniform(0.1, 1.0) * self.config.heartbeat
 
@@ -234,7 +292,12 @@ class Gossip:
         if now >= self._next_expire:
             self._next_expire = now + 1.0
             cfg = self.config
+            before = self.state
             out += self._apply(view.Expire(now, cfg.stale_after, cfg.forget_after), None)
+            for gone in before.peers.keys() - self.state.peers.keys():
+                self._verifier.forget(gone)
+            self._accused = {n: a for n, a in self._accused.items()
+                             if (e := self.state.peers.get(n)) is not None and e.status == "down"}
         if now >= self._next_round:
             self._next_round = now + self.interval()
             reachable = sorted(self.connected)
@@ -246,14 +309,18 @@ class Gossip:
     def receive(self, source: str, message: MeshMessage, now: float) -> list[Output]:
         """Handle one gossip message from connected peer ``source``."""
         if isinstance(message, Digest):
+            if not self._pulls.allow(source, now):
+                return [Overstep(source, "digests faster than gossip answers them")]
             return self._on_digest(source, message, now)
         if isinstance(message, Exchange):
             out: list[Output] = []
             for raw in message.records[: self._items_cap()]:
                 result = self._ingest(raw, source, now)
                 if result and isinstance(result[0], Rejected):
-                    return out + result[:1]  # a bad record: drop the rest of this message unread
+                    return out + result[:1] + self._forged(result[0])  # drop the rest unread
                 out += result
+            if message.want and not self._pulls.allow(source, now):
+                return [*out, Overstep(source, "want lists faster than gossip answers them")]
             # Only ids we hold (or ours), each once: a want list can cost us no more than one copy
             # of our table, however long the sender made it.
             want = [n for n in dict.fromkeys(message.want) if n == self.node_id or n in self.state.peers]
@@ -265,7 +332,7 @@ class Gossip:
             for raw in message.notices[: self._items_cap()]:
                 result = self._on_notice(raw, source, now)
                 if result and isinstance(result[0], Rejected):
-                    return out + result[:1]
+                    return out + result[:1] + self._forged(result[0])
                 out += result
             return out
         if isinstance(message, Revocations):
@@ -297,6 +364,7 @@ class Gossip:
             return []
         raw = sign_notice(self._key, DownNotice(node_id, entry.record.seq, self.node_id, now))
         out = self._apply(view.MarkDown(node_id, entry.record.seq, raw, now), node_id)
+        self._accused[node_id] = (self.node_id, now)
         return out + self._flood(Notices([raw]), exclude=None)
 
     def add_revocation(self, raw: bytes, now: float) -> list[Output]:
@@ -327,16 +395,17 @@ class Gossip:
             self.revoked_nodes.add(rev.target)
             if rev.target != self.node_id:
                 out += self._apply(view.MarkRevoked(rev.target, now), rev.target)
-        else:  # an invite: every peer that joined with it is out too (the membership check says so)
-            for node, entry in list(self.state.peers.items()):
-                if entry.status == "revoked":
-                    continue
-                try:
-                    self._verifier.check_member(node, entry.record.membership_proof, now)
-                except Revoked:
-                    out += self._apply(view.MarkRevoked(node, now), node)
-                except MeshllmError:
-                    pass  # not this revocation's business
+        # Every peer whose credential no longer holds is out too: members of a revoked invite, and
+        # nodes admitted (directly or down the chain) by a revoked node. The membership check says so.
+        for node, entry in list(self.state.peers.items()):
+            if entry.status == "revoked":
+                continue
+            try:
+                self._verifier.check_member(node, entry.record.membership_proof, now)
+            except Revoked:
+                out += self._apply(view.MarkRevoked(node, now), node)
+            except MeshllmError:
+                pass  # not this revocation's business
         return out + self._flood(Revocations([raw]), exclude=source)
 
     def _items_cap(self) -> int:
@@ -349,7 +418,7 @@ class Gossip:
         The new record is built and signed before anything is assigned, so a signing failure leaves
         our state exactly as it was.
         """
-        record = msgspec.structs.replace(self.own, seq=max(self.own.seq, above) + 1, **changes)
+        record = msgspec.structs.replace(self.own, seq=max(self.own.seq, above) + 1, signed_at=now, **changes)
         raw = sign_record(self._key, record)
         self.own, self.own_raw = record, raw
         self._next_heartbeat = now + self.config.heartbeat
@@ -370,12 +439,15 @@ class Gossip:
         for node, entry in self.state.peers.items():
             seq = theirs.get(node)
             if entry.notice is not None and entry.status == "down":
-                if seq is not None and seq <= entry.record.seq:
+                accused = self._accused.get(node)
+                fresh = accused is not None and now - accused[1] <= NOTICE_TTL_S
+                if seq is not None and seq == entry.record.seq and fresh:
                     notices.append(entry.notice)
             elif seq is None or seq < entry.record.seq:
                 give.append(node)
         want = want_own + [n for n, s in theirs.items()
-                           if n != self.node_id and n not in self.revoked_nodes and s > self._held_or_none(n)]
+                           if n != self.node_id and n not in self.revoked_nodes and s > self._held_or_none(n)
+                           and not self._refused.remaining(n, now)][:WANT_MAX]
         out: list[Output] = [Send(source, m) for m in self._exchanges(give, want)]
         if notices:
             out.append(Send(source, Notices(notices)))
@@ -412,12 +484,21 @@ class Gossip:
                 return []  # routine in gossip: several peers hand us the same version
             if isinstance(exc, Revoked) and self.revocations:
                 return []  # refused; routine while a revocation spreads (peers still hold its records)
+            if not isinstance(exc, FORGED):
+                node = self._record_id(raw)
+                if node is not None:
+                    if self._refused.remaining(node, now):
+                        return []  # refused already: said once, not again every round
+                    self._refused.add(node, now, REFUSED_MEMO_S)
             return [Rejected(source, exc)]
         if record.node_id == self.node_id:
             if record.seq >= self.own.seq:
                 self._resign(now, above=record.seq)
             return []
-        events = self._apply(view.RecordStored(record, raw, now), record.node_id)
+        accused = self._accused.pop(record.node_id, None)
+        recent = accused is not None and now - accused[1] <= REFUTE_WINDOW_S
+        events = self._refute(accused[0], now) if accused is not None and recent else []
+        events += self._apply(view.RecordStored(record, raw, now), record.node_id)
         if any(isinstance(e, view.PeerAdded | view.PeerRemoved) for e in events):
             events += self._flood(Exchange([raw]), exclude=source)
         return events
@@ -439,18 +520,49 @@ class Gossip:
         except MeshllmError as exc:
             return [Rejected(source, exc)]
         notice = verified.notice
+        if not now - NOTICE_TTL_S <= notice.ts <= now + CLOCK_SKEW_S:
+            return []  # expired (a replay or a late resend): it proves nothing about now
+        if reporter == self.node_id or self._banned.remaining(reporter, now):
+            return []
+        if not self._notice_rate.allow(reporter, now):
+            return [Overstep(source, "down notices faster than any honest accuser signs them")] \
+                if source == reporter else []
         if notice.subject == self.node_id:
             if notice.subject_seq > self.own.seq:
                 # We never signed that sequence: a garbage claim (or a copy of us from an earlier
                 # run, which anti-entropy fetches and _ingest outranks). Never re-sign on it.
-                return []
+                return self._refute(reporter, now)
             if notice.subject_seq == self.own.seq:  # refute: our new record outranks the notice
                 self._resign(now)
-            return self._flood(Exchange([self.own_raw]), exclude=None)
+            return self._refute(reporter, now) + self._flood(Exchange([self.own_raw]), exclude=None)
+        subject = self.state.peers.get(notice.subject)
+        if notice.subject in self.connected and subject is not None and subject.status == "alive":
+            return self._refute(reporter, now)  # we hear it ourselves: the notice is wrong
         events = self._apply(view.MarkDown(notice.subject, notice.subject_seq, raw, now), notice.subject)
         if events:
+            self._accused[notice.subject] = (reporter, notice.ts)
             events += self._flood(Notices([raw]), exclude=source)
         return events
+
+    def _refute(self, accuser: str, now: float) -> list[Output]:
+        """``accuser``'s notice was wrong; too many wrong ones and its notices are ignored a while."""
+        if accuser == self.node_id or not self._refutations.add(accuser, now):
+            return []
+        self._banned.add(accuser, now, ACCUSER_BAN_S)
+        return [AccuserBanned(accuser)]
+
+    def _forged(self, rejected: Rejected) -> list[Output]:
+        """A cryptographically bad item is something no honest peer forwards: count it."""
+        if isinstance(rejected.error, FORGED):
+            return [Overstep(rejected.source, f"forwarded a forged item ({type(rejected.error).__name__})")]
+        return []
+
+    @staticmethod
+    def _record_id(raw: bytes) -> str | None:
+        try:
+            return decode_record(raw)[1].node_id
+        except MeshllmError:
+            return None
 
     def _apply(self, update: view.Update, node: str | None) -> list[Output]:
         old, self.state = self.state, view.apply(self.state, update)

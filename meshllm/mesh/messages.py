@@ -28,10 +28,14 @@ REVOCATIONS_PER_MESSAGE = 256
 """Revocation records one :class:`Revocations` message may carry (more are sent in several)."""
 
 
+IDS_MAX = 65536
+"""Node ids one digest or ``want`` list may name (decoding refuses more: each costs us work)."""
+
+
 class Digest(msgspec.Struct, frozen=True, tag="digest"):
     """Push-pull opener: the sequence of every record the sender holds (down/left ones included)."""
 
-    seqs: dict[str, Seq]
+    seqs: Annotated[dict[str, Seq], msgspec.Meta(max_length=IDS_MAX)]
 
 
 class Exchange(msgspec.Struct, frozen=True, tag="exchange"):
@@ -42,7 +46,7 @@ class Exchange(msgspec.Struct, frozen=True, tag="exchange"):
     """
 
     records: list[bytes]
-    want: list[str] = []
+    want: Annotated[list[str], msgspec.Meta(max_length=IDS_MAX)] = []
 
 
 class Notices(msgspec.Struct, frozen=True, tag="notices"):

@@ -6,7 +6,9 @@ its membership proof and its owner certificate. The sequence number orders versi
 on every change and on a heartbeat, so "newer" is simply "higher sequence".
 
 Verification (:class:`RecordVerifier`) runs before anything is stored and raises one typed error per
-rule, so the caller can log why and leave its state untouched.
+rule, so the caller can log why and leave its state untouched. A record also carries the time it
+was signed, and no copy older than :data:`RECORD_MAX_AGE_S` is accepted: sequences order versions,
+the signed time bounds how long any version can circulate (no ghosts from replayed records).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from nacl.signing import SigningKey
 from meshllm.errors import DecodeError, MeshllmError, VerificationError, WrongDomain, WrongMesh, WrongSigner
 from meshllm.identity.ids import node_id as node_id_of
 from meshllm.identity.ids import node_public_key
-from meshllm.identity.signing import Signed, decode_signed, decode_struct, sign, verify_bytes
+from meshllm.identity.signing import CLOCK_SKEW_S, Signed, decode_signed, decode_struct, sign, verify_bytes
 
 RECORD_DOMAIN = "peer-record"
 RECORD_MAX = 64 * 1024
@@ -36,10 +38,18 @@ SEQ_LIMIT = 2**62
 2**64 msgpack can encode, so re-signing above any valid sequence can never overflow."""
 Seq = Annotated[int, msgspec.Meta(ge=0, lt=SEQ_LIMIT)]
 """A sequence number as it may appear on the wire; decoding rejects anything outside the range."""
+RECORD_MAX_AGE_S = 180.0
+"""A record signed longer ago than this is refused. Live nodes re-sign every 30 s (the heartbeat)
+and a silent one is dropped after 120 s, so only replays are ever this old: an old signed record
+can never bring a node back once its tombstone (300 s) is gone."""
 
 
 class StaleRecord(VerificationError):
     """The record is not newer than the version we hold (or than its down/leave tombstone)."""
+
+
+class ExpiredRecord(StaleRecord):
+    """The record was signed more than :data:`RECORD_MAX_AGE_S` ago (or claims a future time)."""
 
 
 class RecordTooLarge(DecodeError):
@@ -97,10 +107,14 @@ class Load(msgspec.Struct, frozen=True, kw_only=True):
     tok_s: float = 0.0
 
 
+RttMs = Annotated[float, msgspec.Meta(ge=0.0, le=3_600_000.0)]
+"""A round trip in milliseconds as it may appear on the wire (finite, non-negative: the planner adds them)."""
+
+
 class RttEntry(msgspec.Struct, frozen=True, array_like=True):
     """Measured round trip from the record's node to one peer."""
 
-    rtt_ms: float
+    rtt_ms: RttMs
     path: PathKind
 
 
@@ -122,6 +136,8 @@ class PeerRecord(msgspec.Struct, frozen=True, kw_only=True):
     rtt: dict[str, RttEntry] = {}
     version: str = ""
     state: RecordState = "alive"
+    signed_at: float = 0.0
+    """Wall-clock time the node signed this version: bounds how long any copy of it is accepted."""
 
 
 def sign_record(key: SigningKey, record: PeerRecord) -> bytes:
@@ -169,8 +185,11 @@ class SignatureCache:
             self._ok.popitem(last=False)
 
 
-CheckMember = Callable[[str, bytes, float], None]
-"""``check_member(node_id, proof, now)``: raise a VerificationError unless the proof admits the node."""
+CheckMember = Callable[[str, bytes, float], object]
+"""``check_member(node_id, proof, now)``: raise a VerificationError unless the proof admits the node
+(whatever it returns is not used here)."""
+ForgetMember = Callable[[str], None]
+"""``forget_member(node_id)``: the node left our table (it no longer counts towards any quota)."""
 CheckTrust = Callable[[str, "bytes | None", float], object]
 """``check_trust(node_id, owner_cert, now)``: raise a VerificationError unless local policy accepts it
 (whatever it returns, e.g. a trust decision, is not used here)."""
@@ -193,15 +212,24 @@ class RecordVerifier:
         check_member: CheckMember,
         check_trust: CheckTrust,
         cache: SignatureCache | None = None,
+        max_age_s: float = RECORD_MAX_AGE_S,
+        forget_member: ForgetMember | None = None,
     ) -> None:
         self.mesh_id = mesh_id
         self._check_member = check_member
         self._check_trust = check_trust
+        self._forget_member = forget_member
         self.cache = cache if cache is not None else SignatureCache()
+        self.max_age_s = max_age_s
 
     def check_member(self, node_id: str, proof: bytes, now: float) -> None:
         """Re-run the membership check alone (after a revocation, on records already stored)."""
         self._check_member(node_id, proof, now)
+
+    def forget(self, node_id: str) -> None:
+        """``node_id`` left the table (see :data:`ForgetMember`)."""
+        if self._forget_member is not None:
+            self._forget_member(node_id)
 
     def verify(self, raw: bytes, now: float, held: HeldSeq | None = None) -> PeerRecord:
         """The verified record in ``raw``; ``held(node_id)`` is the sequence we already hold, if any."""
@@ -211,6 +239,8 @@ class RecordVerifier:
             raise WrongDomain(f"expected a {RECORD_DOMAIN!r} signature, got {signed.domain!r}")
         if held_seq is not None and record.seq <= held_seq:
             raise StaleRecord(f"record {record.node_id[:8]} seq {record.seq} is not newer than {held_seq}")
+        if not now - self.max_age_s <= record.signed_at <= now + CLOCK_SKEW_S:
+            raise ExpiredRecord(f"record {record.node_id[:8]} was signed {now - record.signed_at:.0f} s ago")
         if signed.signer != node_public_key(record.node_id):
             raise WrongSigner(f"record for {record.node_id[:8]} is signed by another key")
         self.cache.check(signed, bytes(raw))

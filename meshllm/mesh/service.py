@@ -7,9 +7,11 @@ and reports what changed through an ``on_event(type, **fields)`` callback (the n
 into log lines and ``/api/events``). Each gossip message travels on a stream of its own: QUIC
 streams are cheap, and a lost or slow one never holds up another.
 
-Admission of a connecting peer (see docs/architecture.md): a peer we accept that is not yet a
-known member must hold a live invite (:meth:`AdmissionState.admit`); a member we already know, and
-any peer we dial, is checked with :meth:`AdmissionState.verify_member`.
+Admission of a connecting peer (see docs/architecture.md): a peer that dials us either holds a
+good credential already (a grant from a member) or must present an invite that is live now, and
+then gets a grant from us in the Welcome (:meth:`AdmissionState.admit`); a peer we dial is checked
+with :meth:`AdmissionState.verify_member`. The grant we are given when we join completes our own
+credential (:meth:`Membership.take_grant`) before our record is first gossiped.
 
 Revocations: the mesh-key holder signs one with :meth:`MeshService.revoke`; the gossip core
 verifies every revocation it hears with :meth:`AdmissionState.apply_revocation` (so admission
@@ -31,22 +33,23 @@ from typing import Any
 import msgspec
 
 from meshllm.config import write_private
-from meshllm.errors import ConfigError, MeshllmError
+from meshllm.errors import ConfigError, MeshllmError, VerificationError
 from meshllm.identity.keys import NodeKey
 from meshllm.identity.signing import encode_signed
-from meshllm.mesh.admission import Revocation, RevocationTarget
-from meshllm.mesh.failure import FailureDetector, Probe
-from meshllm.mesh.gossip import Gossip, Rejected, RevocationApplied, Send
+from meshllm.mesh.admission import Revocation, RevocationTarget, credential_invite_id, make_grant
+from meshllm.mesh.failure import FailureDetector, Overstep, Probe
+from meshllm.mesh.gossip import AccuserBanned, Gossip, Rejected, RevocationApplied, Send
 from meshllm.mesh.membership import Membership
-from meshllm.mesh.messages import MeshMessage
+from meshllm.mesh.messages import MeshMessage, encode_message
 from meshllm.mesh.records import Addresses, CheckTrust, PathKind, PeerRecord, RecordVerifier
 from meshllm.mesh.traversal import Traversal, parse_relay_entry
-from meshllm.mesh.view import ACTIVE, PeerAdded, PeerRemoved, PeerStatus, RecordUpdated, ViewEvent
+from meshllm.mesh.view import PeerAdded, PeerRemoved, PeerStatus, RecordUpdated, ViewEvent
 from meshllm.net.backoff import Backoff
 from meshllm.net.endpoint import Endpoint, EndpointOptions
-from meshllm.net.errors import AdmissionRefused, ConnectError
+from meshllm.net.errors import AdmissionRefused, ConnectError, NetTimeout
 from meshllm.net.events import PeerEvent, PeerEventKind
 from meshllm.net.interfaces import lan_addresses
+from meshllm.net.messages import ResetCode
 from meshllm.net.nat import RelayMode
 from meshllm.wire.addr import format_addr, parse_addr
 
@@ -56,6 +59,15 @@ GOSSIP_STREAM = "gossip"
 TICK_MAX_S = 0.1
 """Longest sleep between core ticks: bounds how late a timer fires."""
 SEND_TIMEOUT_S = 2.0
+"""Deadline for queueing one gossip message."""
+RECV_TIMEOUT_S = 10.0
+"""Deadline for a gossip stream's one message to arrive, whole (a peer dripping it is struck by the
+transport's frame deadline first)."""
+DRAIN_TIMEOUT_S = 10.0
+"""A gossip message must have left within this long: a peer that grants no credit gets a strike."""
+SEND_BYTES_IN_FLIGHT = 8 * 1024 * 1024
+"""Bytes of gossip to one peer that may be waiting to leave; more messages are dropped (gossip
+repairs itself). Only a peer that lets a message sit past DRAIN_TIMEOUT_S gets a strike."""
 DIAL_TIMEOUT_S = 3.0
 BOOTSTRAP_DEADLINE_S = 15.0
 RECORD_PATHS: dict[str, PathKind] = {"direct": "direct", "punched": "punched", "relayed": "relay"}
@@ -89,7 +101,8 @@ class MeshService:
         self.admission = membership.admission()
         self._check_node_id = check_node_id
         """Local trust checks that need no certificate (revoked ids, allowlist), run at admission."""
-        self.verifier = RecordVerifier(membership.mesh_id, self.admission.verify_member, check_trust)
+        self.verifier = RecordVerifier(membership.mesh_id, self.admission.verify_member, check_trust,
+                                       forget_member=self.admission.forget)
         self._record_template = record
         self._on_event = on_event
         self._host, self._port = host, port
@@ -111,6 +124,8 @@ class MeshService:
         self._relay_backoff: dict[str, tuple[Backoff, float]] = {}
         self._rebootstrap: tuple[Backoff, float, asyncio.Task[None] | None] = (Backoff(0.5, 2.0, 5.0), 0.0, None)
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._in_flight: dict[str, int] = {}
+        """Bytes of gossip per peer that have not left yet (bounded by SEND_BYTES_IN_FLIGHT)."""
         self._runner: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._stopping = False
@@ -122,8 +137,10 @@ class MeshService:
         self.endpoint = await Endpoint.create(
             self.key.signing_key, self._host, self._port,
             admit=self._admit, local_proof=lambda: self.membership.proof, options=self._endpoint_options,
+            take_grant=self._take_grant,
         )
         self.endpoint.on_stream(GOSSIP_STREAM, self._serve_gossip)
+        self.endpoint.on_cool_down = lambda peer, reason: self._on_event("peer_cooled", node_id=peer, reason=reason)
         self.traversal = Traversal(self.endpoint, self._relay_mode, bool(self._announce), self._on_event)
         self.endpoint.on_peer_event(self._on_peer_event)
         self._listen = self._bound_addrs()
@@ -205,22 +222,43 @@ class MeshService:
             raise ConfigError("only the node that holds the mesh key can revoke",
                               hint="ask the mesh owner's node (--api URL of the node that created the mesh)")
         now = time.time()
-        signed = mesh_key.revoke(kind, target, now)
+        entry = self.gossip.state.peers.get(target) if kind == "node" else None
+        closes = (credential_invite_id(entry.record.membership_proof) or "") if entry is not None else ""
+        signed = mesh_key.revoke(kind, target, now, closes)
         self._handle(self.gossip.add_revocation(encode_signed(signed), now))
         self._wake.set()
-        return Revocation(mesh_key.mesh_id, kind, target, now)
+        return Revocation(mesh_key.mesh_id, kind, target, now, closes)
 
     # -- admission ---------------------------------------------------------------------------------
 
-    def _admit(self, peer_id: str, proof: bytes, dialer: bool) -> None:
+    def _admit(self, peer_id: str, proof: bytes, dialer: bool) -> bytes | None:
+        """The endpoint's admission check; returns the grant for a node joining through us."""
         now = time.time()
         self._check_node_id(peer_id)
-        entry = self.gossip.state.peers.get(peer_id) if self.gossip is not None else None
-        known = entry is not None and entry.status in ACTIVE
-        if dialer or known:
+        if dialer:
             self.admission.verify_member(peer_id, proof, now)
-        else:
-            self.admission.admit(peer_id, proof, now)
+            return None
+        if not self.membership.granted:
+            raise VerificationError("this node has not been admitted itself yet",
+                                    hint="join through another member")
+        owner = self.membership.mesh_key is not None
+        invite = self.admission.admit(peer_id, proof, now, quota_for=None if owner else self.node_id)
+        if invite is None:
+            return None
+        return make_grant(self.key.signing_key, self.membership.proof, self.membership.mesh_id, peer_id,
+                          invite.invite_id, now)
+
+    def _take_grant(self, peer_id: str, grant: bytes) -> None:
+        """A member we dialed accepted us: keep its grant as our credential (the first one only)."""
+        if self.membership.granted:
+            return
+        if not grant:
+            raise VerificationError(f"member {peer_id[:8]} accepted us without a grant",
+                                    hint="join through another member (it may run an older meshllm)")
+        now = time.time()
+        if self.membership.take_grant(self.node_id, peer_id, grant, now) and self.gossip is not None:
+            self.gossip.update_own(now, membership_proof=self.membership.proof)
+            self._on_event("admitted", admitter=peer_id)
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -249,9 +287,18 @@ class MeshService:
         for out in outputs:
             if isinstance(out, Probe):
                 self._spawn(self._send(out.to, out.message))
+            elif isinstance(out, Overstep):
+                self._overstep(out)
             else:
                 verdicts.append(out)
         return verdicts
+
+    def _overstep(self, out: Overstep) -> None:
+        """A peer overstepped a gossip limit: a strike on its connection (enough cool it down)."""
+        assert self.endpoint is not None
+        conn = self.endpoint.peers.get(out.peer)
+        if conn is not None:
+            conn.strike(out.reason)
 
     def _handle(self, outputs: list[Any]) -> None:
         self._handle_outputs(outputs)
@@ -269,6 +316,11 @@ class MeshService:
                                reason=str(out.error))
             elif isinstance(out, RevocationApplied):
                 self._on_revocation(out)
+            elif isinstance(out, Overstep):
+                self._overstep(out)
+            elif isinstance(out, AccuserBanned):
+                log.warning("ignoring down notices from %s for a while: too many were refuted", out.node_id[:8])
+                self._on_event("accuser_banned", node_id=out.node_id)
             else:
                 self._report(out)
 
@@ -471,20 +523,46 @@ class MeshService:
     # -- messages ----------------------------------------------------------------------------------
 
     async def _send(self, to: str, message: MeshMessage) -> None:
+        """One message on a stream of its own; a peer that does not take it in time gets a strike."""
         assert self.endpoint is not None
         conn = self.endpoint.peers.get(to)
         if conn is None:
             return
+        data = encode_message(message)
+        if self._in_flight.get(to, 0) + len(data) > SEND_BYTES_IN_FLIGHT:
+            log.debug("dropping a gossip message to %s: %d bytes still waiting to leave", to[:8], self._in_flight[to])
+            return  # gossip repairs itself; a peer that reads nothing must not grow us
+        self._in_flight[to] = self._in_flight.get(to, 0) + len(data)
+        stream = None
         try:
             stream = await conn.open_stream(GOSSIP_STREAM)
-            await stream.send(message, timeout=SEND_TIMEOUT_S)
+            await stream.send(msgspec.Raw(data), timeout=SEND_TIMEOUT_S)
             stream.close()
+            stream.discard_input()
+            await stream.drain(timeout=DRAIN_TIMEOUT_S)
+        except NetTimeout as exc:
+            if stream is not None:
+                if stream.blocked_by_peer:  # it grants no credit; a congested path is nobody's fault
+                    conn.strike(f"gossip did not leave in time: {exc}")
+                stream.reset()  # frees what it held
         except MeshllmError as exc:
             log.debug("gossip send to %s failed: %s", to[:8], exc)
+        finally:
+            left = self._in_flight.get(to, 0) - len(data)
+            if left > 0:
+                self._in_flight[to] = left
+            else:
+                self._in_flight.pop(to, None)
 
     async def _serve_gossip(self, stream: Any, conn: Any) -> None:
+        """One message per stream (the protocol's rule), read within one deadline for the whole frame."""
         assert self.gossip is not None
-        while (message := await stream.recv(MeshMessage, timeout=SEND_TIMEOUT_S)) is not None:
+        try:
+            message = await stream.recv(MeshMessage, timeout=RECV_TIMEOUT_S)
+        except NetTimeout as exc:
+            stream.fail(ResetCode.TIMEOUT, str(exc))
+            return
+        if message is not None:
             now = time.time()
             source = conn.node_id
             self._handle(self.gossip.receive(source, message, now))

@@ -80,7 +80,11 @@ class MarkAlive:
 
 @dataclass(frozen=True, slots=True)
 class MarkDown:
-    """A down notice (ours or a verified one) for the peer at ``seq``; ignored if it spoke since."""
+    """A down notice (ours or a verified one) for the peer at exactly ``seq``, the version we hold.
+
+    A notice naming a later sequence than ours is ignored too: we cannot tell whether the peer ever
+    signed it, and accepting it would let an accuser name a sequence the peer can never exceed.
+    """
 
     node_id: str
     seq: int
@@ -98,7 +102,11 @@ class MarkRevoked:
 
 @dataclass(frozen=True, slots=True)
 class Expire:
-    """Housekeeping: peers silent for ``stale_after`` go down; tombstones older than ``forget_after`` go."""
+    """Housekeeping: peers silent for ``stale_after`` go down; tombstones older than ``forget_after`` go.
+
+    Silence counts from when the peer's sequence last advanced here or from when its newest record
+    was signed, whichever is earlier: a replayed record starts out as old as its signature.
+    """
 
     now: float
     stale_after: float
@@ -139,7 +147,7 @@ def apply(state: ViewState, update: Update) -> ViewState:
         new = replace(entry, status="suspect", changed=update.now)
     elif isinstance(update, MarkAlive) and entry.status == "suspect":
         new = replace(entry, status="alive", changed=update.now)
-    elif isinstance(update, MarkDown) and entry.status in ACTIVE and entry.record.seq <= update.seq:
+    elif isinstance(update, MarkDown) and entry.status in ACTIVE and entry.record.seq == update.seq:
         new = replace(entry, status="down", changed=update.now, notice=update.notice)
     elif isinstance(update, MarkRevoked) and entry.status != "revoked":
         new = replace(entry, status="revoked", changed=update.now, notice=None)
@@ -152,7 +160,8 @@ def _expire(state: ViewState, update: Expire) -> ViewState:
     peers: dict[str, PeerEntry] = {}
     touched = False
     for node, entry in state.peers.items():
-        if entry.status in ACTIVE and update.now - entry.heard > update.stale_after:
+        silent = min(entry.heard, entry.record.signed_at)  # a replayed old record is as old as its signature
+        if entry.status in ACTIVE and update.now - silent > update.stale_after:
             peers[node] = replace(entry, status="down", changed=update.now)
             touched = True
         elif entry.status not in ACTIVE and update.now - entry.changed > update.forget_after:

@@ -2,7 +2,8 @@
 
 Start at :class:`Endpoint` (``endpoint.py``); ``docs/protocol.md`` ("Transport") describes the
 wire protocol. Sans-IO cores: :mod:`.admission`, :mod:`.probes`, :mod:`.backoff`, :mod:`.relay`
-(reservations and circuit limits), :mod:`.nat` (reachability, punch schedule); :mod:`.circuit`
+(reservations and circuit limits), :mod:`.nat` (reachability, punch schedule), :mod:`.budget`
+(room for large frames), :mod:`.limits` (rate buckets, strikes, cool-downs); :mod:`.circuit`
 carries a relayed connection's packets in a relay stream (docs/nat.md). The only modules that
 touch aioquic's private state are :mod:`.tls` and :mod:`.quic`.
 """

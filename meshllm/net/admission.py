@@ -3,14 +3,16 @@
 After TLS has proven both node ids, the dialer's first stream carries three frames::
 
     dialer   -- Hello{proof, observed}            --> acceptor   (acceptor runs admit)
-    dialer  <-- Welcome{accepted, reason, proof, observed} -- acceptor
+    dialer  <-- Welcome{accepted, reason, proof, observed, grant} -- acceptor
     dialer   -- Confirm{accepted, reason}         --> acceptor   (after the dialer ran admit)
 
 The acceptor serves the dialer's streams from the moment it accepts (Welcome); the dialer serves
 the acceptor's streams from the moment it accepts the acceptor's proof, and the acceptor opens
 streams only after Confirm, so neither side ever sees an honest peer's stream before it admitted
 that peer. ``admit`` is the injected check (from the mesh layer): it returns to accept and raises
-a :class:`~meshllm.errors.MeshllmError` to refuse, whose text becomes the reason.
+a :class:`~meshllm.errors.MeshllmError` to refuse, whose text becomes the reason. What the
+acceptor's ``admit`` returns travels to the dialer as ``Welcome.grant`` and is handed to the
+dialer's ``take_grant`` (the mesh layer's admission grant; opaque here), which may refuse too.
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ from meshllm.net.messages import Addr, AdmissionMessage, Confirm, Hello, Welcome
 
 log = logging.getLogger(__name__)
 
-AdmitProof = Callable[[bytes], None]
-"""``admit`` bound to the peer's node id: raises MeshllmError to refuse the proof."""
+AdmitProof = Callable[[bytes], "bytes | None"]
+"""``admit`` bound to the peer's node id: raises MeshllmError to refuse the proof; an acceptor's
+may return bytes for the dialer (its grant)."""
+TakeGrant = Callable[[bytes], None]
+"""The dialer's handler for ``Welcome.grant``: raises MeshllmError to refuse."""
 
 
 class Phase(Enum):
@@ -46,7 +51,8 @@ class AdmissionError(MeshllmError):
 class Admission:
     """One side of the admission exchange. Feed it messages; send what it returns."""
 
-    def __init__(self, *, dialer: bool, local_proof: bytes, admit: AdmitProof, peer_addr: Addr) -> None:
+    def __init__(self, *, dialer: bool, local_proof: bytes, admit: AdmitProof, peer_addr: Addr,
+                 take_grant: TakeGrant | None = None) -> None:
         self.dialer = dialer
         self.phase = Phase.START if dialer else Phase.AWAIT_HELLO
         self.refusal: str | None = None
@@ -58,6 +64,7 @@ class Admission:
         """True once we admitted the peer: its streams may reach handlers."""
         self._proof = local_proof
         self._admit = admit
+        self._take_grant = take_grant
         self._peer_addr = peer_addr
 
     @property
@@ -75,19 +82,21 @@ class Admission:
         """Advance on one message from the peer; returns the messages to answer with."""
         if isinstance(message, Hello) and self.phase is Phase.AWAIT_HELLO:
             self.observed = tuple(message.observed)  # type: ignore[assignment]
-            reason = self._check(message.proof)
+            reason, grant = self._check(message.proof)
             if reason is not None:
                 self._refuse(reason, by_peer=False)
                 return [Welcome(accepted=False, reason=reason, proof=b"", observed=self._peer_addr)]
             self.phase = Phase.AWAIT_CONFIRM
             self.serving = True
-            return [Welcome(accepted=True, reason="", proof=self._proof, observed=self._peer_addr)]
+            return [Welcome(accepted=True, reason="", proof=self._proof, observed=self._peer_addr, grant=grant)]
         if isinstance(message, Welcome) and self.phase is Phase.AWAIT_WELCOME:
             self.observed = tuple(message.observed)  # type: ignore[assignment]
             if not message.accepted:
                 self._refuse(message.reason, by_peer=True)
                 return []
-            reason = self._check(message.proof)
+            reason, _ = self._check(message.proof)
+            if reason is None and self._take_grant is not None:
+                reason = self._guard(lambda: self._take_grant(message.grant))  # type: ignore[misc]
             if reason is not None:
                 self._refuse(reason, by_peer=False)
                 return [Confirm(accepted=False, reason=reason)]
@@ -103,13 +112,23 @@ class Admission:
             return []
         raise AdmissionError(f"unexpected {type(message).__name__} in admission phase {self.phase.value}")
 
-    def _check(self, proof: bytes) -> str | None:
+    def _check(self, proof: bytes) -> tuple[str | None, bytes]:
+        """(why the peer's proof is refused or None, the grant ``admit`` gave it)."""
+        grant = b""
+
+        def run() -> None:
+            nonlocal grant
+            grant = self._admit(proof) or b""
+
+        return self._guard(run), grant
+
+    def _guard(self, check: Callable[[], None]) -> str | None:
         try:
-            self._admit(proof)
+            check()
         except MeshllmError as exc:
             return str(exc) or type(exc).__name__
         except Exception:
-            log.exception("admit callback failed; refusing the peer")
+            log.exception("admission callback failed; refusing the peer")
             return "internal error while checking admission"
         return None
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from typing import TYPE_CHECKING
 
@@ -12,6 +13,10 @@ from meshllm.net.messages import Addr
 if TYPE_CHECKING:
     from meshllm.net.connection import PeerConnection
     from meshllm.net.endpoint import Endpoint
+
+
+MAX_ATTEMPTS = 1 << 16
+"""Failed attempts counted (the delay is long capped by then)."""
 
 
 class Backoff:
@@ -36,9 +41,17 @@ class Backoff:
         self._rng = rng or random.Random()
 
     def next_delay(self) -> float:
-        """The delay before the next attempt; each call counts one failed attempt."""
-        base = min(self.maximum, self.initial * self.factor**self.attempts)
-        self.attempts += 1
+        """The delay before the next attempt; each call counts one failed attempt.
+
+        A peer decides how often our dials fail, so the count is never raised to a power uncapped:
+        once the delay reaches ``maximum`` it stops growing (``factor**n`` would overflow a float
+        past about a thousand failures).
+        """
+        steps = self.attempts
+        if self.factor > 1:  # past this many steps the cap holds anyway
+            steps = min(steps, math.ceil(math.log(self.maximum / self.initial, self.factor)))
+        base = min(self.maximum, self.initial * self.factor**steps)
+        self.attempts = min(self.attempts + 1, MAX_ATTEMPTS)
         return base * (1 - self.jitter * self._rng.random())
 
     def reset(self) -> None:

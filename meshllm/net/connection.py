@@ -53,6 +53,8 @@ MAX_UNSEEN_PEER_STREAMS = 4096
 keeps the real number far lower; this only bounds memory against a misbehaving peer)."""
 MAX_PENDING_DATAGRAMS = 16
 """Probe datagrams (pings and pongs) are dropped while this many are queued and unsent."""
+SWEEP_INTERVAL_S = 0.5
+"""How often a connection checks its streams' header and frame deadlines."""
 
 
 class PeerConnection:
@@ -85,15 +87,24 @@ class PeerConnection:
         self._peer_unseen: set[int] = set()
         """Peer stream ids below one already seen whose first data has not arrived yet (reordering)."""
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._sending_watch: set[Stream] = set()
+        self._sending_watch: dict[Stream, bool] = {}
+        """Streams whose blocked sender waits for transmits (value: wait until nothing is unsent)."""
+        self.pending_source: Addr | None = None
+        """The source address an incoming connection counts against until it is admitted or gone."""
         self._ready: asyncio.Future[None] = self._loop.create_future()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._transmit_handle: asyncio.Handle | None = None
         self._deadline: asyncio.TimerHandle | None = None
+        self._handshake_deadline: asyncio.TimerHandle | None = None
         if not dialer:
             self._deadline = self._loop.call_later(
                 endpoint.options.admission_timeout, self.close, "admission timed out", CloseCode.ADMISSION_TIMEOUT
+            )
+            # A handshake that has not completed soon is dropped without a word: it may come from
+            # a spoofed address, and it must not hold a pending slot for the whole admission time.
+            self._handshake_deadline = self._loop.call_later(
+                endpoint.options.handshake_timeout, self.discard, "handshake timed out"
             )
 
     def __repr__(self) -> str:
@@ -148,6 +159,42 @@ class PeerConnection:
         self.transmit()
         self._finish(reason, self._error_for(code, reason, local=True))
 
+    def discard(self, reason: str) -> None:
+        """Forget a connection that never finished its handshake, sending nothing to its address."""
+        if self.close_reason is not None:
+            return
+        self._finish(reason, ConnectError(f"connection from {self.remote_addr[0]} dropped: {reason}"))
+        self.abandon()
+        self.endpoint.forget(self)
+
+    def strike(self, reason: str) -> None:
+        """The peer overstepped a limit (the caller already dropped or reset what it sent)."""
+        log.warning("peer %s (%s) overstepped a limit: %s", short(self.node_id or "?"), self.remote_addr, reason)
+        self.endpoint.strike(self, reason)
+
+    def now(self) -> float:
+        """The loop clock streams time their deadlines with."""
+        return self._loop.time()
+
+    # -- frame budget: room for large partial frames (see budget.py) ----------------------------
+
+    def reserve(self, stream: Stream, size: int) -> bool:
+        """Reserve ``size`` bytes of room for ``stream``'s large frame: True now, False when queued
+        (``stream.on_reserved(size)`` follows once granted). A frame no budget can hold resets its stream."""
+        budget = self.endpoint.frames
+        if not budget.fits(size):
+            stream.fail(ResetCode.BAD_FRAME, f"a frame of {size} bytes exceeds the frame budget")
+            self.strike("frame larger than the frame budget")
+            return True
+        return budget.reserve(self, stream, size)
+
+    def cancel_reservation(self, stream: Stream) -> None:
+        self.endpoint.frames.cancel(stream)
+
+    def unreserve(self, size: int) -> None:
+        """Give ``size`` reserved bytes back (their frame was read, or its stream ended)."""
+        self.endpoint.frames.release(self, size)
+
     def retire(self, reason: str) -> None:
         """Close once our streams on this connection are done (another connection replaced it)."""
         self._spawn(self._retire(reason))
@@ -186,7 +233,7 @@ class PeerConnection:
             self._timer = self._loop.call_at(timer_at, self._on_timer)
         self._timer_at = timer_at
         if self._sending_watch:
-            self._sending_watch = {s for s in self._sending_watch if not s.on_transmitted()}
+            self._sending_watch = {s: e for s, e in self._sending_watch.items() if not s.on_transmitted(e)}
 
     def transmit_soon(self) -> None:
         if self._transmit_handle is None:
@@ -200,9 +247,9 @@ class PeerConnection:
             op(self.quic)
         self.transmit_soon()
 
-    def watch_sending(self, stream: Stream) -> None:
-        """Wake ``stream``'s blocked sender as aioquic transmits."""
-        self._sending_watch.add(stream)
+    def watch_sending(self, stream: Stream, until_empty: bool = False) -> None:
+        """Wake ``stream``'s blocked sender as aioquic transmits (``until_empty``: once all is sent)."""
+        self._sending_watch[stream] = until_empty
 
     def forget_if_finished(self, stream: Stream) -> None:
         if stream.finished and self._streams.get(stream.id) is stream:
@@ -223,10 +270,16 @@ class PeerConnection:
             elif isinstance(event, qe.DatagramFrameReceived):
                 if self.probes is not None:
                     self._apply_probes(self.probes.receive(event.data, self._loop.time()))
-            elif isinstance(event, qe.StreamReset | qe.StopSendingReceived):
+            elif isinstance(event, qe.StreamReset):
                 stream = self._streams.get(event.stream_id)
                 if stream is not None:
                     stream.on_reset(f"reset by peer (code {event.error_code:#x})")
+                    self.forget_if_finished(stream)
+            elif isinstance(event, qe.StopSendingReceived):
+                self.quic.drop_unsent(event.stream_id)
+                stream = self._streams.get(event.stream_id)
+                if stream is not None:
+                    stream.on_stop_sending(f"stopped by peer (code {event.error_code:#x})")
                     self.forget_if_finished(stream)
             elif isinstance(event, qe.ConnectionIdIssued):
                 self.endpoint.route(event.connection_id, self)
@@ -255,12 +308,20 @@ class PeerConnection:
         if peer == self.endpoint.node_id:
             self.close("connected to ourselves", CloseCode.PEER_MISMATCH)
             return
+        if self._handshake_deadline is not None:
+            self._handshake_deadline.cancel()
+        cooling = self.endpoint.cooling(peer)
+        if cooling:
+            self.close(f"cooling down for {cooling:.0f} s after overstepping limits", CloseCode.MISBEHAVING)
+            return
         self.node_id = peer
+        self._spawn(self._run_sweeps())
         self._admission = Admission(
             dialer=self.dialer,
             local_proof=self.endpoint.local_proof(),
             admit=lambda proof: self.endpoint.admit(peer, proof, self.dialer),
             peer_addr=self.remote_addr,
+            take_grant=None if self.endpoint.take_grant is None else lambda g: self.endpoint.take_grant(peer, g),
         )
         if self.dialer:
             stream_id = self.quic.get_next_available_stream_id()
@@ -384,12 +445,34 @@ class PeerConnection:
         try:
             await handler(stream, self)
             stream.close()
+            stream.discard_input()  # the handler is done reading: what else comes is dropped
         except StreamClosed as exc:
             log.debug("%r ended: %s", stream, exc)
         except Exception:
             log.exception("handler for stream kind %r failed", stream.kind)
             stream.reset(ResetCode.HANDLER_FAILED)
         self.forget_if_finished(stream)
+
+    async def _run_sweeps(self) -> None:
+        """Reset streams whose header or current frame is overdue (a trickle never holds a stream).
+
+        A sweep that wakes up late measures our own loop's stall: that time is forgiven, so a busy
+        node never blames its peers for frames it was too slow to read.
+        """
+        due = self._loop.time() + SWEEP_INTERVAL_S
+        while self.close_reason is None:
+            await asyncio.sleep(max(0.0, due - self._loop.time()))
+            now = self._loop.time()
+            lag, due = now - due, now + SWEEP_INTERVAL_S
+            if lag > SWEEP_INTERVAL_S:
+                for stream in self._streams.values():
+                    stream.forgive(lag)
+            for stream in list(self._streams.values()):
+                reason = stream.overdue(now)
+                if reason is not None:
+                    stream.fail(ResetCode.TIMEOUT, reason)
+                    self.forget_if_finished(stream)
+                    self.strike(f"{stream.kind or 'stream'}: {reason}")
 
     # -- probes -------------------------------------------------------------------------------
 
@@ -437,6 +520,8 @@ class PeerConnection:
         self.close_reason = reason
         if self._deadline is not None:
             self._deadline.cancel()
+        if self._handshake_deadline is not None:
+            self._handshake_deadline.cancel()
         if not self._ready.done():
             self._ready.set_exception(error)
             self._ready.exception()  # mark retrieved: a dial nobody awaits must not log
@@ -449,7 +534,7 @@ class PeerConnection:
 
     def abandon(self) -> None:
         """Stop all timers (the endpoint's socket is going away)."""
-        for handle in (self._timer, self._transmit_handle, self._deadline):
+        for handle in (self._timer, self._transmit_handle, self._deadline, self._handshake_deadline):
             if handle is not None:
                 handle.cancel()
         self._timer = self._transmit_handle = None

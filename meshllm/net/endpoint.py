@@ -5,6 +5,18 @@ connection of a node shares one socket (aioquic's ``connect()`` would open a new
 Incoming datagrams are routed to their :class:`PeerConnection` by destination connection id; an
 unknown id carried by a full-sized Initial packet starts a new incoming connection.
 
+Pending handshakes are a resource a stranger can try to exhaust, so they are guarded in layers:
+an Initial that does not decrypt is dropped before any state is kept; each source address and
+each source IP may hold only a few pending handshakes; a handshake must complete within
+``handshake_timeout`` (admission then has ``admission_timeout``); and once more than
+``retry_above`` handshakes are pending, new Initials must first prove they can receive at their
+source address (a QUIC Retry with an encrypted token, RFC 9000 section 8.1), so spoofed floods
+create no state at all.
+
+Peers that overstep a limit anywhere (transport or mesh layer) get strikes
+(:meth:`Endpoint.strike`); enough strikes cool the peer down: its connection is closed and its
+handshakes and our dials to it are refused for a while (:mod:`.limits`).
+
 Typical use (the mesh layer supplies ``admit`` and ``local_proof``)::
 
     endpoint = await Endpoint.create(signing_key, "0.0.0.0", 9338, admit=admit, local_proof=proof)
@@ -21,32 +33,53 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import os
 import socket
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from aioquic.buffer import Buffer
 from aioquic.quic.configuration import SMALLEST_MAX_DATAGRAM_SIZE
-from aioquic.quic.packet import QuicPacketType, pull_quic_header
+from aioquic.quic.packet import QuicPacketType, encode_quic_retry, pull_quic_header
+from aioquic.quic.retry import QuicRetryTokenHandler
 from nacl.signing import SigningKey
 
 from meshllm.identity.ids import node_id
+from meshllm.net.budget import FrameBudget
 from meshllm.net.circuit import RelayChannel
 from meshllm.net.connection import PeerConnection
 from meshllm.net.errors import ConnectError, ConnectTimeout, PeerMismatch
 from meshllm.net.events import PeerEvent, PeerEventKind
+from meshllm.net.limits import COOL_DOWN_S, CoolDowns, Strikes
 from meshllm.net.messages import KIND_MAX, Addr, CloseCode, is_virtual, normalize_addr
-from meshllm.net.quic import IDLE_TIMEOUT, MAX_DATAGRAM_SIZE, STREAM_WINDOW, MeshQuicConnection, make_configuration
+from meshllm.net.quic import (
+    CONNECTION_WINDOW,
+    IDLE_TIMEOUT,
+    MAX_DATAGRAM_SIZE,
+    STREAM_WINDOW,
+    MeshQuicConnection,
+    initial_decrypts,
+    make_configuration,
+)
 from meshllm.net.streams import SEND_BUDGET, Stream
 from meshllm.wire.frames import CONTROL_FRAME_MAX
 
 log = logging.getLogger(__name__)
 
-Admit = Callable[[str, bytes, bool], None]
+FRAME_BUDGET = 40 * 1024 * 1024
+"""Default frame budget per connection: one 32 MiB stage-lane frame plus room for smaller large ones."""
+TOTAL_FRAME_BUDGET = 48 * 1024 * 1024
+"""Default frame budget of the whole endpoint."""
+
+Admit = Callable[[str, bytes, bool], "bytes | None"]
 """``admit(peer_node_id, proof, dialer)``: return to accept the peer, raise a MeshllmError to refuse.
 
 ``dialer`` is True when we dialed the peer: the mesh layer checks a peer it chose to dial
-differently from a stranger that dialed it (see mesh/service.py)."""
+differently from a stranger that dialed it (see mesh/service.py). Bytes returned when accepting a
+dialer travel to it in the Welcome (the mesh layer's admission grant)."""
+TakeGrant = Callable[[str, bytes], None]
+"""``take_grant(peer_node_id, grant)``: a peer we dialed accepted us and gave us ``grant``."""
 StreamHandler = Callable[[Stream, PeerConnection], Awaitable[None]]
 """Serves one incoming stream; the stream is closed cleanly when it returns, reset if it raises."""
 
@@ -57,6 +90,12 @@ class EndpointOptions:
 
     stream_window: int = STREAM_WINDOW
     """Most bytes a peer may send on one stream beyond what we have read."""
+    connection_window: int = CONNECTION_WINDOW
+    """Most bytes a peer may send over all its streams beyond what we have read."""
+    frame_budget: int = FRAME_BUDGET
+    """Room per connection for frames larger than half a stream window, partial or unread (budget.py)."""
+    total_frame_budget: int = TOTAL_FRAME_BUDGET
+    """The same room for all connections together: what many peers at once can make us hold."""
     send_budget: int = SEND_BUDGET
     """Most unsent bytes a stream holds before ``send`` waits."""
     max_datagram_size: int = MAX_DATAGRAM_SIZE
@@ -65,8 +104,15 @@ class EndpointOptions:
     suspect_after: int = 3
     admission_timeout: float = 10.0
     """An incoming connection must finish admission within this long or is closed."""
+    handshake_timeout: float = 3.0
+    """An incoming connection must finish its TLS handshake within this long or is dropped."""
     max_pending: int = 256
     """Most incoming connections still in handshake or admission; more Initials are dropped."""
+    max_pending_per_ip: int = 32
+    max_pending_per_addr: int = 4
+    """Pending handshakes one source IP, and one source address (IP and port), may hold."""
+    retry_above: int = 32
+    """Pending handshakes above which a new Initial must first answer a Retry (address validation)."""
 
 
 class _Socket(asyncio.DatagramProtocol):
@@ -84,7 +130,8 @@ class Endpoint:
     """A node's QUIC endpoint: its connections, stream handlers and peer events."""
 
     def __init__(
-        self, signing_key: SigningKey, admit: Admit, local_proof: Callable[[], bytes], options: EndpointOptions
+        self, signing_key: SigningKey, admit: Admit, local_proof: Callable[[], bytes], options: EndpointOptions,
+        take_grant: TakeGrant | None = None,
     ) -> None:
         self.node_id = node_id(bytes(signing_key.verify_key))
         self.options = options
@@ -92,14 +139,18 @@ class Endpoint:
         """The injected admission check (see :data:`Admit`)."""
         self.local_proof = local_proof
         """Returns the proof we present to peers (called once per connection)."""
+        self.take_grant = take_grant
+        """Handles what a peer we dialed granted us (None: grants are ignored)."""
         self.peers: dict[str, PeerConnection] = {}
         """Admitted, open connections by peer node id (one per peer)."""
         self._client_config = make_configuration(
             signing_key, is_client=True, stream_window=options.stream_window,
+            connection_window=options.connection_window,
             max_datagram_size=options.max_datagram_size, idle_timeout=options.idle_timeout,
         )
         self._server_config = make_configuration(
             signing_key, is_client=False, stream_window=options.stream_window,
+            connection_window=options.connection_window,
             max_datagram_size=options.max_datagram_size, idle_timeout=options.idle_timeout,
         )
         self._routes: dict[bytes, PeerConnection] = {}
@@ -111,6 +162,16 @@ class Endpoint:
         """Peers we are hole punching to: a direct connection admitted with them is ``punched``."""
         self._transport: asyncio.DatagramTransport | None = None
         self._closed = False
+        self._pending_total = 0
+        self._pending_ips: Counter[str] = Counter()
+        self._pending_addrs: Counter[Addr] = Counter()
+        self._retry = QuicRetryTokenHandler()
+        self.frames = FrameBudget(options.total_frame_budget, options.frame_budget)
+        """Room for large frames, shared by every connection (streams reserve from it)."""
+        self._strikes: Strikes[str] = Strikes()
+        self._cooling: CoolDowns[str] = CoolDowns()
+        self.on_cool_down: Callable[[str, str], None] | None = None
+        """Called with (peer node id, reason) when a peer is cooled down (the mesh layer logs it)."""
 
     @classmethod
     async def create(
@@ -122,12 +183,14 @@ class Endpoint:
         admit: Admit,
         local_proof: Callable[[], bytes],
         options: EndpointOptions | None = None,
+        take_grant: TakeGrant | None = None,
     ) -> Endpoint:
         """Bind the UDP socket (port 0 picks a free one) and start serving."""
-        endpoint = cls(signing_key, admit, local_proof, options or EndpointOptions())
+        endpoint = cls(signing_key, admit, local_proof, options or EndpointOptions(), take_grant)
         loop = asyncio.get_running_loop()
         transport, _ = await loop.create_datagram_endpoint(lambda: _Socket(endpoint), local_addr=(host, port))
         endpoint._transport = transport  # type: ignore[assignment]
+        _enlarge_buffers(transport.get_extra_info("socket"))
         return endpoint
 
     # -- public API ---------------------------------------------------------------------------
@@ -168,6 +231,8 @@ class Endpoint:
         """
         if self._closed:
             raise ConnectError("endpoint is closed")
+        if expected_node_id is not None and (left := self.cooling(expected_node_id)):
+            raise ConnectError(f"node {expected_node_id[:8]} is cooling down for {left:.0f} s (it overstepped limits)")
         if not is_virtual(addr):
             addr = await self._resolve(addr, timeout)
         existing = None if fresh else self._existing(addr, expected_node_id)
@@ -185,6 +250,27 @@ class Endpoint:
         if expected_node_id is not None and conn.node_id != expected_node_id:
             raise PeerMismatch(f"{addr[0]}:{addr[1]} is node {conn.node_id}, not {expected_node_id}")
         return self.peers.get(conn.node_id or "", conn)
+
+    def strike(self, conn: PeerConnection, reason: str) -> None:
+        """Count one overstep by ``conn``'s peer; enough of them cool it down."""
+        if conn.node_id is None:
+            conn.discard(reason)
+            return
+        if self._strikes.add(conn.node_id, self._now()):
+            self.cool_down(conn.node_id, reason)
+
+    def cool_down(self, node_id: str, reason: str, seconds: float = COOL_DOWN_S) -> None:
+        """Cut ``node_id`` off now and refuse it for ``seconds``: memory it held is released."""
+        self._cooling.add(node_id, self._now(), seconds)
+        log.warning("cooling down peer %s for %.0f s: %s", node_id[:8], seconds, reason)
+        for conn in [c for c in {*self._routes.values(), *self.peers.values()} if c.node_id == node_id]:
+            conn.close(f"cooling down: {reason}", CloseCode.MISBEHAVING)
+        if self.on_cool_down is not None:
+            self.on_cool_down(node_id, reason)
+
+    def cooling(self, node_id: str) -> float:
+        """Seconds ``node_id`` stays cooled down (0.0: it is welcome)."""
+        return self._cooling.remaining(node_id, self._now())
 
     def attach(self, channel: RelayChannel) -> None:
         """Route packets for ``channel.addr`` (a virtual address) into the relay circuit."""
@@ -233,6 +319,7 @@ class Endpoint:
 
     def forget(self, conn: PeerConnection) -> None:
         """aioquic is done with ``conn``: stop routing its packets."""
+        self._settle(conn)
         for cid in [c for c, owner in self._routes.items() if owner is conn]:
             del self._routes[cid]
 
@@ -254,6 +341,7 @@ class Endpoint:
         dialed each other, both keep the connection dialed by the smaller node id, so they agree
         without talking; a redial by the same node replaces its older connection.
         """
+        self._settle(conn)
         peer_id = conn.node_id or ""
         if conn.path == "direct" and peer_id in self.punching:
             conn.path = "punched"
@@ -283,6 +371,7 @@ class Endpoint:
 
         The circuit outlives the connection by a moment so its CONNECTION_CLOSE gets through.
         """
+        self._settle(conn)
         channel = self._channels.get(conn.remote_addr)
         if channel is not None:
             asyncio.get_running_loop().call_later(0.5, channel.close, "connection closed")
@@ -298,22 +387,80 @@ class Endpoint:
         except ValueError:
             return
         conn = self._routes.get(header.destination_cid)
-        if conn is None:
-            if (
-                self._closed
-                or header.packet_type != QuicPacketType.INITIAL
-                or len(data) < SMALLEST_MAX_DATAGRAM_SIZE
-                or header.version not in self._server_config.supported_versions
-                or self._pending() >= self.options.max_pending
-            ):
+        if conn is not None:
+            conn.datagram_received(data, _addr(addr))
+            return
+        if (
+            self._closed
+            or header.packet_type != QuicPacketType.INITIAL
+            or len(data) < SMALLEST_MAX_DATAGRAM_SIZE
+            or header.version not in self._server_config.supported_versions
+        ):
+            return
+        source = _addr(addr)
+        if (
+            self._pending_total >= self.options.max_pending
+            or self._pending_ips[source[0]] >= self.options.max_pending_per_ip
+            or self._pending_addrs[source] >= self.options.max_pending_per_addr
+            or not initial_decrypts(data, self._server_config.connection_id_length)
+        ):
+            return  # garbage is dropped here, before any state (or any Retry) is made for it
+        original_dcid, retry_cid = header.destination_cid, None
+        if not is_virtual(source) and (header.token or self._pending_total >= self.options.retry_above):
+            if not header.token:
+                self._send_retry(header, source)
                 return
-            quic = MeshQuicConnection(
-                configuration=self._server_config, original_destination_connection_id=header.destination_cid
-            )
-            conn = PeerConnection(self, quic, _addr(addr), dialer=False, expected=None)
-            self._routes[header.destination_cid] = conn
-            self._routes[quic.host_cid] = conn
-        conn.datagram_received(data, _addr(addr))
+            try:
+                original_dcid = self._retry.validate_token(
+                    address=source, destination_cid=header.destination_cid, token=header.token, now=self._now()
+                )
+            except ValueError:
+                return  # forged, stale or for another address: no state, no answer
+            retry_cid = header.destination_cid
+        quic = MeshQuicConnection(
+            configuration=self._server_config, original_destination_connection_id=original_dcid,
+            retry_source_connection_id=retry_cid,
+        )
+        conn = PeerConnection(self, quic, source, dialer=False, expected=None)
+        conn.datagram_received(data, source)
+        if not quic.started:
+            conn.discard("initial packet did not decrypt")  # garbage: keep nothing
+            return
+        self._routes[header.destination_cid] = conn
+        self._routes[quic.host_cid] = conn
+        conn.pending_source = source
+        self._pending_total += 1
+        self._pending_ips[source[0]] += 1
+        self._pending_addrs[source] += 1
+
+    def _send_retry(self, header: object, source: Addr) -> None:
+        """Answer an Initial with a Retry whose token proves, when echoed, that the source is real."""
+        retry_cid = os.urandom(8)
+        token = self._retry.create_token(
+            address=source, original_destination_connection_id=header.destination_cid,  # type: ignore[attr-defined]
+            retry_source_connection_id=retry_cid, now=self._now(),
+        )
+        packet = encode_quic_retry(
+            version=header.version, source_cid=retry_cid,  # type: ignore[attr-defined]
+            destination_cid=header.source_cid,  # type: ignore[attr-defined]
+            original_destination_cid=header.destination_cid, retry_token=token,  # type: ignore[attr-defined]
+        )
+        self.sendto(packet, source)
+
+    def _settle(self, conn: PeerConnection) -> None:
+        """An incoming connection stopped pending (admitted, or gone): free its slot."""
+        addr = conn.pending_source
+        if addr is None:
+            return
+        conn.pending_source = None
+        self._pending_total -= 1
+        for counter, key in ((self._pending_ips, addr[0]), (self._pending_addrs, addr)):
+            counter[key] -= 1  # type: ignore[index]
+            if counter[key] <= 0:  # type: ignore[index]
+                del counter[key]  # type: ignore[attr-defined]
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
 
     def _dial(self, addr: Addr, expected: str | None) -> PeerConnection:
         quic = MeshQuicConnection(configuration=self._client_config)
@@ -328,9 +475,6 @@ class Endpoint:
         if expected is not None:
             return self.peers.get(expected)
         return next((p for p in self.peers.values() if p.remote_addr == addr), None)
-
-    def _pending(self) -> int:
-        return len({c for c in self._routes.values() if not c.admitted and not c.dialer})
 
     async def _resolve(self, addr: Addr, timeout: float) -> Addr:
         host, port = addr
@@ -348,6 +492,21 @@ class Endpoint:
         except (OSError, TimeoutError) as exc:
             raise ConnectError(f"cannot resolve {host!r}: {exc}") from exc
         return normalize_addr(infos[0][4])
+
+
+SOCKET_BUFFER = 4 * 1024 * 1024
+"""UDP socket buffers we ask for: one socket carries every peer, so a burst from one (a bulk
+transfer, a flood) must not overflow it and drop another's probes. The kernel may grant less."""
+
+
+def _enlarge_buffers(sock: socket.socket | None) -> None:
+    if sock is None:
+        return
+    for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
+        except OSError as exc:  # some platforms refuse large buffers: keep the default
+            log.debug("cannot enlarge the UDP socket buffer: %s", exc)
 
 
 def _addr(addr: tuple[object, ...]) -> Addr:

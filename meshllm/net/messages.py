@@ -44,6 +44,8 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True):
     proof: bytes
     observed: Addr
     """The address the acceptor sees the dialer at."""
+    grant: bytes = b""
+    """Opaque: what the acceptor's ``admit`` gave the dialer (the mesh layer's admission grant)."""
 
 
 class Confirm(msgspec.Struct, tag="confirm", frozen=True):
@@ -65,6 +67,8 @@ class CloseCode(IntEnum):
     DUPLICATE = 0x102
     ADMISSION_TIMEOUT = 0x103
     PROTOCOL = 0x104
+    MISBEHAVING = 0x105
+    """The peer overstepped limits and is cooling down (refused for a while)."""
 
 
 class ResetCode(IntEnum):
@@ -75,6 +79,8 @@ class ResetCode(IntEnum):
     BAD_FRAME = 0x12
     NOT_ADMITTED = 0x13
     HANDLER_FAILED = 0x14
+    TIMEOUT = 0x15
+    """A stream header or frame did not arrive within its deadline."""
 
 
 def normalize_addr(addr: tuple[object, ...]) -> Addr:

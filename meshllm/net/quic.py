@@ -8,8 +8,17 @@ here (``tests/net/test_quic.py`` exercises both against the installed aioquic):
   half of it, whether or not the application read anything, so a slow reader buffers without
   bound. We grant credit only for bytes the application has consumed (``consumed + window``),
   which turns QUIC flow control into end-to-end backpressure: a slow reader stalls the writer.
-  (:class:`~meshllm.net.streams.Stream` counts a partial frame as consumed, so a frame larger
-  than the window still arrives; a stream then buffers at most ``max_frame + window``.)
+  (:class:`~meshllm.net.streams.Stream` counts a partial frame larger than the window as
+  consumed only while the connection has reserved room for the whole frame: see
+  :mod:`~meshllm.net.streams`.)
+* ``_write_connection_limits``: the same for the connection-wide window (MAX_DATA), which aioquic
+  doubles on received bytes: we grant ``received - held + connection window``, where *held* is
+  what tracked streams received and the application has not consumed. However many streams a
+  peer opens, it can make us hold at most one connection window of unread data.
+
+* ``reset_stream``: aioquic keeps a reset stream's unsent data until the stream is discarded,
+  which a peer that never acknowledges can postpone for the life of the connection; the data
+  can never be sent again, so we drop it at once.
 
 * ``send_stream_data``: aioquic writes an ACK only once its 1 ms delayed-ACK timer is due, even
   when it is sending a packet anyway, so a request/response exchange costs an extra ACK-only
@@ -26,20 +35,30 @@ from __future__ import annotations
 import ssl
 from typing import Any
 
+from aioquic.buffer import Buffer
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.connection import MAX_STREAM_DATA_FRAME_CAPACITY, QuicConnection
-from aioquic.quic.packet import QuicFrameType
-from aioquic.tls import Epoch
+from aioquic.quic.connection import MAX_STREAM_DATA_FRAME_CAPACITY, QuicConnection, QuicConnectionState
+from aioquic.quic.crypto import (
+    INITIAL_CIPHER_SUITE,
+    INITIAL_SALT_VERSION_1,
+    INITIAL_SALT_VERSION_2,
+    CryptoContext,
+    CryptoError,
+    KeyUnavailableError,
+)
+from aioquic.quic.packet import QuicFrameType, QuicProtocolVersion, pull_quic_header
+from aioquic.tls import Epoch, cipher_suite_hash, hkdf_expand_label, hkdf_extract
 from nacl.signing import SigningKey
 
 from meshllm.net import tls
 from meshllm.net.errors import AioquicIncompatible
 
-ALPN = "meshllm/1"
+ALPN = "meshllm/2"
+"""Protocol version 2: admission grants (issue 18). Nodes of another version fail the handshake."""
 MAX_DATAGRAM_SIZE = 1452
 """QUIC packet size: a 1500-byte Ethernet MTU less IPv6 and UDP headers (FACTS: faster than 1200)."""
 CONNECTION_WINDOW = 16 * 1024 * 1024
-"""Initial connection-wide receive window; aioquic grows it. Per-stream windows do the bounding."""
+"""Connection-wide receive window: the most unread data a peer can make us hold over all its streams."""
 STREAM_WINDOW = 4 * 1024 * 1024
 """Default per-stream receive window: the most a peer can make us buffer on one unread stream."""
 IDLE_TIMEOUT = 20.0
@@ -53,6 +72,7 @@ def make_configuration(
     *,
     is_client: bool,
     stream_window: int = STREAM_WINDOW,
+    connection_window: int = CONNECTION_WINDOW,
     max_datagram_size: int = MAX_DATAGRAM_SIZE,
     idle_timeout: float = IDLE_TIMEOUT,
 ) -> QuicConfiguration:
@@ -61,7 +81,7 @@ def make_configuration(
         alpn_protocols=[ALPN],
         is_client=is_client,
         idle_timeout=idle_timeout,
-        max_data=CONNECTION_WINDOW,
+        max_data=connection_window,
         max_stream_data=stream_window,
         max_datagram_size=max_datagram_size,
         max_datagram_frame_size=MAX_DATAGRAM_FRAME,
@@ -72,13 +92,57 @@ def make_configuration(
     return config
 
 
+def initial_decrypts(data: bytes, host_cid_length: int) -> bool:
+    """Whether a client's Initial packet decrypts, checked without building a connection.
+
+    Initial keys follow from the packet's destination connection id, so anyone can make a valid
+    one; but garbage (random bytes under an Initial header) fails here for a fraction of the cost
+    of a connection object (see docs/benchmarks.md), and leaves nothing behind.
+    """
+    buf = Buffer(data=data)
+    try:
+        header = pull_quic_header(buf, host_cid_length=host_cid_length)
+        if header.version is None or header.packet_length > len(data):
+            return False
+        # Only the client-to-server key (a connection would also derive the other direction's).
+        algorithm = cipher_suite_hash(INITIAL_CIPHER_SUITE)
+        salt = INITIAL_SALT_VERSION_2 if header.version == QuicProtocolVersion.VERSION_2 else INITIAL_SALT_VERSION_1
+        initial = hkdf_extract(algorithm, salt, header.destination_cid)
+        crypto = CryptoContext()
+        crypto.setup(cipher_suite=INITIAL_CIPHER_SUITE, version=header.version,
+                     secret=hkdf_expand_label(algorithm, initial, b"client in", b"", algorithm.digest_size))
+        crypto.decrypt_packet(data[:header.packet_length], buf.tell(), 0)
+    except (ValueError, CryptoError, KeyUnavailableError):
+        return False
+    return True
+
+
 class MeshQuicConnection(QuicConnection):
-    """A ``QuicConnection`` with mutual TLS and consumption-based stream credit."""
+    """A ``QuicConnection`` with mutual TLS and consumption-based stream and connection credit."""
 
     def __init__(self, *, configuration: QuicConfiguration, **kwargs: Any) -> None:
         super().__init__(configuration=configuration, **kwargs)
         self._window = configuration.max_stream_data
+        self._connection_window = configuration.max_data
         self._consumed: dict[int, int] = {}
+
+    @property
+    def stream_window(self) -> int:
+        """The per-stream receive window this connection grants."""
+        return self._window
+
+    @property
+    def started(self) -> bool:
+        """True once a packet from the peer decrypted (a server still in its first flight has seen none).
+
+        Initial packets are only obfuscated (their keys follow from the destination connection id),
+        so a garbage one fails to decrypt and leaves the connection in its first flight: the
+        endpoint then drops it instead of holding a handshake slot for it.
+        """
+        state = getattr(self, "_state", None)
+        if state is None:
+            raise AioquicIncompatible("aioquic's QuicConnection has no _state")
+        return state is not QuicConnectionState.FIRSTFLIGHT
 
     # -- flow control -------------------------------------------------------------------------
 
@@ -101,12 +165,31 @@ class MeshQuicConnection(QuicConnection):
         stream = self._stream(stream_id)
         return stream is not None and consumed + self._window - stream.max_stream_data_local >= self._window // 2
 
+    def held_bytes(self) -> int:
+        """Bytes the peer sent on tracked streams that the application has not consumed yet."""
+        held = 0
+        for stream_id, consumed in self._consumed.items():
+            stream = self._stream(stream_id)
+            if stream is not None:
+                held += max(0, stream.receiver.highest_offset - consumed)
+        return held
+
     def datagrams_pending(self) -> int:
         """DATAGRAM frames queued and not yet sent (aioquic's queue is unbounded)."""
         pending = getattr(self, "_datagrams_pending", None)
         if pending is None:
             raise AioquicIncompatible("aioquic's QuicConnection has no _datagrams_pending queue")
         return len(pending)
+
+    def credit_blocked(self, stream_id: int) -> bool:
+        """Whether the stream's unsent data waits for the *peer's* credit (stream or connection):
+        the peer is not reading. Otherwise it waits for congestion control (the network)."""
+        stream = self._stream(stream_id)
+        if stream is None:
+            return False
+        if stream.sender.highest_offset >= stream.max_stream_data_remote:
+            return True
+        return bool(getattr(self, "_remote_max_data_used", 0) >= getattr(self, "_remote_max_data", 1))
 
     def unsent_bytes(self, stream_id: int, written: int) -> int:
         """How many of the ``written`` bytes aioquic has not put on the wire yet."""
@@ -118,6 +201,16 @@ class MeshQuicConnection(QuicConnection):
     def send_stream_data(self, stream_id: int, data: bytes, end_stream: bool = False) -> None:
         super().send_stream_data(stream_id, data, end_stream)
         self.piggyback_ack()
+
+    def reset_stream(self, stream_id: int, error_code: int) -> None:
+        super().reset_stream(stream_id, error_code)
+        self.drop_unsent(stream_id)
+
+    def drop_unsent(self, stream_id: int) -> None:
+        """Free a reset stream's send buffer (by us, or by aioquic on the peer's STOP_SENDING)."""
+        stream = self._stream(stream_id)
+        if stream is not None and getattr(stream.sender, "_reset_error_code", None) is not None:
+            stream.sender._buffer = bytearray()  # aioquic never sends or resends after a reset
 
     def piggyback_ack(self) -> None:
         """Make a pending (delayed) 1-RTT ACK due now, so the next packet we send carries it."""
@@ -140,6 +233,19 @@ class MeshQuicConnection(QuicConnection):
         super()._initialize(peer_cid)
         if not self.configuration.is_client:
             tls.request_client_certificate(self.tls)
+
+    def _write_connection_limits(self, builder: Any, space: Any) -> None:
+        limit = getattr(self, "_local_max_data", None)
+        if limit is None:
+            raise AioquicIncompatible("aioquic's QuicConnection has no _local_max_data")
+        target = limit.used - self.held_bytes() + self._connection_window
+        if target - limit.value >= self._connection_window // 2:
+            limit.value = target
+        used, limit.used = limit.used, 0  # aioquic doubles on received bytes when used * 2 > value
+        try:
+            super()._write_connection_limits(builder, space)
+        finally:
+            limit.used = used
 
     def _write_stream_limits(self, builder: Any, space: Any, stream: Any) -> None:
         consumed = self._consumed.get(stream.stream_id)

@@ -28,9 +28,10 @@ from meshllm.engine.base import (
     LoadReport,
     TextDelta,
     TokenRate,
+    check_supported,
     context_cap,
 )
-from meshllm.engine.ggml.engine import SUPPORTS, DeltaTokens, refuse_unsupported, replay
+from meshllm.engine.ggml.engine import SUPPORTS, DeltaTokens, replay
 from meshllm.engine.sampler import sampling_params
 from meshllm.engine.text import TextStream, token_budget
 from meshllm.engine.tokenizer import Tokenizer
@@ -111,7 +112,7 @@ class SplitEngine(Engine):
             raise EngineNotLoaded(f"model {self.model_id} is not loaded")
         if coordinator is None:
             raise ChainUnavailable(f"split model {self.model_id} is not available: {self.unavailable}")
-        refuse_unsupported(request, self.model_id)
+        check_supported(self, request)
         prompt, stop_strings = self.prompt_tokens(request)
         limit = token_budget(len(prompt), self.max_context, request.params.max_tokens, self.model_id)
         text = TextStream(is_end=tokenizer.is_end, token_bytes=tokenizer.token_bytes, stops=stop_strings,

@@ -45,11 +45,25 @@ class FrameDecoder(Generic[T]):
         self._max = max_size
         self._buf = bytearray()
         self._failed: DecodeError | None = None
+        self.completed = 0
+        """Frames decoded so far: tells a caller when the partial frame it watches has ended."""
 
     @property
     def buffered(self) -> int:
         """Bytes held waiting for the rest of a frame."""
         return len(self._buf)
+
+    def pending_size(self) -> int | None:
+        """Whole wire size (header included) of the partial frame, once its length prefix is in."""
+        if len(self._buf) < HEADER.size:
+            return None
+        return HEADER.size + HEADER.unpack_from(self._buf)[0]
+
+    def clear(self) -> None:
+        """Drop buffered bytes and refuse further input (the stream was reset)."""
+        self._buf = bytearray()
+        if self._failed is None:
+            self._failed = DecodeError("stream was reset")
 
     def feed(self, data: bytes) -> list[T]:
         """Add received bytes; return every message completed by them, in order."""
@@ -67,6 +81,7 @@ class FrameDecoder(Generic[T]):
                 break
             body = bytes(self._buf[HEADER.size:end])
             del self._buf[:end]
+            self.completed += 1
             try:
                 out.append(self._decoder.decode(body))
             except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, RecursionError) as exc:

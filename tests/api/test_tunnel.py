@@ -21,16 +21,25 @@ from meshllm.engine.base import (
     ChatMessage,
     ChatRequest,
     CompletionRequest,
+    Embeddings,
+    EmbedRequest,
     Finish,
     GenerationParams,
     PromptTooLong,
     TextDelta,
+    TokenLogprob,
+    ToolCall,
+    TopLogprob,
+    Unsupported,
     Usage,
 )
 from meshllm.errors import DecodeError
 
-CHAT = ChatRequest(model="m", messages=(ChatMessage("system", "s"), ChatMessage("user", "héllo")),
-                   params=GenerationParams(max_tokens=5, seed=2**63 - 1, stop=("\n",)),
+CHAT = ChatRequest(model="m", messages=(ChatMessage("system", "s"), ChatMessage("user", "héllo"),
+                                        ChatMessage("assistant", "", tool_calls=(ToolCall("c1", "f", "{}"),)),
+                                        ChatMessage("tool", "42", name="f", tool_call_id="c1")),
+                   params=GenerationParams(max_tokens=5, seed=2**63 - 1, stop=("\n",), grammar='root ::= "x"',
+                                           logprobs=2),
                    tools=({"type": "function", "function": {"name": "f", "parameters": {}}},), user="u")
 
 
@@ -51,6 +60,35 @@ def test_request_and_streamed_response_round_trip(request_: ChatRequest | Comple
     assert events == [TextDelta("hé"), TextDelta("llo"), Finish(reason="stop", usage=Usage(7, 2))]
     assert client.done
     client.stream_ended()  # a complete response: closing is fine
+
+
+def test_token_ids_logprobs_cached_tokens_and_stop_sequence_cross_the_tunnel() -> None:
+    client, server = TunnelClient(), TunnelServer()
+    server.receive(wire(client.start("r", CompletionRequest(model="m", prompt=(1, 2, 3)), 1000), CallerFrame))  # type: ignore
+    assert server.request is not None and server.request.request.prompt == (1, 2, 3)  # type: ignore[union-attr]
+    delta = TextDelta("é", tokens=(7, 8), logprobs=(TokenLogprob(7, b"\xc3", -0.5, (TopLogprob(9, b"a", -1.0),)),
+                                                    TokenLogprob(8, b"\xa9", -0.25)))
+    finish = Finish(reason="stop", usage=Usage(3, 2, cached_tokens=2), stop_sequence="\n")
+    assert [client.receive(wire(server.event(e), ServerFrame)) for e in (delta, finish)] == [delta, finish]  # type: ignore
+
+
+def test_embeddings_cross_the_tunnel() -> None:
+    client, server = TunnelClient(), TunnelServer()
+    request = EmbedRequest(model="m", inputs=("a", (1, 2)), user="u")
+    server.receive(wire(client.start("r", request, 1000), CallerFrame))  # type: ignore[arg-type]
+    assert server.request is not None and server.request.request == request
+    answer = Embeddings(vectors=(b"\x00" * 8, b"\x01" * 8), prompt_tokens=4)
+    assert client.receive(wire(server.event(answer), ServerFrame)) == answer  # type: ignore[arg-type]
+    assert client.done
+
+
+def test_the_field_an_error_names_crosses_the_tunnel() -> None:
+    client, server = TunnelClient(), TunnelServer()
+    server.receive(client.start("r", CHAT, 1000))
+    with pytest.raises(RemoteError) as caught:
+        client.receive(wire(server.error(Unsupported("no grammars here", param="response_format")), ServerFrame))  # type: ignore
+    status, body = error_for(caught.value)
+    assert (status, body["error"]["code"], body["error"]["param"]) == (400, "unsupported_parameter", "response_format")
 
 
 def test_server_error_arrives_as_the_same_status() -> None:

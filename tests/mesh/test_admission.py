@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import msgspec
 import pytest
 from nacl.signing import SigningKey
@@ -19,20 +21,39 @@ from meshllm.errors import (
     WrongSigner,
 )
 from meshllm.identity.ids import node_id
-from meshllm.identity.signing import Signed, decode_signed, sign
+from meshllm.identity.signing import Signed, decode_signed, encode_signed, sign
 from meshllm.mesh.admission import (
+    ADMISSIONS_PER_MEMBER,
+    CHAIN_MAX,
+    GRANT_DOMAIN,
     AdmissionState,
+    AdmitterQuota,
+    Credential,
+    Grant,
     Invite,
     MeshKey,
+    NotAdmitted,
+    credential_invite_id,
     decode_token,
+    encode_credential,
     encode_token,
     inspect_token,
     is_mesh_id,
-    make_membership_proof,
+    joining_credential,
+    make_grant,
     mesh_id_for,
+    with_grant,
 )
 
 NOW = 1_800_000_000.0
+
+
+class Member:
+    """A node key with its credential."""
+
+    def __init__(self, key: SigningKey, credential: bytes) -> None:
+        self.key, self.credential = key, credential
+        self.id = node_id(bytes(key.verify_key))
 
 
 @pytest.fixture
@@ -45,9 +66,31 @@ def state(mesh: MeshKey) -> AdmissionState:
     return AdmissionState(mesh.mesh_id, mesh.public)
 
 
-def joiner(mesh: MeshKey, invite: Signed, at: float = NOW) -> tuple[str, bytes]:
+@pytest.fixture
+def owner(mesh: MeshKey) -> Member:
     key = SigningKey.generate()
-    return node_id(bytes(key.verify_key)), make_membership_proof(key, invite, at)
+    return Member(key, mesh.owner_credential(node_id(bytes(key.verify_key)), NOW))
+
+
+def invite_id(invite: Signed) -> str:
+    return inspect_token(encode_token(invite)).invite_id
+
+
+def applicant(invite: Signed, at: float = NOW) -> Member:
+    """A fresh node holding a joining credential (no grant yet)."""
+    key = SigningKey.generate()
+    return Member(key, joining_credential(key, invite, at))
+
+
+def admitted(state: AdmissionState, admitter: Member, invite: Signed, at: float = NOW,
+             quota_for: str | None = None) -> Member:
+    """A fresh node admitted through ``admitter`` the way the mesh service does it."""
+    node = applicant(invite, at)
+    inv = state.admit(node.id, node.credential, at, quota_for=quota_for)
+    assert inv is not None
+    grant = make_grant(admitter.key, admitter.credential, state.mesh_id, node.id, inv.invite_id, at)
+    node.credential = with_grant(node.credential, grant)
+    return node
 
 
 def test_mesh_id_shape_and_derivation(mesh: MeshKey) -> None:
@@ -65,76 +108,143 @@ def test_mesh_key_round_trips_through_home(tmp_path, mesh: MeshKey) -> None:
     assert MeshKey.load(tmp_path / "empty") is None
 
 
-def test_valid_invite_admits_and_token_round_trips(mesh: MeshKey, state: AdmissionState) -> None:
-    token = encode_token(mesh.invite(NOW, bootstrap=["127.0.0.1:9338"]))
+def test_owner_credential_names_one_node_and_holds_no_invite(mesh: MeshKey, state: AdmissionState,
+                                                             owner: Member) -> None:
+    assert state.verify_member(owner.id, owner.credential, NOW).via == "owner"
+    assert credential_invite_id(owner.credential) is None  # nothing in it a member could reuse
+    stranger = node_id(bytes(SigningKey.generate().verify_key))
+    with pytest.raises(VerificationError, match="another node"):
+        state.verify_member(stranger, owner.credential, NOW)
+    with pytest.raises(WrongSigner):  # another mesh key's owner membership
+        state.verify_member(owner.id, MeshKey.generate().owner_credential(owner.id, NOW), NOW)
+
+
+def test_valid_invite_admits_and_the_grant_outlives_it(mesh: MeshKey, state: AdmissionState, owner: Member) -> None:
+    token = encode_token(mesh.invite(NOW, ttl_s=60, bootstrap=["127.0.0.1:9338"]))
     inv = inspect_token(token)
     assert inv.mesh_id == mesh.mesh_id and inv.bootstrap == ["127.0.0.1:9338"]
-    nid, proof = joiner(mesh, decode_token(token))
-    claimed = state.admit(nid, proof, NOW + 10)
-    assert claimed.node_id == nid and state.uses(inv.invite_id) == 1
-    assert state.verify_member(nid, proof, NOW + 10 * 86400).node_id == nid
+    node = admitted(state, owner, decode_token(token), NOW + 10)
+    assert state.uses(inv.invite_id) == 1
+    assert credential_invite_id(node.credential) == inv.invite_id
+    # A day later the invite is long expired, but the grant made while it was live still holds,
+    # for this member and for any other that checks the gossiped credential.
+    later = AdmissionState(mesh.mesh_id, mesh.public)
+    assert later.verify_member(node.id, node.credential, NOW + 86400).admitters == ()
+    assert state.admit(node.id, node.credential, NOW + 86400) is None  # a member, nothing to grant
 
 
-def test_expired_invite_refused(mesh: MeshKey, state: AdmissionState) -> None:
+def test_expired_invite_refused_and_counts_nothing(mesh: MeshKey, state: AdmissionState, owner: Member) -> None:
     invite = mesh.invite(NOW, ttl_s=60)
-    nid, proof = joiner(mesh, invite)
+    node = applicant(invite)
     with pytest.raises(InviteExpired):
-        state.admit(nid, proof, NOW + 61)
-    assert state.uses(inspect_token(encode_token(invite)).invite_id) == 0
-    state.admit(nid, proof, NOW + 59)
+        state.admit(node.id, node.credential, NOW + 61)
+    assert state.uses(invite_id(invite)) == 0
+    assert state.admit(node.id, node.credential, NOW + 59) is not None
 
 
-def test_member_who_joined_after_expiry_is_refused_later(mesh: MeshKey, state: AdmissionState) -> None:
-    nid, proof = joiner(mesh, mesh.invite(NOW, ttl_s=60), at=NOW + 3600)
-    with pytest.raises(InviteExpired):
-        state.verify_member(nid, proof, NOW + 3600)
+def test_a_credential_without_grant_is_not_a_member(mesh: MeshKey, state: AdmissionState) -> None:
+    node = applicant(mesh.invite(NOW))
+    with pytest.raises(NotAdmitted):
+        state.verify_member(node.id, node.credential, NOW)
 
 
-def test_over_used_invite_refused_but_same_node_may_rejoin(mesh: MeshKey, state: AdmissionState) -> None:
+def test_a_grant_dated_outside_the_invites_life_is_refused(mesh: MeshKey, state: AdmissionState,
+                                                           owner: Member) -> None:
+    invite = mesh.invite(NOW, ttl_s=60)
+    for when in (NOW - 3600, NOW + 3600):  # backdated before the invite, or after it expired
+        node = applicant(invite, when)
+        grant = make_grant(owner.key, owner.credential, mesh.mesh_id, node.id, invite_id(invite), when)
+        with pytest.raises(InviteExpired):
+            state.verify_member(node.id, with_grant(node.credential, grant), NOW + 7200)
+
+
+def test_use_limit_counts_every_use_this_member_knows(mesh: MeshKey, state: AdmissionState, owner: Member) -> None:
     invite = mesh.invite(NOW, max_uses=1)
-    first, first_proof = joiner(mesh, invite)
-    state.admit(first, first_proof, NOW)
-    second, second_proof = joiner(mesh, invite)
+    first = admitted(state, owner, invite)
+    second = applicant(invite)
     with pytest.raises(InviteExhausted):
-        state.admit(second, second_proof, NOW)
-    state.admit(first, first_proof, NOW + 1)
-    inv_id = inspect_token(encode_token(invite)).invite_id
-    assert state.uses(inv_id) == 1
+        state.admit(second.id, second.credential, NOW)
+    assert state.admit(first.id, first.credential, NOW + 1) is None  # the same node may come back
+    assert state.uses(invite_id(invite)) == 1
+    # Another member learns the use from the first node's gossiped credential ...
+    other = AdmissionState(mesh.mesh_id, mesh.public)
+    other.verify_member(first.id, first.credential, NOW)
+    with pytest.raises(InviteExhausted):
+        other.admit(second.id, second.credential, NOW)
+    # ... and refuses a second node's record on the used-up invite, whoever granted it.
+    forged_grant = make_grant(owner.key, owner.credential, mesh.mesh_id, second.id, invite_id(invite), NOW)
+    with pytest.raises(InviteExhausted):
+        other.verify_member(second.id, with_grant(second.credential, forged_grant), NOW)
 
 
-def test_unlimited_invite(mesh: MeshKey, state: AdmissionState) -> None:
+def test_unlimited_invite(mesh: MeshKey, state: AdmissionState, owner: Member) -> None:
     invite = mesh.invite(NOW, max_uses=0)
     for _ in range(5):
-        state.admit(*joiner(mesh, invite), NOW)
+        admitted(state, owner, invite)
+    assert state.uses(invite_id(invite)) == 0  # nothing to count
 
 
 def test_invite_of_another_mesh_refused(state: AdmissionState) -> None:
     other = MeshKey.generate()
-    nid, proof = joiner(other, other.invite(NOW))
+    node = applicant(other.invite(NOW))
     with pytest.raises(WrongMesh):
-        state.admit(nid, proof, NOW)
+        state.admit(node.id, node.credential, NOW)
     with pytest.raises(WrongMesh):
-        state.verify_member(nid, proof, NOW)
+        state.verify_member(node.id, node.credential, NOW)
 
 
-def test_revoked_invite_refused_everywhere(mesh: MeshKey, state: AdmissionState) -> None:
+def test_revoked_invite_refused_everywhere(mesh: MeshKey, state: AdmissionState, owner: Member) -> None:
     invite = mesh.invite(NOW, max_uses=0)
-    nid, proof = joiner(mesh, invite)
-    state.admit(nid, proof, NOW)
-    state.apply_revocation(mesh.revoke("invite", inspect_token(encode_token(invite)).invite_id, NOW))
+    node = admitted(state, owner, invite)
+    state.apply_revocation(mesh.revoke("invite", invite_id(invite), NOW))
+    late = applicant(invite)
     with pytest.raises(InviteRevoked):
-        state.admit(*joiner(mesh, invite), NOW)
+        state.admit(late.id, late.credential, NOW)
     with pytest.raises(InviteRevoked):
-        state.verify_member(nid, proof, NOW)
+        state.verify_member(node.id, node.credential, NOW)
 
 
-def test_revoked_node_refused(mesh: MeshKey, state: AdmissionState) -> None:
-    nid, proof = joiner(mesh, mesh.invite(NOW, max_uses=0))
-    state.apply_revocation(mesh.revoke("node", nid, NOW))
+def test_revoking_a_node_voids_what_it_admitted_and_closes_its_invite(mesh: MeshKey, state: AdmissionState,
+                                                                      owner: Member) -> None:
+    live = mesh.invite(NOW, ttl_s=3600, max_uses=0)
+    expired = mesh.invite(NOW - 7200, ttl_s=60, max_uses=0)
+    bad = admitted(state, owner, live)
+    honest = admitted(state, bad, live)
+    sybil = applicant(expired, NOW - 7190)  # admitted by `bad` with an invite long expired (backdated)
+    grant = make_grant(bad.key, bad.credential, mesh.mesh_id, sybil.id, invite_id(expired), NOW - 7190)
+    sybil.credential = with_grant(sybil.credential, grant)
+    assert state.verify_member(sybil.id, sybil.credential, NOW).admitters == (bad.id,)  # attributable
+    state.apply_revocation(mesh.revoke("node", bad.id, NOW, closes=invite_id(live)))
+    for node in (bad, honest, sybil):
+        with pytest.raises(NodeRevoked):
+            state.verify_member(node.id, node.credential, NOW)
+    # Re-keying does not get the revoked operator back in with the invite it joined with ...
+    rekeyed = applicant(live)
+    with pytest.raises(InviteRevoked, match="closed"):
+        state.admit(rekeyed.id, rekeyed.credential, NOW)
+    # ... and members that joined with that invite through someone else stay.
+    other = admitted(AdmissionState(mesh.mesh_id, mesh.public), owner, live)
+    assert state.verify_member(other.id, other.credential, NOW).via == "grant"
+
+
+def test_a_node_admitted_by_a_revoked_member_may_join_again_with_a_live_invite(
+        mesh: MeshKey, state: AdmissionState, owner: Member) -> None:
+    invite = mesh.invite(NOW, max_uses=0)
+    bad = admitted(state, owner, invite)
+    honest = admitted(state, bad, invite)
+    state.apply_revocation(mesh.revoke("node", bad.id, NOW))
+    assert state.admit(honest.id, honest.credential, NOW) is not None  # to be granted afresh
     with pytest.raises(NodeRevoked):
-        state.admit(nid, proof, NOW)
+        state.admit(bad.id, bad.credential, NOW)
+
+
+def test_revoked_node_refused(mesh: MeshKey, state: AdmissionState, owner: Member) -> None:
+    node = admitted(state, owner, mesh.invite(NOW, max_uses=0))
+    state.apply_revocation(mesh.revoke("node", node.id, NOW))
     with pytest.raises(NodeRevoked):
-        state.verify_member(nid, proof, NOW)
+        state.admit(node.id, node.credential, NOW)
+    with pytest.raises(NodeRevoked):
+        state.verify_member(node.id, node.credential, NOW)
 
 
 def test_revocation_signed_by_another_key_refused(mesh: MeshKey, state: AdmissionState) -> None:
@@ -142,6 +252,85 @@ def test_revocation_signed_by_another_key_refused(mesh: MeshKey, state: Admissio
     with pytest.raises(WrongSigner):
         state.apply_revocation(forged)
     assert not state.revoked_nodes
+
+
+def bad_grants(mesh: MeshKey, owner: Member, node: Member, inv: str) -> dict[str, tuple[bytes, type[Exception]]]:
+    """Grants a forger could try, each with the error it must meet."""
+    stranger = SigningKey.generate()
+    real = make_grant(owner.key, owner.credential, mesh.mesh_id, node.id, inv, NOW)
+    as_owner = Grant(mesh.mesh_id, node.id, inv, NOW, owner.id, owner.credential)
+    other_node = node_id(bytes(SigningKey.generate().verify_key))
+    return {
+        "signed by another key": (encode_signed(sign(stranger, GRANT_DOMAIN, as_owner)), WrongSigner),
+        "tampered": (real[:-1] + bytes([real[-1] ^ 1]), BadSignature),
+        "names another node": (make_grant(owner.key, owner.credential, mesh.mesh_id, other_node, inv, NOW),
+                               VerificationError),
+        "names another invite": (make_grant(owner.key, owner.credential, mesh.mesh_id, node.id, "a" * 16, NOW),
+                                 VerificationError),
+        "admitter with no standing": (make_grant(stranger, b"", mesh.mesh_id, node.id, inv, NOW), DecodeError),
+        "admitter not admitted": (make_grant(stranger, joining_credential(stranger, mesh.invite(NOW), NOW),
+                                             mesh.mesh_id, node.id, inv, NOW), NotAdmitted),
+        "self-admitted": (make_grant(node.key, node.credential, mesh.mesh_id, node.id, inv, NOW), VerificationError),
+        "wrong domain": (encode_signed(sign(owner.key, "membership", as_owner)), WrongDomain),
+        "garbage": (b"\x93\x00\x01", DecodeError),
+        "future": (make_grant(owner.key, owner.credential, mesh.mesh_id, node.id, inv, NOW + 3 * 3600), InviteExpired),
+    }
+
+
+GRANT_CASES = ["signed by another key", "tampered", "names another node", "names another invite",
+               "admitter with no standing", "admitter not admitted", "self-admitted", "wrong domain", "garbage",
+               "future"]
+
+
+@pytest.mark.parametrize("case", GRANT_CASES)
+def test_forged_grants_are_refused_and_change_nothing(mesh: MeshKey, state: AdmissionState, owner: Member,
+                                                      case: str) -> None:
+    invite = mesh.invite(NOW, ttl_s=7200, max_uses=1)
+    node = applicant(invite)
+    grant, error = bad_grants(mesh, owner, node, invite_id(invite))[case]
+    before = copy.deepcopy((state._uses, state._charged))
+    with pytest.raises(error):
+        state.verify_member(node.id, with_grant(node.credential, grant), NOW)
+    assert (state._uses, state._charged) == before
+
+
+def test_a_member_may_admit_only_its_quota(mesh: MeshKey, state: AdmissionState, owner: Member) -> None:
+    invite = mesh.invite(NOW, max_uses=0)
+    member = admitted(state, owner, invite)
+    mine = AdmissionState(mesh.mesh_id, mesh.public)  # the member's own view, as an admitter
+    nodes = [admitted(mine, member, invite, quota_for=member.id) for _ in range(ADMISSIONS_PER_MEMBER)]
+    extra = applicant(invite)
+    with pytest.raises(AdmitterQuota):
+        mine.admit(extra.id, extra.credential, NOW, quota_for=member.id)
+    # Everyone else counts the same: its nodes past the quota are refused, and so are their own.
+    for node in nodes:
+        state.verify_member(node.id, node.credential, NOW)
+    assert state.admitted_by(member.id) == ADMISSIONS_PER_MEMBER
+    grant = make_grant(member.key, member.credential, mesh.mesh_id, extra.id, invite_id(invite), NOW)
+    with pytest.raises(AdmitterQuota):
+        state.verify_member(extra.id, with_grant(extra.credential, grant), NOW)
+    grand = applicant(invite)
+    grant = make_grant(nodes[0].key, nodes[0].credential, mesh.mesh_id, grand.id, invite_id(invite), NOW)
+    with pytest.raises(AdmitterQuota):  # charged to every admitter up the chain
+        state.verify_member(grand.id, with_grant(grand.credential, grant), NOW)
+    state.forget(nodes[0].id)  # one left our table: its slot is free again
+    state.verify_member(extra.id, with_grant(extra.credential, make_grant(
+        member.key, member.credential, mesh.mesh_id, extra.id, invite_id(invite), NOW)), NOW)
+
+
+def test_chains_are_bounded(mesh: MeshKey, state: AdmissionState, owner: Member) -> None:
+    invite = mesh.invite(NOW, max_uses=0)
+    admitter = owner
+    for depth in range(1, CHAIN_MAX + 1):
+        node = applicant(invite)
+        grant = make_grant(admitter.key, admitter.credential, mesh.mesh_id, node.id, invite_id(invite), NOW)
+        node.credential = with_grant(node.credential, grant)
+        if depth < CHAIN_MAX:
+            state.verify_member(node.id, node.credential, NOW)
+        else:
+            with pytest.raises(VerificationError, match="admissions from the owner"):
+                state.verify_member(node.id, node.credential, NOW)
+        admitter = node
 
 
 def test_tampered_token_refused(mesh: MeshKey) -> None:
@@ -171,11 +360,11 @@ def test_wrong_domain_refused(mesh: MeshKey) -> None:
 
 def test_proof_signed_by_another_node_refused(mesh: MeshKey, state: AdmissionState) -> None:
     invite = mesh.invite(NOW)
-    _, proof = joiner(mesh, invite)
+    node = applicant(invite)
     impostor = node_id(bytes(SigningKey.generate().verify_key))
     with pytest.raises(WrongSigner):
-        state.admit(impostor, proof, NOW)
-    assert state.uses(inspect_token(encode_token(invite)).invite_id) == 0
+        state.admit(impostor, node.credential, NOW)
+    assert state.uses(invite_id(invite)) == 0
 
 
 @pytest.mark.parametrize("token", ["", "!!!", "a" * 20000, "bG9s", "ünicode"])
@@ -184,11 +373,23 @@ def test_garbage_tokens_are_decode_errors(token: str) -> None:
         decode_token(token)
 
 
-def test_refusals_are_verification_errors(mesh: MeshKey, state: AdmissionState) -> None:
-    nid, proof = joiner(mesh, mesh.invite(NOW, ttl_s=1))
+def test_refusals_are_verification_or_decode_errors(mesh: MeshKey, state: AdmissionState) -> None:
+    node = applicant(mesh.invite(NOW, ttl_s=1))
     with pytest.raises(VerificationError):
-        state.admit(nid, proof, NOW + 2)
+        state.admit(node.id, node.credential, NOW + 2)
     with pytest.raises(DecodeError):
-        state.admit(nid, b"\x00garbage", NOW)
+        state.admit(node.id, b"\x00garbage", NOW)
+    with pytest.raises(DecodeError):  # an old-style bare proof is no credential
+        state.admit(node.id, decode_credential_proof(node.credential), NOW)
     with pytest.raises(DecodeError):
         decode_signed(b"")
+
+
+def decode_credential_proof(credential: bytes) -> bytes:
+    return msgspec.msgpack.decode(credential, type=Credential).proof
+
+
+def test_credentials_round_trip(mesh: MeshKey) -> None:
+    node = applicant(mesh.invite(NOW))
+    cred = msgspec.msgpack.decode(node.credential, type=Credential)
+    assert encode_credential(cred) == node.credential and cred.grant == b""

@@ -8,7 +8,7 @@ import random
 from sim import SimNet
 
 from meshllm.mesh import view
-from meshllm.mesh.failure import Failed, FailureDetector, Probe, Recovered, Suspected
+from meshllm.mesh.failure import Failed, FailureDetector, Overstep, Probe, Recovered, Suspected
 from meshllm.mesh.messages import Ack, Ping, PingReq
 
 PEERS = ["p1", "p2", "p3", "p4"]
@@ -149,3 +149,20 @@ def test_killed_node_leaves_every_view_within_five_seconds() -> None:
     assert max(removed.values()) - killed_at < 5.0
     for node in net.live():
         assert node.gossip.state.peers[victim].status == "down"
+
+
+def test_probes_beyond_the_rate_are_dropped_and_reported() -> None:
+    fd = detector()
+    out = [fd.receive("p1", Ping(n), 0.0) for n in range(40)]
+    assert out[:20] == [[Probe("p1", Ack(n))] for n in range(20)]  # the burst is answered
+    assert all(o == [Overstep("p1", o[0].reason)] for o in out[20:])  # the rest dropped and reported
+    assert fd.receive("p1", Ping(99), 0.2) == [Probe("p1", Ack(99))]  # the rate refills
+
+
+def test_a_peer_cannot_make_us_ping_others_without_bound() -> None:
+    fd = detector()
+    probes = [p for n in range(12) for p in fd.receive("asker", PingReq(n, f"t{n}"), 0.0)]
+    assert len(probes) == 8  # RELAYS_PER_PEER in flight
+    fd.tick(1.0, [])  # the relays expire
+    assert fd.receive("asker", PingReq(1, "asker"), 1.0) == []  # nor may it ping itself through us
+    assert len(fd.receive("asker", PingReq(2, "t2"), 1.0)) == 1

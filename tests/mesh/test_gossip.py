@@ -11,6 +11,7 @@ from sim import SimNet, make_key, make_record, make_verifier
 from meshllm.errors import BadSignature, InviteRevoked, WrongMesh, WrongSigner
 from meshllm.identity.signing import sign
 from meshllm.mesh import view
+from meshllm.mesh.failure import Overstep
 from meshllm.mesh.gossip import ITEMS_MAX, ITEMS_SLACK, Gossip, Rejected, Send, UnknownReporter
 from meshllm.mesh.messages import Digest, DownNotice, Exchange, Notices, sign_notice
 from meshllm.mesh.records import (
@@ -67,9 +68,13 @@ def test_rejected_records_leave_state_unchanged(raw: bytes, error: type, verifie
     before = g.state
     out = g.receive("sender", Exchange([raw]), now=1.0)
     assert g.state is before
-    (rejected,) = out
+    rejected, *rest = out
     assert isinstance(rejected, Rejected) and isinstance(rejected.error, error)
     assert rejected.source == "sender"
+    # Forgery (bad signature, wrong signer, garbage) is counted against the peer that forwarded it;
+    # a genuine record that our own checks refuse is not (honest peers may disagree on membership).
+    forged = error in (BadSignature, WrongSigner, Exception)
+    assert rest == ([Overstep("sender", rest[0].reason)] if forged else [])
 
 
 def test_stale_records_are_dropped_silently() -> None:
@@ -241,7 +246,7 @@ def test_first_rejected_record_stops_the_message() -> None:
     out = g.receive("x", Exchange([good_b, bytes(bad), bytes(bad), good_c]), now=1.0)
     rejected = [o for o in out if isinstance(o, Rejected)]
     assert len(rejected) == 1 and isinstance(rejected[0].error, BadSignature)
-    assert out[-1] is rejected[0]
+    assert out[-2] is rejected[0] and isinstance(out[-1], Overstep)  # the forwarder gets a strike
     assert any(isinstance(o, view.PeerAdded) for o in out)  # events before the bad record are kept
     assert set(g.members()) == {make_record(B).node_id}  # nothing after it was processed
     assert isinstance(g.own, PeerRecord)

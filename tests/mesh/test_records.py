@@ -20,7 +20,7 @@ from meshllm.errors import (
     WrongMesh,
     WrongSigner,
 )
-from meshllm.identity.signing import sign
+from meshllm.identity.signing import CLOCK_SKEW_S, sign
 from meshllm.mesh.messages import (
     Digest,
     DownNotice,
@@ -32,8 +32,10 @@ from meshllm.mesh.messages import (
 )
 from meshllm.mesh.records import (
     RECORD_MAX,
+    RECORD_MAX_AGE_S,
     SEQ_LIMIT,
     Capacity,
+    ExpiredRecord,
     Models,
     PeerRecord,
     RecordTooLarge,
@@ -194,3 +196,21 @@ def test_decoders_raise_only_typed_errors(data: bytes) -> None:
     ):
         with contextlib.suppress(ERRORS):
             decode(data)
+
+
+def test_a_record_is_accepted_only_while_fresh_by_its_signature() -> None:
+    v = make_verifier()
+    key = make_key(77)
+    assert v.verify(sign_record(key, make_record(key, signed_at=1000.0)), now=1000.0 + RECORD_MAX_AGE_S)
+    for signed_at in (1000.0 - 1, 1000.0 + RECORD_MAX_AGE_S + CLOCK_SKEW_S + 1):
+        with pytest.raises(ExpiredRecord):
+            v.verify(sign_record(key, make_record(key, signed_at=signed_at)), now=1000.0 + RECORD_MAX_AGE_S)
+
+
+@pytest.mark.parametrize("rtt", [float("nan"), float("inf"), -1.0, 1e12])
+def test_rtt_rows_must_be_finite_and_plausible(rtt: float) -> None:
+    key = make_key(78)
+    raw = msgspec.msgpack.encode(sign(key, "peer-record", {**msgspec.structs.asdict(make_record(key)),
+                                                          "rtt": {"x": [rtt, "direct"]}}))
+    with pytest.raises(DecodeError):
+        decode_record(raw)

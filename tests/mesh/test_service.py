@@ -18,7 +18,7 @@ from meshllm.identity.ids import node_id
 from meshllm.identity.keys import NodeKey
 from meshllm.identity.signing import sign
 from meshllm.identity.trust import TrustPolicy, TrustStore
-from meshllm.mesh.admission import MeshKey, encode_token, inspect_token, make_membership_proof
+from meshllm.mesh.admission import MeshKey, encode_token, inspect_token, joining_credential, with_grant
 from meshllm.mesh.membership import Membership, join_mesh, own_mesh
 from meshllm.mesh.messages import Exchange
 from meshllm.mesh.records import PeerRecord, sign_record
@@ -45,6 +45,8 @@ class Harness:
         self.mesh_key: MeshKey = self.owner_membership.mesh_key
         self.owner = self.service(self.owner_key, self.owner_membership, "owner", self.events)
         self.extra: list[MeshService | Endpoint] = []
+        self.grants: dict[str, bytes] = {}
+        """What the owner granted each raw endpoint that joined through it."""
 
     def service(self, key: NodeKey, membership: Membership, name: str,
                 events: list[tuple[str, dict[str, Any]]] | None = None) -> MeshService:
@@ -62,8 +64,9 @@ class Harness:
         return encode_token(self.mesh_key.invite(time.time(), bootstrap=[f"127.0.0.1:{self.owner_addr[1]}"], **kw))
 
     async def raw_endpoint(self, proof: bytes, key: SigningKey | None = None) -> Endpoint:
-        ep = await Endpoint.create(key or SigningKey.generate(), "127.0.0.1", 0,
-                                   admit=lambda *a: None, local_proof=lambda: proof)
+        key = key or SigningKey.generate()
+        ep = await Endpoint.create(key, "127.0.0.1", 0, admit=lambda *a: None, local_proof=lambda: proof,
+                                   take_grant=lambda _peer, grant: self.grants.__setitem__(ep.node_id, grant))
         self.extra.append(ep)
         return ep
 
@@ -100,14 +103,14 @@ def test_refused_joiners_never_get_in(case: str) -> None:
             proof = b"\x93\x01\x02\x03"
         elif case == "expired invite":
             signed = h.mesh_key.invite(time.time() - 7200, ttl_s=3600)
-            proof = make_membership_proof(key, signed, time.time() - 7100)
+            proof = joining_credential(key, signed, time.time() - 7100)
         elif case == "revoked invite":
             token = h.token()
             h.owner.admission.apply_revocation(h.mesh_key.revoke("invite", inspect_token(token).invite_id, time.time()))
             proof = proof_for(key, token)
         elif case == "other mesh":
             other = MeshKey.generate()
-            proof = make_membership_proof(key, other.invite(time.time()), time.time())
+            proof = joining_credential(key, other.invite(time.time()), time.time())
         else:  # a valid proof, but made by another node's key than the one in our TLS certificate
             proof = proof_for(SigningKey.generate(), h.token())
         ep = await h.raw_endpoint(proof, key)
@@ -153,11 +156,13 @@ def test_valid_joiner_is_admitted_and_gossiped() -> None:
     run(body)
 
 
-async def admitted_raw_peer(h: Harness) -> tuple[Any, SigningKey]:
+async def admitted_raw_peer(h: Harness) -> tuple[Any, SigningKey, bytes]:
+    """A raw endpoint admitted by the owner, and its credential completed with the owner's grant."""
     key = SigningKey.generate()
-    ep = await h.raw_endpoint(proof_for(key, h.token()), key)
+    proof = proof_for(key, h.token())
+    ep = await h.raw_endpoint(proof, key)
     conn = await ep.connect(h.owner_addr, timeout=5)
-    return conn, key
+    return conn, key, with_grant(proof, h.grants[ep.node_id])
 
 
 async def send_gossip(conn: Any, message: Any) -> None:
@@ -166,10 +171,10 @@ async def send_gossip(conn: Any, message: Any) -> None:
     stream.close()
 
 
-async def gossip_honest_record(h: Harness, conn: Any, key: SigningKey, name: str) -> PeerRecord:
+async def gossip_honest_record(h: Harness, conn: Any, key: SigningKey, credential: bytes, name: str) -> PeerRecord:
     """Gossip a valid record for ``key`` through ``conn``; return it once the owner has stored it."""
     record = PeerRecord(node_id=node_id(bytes(key.verify_key)), mesh_id=h.mesh_key.mesh_id, seq=10,
-                        membership_proof=proof_for(key, h.token()), name=name)
+                        signed_at=time.time(), membership_proof=credential, name=name)
     await send_gossip(conn, Exchange([sign_record(key, record)]))
     assert h.owner.gossip is not None
     for _ in range(100):
@@ -194,8 +199,8 @@ async def wait_for(h: Harness, kind: str, timeout: float = 3.0) -> dict[str, Any
                                   "another node's record"])
 def test_bad_gossiped_records_are_dropped_and_logged(case: str) -> None:
     async def body(h: Harness) -> None:
-        conn, key = await admitted_raw_peer(h)
-        good = await gossip_honest_record(h, conn, key, "honest")
+        conn, key, credential = await admitted_raw_peer(h)
+        good = await gossip_honest_record(h, conn, key, credential, "honest")
         nid = good.node_id
         assert h.owner.gossip is not None
         if case == "bad signature":
@@ -205,7 +210,7 @@ def test_bad_gossiped_records_are_dropped_and_logged(case: str) -> None:
         elif case == "forged membership proof":
             stranger = SigningKey.generate()
             forged = MeshKey.generate().invite(time.time())
-            fake_proof = make_membership_proof(stranger, forged, time.time())
+            fake_proof = joining_credential(stranger, forged, time.time())
             raw = sign_record(key, msgspec.structs.replace(good, seq=11, name="evil", membership_proof=fake_proof))
         elif case == "stale sequence":
             raw = sign_record(key, msgspec.structs.replace(good, seq=5, name="evil"))
@@ -227,13 +232,13 @@ def test_bad_gossiped_records_are_dropped_and_logged(case: str) -> None:
 
 def test_malformed_frame_resets_that_stream_not_the_connection() -> None:
     async def body(h: Harness) -> None:
-        conn, key = await admitted_raw_peer(h)
+        conn, key, credential = await admitted_raw_peer(h)
         stream = await conn.open_stream(GOSSIP_STREAM)
         await stream.send({"type": "no-such-message", "x": 1})
         with pytest.raises(StreamClosed):
             await stream.recv(dict, timeout=3)
         # The connection and the node still work: an honest record gets through afterwards.
-        await gossip_honest_record(h, conn, key, "after")
+        await gossip_honest_record(h, conn, key, credential, "after")
 
     run(body)
 
@@ -348,3 +353,65 @@ def test_revocations_survive_a_restart(tmp_path: Path) -> None:
             await second.stop(graceful=False)
 
     asyncio.run(main())
+
+
+def test_a_joiner_through_a_member_carries_that_members_grant() -> None:
+    async def body(h: Harness) -> None:
+        member, member_key = await joined(h, "member")
+        key = NodeKey.ephemeral()
+        membership = join_mesh(key.signing_key, h.token(), time.time())
+        membership.bootstrap = list(member.listen_addrs())
+        joiner = h.service(key, membership, "joiner")
+        h.extra.append(joiner)
+        await joiner.start()
+        standing = h.owner.admission.standing(key.node_id, joiner.membership.proof, time.time())
+        assert standing.admitters == (member_key.node_id,)  # attributable to the member
+        assert h.owner.gossip is not None
+        await until(lambda: key.node_id in h.owner.gossip.members())  # type: ignore[union-attr]
+        # Revoking the member voids its grants: the joiner leaves every view with it.
+        h.owner.revoke("node", member_key.node_id)
+        await until(lambda: key.node_id not in h.owner.gossip.members())  # type: ignore[union-attr]
+        assert h.owner.gossip.state.peers[key.node_id].status == "revoked"
+
+    run(body)
+
+
+def test_revoking_a_node_closes_the_invite_it_joined_with() -> None:
+    async def body(h: Harness) -> None:
+        token = h.token()
+        key = NodeKey.ephemeral()
+        victim = h.service(key, join_mesh(key.signing_key, token, time.time()), "victim")
+        h.extra.append(victim)
+        await victim.start()
+        assert h.owner.gossip is not None
+        await until(lambda: key.node_id in h.owner.gossip.members())  # type: ignore[union-attr]
+        rev = h.owner.revoke("node", key.node_id)
+        assert rev.closes == inspect_token(token).invite_id
+        fresh = SigningKey.generate()
+        ep = await h.raw_endpoint(proof_for(fresh, token), fresh)
+        with pytest.raises(AdmissionRefused, match="closed"):
+            await ep.connect(h.owner_addr, timeout=5)
+
+    run(body)
+
+
+def test_a_member_comes_back_after_its_invite_expired_with_its_saved_credential(tmp_path: Path) -> None:
+    async def body(h: Harness) -> None:
+        token = h.token(ttl_s=1.5)
+        key = NodeKey.ephemeral()
+        first = h.service(key, join_mesh(key.signing_key, token, time.time(), home=tmp_path), "member")
+        await first.start()
+        await first.stop(graceful=True)
+        await asyncio.sleep(2.0)  # the invite is gone now
+        again = h.service(key, join_mesh(key.signing_key, token, time.time(), home=tmp_path), "member")
+        h.extra.append(again)
+        await again.start()  # admitted: its credential carries the owner's grant
+        assert h.owner.gossip is not None
+        await until(lambda: key.node_id in h.owner.gossip.members())  # type: ignore[union-attr]
+        stranger = NodeKey.ephemeral()
+        late = h.service(stranger, join_mesh(stranger.signing_key, token, time.time(), home=tmp_path / "x"), "late")
+        with pytest.raises(AdmissionRefused, match="expired"):
+            await late.start()
+        await late.stop(graceful=False)
+
+    run(body)

@@ -102,3 +102,17 @@ def test_large_mesh_keeps_connections_bounded_and_still_converges() -> None:
     for node in net.nodes.values():
         if node.id != changer.node_id:
             assert node.gossip.state.peers[changer.node_id].record.load.in_flight == 9
+
+
+def test_silence_counts_from_the_signature_of_a_replayed_record() -> None:
+    """A record arriving long after it was signed is as old as its signature, not as its arrival."""
+    state = view.apply(view.empty("me"), stored(1, 500.0, signed_at=400.0))
+    assert view.members(view.apply(state, view.Expire(525.0, stale_after=120.0, forget_after=300.0))) == {}
+    fresh = view.apply(view.empty("me"), stored(1, 500.0, signed_at=500.0))
+    assert B_ID in view.members(view.apply(fresh, view.Expire(525.0, stale_after=120.0, forget_after=300.0)))
+
+
+def test_a_notice_naming_a_later_sequence_than_ours_changes_nothing() -> None:
+    state = view.apply(view.empty("me"), stored(5, 1.0))
+    assert view.apply(state, view.MarkDown(B_ID, 6, b"notice", 2.0)) is state
+    assert view.apply(state, view.MarkDown(B_ID, 2**62 - 1, b"notice", 2.0)) is state

@@ -17,6 +17,14 @@ def test_delays_grow_exponentially_up_to_the_cap_without_jitter() -> None:
     assert b.next_delay() == 0.1
 
 
+def test_a_peer_that_always_fails_cannot_overflow_the_delay() -> None:
+    """The failure count is attacker-driven: 2.0 ** 1024 overflows a float (it did, before)."""
+    b = Backoff(initial=0.1, factor=2, maximum=5.0, jitter=0)
+    for _ in range(5000):
+        delay = b.next_delay()
+    assert delay == 5.0
+
+
 def test_jitter_stays_within_its_band() -> None:
     b = Backoff(initial=1.0, factor=1, maximum=1.0, jitter=0.5, rng=random.Random(7))
     delays = [b.next_delay() for _ in range(200)]

@@ -95,7 +95,7 @@ def test_slow_reader_bounds_the_senders_queue() -> None:
         await asyncio.sleep(0.3)  # the writer runs into the reader's window and stalls
         assert not task.done()
         assert sent <= window + budget + 2 * size
-        inbound = b.peers[a.node_id]._streams[stream.id]._buffered()
+        inbound = b.peers[a.node_id]._streams[stream.id].buffered
         assert inbound <= window + size + HEADER.size + 16  # the window plus at most one partial frame
         reading.set()
         await asyncio.wait_for(task, 10)
@@ -208,7 +208,7 @@ def test_frame_larger_than_the_stream_window_arrives() -> None:
 
         task = asyncio.create_task(writer())
         await asyncio.sleep(0.5)  # nobody reads yet: the sender is still bounded
-        inbound = b.peers[a.node_id]._streams[stream.id]._buffered()
+        inbound = b.peers[a.node_id]._streams[stream.id].buffered
         assert inbound <= max_frame + window
         assert inbound < 4 * big
         reading.set()

@@ -7,7 +7,7 @@ event loop only moves tokens. Requests take turns on one lock (a stage computes 
 a consumer that stops iterating cancels its request before the next token.
 
 It honours token-id prompts and a request's ``continuation`` (prefilled with the prompt and fed
-silently through the text core). Grammars and logprobs are refused with :class:`Unsupported` (a 400
+silently through the text core). Grammars and logprobs are refused by :func:`check_supported` (a 400
 naming the field) rather than ignored.
 """
 
@@ -24,6 +24,7 @@ import msgspec
 import numpy as np
 
 from meshllm.engine.base import (
+    TOKEN_PROMPTS,
     Engine,
     EngineBusy,
     EngineNotLoaded,
@@ -33,6 +34,7 @@ from meshllm.engine.base import (
     TextDelta,
     TokenRate,
     Unsupported,
+    check_supported,
     context_cap,
 )
 from meshllm.engine.ggml.errors import StageInputError
@@ -43,17 +45,8 @@ from meshllm.engine.tokenizer import Tokenizer
 from meshllm.models.metadata import read_metadata
 from meshllm.models.refs import ModelRef
 
-SUPPORTS = frozenset({"token_prompts"})
+SUPPORTS = frozenset({TOKEN_PROMPTS})
 """Optional request features the ggml runtime's engines honour (the engine contract's capability names)."""
-
-
-def refuse_unsupported(request: GenerationRequest, model_id: str) -> None:
-    """Raise :class:`Unsupported` for fields the ggml runtime cannot honour yet (grammar, logprobs)."""
-    if request.params.grammar is not None:
-        raise Unsupported(f"model {model_id} (ggml runtime) cannot constrain sampling with a grammar",
-                          param="response_format")
-    if request.params.logprobs is not None:
-        raise Unsupported(f"model {model_id} (ggml runtime) cannot report logprobs", param="logprobs")
 
 
 def replay(text: TextStream, request: GenerationRequest, vocab: int) -> list[int]:
@@ -146,7 +139,7 @@ class GgmlEngine(Engine):
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         """Wait for a turn, then stream ``request``'s text and one :class:`Finish`."""
         self._require()
-        refuse_unsupported(request, self.model_id)
+        check_supported(self, request)
         if self._queued >= self.max_queue:
             raise EngineBusy(f"model {self.model_id} has {self._queued} requests queued (limit {self.max_queue})")
         self._queued += 1

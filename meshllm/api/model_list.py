@@ -1,0 +1,35 @@
+"""``/v1/models``: every model the mesh serves, with the nodes serving it."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from meshllm.api.backend import Backend
+from meshllm.api.errors import UnknownModel
+from meshllm.api.generation import ERROR_RESPONSES
+from meshllm.api.schemas import ModelList, ModelOut
+
+
+def router(backend: Backend) -> APIRouter:
+    """The model listing routes over ``backend``."""
+    routes = APIRouter(prefix="/v1", tags=["openai"], responses=ERROR_RESPONSES)
+
+    def model_list() -> list[ModelOut]:
+        return [ModelOut(id=m.id, created=m.created, nodes=list(m.nodes), node_names=list(m.node_names),
+                         context_length=m.context_length)
+                for m in backend.models()]
+
+    @routes.get("/models", response_model=ModelList)
+    async def list_models() -> ModelList:
+        """Every model some node of the mesh serves, with the nodes serving it."""
+        return ModelList(data=model_list())
+
+    @routes.get("/models/{model_id:path}", response_model=ModelOut)
+    async def get_model(model_id: str) -> ModelOut:
+        """One model, or 404."""
+        for entry in model_list():
+            if entry.id == model_id:
+                return entry
+        raise UnknownModel(f"model {model_id!r} is not served by this mesh")
+
+    return routes

@@ -1,0 +1,163 @@
+"""Gossip against a hostile member (sans-IO): notices that cannot be weaponised, bounded answers."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from sim import check_trust, make_key, make_record, make_verifier
+
+from meshllm.errors import DecodeError, InviteRevoked
+from meshllm.mesh.failure import Overstep
+from meshllm.mesh.gossip import (
+    ACCUSER_BAN_S,
+    NOTICE_BURST,
+    PULL_BURST,
+    REFUTED_TO_BAN,
+    WANT_MAX,
+    AccuserBanned,
+    Gossip,
+    Rejected,
+    Send,
+)
+from meshllm.mesh.messages import (
+    IDS_MAX,
+    Digest,
+    DownNotice,
+    Exchange,
+    Notices,
+    decode_message,
+    encode_message,
+    sign_notice,
+)
+from meshllm.mesh.records import SEQ_LIMIT, RecordVerifier, sign_record
+from meshllm.mesh.view import PeerRemoved
+
+A, B, C, D = make_key(30), make_key(31), make_key(32), make_key(33)
+NOW = 1000.0
+
+
+def nid(key) -> str:  # type: ignore[no-untyped-def]
+    return make_record(key).node_id
+
+
+def record(key, seq: int, at: float = NOW) -> bytes:  # type: ignore[no-untyped-def]
+    return sign_record(key, make_record(key, seq=seq, signed_at=at))
+
+
+def mesh(verifier: RecordVerifier | None = None) -> Gossip:
+    """A's gossip holding B, C and D alive at seq 5; connected to C only."""
+    g = Gossip(A, make_record(A), verifier or make_verifier(), random.Random(0), now=NOW)
+    g.receive(nid(C), Exchange([record(B, 5), record(C, 5), record(D, 5)]), now=NOW)
+    g.peer_connected(nid(C))
+    return g
+
+
+def notice(subject, seq: int, reporter=C, ts: float = NOW) -> bytes:  # type: ignore[no-untyped-def]
+    return sign_notice(reporter, DownNotice(nid(subject), seq, nid(reporter), ts))
+
+
+def status(g: Gossip, key) -> str:  # type: ignore[no-untyped-def]
+    return g.state.peers[nid(key)].status
+
+
+def test_a_notice_counts_only_for_the_sequence_we_hold() -> None:
+    g = mesh()
+    for seq in (SEQ_LIMIT - 1, 6, 4):  # beyond anything the subject can outrank, newer, older
+        assert g.receive(nid(C), Notices([notice(B, seq)]), NOW) == []
+        assert status(g, B) == "alive"
+    g.receive(nid(C), Notices([notice(B, 5)]), NOW)
+    assert status(g, B) == "down"
+    g.receive(nid(C), Exchange([record(B, 6, NOW + 1)]), NOW + 1)  # B speaks again: one higher is enough
+    assert status(g, B) == "alive"
+
+
+def test_expired_and_future_notices_are_ignored() -> None:
+    g = mesh()
+    for ts in (NOW - 121, NOW + 61):
+        assert g.receive(nid(C), Notices([notice(B, 5, ts=ts)]), NOW) == []
+        assert status(g, B) == "alive"
+
+
+def test_no_notice_outweighs_our_own_live_connection() -> None:
+    g = mesh()
+    g.peer_connected(nid(B))
+    assert g.receive(nid(C), Notices([notice(B, 5)]), NOW) == []  # not applied, not spread
+    assert status(g, B) == "alive"
+    g.peer_disconnected(nid(B))
+    out = g.receive(nid(C), Notices([notice(B, 5)]), NOW)
+    assert status(g, B) == "down" and PeerRemoved(nid(B), "down") in out  # now it counts
+
+
+def test_an_accuser_refuted_too_often_may_not_accuse_for_a_while() -> None:
+    g = mesh()
+    g.peer_connected(nid(B))
+    outs = [g.receive(nid(C), Notices([notice(B, 5, ts=NOW + i * 0.1)]), NOW + i) for i in range(REFUTED_TO_BAN)]
+    assert outs[-1] == [AccuserBanned(nid(C))]
+    # Banned: even a notice that would otherwise count (about D, to which we have no connection) is ignored.
+    assert g.receive(nid(C), Notices([notice(D, 5, ts=NOW + 5)]), NOW + 5) == []
+    assert status(g, D) == "alive"
+    later = NOW + ACCUSER_BAN_S + 10
+    g.receive(nid(C), Exchange([record(C, 6, later), record(D, 6, later)]), later)
+    g.receive(nid(C), Notices([notice(D, 6, ts=later)]), later)
+    assert status(g, D) == "down"  # the ban ran out
+
+
+def test_a_subject_that_comes_back_refutes_its_accuser() -> None:
+    g = mesh()
+    for i in range(REFUTED_TO_BAN):
+        seq = 5 + i
+        t = NOW + 10 * i
+        out = g.receive(nid(C), Notices([notice(B, seq, ts=t)]), t)
+        assert status(g, B) == "down"
+        out = g.receive(nid(D), Exchange([record(B, seq + 1, t + 1)]), t + 1)  # B was alive after all
+        assert status(g, B) == "alive"
+    assert AccuserBanned(nid(C)) in out
+
+
+def test_notices_are_rate_limited_per_accuser() -> None:
+    g = mesh()
+    raws = [sign_notice(C, DownNotice(nid(make_key(100 + i)), 1, nid(C), NOW)) for i in range(40)]
+    outs = [g.receive(nid(C), Notices([raw]), NOW) for raw in raws]
+    assert all(o == [] for o in outs[: int(NOTICE_BURST)])  # unknown subjects: accepted, nothing to do
+    assert all(isinstance(o[0], Overstep) for o in outs[int(NOTICE_BURST):])
+
+
+def test_digests_are_answered_at_a_bounded_rate() -> None:
+    g = mesh()
+    outs = [g.receive(nid(C), Digest({}), NOW) for _ in range(20)]
+    answered = [o for o in outs if o and isinstance(o[0], Send)]
+    assert len(answered) == int(PULL_BURST)
+    assert all(o == [Overstep(nid(C), o[0].reason)] for o in outs[int(PULL_BURST):])
+    assert g.receive(nid(C), Digest({}), NOW + 1.0)  # refilled
+
+
+def test_a_digest_of_fake_ids_costs_one_bounded_want_list() -> None:
+    g = mesh()
+    fakes = {nid(make_key(1000 + i)): 7 for i in range(WANT_MAX * 3)}
+    (reply,) = [o for o in g.receive(nid(C), Digest(fakes), NOW) if isinstance(o, Send)]
+    assert isinstance(reply.message, Exchange) and len(reply.message.want) == WANT_MAX
+
+
+def test_a_refused_record_is_reported_once_and_not_asked_for_again() -> None:
+    e = make_key(34)
+
+    def refuse_e(node: str, proof: bytes, now: float) -> None:
+        if node == nid(e):
+            raise InviteRevoked("no")
+
+    g = mesh(RecordVerifier("simmesh", refuse_e, check_trust))
+    (rejected,) = g.receive(nid(C), Exchange([record(e, 9)]), NOW)
+    assert isinstance(rejected, Rejected)
+    assert g.receive(nid(C), Exchange([record(e, 10)]), NOW + 1) == []  # quiet from then on
+    (reply,) = g.receive(nid(C), Digest({nid(e): 11}), NOW + 2)
+    assert nid(e) not in reply.message.want  # type: ignore[union-attr]
+
+
+def test_digests_and_want_lists_naming_too_many_ids_do_not_decode() -> None:
+    fakes = {f"id{i}": 1 for i in range(IDS_MAX + 1)}
+    with pytest.raises(DecodeError):
+        decode_message(encode_message(Digest(fakes)))
+    with pytest.raises(DecodeError):
+        decode_message(encode_message(Exchange([], want=list(fakes))))
+    assert decode_message(encode_message(Digest(dict(list(fakes.items())[:IDS_MAX]))))

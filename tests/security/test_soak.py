@@ -1,0 +1,232 @@
+"""Soak: a hostile member runs every mesh and transport attack for 60 s while A serves 8 chats.
+
+A (the owner) serves a tiny model; B is a member that routes chats to it. The attacker holds one
+real invite (the one A printed) and, for the whole run, keeps: flooding digests it never reads
+the answers to, opening stage lanes with unfinished 31 MiB frames, dripping gossip streams, forging
+down notices about A and B, pushing fake node ids, and sending garbage QUIC Initials. Whenever A cools
+one identity down it joins again under a fresh key (the invite is unlimited, as a mesh's printed
+invite is). Meanwhile 8 chat loops (4 on A, 4 routed through B) must all succeed, A's RSS must stay
+within 100 MB of its baseline, B must never be marked down, and a new node must still be able to join.
+
+The HTTP-edge attacks join this soak once they exist (issue 18, part B).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import statistics
+import threading
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from attacker import (
+    Attacker,
+    InitialFlood,
+    drip,
+    flood_digests,
+    forge_notices,
+    rss_mb,
+    unfinished_lane_frames,
+)
+from conftest import sees
+from nodes import NodeProcess, running_nodes, wait_until
+from tinymodels import write_tiny_llama
+
+from meshllm.errors import MeshllmError
+from meshllm.mesh.messages import Exchange
+from meshllm.mesh.service import GOSSIP_STREAM
+from meshllm.net import PeerConnection
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+SOAK_S = 60.0
+CHATS = 8
+RSS_BUDGET_MB = 100.0
+MODEL = "tiny"
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+
+
+def serving(node: NodeProcess) -> bool:
+    data = httpx.get(f"{node.api}/v1/models", timeout=5).json()["data"]
+    return any(m["id"] == MODEL for m in data)
+
+
+class Chats:
+    """CHATS loops of short chat completions, half on A and half routed through B, in threads."""
+
+    def __init__(self, a: NodeProcess, b: NodeProcess) -> None:
+        self.apis = [a.api if i % 2 == 0 else b.api for i in range(CHATS)]
+        self.latencies: list[float] = []
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._loop, args=(api,), daemon=True) for api in self.apis]
+
+    def _loop(self, api: str) -> None:
+        client = openai.OpenAI(base_url=f"{api}/v1", api_key="unused", max_retries=0, timeout=30)
+        while not self._stop.is_set():
+            start = time.monotonic()
+            try:
+                reply = client.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8)
+                assert reply.choices[0].message is not None
+                self.latencies.append(time.monotonic() - start)
+            except Exception as exc:
+                self.failures.append(f"{api}: {type(exc).__name__}: {exc}")
+
+    def __enter__(self) -> Chats:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(60)
+
+
+class Watch:
+    """Samples A's RSS and how A and B see each other, in a thread."""
+
+    def __init__(self, a: NodeProcess, b: NodeProcess) -> None:
+        self.a, self.b = a, b
+        self.rss: list[float] = []
+        self.b_at_a: list[str] = []
+        self.a_at_b: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _state(self, node: NodeProcess, other: str) -> str:
+        try:
+            peers = node.status(timeout=10)["peers"]
+        except httpx.HTTPError as exc:
+            return f"unanswered ({type(exc).__name__})"
+        return next((p["state"] for p in peers if p["node_id"] == other), "missing")
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.5):
+            self.rss.append(rss_mb(self.a.proc.pid))
+            self.b_at_a.append(self._state(self.a, self.b.node_id))
+            self.a_at_b.append(self._state(self.b, self.a.node_id))
+
+    def __enter__(self) -> Watch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+async def attack_as(mallory: Attacker, conn: PeerConnection, a: NodeProcess, b: NodeProcess, until: float,
+                    counts: dict[str, int]) -> None:
+    """Every attack at once from one identity, until ``until`` or until A cuts it off."""
+
+    async def lanes() -> None:
+        counts["lane_streams"] += len(await unfinished_lane_frames(conn))
+
+    async def drips() -> None:
+        while time.monotonic() < until and conn.close_reason is None:
+            streams = [await conn.open_stream(GOSSIP_STREAM) for _ in range(2)]
+            await asyncio.gather(*(drip(s, 10.0) for s in streams))
+            counts["drips"] += len(streams)
+
+    async def sybils() -> None:
+        token = a.ready["invite"]
+        records = await asyncio.to_thread(lambda: [mallory.forge_member(token, f"fake{i}") for i in range(200)])
+        for i in range(0, len(records), 16):
+            await mallory.send_gossip(conn, Exchange(records[i:i + 16]))
+        counts["fake_ids"] += len(records)
+
+    async def guarded(attack: Coroutine[Any, Any, None]) -> None:
+        with contextlib.suppress(MeshllmError):  # cut off mid-attack: the next identity carries on
+            await attack
+
+    attacks = [flood_digests(mallory, conn, until), lanes(), drips(), sybils(),
+               forge_notices(mallory, [(a.mesh_addr, b.node_id), (b.mesh_addr, a.node_id)], until)]
+    tasks = [asyncio.create_task(guarded(attack)) for attack in attacks]
+    while time.monotonic() < until and conn.close_reason is None:
+        await asyncio.sleep(0.2)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def campaign(a: NodeProcess, b: NodeProcess, until: float) -> dict[str, int]:
+    """Identity after identity (each joining with the invite A printed) attacks until ``until``."""
+    counts = {"identities": 0, "fake_ids": 0, "lane_streams": 0, "drips": 0}
+    while time.monotonic() < until:
+        mallory = Attacker(a.ready["invite"], name=f"mallory{counts['identities']}", padding=56 * 1024, window=2048)
+        try:
+            await mallory.start()
+            conn = await mallory.connect(a.mesh_addr, timeout=5.0)
+        except MeshllmError:
+            await mallory.stop()
+            await asyncio.sleep(0.5)
+            continue
+        counts["identities"] += 1
+        await attack_as(mallory, conn, a, b, min(until, time.monotonic() + 20.0), counts)
+        await mallory.stop()
+    return counts
+
+
+def test_a_hostile_member_for_sixty_seconds(tmp_path: Path) -> None:
+    gguf = write_tiny_llama(tmp_path / f"{MODEL}.gguf", seed=0)
+    with running_nodes() as nodes:
+        a = NodeProcess(tmp_path / "a", ["--model", str(gguf)], "a")
+        nodes.append(a)
+        token = a.wait_ready()["invite"]
+        b = NodeProcess(tmp_path / "b", ["--client", "--join", token], "b")
+        nodes.append(b)
+        b.wait_ready()
+        wait_until(lambda: serving(b), 15.0)
+        with Chats(a, b) as warmup:
+            time.sleep(5.0)
+        assert not warmup.failures, warmup.failures
+        baseline = rss_mb(a.proc.pid)
+
+        joined: list[float] = []
+        with Watch(a, b) as watch, Chats(a, b) as chats, InitialFlood(a.mesh_addr, 1000.0) as flood:
+            until = time.monotonic() + SOAK_S
+            result: dict[str, dict[str, int]] = {}
+            attacker = threading.Thread(target=lambda: result.setdefault("counts", asyncio.run(campaign(a, b, until))))
+            attacker.start()
+            time.sleep(SOAK_S / 2)
+            newcomer = NodeProcess(tmp_path / "c", ["--client", "--join", token], "c")
+            nodes.append(newcomer)
+            start = time.monotonic()
+            newcomer.wait_ready(30.0)
+            wait_until(lambda: sees(a, newcomer.node_id), 15.0)
+            joined.append(time.monotonic() - start)
+            attacker.join(SOAK_S + 60)
+        cooled = sum(1 for e in a.events if e["type"] == "peer_cooled")
+        cooled_honest = [e for n in (a, b) for e in n.events
+                         if e["type"] == "peer_cooled" and e["node_id"] in (a.node_id, b.node_id)]
+
+    peak = max(watch.rss)
+    summary = {
+        "soak_s": SOAK_S, "chats": len(chats.latencies), "chat_failures": len(chats.failures),
+        "quiet_chat_latency_median_s": round(statistics.median(warmup.latencies), 3),
+        "chat_latency_median_s": round(statistics.median(chats.latencies), 3) if chats.latencies else None,
+        "chat_latency_max_s": round(max(chats.latencies), 3) if chats.latencies else None,
+        "rss_baseline_mb": round(baseline, 1), "rss_peak_mb": round(peak, 1),
+        "rss_growth_mb": round(peak - baseline, 1), "initials_sent": flood.sent,
+        "b_not_alive_at_a": sum(1 for s in watch.b_at_a if s not in ("alive",)),
+        "a_not_alive_at_b": sum(1 for s in watch.a_at_b if s not in ("alive",)),
+        "samples": len(watch.b_at_a), "newcomer_join_s": round(joined[0], 2) if joined else None,
+        "cooled_down": cooled, "honest_cooled_down": len(cooled_honest), **result.get("counts", {}),
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "soak.json").write_text(json.dumps(summary, indent=2))
+    print("\n" + "\n".join(f"{k:>24}: {v}" for k, v in summary.items()))
+    assert not chats.failures, sorted(set(f[:300] for f in chats.failures))[:8]
+    assert peak - baseline < RSS_BUDGET_MB, f"A grew {peak - baseline:.0f} MB"
+    assert summary["b_not_alive_at_a"] == 0, watch.b_at_a
+    assert joined, "a new node could not join"
+    assert not cooled_honest, cooled_honest
