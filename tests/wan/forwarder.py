@@ -1,8 +1,9 @@
 """The forwarding process of the WAN emulator: sockets, timers and the links, on one event loop.
 
-It runs alone in its own process (started by :class:`~wan.emulator.WanEmulator`) because timing is its whole job: in a process that also runs a
-test or a benchmark, any Python thread holding the GIL delays forwarding by up to the interpreter's
-5 ms switch interval (measured: p90 round trip 0.07 ms alone, 60 ms beside one busy thread).
+It runs alone in its own process (started by :class:`~wan.emulator.WanEmulator`) because timing is
+its whole job: in a process that also runs a test or a benchmark, any Python thread holding the GIL
+delays forwarding by up to the interpreter's 5 ms switch interval (measured: p90 round trip 0.07 ms
+alone, 60 ms beside one busy thread).
 
 Each emulated node has a *front* socket that stands for it (peers dial it) and, per source that
 writes to the front, a *flow* socket connected to the node's real port, so the node's replies come
