@@ -35,7 +35,7 @@ from meshllm.net import NetError, PeerEvent, PeerEventKind
 from meshllm.split import codec
 from meshllm.split.errors import StageFailed
 from meshllm.split.frames import MAX_DRAFT, Decode, Error, Hop, Open, Prefill, Sampling, Step, Stop, Tokens, Verify
-from meshllm.split.lanes import PROBE_TIMEOUT, Lane
+from meshllm.split.lanes import Lane, probe_timeout
 from meshllm.split.stage import StageServer, forward_positions
 from meshllm.wire.addr import parse_addr
 
@@ -363,8 +363,9 @@ class _Run:
     async def _ping(self, index: int) -> int | None:
         hop = self.c.chain[index]
         try:
-            lane = await asyncio.wait_for(self.c.server.pool.get(hop.node_id, hop.addr), PROBE_TIMEOUT)
-            pong = await lane.probe(PROBE_TIMEOUT, session=self.session)
+            timeout = probe_timeout(self.c.server.endpoint, hop.node_id)
+            lane = await asyncio.wait_for(self.c.server.pool.get(hop.node_id, hop.addr), 2 * timeout)
+            pong = await lane.probe(timeout, session=self.session)
         except (NetError, TimeoutError):
             return None
         return None if pong is None else pong.pos

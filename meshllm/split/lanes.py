@@ -42,7 +42,18 @@ from meshllm.wire.addr import parse_addr
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT = 0.25
-"""A lane that does not answer a Ping this fast is not reused."""
+"""A lane that does not answer a Ping this much later than its round trip is not reused."""
+
+
+def probe_timeout(endpoint: Endpoint, node_id: str) -> float:
+    """How long a Ping to ``node_id`` may take: :data:`PROBE_TIMEOUT` on top of its measured RTT.
+
+    A fixed 250 ms would fail every probe of a peer 250 ms away (another continent) and replace its
+    lane on every reuse; the slack on top of the RTT is what detects a stage that stopped answering.
+    """
+    peer = endpoint.peers.get(node_id)
+    rtt_ms = peer.rtt_ms if peer is not None else None
+    return PROBE_TIMEOUT + (rtt_ms or 0.0) / 1000.0
 MAX_ACTIVATION_BYTES = 16 * 1024 * 1024
 """Largest activation payload a lane accepts; larger frames get a ``too-large`` Error."""
 
@@ -252,7 +263,8 @@ class LanePool:
         """A live lane to ``node_id`` (dialing ``host:port`` if needed); :class:`NetError` if unreachable."""
         async with self._locks.setdefault(node_id, asyncio.Lock()):
             lane = self._lanes.get(node_id)
-            if lane is not None and lane.closed is None and await lane.probe() is not None:
+            if lane is not None and lane.closed is None and \
+                    await lane.probe(probe_timeout(self.endpoint, node_id)) is not None:
                 return lane
             if lane is not None:
                 lane.close("probe failed before reuse")
