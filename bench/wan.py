@@ -193,6 +193,11 @@ class Mesh:
                 return entry["speculation"]
         return None
 
+    def wait_serving(self, timeout: float = 120.0) -> None:
+        """Until the model serves again (a failed stage makes the coordinator replan its chain)."""
+        if self.stages > 1:
+            wait_until(lambda: self.owner.status()["splits"][0]["state"] == "ready", timeout, interval=0.5)
+
     def failures(self) -> list[dict[str, Any]]:
         """Events of the mesh's nodes that explain a failed request."""
         kinds = {"split_stage_failed", "request_failed", "peer_suspect", "peer_down", "split_waiting"}
@@ -214,12 +219,17 @@ def run_modes(wan: WanEmulator, tmp: Path, model: Path, args: argparse.Namespace
             stream_completion(mesh.entry.api, mesh.model, prompt, 8)  # warm-up: lanes, graphs, caches
         rtt_idle = {mode: mesh.settled_rtt_ms() for mode, mesh in meshes.items()}
         samples: dict[str, list[Sample]] = {mode: [] for mode in meshes}
+        failed: dict[str, list[str]] = {mode: [] for mode in meshes}
         for _ in range(args.runs):
             for mode, mesh in meshes.items():
                 try:
                     samples[mode].append(stream_completion(mesh.entry.api, mesh.model, prompt, args.tokens))
-                except (RuntimeError, httpx.HTTPError) as exc:
-                    raise RuntimeError(f"{mode}: {exc}; the chain said: {mesh.failures()}") from exc
+                except (RuntimeError, httpx.HTTPError) as exc:  # recorded, and the run goes on once replanned
+                    failed[mode].append(f"{exc}; events: {mesh.failures()}")
+                    print(f"{mode}: a request failed: {failed[mode][-1]}", file=sys.stderr, flush=True)
+                    mesh.wait_serving()
+        if not all(samples.values()):
+            raise RuntimeError(f"every request of a mode failed: {failed}")
         out = {}
         for mode, mesh in meshes.items():
             runs = samples[mode]
@@ -233,6 +243,7 @@ def run_modes(wan: WanEmulator, tmp: Path, model: Path, args: argparse.Namespace
                 "rtt_ms_after": mesh.rtt_ms(),
                 "predicted": mesh.predicted_ms(),  # with the stage speeds the runs measured
                 "speculation": mesh.speculation(),
+                "failed_runs": failed[mode],
             }
         return out
     finally:
