@@ -193,10 +193,15 @@ class Mesh:
                 return entry["speculation"]
         return None
 
-    def wait_serving(self, timeout: float = 120.0) -> None:
-        """Until the model serves again (a failed stage makes the coordinator replan its chain)."""
+    def wait_serving(self, timeout: float = 60.0) -> None:
+        """Until the model serves again on a chain of the configured length (a failed stage makes the
+        coordinator replan, on fewer stages while the failed node is kept out)."""
+        def serving() -> bool:
+            (split,) = self.owner.status()["splits"]
+            return split["state"] == "ready" and len(split["stages"]) == self.stages
+
         if self.stages > 1:
-            wait_until(lambda: self.owner.status()["splits"][0]["state"] == "ready", timeout, interval=0.5)
+            wait_until(serving, timeout, interval=0.5)
 
     def failures(self) -> list[dict[str, Any]]:
         """Events of the mesh's nodes that explain a failed request."""
@@ -418,7 +423,14 @@ def main() -> None:
                     for stages in (1, 2, 3)]
     results = []
     for config in configs:
-        result = run_config(argparse.Namespace(**config), model)
+        try:
+            result = run_config(argparse.Namespace(**config), model)
+        except (RuntimeError, AssertionError) as exc:
+            if not args.matrix:
+                raise
+            print(f"configuration {config['stages']} stages, {config['rtt']} ms, {config['prompt']} failed: {exc}",
+                  file=sys.stderr, flush=True)
+            continue
         results.append(result)
         print(table([result]).splitlines()[-1], flush=True)
         out.write_text(json.dumps({"date": stamp, "results": results} if args.matrix else {"date": stamp, **result},
