@@ -1,18 +1,24 @@
-"""Sustained load: concurrent streaming clients over a small mesh, counting every request's fate.
+"""Many users at once: one node with ``--parallel 1`` against one with ``--parallel 8``, side by side.
 
-Three real nodes: two serve the model, one is a ``--client`` that routes everything over QUIC.
-``--clients`` streaming clients (spread evenly over the three APIs) each send requests back to
-back for ``--duration`` seconds. Every request ends as exactly one of:
+``slots`` (the default): two real nodes (``meshllm serve``), one per ``--parallel`` value, serve the
+same model on the same machine; for each number of concurrent streams (1, 2, 4, 8) each node gets,
+in turn, ``streams`` streaming chat clients that send ``--requests`` requests each, back to back.
+Reported per (slots, streams): aggregate tokens/s (completion tokens over the wall time of the
+round), time to first token p50/p99, and the ratio of the two nodes' aggregates. Rounds alternate
+between the nodes so a noisy moment on this shared host hits both alike.
 
-* ``completed``: the stream ended with a finish chunk and ``[DONE]``;
-* ``failed``: an HTTP error status or an error event in the stream (a clean, reported failure);
-* ``lost``: no clean end within the request deadline, or the connection dropped silently (must be 0).
+``mesh``: the sustained mesh test: 32 streaming clients over three nodes (two serve, one
+``--client`` routes) for ``--duration`` seconds; every request ends ``completed``, ``failed`` (a
+clean error, e.g. a 429 when saturated) or ``lost`` (no clean end: must be 0).
 
-Reported: counts, p50/p99 request latency, tokens/s over the mesh, peak RSS of each node.
-The tiny test model is the default here: on a 2-core host the bundled model would measure the CPU,
-not the serving path (``--model default`` runs it anyway).
+``steps``: what one llama.cpp call costs by its rows (1, 2, 4, 8 sequences decoding one token each,
+and a 64-token prefill chunk), with the engine's ``exact`` and ``fast`` kernels, each in processes
+of its own (ggml reads its kernel switch once per process), alternating; medians. It explains the
+ceiling of batching on a CPU: a lone row is bandwidth-bound, a batch compute-bound.
 
-    .venv/bin/python bench/load.py [--clients 32] [--duration 60] [--max-tokens 32] [--model tiny|default]
+    .venv/bin/python bench/load.py [--model default|tiny] [--streams 1,2,4,8] [--parallel 1,8] [--requests 3]
+    .venv/bin/python bench/load.py --mode mesh [--clients 32] [--duration 60] [--model tiny]
+    .venv/bin/python bench/load.py --mode steps [--runs 4]
 """
 
 from __future__ import annotations
@@ -23,10 +29,12 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -36,39 +44,120 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from nodes import NodeProcess, running_nodes, wait_until
 from tinymodels import write_tiny_llama
 
-REQUEST_DEADLINE_S = 60.0
+REQUEST_DEADLINE_S = 300.0
 
 
-async def one_request(http: httpx.AsyncClient, api: str, model: str, max_tokens: int, i: int) -> tuple[str, float, int]:
-    """(outcome, seconds, completion tokens) of one streamed chat request."""
+@dataclass
+class Outcome:
+    """One streamed request."""
+
+    status: str
+    """``completed``, ``failed`` (an error status or error event) or ``lost`` (no clean end)."""
+    seconds: float
+    ttft_s: float | None
+    tokens: int
+
+
+async def one_request(http: httpx.AsyncClient, api: str, model: str, max_tokens: int, i: int) -> Outcome:
+    """A streamed chat request with a prompt of its own (no prompt-cache reuse between requests)."""
     body = {"model": model, "messages": [{"role": "user", "content": f"Tell me story number {i}."}],
-            "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}, "user": f"u{i}"}
+            "max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+            "user": f"u{i}"}
     start = time.monotonic()
-    tokens, finished, done = 0, False, False
+    tokens, first, finished, done = 0, None, False, False
     try:
         async with asyncio.timeout(REQUEST_DEADLINE_S):
             async with http.stream("POST", f"{api}/v1/chat/completions", json=body) as response:
                 if response.status_code != 200:
                     await response.aread()
-                    return "failed", time.monotonic() - start, 0
+                    return Outcome("failed", time.monotonic() - start, None, 0)
                 async for line in response.aiter_lines():
                     if line == "data: [DONE]":
                         done = True
                     elif line.startswith("data: "):
                         chunk = json.loads(line[6:])
                         if "error" in chunk:
-                            return "failed", time.monotonic() - start, 0
+                            return Outcome("failed", time.monotonic() - start, first, 0)
                         if chunk.get("usage"):
                             tokens = chunk["usage"]["completion_tokens"]
-                        elif chunk["choices"] and chunk["choices"][0]["finish_reason"]:
-                            finished = True
+                        elif chunk["choices"]:
+                            choice = chunk["choices"][0]
+                            if first is None and choice["delta"].get("content"):
+                                first = time.monotonic() - start
+                            finished = finished or bool(choice["finish_reason"])
     except (TimeoutError, httpx.HTTPError):
-        return "lost", time.monotonic() - start, 0
-    return ("completed" if finished and done else "lost"), time.monotonic() - start, tokens
+        return Outcome("lost", time.monotonic() - start, first, 0)
+    return Outcome("completed" if finished and done else "lost", time.monotonic() - start, first, tokens)
 
 
-async def client_loop(api: str, model: str, max_tokens: int, until: float, seed: int,
-                      results: list[tuple[str, float, int]]) -> None:
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q))] if ordered else 0.0
+
+
+# ---- slots: --parallel 1 vs --parallel 8 ----------------------------------------------------
+
+async def round_of(api: str, model: str, streams: int, requests: int, max_tokens: int, base: int
+                   ) -> tuple[float, list[Outcome]]:
+    """``streams`` clients, ``requests`` each back to back; (wall seconds, outcomes)."""
+    async def client(s: int) -> list[Outcome]:
+        async with httpx.AsyncClient(timeout=REQUEST_DEADLINE_S, trust_env=False) as http:
+            return [await one_request(http, api, model, max_tokens, base + s * 1000 + r) for r in range(requests)]
+
+    started = time.monotonic()
+    results = await asyncio.gather(*(client(s) for s in range(streams)))
+    return time.monotonic() - started, [o for per in results for o in per]
+
+
+def bench_slots(args: argparse.Namespace, spec: str, model: str, tmp: Path) -> dict[str, object]:
+    rows: list[dict[str, object]] = []
+    with running_nodes() as nodes:
+        servers = {}
+        for parallel in args.parallel:
+            node = NodeProcess(tmp / f"p{parallel}", ["--model", spec, "--parallel", str(parallel),
+                                                      "--threads", str(args.threads)], f"p{parallel}")
+            nodes.append(node)
+            servers[parallel] = node
+        for node in servers.values():
+            node.wait_ready(120)
+            asyncio.run(round_of(node.api, model, 1, 1, 4, 999_000))  # warm up
+        base = 0
+        for streams in args.streams:
+            for parallel, node in servers.items():
+                base += 100_000
+                wall, outcomes = asyncio.run(round_of(node.api, model, streams, args.requests, args.max_tokens, base))
+                ok = [o for o in outcomes if o.status == "completed"]
+                ttfts = [o.ttft_s for o in ok if o.ttft_s is not None]
+                row = {"parallel": parallel, "streams": streams, "requests": len(outcomes),
+                       "completed": len(ok), "failed": sum(o.status == "failed" for o in outcomes),
+                       "lost": sum(o.status == "lost" for o in outcomes), "wall_s": round(wall, 2),
+                       "tokens": sum(o.tokens for o in ok), "tok_s": round(sum(o.tokens for o in ok) / wall, 2),
+                       "ttft_p50_s": round(statistics.median(ttfts), 3) if ttfts else None,
+                       "ttft_p99_s": round(percentile(ttfts, 0.99), 3) if ttfts else None}
+                rows.append(row)
+                print(f"  parallel {parallel} streams {streams}: {row['tok_s']} tok/s, TTFT p50 {row['ttft_p50_s']} s "
+                      f"p99 {row['ttft_p99_s']} s ({row['completed']}/{row['requests']} completed)", flush=True)
+    lo, hi = min(args.parallel), max(args.parallel)
+    print(f"\n{model}: {args.requests} requests per stream, max_tokens {args.max_tokens}, greedy, "
+          f"--threads {args.threads}")
+    print(f"{'streams':>7} | " + " | ".join(f"{'p' + str(p) + ' tok/s':>11} {'TTFT p50':>8} {'p99':>6}"
+                                            for p in args.parallel) + f" | {f'p{hi}/p{lo}':>8}")
+    by = {(r["parallel"], r["streams"]): r for r in rows}
+    ratios = {}
+    for streams in args.streams:
+        cells = []
+        for p in args.parallel:
+            r = by[(p, streams)]
+            cells.append(f"{r['tok_s']:>11} {r['ttft_p50_s']!s:>8} {r['ttft_p99_s']!s:>6}")
+        ratio = float(by[(hi, streams)]["tok_s"]) / max(float(by[(lo, streams)]["tok_s"]), 1e-9)  # type: ignore[arg-type]
+        ratios[streams] = round(ratio, 2)
+        print(f"{streams:>7} | " + " | ".join(cells) + f" | {ratio:>7.2f}x")
+    return {"rows": rows, "ratio_tok_s": ratios}
+
+
+# ---- mesh: sustained load over three nodes --------------------------------------------------
+
+async def client_loop(api: str, model: str, max_tokens: int, until: float, seed: int, results: list[Outcome]) -> None:
     async with httpx.AsyncClient(timeout=REQUEST_DEADLINE_S, trust_env=False) as http:
         i = seed
         while time.monotonic() < until:
@@ -84,32 +173,22 @@ def peak_rss_mb(pid: int) -> float:
     return 0.0
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--clients", type=int, default=32)
-    parser.add_argument("--duration", type=float, default=60.0)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--model", choices=["tiny", "default"], default="tiny")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "load.json")
-    args = parser.parse_args()
-
-    with tempfile.TemporaryDirectory() as tmp, running_nodes() as nodes:
-        spec = str(write_tiny_llama(Path(tmp) / "tiny.gguf", seed=0)) if args.model == "tiny" else "default"
-        model = "tiny" if args.model == "tiny" else "gemma-3-270m-q4_k_m"
-        s0 = NodeProcess(Path(tmp) / "s0", ["--model", spec], "s0")
+def bench_mesh(args: argparse.Namespace, spec: str, model: str, tmp: Path) -> dict[str, object]:
+    with running_nodes() as nodes:
+        s0 = NodeProcess(tmp / "s0", ["--model", spec], "s0")
         nodes.append(s0)
-        token = s0.wait_ready()["invite"]
-        nodes.append(NodeProcess(Path(tmp) / "s1", ["--model", spec, "--join", token], "s1"))
-        nodes.append(NodeProcess(Path(tmp) / "c", ["--client", "--join", token], "c"))
+        token = s0.wait_ready(120)["invite"]
+        nodes.append(NodeProcess(tmp / "s1", ["--model", spec, "--join", token], "s1"))
+        nodes.append(NodeProcess(tmp / "c", ["--client", "--join", token], "c"))
         for node in nodes:
-            node.wait_ready()
+            node.wait_ready(120)
         wait_until(lambda: len(httpx.get(f"{nodes[2].api}/v1/models").json()["data"][0]["nodes"]) == 2
                    if httpx.get(f"{nodes[2].api}/v1/models").json()["data"] else False, 15)
-        results: list[tuple[str, float, int]] = []
+        results: list[Outcome] = []
         started = time.monotonic()
-        until = started + args.duration
 
         async def run() -> None:
+            until = started + args.duration
             await asyncio.gather(*(client_loop(nodes[i % 3].api, model, args.max_tokens, until, i, results)
                                    for i in range(args.clients)))
 
@@ -117,27 +196,106 @@ def main() -> None:
         elapsed = time.monotonic() - started
         rss = {n.name: round(peak_rss_mb(n.proc.pid), 1) for n in nodes}
         counters = {n.name: n.status()["requests"] for n in nodes}
-
-    outcomes = Counter(r[0] for r in results)
-    latencies = sorted(r[1] for r in results if r[0] == "completed")
-    tokens = sum(r[2] for r in results)
-    p50 = statistics.median(latencies) if latencies else 0.0
-    p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] if latencies else 0.0
+    outcomes = Counter(r.status for r in results)
+    latencies = [r.seconds for r in results if r.status == "completed"]
+    ttfts = [r.ttft_s for r in results if r.status == "completed" and r.ttft_s is not None]
     summary = {"completed": outcomes["completed"], "failed": outcomes["failed"], "lost": outcomes["lost"],
-               "p50_s": round(p50, 3), "p99_s": round(p99, 3), "tok_s": round(tokens / elapsed, 1),
-               "req_s": round(len(results) / elapsed, 2), "peak_rss_mb": rss, "node_counters": counters}
+               "p50_s": round(statistics.median(latencies), 3) if latencies else 0.0,
+               "p99_s": round(percentile(latencies, 0.99), 3), "ttft_p50_s": round(statistics.median(ttfts), 3)
+               if ttfts else 0.0, "ttft_p99_s": round(percentile(ttfts, 0.99), 3),
+               "tok_s": round(sum(r.tokens for r in results) / elapsed, 1), "req_s": round(len(results) / elapsed, 2),
+               "peak_rss_mb": rss, "node_counters": counters, "duration_s": round(elapsed, 1)}
     print(f"{args.clients} streaming clients over 3 nodes (2 serve {model}, 1 routes), {elapsed:.0f} s, "
           f"max_tokens {args.max_tokens}")
-    header = ("completed", "failed", "lost", "p50 s", "p99 s", "req/s", "tok/s")
-    print(" ".join(f"{h:>{w}}" for h, w in zip(header, (9, 6, 4, 6, 6, 6, 6), strict=True)) + "  peak RSS MiB")
-    print(f"{summary['completed']:9d} {summary['failed']:6d} {summary['lost']:4d} {p50:6.2f} {p99:6.2f} "
-          f"{summary['req_s']:6.2f} {summary['tok_s']:6.1f}  " + ", ".join(f"{k} {v}" for k, v in rss.items()))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "bench": "load", "when": datetime.now(UTC).isoformat(timespec="seconds"), "host": platform.node(),
-        "cpus": os.cpu_count(), "model": model, "clients": args.clients, "duration_s": round(elapsed, 1),
-        "max_tokens": args.max_tokens, "results": summary}, indent=2))
-    print(f"wrote {args.out}")
+    print(json.dumps({k: v for k, v in summary.items() if k != "node_counters"}))
+    return summary
+
+
+# ---- steps: the cost of one call by its rows ------------------------------------------------
+
+STEP_ROWS = (1, 2, 4, 8)
+
+
+def steps_child(path: str, kernels: str, threads: int) -> dict[str, float]:
+    """(In a process of its own.) Median milliseconds per decode call of 1/2/4/8 rows and per 64-token chunk."""
+    from meshllm.engine.llama_native import NativeContext, NativeModel, use_row_exact_kernels
+
+    if kernels == "exact":
+        use_row_exact_kernels()
+    model = NativeModel(Path(path), repack=kernels == "fast")
+    ctx = NativeContext(model, n_seq=9, n_ctx_seq=1024, n_batch=65, threads=threads)
+    for seq in range(8):
+        ctx.decode([100 + i for i in range(20)], list(range(20)), [seq] * 20, [False] * 19 + [True])
+    out: dict[str, float] = {}
+    for rows in STEP_ROWS:
+        times = []
+        for _ in range(15):
+            started = time.perf_counter()
+            ctx.decode([200] * rows, [ctx.length(s) for s in range(rows)], list(range(rows)), [True] * rows)
+            times.append(time.perf_counter() - started)
+        out[f"decode_{rows}_ms"] = statistics.median(times) * 1000
+    times = []
+    for _ in range(5):
+        ctx.trim(8, 0)
+        started = time.perf_counter()
+        ctx.decode([300 + i for i in range(64)], list(range(64)), [8] * 64, [False] * 63 + [True])
+        times.append(time.perf_counter() - started)
+    out["prefill_64_ms"] = statistics.median(times) * 1000
+    return out
+
+
+def bench_steps(args: argparse.Namespace, spec: str, model: str, tmp: Path) -> dict[str, object]:
+    from meshllm.models import resolve_model
+
+    path = spec if args.model == "tiny" else str(resolve_model("default", progress=False).path)
+    runs: dict[str, list[dict[str, float]]] = {"exact": [], "fast": []}
+    for _ in range(args.runs):
+        for kernels in runs:
+            done = subprocess.run([sys.executable, __file__, "--mode", "steps-child", "--kernels", kernels,
+                                   "--path", path, "--threads", str(args.threads)],
+                                  capture_output=True, text=True, timeout=300, check=True)
+            runs[kernels].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    medians = {k: {m: round(statistics.median(r[m] for r in v), 1) for m in v[0]} for k, v in runs.items()}
+    print(f"{model}: ms per llama.cpp call, --threads {args.threads}, medians of {args.runs} processes each")
+    keys = list(medians["exact"])
+    print(f"{'kernels':8} " + " ".join(f"{k:>14}" for k in keys) + f" {'8 rows vs 8 x 1':>16}")
+    for kernels, row in medians.items():
+        ratio = 8 * row["decode_1_ms"] / row["decode_8_ms"]
+        print(f"{kernels:8} " + " ".join(f"{row[k]:14.1f}" for k in keys) + f" {ratio:15.2f}x")
+    return {"medians": medians, "runs": runs}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mode", choices=["slots", "mesh", "steps", "steps-child"], default="slots")
+    parser.add_argument("--model", choices=["tiny", "default"], default="default")
+    parser.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8])
+    parser.add_argument("--parallel", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
+    parser.add_argument("--requests", type=int, default=3, help="slots: requests per stream")
+    parser.add_argument("--threads", type=int, default=1, help="slots: llama.cpp threads per node")
+    parser.add_argument("--clients", type=int, default=32, help="mesh: streaming clients")
+    parser.add_argument("--duration", type=float, default=60.0, help="mesh: seconds")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=4, help="steps: processes per kernel choice")
+    parser.add_argument("--kernels", choices=["exact", "fast"], default="exact", help=argparse.SUPPRESS)
+    parser.add_argument("--path", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if args.mode == "steps-child":
+        print(json.dumps(steps_child(args.path, args.kernels, args.threads)))
+        return
+    out = args.out or Path(__file__).parent / "results" / f"load-{args.mode}.json"
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = str(write_tiny_llama(Path(tmp) / "tiny.gguf", seed=0)) if args.model == "tiny" else "default"
+        model = "tiny" if args.model == "tiny" else "gemma-3-270m-q4_k_m"
+        run = {"slots": bench_slots, "mesh": bench_mesh, "steps": bench_steps}[args.mode]
+        result = run(args, spec, model, Path(tmp))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "bench": f"load-{args.mode}", "when": datetime.now(UTC).isoformat(timespec="seconds"),
+        "host": platform.node(), "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "model": model,
+        "args": {k: v for k, v in vars(args).items() if k != "out"}, "results": result}, indent=2, default=str))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

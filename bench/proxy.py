@@ -8,12 +8,15 @@ shared and noisy, so a slow moment hits all three alike):
 * ``routed``: the same request to node B (``--client``), which sends it to A over QUIC.
 
 Reported per path: median time to first token and median decode speed (tokens after the first
-over the time after the first), and each as a ratio to ``direct``.
+over the time after the first), each as a ratio to ``direct``, and the median of the per-prompt
+TTFT differences to ``direct`` (paired: the three paths run the same prompt back to back).
 
 Two things keep the comparison fair on one small host. Every run's prompt starts with a tag of its
-own, so no path finds its prompt in llama.cpp's prefix cache from an earlier run. And llama.cpp
-runs one thread on every path (``--threads 1``): with both cores busy in llama.cpp, the routing
-node and the client (which on a real mesh run on other machines) would steal its cycles.
+own, so no path finds its prompt in a prefix cache from an earlier run (and llama-cpp-python is
+reset before each run, since it reuses even a few shared leading tokens). And llama.cpp
+runs one thread on every path, for prefill as for decode (``--threads 1``; llama-cpp-python's own
+default is every core for prefill): with both cores busy in llama.cpp, the routing node and the
+client (which on a real mesh run on other machines) would steal its cycles.
 
     .venv/bin/python bench/proxy.py [--prompts 4] [--rounds 2] [--max-tokens 64] [--out PATH]
 """
@@ -51,7 +54,12 @@ PROMPTS = [
 
 
 def direct_run(llm: Any, prompt: str, max_tokens: int) -> tuple[float, float, int]:
-    """(time to first token, decode tok/s, tokens) for llama-cpp-python called directly."""
+    """(time to first token, decode tok/s, tokens) for llama-cpp-python called directly.
+
+    ``reset()`` first: llama-cpp-python keeps any common prefix of the previous prompt, even the 3-4
+    tokens of "Note d" that the tags share, and would prefill less than the other paths.
+    """
+    llm.reset()
     start = time.perf_counter()
     first = last = 0.0
     n = 0
@@ -63,14 +71,15 @@ def direct_run(llm: Any, prompt: str, max_tokens: int) -> tuple[float, float, in
     return first - start, (n - 1) / (last - first) if n > 1 else 0.0, n
 
 
-def api_run(api: str, model: str, prompt: str, max_tokens: int) -> tuple[float, float, int]:
-    """The same over a node's API (SSE), tokens counted by the server's usage."""
+def api_run(http: httpx.Client, api: str, model: str, prompt: str, max_tokens: int) -> tuple[float, float, int]:
+    """The same over a node's API (SSE, on a kept-alive connection as an OpenAI client's), tokens counted
+    by the server's usage."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     first = last = 0.0
     tokens = 0
-    with httpx.stream("POST", f"{api}/v1/completions", json=body, timeout=120) as response:
+    with http.stream("POST", f"{api}/v1/completions", json=body, timeout=120) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -95,9 +104,9 @@ def main() -> None:
     from llama_cpp import Llama
 
     ref = resolve_model("default", progress=False)
-    llm = Llama(model_path=str(ref.path), n_ctx=4096, n_threads=THREADS, verbose=False)
+    llm = Llama(model_path=str(ref.path), n_ctx=4096, n_threads=THREADS, n_threads_batch=THREADS, verbose=False)
     samples: dict[str, list[tuple[float, float, int]]] = {"direct": [], "local": [], "routed": []}
-    with tempfile.TemporaryDirectory() as tmp, running_nodes() as nodes:
+    with tempfile.TemporaryDirectory() as tmp, running_nodes() as nodes, httpx.Client(trust_env=False) as http:
         a = NodeProcess(Path(tmp) / "a", ["--threads", str(THREADS)], "a")
         nodes.append(a)
         token = a.wait_ready()["invite"]
@@ -105,29 +114,34 @@ def main() -> None:
         nodes.append(b)
         b.wait_ready()
         wait_until(lambda: bool(httpx.get(f"{b.api}/v1/models").json()["data"]), 15)
-        api_run(a.api, ref.model_id, "warm up", 4)
-        api_run(b.api, ref.model_id, "warm up", 4)
+        api_run(http, a.api, ref.model_id, "warm up", 4)
+        api_run(http, b.api, ref.model_id, "warm up", 4)
         direct_run(llm, "warm up", 4)
         for rnd in range(args.rounds):
             for i, prompt in enumerate(PROMPTS[: args.prompts]):
                 samples["direct"].append(direct_run(llm, f"Note d{rnd}{i}. {prompt}", args.max_tokens))
-                samples["local"].append(api_run(a.api, ref.model_id, f"Note l{rnd}{i}. {prompt}", args.max_tokens))
-                samples["routed"].append(api_run(b.api, ref.model_id, f"Note r{rnd}{i}. {prompt}", args.max_tokens))
+                samples["local"].append(api_run(http, a.api, ref.model_id, f"Note l{rnd}{i}. {prompt}",
+                                                args.max_tokens))
+                samples["routed"].append(api_run(http, b.api, ref.model_id, f"Note r{rnd}{i}. {prompt}",
+                                                 args.max_tokens))
 
     rows = {}
     for path, runs in samples.items():
         rows[path] = {"ttft_ms": statistics.median(r[0] for r in runs) * 1000,
                       "decode_tok_s": statistics.median(r[1] for r in runs),
                       "tokens": statistics.median(r[2] for r in runs), "runs": len(runs)}
-    for row in rows.values():
+    for path, row in rows.items():
         row["decode_ratio"] = row["decode_tok_s"] / rows["direct"]["decode_tok_s"]
         row["ttft_ratio"] = row["ttft_ms"] / rows["direct"]["ttft_ms"]
+        row["ttft_minus_direct_ms"] = statistics.median(
+            (mine[0] - direct[0]) * 1000 for mine, direct in zip(samples[path], samples["direct"], strict=True))
     print(f"default model {ref.model_id}, {args.max_tokens} tokens max, greedy, "
-          f"{args.prompts} prompts x {args.rounds} rounds, medians")
-    print(f"{'path':8} {'TTFT ms':>9} {'decode tok/s':>13} {'decode vs direct':>17} {'TTFT vs direct':>15}")
+          f"{args.prompts} prompts x {args.rounds} rounds, medians; load average {os.getloadavg()[0]:.2f}")
+    print(f"{'path':8} {'TTFT ms':>9} {'- direct ms':>12} {'decode tok/s':>13} {'decode vs direct':>17} "
+          f"{'TTFT vs direct':>15}")
     for path, row in rows.items():
-        print(f"{path:8} {row['ttft_ms']:9.1f} {row['decode_tok_s']:13.1f} {row['decode_ratio']:17.3f} "
-              f"{row['ttft_ratio']:15.2f}")
+        print(f"{path:8} {row['ttft_ms']:9.1f} {row['ttft_minus_direct_ms']:12.1f} {row['decode_tok_s']:13.1f} "
+              f"{row['decode_ratio']:17.3f} {row['ttft_ratio']:15.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "bench": "proxy", "when": datetime.now(UTC).isoformat(timespec="seconds"), "host": platform.node(),

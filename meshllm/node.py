@@ -45,6 +45,7 @@ from meshllm.config import (
 from meshllm.discovery.listing import LISTING_TTL_S
 from meshllm.discovery.publisher import NodeDiscovery, facts_from_records
 from meshllm.discovery.routes import discovery_router
+from meshllm.engine.base import DEFAULT_MAX_TOKENS
 from meshllm.engine.capacity import compute_devices, measure_capacity
 from meshllm.engine.speculate import SpeculateMode
 from meshllm.errors import ConfigError, DecodeError
@@ -90,6 +91,12 @@ class NodeOptions:
     """CPU threads per model and per stage (None: the machine's cores, up to 8)."""
     gpu_layers: int | None = None
     """Layers put on the accelerator, for whole models and stages (None: all that fit; -1: all)."""
+    parallel: int | None = None
+    """llama.cpp slots per model: requests generated at once in one batch (None: sized from memory)."""
+    max_tokens_default: int = DEFAULT_MAX_TOKENS
+    """Tokens generated for a request that sets no ``max_tokens``."""
+    kernels: Literal["exact", "fast"] = "exact"
+    """llama.cpp kernels: row-exact (answers independent of batching) or fast."""
     relay: Literal["on", "off", "auto"] = "auto"
     """Relay for members behind NATs: always, never, or when peers find us reachable (auto)."""
     split: SplitOptions = field(default_factory=SplitOptions)
@@ -177,7 +184,9 @@ class Node:
         await self._start_api()
         self.events.publish("mesh_ready", mesh_id=self.membership.mesh_id, mesh_addr=self.mesh_addr)
         whole = await self.splits.prepare(opts.models if opts.role == "host" else [])
-        await self.serving.load_models(whole, engine=opts.engine, threads=opts.threads, gpu_layers=opts.gpu_layers)
+        await self.serving.load_models(whole, engine=opts.engine, threads=opts.threads, gpu_layers=opts.gpu_layers,
+                                       parallel=opts.parallel, max_tokens_default=opts.max_tokens_default,
+                                       kernels=opts.kernels)
         await self.splits.start()
         self.invite = self._ready_invite()
         await self.discovery.start()
@@ -305,7 +314,8 @@ class Node:
                 "models": [_model_json(m) for m in rec.models.served],
                 "capacity": {"ram_bytes": rec.capacity.ram_bytes, "vram_bytes": rec.capacity.vram_bytes,
                              "cpu_cores": rec.capacity.cpu_cores, "gflops": rec.capacity.gflops},
-                "load": {"in_flight": rec.load.in_flight, "queue": rec.load.queue, "tok_s": rec.load.tok_s},
+                "load": {"in_flight": rec.load.in_flight, "queue": rec.load.queue, "tok_s": rec.load.tok_s,
+                         "slots": rec.load.slots, "free_slots": rec.load.free_slots},
                 "addr": (rec.addresses.listen or [""])[0], "seq": rec.seq,
             })
         own = gossip.own
@@ -357,7 +367,9 @@ def _fit_to_descriptors(edge: EdgeLimits) -> EdgeLimits:
 def _bind_api_socket(host: str, port: int) -> socket.socket:
     """Bind the API's listening socket ourselves, so a busy port is a clear error, not uvicorn's exit."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named explicitly: asyncio sets TCP_NODELAY only on sockets that say so, and without it
+    # Nagle's algorithm held a response's second write for the client's delayed ACK (~40 ms a request)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

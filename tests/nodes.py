@@ -158,3 +158,8 @@ def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 
             return time.monotonic() - start
         time.sleep(interval)
     raise AssertionError(f"condition not met within {timeout} s")
+
+
+def sees(node: NodeProcess, other_id: str, states: tuple[str, ...] = ("alive", "suspect")) -> bool:
+    """Whether ``node`` lists ``other_id`` in one of ``states``."""
+    return any(p["node_id"] == other_id and p["state"] in states for p in node.status()["peers"])

@@ -9,6 +9,7 @@ exceptions are logged here and answered with a plain 500.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -17,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from meshllm.engine.base import BadChat, EngineBusy, EngineNotLoaded, PromptTooLong, Unsupported
+from meshllm.engine.base import BadChat, EngineBusy, EngineNotLoaded, InvalidRequest, PromptTooLong, Unsupported
 from meshllm.errors import MeshllmError
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,23 @@ class NoCapacity(ApiError):
     hint = "retry later, or add nodes serving this model"
 
 
+class Saturated(ApiError):
+    """Every slot that could serve the request is taken and its wait would be too long, or its client
+    already holds its share of the queue: 429 with ``Retry-After`` (OpenAI clients retry it)."""
+
+    status, type, code = 429, "rate_limit_error", "rate_limit_exceeded"
+    hint = "retry after the number of seconds in the Retry-After header"
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """``Retry-After`` in whole seconds (at least 1)."""
+        return {"retry-after": str(max(1, math.ceil(self.retry_after_s)))}
+
+
 class UpstreamError(ApiError):
     """The peer serving the request failed after accepting it."""
 
@@ -104,6 +122,7 @@ _ENGINE_ERRORS: tuple[tuple[type[MeshllmError], int, str, str], ...] = (
     (PromptTooLong, 400, "invalid_request_error", "context_length_exceeded"),
     (BadChat, 400, "invalid_request_error", "invalid_messages"),
     (Unsupported, 400, "invalid_request_error", "unsupported_parameter"),
+    (InvalidRequest, 400, "invalid_request_error", "invalid_request"),
     (EngineBusy, 503, "server_error", "no_capacity"),
     (EngineNotLoaded, 503, "server_error", "model_not_loaded"),
 )
@@ -136,7 +155,7 @@ def error_for(exc: BaseException) -> tuple[int, dict[str, Any]]:
 
 
 def error_response(exc: BaseException) -> JSONResponse:
-    """A JSONResponse for ``exc``."""
+    """A JSONResponse for ``exc`` (with the headers it names, e.g. ``Retry-After``)."""
     status, body = error_for(exc)
     return JSONResponse(body, status_code=status, headers=getattr(exc, "headers", None))
 

@@ -24,12 +24,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from meshllm.api.backend import Backend
 from meshllm.api.errors import ApiError, UpstreamError
-from meshllm.api.limits import Admission
+from meshllm.api.limits import Admission, client_key
 from meshllm.api.schemas import ErrorResponse
 from meshllm.api.tools import CallOut, ParsedCall, TextOut, ToolSpec
 from meshllm.engine.base import Finish, GenerationEvent, GenerationRequest, TextDelta, TokenLogprob, Usage
@@ -42,6 +43,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     404: {**_ERROR, "description": "Unknown model"},
     413: {**_ERROR, "description": "Request body too large"},
     422: {**_ERROR, "description": "A field is missing or has the wrong type or range"},
+    429: {**_ERROR, "description": "Saturated: no place for this request now; retry after the Retry-After seconds"},
     502: {**_ERROR, "description": "The serving node failed"},
     503: {**_ERROR, "description": "No capacity: all slots or queues are full"},
     504: {**_ERROR, "description": "The serving node did not answer in time"},
@@ -94,8 +96,12 @@ class Generation:
 
 
 async def start(backend: Backend, admission: Admission, request: GenerationRequest) -> Generation:
-    """Take an admission slot, open the backend's stream and wait for its first event (errors raise here)."""
-    await admission.acquire()  # the backend raises UnknownModel (404), NoCapacity (503), ... itself
+    """Take an admission slot, open the backend's stream and wait for its first event (errors raise here).
+
+    The slot is taken fairly for ``request.client`` (429 when saturated); the backend raises
+    UnknownModel (404), NoCapacity (503), ... itself.
+    """
+    await admission.acquire(request.client)
     events: AsyncIterator[GenerationEvent] | None = None
     try:
         events = backend.generate(request)
@@ -118,8 +124,10 @@ async def start_all(backend: Backend, admission: Admission, requests: Sequence[G
     """Start every request (the choices of one API request) concurrently; if one fails, stop the others.
 
     A client that disconnects while they start (a queued request can wait long for its first
-    event) cancels them all and raises :class:`ClientGone`.
+    event) cancels them all and raises :class:`ClientGone`. Each request is tagged with its client
+    (``user``, else the HTTP connection) so that this node and the peers it is routed to queue it fairly.
     """
+    requests = [msgspec.structs.replace(r, client=client_key(r.user, http)) for r in requests]
     started = await unless_disconnected(http, _start_all(backend, admission, requests))
     if started is None:
         raise ClientGone("the client disconnected before the first token")

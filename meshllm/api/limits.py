@@ -1,20 +1,24 @@
 """Limits that keep one client from exhausting a node.
 
 The body limit refuses oversized requests (413) without buffering them, and bounds how long a body
-may take to arrive (408). The admission limit bounds requests being generated at once; a request
-over it waits at most ``queue_timeout_s`` for a slot and then gets a 503 instead of waiting
-without a deadline. Connection counts and header deadlines live in :mod:`meshllm.api.connections`.
+may take to arrive (408). The admission limit bounds generations in progress on the node; a request
+over it waits, fairly and for a bounded time, for a place, and is otherwise refused with 429 and
+``Retry-After`` (which OpenAI clients honour and retry) instead of waiting without a deadline.
+Connection counts and header deadlines live in :mod:`meshllm.api.connections`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
+from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from meshllm.api.errors import ApiError, BodyTooLarge, NoCapacity, RequestTimeout, error_for
+from meshllm.api.errors import ApiError, BodyTooLarge, RequestTimeout, Saturated, error_for
+from meshllm.engine.fair_queue import FairQueue, QueueFull
 
 
 @dataclass(frozen=True)
@@ -26,7 +30,15 @@ class ApiLimits:
     max_concurrent: int = 64
     """Generations in progress at once, across all models."""
     queue_timeout_s: float = 30.0
-    """How long a request over ``max_concurrent`` waits for a slot before a 503."""
+    """How long a request over ``max_concurrent`` waits for a place before a 429."""
+
+
+def client_key(user: str | None, http: Request) -> str:
+    """Who a request comes from, for fair shares: its ``user`` if it names one, else its HTTP connection."""
+    if user:
+        return f"user:{user}"
+    peer = http.client
+    return f"conn:{peer.host}:{peer.port}" if peer is not None else "conn:unknown"
 
 
 @dataclass(frozen=True)
@@ -49,28 +61,69 @@ class EdgeLimits:
 
 
 class Admission:
-    """A counting slot limit with a bounded wait, shared by the generation routes."""
+    """Generations in progress on this node, and a bounded, fair wait for a place.
 
-    def __init__(self, limit: int, timeout_s: float) -> None:
+    At most ``limit`` generations run at once. A request over it waits in a
+    :class:`~meshllm.engine.fair_queue.FairQueue` of ``max_waiting`` places (default ``limit``) for
+    at most ``timeout_s``: clients take turns, and each may hold its share of the places. A request
+    that finds no place it may take, or waits too long, gets :class:`~meshllm.api.errors.Saturated`
+    (429) with a ``Retry-After`` estimated from how fast places have been freed.
+    """
+
+    def __init__(self, limit: int, timeout_s: float, max_waiting: int | None = None) -> None:
         self.limit = limit
         self.timeout_s = timeout_s
         self.active = 0
-        self._sem = asyncio.Semaphore(limit)
+        self._queue: FairQueue[asyncio.Future[None]] = FairQueue(limit if max_waiting is None else max_waiting)
+        self._release_interval_s = 1.0
+        """Recent time between two freed places (an exponential average)."""
+        self._last_release = time.monotonic()
 
-    async def acquire(self) -> None:
-        """Take a slot or raise :class:`NoCapacity` after ``timeout_s``."""
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    def retry_after_s(self) -> float:
+        """When a place is likely free: the queue ahead, at the rate places have been freed."""
+        return min(60.0, max(1.0, self._release_interval_s * (len(self._queue) + 1)))
+
+    async def acquire(self, client: str = "") -> None:
+        """Take a place, waiting fairly for at most ``timeout_s``; raises :class:`Saturated`."""
+        if self.active < self.limit and not self._queue:
+            self.active += 1
+            return
+        place: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        try:
+            displaced = self._queue.push(place, client, time.monotonic())
+        except QueueFull as exc:
+            raise Saturated(f"all {self.limit} request places of this node are busy and {exc}",
+                            retry_after_s=self.retry_after_s()) from None
+        for other in displaced:
+            other.set_exception(Saturated("this node's queue is full and this client held more than its share of it",
+                                          retry_after_s=self.retry_after_s()))
         try:
             async with asyncio.timeout(self.timeout_s):
-                await self._sem.acquire()
+                await place
         except TimeoutError:
-            raise NoCapacity(f"all {self.limit} request slots of this node are busy "
-                             f"(waited {self.timeout_s:g}s)") from None
-        self.active += 1
+            self._queue.remove(place)
+            raise Saturated(f"all {self.limit} request places of this node are busy (waited {self.timeout_s:g}s)",
+                            retry_after_s=self.retry_after_s()) from None
+        except BaseException:
+            if not self._queue.remove(place) and place.done() and not place.cancelled() and place.exception() is None:
+                self.release()  # granted just as the caller gave up
+            raise
 
     def release(self) -> None:
-        """Give a slot back (exactly once per successful ``acquire``)."""
+        """Give a place back (exactly once per successful ``acquire``); the next waiter takes it."""
         self.active -= 1
-        self._sem.release()
+        now = time.monotonic()
+        self._release_interval_s = 0.8 * self._release_interval_s + 0.2 * (now - self._last_release)
+        self._last_release = now
+        while self.active < self.limit and self._queue:
+            place = self._queue.pop()
+            if not place.done():
+                self.active += 1
+                place.set_result(None)
 
 
 class Slots:

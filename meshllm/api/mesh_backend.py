@@ -22,10 +22,34 @@ from dataclasses import dataclass, field
 
 from meshllm.api.backend import ModelEntry, engine_context
 from meshllm.api.counters import RequestCounters
-from meshllm.api.errors import ApiError, NoCapacity, UnknownModel, UpstreamError, UpstreamTimeout, classify
+from meshllm.api.errors import (
+    ApiError,
+    NoCapacity,
+    Saturated,
+    UnknownModel,
+    UpstreamError,
+    UpstreamTimeout,
+    classify,
+)
 from meshllm.api.router import Attempt, PeerView, Router, Target, affinity_key
-from meshllm.api.tunnel import STREAM_KIND, Routable, ServerFrame, TunnelClient, TunnelEvent, failover_allowed
-from meshllm.engine.base import Embeddings, EmbedRequest, Engine, GenerationEvent, GenerationRequest, check_supported
+from meshllm.api.tunnel import (
+    STREAM_KIND,
+    RemoteError,
+    Routable,
+    ServerFrame,
+    TunnelClient,
+    TunnelEvent,
+    failover_allowed,
+)
+from meshllm.engine.base import (
+    Embeddings,
+    EmbedRequest,
+    Engine,
+    EngineBusy,
+    GenerationEvent,
+    GenerationRequest,
+    check_supported,
+)
 from meshllm.engine.embed import embed_stream
 from meshllm.errors import MeshllmError
 from meshllm.identity.ids import short
@@ -128,10 +152,22 @@ class MeshBackend:
             rtt = conn.rtt_ms if conn is not None else None
             if rtt is None and node_id in own_rtt:
                 rtt = own_rtt[node_id].rtt_ms
-            load = max(record.load.in_flight + record.load.queue, len(self._calls.get(node_id, ())))
+            ours = len(self._calls.get(node_id, ()))
+            load = max(record.load.in_flight + record.load.queue, ours)
+            # the record is up to a few seconds old: our own calls in flight may already fill its free slots
+            free = max(0, record.load.free_slots - ours) if record.load.slots else None
             views.append(PeerView(node_id=node_id, models=frozenset(m.name for m in record.models.served if _whole(m)),
-                                  load=load, rtt_ms=rtt, alive=conn is None or conn.state != "suspect"))
+                                  load=load, free_slots=free, rtt_ms=rtt,
+                                  alive=conn is None or conn.state != "suspect"))
         return views
+
+    def _local_free(self, model: str) -> int | None:
+        """Free slots of this node's engine for ``model``: slots no request holds or waits for."""
+        engine = self.engines.get(model)
+        if engine is None:
+            return None
+        report = engine.load_report()
+        return max(0, report.slots - report.running - report.queued)
 
     def _known_anywhere(self, model: str) -> bool:
         """Some member (alive, suspect or recently gone) serves ``model``: 503, not 404."""
@@ -169,7 +205,8 @@ class MeshBackend:
 
     async def _route(self, request: Routable) -> AsyncIterator[TunnelEvent]:
         targets = self.router.order(request.model, local_models=self.engines.keys(), peers=self._peer_views(),
-                                    now=self.clock(), key=affinity_key(request))
+                                    now=self.clock(), key=affinity_key(request),
+                                    local_free=self._local_free(request.model))
         if not targets:
             if self._known_anywhere(request.model):
                 raise NoCapacity(f"no reachable node serves {request.model!r} right now "
@@ -205,10 +242,14 @@ class MeshBackend:
         raise self._exhausted(request.model, failures)
 
     def _exhausted(self, model: str, failures: list[tuple[Target, BaseException]]) -> ApiError:
-        """The error after every target failed: a timeout stays 504, anything else is a 503."""
+        """The error after every target failed: a timeout stays 504; every node busy is a 429 with
+        Retry-After (the client should come back); anything else is a 503."""
         why = "; ".join(f"{self._name(t)}: {e}" for t, e in failures)
         if failures and isinstance(failures[-1][1], UpstreamTimeout):
             return UpstreamTimeout(f"every node serving {model!r} failed ({why})")
+        if failures and all(_busy(e) for _, e in failures):
+            hints = [e.retry_after_s for _, e in failures if isinstance(e, EngineBusy)]
+            return Saturated(f"every node serving {model!r} is busy ({why})", retry_after_s=min(hints, default=1.0))
         return NoCapacity(f"every node serving {model!r} failed ({why})")
 
     def _open(self, target: Target, request: Routable) -> AsyncIterator[TunnelEvent]:
@@ -287,6 +328,11 @@ class MeshBackend:
                 f"became unreachable (connection closed: {event.reason or 'no reason'})"
             for call in list(self._calls.get(event.node_id, ())):
                 call.abort(why)
+
+
+def _busy(exc: BaseException) -> bool:
+    """The target refused because all its slots or queue places are taken (it works; it is full)."""
+    return isinstance(exc, EngineBusy) or (isinstance(exc, RemoteError) and exc.code == "no_capacity")
 
 
 def _whole(model: ServedModel) -> bool:

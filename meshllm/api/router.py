@@ -2,14 +2,18 @@
 
 Order of candidates for a model:
 
-1. **This node**, if it serves the model: no network hop beats a local engine.
+1. **This node**, if it serves the model and has a free slot: no network hop beats a local engine.
 2. **The affinity peer**: requests of one session (same ``user``) or one prompt prefix (same
    system prompt and tools) go to the same peer, whose llama.cpp KV cache already holds that
    prefix. Rendezvous hashing picks it, so every node picks the same peer without coordination
-   and a peer leaving moves only its own sessions. It is skipped when its queue is deep.
-3. **Other healthy peers**, by a cost in milliseconds: RTT plus a fixed price per queued or
+   and a peer leaving moves only its own sessions. It is skipped when it has no free slot (or,
+   for a peer that does not report slots, when its queue is deep).
+3. **Healthy peers with a free slot** (or idle ones that do not report slots), nearest first:
+   a request there starts at once, which beats waiting here.
+4. **This node** when all its slots are busy.
+5. **Other healthy peers**, by a cost in milliseconds: RTT plus a fixed price per queued or
    running request.
-4. **Peers cooling down** after failures, soonest-available first: a last resort, not excluded,
+6. **Peers cooling down** after failures, soonest-available first: a last resort, not excluded,
    since a cooling peer beats no answer.
 
 A failure puts a target in cooldown, doubling with each consecutive failure up to a cap; a
@@ -36,6 +40,8 @@ class PeerView:
     """Model ids the peer serves."""
     load: int = 0
     """Requests running plus queued on the peer."""
+    free_slots: int | None = None
+    """Slots free on the peer (``None``: it does not report slots)."""
     rtt_ms: float | None = None
     """Measured round trip to the peer; ``None`` before the first probe."""
     alive: bool = True
@@ -137,27 +143,40 @@ class Router:
     # ---- ordering --------------------------------------------------------------------------
 
     def order(self, model: str, *, local_models: Iterable[str], peers: Iterable[PeerView], now: float,
-              key: str | None = None) -> list[Target]:
-        """Every target that could serve ``model``, best first (empty: nobody serves it)."""
+              key: str | None = None, local_free: int | None = None) -> list[Target]:
+        """Every target that could serve ``model``, best first (empty: nobody serves it).
+
+        ``local_free``: free slots of this node's engine for ``model`` (``None``: not known, taken as free).
+        """
         cfg = self.config
         targets: list[Target] = []
-        if model in set(local_models):
-            targets.append(Target(self.local_node_id, local=True))
+        local = Target(self.local_node_id, local=True) if model in set(local_models) else None
+        local_busy = local is not None and local_free is not None and local_free <= 0
+        if local is not None and not local_busy:
+            targets.append(local)
         candidates = [p for p in peers if p.alive and model in p.models and p.node_id != self.local_node_id]
         healthy = [p for p in candidates if self.cooling_until(p.node_id, now) is None]
         cooling = sorted((p for p in candidates if self.cooling_until(p.node_id, now) is not None),
                          key=lambda p: (self._health[p.node_id].until, p.node_id))
+
+        def starts_now(p: PeerView) -> bool:
+            return p.free_slots > 0 if p.free_slots is not None else p.load == 0
+
         if key is not None and healthy:
             owner = max(healthy, key=lambda p: (rendezvous_score(key, p.node_id), p.node_id))
-            if owner.load <= cfg.affinity_max_load:
+            if starts_now(owner) or (owner.free_slots is None and owner.load <= cfg.affinity_max_load):
                 targets.append(Target(owner.node_id))
                 healthy.remove(owner)
 
-        def cost(p: PeerView) -> tuple[float, str]:
+        def cost(p: PeerView) -> tuple[float, int, str]:
             rtt = cfg.unknown_rtt_ms if p.rtt_ms is None else p.rtt_ms
-            return rtt + cfg.load_cost_ms * p.load, p.node_id
+            return rtt + cfg.load_cost_ms * (0 if starts_now(p) else p.load), -(p.free_slots or 0), p.node_id
 
-        targets += [Target(p.node_id) for p in sorted(healthy, key=cost)]
+        targets += [Target(p.node_id) for p in sorted((p for p in healthy if starts_now(p)), key=cost)]
+        if local_busy:
+            assert local is not None
+            targets.append(local)
+        targets += [Target(p.node_id) for p in sorted((p for p in healthy if not starts_now(p)), key=cost)]
         targets += [Target(p.node_id) for p in cooling]
         return targets
 

@@ -209,7 +209,8 @@ class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessageIn] = Field(min_length=1, max_length=10_000)
-    max_tokens: int | None = Field(default=None, ge=1, le=I64_MAX)
+    max_tokens: int | None = Field(default=None, ge=1, le=I64_MAX,
+                                   description="default: the serving node's cap (meshllm serve --max-tokens-default)")
     max_completion_tokens: int | None = Field(default=None, ge=1, le=I64_MAX)
     tools: list[ToolIn] | None = Field(default=None, max_length=128)
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
@@ -379,13 +380,19 @@ class CompletionRequestIn(_SamplingFields):
 
 # ---- responses (the shapes /openapi.json documents; the routes build them) ----------------------
 
+class PromptTokensDetails(BaseModel):
+    """``cached_tokens``: prompt tokens the serving engine took from its prompt cache."""
+
+    cached_tokens: int = 0
+
+
 class UsageOut(BaseModel):
     """Token counts."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: dict[str, int] | None = None
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class TopLogprobOut(BaseModel):

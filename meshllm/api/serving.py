@@ -23,8 +23,8 @@ from meshllm.api.limits import ApiLimits, Slots
 from meshllm.api.mesh_backend import MeshBackend
 from meshllm.api.tunnel import STREAM_KIND
 from meshllm.api.tunnel_serve import TunnelService
-from meshllm.engine.base import Engine
-from meshllm.engine.llama import LlamaEngine
+from meshllm.engine.base import DEFAULT_MAX_TOKENS, Engine
+from meshllm.engine.llama import Kernels, LlamaEngine
 from meshllm.errors import ConfigError
 from meshllm.mesh.records import Load, Models, ServedModel
 from meshllm.mesh.service import MeshService
@@ -53,20 +53,27 @@ class Serving:
         self._last_load: Load | None = None
 
     async def load_models(self, specs: list[str], engine: str = "llama", threads: int | None = None,
-                          gpu_layers: int | None = None) -> None:
-        """Resolve and load each model, then announce them all in our record."""
+                          gpu_layers: int | None = None, parallel: int | None = None,
+                          max_tokens_default: int = DEFAULT_MAX_TOKENS, kernels: Kernels = "exact") -> None:
+        """Resolve and load each model, then announce them all in our record.
+
+        ``gpu_layers``: layers to offload to the accelerator (None: all that fit); ``parallel`` is the
+        llama.cpp engine's slots per model (``None``: sized from memory); ``max_tokens_default``
+        caps its requests that set no ``max_tokens``; ``kernels`` picks row-exact or fast llama.cpp kernels.
+        """
         if engine not in ENGINES:
             raise ConfigError(f"unknown engine {engine!r}", hint=f"choose one of {', '.join(ENGINES)}")
         for spec in specs:
             ref = await asyncio.to_thread(resolve_model, spec)
-            instance = self._make_engine(engine, ref, threads, gpu_layers)
+            instance = self._make_engine(engine, ref, threads, gpu_layers, parallel, max_tokens_default, kernels)
             self.events.publish("model_loading", model=ref.model_id, path=str(ref.path), engine=engine,
                                 size_bytes=ref.path.stat().st_size)
             started = time.monotonic()
             await instance.load()
             self.engines[instance.model_id] = instance
             self.events.publish("model_ready", model=instance.model_id, engine=engine,
-                                context=instance.context_length, load_s=round(time.monotonic() - started, 2))
+                                context=instance.context_length, slots=instance.load_report().slots,
+                                load_s=round(time.monotonic() - started, 2))
         self.mesh.update_own(models=Models(served=[
             ServedModel(name=mid, context=e.context_length, engine=engine) for mid, e in self.engines.items()
         ]))
@@ -77,7 +84,8 @@ class Serving:
         self.engines[engine.model_id] = engine
 
     @staticmethod
-    def _make_engine(engine: str, ref: Any, threads: int | None, gpu_layers: int | None) -> Engine:
+    def _make_engine(engine: str, ref: Any, threads: int | None, gpu_layers: int | None, parallel: int | None,
+                     max_tokens_default: int, kernels: Kernels) -> Engine:
         """``gpu_layers``: layers to offload to the accelerator (None: all that fit; 0 on CPU-only nodes)."""
         if engine == "ggml":
             from meshllm.engine.ggml.engine import GgmlEngine
@@ -85,14 +93,16 @@ class Serving:
             return GgmlEngine(ref.path, model_id=ref.model_id, threads=threads, gpu_layers=gpu_layers)
         from meshllm.engine.capacity import accelerator, llama_gpu_layers
 
-        return LlamaEngine(ref, n_threads=threads, n_gpu_layers=llama_gpu_layers(ref.path, gpu_layers, accelerator()))
+        return LlamaEngine(ref, n_threads=threads, n_gpu_layers=llama_gpu_layers(ref.path, gpu_layers, accelerator()),
+                           parallel=parallel, default_max_tokens=max_tokens_default, kernels=kernels)
 
     async def _publish_load(self) -> None:
         """Copy the engines' load into our record when it changes (gossip spreads it)."""
         while True:
             reports = [e.load_report() for e in self.engines.values()]
             load = Load(in_flight=sum(r.running for r in reports), queue=sum(r.queued for r in reports),
-                        tok_s=round(sum(r.tokens_per_s for r in reports), 1))
+                        tok_s=round(sum(r.tokens_per_s for r in reports), 1), slots=sum(r.slots for r in reports),
+                        free_slots=sum(max(0, r.slots - r.running) for r in reports))
             if load != self._last_load:
                 self._last_load = load
                 self.mesh.update_own(load=load)

@@ -16,6 +16,7 @@ from meshllm.api.events import EventHub
 from meshllm.cli.common import GIGABYTES, dht_multiaddrs, home_option, mesh_passphrase
 from meshllm.config import DEFAULT_API_PORT, DEFAULT_MESH_PORT, load_config, read_private, resolve_home
 from meshllm.discovery.listing import LISTING_TTL_S
+from meshllm.engine.base import DEFAULT_MAX_TOKENS
 from meshllm.errors import ConfigError, DecodeError
 from meshllm.mesh.admission import MESH_PASSPHRASE_ENV, MeshKey, is_mesh_id
 from meshllm.wire.addr import parse_addr
@@ -83,6 +84,14 @@ def node_options(func: Any) -> Any:
         click.option("--gpu-layers", type=click.IntRange(min=-1), default=None, metavar="N",
                      help="Layers to put on the GPU when llama-cpp-python has one (-1: all; "
                           "default: all that fit; ignored on CPU-only builds)."),
+        click.option("--parallel", type=click.IntRange(1, 64), default=None,
+                     help="Requests each llama.cpp model generates at once, in one batch (default: up to 8, "
+                          "as many as a quarter of the free memory holds KV caches for)."),
+        click.option("--max-tokens-default", type=click.IntRange(min=1), default=DEFAULT_MAX_TOKENS,
+                     show_default=True, help="Tokens generated for a request that sets no max_tokens."),
+        click.option("--kernels", type=click.Choice(["exact", "fast"]), default="exact", show_default=True,
+                     help="llama.cpp kernels: exact (a request's text never depends on what runs beside it) or "
+                          "fast (also its repacked and tiled kernels: faster prompts on some CPUs)."),
         click.option("--dht-bootstrap", multiple=True, metavar="MULTIADDR", callback=dht_multiaddrs,
                      help="DHT peer to join at start, /ip4/HOST/tcp/PORT/p2p/PEERID (repeatable; "
                           "default: dht_bootstrap in config.toml)."),
@@ -120,8 +129,8 @@ def join(token: str, lookup_timeout: float, **kwargs: Any) -> None:
 
 def _run(join_token: str | None, *, home: Path | None, name: str, api_port: int, api_host: str, mesh_port: int,
          mesh_host: str, announce: list[str], bootstrap: list[str], relay: str, ephemeral: bool, client: bool,
-         models: tuple[str, ...], engine: str, threads: int | None, gpu_layers: int | None, log_format: str,
-         verbose: bool,
+         models: tuple[str, ...], engine: str, threads: int | None, gpu_layers: int | None, parallel: int | None,
+         max_tokens_default: int, kernels: str, log_format: str, verbose: bool,
          dht_bootstrap: tuple[str, ...], dht_port: int | None, listing_ttl: float, worker: bool, split: str,
          stages: int | None, max_memory: float | None, speculate: str | None, api_keys: tuple[str, ...],
          api_key_file: Path | None,
@@ -141,7 +150,8 @@ def _run(join_token: str | None, *, home: Path | None, name: str, api_port: int,
         home=home, name=name, api_host=api_host, api_port=api_port, mesh_host=mesh_host, mesh_port=mesh_port,
         announce=announce, join=join_token, bootstrap=bootstrap, ephemeral=ephemeral,
         role="client" if client else "worker" if worker else "host", models=list(models) or ["default"],
-        engine=engine, threads=threads, gpu_layers=gpu_layers, split=split_options(split, stages, max_memory),
+        engine=engine, threads=threads, gpu_layers=gpu_layers, parallel=parallel, max_tokens_default=max_tokens_default,
+        kernels=kernels, split=split_options(split, stages, max_memory),
         speculate=speculate or config.speculate,  # type: ignore[arg-type]
         dht_bootstrap=dht_peers, dht_port=dht_port, listing_ttl_s=listing_ttl, relay=relay,  # type: ignore[arg-type]
         api_keys=[*api_keys, *_key_file(api_key_file)], cors_origins=list(cors_origins),

@@ -24,6 +24,9 @@ FinishReason = Literal["stop", "length"]
 """``stop``: end-of-sequence token or a stop string; ``length``: ``max_tokens`` or context full."""
 DEFAULT_MAX_CONTEXT = 4096
 """Cap on the context we allocate when the caller does not choose: a 32k KV cache costs GBs."""
+DEFAULT_MAX_TOKENS = 1024
+"""Tokens generated for a request that sets no ``max_tokens`` (``meshllm serve --max-tokens-default``):
+a client that forgets the field must not hold a slot until the context is full."""
 
 
 def context_cap(trained: int, requested: int | None = None, *, cap: int = DEFAULT_MAX_CONTEXT) -> int:
@@ -51,10 +54,20 @@ class BadChat(EngineError):
     hint = "check the order and roles of the messages"
 
 
+class InvalidRequest(EngineError):
+    """The request asks for something the engine cannot do with it (a client error: HTTP 400)."""
+
+
 class EngineBusy(EngineError):
-    """The engine's queue is full or the request waited too long for its turn (HTTP 503)."""
+    """The engine's queue is full or the request waited too long for its turn (HTTP 503, or 429 once
+    every node serving the model is busy)."""
 
     hint = "retry later, or add nodes serving this model"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        """When a slot is likely to be free again (the engine's estimate)."""
 
 
 class Unsupported(EngineError):
@@ -73,14 +86,17 @@ class GenerationParams(msgspec.Struct, frozen=True, kw_only=True):
     """Sampling and stopping controls shared by chat and text completion."""
 
     max_tokens: int | None = None
-    """Most tokens to generate; ``None``: until end of sequence or the context is full."""
+    """Most tokens to generate; ``None``: the serving engine's default cap (:data:`DEFAULT_MAX_TOKENS`
+    unless configured). Always clamped to the context left after the prompt."""
     temperature: float = 1.0
     """0 means greedy (deterministic without a seed)."""
     top_p: float = 1.0
     top_k: int | None = None
     """``None`` or 0: no top-k cut."""
     seed: int | None = None
-    """Same seed, prompt and parameters on the same engine give the same text."""
+    """Same seed, prompt and parameters on the same engine give the same text. The random draw of
+    step ``k`` (the ``k``-th generated token) depends only on ``(seed, k)``, so an engine resuming
+    from a :attr:`ChatRequest.continuation` of ``k`` tokens draws what the first engine would have."""
     stop: tuple[str, ...] = ()
     """Generation ends *before* the first occurrence of any of these; the stop text is not returned."""
     presence_penalty: float = 0.0
@@ -91,7 +107,8 @@ class GenerationParams(msgspec.Struct, frozen=True, kw_only=True):
     An engine that cannot constrain sampling refuses a request that sets it."""
     logprobs: int | None = None
     """``None``: no log-probabilities; ``k`` (0-20): each generated token's logprob with its ``k`` most
-    likely alternatives, on :attr:`TextDelta.logprobs`."""
+    likely alternatives, on :attr:`TextDelta.logprobs`. They are the model's own distribution (a
+    softmax of the raw logits), before penalties, grammar, top-k/top-p and temperature."""
 
 
 class ToolCall(msgspec.Struct, frozen=True):
@@ -130,6 +147,9 @@ class ChatRequest(msgspec.Struct, frozen=True, kw_only=True, tag="chat"):
     template; a template that knows no tools gets them described in a system message instead."""
     user: str | None = None
     """Client's end-user or session id; routing uses it for affinity."""
+    client: str | None = None
+    """Who is asking, for fair queueing: ``user:<user>`` or the HTTP connection, set by the node whose
+    API took the request (a routed request keeps it). ``None``: one shared anonymous share."""
     continuation: tuple[int, ...] = ()
     """Token ids this request already generated on another engine (failover replay): the engine
     prefills prompt + these, feeds them silently through its text core, and continues after them."""
@@ -143,6 +163,8 @@ class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True, tag="completi
     """Text, or token ids fed as they are (OpenAI's token-id prompts)."""
     params: GenerationParams = GenerationParams()
     user: str | None = None
+    client: str | None = None
+    """As :attr:`ChatRequest.client`."""
     continuation: tuple[int, ...] = ()
     """As :attr:`ChatRequest.continuation`."""
 
@@ -227,7 +249,9 @@ class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
     """How busy an engine is; gossiped as the node's load and used by the router."""
 
     running: int
-    """Requests generating now."""
+    """Requests generating now (each holds one slot)."""
+    slots: int = 1
+    """Requests that can generate at once (``--parallel``); ``slots - running`` are free."""
     queued: int
     """Requests waiting for their turn."""
     max_queue: int

@@ -80,11 +80,6 @@ class ChatTemplate:
         """The prompt for ``request``; raises :class:`BadChat` when the template refuses the conversation."""
         return self._render([template_message(m) for m in request.messages], list(request.tools))
 
-    def __call__(self, *, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
-                 **_: Any) -> RenderedChat:
-        """llama-cpp-python's formatter protocol (message dicts), for engines that call it that way."""
-        return self._render([dict(m) for m in messages], list(tools or ()))
-
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> RenderedChat:
         if not self.knows_tools:
             messages = emulate_tools(messages, tools)

@@ -1,33 +1,50 @@
-"""LlamaEngine: one llama-cpp-python model, one worker thread, a bounded queue of requests.
+"""LlamaEngine: one llama.cpp context, ``--parallel`` slots, one batch per step (continuous batching).
 
-A llama.cpp context is not safe to share between threads and holds one KV cache, so each engine
-runs requests one at a time on its own thread; the rest wait in a queue whose depth is the load
-the node reports. The event loop never blocks: tokens cross from the worker to the loop with
-``call_soon_threadsafe``.
+Requests wait in a fair queue for a slot (a sequence of the context with its own KV). One worker
+thread runs the steps the sans-IO :class:`~meshllm.engine.slots.Scheduler` plans: one decode
+batch holding every generating slot's next token, then prefill chunks of new prompts (at most one
+chunk's worth of tokens per step, so a long prompt never stalls the others for longer than that).
+Each slot samples with its own llama.cpp sampler chain and grammar
+(:mod:`meshllm.engine.llama_sampling`) and turns tokens into text with the shared
+:class:`~meshllm.engine.text.TextStream`. The event loop never blocks: tokenizing runs in a thread,
+and events cross from the worker to the loop with ``call_soon_threadsafe``.
 
-We drive ``Llama.generate`` token by token rather than calling ``create_completion`` because we
-need three things it does not give a stream: exact usage counts (its stream has none), a check
-between every two tokens for a consumer that went away, and stop strings that never leak a
-partial match to the client.
+**Same request, same answer.** A request's output does not depend on what the engine ran before:
+prompts are prefilled on a fixed chunk grid and a slot's cached prompt is lent only in whole grid
+chunks (:mod:`meshllm.engine.prompt_cache`), so a cache hit reproduces the KV a fresh prefill
+would compute. Whether it depends on what runs *beside* it is up to llama.cpp's kernels: with
+``kernels="exact"`` (the default) the model is loaded without repacked weights and ggml's tiled
+matmul is off, which leaves kernels that compute a row the same way in any batch, except that a
+lone row of float weights differs from a pair (measured at load, :func:`lone_row_differs`); then
+every call gets a second row (a padding row in a neighbouring sequence, or the prompt's last two
+positions). A continuation is decoded token by token, as its first engine did. docs/llama-engine.md
+has the measurements.
 
-Chat prompts come from the GGUF's own template when it has one; otherwise from the family's
-known format (the default Gemma 3 270M has no template, and llama-cpp-python's generic fallback
-makes it answer with nothing).
+Closing a request's iterator frees its slot at the next step boundary (one step: milliseconds on
+small models, one decode batch plus at most one chunk on large ones).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
+import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+import numpy as np
 
 from meshllm.engine.base import (
+    DEFAULT_MAX_TOKENS,
+    GRAMMAR,
+    LOGPROBS,
+    TOKEN_PROMPTS,
     BadChat,
     ChatRequest,
     Engine,
@@ -36,21 +53,36 @@ from meshllm.engine.base import (
     EngineNotLoaded,
     Finish,
     GenerationEvent,
-    GenerationParams,
     GenerationRequest,
+    InvalidRequest,
     LoadReport,
     TokenRate,
     context_cap,
 )
-from meshllm.engine.chat_format import chat_renderer
+from meshllm.engine.capacity import total_ram_bytes
+from meshllm.engine.chat_format import ChatTemplate, chat_renderer
+from meshllm.engine.fair_queue import QueueFull
+from meshllm.engine.slots import CallCosts, Chunk, DecodeRow, Scheduler, Step
 from meshllm.engine.text import TextStream, token_budget
-from meshllm.models.metadata import GGUFMetadata, read_metadata
+from meshllm.models.metadata import ArrayInfo, GGUFMetadata, read_metadata
 from meshllm.models.refs import ModelRef
+
+log = logging.getLogger(__name__)
+
+MAX_DEFAULT_PARALLEL = 8
+"""``--parallel`` when not given is at most this: on a CPU, batches past 8 rows add little."""
+KV_MEMORY_SHARE = 0.25
+"""Share of the memory available at load that the default slot count may spend on KV caches."""
+PREFILL_CHUNK = 64
+"""Tokens per prefill chunk: the grid prompts are prefilled on, and the prefill work per step."""
+Kernels = Literal["exact", "fast"]
+"""``exact``: llama.cpp kernels that compute a row the same way whatever else is in the batch (a
+request's text never depends on what runs beside it); ``fast``: its repacked and tiled kernels too."""
 
 
 @dataclass
 class EngineStats:
-    """Lifetime counters; tests and the status page read them."""
+    """Lifetime counters; tests, benchmarks and the status page read them."""
 
     requests: int = 0
     completed: int = 0
@@ -58,29 +90,53 @@ class EngineStats:
     rejected: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens taken from a slot's cache instead of computed."""
+    decode_calls: int = 0
+    decode_rows: int = 0
+    """Generated tokens decoded, over ``decode_calls`` batches (their ratio is the mean batch)."""
+    prefill_chunks: int = 0
 
 
 @dataclass(eq=False)
 class _Job:
-    """One request on its way through the queue and the worker."""
+    """One request from ``generate`` to its last event."""
 
     request: GenerationRequest
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue[GenerationEvent | BaseException]
-    enqueued: float
-    cancel: threading.Event = field(default_factory=threading.Event)
+    prompt_len: int
+    target: tuple[int, ...]
+    """The prompt: what the slot prefills."""
+    forced: collections.deque[int]
+    """Continuation tokens still to decode before sampling resumes (generated elsewhere, already sent)."""
+    text: TextStream
+    sampler: Any
+    """Its :class:`~meshllm.engine.llama_sampling.SlotSampler` (``None`` when it needs no slot)."""
+    client: str
+    loop: asyncio.AbstractEventLoop | None = None
+    events: asyncio.Queue[GenerationEvent | BaseException] = field(default_factory=asyncio.Queue)
+    cancelled: bool = False
+    ended: bool = False
+    """The worker is done with it (finished, failed or refused)."""
+    started: float = 0.0
 
     def emit(self, item: GenerationEvent | BaseException) -> None:
         """Hand an event to the consumer's loop (called on the worker thread)."""
-        self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        if self.loop is not None and not self.cancelled:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
 
 
 class LlamaEngine(Engine):
-    """Serve one GGUF with llama-cpp-python.
+    """Serve one GGUF with llama.cpp, ``parallel`` requests at once.
 
-    ``n_ctx`` defaults to the model's trained context capped at ``DEFAULT_MAX_CONTEXT``.
-    ``max_queue`` bounds waiting requests; ``queue_timeout_s`` bounds how long one may wait.
+    ``n_ctx`` is each slot's context (default: the model's trained context capped at
+    ``DEFAULT_MAX_CONTEXT``); ``parallel`` the number of slots (default: up to
+    :data:`MAX_DEFAULT_PARALLEL`, as many as a quarter of the free memory holds). ``max_queue`` bounds
+    waiting requests, ``queue_timeout_s`` how long one may wait; ``default_max_tokens`` caps requests
+    that set no ``max_tokens``. ``kernels`` picks row-exact or fast llama.cpp kernels (see :data:`Kernels`;
+    ``exact`` holds for the whole process). ``pad_lone_rows`` overrides the load-time measurement.
     """
+
+    supports = frozenset({GRAMMAR, LOGPROBS, TOKEN_PROMPTS})
 
     def __init__(
         self,
@@ -90,229 +146,532 @@ class LlamaEngine(Engine):
         n_ctx: int | None = None,
         n_threads: int | None = None,
         n_gpu_layers: int = 0,
+        parallel: int | None = None,
         max_queue: int = 32,
-        queue_timeout_s: float = 120.0,
+        queue_timeout_s: float = 30.0,
         chat_format: str | None = None,
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        prefill_chunk: int = PREFILL_CHUNK,
+        pad_lone_rows: bool | None = None,
+        kernels: Kernels = "exact",
     ) -> None:
+        if parallel is not None and parallel < 1:
+            raise EngineError("parallel must be at least 1")
         self.path = model.path if isinstance(model, ModelRef) else Path(model)
         self.model_id = model_id or (model.model_id if isinstance(model, ModelRef) else self.path.stem)
         self._n_ctx = n_ctx
-        self._n_threads = n_threads
+        self._threads = n_threads or max(1, min(8, os.cpu_count() or 1))
         self._n_gpu_layers = n_gpu_layers
+        self._parallel = parallel
         self.max_queue = max_queue
         self.queue_timeout_s = queue_timeout_s
         self._chat_format_override = chat_format
+        self.default_max_tokens = default_max_tokens
+        self.prefill_chunk = prefill_chunk
+        self.pad_lone_rows = pad_lone_rows
+        """Whether every call gets at least two rows (measured at load unless set)."""
+        self.kernels = kernels
         self.stats = EngineStats()
         self.metadata: GGUFMetadata | None = None
         self.chat_format: str = ""
         """``template`` (the GGUF's own) or the llama-cpp-python format name in use."""
-        self._llama: Any = None
-        self._render: Callable[..., Any] | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"llama-{self.model_id}")
-        self._lock = threading.Lock()
-        self._queued = 0
-        self._running = 0
-        self._rate = TokenRate()
+        self.parallel = 0
+        """Slots, once loaded."""
+        self._model: Any = None
+        self._ctx: Any = None
+        self._render: ChatTemplate | None = None
+        self._sched: Scheduler[_Job] | None = None
+        self._n_ctx_seq = 0
+        self._cond = threading.Condition()
+        self._cancels: list[_Job] = []
         self._closed = False
-        self._jobs: set[_Job] = set()
+        self._thread: threading.Thread | None = None
+        self._rate = TokenRate()
+        self._mean_request_s = 1.0
+        self._costs = CallCosts()
 
     # ---- lifecycle -------------------------------------------------------------------------
 
     async def load(self) -> None:
-        """Read metadata and load the weights on the worker thread."""
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor, self._load_blocking)
+        """Load the weights, size the slots and start the worker (off the event loop)."""
+        await asyncio.to_thread(self._load_blocking)
 
     def _load_blocking(self) -> None:
-        try:
-            from llama_cpp import Llama
-        except ImportError as exc:
-            raise EngineError("llama-cpp-python is not installed",
-                              hint="install meshllm with its dependencies (see install.sh)") from exc
+        from meshllm.engine.llama_native import NativeContext, NativeModel, use_row_exact_kernels
+
         meta = read_metadata(self.path)
-        n_ctx = context_cap(meta.context_length, self._n_ctx)
-        threads = self._n_threads or max(1, min(8, os.cpu_count() or 1))
+        if self.kernels == "exact":
+            use_row_exact_kernels()
+        model = NativeModel(self.path, n_gpu_layers=self._n_gpu_layers, repack=self.kernels == "fast")
         try:
-            llama = Llama(model_path=str(self.path), n_ctx=n_ctx, n_threads=threads,
-                          n_gpu_layers=self._n_gpu_layers, verbose=False)
-        except (ValueError, RuntimeError, OSError) as exc:
-            raise EngineError(f"llama.cpp could not load {self.path}: {exc}",
-                              hint="check that the file is a complete GGUF this llama.cpp supports") from exc
-        self.metadata = meta
-        self._llama = llama
-        self._render, self.chat_format = chat_renderer(llama, meta.family, meta.chat_template,
-                                                       self._chat_format_override)
+            n_ctx_seq = context_cap(meta.context_length, self._n_ctx)
+            parallel = self._parallel or default_parallel(meta, n_ctx_seq)
+            if self.pad_lone_rows is None:
+                self.pad_lone_rows = lone_row_differs(model, self._threads)
+            n_seq = parallel + (1 if self.pad_lone_rows else 0)
+            ctx = NativeContext(model, n_seq=n_seq, n_ctx_seq=n_ctx_seq,
+                                n_batch=max(self.prefill_chunk, n_seq) + 1, threads=self._threads)
+            self._render, self.chat_format = chat_renderer(_TemplateTokens(model), meta.family, meta.chat_template,
+                                                           self._chat_format_override)
+        except BaseException:
+            model.close()
+            raise
+        self.metadata, self._model, self._ctx = meta, model, ctx
+        self._n_ctx_seq = min(n_ctx_seq, ctx.n_ctx_seq)
+        self.parallel = parallel
+        self._sched = Scheduler(parallel, chunk=self.prefill_chunk, max_queue=self.max_queue)
+        self._thread = threading.Thread(target=self._worker, name=f"llama-{self.model_id}", daemon=True)
+        self._thread.start()
 
     async def close(self) -> None:
-        """Refuse new work, let the worker finish its current token, free the model."""
-        self._closed = True
-        for job in list(self._jobs):
-            job.cancel.set()
-            job.emit(EngineNotLoaded(f"model {self.model_id} is shutting down"))
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self._executor.shutdown)
-        if self._llama is not None:
-            self._llama.close()
-            self._llama = None
+        """Refuse new work, end what is running with an error, free the model."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30.0)
+        if self._ctx is not None:
+            self._ctx.close()
+            self._ctx = None
+        if self._model is not None:
+            self._model.close()
+            self._model = None
 
     @property
     def context_length(self) -> int:
-        """The context allocated per request (prompt + completion)."""
-        if self._llama is None:
+        """Tokens of context each request may use (prompt + completion): one slot's context."""
+        if self._model is None:
             raise EngineNotLoaded(f"model {self.model_id} is not loaded")
-        return int(self._llama.n_ctx())
+        return self._n_ctx_seq
 
     def load_report(self) -> LoadReport:
-        """Running/queued counts and recent decode speed."""
-        with self._lock:
-            return LoadReport(running=self._running, queued=self._queued, max_queue=self.max_queue,
-                              tokens_per_s=round(self._rate.value, 2))
+        """Running/queued counts, slots and recent decode speed."""
+        with self._cond:
+            running = self._sched.running if self._sched else 0
+            queued = self._sched.queued if self._sched else 0
+        return LoadReport(running=running, slots=self.parallel or 1, queued=queued, max_queue=self.max_queue,
+                          tokens_per_s=round(self._rate.value, 2))
 
     # ---- prompts ---------------------------------------------------------------------------
 
     def prompt_tokens(self, request: GenerationRequest) -> list[int]:
         """The exact tokens the engine feeds for ``request`` (what ``usage.prompt_tokens`` counts)."""
-        return self._prepare(request)[0]
+        return self._tokenize(request)[0]
 
-    def _prepare(self, request: GenerationRequest) -> tuple[list[int], tuple[str, ...]]:
+    def _tokenize(self, request: GenerationRequest) -> tuple[list[int], tuple[str, ...]]:
         """Prompt tokens, and the stop strings: the client's plus the chat format's end of turn."""
-        llama = self._require()
+        model = self._require()
         stops = list(request.params.stop)
         if isinstance(request, ChatRequest):
             assert self._render is not None
-            messages = [{"role": m.role, "content": m.content} for m in request.messages]
             try:
-                rendered = self._render(messages=messages, tools=list(request.tools) or None)
+                rendered = self._render.render(request)
             except Exception as exc:  # templates raise for conversations they cannot express
                 raise BadChat(f"model {self.model_id} cannot render this conversation: {exc}") from exc
-            tokens = llama.tokenize(rendered.prompt.encode("utf-8"), add_bos=not rendered.added_special,
-                                    special=True)
-            extra = rendered.stop
-            stops += [extra] if isinstance(extra, str) else list(extra or [])
+            tokens = model.tokenize(rendered.prompt.encode("utf-8"), add_special=not rendered.added_special,
+                                    parse_special=True)
+            stops += rendered.stop
+        elif isinstance(request.prompt, str):
+            tokens = model.tokenize(request.prompt.encode("utf-8"), add_special=True, parse_special=False)
         else:
-            tokens = llama.tokenize(request.prompt.encode("utf-8"), add_bos=True, special=False)
-        return list(tokens), tuple(s for s in stops if s)
+            tokens = list(request.prompt)
+            model.check_tokens(tokens, "the prompt")
+        if not tokens:
+            raise InvalidRequest("the prompt is empty: this model adds no start token, so give it some text")
+        return tokens, tuple(s for s in stops if s)
+
+    def _prepare(self, request: GenerationRequest) -> _Job:
+        """Tokens, text stream and samplers of ``request``, the continuation replayed (a worker thread)."""
+        from meshllm.engine.llama_sampling import SlotSampler
+
+        tokens, stops = self._tokenize(request)
+        model = self._model
+        model.check_tokens(request.continuation, "the continuation")
+        limit = token_budget(len(tokens), self._n_ctx_seq, request.params.max_tokens, self.model_id,
+                             default=self.default_max_tokens)
+        text = TextStream(is_end=model.is_eog, token_bytes=model.piece, stops=stops, limit=limit,
+                          prompt_tokens=len(tokens))
+        text.replay(request.continuation)
+        sampler = None
+        if not text.done:
+            sampler = SlotSampler(model, request.params)
+            try:
+                sampler.replay(request.continuation)
+            except BaseException:
+                sampler.close()
+                raise
+        client = request.client or (f"user:{request.user}" if request.user else "")
+        return _Job(request=request, prompt_len=len(tokens), target=tuple(tokens),
+                    forced=collections.deque(request.continuation), text=text, sampler=sampler, client=client)
 
     def _require(self) -> Any:
-        if self._llama is None or self._closed:
+        if self._model is None or self._closed:
             raise EngineNotLoaded(f"model {self.model_id} is not loaded")
-        return self._llama
+        return self._model
 
     # ---- generation ------------------------------------------------------------------------
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
-        """Queue ``request``; stream its events. Closing the iterator cancels it."""
+        """Queue ``request`` for a slot; stream its events. Closing the iterator cancels it."""
         self._require()
-        with self._lock:
-            if self._queued >= self.max_queue:
-                self.stats.rejected += 1
-                raise EngineBusy(f"model {self.model_id} has {self._queued} requests queued (limit {self.max_queue})")
-            self._queued += 1
-            self.stats.requests += 1
-        loop = asyncio.get_running_loop()
-        job = _Job(request=request, loop=loop, events=asyncio.Queue(), enqueued=time.monotonic())
-        try:
-            loop.run_in_executor(self._executor, self._run, job)
-        except RuntimeError as exc:  # executor shut down by close()
-            with self._lock:
-                self._queued -= 1
-            raise EngineNotLoaded(f"model {self.model_id} is shutting down") from exc
+        job = await asyncio.to_thread(self._prepare, request)
+        job.loop = asyncio.get_running_loop()
+        if job.text.done:  # the continuation already ended the generation
+            for event in job.text.finish():
+                yield event
+            return
+        self._submit(job)
         finished = False
-        self._jobs.add(job)
         try:
             while True:
                 item = await job.events.get()
                 if isinstance(item, BaseException):
+                    finished = True
                     raise item
                 yield item
                 if isinstance(item, Finish):
                     finished = True
                     return
         finally:
-            self._jobs.discard(job)
             if not finished:
-                job.cancel.set()
+                with self._cond:
+                    job.cancelled = True
+                    self._cancels.append(job)
+                    self._cond.notify_all()
 
-    def _run(self, job: _Job) -> None:
-        """Worker thread: run one job to its end, reporting every outcome as an event."""
-        with self._lock:
-            self._queued -= 1
-            self._running += 1
-        try:
-            if job.cancel.is_set():
-                self._count_cancel()
-                return
-            waited = time.monotonic() - job.enqueued
-            if waited > self.queue_timeout_s:
-                job.emit(EngineBusy(f"model {self.model_id}: request waited {waited:.1f}s in the queue"))
-                return
-            self._generate_blocking(job)
-        except Exception as exc:  # every failure reaches the consumer, never a silent thread death
-            job.emit(exc if isinstance(exc, EngineError) else EngineError(f"generation failed: {exc}"))
-        finally:
-            with self._lock:
-                self._running -= 1
+    def _submit(self, job: _Job) -> None:
+        with self._cond:
+            if self._closed or self._sched is None:
+                job.sampler.close()
+                raise EngineNotLoaded(f"model {self.model_id} is shutting down")
+            try:
+                displaced = self._sched.submit(job, job.target, job.client, time.monotonic())
+            except QueueFull as exc:
+                self.stats.rejected += 1
+                job.sampler.close()
+                raise EngineBusy(f"model {self.model_id}: {exc}", retry_after_s=self._retry_after()) from None
+            self.stats.requests += 1
+            for other in displaced:
+                self.stats.rejected += 1
+                other.ended = True
+                other.sampler.close()
+                other.emit(EngineBusy(f"model {self.model_id}: the queue is full and this client holds more "
+                                      "than its share", retry_after_s=self._retry_after()))
+            self._cond.notify_all()
 
-    def _count_cancel(self) -> None:
-        with self._lock:
+    def _retry_after(self) -> float:
+        """Seconds until a slot is likely free: the queue ahead, served ``parallel`` at a time."""
+        queued = self._sched.queued if self._sched else 0
+        return float(min(60.0, max(1.0, self._mean_request_s * (queued + 1) / max(1, self.parallel))))
+
+    # ---- the worker ------------------------------------------------------------------------
+
+    def _worker(self) -> None:
+        """Plan and run steps until closed; every failure reaches the requests it concerns."""
+        assert self._sched is not None
+        sched = self._sched
+        while True:
+            with self._cond:
+                while not self._closed and not self._cancels and sched.idle:
+                    self._cond.wait()
+                if self._closed:
+                    break
+                try:
+                    step = self._next_step()
+                except Exception as exc:  # a bug: nothing can be trusted, every request ends with it
+                    log.exception("llama engine %s: scheduling failed", self.model_id)
+                    self._end_all(EngineError(f"generation failed: {exc}"))
+                    continue
+                if step.empty:
+                    self._cond.wait(0.05)  # only waiting requests that expire later
+                    continue
+            try:
+                self._run(step)
+            except Exception as exc:  # a bug or a native failure: fail what the step touched, carry on
+                self._fail_step(step, exc)
+        with self._cond:
+            self._end_all(EngineNotLoaded(f"model {self.model_id} is shutting down"))
+
+    def _next_step(self) -> Step[_Job]:
+        """(Lock held.) Cancellations and expired waits first, then the plan."""
+        assert self._sched is not None
+        self._apply_cancels()
+        for job in self._sched.expired(time.monotonic(), self.queue_timeout_s):
+            job.ended = True
+            job.sampler.close()
+            job.emit(EngineBusy(f"model {self.model_id}: request waited over {self.queue_timeout_s:g}s for a slot",
+                                retry_after_s=self._retry_after()))
+        return self._sched.plan()
+
+    def _apply_cancels(self) -> None:
+        """(Lock held.) Free the slots of requests whose consumers went away."""
+        assert self._sched is not None
+        for job in self._cancels:
+            if job.ended:  # it finished before its consumer left
+                continue
+            job.ended = True
+            if self._sched.cancel(job) is not None:
+                self._account(job)
             self.stats.cancelled += 1
+            job.sampler.close()
+        self._cancels.clear()
 
-    def _generate_blocking(self, job: _Job) -> None:
-        llama = self._require()
-        request, params = job.request, job.request.params
-        prompt, stop_strings = self._prepare(request)
-        limit = token_budget(len(prompt), int(llama.n_ctx()), params.max_tokens, self.model_id)
-        llama.set_seed(_seed(params))
-        text = TextStream(is_end=_eog_check(llama), token_bytes=lambda token: llama.detokenize([token]),
-                          stops=stop_strings, limit=limit, prompt_tokens=len(prompt))
-        started = time.monotonic()
-        for token in llama.generate(prompt, reset=True, **_sampling(params)):
-            if job.cancel.is_set():
-                self._count_cancel()
-                self._account(len(prompt), text.generated, started)
-                return
-            delta = text.feed(token)
-            if delta is not None:
-                job.emit(delta)
-            if text.done:
-                break
-        self._account(len(prompt), text.generated, started)
-        with self._lock:
-            self.stats.completed += 1
-        for event in text.finish():
-            job.emit(event)
+    def _run(self, step: Step[_Job]) -> None:
+        sched, ctx = self._sched, self._ctx
+        assert sched is not None
+        now = time.monotonic()
+        for a in step.assigned:
+            ctx.trim(a.slot, a.reused)
+            a.job.text.cached_tokens = a.reused
+            a.job.started = now
+            self.stats.cached_tokens += a.reused
+        if step.decode:
+            self._decode(step.decode)
+        for chunk in step.prefill:
+            self._prefill(chunk)
 
-    def _account(self, prompt_tokens: int, generated: int, started: float) -> None:
-        with self._lock:
-            self.stats.prompt_tokens += prompt_tokens
-            self.stats.completion_tokens += generated
-            self._rate.observe(generated, started, time.monotonic())
+    def _decode(self, rows: list[DecodeRow]) -> None:
+        """Every generating slot's next token, in one call.
+
+        llama.cpp puts only consecutive sequences in one batch, so a free or prefilling slot between two
+        generating ones gets a padding row (its next position, removed after the call): a row costs far
+        less than a second pass over the weights. Where one-row calls are measured to be faster than
+        the batch (:class:`~meshllm.engine.slots.CallCosts`), the rows go one by one instead; with
+        row-exact kernels that changes no result (with padding on, a lone row would, so never then).
+        """
+        if not self.pad_lone_rows and self._costs.split(len(rows)):
+            for row in rows:
+                self._decode_segment([row])
+            return
+        for segment in self._segments(rows):
+            self._decode_segment(segment)
+
+    def _segments(self, rows: list[DecodeRow]) -> Iterator[list[DecodeRow | tuple[int, int, int]]]:
+        """Rows and gap pads ``(token, pos, seq)`` covering consecutive sequences; a gap that cannot be
+        padded (its sequence is full) splits the call."""
+        by_slot = {r.slot: r for r in rows}
+        segment: list[DecodeRow | tuple[int, int, int]] = []
+        for seq in range(min(by_slot), max(by_slot) + 1):
+            row = by_slot.get(seq)
+            pad = None if row is not None else self._pad_row(seq, rows[0].token)
+            if row is None and pad is None:
+                if segment:
+                    yield segment
+                segment = []
+                continue
+            segment.append(row if row is not None else pad)  # type: ignore[arg-type]
+        if segment:
+            yield segment
+
+    def _decode_segment(self, segment: list[DecodeRow | tuple[int, int, int]]) -> None:
+        real = [(i, e) for i, e in enumerate(segment) if isinstance(e, DecodeRow)]
+        if not real:
+            return
+        pads = [e for e in segment if not isinstance(e, DecodeRow)]
+        tokens = [e.token if isinstance(e, DecodeRow) else e[0] for e in segment]
+        pos = [e.pos if isinstance(e, DecodeRow) else e[1] for e in segment]
+        seqs = [e.slot if isinstance(e, DecodeRow) else e[2] for e in segment]
+        outputs = [isinstance(e, DecodeRow) for e in segment]
+        if self.pad_lone_rows and len(real) == 1:  # a second output row, so the lone row computes as in a batch
+            if pads:
+                outputs[segment.index(pads[0])] = True
+            elif (extra := self._pad_row(seqs[-1] + 1, tokens[-1])) is not None:
+                pads.append(extra)
+                tokens, pos, seqs, outputs = [*tokens, extra[0]], [*pos, extra[1]], [*seqs, extra[2]], [*outputs, True]
+        started = time.perf_counter()
+        try:
+            self._ctx.decode(tokens, pos, seqs, outputs)
+        finally:
+            for _token, at, seq in pads:
+                self._ctx.trim(seq, at)
+        self._costs.observe(len(tokens), time.perf_counter() - started)
+        self.stats.decode_calls += 1
+        self.stats.decode_rows += len(real)
+        assert self._sched is not None
+        for i, row in real:
+            with self._cond:
+                self._sched.decoded(row.slot)
+            self._after_logits(row.slot, self._ctx.logits(i))
+
+    def _prefill(self, chunk: Chunk) -> None:
+        """One grid chunk of a prompt; its last chunk gives the first token."""
+        n = len(chunk.tokens)
+        tokens, pos, seqs = list(chunk.tokens), list(range(chunk.start, chunk.start + n)), [chunk.slot] * n
+        outputs = [False] * n
+        pad = None
+        if chunk.last:
+            outputs[-1] = True
+            if self.pad_lone_rows:
+                if n >= 2:
+                    outputs[-2] = True
+                else:
+                    pad = self._pad_row(chunk.slot + 1, chunk.tokens[-1])
+        if pad is not None:
+            tokens, pos, seqs, outputs = [*tokens, pad[0]], [*pos, pad[1]], [*seqs, pad[2]], [*outputs, True]
+        try:
+            self._ctx.decode(tokens, pos, seqs, outputs)
+        finally:
+            if pad is not None:
+                self._ctx.trim(pad[2], pad[1])
+        self.stats.prefill_chunks += 1
+        assert self._sched is not None
+        with self._cond:
+            self._sched.prefilled(chunk)
+        if chunk.last:
+            self._after_logits(chunk.slot, self._ctx.logits(n - 1))
+
+    def _pad_row(self, seq: int, token: int) -> tuple[int, int, int] | None:
+        """A throwaway row ``(token, pos, seq)`` at sequence ``seq``'s next position (the caller removes it
+        after the call); ``None`` when that sequence does not exist or is full."""
+        if seq >= self._ctx.n_seq:
+            return None
+        at = self._ctx.length(seq)
+        return (token, at, seq) if at < self._ctx.n_ctx_seq else None
+
+    def _after_logits(self, index: int, logits: np.ndarray) -> None:
+        """Sample the slot's next token, send its text, and continue or finish the request."""
+        assert self._sched is not None
+        job = self._sched.slots[index].job
+        if job is None or job.cancelled:
+            return
+        if job.forced:  # a continuation token: decoded as the first engine decoded it, not sampled
+            with self._cond:
+                self._sched.sampled(index, job.forced.popleft())
+            return
+        try:
+            token = job.sampler.sample(logits, job.text.generated)
+            if token is None:  # the grammar allows nothing more: the text is complete
+                job.text.reason, job.text.done = "stop", True
+            else:
+                delta = job.text.feed(token, logprob=job.sampler.logprob(logits, token))
+                if delta is not None:
+                    job.emit(delta)
+                if not job.text.done:
+                    job.sampler.accept(token)
+                    with self._cond:
+                        self._sched.sampled(index, token)
+                    return
+            for event in job.text.finish():
+                job.emit(event)
+            with self._cond:
+                self.stats.completed += 1
+                self._end(job, index)
+        except Exception as exc:
+            job.emit(exc if isinstance(exc, EngineError) else EngineError(f"generation failed: {exc}"))
+            with self._cond:
+                self._end(job, index)
+
+    def _end(self, job: _Job, index: int) -> None:
+        """(Lock held.) The request left its slot."""
+        assert self._sched is not None
+        self._sched.release(index)
+        job.ended = True
+        self._account(job)
+        job.sampler.close()
+
+    def _account(self, job: _Job) -> None:
+        now = time.monotonic()
+        self.stats.prompt_tokens += job.prompt_len
+        self.stats.completion_tokens += job.text.generated - len(job.request.continuation)
+        if job.started:
+            self._rate.observe(job.text.generated, job.started, now)
+            self._mean_request_s = 0.7 * self._mean_request_s + 0.3 * (now - job.started)
+
+    def _fail_step(self, step: Step[_Job], exc: Exception) -> None:
+        """A call failed: its requests get the error, their slots start empty."""
+        error = exc if isinstance(exc, EngineError) else EngineError(f"generation failed: {exc}")
+        assert self._sched is not None
+        touched = {a.slot for a in step.assigned} | {r.slot for r in step.decode} | {c.slot for c in step.prefill}
+        with self._cond:
+            for index in sorted(touched):
+                job = self._sched.slots[index].job
+                self._sched.forget(index)
+                with contextlib.suppress(EngineError):
+                    self._ctx.trim(index, 0)
+                if job is not None:
+                    job.emit(error)
+                    self._end(job, index)
+
+    def _end_all(self, error: EngineError) -> None:
+        """(Lock held.) Every request queued or running ends with ``error``; no cache is trusted."""
+        assert self._sched is not None
+        for slot in self._sched.slots:
+            if slot.job is not None:
+                slot.job.emit(error)
+                self._end(slot.job, slot.index)
+            self._sched.forget(slot.index)
+            with contextlib.suppress(EngineError):
+                if self._ctx is not None:
+                    self._ctx.trim(slot.index, 0)
+        for job in self._sched.expired(float("inf"), -1.0):
+            job.ended = True
+            job.sampler.close()
+            job.emit(error)
 
 
-def _sampling(params: GenerationParams) -> dict[str, Any]:
-    """``Llama.generate`` keyword arguments: OpenAI semantics (no min-p, no repeat penalty)."""
-    return {
-        "temp": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k or 0,
-        "min_p": 0.0,
-        "typical_p": 1.0,
-        "repeat_penalty": 1.0,
-        "presence_penalty": params.presence_penalty,
-        "frequency_penalty": params.frequency_penalty,
-    }
+class _TemplateTokens:
+    """What :func:`~meshllm.engine.chat_format.chat_renderer` reads from a ``llama_cpp.Llama`` to render a
+    GGUF's own template (BOS/EOS ids and their text), served by the native model."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = self  # chat_renderer reads llama._model.token_get_text
+        self._native = model
+
+    def token_get_text(self, token: int) -> str:
+        return str(self._native.token_text(token))
+
+    def token_bos(self) -> int:
+        return int(self._native.bos)
+
+    def token_eos(self) -> int:
+        return int(self._native.eos)
 
 
-def _seed(params: GenerationParams) -> int:
-    """llama.cpp seeds are u32; without a client seed, a fresh random one per request."""
-    if params.seed is None:
-        return int.from_bytes(os.urandom(4), "little")
-    return params.seed % (1 << 32)
+def lone_row_differs(model: Any, threads: int) -> bool:
+    """Whether llama.cpp computes a batch of one row differently from the same row beside another.
+
+    A small probe context decodes the same token at the same position twice, once alone and once
+    with a second row in another sequence, and compares the logits bit for bit.
+    """
+    from meshllm.engine.llama_native import NativeContext
+
+    ctx = NativeContext(model, n_seq=2, n_ctx_seq=256, n_batch=8, threads=threads)
+    try:
+        probe = [model.bos if model.bos >= 0 else 0] + [(k * 7919) % model.n_vocab for k in range(1, 5)]
+        ctx.decode(probe[:4], [0, 1, 2, 3], [0] * 4, [False, False, False, True])
+        ctx.decode(probe[4:], [4], [0], [True])
+        alone = ctx.logits(0).copy()
+        ctx.trim(0, 4)
+        ctx.decode([probe[4], probe[4]], [4, 0], [0, 1], [True, True])
+        return not np.array_equal(alone, ctx.logits(0))
+    finally:
+        ctx.close()
 
 
-def _eog_check(llama: Any) -> Callable[[int], bool]:
-    """A predicate for end-of-generation tokens (EOS, EOT and the model's other end markers)."""
-    import llama_cpp
+def kv_bytes_per_token(meta: GGUFMetadata) -> int:
+    """KV cache bytes one token of one sequence takes (f16 keys and values, every layer)."""
+    arch, f = meta.architecture, meta.fields
+    heads = f.get(f"{arch}.attention.head_count")
+    heads = heads if isinstance(heads, int) and heads > 0 else 1
+    kv_heads = f.get(f"{arch}.attention.head_count_kv", heads)
+    kv_heads = heads if isinstance(kv_heads, ArrayInfo) or not isinstance(kv_heads, int) else kv_heads
+    width = max(1, meta.embedding_length)
+    k_len = f.get(f"{arch}.attention.key_length", width // heads)
+    v_len = f.get(f"{arch}.attention.value_length", width // heads)
+    return max(1, meta.block_count) * kv_heads * (int(k_len) + int(v_len)) * 2
 
-    vocab = llama._model.vocab
-    return lambda token: bool(llama_cpp.llama_vocab_is_eog(vocab, token))
+
+def available_ram_bytes() -> int:
+    """Memory available to new allocations now (``MemAvailable``), else the machine's total."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return total_ram_bytes()
+
+
+def default_parallel(meta: GGUFMetadata, n_ctx_seq: int) -> int:
+    """Slots when ``--parallel`` is not given: as many full-context KV caches as a quarter of the free
+    memory holds, at most :data:`MAX_DEFAULT_PARALLEL`."""
+    per_slot = kv_bytes_per_token(meta) * n_ctx_seq
+    return int(max(1, min(MAX_DEFAULT_PARALLEL, available_ram_bytes() * KV_MEMORY_SHARE // per_slot)))

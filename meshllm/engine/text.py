@@ -10,15 +10,24 @@ from __future__ import annotations
 import codecs
 from collections.abc import Callable, Sequence
 
-from meshllm.engine.base import Finish, FinishReason, GenerationEvent, PromptTooLong, TextDelta, Usage
+from meshllm.engine.base import (
+    DEFAULT_MAX_TOKENS,
+    Finish,
+    FinishReason,
+    GenerationEvent,
+    PromptTooLong,
+    TextDelta,
+    TokenLogprob,
+    Usage,
+)
 
 
-def token_budget(prompt_tokens: int, context: int, max_tokens: int | None, model_id: str) -> int:
-    """How many tokens may be generated: ``max_tokens`` capped by what the context has left."""
+def token_budget(prompt_tokens: int, context: int, max_tokens: int | None, model_id: str, *,
+                 default: int = DEFAULT_MAX_TOKENS) -> int:
+    """How many tokens may be generated: ``max_tokens`` (else ``default``) capped by what the context has left."""
     if prompt_tokens >= context:
         raise PromptTooLong(f"prompt is {prompt_tokens} tokens; model {model_id} has a {context}-token context")
-    budget = context - prompt_tokens
-    return min(max_tokens, budget) if max_tokens is not None else budget
+    return min(max_tokens if max_tokens is not None else default, context - prompt_tokens)
 
 
 class StopMatcher:
@@ -56,7 +65,12 @@ class StopMatcher:
 
 
 class TextStream:
-    """One generation's text: feed it each sampled token, send what it returns, stop when ``done``."""
+    """One generation's text: feed it each sampled token, send what it returns, stop when ``done``.
+
+    Every delta carries the token ids fed since the previous one (and their logprobs when given),
+    so that a stream's deltas together hold its whole continuation: what a replacement engine needs
+    to resume it (:meth:`replay`).
+    """
 
     def __init__(self, *, is_end: Callable[[int], bool], token_bytes: Callable[[int], bytes],
                  stops: Sequence[str], limit: int, prompt_tokens: int) -> None:
@@ -66,12 +80,16 @@ class TextStream:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._limit = limit
         self._prompt_tokens = prompt_tokens
+        self._tokens: list[int] = []
+        self._logprobs: list[TokenLogprob] = []
         self.generated = 0
         """Tokens generated so far (the end-of-generation token does not count)."""
+        self.cached_tokens = 0
+        """Prompt tokens the engine took from its prompt cache (reported in usage)."""
         self.reason: FinishReason = "length"
         self.done = False
 
-    def feed(self, token: int, last: bool = False) -> TextDelta | None:
+    def feed(self, token: int, last: bool = False, logprob: TokenLogprob | None = None) -> TextDelta | None:
         """Take one sampled token (``last``: the sampler will send no more); return text to send now."""
         if self.done:
             raise RuntimeError("TextStream fed after it was done")
@@ -79,21 +97,44 @@ class TextStream:
             self.reason, self.done = "stop", True
             return None
         self.generated += 1
+        self._tokens.append(token)
+        if logprob is not None:
+            self._logprobs.append(logprob)
         text, hit = self._stops.feed(self._decoder.decode(self._token_bytes(token)))
         if hit:
             self.reason, self.done = "stop", True
         elif self.generated >= self._limit or last:
             self.done = True
-        return TextDelta(text) if text else None
+        return self._delta(text) if text else None
+
+    def replay(self, tokens: Sequence[int]) -> None:
+        """Feed tokens another engine already generated and sent (failover): the state moves on as if
+        they had been sampled here, and none of their text is sent again."""
+        for token in tokens:
+            if self.done:
+                break
+            self.feed(token)
+        self._tokens.clear()
+        self._logprobs.clear()
+
+    def _delta(self, text: str) -> TextDelta:
+        delta = TextDelta(text, tokens=tuple(self._tokens), logprobs=tuple(self._logprobs))
+        self._tokens.clear()
+        self._logprobs.clear()
+        return delta
 
     def finish(self) -> list[GenerationEvent]:
-        """The held-back tail (unless a stop string cut the text) and the closing :class:`Finish`."""
+        """The held-back tail (unless a stop string cut the text) and the closing :class:`Finish`.
+
+        The tail's delta carries the tokens fed since the last one; after a stop string they are
+        dropped with its text (the generation is over: nothing will resume it).
+        """
         out: list[GenerationEvent] = []
-        if not self._stops.hit:
-            tail = self._stops.flush(self._decoder.decode(b"", final=True))
-            if tail:
-                out.append(TextDelta(tail))
+        tail = "" if self._stops.hit else self._stops.flush(self._decoder.decode(b"", final=True))
+        if tail or (self._tokens and not self._stops.hit):
+            out.append(self._delta(tail))
         out.append(Finish(reason=self.reason, usage=Usage(prompt_tokens=self._prompt_tokens,
-                                                          completion_tokens=self.generated),
+                                                          completion_tokens=self.generated,
+                                                          cached_tokens=self.cached_tokens),
                           stop_sequence=self._stops.matched))
         return out

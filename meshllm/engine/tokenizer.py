@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import llama_cpp
 from llama_cpp import Llama
@@ -71,12 +70,6 @@ class Tokenizer:
                               else "the token-id prompt is empty", param="prompt")
         return list(tokens)
 
-    def chat_prompt(
-        self, messages: Sequence[dict[str, str]], tools: Sequence[dict[str, Any]] = ()
-    ) -> tuple[list[int], list[str]]:
-        """Prompt tokens for a conversation and the format's stop strings."""
-        rendered = self._render(messages=list(messages), tools=list(tools) or None)
-        return self.encode(rendered.prompt, add_bos=not rendered.added_special, special=True), list(rendered.stop)
 
     def close(self) -> None:
         """Free llama.cpp's vocabulary."""

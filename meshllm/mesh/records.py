@@ -104,7 +104,12 @@ class Load(msgspec.Struct, frozen=True, kw_only=True):
 
     in_flight: int = 0
     queue: int = 0
+    """Requests waiting for a slot."""
     tok_s: float = 0.0
+    slots: int = 0
+    """Requests the node's engines can generate at once (0: a node too old to say)."""
+    free_slots: int = 0
+    """Of ``slots``, those free now: a request routed here starts at once."""
 
 
 RttMs = Annotated[float, msgspec.Meta(ge=0.0, le=3_600_000.0)]

@@ -140,7 +140,7 @@ class GatedBackend:
         yield Finish(reason="stop", usage=Usage(1, 1))
 
 
-def test_concurrency_limit_gives_503_after_the_queue_deadline() -> None:
+def test_concurrency_limit_gives_429_with_retry_after_after_the_queue_deadline() -> None:
     backend = GatedBackend()
     app = create_app(backend, ApiLimits(max_concurrent=1, queue_timeout_s=0.2))
     body = {"model": "gated", "prompt": "x"}
@@ -152,7 +152,8 @@ def test_concurrency_limit_gives_503_after_the_queue_deadline() -> None:
         started = time.monotonic()
         refused = httpx.post(url + "/v1/completions", json=body)
         assert 0.15 < time.monotonic() - started < 3
-        assert_openai_error(refused, 503, "no_capacity")
+        assert_openai_error(refused, 429, "rate_limit_exceeded")
+        assert int(refused.headers["retry-after"]) >= 1
         backend.release.set()
         holder.join(10)
         assert results[0].status_code == 200 and results[0].json()["choices"][0]["text"] == "ok"
@@ -161,16 +162,14 @@ def test_concurrency_limit_gives_503_after_the_queue_deadline() -> None:
 
 @pytest.fixture
 def slow_engine(tiny_engine: LlamaEngine, monkeypatch: pytest.MonkeyPatch) -> LlamaEngine:
-    """The tiny engine, slowed to ~200 tokens/s so a disconnect lands mid-generation."""
-    llama = tiny_engine._llama
-    original = llama.generate
+    """The tiny engine, its steps slowed to ~200 tokens/s so a disconnect lands mid-generation."""
+    original = tiny_engine._run
 
-    def slow_generate(*args: Any, **kwargs: Any) -> Iterator[int]:
-        for token in original(*args, **kwargs):
-            time.sleep(0.005)
-            yield token
+    def slow_run(step: Any) -> None:
+        time.sleep(0.005)
+        original(step)
 
-    monkeypatch.setattr(llama, "generate", slow_generate)
+    monkeypatch.setattr(tiny_engine, "_run", slow_run)
     return tiny_engine
 
 

@@ -11,8 +11,8 @@ M = "model-x"
 
 
 def peer(node_id: str, load: int = 0, rtt: float | None = 10.0, models: tuple[str, ...] = (M,),
-         alive: bool = True) -> PeerView:
-    return PeerView(node_id=node_id, models=frozenset(models), load=load, rtt_ms=rtt, alive=alive)
+         alive: bool = True, free: int | None = None) -> PeerView:
+    return PeerView(node_id=node_id, models=frozenset(models), load=load, rtt_ms=rtt, alive=alive, free_slots=free)
 
 
 def ids(targets: list[Target]) -> list[str]:
@@ -58,6 +58,29 @@ def test_overloaded_affinity_peer_loses_priority() -> None:
     owner = ids(router.order(M, local_models=[], peers=peers, now=0.0, key=key))[0]
     busy = [peer(p.node_id, load=5 if p.node_id == owner else 0) for p in peers]
     assert ids(router.order(M, local_models=[], peers=busy, now=0.0, key=key))[0] != owner
+
+
+def test_free_slots_come_first_and_a_busy_local_engine_waits_behind_them() -> None:
+    router = Router("me", RouterConfig(load_cost_ms=100.0))
+    peers = [peer("full-near", rtt=1, load=8, free=0), peer("free-far", rtt=60, load=7, free=1),
+             peer("free-near", rtt=20, load=2, free=6), peer("old-idle", rtt=30), peer("old-busy", rtt=2, load=1)]
+    assert ids(router.order(M, local_models=[M], peers=peers, now=0.0, local_free=3)) == [
+        "me", "free-near", "old-idle", "free-far", "old-busy", "full-near"]
+    # all local slots taken: peers that start the request at once go first, then this node, then the rest
+    assert ids(router.order(M, local_models=[M], peers=peers, now=0.0, local_free=0)) == [
+        "free-near", "old-idle", "free-far", "me", "old-busy", "full-near"]
+
+
+def test_an_affinity_peer_without_a_free_slot_loses_priority() -> None:
+    router = Router("me")
+    key = "user:carol"
+    peers = [peer("a", free=2), peer("b", free=2), peer("c", free=2)]
+    owner = ids(router.order(M, local_models=[], peers=peers, now=0.0, key=key))[0]
+    full = [peer(p.node_id, load=4 if p.node_id == owner else 0, free=0 if p.node_id == owner else 2) for p in peers]
+    assert ids(router.order(M, local_models=[], peers=full, now=0.0, key=key))[-1] == owner
+    # a busy owner with free slots keeps its sessions (its cache holds their prefix)
+    busy = [peer(p.node_id, load=6 if p.node_id == owner else 0, free=2) for p in peers]
+    assert ids(router.order(M, local_models=[], peers=busy, now=0.0, key=key))[0] == owner
 
 
 def test_affinity_key_prefers_user_then_system_prompt_and_tools() -> None:

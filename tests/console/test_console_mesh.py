@@ -164,7 +164,7 @@ def test_the_status_has_the_fields_the_console_draws(console: Any, mesh: Mesh) -
     status = httpx.get(mesh.alpha.api + "/api/status", headers=auth(mesh.token), timeout=5).json()
     assert status["mesh_owner"] is True
     assert set(status["capacity"]) == {"ram_bytes", "vram_bytes", "cpu_cores", "gflops"}
-    assert set(status["load"]) == {"in_flight", "queue", "tok_s"}
+    assert set(status["load"]) == {"in_flight", "queue", "tok_s", "slots", "free_slots"}
     ids = {status["node_id"], *(p["node_id"] for p in status["peers"] if p["state"] == "alive")}
     assert all(link["a"] in ids and link["b"] in ids and link["a"] < link["b"] for link in status["links"])
     assert all(link["path"] in ("direct", "punched", "relayed") and link["rtt_ms"] > 0 for link in status["links"])

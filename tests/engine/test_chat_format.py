@@ -131,8 +131,6 @@ def test_the_ggml_engine_renders_tool_calls_and_results(tmp_path: Path) -> None:
     assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in text and "18 C, sunny" in text
 
 
-@pytest.mark.xfail(strict=True, reason="LlamaEngine._prepare builds message dicts of role and content itself; "
-                                       "it must render with ChatTemplate.render(request) to keep tool calls")
 def test_the_llama_engine_renders_tool_calls_and_results(tmp_path: Path) -> None:
     import asyncio
 

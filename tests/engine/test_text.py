@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshllm.engine.base import Finish, PromptTooLong, TextDelta
+from meshllm.engine.base import DEFAULT_MAX_TOKENS, Finish, PromptTooLong, TextDelta, TokenLogprob
 from meshllm.engine.text import TextStream, token_budget
 
 END = 0
@@ -60,7 +60,36 @@ def test_length_limit_and_last_token_end_with_length() -> None:
 def test_utf8_split_across_tokens_comes_out_whole() -> None:
     s = stream()
     assert s.feed(5) is None  # half a character: nothing to send yet
-    assert s.feed(6) == TextDelta("é")
+    assert s.feed(6) == TextDelta("é", tokens=(5, 6))
+
+
+def test_deltas_carry_every_token_fed_and_its_logprob() -> None:
+    s = stream(stops=("lox",))
+    lp = TokenLogprob(token_id=2, piece=b"lo", logprob=-0.5)
+    deltas = [s.feed(1), s.feed(2, logprob=lp), s.feed(3), s.feed(END)]
+    events = s.finish()
+    sent = [d for d in deltas if d] + [e for e in events if isinstance(e, TextDelta)]
+    assert [t for d in sent for t in d.tokens] == [1, 2, 3]  # "lo" was held back, then sent with " wor"
+    assert [lp for d in sent for lp in d.logprobs] == [lp]
+    assert "".join(d.text for d in sent) == "Hello wor"
+
+
+def test_replay_moves_the_state_on_without_sending_text() -> None:
+    whole, finish = run(stream(stops=("ld!",), limit=5), [1, 2, 3, 4, 7])
+    s = stream(stops=("ld!",), limit=5)
+    s.replay([1, 2, 3])  # "Hello wor" was sent by another engine
+    assert s.generated == 3 and not s.done
+    rest, resumed = run(s, [4, 7])
+    assert whole == "Hello wor" and rest == ""  # "ld!" is the stop string: nothing more is sent
+    assert resumed.reason == finish.reason == "stop" and resumed.usage == finish.usage
+
+
+def test_replay_can_finish_the_stream() -> None:
+    s = stream(limit=2)
+    s.replay([1, 2, 3])
+    assert s.done and s.generated == 2
+    events = s.finish()
+    assert events == [Finish(reason="length", usage=events[-1].usage)]  # type: ignore[union-attr]
 
 
 def test_feeding_after_done_is_a_bug() -> None:
@@ -72,6 +101,8 @@ def test_feeding_after_done_is_a_bug() -> None:
 
 def test_token_budget() -> None:
     assert token_budget(10, 100, None, "m") == 90
+    assert token_budget(10, 10_000, None, "m") == DEFAULT_MAX_TOKENS
+    assert token_budget(10, 10_000, None, "m", default=50) == 50
     assert token_budget(10, 100, 5, "m") == 5
     assert token_budget(10, 100, 500, "m") == 90
     with pytest.raises(PromptTooLong):

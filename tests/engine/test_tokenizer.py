@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from meshllm.engine.base import ChatMessage, ChatRequest
 from meshllm.engine.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
@@ -29,7 +30,8 @@ def test_end_of_generation(tokenizer: Tokenizer) -> None:
 
 
 def test_gemma_chat_format_without_a_template(tokenizer: Tokenizer) -> None:
-    tokens, stops = tokenizer.chat_prompt([{"role": "user", "content": "Hi"}])
+    request = ChatRequest(model="m", messages=(ChatMessage("user", "Hi"),))
+    tokens, stops = tokenizer.request_prompt(request, "m")
     [start_of_turn] = tokenizer.encode("<start_of_turn>", add_bos=False, special=True)
     assert tokens.count(start_of_turn) == 2  # the markers are control tokens, not text
     assert tokenizer.decode(tokens) == "user\nHi\nmodel\n"  # decoding leaves control tokens out

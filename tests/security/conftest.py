@@ -6,12 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from nodes import NodeProcess, running_nodes, wait_until
-
-
-def sees(node: NodeProcess, other_id: str, states: tuple[str, ...] = ("alive", "suspect")) -> bool:
-    """Whether ``node`` lists ``other_id`` in one of ``states``."""
-    return any(p["node_id"] == other_id and p["state"] in states for p in node.status()["peers"])
+from nodes import NodeProcess, running_nodes, sees, wait_until
 
 
 def start_pair(tmp: Path, nodes: list[NodeProcess], *owner_args: str) -> tuple[NodeProcess, NodeProcess]:

@@ -15,8 +15,7 @@ import time
 
 import pytest
 from attacker import Attacker
-from conftest import sees
-from nodes import NodeProcess, meshllm, wait_until
+from nodes import NodeProcess, meshllm, sees, wait_until
 
 from meshllm.errors import MeshllmError
 from meshllm.mesh.admission import inspect_token

@@ -12,9 +12,8 @@ import time
 
 import pytest
 from attacker import Attacker, invites_in
-from conftest import sees
 from nacl.signing import SigningKey
-from nodes import NodeProcess, meshllm, meshllm_json, wait_until
+from nodes import NodeProcess, meshllm, meshllm_json, sees, wait_until
 
 from meshllm.mesh.admission import encode_token
 from meshllm.mesh.membership import join_mesh

@@ -19,9 +19,8 @@ from typing import Any
 import msgspec
 import pytest
 from attacker import Attacker
-from conftest import sees
 from nacl.signing import SigningKey
-from nodes import NodeProcess, wait_until
+from nodes import NodeProcess, sees, wait_until
 
 from meshllm.identity.ids import node_id as node_id_of
 from meshllm.identity.signing import sign

@@ -12,8 +12,7 @@ import time
 
 import pytest
 from attacker import Attacker, flood_digests, rss_mb
-from conftest import sees
-from nodes import NodeProcess
+from nodes import NodeProcess, sees
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 from attacker import InitialFlood
-from conftest import sees
-from nodes import NodeProcess, running_nodes, wait_until
+from nodes import NodeProcess, running_nodes, sees, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 

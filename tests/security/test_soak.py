@@ -35,8 +35,7 @@ from attacker import (
     rss_mb,
     unfinished_lane_frames,
 )
-from conftest import sees
-from nodes import NodeProcess, running_nodes, wait_until
+from nodes import NodeProcess, running_nodes, sees, wait_until
 from tinymodels import write_tiny_llama
 
 from meshllm.errors import MeshllmError

@@ -88,7 +88,8 @@ export function fmtCapacity(c) {
 
 export function fmtLoad(l) {
   if (!l) return "—";
-  return `${l.in_flight || 0} running · ${l.queue || 0} queued · ${(Number(l.tok_s) || 0).toFixed(0)} tok/s`;
+  const slots = l.slots ? ` · ${l.free_slots || 0}/${l.slots} slots free` : "";
+  return `${l.in_flight || 0} running · ${l.queue || 0} queued · ${(Number(l.tok_s) || 0).toFixed(0)} tok/s${slots}`;
 }
 
 /** "tiny", or "tiny [0–6)" for a layer range. */

@@ -1,0 +1,128 @@
+"""Choosing a slot's next token: llama.cpp's samplers, and a random draw that depends on (seed, step) only.
+
+Penalties, top-k, top-p and temperature run as one llama.cpp sampler chain per slot; a GBNF grammar
+is a second sampler of the same slot. The final random draw is ours: a uniform number computed
+from the request's seed and the step (the index of the token being generated), so the draw of
+step ``k`` does not depend on how many draws came before it. An engine that resumes a request
+from ``k`` tokens generated elsewhere (``continuation``) feeds them to the samplers' histories and
+then draws what the first engine would have drawn at step ``k``.
+
+A grammar is checked the way llama.cpp's own server does it: the token chosen without the grammar
+is kept if the grammar allows it (one candidate to check), and only otherwise is the whole
+vocabulary constrained and the choice made again, with the same uniform number.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from meshllm.engine.base import GenerationParams, InvalidRequest, TokenLogprob, TopLogprob
+from meshllm.engine.llama_native import Candidates, NativeModel, NativeSampler
+
+PENALTY_WINDOW = 64
+"""Tokens the presence/frequency penalties look back over (as the numpy sampler's ``repeat_last_n``)."""
+MAX_LOGPROBS = 20
+_MASK = (1 << 64) - 1
+
+
+def step_uniform(seed: int, step: int) -> float:
+    """A uniform number in [0, 1) that is a function of ``(seed, step)`` alone (SplitMix64 of both)."""
+    x = ((seed & _MASK) * 0x9E3779B97F4A7C15 + (step & _MASK) * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) & _MASK
+    for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+        x = ((x ^ (x >> shift)) * mult) & _MASK
+    x ^= x >> 31
+    return (x >> 11) / float(1 << 53)
+
+
+def request_seed(params: GenerationParams) -> int:
+    """The request's seed, or a fresh random one when it has none."""
+    return params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+
+
+class SlotSampler:
+    """The samplers of one request in one slot."""
+
+    def __init__(self, model: NativeModel, params: GenerationParams) -> None:
+        if params.logprobs is not None and not (0 <= params.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequest(f"logprobs must be between 0 and {MAX_LOGPROBS}")
+        self.model = model
+        self.greedy = params.temperature <= 0.0
+        self.seed = request_seed(params)
+        self.top_logprobs = params.logprobs
+        self.grammar = NativeSampler.grammar(model, params.grammar) if params.grammar else None
+        try:
+            self.chain = NativeSampler.chain(
+                model, presence=params.presence_penalty, frequency=params.frequency_penalty,
+                top_k=params.top_k or 0, top_p=params.top_p,
+                temperature=None if self.greedy else params.temperature, penalty_window=PENALTY_WINDOW)
+        except BaseException:
+            self.close()
+            raise
+        self._candidates: Candidates | None = None
+
+    def sample(self, logits: np.ndarray, step: int) -> int | None:
+        """The token for generation step ``step``; ``None`` when the grammar allows no token at all."""
+        u = step_uniform(self.seed, step)
+        if self.chain is None:  # greedy without penalties: the most likely token
+            token: int | None = int(np.argmax(logits))
+        else:
+            token = self._choose(logits, u, constrain=False)
+        if token is not None and self.grammar is not None and not self.grammar.allows(token):
+            token = self._choose(logits, u, constrain=True)
+        return token
+
+    def _choose(self, logits: np.ndarray, u: float, constrain: bool) -> int | None:
+        if self._candidates is None:
+            self._candidates = Candidates(self.model.n_vocab)
+        cand = self._candidates
+        cand.load(logits)
+        if constrain:
+            assert self.grammar is not None
+            self.grammar.apply(cand)
+        if self.chain is not None:
+            self.chain.apply(cand)
+        ids, z = cand.current()
+        finite = np.isfinite(z)
+        if not finite.any():
+            return None
+        if self.greedy:
+            return int(ids[int(np.argmax(z))])
+        w = np.exp(z.astype(np.float64) - z[finite].max())
+        cum = np.cumsum(w)
+        return int(ids[min(int(np.searchsorted(cum, u * cum[-1], side="right")), len(ids) - 1)])
+
+    def accept(self, token: int) -> None:
+        """Record a generated token (not the end-of-generation one) in the penalty and grammar state."""
+        if self.chain is not None:
+            self.chain.accept(token)
+        if self.grammar is not None:
+            self.grammar.accept(token)
+
+    def replay(self, tokens: tuple[int, ...]) -> None:
+        """Record tokens generated elsewhere; refuse a continuation the grammar would not have produced."""
+        for i, token in enumerate(tokens):
+            if self.grammar is not None and not self.grammar.allows(token):
+                raise InvalidRequest(f"continuation token {i} ({token}) is not allowed by the request's grammar")
+            self.accept(token)
+
+    def logprob(self, logits: np.ndarray, token: int) -> TokenLogprob | None:
+        """``token``'s log-probability and the top alternatives, from the raw logits (``None``: not asked)."""
+        if self.top_logprobs is None:
+            return None
+        z = logits.astype(np.float64)
+        lse = float(z.max() + np.log(np.exp(z - z.max()).sum()))
+        top: tuple[TopLogprob, ...] = ()
+        if self.top_logprobs:
+            k = min(self.top_logprobs, z.size)
+            best = np.argpartition(-z, k - 1)[:k]
+            best = best[np.lexsort((best, -z[best]))]
+            top = tuple(TopLogprob(token_id=int(t), piece=self.model.piece(int(t)), logprob=float(z[t]) - lse)
+                        for t in best)
+        return TokenLogprob(token_id=token, piece=self.model.piece(token), logprob=float(z[token]) - lse, top=top)
+
+    def close(self) -> None:
+        for sampler in (self.grammar, getattr(self, "chain", None)):
+            if sampler is not None:
+                sampler.close()
