@@ -186,6 +186,11 @@ class Config:
     """Folders whose GGUFs the model library indexes in place (never deletes)."""
     models_disk_budget_gb: float | None = None
     """Most disk the library's own files (downloads, fetched models and stage files) may take."""
+    speculate: str = "auto"
+    """Speculative decoding: ``auto``, ``on`` or ``off`` (``meshllm serve --speculate``)."""
+
+
+SPECULATE_MODES = ("auto", "on", "off")
 
 
 def load_config(home: Path) -> Config:
@@ -197,10 +202,13 @@ def load_config(home: Path) -> Config:
         raw: dict[str, Any] = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"cannot read {path}: {exc}", hint="fix or delete the file") from exc
-    known = {"api_port", "mesh_port", "name", "dht_bootstrap", "model_dirs", "models_disk_budget_gb"}
+    known = {"api_port", "mesh_port", "name", "dht_bootstrap", "model_dirs", "models_disk_budget_gb", "speculate"}
     unknown = set(raw) - known
     if unknown:
         raise ConfigError(f"{path}: unknown settings {sorted(unknown)}", hint=f"known settings: {sorted(known)}")
+    speculate = raw.get("speculate", "auto")
+    if speculate not in SPECULATE_MODES:
+        raise ConfigError(f"{path}: speculate = {speculate!r} is not one of {', '.join(SPECULATE_MODES)}")
     try:
         return Config(
             api_port=int(raw.get("api_port", DEFAULT_API_PORT)),
@@ -209,6 +217,7 @@ def load_config(home: Path) -> Config:
             dht_bootstrap=tuple(str(a) for a in raw.get("dht_bootstrap", ())),
             model_dirs=tuple(str(d) for d in raw.get("model_dirs", ())),
             models_disk_budget_gb=_budget(raw.get("models_disk_budget_gb")),
+            speculate=speculate,
         )
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{path}: {exc}") from exc

@@ -48,6 +48,7 @@ from meshllm.discovery.routes import discovery_router
 from meshllm.engine.base import DEFAULT_MAX_TOKENS
 from meshllm.engine.capacity import compute_devices, measure_capacity
 from meshllm.engine.kernels import Kernels
+from meshllm.engine.speculate import SpeculateMode
 from meshllm.errors import ConfigError, DecodeError, KeystoreError, MeshllmError, VerificationError
 from meshllm.identity.certs import decode_certificate, open_certificate
 from meshllm.identity.ids import b32, node_public_key, unb32
@@ -109,6 +110,8 @@ class NodeOptions:
     """Relay for members behind NATs: always, never, or when peers find us reachable (auto)."""
     split: SplitOptions = field(default_factory=SplitOptions)
     """``--split``/``--stages``/``--max-memory``: whether and how to split models over workers."""
+    speculate: SpeculateMode = "auto"
+    """``--speculate``: speculative decoding on split chains and the llama engine (docs/splits.md)."""
     dht_bootstrap: list[str] = field(default_factory=list)
     """DHT peers (multiaddrs) to join at start; the DHT also starts on the first publish."""
     dht_port: int | None = None
@@ -194,7 +197,8 @@ class Node:
         self._advertise_models()
         self._scan_task = asyncio.create_task(self._scan_library(), name="scan-model-library")
         self.serving = Serving(self.key.node_id, self.mesh, self.events, store=self.store)
-        split = dataclasses.replace(opts.split, threads=opts.threads, gpu_layers=opts.gpu_layers, kernels=opts.kernels)
+        split = dataclasses.replace(opts.split, threads=opts.threads, gpu_layers=opts.gpu_layers, kernels=opts.kernels,
+                                    speculate=opts.speculate)
         self.splits = SplitService(self.mesh, self.serving, self.events, opts.role, split, self.store,
                                    self.key.signing_key)
         self.owner = OwnerService(

@@ -36,12 +36,13 @@ from meshllm.split.placement import (
     SplitPlacement,
     candidates,
     describe,
+    measured_speeds,
     memory_budget,
     model_profile,
     needs_split,
     plan_options,
 )
-from meshllm.split.planner import ModelProfile, plan
+from meshllm.split.planner import ModelProfile, Speculation, plan
 from meshllm.split.stage import StageServer
 
 SPLIT_ENGINE = "split"
@@ -159,11 +160,20 @@ class SplitService:
         options = SplitOptions(mode="force" if stages else "auto", stages=stages,
                                max_memory=max_memory or self.options.max_memory, context=self.options.context)
         own, members = self._own(), self._members()
-        nodes = candidates(own, memory_budget(own.capacity, options.max_memory), members)
-        chosen = plan(profile, nodes, self._rtt(), own.node_id,
-                      plan_options(options, len(nodes) - 1))
+        # a chain of this model that ran here measured its nodes' speeds and its acceptance: plan with them
+        running = self.placements.get(ref.model_id)
+        coordinator = running.coordinator if running is not None else None
+        measured = measured_speeds(coordinator, profile) if coordinator is not None else {}
+        acceptance = coordinator.acceptance.rate if coordinator is not None and coordinator.stats.drafted else None
+        nodes = candidates(own, memory_budget(own.capacity, options.max_memory), members, measured=measured)
+        opts = plan_options(options, len(nodes) - 1)
+        if coordinator is not None and (serve := coordinator.serve_seconds) is not None:
+            opts = dataclasses.replace(opts, serve_overhead_s=serve)
+        if acceptance is not None:
+            opts = dataclasses.replace(opts, speculation=Speculation(acceptance))
+        chosen = plan(profile, nodes, self._rtt(), own.node_id, opts)
         names = {**{n: r.name for n, r in members.items()}, own.node_id: own.name}
-        return describe(chosen, names, ref.model_id, profile)
+        return describe(chosen, names, ref.model_id, profile, measured, acceptance)
 
     # -- the peer record -------------------------------------------------------------------------
 

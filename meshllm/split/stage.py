@@ -18,12 +18,17 @@ only when its chain starts at that owner and equals the placed chain hop for hop
 ranges); the lane already checks that it comes from the chain's previous hop. So a member outside
 the plan cannot borrow the stage's compute, and a member inside it cannot redirect its output. Each
 owner may keep at most :data:`MAX_SESSIONS_PER_OWNER` sessions open on this node.
+
+A :class:`~meshllm.split.frames.Verify` window runs position by position on every stage; the last
+stage stops at the first draft its sampler rejects (:meth:`StageServer._verify`), and every stage cuts
+the rejected positions from its KV when the session's next step arrives at the kept length.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -48,8 +53,10 @@ from meshllm.split.frames import (
     Pong,
     Prefill,
     Reset,
+    Step,
     Stop,
     Tokens,
+    Verify,
 )
 from meshllm.split.lanes import MAX_ACTIVATION_BYTES, Lane, LanePool
 
@@ -60,6 +67,15 @@ MAX_SESSIONS_PER_OWNER = 32
 
 ReplySink = Callable[[str, Tokens | Error], None]
 """``sink(peer_id, frame)``: where a coordinator session receives its Tokens and Errors."""
+
+
+def forward_positions(stage: StageModel, session: str, inputs: np.ndarray, pos: int) -> np.ndarray:
+    """``inputs`` run one position at a time: bit for bit what consecutive Decodes compute.
+
+    A multi-row forward uses other kernels than a one-row one (and its logits differ), so a verify
+    window computed in one call could keep tokens plain decoding would not have produced.
+    """
+    return np.concatenate([stage.forward(session, inputs[i : i + 1], pos + i) for i in range(len(inputs))])
 
 
 @dataclass
@@ -190,7 +206,7 @@ class StageServer:
         session = self._sessions.get(frame.session)  # type: ignore[union-attr]
         if session is None or session.upstream is not lane:
             return  # the lane already refused it, or the session failed here before
-        if isinstance(frame, Prefill | Decode):
+        if isinstance(frame, Prefill | Decode | Verify):
             await self._step(session, frame)
         elif isinstance(frame, Reset | Stop):
             session.stage.reset(frame.session)
@@ -243,25 +259,62 @@ class StageServer:
         self._sessions[frame.session] = session
         return None
 
-    async def _step(self, session: _Session, frame: Prefill | Decode) -> None:
-        sid = frame.session
+    async def _step(self, session: _Session, frame: Step) -> None:
+        sid, stage = frame.session, session.stage
+        sample = session.last and not (isinstance(frame, Prefill) and not frame.sample)
+
+        def compute(x: np.ndarray) -> tuple[np.ndarray | list[int], float]:
+            started = time.perf_counter()
+            if stage.session_length(sid) > frame.pos:
+                stage.trim(sid, frame.pos)  # positions of the previous window the last stage did not keep
+            out: np.ndarray | list[int]
+            if isinstance(frame, Verify):
+                out = self._verify(session, x, frame) if session.last else forward_positions(stage, sid, x, frame.pos)
+            else:
+                out = stage.forward(sid, x, frame.pos, last_only=session.last)
+                if sample:
+                    out = [self._sample(session, out[-1])]
+            return out, (time.perf_counter() - started) * 1e3
+
         try:
             x = codec.decode(frame.activations, frame.dtype, frame.n_tokens, frame.shape[1])
-            stage, small = session.stage, frame.n_tokens == 1
-            out = await self.compute.run(
-                session.open.model, small, lambda: stage.forward(sid, x, frame.pos, last_only=session.last)
-            )
+            out, took = await self.compute.run(session.open.model, frame.n_tokens == 1, lambda: compute(x))
         except MeshllmError as exc:
             return await self._refuse(session.upstream, frame, "stage-error", str(exc))
+        spent = [*frame.compute_ms, round(took, 3)]
         if not session.last:
-            step = msgspec.structs.replace(frame, activations=codec.encode(out, frame.dtype), shape=out.shape)
+            assert isinstance(out, np.ndarray)
+            step = msgspec.structs.replace(frame, activations=codec.encode(out, frame.dtype), shape=out.shape,
+                                           compute_ms=spent)
             return await self._forward(session, step)
-        if isinstance(frame, Prefill) and not frame.sample:
+        if not sample:
             return None
-        token = await self.compute.run("sample", True, lambda: self._sample(session, out[-1]))
-        end = frame.pos + frame.n_tokens
+        assert isinstance(out, list)
+        end = frame.pos + (len(out) if isinstance(frame, Verify) else frame.n_tokens)
         finish = "length" if end + 1 >= session.open.max_context else None
-        return await self._forward(session, Tokens(session=sid, pos=end, token_ids=[token], finish=finish))
+        return await self._forward(session, Tokens(session=sid, pos=end, token_ids=out, finish=finish,
+                                                   compute_ms=spent))
+
+    def _verify(self, session: _Session, x: np.ndarray, frame: Verify) -> list[int]:
+        """The last stage's side of a window: positions one by one until the sampler rejects a draft.
+
+        Each position is a decode step of its own (same graph, same kernels, so a kept token and its
+        KV are exactly what plain decoding computes), and the positions after the first rejection
+        are never computed: a rejected draft costs the last stage nothing.
+        """
+        assert session.sampler is not None
+        sid, out = frame.session, []
+        for i in range(frame.n_tokens):
+            logits = session.stage.forward(sid, x[i : i + 1], frame.pos + i, last_only=True)[-1]
+            if i < len(frame.draft):
+                token, kept = session.sampler.verify(logits, session.history, frame.draft[i])
+            else:
+                token, kept = session.sampler(logits, session.history), False
+            session.history.append(token)
+            out.append(token)
+            if not kept:
+                break
+        return out
 
     def _sample(self, session: _Session, logits: np.ndarray) -> int:
         assert session.sampler is not None
