@@ -6,6 +6,8 @@ slows both alike; decode figures are the median step time over ``--runs`` x ``--
 steps (with the quartiles in the JSON), prefill the median over ``--runs`` prompts; ratios are
 ggml / llama.cpp at the same thread count. Both are fed the same tokens (the ggml run's greedy
 continuation) and the report says whether llama.cpp's greedy choice was the same at every step.
+Both use llama.cpp's default kernels (repacked weights, tiled matmul: ``--kernels fast``), like for
+like; a node's default ``exact`` kernels cost both engines alike (docs/benchmarks.md, kernels).
 
 Memory: each engine is loaded in a fresh child process (this script with ``--rss-child``) that runs
 the prompt and the decode steps; its RSS growth is compared with the runtime's bound for a stage,
@@ -144,7 +146,7 @@ def rss_child(engine: str, model: Path, start: int, end: int | None, prompt_n: i
         for _ in range(decode):
             llm.eval([_llama_argmax(llm)])
         return {"growth": _rss() - before}
-    stage = StageModel.load(model, start, stop, max_context=CONTEXT, threads=1)
+    stage = StageModel.load(model, start, stop, max_context=CONTEXT, threads=1, kernels="fast")
     x: np.ndarray = np.array(prompt) if stage.first else np.random.default_rng(0).standard_normal(
         (prompt_n, hp.width), np.float32)
     stage.forward("m", x, 0, last_only=True)
@@ -194,7 +196,7 @@ def main() -> None:
     stages, load_s = {}, {}
     for t in threads:
         started = time.perf_counter()
-        stages[t] = StageModel.load(args.model, max_context=CONTEXT, threads=t)
+        stages[t] = StageModel.load(args.model, max_context=CONTEXT, threads=t, kernels="fast")
         load_s[t] = time.perf_counter() - started
     llamas = {t: Llama(model_path=str(args.model), n_ctx=CONTEXT, n_threads=t, n_threads_batch=t, verbose=False)
               for t in threads}

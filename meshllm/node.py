@@ -47,6 +47,7 @@ from meshllm.discovery.publisher import NodeDiscovery, facts_from_records
 from meshllm.discovery.routes import discovery_router
 from meshllm.engine.base import DEFAULT_MAX_TOKENS
 from meshllm.engine.capacity import compute_devices, measure_capacity
+from meshllm.engine.kernels import Kernels
 from meshllm.engine.speculate import SpeculateMode
 from meshllm.errors import ConfigError, DecodeError
 from meshllm.identity.ids import node_public_key, unb32
@@ -95,8 +96,8 @@ class NodeOptions:
     """llama.cpp slots per model: requests generated at once in one batch (None: sized from memory)."""
     max_tokens_default: int = DEFAULT_MAX_TOKENS
     """Tokens generated for a request that sets no ``max_tokens``."""
-    kernels: Literal["exact", "fast"] = "exact"
-    """llama.cpp kernels: row-exact (answers independent of batching) or fast."""
+    kernels: Kernels = "exact"
+    """ggml kernels of every engine and stage: row-exact (answers independent of batching) or fast."""
     relay: Literal["on", "off", "auto"] = "auto"
     """Relay for members behind NATs: always, never, or when peers find us reachable (auto)."""
     split: SplitOptions = field(default_factory=SplitOptions)
@@ -177,7 +178,7 @@ class Node:
         await self.mesh.start()
         self.serving = Serving(self.key.node_id, self.mesh, self.events)
         split = dataclasses.replace(opts.split, threads=opts.threads, gpu_layers=opts.gpu_layers,
-                                    speculate=opts.speculate)
+                                    kernels=opts.kernels, speculate=opts.speculate)
         self.splits = SplitService(self.mesh, self.serving, self.events, opts.role, split,
                                    hash_cache=self.home / MODEL_HASHES_FILE)
         self.discovery = self._make_discovery()

@@ -24,7 +24,8 @@ from meshllm.api.mesh_backend import MeshBackend
 from meshllm.api.tunnel import STREAM_KIND
 from meshllm.api.tunnel_serve import TunnelService
 from meshllm.engine.base import DEFAULT_MAX_TOKENS, Engine
-from meshllm.engine.llama import Kernels, LlamaEngine
+from meshllm.engine.kernels import Kernels
+from meshllm.engine.llama import LlamaEngine
 from meshllm.errors import ConfigError
 from meshllm.mesh.records import Load, Models, ServedModel
 from meshllm.mesh.service import MeshService
@@ -59,7 +60,7 @@ class Serving:
 
         ``gpu_layers``: layers to offload to the accelerator (None: all that fit); ``parallel`` is the
         llama.cpp engine's slots per model (``None``: sized from memory); ``max_tokens_default``
-        caps its requests that set no ``max_tokens``; ``kernels`` picks row-exact or fast llama.cpp kernels.
+        caps its requests that set no ``max_tokens``; ``kernels`` picks row-exact or fast ggml kernels (both engines).
         """
         if engine not in ENGINES:
             raise ConfigError(f"unknown engine {engine!r}", hint=f"choose one of {', '.join(ENGINES)}")
@@ -90,7 +91,7 @@ class Serving:
         if engine == "ggml":
             from meshllm.engine.ggml.engine import GgmlEngine
 
-            return GgmlEngine(ref.path, model_id=ref.model_id, threads=threads, gpu_layers=gpu_layers)
+            return GgmlEngine(ref.path, model_id=ref.model_id, threads=threads, gpu_layers=gpu_layers, kernels=kernels)
         from meshllm.engine.capacity import accelerator, llama_gpu_layers
 
         return LlamaEngine(ref, n_threads=threads, n_gpu_layers=llama_gpu_layers(ref.path, gpu_layers, accelerator()),

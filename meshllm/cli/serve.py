@@ -90,8 +90,8 @@ def node_options(func: Any) -> Any:
         click.option("--max-tokens-default", type=click.IntRange(min=1), default=DEFAULT_MAX_TOKENS,
                      show_default=True, help="Tokens generated for a request that sets no max_tokens."),
         click.option("--kernels", type=click.Choice(["exact", "fast"]), default="exact", show_default=True,
-                     help="llama.cpp kernels: exact (a request's text never depends on what runs beside it) or "
-                          "fast (also its repacked and tiled kernels: faster prompts on some CPUs)."),
+                     help="ggml kernels of models and stages: exact (a request's text never depends on what runs "
+                          "beside it) or fast (also repacked and tiled kernels: faster prompts on some CPUs)."),
         click.option("--dht-bootstrap", multiple=True, metavar="MULTIADDR", callback=dht_multiaddrs,
                      help="DHT peer to join at start, /ip4/HOST/tcp/PORT/p2p/PEERID (repeatable; "
                           "default: dht_bootstrap in config.toml)."),

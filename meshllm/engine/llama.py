@@ -36,7 +36,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -62,6 +62,7 @@ from meshllm.engine.base import (
 from meshllm.engine.capacity import total_ram_bytes
 from meshllm.engine.chat_format import ChatTemplate, chat_renderer
 from meshllm.engine.fair_queue import QueueFull
+from meshllm.engine.kernels import Kernels, use_kernels
 from meshllm.engine.slots import CallCosts, Chunk, DecodeRow, Scheduler, Step
 from meshllm.engine.text import TextStream, token_budget
 from meshllm.models.metadata import ArrayInfo, GGUFMetadata, read_metadata
@@ -75,9 +76,6 @@ KV_MEMORY_SHARE = 0.25
 """Share of the memory available at load that the default slot count may spend on KV caches."""
 PREFILL_CHUNK = 64
 """Tokens per prefill chunk: the grid prompts are prefilled on, and the prefill work per step."""
-Kernels = Literal["exact", "fast"]
-"""``exact``: llama.cpp kernels that compute a row the same way whatever else is in the batch (a
-request's text never depends on what runs beside it); ``fast``: its repacked and tiled kernels too."""
 
 
 @dataclass
@@ -197,12 +195,10 @@ class LlamaEngine(Engine):
         await asyncio.to_thread(self._load_blocking)
 
     def _load_blocking(self) -> None:
-        from meshllm.engine.llama_native import NativeContext, NativeModel, use_row_exact_kernels
+        from meshllm.engine.llama_native import NativeContext, NativeModel
 
         meta = read_metadata(self.path)
-        if self.kernels == "exact":
-            use_row_exact_kernels()
-        model = NativeModel(self.path, n_gpu_layers=self._n_gpu_layers, repack=self.kernels == "fast")
+        model = NativeModel(self.path, n_gpu_layers=self._n_gpu_layers, repack=use_kernels(self.kernels))
         try:
             n_ctx_seq = context_cap(meta.context_length, self._n_ctx)
             parallel = self._parallel or default_parallel(meta, n_ctx_seq)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,17 +43,6 @@ def _forward_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
     if level in (_GGML_LOG_WARN, _GGML_LOG_ERROR):
         log.log(logging.ERROR if level == _GGML_LOG_ERROR else logging.DEBUG, "llama.cpp: %s",
                 text.decode("utf-8", "replace").rstrip())
-
-
-def use_row_exact_kernels() -> None:
-    """Make ggml compute every row the same way whatever the batch holds (call before the first decode).
-
-    ggml's tiled K-quant matmul (taken for batches of 8 rows and more) accumulates differently from
-    its row-by-row kernel; ``GGML_CPU_TILED_MM=0`` turns it off. It is read once per process, at the
-    first matmul: the choice holds for the whole process. Repacked weights are the other half
-    (:class:`NativeModel` ``repack=False``).
-    """
-    os.environ.setdefault("GGML_CPU_TILED_MM", "0")
 
 
 def _init_backend() -> None:

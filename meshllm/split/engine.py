@@ -26,12 +26,11 @@ from meshllm.engine.base import (
     GenerationParams,
     GenerationRequest,
     LoadReport,
-    TextDelta,
     TokenRate,
     check_supported,
     context_cap,
 )
-from meshllm.engine.ggml.engine import SUPPORTS, DeltaTokens, replay
+from meshllm.engine.ggml.engine import SUPPORTS, replay
 from meshllm.engine.sampler import sampling_params
 from meshllm.engine.text import TextStream, token_budget
 from meshllm.engine.tokenizer import Tokenizer
@@ -113,11 +112,11 @@ class SplitEngine(Engine):
         if coordinator is None:
             raise ChainUnavailable(f"split model {self.model_id} is not available: {self.unavailable}")
         check_supported(self, request)
-        prompt, stop_strings = self.prompt_tokens(request)
+        # A long prompt takes seconds to tokenize: never on the event loop.
+        prompt, stop_strings = await asyncio.to_thread(self.prompt_tokens, request)
         limit = token_budget(len(prompt), self.max_context, request.params.max_tokens, self.model_id)
         text = TextStream(is_end=tokenizer.is_end, token_bytes=tokenizer.token_bytes, stops=stop_strings,
                           limit=limit, prompt_tokens=len(prompt))
-        deltas = DeltaTokens()
         fed = replay(text, request, coordinator.first.hparams.vocab)
         if text.done:
             for event in text.finish():
@@ -129,7 +128,7 @@ class SplitEngine(Engine):
                                       sampling=chain_sampling(request.params))
         try:
             async for token in tokens:
-                delta = deltas.wrap(text.feed(token.token_id, last=bool(token.finish)), token.token_id)
+                delta = text.feed(token.token_id, last=bool(token.finish))
                 if delta is not None:
                     yield delta
                 if text.done:
@@ -141,5 +140,5 @@ class SplitEngine(Engine):
             self._running -= 1
             self._rate.observe(text.generated - len(fed), started, time.monotonic())
         for event in text.finish():
-            yield deltas.wrap(event, None) if isinstance(event, TextDelta) else event
+            yield event
 

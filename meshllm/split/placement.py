@@ -23,6 +23,7 @@ from typing import Any, Literal
 from meshllm.engine.ggml import StageModel
 from meshllm.engine.ggml.hparams import read_hparams
 from meshllm.engine.ggml.memory import memory_profile
+from meshllm.engine.kernels import Kernels
 from meshllm.engine.speculate import SpeculateMode
 from meshllm.errors import MeshllmError
 from meshllm.mesh.records import Capacity, PeerRecord
@@ -62,13 +63,15 @@ class SplitOptions:
     """CPU threads of each stage this node loads (``--threads``)."""
     gpu_layers: int | None = None
     """Layers of each stage this node loads that go to its accelerator (``--gpu-layers``; None: all that fit)."""
+    kernels: Kernels = "exact"
+    """The node's ggml kernel choice (``--kernels``), the same for its stages as for its whole models."""
     speculate: SpeculateMode = "auto"
     """Speculative decoding on the chains this node coordinates (``--speculate``)."""
 
     def load_stage(self, path: Path, layer_start: int, layer_end: int, max_context: int) -> StageModel:
         """Load a layer range with this node's threads and accelerator settings (blocking)."""
         return StageModel.load(path, layer_start, layer_end, max_context=max_context, threads=self.threads,
-                               gpu_layers=self.gpu_layers)
+                               gpu_layers=self.gpu_layers, kernels=self.kernels)
 
 
 class NotEnoughWorkers(SplitError):

@@ -10,8 +10,10 @@ backend, so the code that would drive a GPU is the code every test runs.
 Weights are placed the way llama.cpp places them (``select_weight_buft``): for each weight, the first
 buffer type in the device's list whose device says it can run the op that uses the weight. On the CPU
 that list starts with the CPU backend's "extra" buffer types, among them ``CPU_REPACK``, which stores
-some quantized matrices (Q4_0, Q4_K, IQ4_NL on AVX2) interleaved for faster kernels; matching
-llama.cpp's choice is what makes our logits bit-identical to its own.
+some quantized matrices (Q4_0, Q4_K, IQ4_NL on AVX2) interleaved for faster kernels. Those extra
+types are used only with ``repack`` (``--kernels fast``): the node's default, row-exact kernels keep
+weights in their file layout, as the llama.cpp engine then does (``meshllm.engine.kernels``); either
+way, matching llama.cpp's choice is what makes our logits bit-identical to its own.
 """
 
 from __future__ import annotations
@@ -99,7 +101,8 @@ def layers_that_fit(free_bytes: int, layer_bytes: int, n_layers: int, fixed_byte
 class Backends:
     """The backends one stage computes on: an optional accelerator, then the CPU (the scheduler wants it last)."""
 
-    def __init__(self, threads: int | None = None, accelerator: Device | None = None) -> None:
+    def __init__(self, threads: int | None = None, accelerator: Device | None = None, *, repack: bool = False) -> None:
+        """``repack``: also offer the CPU's extra buffer types (repacked weights, ``--kernels fast``)."""
         g = self.g = lib.load()
         devs = devices()
         cpu = next((d for d in devs if d.kind == "cpu"), None)
@@ -120,7 +123,7 @@ class Backends:
         if setter:
             lib.SetThreads(setter)(self.cpu, self.threads)
         self.cpu_buft = g.ggml_backend_dev_buffer_type(cpu.handle)
-        self.cpu_extra_bufts = self._extra_bufts(reg, cpu.handle)
+        self.cpu_extra_bufts = self._extra_bufts(reg, cpu.handle) if repack else []
         self.gpu_buft = g.ggml_backend_dev_buffer_type(accelerator.handle) if accelerator is not None else None
 
     def _extra_bufts(self, reg: int, dev: int) -> list[int]:

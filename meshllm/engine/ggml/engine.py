@@ -20,7 +20,6 @@ import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import msgspec
 import numpy as np
 
 from meshllm.engine.base import (
@@ -31,7 +30,6 @@ from meshllm.engine.base import (
     GenerationEvent,
     GenerationRequest,
     LoadReport,
-    TextDelta,
     TokenRate,
     Unsupported,
     check_supported,
@@ -39,6 +37,7 @@ from meshllm.engine.base import (
 )
 from meshllm.engine.ggml.errors import StageInputError
 from meshllm.engine.ggml.stage import StageModel
+from meshllm.engine.kernels import Kernels
 from meshllm.engine.sampler import Sampler, sampling_params
 from meshllm.engine.text import TextStream, token_budget
 from meshllm.engine.tokenizer import Tokenizer
@@ -57,11 +56,11 @@ def replay(text: TextStream, request: GenerationRequest, vocab: int) -> list[int
     """
     if any(not 0 <= t < vocab for t in request.continuation):
         raise Unsupported("the continuation has a token id outside the vocabulary", param="continuation")
-    fed = []
+    fed: list[int] = []
     for token in request.continuation:
         if text.done:
             break
-        text.feed(token)
+        text.replay((token,))
         fed.append(token)
     return fed
 
@@ -79,6 +78,7 @@ class GgmlEngine(Engine):
         n_ctx: int | None = None,
         threads: int | None = None,
         gpu_layers: int | None = None,
+        kernels: Kernels = "exact",
         max_queue: int = 32,
         queue_timeout_s: float = 120.0,
     ) -> None:
@@ -87,6 +87,7 @@ class GgmlEngine(Engine):
         self._n_ctx = n_ctx
         self._threads = threads
         self._gpu_layers = gpu_layers
+        self._kernels = kernels
         self.max_queue = max_queue
         self.queue_timeout_s = queue_timeout_s
         self.stage: StageModel | None = None
@@ -103,7 +104,7 @@ class GgmlEngine(Engine):
     def _load_blocking(self) -> tuple[StageModel, Tokenizer]:
         meta = read_metadata(self.path)
         stage = StageModel.load(self.path, max_context=context_cap(meta.context_length, self._n_ctx),
-                                threads=self._threads, gpu_layers=self._gpu_layers)
+                                threads=self._threads, gpu_layers=self._gpu_layers, kernels=self._kernels)
         return stage, Tokenizer(self.path, meta.architecture, meta.chat_template)
 
     async def close(self) -> None:
@@ -166,7 +167,6 @@ class GgmlEngine(Engine):
         sampler = Sampler(sampling_params(request.params))
         text = TextStream(is_end=tokenizer.is_end, token_bytes=tokenizer.token_bytes, stops=stop_strings,
                           limit=limit, prompt_tokens=len(prompt))
-        deltas = DeltaTokens()
         fed = replay(text, request, stage.hparams.vocab)
         history = prompt + fed
         session = uuid.uuid4().hex
@@ -179,7 +179,7 @@ class GgmlEngine(Engine):
                 token = await step
                 pos = len(history)
                 history.append(token)
-                delta = deltas.wrap(text.feed(token), token)
+                delta = text.feed(token)
                 if delta is not None:
                     yield delta
         finally:
@@ -192,7 +192,7 @@ class GgmlEngine(Engine):
                 self.stage.reset(session)
             self._rate.observe(text.generated - len(fed), started, time.monotonic())
         for event in text.finish():
-            yield deltas.wrap(event, None) if isinstance(event, TextDelta) else event
+            yield event
 
     def _step(self, session: str, history: list[int], pos: int, sampler: Sampler) -> int:
         """Worker thread: feed ``history[pos:]`` and sample the next token."""
@@ -204,18 +204,3 @@ class GgmlEngine(Engine):
         except StageInputError as exc:
             raise EngineNotLoaded(f"model {self.model_id}: {exc}") from exc
         return sampler(logits[-1], history)
-
-
-class DeltaTokens:
-    """Attaches to each text delta the token ids fed since the previous one (unless the text core did)."""
-
-    def __init__(self) -> None:
-        self._pending: list[int] = []
-
-    def wrap(self, delta: TextDelta | None, token: int | None) -> TextDelta | None:
-        if token is not None:
-            self._pending.append(token)
-        if delta is None:
-            return None
-        tokens, self._pending = tuple(self._pending), []
-        return delta if delta.tokens else msgspec.structs.replace(delta, tokens=tokens)

@@ -36,6 +36,7 @@ from meshllm.engine.ggml.graph import Graph, T
 from meshllm.engine.ggml.hparams import HParams, read_hparams
 from meshllm.engine.ggml.kv_cache import KV_TYPES, KVCache, kv_bytes_per_token
 from meshllm.engine.ggml.weights import LayerWeights, StagePlan, StageWeights, load_weights, plan_stage
+from meshllm.engine.kernels import Kernels, use_kernels
 from meshllm.models.gguf_file import GGUFFile
 
 CHUNK = 512
@@ -92,7 +93,7 @@ class StageModel:
     @classmethod
     def load(cls, path: str | Path, layer_start: int = 0, layer_end: int | None = None, *,
              max_context: int | None = None, threads: int | None = None, kv_type: str = "f16",
-             flash_attn: bool = False, gpu_layers: int | None = None) -> StageModel:
+             flash_attn: bool = False, gpu_layers: int | None = None, kernels: Kernels = "exact") -> StageModel:
         """Load layers [layer_start, layer_end) (default: to the last) of the GGUF at ``path``.
 
         The ggml version, architecture, layer range and every tensor's type and shape are checked
@@ -100,7 +101,8 @@ class StageModel:
         training context). ``kv_type`` is ``f16`` (llama.cpp's default) or ``f32``; flash attention
         needs ``f16``. ``gpu_layers``: how many of the stage's layers go to the accelerator (the last
         ones, and the head with the last layer); ``None`` offloads all that fit, 0 none; ignored
-        without an accelerator.
+        without an accelerator. ``kernels``: the node's kernel choice (``meshllm.engine.kernels``);
+        ``exact`` keeps weights unrepacked, like the llama.cpp engine then.
         """
         lib.load()  # refuses an unchecked ggml before anything else happens
         if kv_type not in KV_TYPES:
@@ -115,7 +117,7 @@ class StageModel:
         context = max_context or hp.context_length
         accel = choose_accelerator(devices())
         n_gpu = _gpu_layers(plan, hp, context, kv_type, accel, gpu_layers)
-        backends = Backends(threads, accel if n_gpu else None)
+        backends = Backends(threads, accel if n_gpu else None, repack=use_kernels(kernels))
         try:
             weights = load_weights(path, plan, backends, on_accelerator=lambda il: il >= end - n_gpu)
         except BaseException:

@@ -61,15 +61,21 @@ def test_llama_cpp_offload_default(tiny_llama: Path) -> None:
 
 
 def test_cpu_backend_threads_and_repacking(tmp_path: Path) -> None:
-    """Weights go where llama.cpp puts them: Q4_0 matrices into CPU_REPACK, the rest used in place."""
+    """Weights go where llama.cpp puts them: with fast kernels Q4_0 matrices into CPU_REPACK, the rest in
+    place; with the default exact kernels every weight is used in place from the map."""
     path = write_tiny_llama(tmp_path / "q4.gguf", weight_type=Q.Q4_0)
-    b = Backends(threads=2)
+    b = Backends(threads=2, repack=True)
     try:
         assert b.threads == 2 and b.backends == [b.cpu] and b.gpu is None
         assert "CPU_REPACK" in [b.buft_name(x) for x in b.cpu_extra_bufts]
     finally:
         b.close()
-    stage = StageModel.load(path, threads=1)
+    exact = StageModel.load(path, threads=1)
+    try:
+        assert set(exact.weights.placement.values()) == {"CPU"} and exact.weights.copied_bytes == 0
+    finally:
+        exact.close()
+    stage = StageModel.load(path, threads=1, kernels="fast")
     try:
         placement = stage.weights.placement
         assert placement["blk.0.attn_q.weight"] == "CPU_REPACK" and placement["blk.0.attn_norm.weight"] == "CPU"
@@ -78,7 +84,7 @@ def test_cpu_backend_threads_and_repacking(tmp_path: Path) -> None:
         one = stage.forward("a", np.array(PROMPT), 0)
     finally:
         stage.close()
-    two_threads = StageModel.load(path, threads=2)
+    two_threads = StageModel.load(path, threads=2, kernels="fast")
     try:
         assert np.array_equal(two_threads.forward("a", np.array(PROMPT), 0), one)  # threads split work, not sums
     finally:

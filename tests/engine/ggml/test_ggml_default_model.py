@@ -1,7 +1,8 @@
 """The ggml runtime against llama.cpp on the bundled Gemma 3 270M (Q4_K_M), and split across stages.
 
-Configuration: llama-cpp-python's defaults (f16 KV cache, weights repacked by its CPU backend,
-flash attention off), one thread on both sides, a 512-token context. In it the logits of a 64-step
+Configuration: the node's default ``exact`` kernels on both sides (weights in their file layout:
+llama-cpp-python with ``use_extra_bufts=False``), f16 KV cache, flash attention off, one thread on
+both sides, a 512-token context. In it the logits of a 64-step
 greedy run are bit-identical to llama.cpp's at every step, so the greedy text is identical too.
 """
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from stage_helpers import LLAMA_THREADS
+from stage_helpers import llama_cpp
 
 from meshllm.engine.ggml.stage import StageModel
 
@@ -22,9 +23,7 @@ STEPS = 64
 
 
 def test_64_greedy_steps_are_bit_identical_to_llama_cpp(default_model: Path, default_stage: StageModel) -> None:
-    from llama_cpp import Llama
-
-    llm = Llama(model_path=str(default_model), logits_all=True, n_ctx=512, n_threads=LLAMA_THREADS, verbose=False)
+    llm = llama_cpp(default_model, logits_all=True, n_ctx=512)
     try:
         prompt = llm.tokenize(PROMPT, add_bos=True)
         llm.eval(prompt)

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from stage_helpers import LLAMA_THREADS
+from stage_helpers import llama_cpp
 
 from meshllm.engine.base import (
     ChatMessage,
@@ -56,9 +56,7 @@ def _completion(prompt: str | tuple[int, ...] = "Hello", continuation: tuple[int
 
 
 def test_greedy_completion_matches_llama_cpp(engine: GgmlEngine, tiny_llama: Path) -> None:
-    from llama_cpp import Llama
-
-    llm = Llama(model_path=str(tiny_llama), n_ctx=128, n_threads=LLAMA_THREADS, verbose=False)
+    llm = llama_cpp(tiny_llama, n_ctx=128)
     try:
         prompt = llm.tokenize(b"Hello", add_bos=True)
         expected = []

@@ -1,6 +1,7 @@
 """The ggml runtime computes exactly what llama.cpp computes, on tiny models of every supported variant.
 
-Both run llama.cpp's defaults (f16 KV cache, weights repacked where its CPU backend repacks them),
+Both run the same kernels — the node's default ``exact`` (weights in their file layout) and
+``fast`` (repacked where llama.cpp's CPU backend repacks them, its own default) — and f16 KV caches,
 with attention by softmax (llama-cpp-python's default) or flash attention; the logits must be equal
 bit for bit, for a prompt in one batch and for a short prompt then one token at a time.
 """
@@ -36,12 +37,13 @@ MODELS: dict[str, Callable[[Path], Path]] = {
 }
 
 
+@pytest.mark.parametrize("kernels", ["exact", "fast"])
 @pytest.mark.parametrize("flash_attn", [False, True], ids=["softmax", "flash"])
 @pytest.mark.parametrize("name", MODELS)
-def test_prefill_logits_are_llama_cpps(name: str, flash_attn: bool, tmp_path: Path) -> None:
+def test_prefill_logits_are_llama_cpps(name: str, flash_attn: bool, kernels: str, tmp_path: Path) -> None:
     path = MODELS[name](tmp_path)
-    ref = llama_cpp_scores(path, [PROMPT], flash_attn=flash_attn)
-    stage = StageModel.load(path, max_context=256, threads=1, flash_attn=flash_attn)
+    ref = llama_cpp_scores(path, [PROMPT], kernels, flash_attn=flash_attn)
+    stage = StageModel.load(path, max_context=256, threads=1, flash_attn=flash_attn, kernels=kernels)
     try:
         ours = stage.forward("s", np.array(PROMPT), 0)
     finally:
@@ -50,14 +52,15 @@ def test_prefill_logits_are_llama_cpps(name: str, flash_attn: bool, tmp_path: Pa
     assert np.array_equal(ours, ref), f"max difference {np.abs(ours - ref).max()}"
 
 
+@pytest.mark.parametrize("kernels", ["exact", "fast"])
 @pytest.mark.parametrize("flash_attn", [False, True], ids=["softmax", "flash"])
 @pytest.mark.parametrize("name", ["llama", "qwen2-biases", "llama-q4_0-repacked", "gemma3"])
-def test_decode_logits_are_llama_cpps(name: str, flash_attn: bool, tmp_path: Path) -> None:
+def test_decode_logits_are_llama_cpps(name: str, flash_attn: bool, kernels: str, tmp_path: Path) -> None:
     """A 12-token prefill, then one token at a time, on both engines: equal at every position."""
     path = MODELS[name](tmp_path)
     batches = [PROMPT[:12]] + [[t] for t in PROMPT[12:]]
-    ref = llama_cpp_scores(path, batches, flash_attn=flash_attn)
-    stage = StageModel.load(path, max_context=256, threads=1, flash_attn=flash_attn)
+    ref = llama_cpp_scores(path, batches, kernels, flash_attn=flash_attn)
+    stage = StageModel.load(path, max_context=256, threads=1, flash_attn=flash_attn, kernels=kernels)
     try:
         ours, pos = [], 0
         for batch in batches:
