@@ -242,12 +242,10 @@ class LlamaEngine(Engine):
         try:
             n_ctx_seq = context_cap(meta.context_length, self._n_ctx)
             parallel = self._parallel or default_parallel(meta, n_ctx_seq)
-            probe = probe_windows(model, self._threads, self.window + 1)
-            self.flash_attn = probe.flash_attn
-            if probe.differs:
-                self.unavailable = probe.differs
+            probe = probe_windows(model, self._threads, self.window + 1, self.pad_lone_rows)
+            self.flash_attn, self.unavailable = probe.flash_attn, probe.differs
             if self.pad_lone_rows is None:
-                self.pad_lone_rows = lone_row_differs(model, self._threads, self.flash_attn)
+                self.pad_lone_rows = probe.pad_lone_rows
             n_seq = parallel + (1 if self.pad_lone_rows else 0)
             ctx = NativeContext(model, n_seq=n_seq, n_ctx_seq=n_ctx_seq, n_batch=max(self.prefill_chunk, n_seq) + 1,
                                 threads=self._threads, flash_attn=self.flash_attn)
@@ -808,17 +806,19 @@ class WindowProbe:
 
     flash_attn: bool
     """The attention kernel to use: the first (softmax, then flash) under which windows are exact."""
+    pad_lone_rows: bool
+    """Whether a lone row computes differently from a pair under that kernel (:func:`lone_row_differs`)."""
     differs: str | None
     """Why no kernel computes windows exactly (``None``: one does)."""
     call_s: dict[int, float]
-    """Seconds of the probe's calls by row count (a pair of single rows, a window beside a row)."""
+    """Seconds of the probe's calls by row count (single rows, windows beside a row; none if not exact)."""
 
 
 PROBE_PROMPT = 16
 """Tokens in the KV before the probe's windows."""
 
 
-def probe_windows(model: Any, threads: int, rows: int) -> WindowProbe:
+def probe_windows(model: Any, threads: int, rows: int, pad_lone_rows: bool | None = None) -> WindowProbe:
     """Whether llama.cpp computes a window (several consecutive positions of one sequence in one call)
     exactly as it computes the same positions one call at a time, under softmax or flash attention.
 
@@ -827,15 +827,19 @@ def probe_windows(model: Any, threads: int, rows: int) -> WindowProbe:
     products), but softmax attention over several query rows of a sequence takes another kernel
     (tinyBLAS over f16 keys) when heads share keys, while flash attention runs each query row alone;
     float32 or float16 weights go through tinyBLAS from two rows, whose sums depend on the row count.
-    So the probe decodes ``rows`` positions one by one (each beside a row of another sequence, as
-    the engine's calls are), then windows of 2, 3 and ``rows`` positions beside a row of another
-    sequence, and compares the logits bit for bit; softmax is kept where both agree.
+    So the probe decodes ``rows`` positions one by one as the engine's plain steps would (alone, or
+    beside a padding row where a lone row differs: ``pad_lone_rows``, measured unless given), then
+    windows of 2, 3 and ``rows`` positions beside a row of another sequence, and compares the
+    logits bit for bit; softmax is kept where both agree. The calls' durations seed the engine's
+    call costs (a first call of a shape includes llama.cpp's graph set-up: an overestimate, which
+    keeps ``auto`` from drafting on a guess).
     """
     from meshllm.engine.llama_native import NativeContext
 
     call_s: dict[int, float] = {}
     prompt, window = _probe_tokens(model, PROBE_PROMPT), _probe_tokens(model, rows + 1, salt=31)[1:]
     for flash in (False, True):
+        pad = lone_row_differs(model, threads, flash) if pad_lone_rows is None else pad_lone_rows
         ctx = NativeContext(model, n_seq=3, n_ctx_seq=256, n_batch=max(PROBE_PROMPT, rows + 1), threads=threads,
                             flash_attn=flash)
         try:
@@ -843,11 +847,14 @@ def probe_windows(model: Any, threads: int, rows: int) -> WindowProbe:
                 ctx.decode(prompt, list(range(PROBE_PROMPT)), [seq] * PROBE_PROMPT,
                            [i == PROBE_PROMPT - 1 for i in range(PROBE_PROMPT)])
             singles: list[np.ndarray] = []
-            pair_s: list[float] = []
+            single_s: list[float] = []
             for i, token in enumerate(window):
                 started = time.perf_counter()
-                ctx.decode([token, token], [PROBE_PROMPT + i, 0], [0, 2], [True, True])
-                pair_s.append(time.perf_counter() - started)
+                if pad:
+                    ctx.decode([token, token], [PROBE_PROMPT + i, 0], [0, 2], [True, True])
+                else:
+                    ctx.decode([token], [PROBE_PROMPT + i], [0], [True])
+                single_s.append(time.perf_counter() - started)
                 singles.append(ctx.logits(0).copy())
                 ctx.trim(2, 0)
             exact = True
@@ -859,14 +866,15 @@ def probe_windows(model: Any, threads: int, rows: int) -> WindowProbe:
                 call_s[n + 1] = time.perf_counter() - started
                 ctx.trim(0, PROBE_PROMPT + rows)
                 exact = exact and all(np.array_equal(ctx.logits(1 + i), singles[i]) for i in range(n))
-            call_s[2] = statistics.median(pair_s)
+            call_s[2 if pad else 1] = statistics.median(single_s)
         finally:
             ctx.close()
         if exact:
-            return WindowProbe(flash, None, call_s)
-    return WindowProbe(False, "llama.cpp computes a window of positions differently from the same positions one "
+            return WindowProbe(flash, pad, None, call_s)
+    pad = lone_row_differs(model, threads, False) if pad_lone_rows is None else pad_lone_rows
+    return WindowProbe(False, pad, "llama.cpp computes a window of positions differently from the same positions one "
                               "at a time with this model's weights (float weights, or --kernels fast), so drafts "
-                              "could change the text", call_s)
+                              "could change the text", {})
 
 
 def kv_bytes_per_token(meta: GGUFMetadata) -> int:
