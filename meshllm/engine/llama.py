@@ -84,6 +84,7 @@ from meshllm.engine.speculate import (
     SpeculateMode,
     WindowPolicy,
     batch_cost,
+    expected_tokens,
     verify_window,
 )
 from meshllm.engine.text import TextStream, token_budget
@@ -508,28 +509,36 @@ class LlamaEngine(Engine):
     def _drafts(self, rows: list[DecodeRow]) -> dict[int, list[int]]:
         """The drafts each speculating slot verifies in this step (slot -> tokens after its row's).
 
-        Slot by slot, a window is priced against the call as it stands (its rows so far, the slots in
-        it) at the measured cost of a call by row count; a slot whose draft is not worth it judges the
+        Slot by slot, a window is priced against the call as it stands (its rows so far, the tokens the
+        other slots are expected to yield) at the measured cost of a call by row count
+        (:func:`~meshllm.engine.speculate.batch_cost`); a slot whose draft is not worth it judges the
         draft against its plain tokens instead (``WindowPolicy.decline``).
         """
         drafts: dict[int, list[int]] = {}
         if self.speculate == "off":
             return drafts
         assert self._sched is not None
-        width = len(rows)
+        slots = [r.slot for r in rows]
+        width = max(slots) - min(slots) + 1  # the call's rows: the slots' and the gaps' padding rows
+        others = float(len(rows))  # tokens the step is expected to yield (one a slot, more with a window)
         for row in rows:
             job = self._sched.slots[row.slot].job
             if job is None or job.drafter is None or job.policy is None or job.forced or job.cancelled:
                 continue
-            # a window yields up to k + 1 tokens, its last position must fit the context, its rows the batch
+            # a window yields up to k + 1 tokens, its last position must fit the context, its rows the
+            # batch (less one for a lone row's extra pad)
             room = min(job.text.remaining - 1, self._n_ctx_seq - 1 - row.pos, self._ctx.n_batch - width - 1)
             found = job.drafter.draft(min(room, self.window)) if room > 0 else []
             if not found:
                 continue
-            k = job.policy.window(len(found), batch_cost(self._call_seconds, width, len(rows)))
+            # without any window yet, the plain step may run its rows one call each where that is faster
+            plain = None if drafts or self.pad_lone_rows else min(self._call_seconds(width),
+                                                                  len(rows) * self._call_seconds(1))
+            k = job.policy.window(len(found), batch_cost(self._call_seconds, width, others - 1.0, plain))
             if k:
                 drafts[row.slot] = found[:k]
                 width += k
+                others += expected_tokens(job.policy.acceptance.rate, k) - 1.0
             else:
                 job.policy.decline(found)
         return drafts

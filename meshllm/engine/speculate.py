@@ -250,21 +250,25 @@ def verify_window(draft: Sequence[int], produce: Callable[[int], int | None]) ->
     return out
 
 
-def batch_cost(call_seconds: Callable[[int], float], rows: int, busy: int) -> PassCost:
+def batch_cost(call_seconds: Callable[[int], float], rows: int, others: float,
+               plain_s: float | None = None) -> PassCost:
     """The pass cost that makes :meth:`WindowPolicy.window` maximise a whole step's tokens per second.
 
-    A step decodes ``busy`` slots in one call of ``rows`` rows (pads included) that takes
-    ``call_seconds(rows)``. One slot adding ``k`` drafts makes the call ``call_seconds(rows + k)`` and
-    the step yield ``busy - 1 + E(k)`` tokens; the returned ``cost(k, E)`` is that call's time scaled
-    so that ``E / cost`` is proportional to the step's rate. Alone (``busy == 1``) it is simply the
-    call's time. When many slots share the call it is already wide, its extra rows cost nearly their
-    full compute while a window adds a smaller share to the step's tokens: the window shrinks, and
-    ``auto`` stops drafting where the rows cost more than they bring.
+    A step decodes several slots in one call of ``rows`` rows (pads and windows chosen so far
+    included) that takes ``call_seconds(rows)``, and the other slots are expected to yield ``others``
+    tokens (one each, ``E`` for one with a window). One slot adding ``k`` drafts makes the call
+    ``call_seconds(rows + k)`` and the step yield ``others + E(k)`` tokens; the returned ``cost(k, E)``
+    is that call's time scaled so that ``E / cost`` is proportional to the step's rate. Alone
+    (``others == 0``) it is simply the call's time. When many slots share the call it is already
+    wide: its extra rows cost nearly their full compute while a window adds a smaller share of the
+    step's tokens, so the window shrinks, and ``auto`` stops drafting where the rows cost more than
+    they bring. ``plain_s``, if given, is what the step costs without any window (an engine may run
+    a plain step's rows as separate calls where that is faster).
     """
-    others = max(busy, 1) - 1
 
     def cost(k: int, expected: float) -> float:
-        return call_seconds(rows + k) * expected / (others + expected)
+        seconds = plain_s if k == 0 and plain_s is not None else call_seconds(rows + k)
+        return seconds * expected / (others + expected)
 
     return cost
 

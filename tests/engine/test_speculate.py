@@ -167,13 +167,17 @@ def test_batch_cost_backs_off_when_the_call_is_already_wide() -> None:
     def call(rows: int) -> float:  # a call streams the weights once (10 ms) and computes 2 ms a row
         return 0.010 + 0.002 * rows
 
-    assert batch_cost(call, 1, 1)(3, 2.5) == pytest.approx(call(4))
+    assert batch_cost(call, 1, 0.0)(3, 2.5) == pytest.approx(call(4))
     windows = []
     for busy in (1, 2, 8):
         policy = WindowPolicy("auto")
         policy.acceptance = Acceptance(prior=0.7, prior_weight=1e9)
-        windows.append(policy.window(8, batch_cost(call, busy, busy)))
+        windows.append(policy.window(8, batch_cost(call, busy, busy - 1.0)))
     assert windows[0] > windows[1] > 0 and windows[2] == 0, windows
+    # the other slots' windows count: beside one that already yields 3 tokens, a second window pays less
+    policy = WindowPolicy("auto")
+    policy.acceptance = Acceptance(prior=0.7, prior_weight=1e9)
+    assert policy.window(8, batch_cost(call, 2 + windows[1], 1.0 + 2.0)) < windows[1]
 
 
 def test_auto_wants_a_clear_gain_before_it_drafts() -> None:
