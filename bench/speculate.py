@@ -8,6 +8,8 @@ medians. Prompts are bench/wan.py's: a code edit whose answer mostly copies the 
 (``repetitive``) and a story (``free``). A ``busy`` row runs ``--streams`` concurrent requests per
 engine (half of each prompt) and reports the whole engine's tokens per second: a wide batch is
 where speculation has to back off. Every mode must give the text ``off`` gives (``same text``).
+``--modes off,off,on,auto`` adds a second plain engine (``off#2``): the spread between two identical
+engines on this machine, against which the other ratios are read.
 
     .venv/bin/python bench/speculate.py [--runs 5] [--tokens 96] [--streams 4] [--json PATH]
 """
@@ -77,8 +79,10 @@ def counters(engine: LlamaEngine) -> dict[str, Any]:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    engines = {m: LlamaEngine(args.model, n_ctx=2048, n_threads=1, parallel=max(args.streams, 1), speculate=m)
-               for m in args.modes}
+    names = [m if m not in args.modes[:i] else f"{m}#{args.modes[:i].count(m) + 1}" for i, m in enumerate(args.modes)]
+    engines = {name: LlamaEngine(args.model, n_ctx=2048, n_threads=1, parallel=max(args.streams, 1),
+                                 speculate=mode)  # type: ignore[arg-type]
+               for name, mode in zip(names, args.modes, strict=True)}
     for e in engines.values():
         await e.load()
     prompts = _prompts()
@@ -98,7 +102,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 row["modes"][m] = {"tpot_ms": statistics.median(r["tpot_s"] for r in runs) * 1e3,
                                    "ttft_ms": statistics.median(r["ttft_s"] for r in runs) * 1e3,
                                    "tpot_ms_runs": [round(r["tpot_s"] * 1e3, 2) for r in runs],
-                                   "same_text": runs[0]["tokens"] == samples[args.modes[0]][0]["tokens"],
+                                   "same_text": runs[0]["tokens"] == samples["off"][0]["tokens"],
                                    "speculation": spec_delta(before[m], counters(e))}
             rows.append(row)
         mixed = [list(prompts.values())[i % len(prompts)] for i in range(args.streams)]
@@ -111,7 +115,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             row = {"prompt": "busy", "streams": args.streams, "modes": {}}
             for m, e in engines.items():
                 row["modes"][m] = {"tok_s": statistics.median(r["tok_s"] for r in results[m]),
-                                   "same_text": results[m][0]["tokens"] == results[args.modes[0]][0]["tokens"],
+                                   "tok_s_runs": [round(r["tok_s"], 2) for r in results[m]],
+                                   "same_text": results[m][0]["tokens"] == results["off"][0]["tokens"],
                                    "speculation": spec_delta(before[m], counters(e))}
             rows.append(row)
     finally:
@@ -119,7 +124,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for e in engines.values():
             await e.close()
     return {"model": Path(args.model).name, "runs": args.runs, "tokens": args.tokens, "threads": 1,
-            "attention": status[args.modes[0]]["attention"], "rows": rows, "status": status}
+            "attention": status["off"]["attention"], "rows": rows, "status": status}
 
 
 def _fmt(value: Any, spec: str = "{:.1f}") -> str:
@@ -128,8 +133,10 @@ def _fmt(value: Any, spec: str = "{:.1f}") -> str:
 
 def table(result: dict[str, Any]) -> str:
     modes = list(result["rows"][0]["modes"])
+    spec = [m for m in modes if not m.startswith("off")]
     head = ["prompt", "streams", *(f"{m} TPOT ms (busy: tok/s)" for m in modes),
-            *(f"{m} vs off" for m in modes[1:]), *(f"{m} acceptance / tokens per pass" for m in modes[1:]), "same text"]
+            *(f"{m} vs off" for m in modes[1:]),
+            *(f"{m} verified passes / acceptance / tokens per pass" for m in spec), "same text"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in result["rows"]:
         ms = row["modes"]
@@ -137,8 +144,9 @@ def table(result: dict[str, Any]) -> str:
         speed = [_fmt(ms[m]["tok_s"] if is_busy else ms[m]["tpot_ms"]) for m in modes]
         ratio = [_fmt(ms[m]["tok_s"] / ms["off"]["tok_s"] if is_busy else ms["off"]["tpot_ms"] / ms[m]["tpot_ms"],
                       "{:.2f}x") for m in modes[1:]]
-        acc = [f"{_fmt(ms[m]['speculation']['acceptance'], '{:.2f}')} / "
-               f"{_fmt(ms[m]['speculation']['tokens_per_pass'], '{:.2f}')}" for m in modes[1:]]
+        acc = [f"{ms[m]['speculation']['verify_passes'] / max(ms[m]['speculation']['passes'], 1):.0%} / "
+               f"{_fmt(ms[m]['speculation']['acceptance'], '{:.2f}')} / "
+               f"{_fmt(ms[m]['speculation']['tokens_per_pass'], '{:.2f}')}" for m in spec]
         same = "yes" if all(ms[m]["same_text"] for m in modes) else "NO"
         lines.append("| " + " | ".join([row["prompt"], str(row["streams"]), *speed, *ratio, *acc, same]) + " |")
     return "\n".join(lines)

@@ -655,7 +655,6 @@ class LlamaEngine(Engine):
         """
         assert self._sched is not None
         job = self._sched.slots[index].job
-        decoded = row is not None
         if job is None or job.cancelled:
             if row is not None:
                 if draft:
@@ -665,7 +664,7 @@ class LlamaEngine(Engine):
             return
         if job.forced:  # a continuation token: decoded as the first engine decoded it, not sampled
             with self._cond:
-                if decoded:
+                if row is not None:
                     self._sched.decoded(index)
                 self._sched.sampled(index, job.forced.popleft())
             return
@@ -699,10 +698,10 @@ class LlamaEngine(Engine):
                 job.policy.produced(out)
             if job.drafter is not None:
                 job.drafter.extend(out)
-            if decoded or draft:
+            if row is not None:  # a decode pass (a prefill's first token is not one)
                 self.spec.observe(len(draft), kept, fed)
             with self._cond:
-                if decoded:
+                if row is not None:
                     self._sched.decoded(index, out[:kept])
                 if not job.text.done:
                     self._sched.sampled(index, out[-1])
