@@ -3,8 +3,9 @@
 One engine per mode, all loaded in this process from the same GGUF (the default model unless
 ``--model``), one thread each. Every round runs the same greedy completion on each engine in turn
 (so a noisy shared host slows them alike): streamed, TTFT (request -> first text) and TPOT ((last
-text - first text) / (tokens - 1)), medians over ``--runs`` rounds; speed-ups are off / mode of the
-medians. Prompts are bench/wan.py's: a code edit whose answer mostly copies the prompt
+text - first text) / (tokens - 1)), medians over ``--runs`` rounds; a speed-up is the median over the
+rounds of off's TPOT / the mode's in the same round (the host's load drifts between rounds, far
+less within one). Prompts are bench/wan.py's: a code edit whose answer mostly copies the prompt
 (``repetitive``) and a story (``free``). A ``busy`` row runs ``--streams`` concurrent requests per
 engine (half of each prompt) and reports the whole engine's tokens per second: a wide batch is
 where speculation has to back off. Every mode must give the text ``off`` gives (``same text``).
@@ -104,6 +105,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                    "tpot_ms_runs": [round(r["tpot_s"] * 1e3, 2) for r in runs],
                                    "same_text": runs[0]["tokens"] == samples["off"][0]["tokens"],
                                    "speculation": spec_delta(before[m], counters(e))}
+            for m in engines:
+                row["modes"][m]["vs_off"] = statistics.median(
+                    off["tpot_s"] / mine["tpot_s"] for off, mine in zip(samples["off"], samples[m], strict=True))
             rows.append(row)
         mixed = [list(prompts.values())[i % len(prompts)] for i in range(args.streams)]
         if args.streams > 1:
@@ -117,7 +121,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 row["modes"][m] = {"tok_s": statistics.median(r["tok_s"] for r in results[m]),
                                    "tok_s_runs": [round(r["tok_s"], 2) for r in results[m]],
                                    "same_text": results[m][0]["tokens"] == results["off"][0]["tokens"],
-                                   "speculation": spec_delta(before[m], counters(e))}
+                                   "speculation": spec_delta(before[m], counters(e)),
+                                   "vs_off": statistics.median(mine["tok_s"] / off["tok_s"] for off, mine
+                                                               in zip(results["off"], results[m], strict=True))}
             rows.append(row)
     finally:
         status = {m: e.speculation_status() for m, e in engines.items()}
@@ -142,8 +148,7 @@ def table(result: dict[str, Any]) -> str:
         ms = row["modes"]
         is_busy = row["prompt"] == "busy"
         speed = [_fmt(ms[m]["tok_s"] if is_busy else ms[m]["tpot_ms"]) for m in modes]
-        ratio = [_fmt(ms[m]["tok_s"] / ms["off"]["tok_s"] if is_busy else ms["off"]["tpot_ms"] / ms[m]["tpot_ms"],
-                      "{:.2f}x") for m in modes[1:]]
+        ratio = [_fmt(ms[m]["vs_off"], "{:.2f}x") for m in modes[1:]]
         acc = [f"{ms[m]['speculation']['verify_passes'] / max(ms[m]['speculation']['passes'], 1):.0%} / "
                f"{_fmt(ms[m]['speculation']['acceptance'], '{:.2f}')} / "
                f"{_fmt(ms[m]['speculation']['tokens_per_pass'], '{:.2f}')}" for m in spec]
