@@ -212,7 +212,7 @@ class Node:
         whole = await self.splits.prepare(opts.models if opts.role == "host" and not opts.standby else [])
         await self.serving.load_models(whole, engine=opts.engine, threads=opts.threads, gpu_layers=opts.gpu_layers,
                                        parallel=opts.parallel, max_tokens_default=opts.max_tokens_default,
-                                       kernels=opts.kernels)
+                                       kernels=opts.kernels, speculate=opts.speculate)
         await self.splits.start()
         self.owner.start()
         self.invite = self._ready_invite()
@@ -411,6 +411,12 @@ class Node:
             passphrase = obtain_passphrase(confirm=False, prompt=None)
         return unlock_keystore(self.home / OWNER_KEYSTORE_FILE, passphrase)
 
+    def _own_model_json(self, model: Any) -> dict[str, Any]:
+        """A model this node serves, with its engine's speculation figures where the engine speculates itself."""
+        engine = self.serving.engines.get(model.name) if self.serving is not None else None
+        spec = engine.speculation_status() if engine is not None else None
+        return {**_model_json(model), **({"speculation": spec} if spec is not None else {})}
+
     def status(self) -> dict[str, Any]:
         """The ``/api/status`` snapshot (schema in docs/api.md)."""
         assert self.mesh is not None and self.mesh.gossip is not None and self.serving is not None
@@ -442,7 +448,7 @@ class Node:
             "uptime_s": round(time.time() - self.started_at, 1),
             "mesh_owner": self.membership is not None and self.membership.mesh_key is not None,
             "owner_key": self._owner_key(),
-            "models": [_model_json(m) for m in own.models.served],
+            "models": [self._own_model_json(m) for m in own.models.served],
             "capacity": msgspec.structs.asdict(own.capacity), "load": msgspec.structs.asdict(own.load),
             "peers": peers,
             "rtt_matrix": {a: {b: round(ms, 3) for b, ms in row.items()} for a, row in gossip.rtt_matrix().items()},

@@ -39,6 +39,7 @@ from meshllm.engine.base import DEFAULT_MAX_TOKENS, Engine
 from meshllm.engine.capacity import compute_devices
 from meshllm.engine.kernels import Kernels
 from meshllm.engine.llama import LlamaEngine
+from meshllm.engine.speculate import SpeculateMode
 from meshllm.errors import ConfigError, MeshllmError
 from meshllm.mesh.records import Load, Models, ServedModel
 from meshllm.mesh.service import MeshService
@@ -88,22 +89,25 @@ class Serving:
         self._loading: dict[str, asyncio.Future[Engine]] = {}
         """Loads in progress by model id: a second load of the same model waits for the first."""
         self._engine = "llama"
-        self._settings: tuple[Any, ...] = (None, None, None, DEFAULT_MAX_TOKENS, "exact")
-        """``threads, gpu_layers, parallel, max_tokens_default, kernels`` of :meth:`load_models`, for later loads."""
+        self._settings: tuple[Any, ...] = (None, None, None, DEFAULT_MAX_TOKENS, "exact", "auto")
+        """``threads, gpu_layers, parallel, max_tokens_default, kernels, speculate`` of :meth:`load_models`:
+        what later loads use."""
 
     async def load_models(self, specs: list[str], engine: str = "llama", threads: int | None = None,
                           gpu_layers: int | None = None, parallel: int | None = None,
-                          max_tokens_default: int = DEFAULT_MAX_TOKENS, kernels: Kernels = "exact") -> None:
+                          max_tokens_default: int = DEFAULT_MAX_TOKENS, kernels: Kernels = "exact",
+                          speculate: SpeculateMode = "auto") -> None:
         """Resolve and load each model, then announce them all in our record; later loads use the same settings.
 
         ``gpu_layers``: layers to offload to the accelerator (None: all that fit); ``parallel`` is the
         llama.cpp engine's slots per model (``None``: sized from memory); ``max_tokens_default``
-        caps its requests that set no ``max_tokens``; ``kernels`` picks row-exact or fast ggml kernels (both engines).
+        caps its requests that set no ``max_tokens``; ``kernels`` picks row-exact or fast ggml kernels (both engines);
+        ``speculate`` is the llama.cpp engine's speculative decoding mode.
         """
         if engine not in ENGINES:
             raise ConfigError(f"unknown engine {engine!r}", hint=f"choose one of {', '.join(ENGINES)}")
         self._engine = engine
-        self._settings = (threads, gpu_layers, parallel, max_tokens_default, kernels)
+        self._settings = (threads, gpu_layers, parallel, max_tokens_default, kernels, speculate)
         for spec in specs:
             await self._start(await self.resolve(spec))
         self.announce()
@@ -245,7 +249,7 @@ class Serving:
 
     @staticmethod
     def _make_engine(engine: str, ref: Any, threads: int | None, gpu_layers: int | None, parallel: int | None,
-                     max_tokens_default: int, kernels: Kernels) -> Engine:
+                     max_tokens_default: int, kernels: Kernels, speculate: SpeculateMode) -> Engine:
         """``gpu_layers``: layers to offload to the accelerator (None: all that fit; 0 on CPU-only nodes)."""
         if engine == "ggml":
             from meshllm.engine.ggml.engine import GgmlEngine
@@ -254,7 +258,8 @@ class Serving:
         from meshllm.engine.capacity import accelerator, llama_gpu_layers
 
         return LlamaEngine(ref, n_threads=threads, n_gpu_layers=llama_gpu_layers(ref.path, gpu_layers, accelerator()),
-                           parallel=parallel, default_max_tokens=max_tokens_default, kernels=kernels)
+                           parallel=parallel, default_max_tokens=max_tokens_default, kernels=kernels,
+                           speculate=speculate)
 
     async def _publish_load(self) -> None:
         """Copy the engines' load into our record when it changes (gossip spreads it)."""

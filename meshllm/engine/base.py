@@ -318,6 +318,10 @@ class Engine(ABC):
         Closing the iterator early cancels the generation between two tokens.
         """
 
+    def speculation_status(self) -> dict[str, object] | None:
+        """Speculative decoding figures for ``/api/status`` (``None``: this engine does not speculate itself)."""
+        return None
+
 
 def check_supported(engine: Engine, request: GenerationRequest) -> None:
     """Raise :class:`Unsupported` naming the first field of ``request`` that ``engine`` cannot honour.

@@ -20,6 +20,18 @@ every call gets a second row (a padding row in a neighbouring sequence, or the p
 positions). A continuation is decoded token by token, as its first engine did. docs/llama-engine.md
 has the measurements.
 
+**Speculative decoding** (:mod:`meshllm.engine.speculate`, ``speculate`` off/on/auto): a generating
+slot drafts the next tokens from n-grams of its prompt and text and adds them to the step's batch
+as a window (its token plus ``k`` drafts, logits for each); the slot keeps the longest prefix its
+sampler agrees with plus the sampler's own next token, and the rejected positions leave its KV.
+That is only exact where llama.cpp computes a window's rows as it computes single rows: measured
+at load (:func:`probe_windows`), which also picks the attention kernel that does it (flash
+attention on the default model, where softmax attention's multi-row kernels differ); where
+neither does (float weights), speculation is unavailable and the engine says so in its status.
+The window's size comes from the measured call costs by row count and the acceptance rate, priced
+for the whole step (:func:`~meshllm.engine.speculate.batch_cost`): a step that is already wide
+gets narrow windows or none.
+
 Closing a request's iterator frees its slot at the next step boundary (one step: milliseconds on
 small models, one decode batch plus at most one chunk on large ones).
 """
@@ -31,9 +43,10 @@ import collections
 import contextlib
 import logging
 import os
+import statistics
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +77,16 @@ from meshllm.engine.chat_format import ChatTemplate, chat_renderer
 from meshllm.engine.fair_queue import QueueFull
 from meshllm.engine.kernels import Kernels, use_kernels
 from meshllm.engine.slots import CallCosts, Chunk, DecodeRow, Scheduler, Step
+from meshllm.engine.speculate import (
+    Acceptance,
+    NgramDrafter,
+    SpecStats,
+    SpeculateMode,
+    WindowPolicy,
+    batch_cost,
+    expected_tokens,
+    verify_window,
+)
 from meshllm.engine.text import TextStream, token_budget
 from meshllm.models.metadata import ArrayInfo, GGUFMetadata, read_metadata
 from meshllm.models.refs import ModelRef
@@ -76,6 +99,8 @@ KV_MEMORY_SHARE = 0.25
 """Share of the memory available at load that the default slot count may spend on KV caches."""
 PREFILL_CHUNK = 64
 """Tokens per prefill chunk: the grid prompts are prefilled on, and the prefill work per step."""
+WINDOW = 8
+"""Most drafts one slot verifies in a step (its window is one row more; :func:`probe_windows` checks that size)."""
 
 
 @dataclass
@@ -110,6 +135,9 @@ class _Job:
     sampler: Any
     """Its :class:`~meshllm.engine.llama_sampling.SlotSampler` (``None`` when it needs no slot)."""
     client: str
+    drafter: NgramDrafter | None = None
+    """Its prompt and text indexed for drafts (``None``: no speculation)."""
+    policy: WindowPolicy | None = None
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue[GenerationEvent | BaseException] = field(default_factory=asyncio.Queue)
     cancelled: bool = False
@@ -132,6 +160,7 @@ class LlamaEngine(Engine):
     waiting requests, ``queue_timeout_s`` how long one may wait; ``default_max_tokens`` caps requests
     that set no ``max_tokens``. ``kernels`` picks row-exact or fast llama.cpp kernels (see :data:`Kernels`;
     ``exact`` holds for the whole process). ``pad_lone_rows`` overrides the load-time measurement.
+    ``speculate`` is the speculative decoding mode, ``window`` the most drafts a slot verifies per step.
     """
 
     supports = frozenset({GRAMMAR, LOGPROBS, TOKEN_PROMPTS})
@@ -152,6 +181,8 @@ class LlamaEngine(Engine):
         prefill_chunk: int = PREFILL_CHUNK,
         pad_lone_rows: bool | None = None,
         kernels: Kernels = "exact",
+        speculate: SpeculateMode = "auto",
+        window: int = WINDOW,
     ) -> None:
         if parallel is not None and parallel < 1:
             raise EngineError("parallel must be at least 1")
@@ -169,6 +200,16 @@ class LlamaEngine(Engine):
         self.pad_lone_rows = pad_lone_rows
         """Whether every call gets at least two rows (measured at load unless set)."""
         self.kernels = kernels
+        self.speculate: SpeculateMode = speculate
+        """The mode asked for; ``off`` once loaded if windows cannot be verified exactly (``unavailable``)."""
+        self.window = max(1, window)
+        self.unavailable: str | None = None
+        """Why speculation is off although asked for (``None``: it is not, or it was not asked for)."""
+        self.flash_attn = False
+        """The attention kernel chosen at load (:func:`probe_windows`)."""
+        self.spec = SpecStats(speculate)
+        self._acceptance = Acceptance()
+        """Acceptance over every request: the prior of the next request's window policy."""
         self.stats = EngineStats()
         self.metadata: GGUFMetadata | None = None
         self.chat_format: str = ""
@@ -202,11 +243,13 @@ class LlamaEngine(Engine):
         try:
             n_ctx_seq = context_cap(meta.context_length, self._n_ctx)
             parallel = self._parallel or default_parallel(meta, n_ctx_seq)
+            probe = probe_windows(model, self._threads, self.window + 1, self.pad_lone_rows)
+            self.flash_attn, self.unavailable = probe.flash_attn, probe.differs
             if self.pad_lone_rows is None:
-                self.pad_lone_rows = lone_row_differs(model, self._threads)
+                self.pad_lone_rows = probe.pad_lone_rows
             n_seq = parallel + (1 if self.pad_lone_rows else 0)
-            ctx = NativeContext(model, n_seq=n_seq, n_ctx_seq=n_ctx_seq,
-                                n_batch=max(self.prefill_chunk, n_seq) + 1, threads=self._threads)
+            ctx = NativeContext(model, n_seq=n_seq, n_ctx_seq=n_ctx_seq, n_batch=max(self.prefill_chunk, n_seq) + 1,
+                                threads=self._threads, flash_attn=self.flash_attn)
             self._render, self.chat_format = chat_renderer(_TemplateTokens(model), meta.family, meta.chat_template,
                                                            self._chat_format_override)
         except BaseException:
@@ -215,6 +258,11 @@ class LlamaEngine(Engine):
         self.metadata, self._model, self._ctx = meta, model, ctx
         self._n_ctx_seq = min(n_ctx_seq, ctx.n_ctx_seq)
         self.parallel = parallel
+        if self.unavailable is not None and self.speculate != "off":
+            log.info("llama engine %s: no speculation: %s", self.model_id, self.unavailable)
+            self.speculate = self.spec.mode = "off"
+        for rows, seconds in probe.call_s.items():  # the window pricing starts from the probe's timings
+            self._costs.observe(rows, seconds)
         self._sched = Scheduler(parallel, chunk=self.prefill_chunk, max_queue=self.max_queue)
         self._thread = threading.Thread(target=self._worker, name=f"llama-{self.model_id}", daemon=True)
         self._thread.start()
@@ -247,6 +295,15 @@ class LlamaEngine(Engine):
             queued = self._sched.queued if self._sched else 0
         return LoadReport(running=running, slots=self.parallel or 1, queued=queued, max_queue=self.max_queue,
                           tokens_per_s=round(self._rate.value, 2))
+
+    def speculation_status(self) -> dict[str, object]:
+        """Counters, acceptance, the attention kernel the probe chose, the measured call costs, and why
+        speculation is off when it was asked for but cannot be exact here (``unavailable``)."""
+        costs = {str(n): round(sec * 1e3, 3) for n in (1, 2, self.window + 1)
+                 if (sec := self._costs.seconds(n)) is not None}
+        return {**self.spec.status(), "acceptance_estimate": round(self._acceptance.rate, 3),
+                "attention": "flash" if self.flash_attn else "softmax", "max_window": self.window,
+                "call_ms_by_rows": costs or None, "unavailable": self.unavailable}
 
     # ---- prompts ---------------------------------------------------------------------------
 
@@ -297,8 +354,13 @@ class LlamaEngine(Engine):
                 sampler.close()
                 raise
         client = request.client or (f"user:{request.user}" if request.user else "")
+        drafter = policy = None
+        if sampler is not None and self.speculate != "off":
+            drafter = NgramDrafter([*tokens, *request.continuation])
+            policy = WindowPolicy(self.speculate, max_window=self.window, prior=self._acceptance.rate)
         return _Job(request=request, prompt_len=len(tokens), target=tuple(tokens),
-                    forced=collections.deque(request.continuation), text=text, sampler=sampler, client=client)
+                    forced=collections.deque(request.continuation), text=text, sampler=sampler, client=client,
+                    drafter=drafter, policy=policy)
 
     def _require(self) -> Any:
         if self._model is None or self._closed:
@@ -427,20 +489,64 @@ class LlamaEngine(Engine):
             self._prefill(chunk)
 
     def _decode(self, rows: list[DecodeRow]) -> None:
-        """Every generating slot's next token, in one call.
+        """Every generating slot's next token, with the windows of the slots that speculate, in one call.
 
         llama.cpp puts only consecutive sequences in one batch, so a free or prefilling slot between two
         generating ones gets a padding row (its next position, removed after the call): a row costs far
         less than a second pass over the weights. Where one-row calls are measured to be faster than
-        the batch (:class:`~meshllm.engine.slots.CallCosts`), the rows go one by one instead; with
-        row-exact kernels that changes no result (with padding on, a lone row would, so never then).
+        the batch (:class:`~meshllm.engine.slots.CallCosts`), the rows go one by one instead (never with
+        windows); with row-exact kernels that changes no result (with padding on, a lone row would,
+        so never then).
         """
-        if not self.pad_lone_rows and self._costs.split(len(rows)):
+        drafts = self._drafts(rows)
+        if not drafts and not self.pad_lone_rows and self._costs.split(len(rows)):
             for row in rows:
-                self._decode_segment([row])
+                self._decode_segment([row], drafts)
             return
         for segment in self._segments(rows):
-            self._decode_segment(segment)
+            self._decode_segment(segment, drafts)
+
+    def _drafts(self, rows: list[DecodeRow]) -> dict[int, list[int]]:
+        """The drafts each speculating slot verifies in this step (slot -> tokens after its row's).
+
+        Slot by slot, a window is priced against the call as it stands (its rows so far, the tokens the
+        other slots are expected to yield) at the measured cost of a call by row count
+        (:func:`~meshllm.engine.speculate.batch_cost`); a slot whose draft is not worth it judges the
+        draft against its plain tokens instead (``WindowPolicy.decline``).
+        """
+        drafts: dict[int, list[int]] = {}
+        if self.speculate == "off":
+            return drafts
+        assert self._sched is not None
+        slots = [r.slot for r in rows]
+        width = max(slots) - min(slots) + 1  # the call's rows: the slots' and the gaps' padding rows
+        others = float(len(rows))  # tokens the step is expected to yield (one a slot, more with a window)
+        for row in rows:
+            job = self._sched.slots[row.slot].job
+            if job is None or job.drafter is None or job.policy is None or job.forced or job.cancelled:
+                continue
+            # a window yields up to k + 1 tokens, its last position must fit the context, its rows the
+            # batch (less one for a lone row's extra pad)
+            room = min(job.text.remaining - 1, self._n_ctx_seq - 1 - row.pos, self._ctx.n_batch - width - 1)
+            found = job.drafter.draft(min(room, self.window)) if room > 0 else []
+            if not found:
+                continue
+            # without any window yet, the plain step may run its rows one call each where that is faster
+            plain = None if drafts or self.pad_lone_rows else min(self._call_seconds(width),
+                                                                  len(rows) * self._call_seconds(1))
+            k = job.policy.window(len(found), batch_cost(self._call_seconds, width, others - 1.0, plain))
+            if k:
+                drafts[row.slot] = found[:k]
+                width += k
+                others += expected_tokens(job.policy.acceptance.rate, k) - 1.0
+            else:
+                job.policy.decline(found)
+        return drafts
+
+    def _call_seconds(self, rows: int) -> float:
+        """Expected seconds of a decode call of ``rows`` rows (:meth:`CallCosts.seconds`; the probe measured two)."""
+        seconds = self._costs.seconds(rows)
+        return float("inf") if seconds is None else seconds
 
     def _segments(self, rows: list[DecodeRow]) -> Iterator[list[DecodeRow | tuple[int, int, int]]]:
         """Rows and gap pads ``(token, pos, seq)`` covering consecutive sequences; a gap that cannot be
@@ -459,18 +565,34 @@ class LlamaEngine(Engine):
         if segment:
             yield segment
 
-    def _decode_segment(self, segment: list[DecodeRow | tuple[int, int, int]]) -> None:
-        real = [(i, e) for i, e in enumerate(segment) if isinstance(e, DecodeRow)]
+    def _decode_segment(self, segment: list[DecodeRow | tuple[int, int, int]], drafts: dict[int, list[int]]) -> None:
+        """One call: each row's token and its drafts (logits for all), pads between (none kept)."""
+        real = [e for e in segment if isinstance(e, DecodeRow)]
         if not real:
             return
-        pads = [e for e in segment if not isinstance(e, DecodeRow)]
-        tokens = [e.token if isinstance(e, DecodeRow) else e[0] for e in segment]
-        pos = [e.pos if isinstance(e, DecodeRow) else e[1] for e in segment]
-        seqs = [e.slot if isinstance(e, DecodeRow) else e[2] for e in segment]
-        outputs = [isinstance(e, DecodeRow) for e in segment]
-        if self.pad_lone_rows and len(real) == 1:  # a second output row, so the lone row computes as in a batch
+        tokens: list[int] = []
+        pos: list[int] = []
+        seqs: list[int] = []
+        outputs: list[bool] = []
+        pads: list[tuple[int, int, int]] = []
+        first: dict[int, int] = {}  # slot -> batch index of its row (its drafts follow)
+        for e in segment:
+            if isinstance(e, DecodeRow):
+                window = [e.token, *drafts.get(e.slot, ())]
+                first[e.slot] = len(tokens)
+                tokens += window
+                pos += range(e.pos, e.pos + len(window))
+                seqs += [e.slot] * len(window)
+                outputs += [True] * len(window)
+            else:
+                pads.append(e)
+                tokens.append(e[0])
+                pos.append(e[1])
+                seqs.append(e[2])
+                outputs.append(False)
+        if self.pad_lone_rows and sum(outputs) == 1:  # a second output row, so the lone row computes as in a batch
             if pads:
-                outputs[segment.index(pads[0])] = True
+                outputs[seqs.index(pads[0][2])] = True
             elif (extra := self._pad_row(seqs[-1] + 1, tokens[-1])) is not None:
                 pads.append(extra)
                 tokens, pos, seqs, outputs = [*tokens, extra[0]], [*pos, extra[1]], [*seqs, extra[2]], [*outputs, True]
@@ -483,11 +605,10 @@ class LlamaEngine(Engine):
         self._costs.observe(len(tokens), time.perf_counter() - started)
         self.stats.decode_calls += 1
         self.stats.decode_rows += len(real)
-        assert self._sched is not None
-        for i, row in real:
-            with self._cond:
-                self._sched.decoded(row.slot)
-            self._after_logits(row.slot, self._ctx.logits(i))
+        for row in real:
+            draft = drafts.get(row.slot, [])
+            logits = [self._ctx.logits(first[row.slot] + i) for i in range(len(draft) + 1)]
+            self._after_logits(row.slot, logits, row, draft)
 
     def _prefill(self, chunk: Chunk) -> None:
         """One grid chunk of a prompt; its last chunk gives the first token."""
@@ -514,7 +635,7 @@ class LlamaEngine(Engine):
         with self._cond:
             self._sched.prefilled(chunk)
         if chunk.last:
-            self._after_logits(chunk.slot, self._ctx.logits(n - 1))
+            self._after_logits(chunk.slot, [self._ctx.logits(n - 1)])
 
     def _pad_row(self, seq: int, token: int) -> tuple[int, int, int] | None:
         """A throwaway row ``(token, pos, seq)`` at sequence ``seq``'s next position (the caller removes it
@@ -524,28 +645,66 @@ class LlamaEngine(Engine):
         at = self._ctx.length(seq)
         return (token, at, seq) if at < self._ctx.n_ctx_seq else None
 
-    def _after_logits(self, index: int, logits: np.ndarray) -> None:
-        """Sample the slot's next token, send its text, and continue or finish the request."""
+    def _after_logits(self, index: int, logits: list[np.ndarray], row: DecodeRow | None = None,
+                      draft: Sequence[int] = ()) -> None:
+        """Sample the slot's next tokens, send their text, and continue or finish the request.
+
+        ``logits`` are the rows of the slot's last call: one (a prefill's last chunk, or the decode
+        ``row``) or a window, ``row`` then ``draft``. A window keeps what
+        :func:`~meshllm.engine.speculate.verify_window` keeps, and its other positions leave the KV.
+        """
         assert self._sched is not None
         job = self._sched.slots[index].job
         if job is None or job.cancelled:
+            if row is not None:
+                if draft:
+                    self._ctx.trim(index, row.pos + 1)
+                with self._cond:
+                    self._sched.decoded(index)
             return
         if job.forced:  # a continuation token: decoded as the first engine decoded it, not sampled
             with self._cond:
+                if row is not None:
+                    self._sched.decoded(index)
                 self._sched.sampled(index, job.forced.popleft())
             return
-        try:
-            token = job.sampler.sample(logits, job.text.generated)
+        fed = 0
+
+        def produce(i: int) -> int | None:
+            nonlocal fed
+            token = job.sampler.sample(logits[i], job.text.generated)
             if token is None:  # the grammar allows nothing more: the text is complete
                 job.text.reason, job.text.done = "stop", True
-            else:
-                delta = job.text.feed(token, logprob=job.sampler.logprob(logits, token))
-                if delta is not None:
-                    job.emit(delta)
+                return None
+            fed += 1
+            delta = job.text.feed(token, logprob=job.sampler.logprob(logits[i], token))
+            if delta is not None:
+                job.emit(delta)
+            if job.text.done:
+                return None
+            job.sampler.accept(token)
+            return token
+
+        try:
+            out = verify_window(draft, produce)
+            # drafts kept, whose KV stays: all a text that ended produced, else all but the model's own last
+            kept = len(out) if job.text.done else len(out) - 1
+            if row is not None and draft:
+                self._ctx.trim(index, row.pos + 1 + kept)
                 if not job.text.done:
-                    job.sampler.accept(token)
-                    with self._cond:
-                        self._sched.sampled(index, token)
+                    job.policy.observe(len(draft), kept)
+                    self._acceptance.observe(len(draft), kept)
+            elif job.policy is not None:
+                job.policy.produced(out)
+            if job.drafter is not None:
+                job.drafter.extend(out)
+            if row is not None:  # a decode pass (a prefill's first token is not one)
+                self.spec.observe(len(draft), kept, fed)
+            with self._cond:
+                if row is not None:
+                    self._sched.decoded(index, out[:kept])
+                if not job.text.done:
+                    self._sched.sampled(index, out[-1])
                     return
             for event in job.text.finish():
                 job.emit(event)
@@ -623,7 +782,12 @@ class _TemplateTokens:
         return int(self._native.eos)
 
 
-def lone_row_differs(model: Any, threads: int) -> bool:
+def _probe_tokens(model: Any, n: int, salt: int = 0) -> list[int]:
+    """``n`` fixed token ids spread over the vocabulary (the start token first), for the load-time probes."""
+    return [model.bos if model.bos >= 0 else 0] + [((k + salt) * 7919) % model.n_vocab for k in range(1, n)]
+
+
+def lone_row_differs(model: Any, threads: int, flash_attn: bool = False) -> bool:
     """Whether llama.cpp computes a batch of one row differently from the same row beside another.
 
     A small probe context decodes the same token at the same position twice, once alone and once
@@ -631,9 +795,9 @@ def lone_row_differs(model: Any, threads: int) -> bool:
     """
     from meshllm.engine.llama_native import NativeContext
 
-    ctx = NativeContext(model, n_seq=2, n_ctx_seq=256, n_batch=8, threads=threads)
+    ctx = NativeContext(model, n_seq=2, n_ctx_seq=256, n_batch=8, threads=threads, flash_attn=flash_attn)
     try:
-        probe = [model.bos if model.bos >= 0 else 0] + [(k * 7919) % model.n_vocab for k in range(1, 5)]
+        probe = _probe_tokens(model, 5)
         ctx.decode(probe[:4], [0, 1, 2, 3], [0] * 4, [False, False, False, True])
         ctx.decode(probe[4:], [4], [0], [True])
         alone = ctx.logits(0).copy()
@@ -642,6 +806,83 @@ def lone_row_differs(model: Any, threads: int) -> bool:
         return not np.array_equal(alone, ctx.logits(0))
     finally:
         ctx.close()
+
+
+@dataclass(frozen=True)
+class WindowProbe:
+    """What :func:`probe_windows` measured."""
+
+    flash_attn: bool
+    """The attention kernel to use: the first (softmax, then flash) under which windows are exact."""
+    pad_lone_rows: bool
+    """Whether a lone row computes differently from a pair under that kernel (:func:`lone_row_differs`)."""
+    differs: str | None
+    """Why no kernel computes windows exactly (``None``: one does)."""
+    call_s: dict[int, float]
+    """Seconds of the probe's calls by row count (single rows, windows beside a row; none if not exact)."""
+
+
+PROBE_PROMPT = 16
+"""Tokens in the KV before the probe's windows."""
+
+
+def probe_windows(model: Any, threads: int, rows: int, pad_lone_rows: bool | None = None) -> WindowProbe:
+    """Whether llama.cpp computes a window (several consecutive positions of one sequence in one call)
+    exactly as it computes the same positions one call at a time, under softmax or flash attention.
+
+    Speculation is only invisible if it is: a kept draft's logits and KV must be those of plain
+    decoding. On this CPU build quantized weights compute rows alike in any batch (integer dot
+    products), but softmax attention over several query rows of a sequence takes another kernel
+    (tinyBLAS over f16 keys) when heads share keys, while flash attention runs each query row alone;
+    float32 or float16 weights go through tinyBLAS from two rows, whose sums depend on the row count.
+    So the probe decodes ``rows`` positions one by one as the engine's plain steps would (alone, or
+    beside a padding row where a lone row differs: ``pad_lone_rows``, measured unless given), then
+    windows of 2, 3 and ``rows`` positions beside a row of another sequence, and compares the
+    logits bit for bit; softmax is kept where both agree. The calls' durations seed the engine's
+    call costs (a first call of a shape includes llama.cpp's graph set-up: an overestimate, which
+    keeps ``auto`` from drafting on a guess).
+    """
+    from meshllm.engine.llama_native import NativeContext
+
+    call_s: dict[int, float] = {}
+    prompt, window = _probe_tokens(model, PROBE_PROMPT), _probe_tokens(model, rows + 1, salt=31)[1:]
+    for flash in (False, True):
+        pad = lone_row_differs(model, threads, flash) if pad_lone_rows is None else pad_lone_rows
+        ctx = NativeContext(model, n_seq=3, n_ctx_seq=256, n_batch=max(PROBE_PROMPT, rows + 1), threads=threads,
+                            flash_attn=flash)
+        try:
+            for seq in (0, 1):
+                ctx.decode(prompt, list(range(PROBE_PROMPT)), [seq] * PROBE_PROMPT,
+                           [i == PROBE_PROMPT - 1 for i in range(PROBE_PROMPT)])
+            singles: list[np.ndarray] = []
+            single_s: list[float] = []
+            for i, token in enumerate(window):
+                started = time.perf_counter()
+                if pad:
+                    ctx.decode([token, token], [PROBE_PROMPT + i, 0], [0, 2], [True, True])
+                else:
+                    ctx.decode([token], [PROBE_PROMPT + i], [0], [True])
+                single_s.append(time.perf_counter() - started)
+                singles.append(ctx.logits(0).copy())
+                ctx.trim(2, 0)
+            exact = True
+            for n in sorted({2, 3, rows}):
+                ctx.trim(1, PROBE_PROMPT)
+                started = time.perf_counter()
+                ctx.decode([window[0], *window[:n]], [PROBE_PROMPT + rows, *range(PROBE_PROMPT, PROBE_PROMPT + n)],
+                           [0] + [1] * n, [True] * (n + 1))
+                call_s[n + 1] = time.perf_counter() - started
+                ctx.trim(0, PROBE_PROMPT + rows)
+                exact = exact and all(np.array_equal(ctx.logits(1 + i), singles[i]) for i in range(n))
+            call_s[2 if pad else 1] = statistics.median(single_s)
+        finally:
+            ctx.close()
+        if exact:
+            return WindowProbe(flash, pad, None, call_s)
+    pad = lone_row_differs(model, threads, False) if pad_lone_rows is None else pad_lone_rows
+    return WindowProbe(False, pad, "llama.cpp computes a window of positions differently from the same positions one "
+                              "at a time with this model's weights (float weights, or --kernels fast), so drafts "
+                              "could change the text", {})
 
 
 def kv_bytes_per_token(meta: GGUFMetadata) -> int:

@@ -9,8 +9,9 @@ before the token is fed to it.
 The context is built for slots: ``n_seq`` sequences, each in its own KV stream (``kv_unified``
 off) of ``n_ctx_seq`` cells, so a sequence attends only to its own cells, laid out in position
 order. That keeps each sequence's arithmetic independent of the others in the batch (see
-docs/engine.md, "Determinism"). Flash attention is off for the same reason: its CPU kernel
-changes its accumulation with the number of query rows.
+docs/llama-engine.md, "Same request, same answer"). Flash attention is the caller's choice: the
+engine measures which attention kernel computes a multi-row window of one sequence exactly as
+single rows (docs/llama-engine.md, "Speculative decoding").
 """
 
 from __future__ import annotations
@@ -136,7 +137,8 @@ class NativeModel:
 class NativeContext:
     """A llama.cpp context of ``n_seq`` independent sequences and the one batch every call uses."""
 
-    def __init__(self, model: NativeModel, *, n_seq: int, n_ctx_seq: int, n_batch: int, threads: int) -> None:
+    def __init__(self, model: NativeModel, *, n_seq: int, n_ctx_seq: int, n_batch: int, threads: int,
+                 flash_attn: bool = False) -> None:
         if not (1 <= n_seq <= int(L.llama_max_parallel_sequences())):
             raise EngineError(f"{n_seq} sequences is outside llama.cpp's 1-{L.llama_max_parallel_sequences()}")
         params = L.llama_context_default_params()
@@ -145,7 +147,7 @@ class NativeContext:
         params.n_seq_max = n_seq
         params.n_threads = params.n_threads_batch = threads
         params.kv_unified = False
-        params.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
         params.no_perf = True
         ptr = L.llama_init_from_model(model.ptr, params)
         if not ptr:
@@ -156,6 +158,7 @@ class NativeContext:
         self.n_seq = n_seq
         self.n_ctx_seq = int(L.llama_n_ctx_seq(ptr))
         self.n_batch = n_batch
+        self.flash_attn = flash_attn
         self._mem = L.llama_get_memory(ptr)
         self._batch = L.llama_batch_init(n_batch, 0, 1)
         b = self._batch

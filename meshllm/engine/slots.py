@@ -21,6 +21,7 @@ Nothing here touches llama.cpp, threads or clocks; time is passed in.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -213,11 +214,12 @@ class Scheduler(Generic[J]):
         """The slot's request continues with ``token`` (decoded in the next step)."""
         self.slots[index].next_token = token
 
-    def decoded(self, index: int) -> None:
-        """The slot's last sampled token is in the KV."""
+    def decoded(self, index: int, drafts: Sequence[int] = ()) -> None:
+        """The slot's last sampled token is in the KV, and after it the ``drafts`` a window kept."""
         slot = self.slots[index]
         assert slot.next_token is not None
         slot.cached.append(slot.next_token)
+        slot.cached.extend(drafts)
         slot.next_token = None
 
     def release(self, index: int) -> None:
@@ -254,6 +256,21 @@ class CallCosts:
         """A call of ``rows`` rows took ``seconds``."""
         old = self._seconds.get(rows)
         self._seconds[rows] = seconds if old is None else (1 - self.ALPHA) * old + self.ALPHA * seconds
+
+    def seconds(self, rows: int) -> float | None:
+        """Expected seconds of a call of ``rows`` rows: its measured average, else a straight line
+        through the nearest measured counts on either side (or the two nearest on one side); ``None``
+        before two counts are measured."""
+        if rows in self._seconds:
+            return self._seconds[rows]
+        known = sorted(self._seconds)
+        if len(known) < 2:
+            return None
+        below = [n for n in known if n < rows][-2:]
+        above = [n for n in known if n > rows][:2]
+        a, b = (below[-1], above[0]) if below and above else ((below or above)[0], (below or above)[1])
+        ta, tb = self._seconds[a], self._seconds[b]
+        return max(ta + (tb - ta) * (rows - a) / (b - a), 0.0)
 
     def split(self, rows: int) -> bool:
         """Whether ``rows`` one-row calls are expected to be faster than one call of ``rows`` rows."""

@@ -17,10 +17,15 @@ is needed.
   keeps rejecting, none (``auto``).
 * :class:`SpecStats` counts passes, drafted and accepted tokens for ``/api/status``.
 
-Verification itself is the engine's: the last stage of a chain (or the local engine) runs the
-window's positions, and :meth:`meshllm.engine.sampler.Sampler.verify` applies the acceptance rule
-(greedy: exact match; sampled: the standard speculative rule, coupled to the plain draw so that the
-text is the one plain decoding samples from the same random stream).
+* :func:`verify_window` is the acceptance rule both engines apply to a verified window (the last
+  stage of a chain, the llama engine's slots): greedy, exact match; sampled, the standard
+  speculative rule, coupled to the plain draw so that the text is the one plain decoding samples
+  from the same random stream.
+* :func:`batch_cost` prices one slot's window in a step that decodes several slots at once (the
+  llama engine), from the measured cost of a call by its row count.
+
+Computing the window's positions is the engine's: the stages run them one by one (their multi-row
+kernels differ), the llama engine in one batch where that is measured to be row-exact.
 """
 
 from __future__ import annotations
@@ -218,6 +223,54 @@ class ChainCosts:
         for d, value in zip(self._parts, parts, strict=True):
             d.append(value)
         self.fixed, self.per_position, self.per_token = (statistics.median(d) for d in self._parts)
+
+
+def verify_window(draft: Sequence[int], produce: Callable[[int], int | None]) -> list[int]:
+    """The tokens a verified window yields: the longest prefix of ``draft`` the model agrees with, then its own.
+
+    ``produce(i)`` is the token position ``i`` of the window produces, sampled exactly as plain
+    decoding samples (same logits, same history, the draw of the same step); it is called only once
+    positions ``0 .. i-1`` were kept, and returns ``None`` when the text has ended (that position's
+    token and everything after it are not the window's). A draft is kept exactly when the token
+    sampled at its position equals it. For a drafter that proposes one token with certainty this
+    *is* the standard speculative sampling rule: the draft is kept with probability ``p(draft)``,
+    and a rejected draft's replacement is distributed as ``p`` without the draft, renormalised.
+    Coupling the rule to the plain draw makes it stronger: each token is the one plain decoding
+    would have produced, so speculation changes neither the distribution of the text nor, with a
+    seed, the text itself. Greedy is the special case (kept iff it is the argmax).
+    """
+    out: list[int] = []
+    for i in range(len(draft) + 1):
+        token = produce(i)
+        if token is None:
+            break
+        out.append(token)
+        if i == len(draft) or token != draft[i]:
+            break
+    return out
+
+
+def batch_cost(call_seconds: Callable[[int], float], rows: int, others: float,
+               plain_s: float | None = None) -> PassCost:
+    """The pass cost that makes :meth:`WindowPolicy.window` maximise a whole step's tokens per second.
+
+    A step decodes several slots in one call of ``rows`` rows (pads and windows chosen so far
+    included) that takes ``call_seconds(rows)``, and the other slots are expected to yield ``others``
+    tokens (one each, ``E`` for one with a window). One slot adding ``k`` drafts makes the call
+    ``call_seconds(rows + k)`` and the step yield ``others + E(k)`` tokens; the returned ``cost(k, E)``
+    is that call's time scaled so that ``E / cost`` is proportional to the step's rate. Alone
+    (``others == 0``) it is simply the call's time. When many slots share the call it is already
+    wide: its extra rows cost nearly their full compute while a window adds a smaller share of the
+    step's tokens, so the window shrinks, and ``auto`` stops drafting where the rows cost more than
+    they bring. ``plain_s``, if given, is what the step costs without any window (an engine may run
+    a plain step's rows as separate calls where that is faster).
+    """
+
+    def cost(k: int, expected: float) -> float:
+        seconds = plain_s if k == 0 and plain_s is not None else call_seconds(rows + k)
+        return seconds * expected / (others + expected)
+
+    return cost
 
 
 @dataclass

@@ -89,6 +89,11 @@ class TextStream:
         self.reason: FinishReason = "length"
         self.done = False
 
+    @property
+    def remaining(self) -> int:
+        """Tokens that may still be generated (the length limit less what was)."""
+        return self._limit - self.generated
+
     def feed(self, token: int, last: bool = False, logprob: TokenLogprob | None = None) -> TextDelta | None:
         """Take one sampled token (``last``: the sampler will send no more); return text to send now."""
         if self.done:

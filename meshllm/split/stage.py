@@ -37,6 +37,7 @@ import numpy as np
 
 from meshllm.engine.ggml import StageModel
 from meshllm.engine.sampler import Sampler, SamplingParams
+from meshllm.engine.speculate import verify_window
 from meshllm.errors import MeshllmError
 from meshllm.net import Endpoint, NetError, PeerConnection, PeerEvent, PeerEventKind, Stream
 from meshllm.split import codec
@@ -296,25 +297,20 @@ class StageServer:
                                                    compute_ms=spent))
 
     def _verify(self, session: _Session, x: np.ndarray, frame: Verify) -> list[int]:
-        """The last stage's side of a window: positions one by one until the sampler rejects a draft.
+        """The last stage's side of a window: positions one by one until the sampler rejects a draft
+        (:func:`~meshllm.engine.speculate.verify_window`).
 
         Each position is a decode step of its own (same graph, same kernels, so a kept token and its
         KV are exactly what plain decoding computes), and the positions after the first rejection
         are never computed: a rejected draft costs the last stage nothing.
         """
-        assert session.sampler is not None
-        sid, out = frame.session, []
-        for i in range(frame.n_tokens):
+        sid = frame.session
+
+        def produce(i: int) -> int:
             logits = session.stage.forward(sid, x[i : i + 1], frame.pos + i, last_only=True)[-1]
-            if i < len(frame.draft):
-                token, kept = session.sampler.verify(logits, session.history, frame.draft[i])
-            else:
-                token, kept = session.sampler(logits, session.history), False
-            session.history.append(token)
-            out.append(token)
-            if not kept:
-                break
-        return out
+            return self._sample(session, logits)
+
+        return verify_window(frame.draft, produce)
 
     def _sample(self, session: _Session, logits: np.ndarray) -> int:
         assert session.sampler is not None

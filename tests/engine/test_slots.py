@@ -188,3 +188,25 @@ def test_without_reuse_a_request_takes_a_slot_next_to_the_busy_ones() -> None:
     assert s.plan().assigned[0].slot == 0  # 0 and 3 are both adjacent now: 0's cache is the older
     s.submit("i", (3,), "i", 0.0)
     assert s.plan().assigned[0].slot == 3  # not 4 or 5, which would leave a gap
+
+
+def test_call_costs_estimate_unmeasured_row_counts_on_a_line_through_the_nearest() -> None:
+    costs = CallCosts()
+    assert costs.seconds(4) is None
+    costs.observe(2, 0.020)
+    assert costs.seconds(2) == 0.020 and costs.seconds(4) is None  # one count: no line yet
+    costs.observe(10, 0.100)
+    assert costs.seconds(6) == pytest.approx(0.060)  # between the two
+    assert costs.seconds(1) == pytest.approx(0.010) and costs.seconds(14) == pytest.approx(0.140)  # beyond them
+    costs.observe(4, 0.030)
+    assert costs.seconds(3) == pytest.approx(0.025) and costs.seconds(7) == pytest.approx(0.065)
+
+
+def test_a_window_adds_its_kept_drafts_after_the_decoded_token() -> None:
+    s = sched(slots=1)
+    s.submit("a", (1, 2, 3, 4), "x", 0.0)
+    run_prefill(s)
+    s.decoded(0, (7, 8))  # the row's token, then two kept drafts
+    s.sampled(0, 9)
+    assert s.slots[0].cached == [1, 2, 3, 4, 100, 7, 8]
+    assert s.plan().decode == [DecodeRow(0, 9, 7)] and s.slots[0].exact == 4  # decoded tokens are never lent

@@ -12,7 +12,9 @@ from meshllm.engine.speculate import (
     NgramDrafter,
     SpecStats,
     WindowPolicy,
+    batch_cost,
     expected_tokens,
+    verify_window,
 )
 
 
@@ -112,13 +114,33 @@ def test_stats() -> None:
 LOGITS = np.log(np.array([0.5, 0.25, 0.125, 0.0625, 0.0625], dtype=np.float32))
 
 
+def verify(sampler: Sampler, logits: np.ndarray, history: list[int], draft: int) -> tuple[int, bool]:
+    """One drafted position through :func:`verify_window`: the token it yields and whether the draft was kept."""
+    out = verify_window([draft], lambda i: sampler(logits, history) if i == 0 else -1)  # -1: the bonus position
+    return out[0], len(out) == 2
+
+
+def test_window_keeps_the_agreeing_prefix_then_the_models_token() -> None:
+    model = [5, 6, 7, 9, 10]
+    asked: list[int] = []
+
+    def produce(i: int) -> int:
+        asked.append(i)
+        return model[i]
+
+    assert verify_window([5, 6, 8, 9], produce) == [5, 6, 7] and asked == [0, 1, 2]  # nothing after a rejection
+    assert verify_window([5, 6], lambda i: model[i]) == [5, 6, 7]  # all kept: the model's next token too
+    assert verify_window([], lambda i: model[i]) == [5]  # a plain step
+    assert verify_window([5, 6, 7], lambda i: None if i == 1 else model[i]) == [5]  # the text ended at 1
+
+
 def test_greedy_verify_keeps_exactly_the_argmax() -> None:
     s = Sampler(SamplingParams(temperature=0.0))
-    assert s.verify(LOGITS, [], 0) == (0, True)
-    assert s.verify(LOGITS, [], 3) == (0, False)
+    assert verify(s, LOGITS, [], 0) == (0, True)
+    assert verify(s, LOGITS, [], 3) == (0, False)
     # penalties apply as in plain sampling: a repeated token loses its lead
     p = Sampler(SamplingParams(temperature=0.0, presence_penalty=2.0))
-    assert p.verify(LOGITS, [0], 1) == (1, True) and p(LOGITS, [0]) == 1
+    assert verify(p, LOGITS, [0], 1) == (1, True) and p(LOGITS, [0]) == 1
 
 
 @pytest.mark.parametrize(("params", "draft"), [
@@ -133,10 +155,29 @@ def test_sampled_verify_is_the_speculative_rule_coupled_to_the_plain_draw(params
     n = 4000
     plain, spec = Sampler(params), Sampler(params)
     tokens = [plain(LOGITS) for _ in range(n)]
-    outcomes = [spec.verify(LOGITS, [], draft) for _ in range(n)]
+    outcomes = [verify(spec, LOGITS, [], draft) for _ in range(n)]
     assert [t for t, _ in outcomes] == tokens
     assert all(kept == (t == draft) for t, kept in outcomes)
     assert 0 < sum(kept for _, kept in outcomes) < n or params.top_k  # both outcomes happen (top-k: never kept)
+
+
+def test_batch_cost_backs_off_when_the_call_is_already_wide() -> None:
+    """Alone, a window is priced at its call's time; beside many slots its gain is a smaller share of the
+    step's tokens, so the same acceptance and call costs give a narrower window, then none."""
+    def call(rows: int) -> float:  # a call streams the weights once (10 ms) and computes 2 ms a row
+        return 0.010 + 0.002 * rows
+
+    assert batch_cost(call, 1, 0.0)(3, 2.5) == pytest.approx(call(4))
+    windows = []
+    for busy in (1, 2, 8):
+        policy = WindowPolicy("auto")
+        policy.acceptance = Acceptance(prior=0.7, prior_weight=1e9)
+        windows.append(policy.window(8, batch_cost(call, busy, busy - 1.0)))
+    assert windows[0] > windows[1] > 0 and windows[2] == 0, windows
+    # the other slots' windows count: beside one that already yields 3 tokens, a second window pays less
+    policy = WindowPolicy("auto")
+    policy.acceptance = Acceptance(prior=0.7, prior_weight=1e9)
+    assert policy.window(8, batch_cost(call, 2 + windows[1], 1.0 + 2.0)) < windows[1]
 
 
 def test_auto_wants_a_clear_gain_before_it_drafts() -> None:
