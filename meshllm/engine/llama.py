@@ -25,9 +25,10 @@ slot drafts the next tokens from n-grams of its prompt and text and adds them to
 as a window (its token plus ``k`` drafts, logits for each); the slot keeps the longest prefix its
 sampler agrees with plus the sampler's own next token, and the rejected positions leave its KV.
 That is only exact where llama.cpp computes a window's rows as it computes single rows: measured
-at load (:func:`probe_windows`), which also picks the attention kernel that does it (flash
-attention on the default model, where softmax attention's multi-row kernels differ); where
-neither does (float weights), speculation is unavailable and the engine says so in its status.
+at load (:func:`probe_windows`) under llama.cpp's softmax attention (the stage runtime's too, so
+split chains and ``--engine ggml`` give the same text); where it is not (float weights; softmax
+attention over shared keys, as on the default model), speculation is unavailable and the engine
+says so in its status.
 The window's size comes from the measured call costs by row count and the acceptance rate, priced
 for the whole step (:func:`~meshllm.engine.speculate.batch_cost`): a step that is already wide
 gets narrow windows or none.
@@ -205,8 +206,6 @@ class LlamaEngine(Engine):
         self.window = max(1, window)
         self.unavailable: str | None = None
         """Why speculation is off although asked for (``None``: it is not, or it was not asked for)."""
-        self.flash_attn = False
-        """The attention kernel chosen at load (:func:`probe_windows`)."""
         self.spec = SpecStats(speculate)
         self._acceptance = Acceptance()
         """Acceptance over every request: the prior of the next request's window policy."""
@@ -244,12 +243,12 @@ class LlamaEngine(Engine):
             n_ctx_seq = context_cap(meta.context_length, self._n_ctx)
             parallel = self._parallel or default_parallel(meta, n_ctx_seq)
             probe = probe_windows(model, self._threads, self.window + 1, self.pad_lone_rows)
-            self.flash_attn, self.unavailable = probe.flash_attn, probe.differs
+            self.unavailable = probe.differs
             if self.pad_lone_rows is None:
                 self.pad_lone_rows = probe.pad_lone_rows
             n_seq = parallel + (1 if self.pad_lone_rows else 0)
             ctx = NativeContext(model, n_seq=n_seq, n_ctx_seq=n_ctx_seq, n_batch=max(self.prefill_chunk, n_seq) + 1,
-                                threads=self._threads, flash_attn=self.flash_attn)
+                                threads=self._threads)
             self._render, self.chat_format = chat_renderer(_TemplateTokens(model), meta.family, meta.chat_template,
                                                            self._chat_format_override)
         except BaseException:
@@ -302,7 +301,7 @@ class LlamaEngine(Engine):
         costs = {str(n): round(sec * 1e3, 3) for n in (1, 2, self.window + 1)
                  if (sec := self._costs.seconds(n)) is not None}
         return {**self.spec.status(), "acceptance_estimate": round(self._acceptance.rate, 3),
-                "attention": "flash" if self.flash_attn else "softmax", "max_window": self.window,
+                "max_window": self.window,
                 "call_ms_by_rows": costs or None, "unavailable": self.unavailable}
 
     # ---- prompts ---------------------------------------------------------------------------
@@ -787,7 +786,7 @@ def _probe_tokens(model: Any, n: int, salt: int = 0) -> list[int]:
     return [model.bos if model.bos >= 0 else 0] + [((k + salt) * 7919) % model.n_vocab for k in range(1, n)]
 
 
-def lone_row_differs(model: Any, threads: int, flash_attn: bool = False) -> bool:
+def lone_row_differs(model: Any, threads: int) -> bool:
     """Whether llama.cpp computes a batch of one row differently from the same row beside another.
 
     A small probe context decodes the same token at the same position twice, once alone and once
@@ -795,7 +794,7 @@ def lone_row_differs(model: Any, threads: int, flash_attn: bool = False) -> bool
     """
     from meshllm.engine.llama_native import NativeContext
 
-    ctx = NativeContext(model, n_seq=2, n_ctx_seq=256, n_batch=8, threads=threads, flash_attn=flash_attn)
+    ctx = NativeContext(model, n_seq=2, n_ctx_seq=256, n_batch=8, threads=threads)
     try:
         probe = _probe_tokens(model, 5)
         ctx.decode(probe[:4], [0, 1, 2, 3], [0] * 4, [False, False, False, True])
@@ -812,10 +811,8 @@ def lone_row_differs(model: Any, threads: int, flash_attn: bool = False) -> bool
 class WindowProbe:
     """What :func:`probe_windows` measured."""
 
-    flash_attn: bool
-    """The attention kernel to use: the first (softmax, then flash) under which windows are exact."""
     pad_lone_rows: bool
-    """Whether a lone row computes differently from a pair under that kernel (:func:`lone_row_differs`)."""
+    """Whether a lone row computes differently from a pair (:func:`lone_row_differs`)."""
     differs: str | None
     """Why no kernel computes windows exactly (``None``: one does)."""
     call_s: dict[int, float]
@@ -828,17 +825,20 @@ PROBE_PROMPT = 16
 
 def probe_windows(model: Any, threads: int, rows: int, pad_lone_rows: bool | None = None) -> WindowProbe:
     """Whether llama.cpp computes a window (several consecutive positions of one sequence in one call)
-    exactly as it computes the same positions one call at a time, under softmax or flash attention.
+    exactly as it computes the same positions one call at a time.
 
     Speculation is only invisible if it is: a kept draft's logits and KV must be those of plain
     decoding. On this CPU build quantized weights compute rows alike in any batch (integer dot
     products), but softmax attention over several query rows of a sequence takes another kernel
-    (tinyBLAS over f16 keys) when heads share keys, while flash attention runs each query row alone;
+    (tinyBLAS over f16 keys) when heads share keys (flash attention would run each query row alone,
+    but its sums differ from softmax attention's, which the ggml stage runtime computes as llama.cpp
+    does by default: the node keeps softmax attention so split chains and ``--engine ggml`` give its
+    text);
     float32 or float16 weights go through tinyBLAS from two rows, whose sums depend on the row count.
     So the probe decodes ``rows`` positions one by one as the engine's plain steps would (alone, or
     beside a padding row where a lone row differs: ``pad_lone_rows``, measured unless given), then
     windows of 2, 3 and ``rows`` positions beside a row of another sequence, and compares the
-    logits bit for bit; softmax is kept where both agree. The calls' durations seed the engine's
+    logits bit for bit. The calls' durations seed the engine's
     call costs (a first call of a shape includes llama.cpp's graph set-up: an overestimate, which
     keeps ``auto`` from drafting on a guess).
     """
@@ -846,43 +846,40 @@ def probe_windows(model: Any, threads: int, rows: int, pad_lone_rows: bool | Non
 
     call_s: dict[int, float] = {}
     prompt, window = _probe_tokens(model, PROBE_PROMPT), _probe_tokens(model, rows + 1, salt=31)[1:]
-    for flash in (False, True):
-        pad = lone_row_differs(model, threads, flash) if pad_lone_rows is None else pad_lone_rows
-        ctx = NativeContext(model, n_seq=3, n_ctx_seq=256, n_batch=max(PROBE_PROMPT, rows + 1), threads=threads,
-                            flash_attn=flash)
-        try:
-            for seq in (0, 1):
-                ctx.decode(prompt, list(range(PROBE_PROMPT)), [seq] * PROBE_PROMPT,
-                           [i == PROBE_PROMPT - 1 for i in range(PROBE_PROMPT)])
-            singles: list[np.ndarray] = []
-            single_s: list[float] = []
-            for i, token in enumerate(window):
-                started = time.perf_counter()
-                if pad:
-                    ctx.decode([token, token], [PROBE_PROMPT + i, 0], [0, 2], [True, True])
-                else:
-                    ctx.decode([token], [PROBE_PROMPT + i], [0], [True])
-                single_s.append(time.perf_counter() - started)
-                singles.append(ctx.logits(0).copy())
-                ctx.trim(2, 0)
-            exact = True
-            for n in sorted({2, 3, rows}):
-                ctx.trim(1, PROBE_PROMPT)
-                started = time.perf_counter()
-                ctx.decode([window[0], *window[:n]], [PROBE_PROMPT + rows, *range(PROBE_PROMPT, PROBE_PROMPT + n)],
-                           [0] + [1] * n, [True] * (n + 1))
-                call_s[n + 1] = time.perf_counter() - started
-                ctx.trim(0, PROBE_PROMPT + rows)
-                exact = exact and all(np.array_equal(ctx.logits(1 + i), singles[i]) for i in range(n))
-            call_s[2 if pad else 1] = statistics.median(single_s)
-        finally:
-            ctx.close()
-        if exact:
-            return WindowProbe(flash, pad, None, call_s)
-    pad = lone_row_differs(model, threads, False) if pad_lone_rows is None else pad_lone_rows
-    return WindowProbe(False, pad, "llama.cpp computes a window of positions differently from the same positions one "
-                              "at a time with this model's weights (float weights, or --kernels fast), so drafts "
-                              "could change the text", {})
+    pad = lone_row_differs(model, threads) if pad_lone_rows is None else pad_lone_rows
+    ctx = NativeContext(model, n_seq=3, n_ctx_seq=256, n_batch=max(PROBE_PROMPT, rows + 1), threads=threads)
+    try:
+        for seq in (0, 1):
+            ctx.decode(prompt, list(range(PROBE_PROMPT)), [seq] * PROBE_PROMPT,
+                       [i == PROBE_PROMPT - 1 for i in range(PROBE_PROMPT)])
+        singles: list[np.ndarray] = []
+        single_s: list[float] = []
+        for i, token in enumerate(window):
+            started = time.perf_counter()
+            if pad:
+                ctx.decode([token, token], [PROBE_PROMPT + i, 0], [0, 2], [True, True])
+            else:
+                ctx.decode([token], [PROBE_PROMPT + i], [0], [True])
+            single_s.append(time.perf_counter() - started)
+            singles.append(ctx.logits(0).copy())
+            ctx.trim(2, 0)
+        exact = True
+        for n in sorted({2, 3, rows}):
+            ctx.trim(1, PROBE_PROMPT)
+            started = time.perf_counter()
+            ctx.decode([window[0], *window[:n]], [PROBE_PROMPT + rows, *range(PROBE_PROMPT, PROBE_PROMPT + n)],
+                       [0] + [1] * n, [True] * (n + 1))
+            call_s[n + 1] = time.perf_counter() - started
+            ctx.trim(0, PROBE_PROMPT + rows)
+            exact = exact and all(np.array_equal(ctx.logits(1 + i), singles[i]) for i in range(n))
+        call_s[2 if pad else 1] = statistics.median(single_s)
+    finally:
+        ctx.close()
+    if exact:
+        return WindowProbe(pad, None, call_s)
+    return WindowProbe(pad, "llama.cpp computes a window of positions differently from the same positions one at a "
+                            "time with this model (float weights, --kernels fast, or softmax attention over keys "
+                            "that heads share), so drafts could change the text", {})
 
 
 def kv_bytes_per_token(meta: GGUFMetadata) -> int:
