@@ -227,35 +227,46 @@ def attribute(*, honest: Sequence[np.ndarray], received: Sequence[int], records:
     coordinator sent), over the positions the request fed; ``received`` the tokens the coordinator
     got; ``records[i - 1]`` stage ``i``'s checked record or why there is none; ``first_bad`` the
     index of the first received token the recomputation does not produce.
+
+    Each stage is judged on its own record against the recomputation, so one stage's missing or
+    lying record does not hide another's forgery: a stage whose input is the honest one must show
+    the honest output; a stage whose input is not must show what the previous stage records sending.
+    The verdict names every stage found at fault; its kind and the reason start with the first.
     """
     n = honest[0].shape[0] if honest else 0
     last = len(records)
+    found: list[tuple[tuple[int, ...], VerdictKind, str]] = []
     for i, record in enumerate(records, start=1):
         if isinstance(record, str):
-            return Verdict((i,), "unaccountable", f"stage {i} gave no valid record: {record}")
-        if record.positions < n:
-            if not record.complete:
-                return Verdict(tuple(range(1, last + 1)), "unattributed",
-                               f"stage {i} recorded {record.positions} of {n} positions (the session was too long)")
-            return Verdict((i,), "unaccountable", f"stage {i} recorded {record.positions} of the {n} positions it ran")
-        got_in = record.rows("inputs")[:n]
-        if not rows_close(got_in, honest[i - 1]):
-            if i == 1:
-                return Verdict((1,), "lied", "stage 1 records an input other than the coordinator sent")
-            return Verdict((i - 1, i), "dispute",
-                           f"stage {i} records an input other than stage {i - 1} records sending")
-        if i < last:
-            if not rows_close(record.rows("outputs")[:n], honest[i]):
-                bad = _first_bad_row(record.rows("outputs")[:n], honest[i])
-                return Verdict((i,), "forged", f"stage {i}'s output at position {bad} is not its layers' "
-                                               "output for the input it records")
+            found.append(((i,), "unaccountable", f"stage {i} gave no valid record: {record}"))
             continue
-        tokens = list(record.tokens)
-        if tokens[: len(received)] != list(received):
-            return Verdict((i,), "lied", "the last stage records other tokens than it sent")
-        return Verdict((i,), "forged", f"the last stage's token {first_bad} (position {n_prompt - 1 + first_bad}) "
-                                       "is not what its layers give for the input it records")
-    return Verdict(tuple(range(1, last + 1)), "unattributed", "no stage's record explains the failed audit")
+        if record.positions < n:
+            if record.complete:
+                found.append(((i,), "unaccountable", f"stage {i} recorded {record.positions} of its {n} positions"))
+            continue  # a session too long to record: this stage cannot be judged
+        if not rows_close(record.rows("inputs")[:n], honest[i - 1]):
+            before = records[i - 2] if i > 1 else None
+            if before is None:
+                found.append(((1,), "lied", "stage 1 records an input other than the coordinator sent"))
+            elif isinstance(before, StageRecord) and before.positions >= n and not rows_close(
+                    record.rows("inputs")[:n], before.rows("outputs")[:n]):
+                found.append(((i - 1, i), "dispute",
+                              f"stage {i} records an input other than stage {i - 1} records sending"))
+            continue  # fed a wrong input by the stage before it (judged there): its output cannot be judged
+        if i < last:
+            outputs = record.rows("outputs")[:n]
+            if not rows_close(outputs, honest[i]):
+                found.append(((i,), "forged", f"stage {i}'s output at position {_first_bad_row(outputs, honest[i])} "
+                                              "is not its layers' output for the input it records"))
+        elif list(record.tokens[: len(received)]) != list(received):
+            found.append(((i,), "lied", "the last stage records other tokens than it sent"))
+        else:
+            found.append(((i,), "forged", f"the last stage's token {first_bad} (position {n_prompt - 1 + first_bad}) "
+                                          "is not what its layers give for the input it records"))
+    if not found:
+        return Verdict(tuple(range(1, last + 1)), "unattributed", "no stage's record explains the failed audit")
+    stages = tuple(sorted({s for f in found for s in f[0]}))
+    return Verdict(stages, found[0][1], "; ".join(f[2] for f in found))
 
 
 def _first_bad_row(got: np.ndarray, want: np.ndarray) -> int:
@@ -408,8 +419,11 @@ class AuditCounters:
     dropped: int = 0
     pending: int = 0
     last_ms: float | None = None
-    """Seconds the latest audit's recomputation took, in ms."""
+    """How long the latest audit's recomputation took (ms)."""
+    last_ranges: int | None = None
+    """Layer ranges the latest audit loaded one after another (more than the stages: the memory bound cut them)."""
 
     def status(self) -> dict[str, object]:
         return {"rate": self.rate, "run": self.run, "passed": self.passed, "failed": self.failed,
-                "dropped": self.dropped, "pending": self.pending, "last_ms": self.last_ms}
+                "dropped": self.dropped, "pending": self.pending, "last_ms": self.last_ms,
+                "last_ranges": self.last_ranges}

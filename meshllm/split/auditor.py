@@ -231,7 +231,7 @@ class Auditor:
             placement.ref.path, coordinator.chain, request, chunk=coordinator.deadlines.prefill_chunk,
             context=coordinator.first.max_context, bound=self.memory, load=load))
         counters.run += 1
-        counters.last_ms = round(result.seconds * 1e3, 3)
+        counters.last_ms, counters.last_ranges = round(result.seconds * 1e3, 3), len(result.ranges)
         if result.first_bad is None:
             counters.passed += 1
             return None
