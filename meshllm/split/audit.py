@@ -420,10 +420,13 @@ class AuditCounters:
     pending: int = 0
     last_ms: float | None = None
     """How long the latest audit's recomputation took (ms)."""
+    total_ms: float = 0.0
+    """Recomputation time of every audit so far (ms): ``total_ms / run`` is the mean cost."""
     last_ranges: int | None = None
     """Layer ranges the latest audit loaded one after another (more than the stages: the memory bound cut them)."""
 
     def status(self) -> dict[str, object]:
         return {"rate": self.rate, "run": self.run, "passed": self.passed, "failed": self.failed,
                 "dropped": self.dropped, "pending": self.pending, "last_ms": self.last_ms,
+                "total_ms": round(self.total_ms, 3),
                 "last_ranges": self.last_ranges}

@@ -232,6 +232,7 @@ class Auditor:
             context=coordinator.first.max_context, bound=self.memory, load=load))
         counters.run += 1
         counters.last_ms, counters.last_ranges = round(result.seconds * 1e3, 3), len(result.ranges)
+        counters.total_ms += result.seconds * 1e3
         if result.first_bad is None:
             counters.passed += 1
             return None
