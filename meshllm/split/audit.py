@@ -208,6 +208,8 @@ def check_record(record: StageRecord, *, model: str, session: str, coordinator: 
 # -- attribution ---------------------------------------------------------------------------------
 
 VerdictKind = Literal["forged", "lied", "dispute", "unaccountable", "unattributed"]
+EXPIRED = "expired"
+"""In place of a record asked for after workers may have dropped it (:data:`RECORD_TTL_S`): not judged."""
 
 
 @dataclass(frozen=True)
@@ -237,6 +239,8 @@ def attribute(*, honest: Sequence[np.ndarray], received: Sequence[int], records:
     last = len(records)
     found: list[tuple[tuple[int, ...], VerdictKind, str]] = []
     for i, record in enumerate(records, start=1):
+        if record == EXPIRED:
+            continue
         if isinstance(record, str):
             found.append(((i,), "unaccountable", f"stage {i} gave no valid record: {record}"))
             continue

@@ -47,8 +47,10 @@ from meshllm.split.audit import (
     AUDIT_MEMORY,
     AUDIT_RATE,
     DOMAIN,
+    EXPIRED,
     KIND,
     MAX_PENDING,
+    RECORD_TTL_S,
     AuditCounters,
     AuditQuery,
     AuditRecord,
@@ -88,6 +90,8 @@ class FinishedRequest:
     """Every token the chain returned that the request consumed, in order."""
     sampling: Sampling
     dtype: codec.Dtype = "f32"
+    finished: float = field(default_factory=time.monotonic)
+    """When the request ended: workers keep its records for :data:`~meshllm.split.audit.RECORD_TTL_S` after."""
 
 
 @dataclass
@@ -212,6 +216,9 @@ class Auditor:
             job = await self._queue.get()
             counters = self._counters(job.placement.engine.model_id)
             counters.pending -= 1
+            if time.monotonic() - job.request.finished > RECORD_TTL_S / 2:
+                counters.dropped += 1  # waited so long that a failure could no longer be attributed
+                continue
             try:
                 await self.audit(job.placement, job.coordinator, job.request)
             except (MeshllmError, OSError, ValueError) as exc:
@@ -238,6 +245,8 @@ class Auditor:
             return None
         counters.failed += 1
         records, evidence = await self._records(coordinator, model, request.session)
+        if time.monotonic() - request.finished > RECORD_TTL_S:  # a missing record may just have expired
+            records = [EXPIRED if isinstance(r, str) else r for r in records]
         verdict = attribute(honest=result.honest, received=request.tokens, records=records,
                             first_bad=result.first_bad, n_prompt=len(request.prompt))
         names = placement.names()

@@ -9,6 +9,7 @@ import pytest
 
 from meshllm.engine.sampler import Sampler, SamplingParams
 from meshllm.split.audit import (
+    EXPIRED,
     BadRecord,
     Recorder,
     StageRecord,
@@ -139,6 +140,7 @@ def test_a_failure_no_record_explains_is_unattributed() -> None:
     assert judge(records) == ((2, 3), "dispute")
     short = [record(i, h[:2], h[:2], complete=False) for i, h in enumerate(H, start=1)]
     assert judge(short) == ((1, 2, 3), "unattributed")  # no record covers the request: every worker goes
+    assert judge([EXPIRED, EXPIRED, EXPIRED]) == ((1, 2, 3), "unattributed")  # asked too late to judge
 
 
 def test_check_record_refuses_records_that_do_not_fit_the_query() -> None:
