@@ -62,10 +62,13 @@ def run(path: Path, model: str, rounds: int, block: int, tokens: int, tmp: Path)
                                                     "--split-audit", str(rate), "--threads", "1"], f"c{rate}")
             nodes.append(coord)
             invite = coord.wait_ready(180)["invite"]
-            nodes.append(NodeProcess(tmp / f"w{rate}", ["--worker", "--join", invite, "--threads", "1"], f"w{rate}"))
+            home = tmp / f"w{rate}"
+            home.mkdir(mode=0o700)  # the worker indexes the model's folder: it has the file, nothing to fetch
+            (home / "config.toml").write_text(f"model_dirs = [{json.dumps(str(path.parent))}]\n")
+            nodes.append(NodeProcess(home, ["--worker", "--join", invite, "--threads", "1"], f"w{rate}"))
             coords.append(coord)
         for coord in coords:
-            coord.wait_event(lambda e: e["type"] == "split_ready", 180)
+            coord.wait_event(lambda e: e["type"] == "split_ready", 600)
             streamed(coord.api, model, 4)  # warm the lanes; at rate > 0 this is the chain's audited first request
             wait_until(lambda c=coord: audits(c)["pending"] == 0, 300)
         tpot: dict[float, list[float]] = {r: [] for r in RATES}

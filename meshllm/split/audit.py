@@ -298,17 +298,29 @@ class _Kept:
     complete: bool = True
     touched: float = 0.0
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.inputs) + sum(a.nbytes for a in self.outputs)
+    nbytes: int = 0
+    """Bytes of the kept rows."""
+
+    def append(self, inputs: np.ndarray, outputs: np.ndarray | None) -> None:
+        self.inputs.append(inputs)
+        self.nbytes += inputs.nbytes
+        if outputs is not None:
+            self.outputs.append(outputs)
+            self.nbytes += outputs.nbytes
 
     def trim(self, pos: int) -> None:
-        """Drop rows at ``pos`` and beyond (a Verify window's rejected positions)."""
+        """Drop rows at ``pos`` and beyond (a Verify window's rejected positions): only the last chunks change."""
         if pos >= self.positions:
             return
         for rows in (self.inputs, self.outputs):
-            flat = np.concatenate(rows)[:pos] if rows else np.zeros((0, self.width), np.float32)
-            rows[:] = [flat] if len(flat) else []
+            end = self.positions  # the rows of both lists cover positions 0 .. positions-1
+            while rows and end - len(rows[-1]) >= pos:
+                end -= len(rows[-1])
+                self.nbytes -= rows.pop().nbytes
+            if rows and end > pos:
+                keep = rows[-1][: len(rows[-1]) - (end - pos)].copy()
+                self.nbytes -= rows[-1].nbytes - keep.nbytes
+                rows[-1] = keep
         self.tokens = [(p, t) for p, t in self.tokens if p < pos]
         self.positions = pos
 
@@ -348,19 +360,14 @@ class Recorder:
         self._kept.move_to_end(session)
         before = kept.nbytes
         kept.trim(pos)
-        if pos != kept.positions or not kept.complete:
-            kept.complete = False
-            return
         rows = np.array(inputs, np.float32)
-        if kept.nbytes + 2 * rows.nbytes > self.session_bytes:
-            kept.complete = False
-            return
-        kept.inputs.append(rows)
-        if outputs is not None and not kept.last:
-            kept.outputs.append(np.array(outputs, np.float32))
-        start = pos if window else pos + len(rows) - 1
-        kept.tokens += [(start + k, int(t)) for k, t in enumerate(tokens)]
-        kept.positions = pos + len(rows)
+        if pos != kept.positions or not kept.complete or kept.nbytes + 2 * rows.nbytes > self.session_bytes:
+            kept.complete = False  # a gap, or too long to keep: what is kept stays, but cannot be judged whole
+        else:
+            kept.append(rows, np.array(outputs, np.float32) if outputs is not None and not kept.last else None)
+            start = pos if window else pos + len(rows) - 1
+            kept.tokens += [(start + k, int(t)) for k, t in enumerate(tokens)]
+            kept.positions = pos + len(rows)
         self._bytes += kept.nbytes - before
         self._expire()
 
