@@ -1,14 +1,15 @@
 """Cost of split audits: recomputation time per request against the request's own time, and serving TPOT
-with audits at rate 0, 0.05 and 1, side by side in one run.
+with audits at rate 0, 0.05 and 1, side by side on one chain in one run.
 
-Three real 2-stage chains (``meshllm serve --split force --stages 2 --split-audit R`` plus one
-``--worker`` each, ``--threads 1`` everywhere: this host has 2 shared cores) serve greedy streamed
-completions in rounds: each round runs a block of requests on every chain in turn, and waits for that
-chain's audits to finish before the next chain's block, so one chain's audits never overlap another
-chain's requests. Within a block requests go back to back, so a chain's own audits (at rate 1: every
-request's) run beside its next requests: that is the interference measured. Reported per rate: median
-TPOT (gap between streamed tokens), median request time, audits run / dropped, and the mean
-recomputation time per audit with its ratio to the median request time.
+One 2-stage chain over real QUIC endpoints on 127.0.0.1 in this process (even split, one ggml thread
+per stage, as bench/split.py) serves greedy requests; the node's real :class:`Auditor` (its queue,
+drop rule and one low-priority thread, one ggml thread) audits them at the block's rate, fetching
+records from the worker's real record service on a failure. Rounds run a block of requests at each
+rate in turn on the same chain and wait for the block's audits to finish before the next block, so
+one rate's audits never overlap another rate's requests; within a block requests go back to back,
+so audits run beside the next requests: that is the interference measured. Reported per rate:
+median TPOT (time per token after the first), median request time, audits run / dropped / failed,
+and the mean recomputation time per audit with its ratio to the median request time.
 
     .venv/bin/python bench/audit.py [--gemma] [--rounds 3] [--block 4] [--tokens 32] [--out bench/results/audit.json]
 """
@@ -16,92 +17,118 @@ recomputation time per audit with its ratio to the median request time.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
-import itertools
 import json
 import statistics
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
-import httpx
+from nacl.signing import SigningKey
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from nodes import NodeProcess, running_nodes, wait_until
 from tinymodels import write_tiny_llama
 
+from meshllm.engine.ggml import StageModel
+from meshllm.engine.ggml.hparams import read_hparams
+from meshllm.models.gguf_file import GGUFFile
+from meshllm.net import Endpoint, EndpointOptions
+from meshllm.split import Hop, SplitCoordinator, StageServer
+from meshllm.split.audit import Recorder
+from meshllm.split.auditor import Auditor, FinishedRequest, serve_records
+from meshllm.split.frames import Sampling
+
 RATES = (0.0, 0.05, 1.0)
-PROMPT = "Once upon a time, in a small village by the sea, there lived"
+MODEL = "bench"
+PROMPT = [2, 12_000, 3_100, 573, 106, 2_311, 17, 1_002, 88, 5_101, 9, 431, 2_024, 616, 77, 1_501]
 
 
-def streamed(api: str, model: str, tokens: int) -> tuple[float, float]:
-    """(median seconds between streamed tokens, seconds for the whole request) of one greedy completion."""
-    body = {"model": model, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "stream": True}
-    started = time.perf_counter()
-    stamps = []
-    with httpx.stream("POST", api + "/v1/completions", json=body, timeout=300) as response:
-        for line in response.iter_lines():
-            if line.startswith("data: {"):
-                stamps.append(time.perf_counter())
-    gaps = [b - a for a, b in itertools.pairwise(stamps[1:])]  # the first token's wait is the prompt
-    return statistics.median(gaps), time.perf_counter() - started
+class Placement:
+    """What the auditor needs of a placement: the model, its file, names, and where evictions go."""
+
+    def __init__(self, path: Path) -> None:
+        self.engine = types.SimpleNamespace(model_id=MODEL)
+        self.ref = types.SimpleNamespace(path=path)
+        self.evicted: list[object] = []
+
+    def names(self) -> dict[str, str]:
+        return {}
+
+    def evict(self, _coordinator: object, nodes: list[str], reason: str) -> None:
+        self.evicted.append((nodes, reason))
 
 
-def audits(node: NodeProcess) -> dict:
-    (split,) = node.status(timeout=30)["splits"]
-    return split["audits"]
-
-
-def run(path: Path, model: str, rounds: int, block: int, tokens: int, tmp: Path) -> list[dict[str, object]]:
-    with running_nodes() as nodes:
-        coords = []
-        for rate in RATES:
-            coord = NodeProcess(tmp / f"c{rate}", ["--model", str(path), "--split", "force", "--stages", "2",
-                                                    "--split-audit", str(rate), "--threads", "1"], f"c{rate}")
-            nodes.append(coord)
-            invite = coord.wait_ready(180)["invite"]
-            home = tmp / f"w{rate}"
-            home.mkdir(mode=0o700)  # the worker indexes the model's folder: it has the file, nothing to fetch
-            (home / "config.toml").write_text(f"model_dirs = [{json.dumps(str(path.parent))}]\n")
-            nodes.append(NodeProcess(home, ["--worker", "--join", invite, "--threads", "1"], f"w{rate}"))
-            coords.append(coord)
-        for coord in coords:
-            coord.wait_event(lambda e: e["type"] == "split_ready", 600)
-            streamed(coord.api, model, 4)  # warm the lanes; at rate > 0 this is the chain's audited first request
-            wait_until(lambda c=coord: audits(c)["pending"] == 0, 300)
-        tpot: dict[float, list[float]] = {r: [] for r in RATES}
-        took: dict[float, list[float]] = {r: [] for r in RATES}
+async def run(path: Path, rounds: int, block: int, tokens: int) -> list[dict[str, object]]:
+    hp = read_hparams(GGUFFile(path))
+    prompt = [t % hp.vocab for t in PROMPT]
+    mid = hp.n_layers // 2
+    keys = [SigningKey.generate(), SigningKey.generate()]
+    eps = [await Endpoint.create(key, "127.0.0.1", 0, admit=lambda *_: None, local_proof=lambda: b"bench",
+                                 options=EndpointOptions()) for key in keys]
+    servers = [StageServer(ep) for ep in eps]
+    hops = [Hop(ep.node_id, f"{ep.local_addr[0]}:{ep.local_addr[1]}", a, b)
+            for ep, (a, b) in zip(eps, ((0, mid), (mid, hp.n_layers)), strict=True)]
+    servers[1].host(MODEL, StageModel.load(path, mid, hp.n_layers, max_context=1024, threads=1))
+    servers[1].recorder = Recorder()
+    serve_records(eps[1], servers[1].recorder, keys[1])
+    coordinator = SplitCoordinator(servers[0], MODEL, StageModel.load(path, 0, mid, max_context=1024, threads=1),
+                                   hops, speculate="off")
+    placement = Placement(path)
+    auditors = {rate: Auditor(eps[0], rate=rate, seed=1) for rate in RATES}
+    tpot: dict[float, list[float]] = {r: [] for r in RATES}
+    took: dict[float, list[float]] = {r: [] for r in RATES}
+    k = 0
+    try:
+        async for _ in coordinator.generate(prompt, max_tokens=4, session="warm"):
+            pass
         for _ in range(rounds):
-            for rate, coord in zip(RATES, coords, strict=True):
+            for rate in RATES:
+                auditor = auditors[rate]
                 for _ in range(block):
-                    gap, total = streamed(coord.api, model, tokens)
-                    tpot[rate].append(gap)
-                    took[rate].append(total)
-                wait_until(lambda c=coord: audits(c)["pending"] == 0, 300)
-                time.sleep(0.5)  # the audit thread has returned its CPU before the next chain's block
-        rows = []
-        for rate, coord in zip(RATES, coords, strict=True):
-            a = audits(coord)
-            request_ms = statistics.median(took[rate]) * 1e3
-            recompute_ms = a["total_ms"] / a["run"] if a["run"] else None
-            rows.append({"rate": rate, "requests": len(took[rate]), "tpot_ms": statistics.median(tpot[rate]) * 1e3,
-                         "request_ms": request_ms, "audits_run": a["run"], "audits_dropped": a["dropped"],
-                         "audits_failed": a["failed"], "recompute_ms": recompute_ms,
-                         "recompute_over_request": recompute_ms / request_ms if recompute_ms else None})
-        base = rows[0]["tpot_ms"]
-        for row in rows:
-            row["tpot_vs_rate0"] = row["tpot_ms"] / base  # type: ignore[operator]
-        return rows
+                    k += 1
+                    started = time.perf_counter()
+                    stamps, out = [], []
+                    async for t in coordinator.generate(prompt, max_tokens=tokens, session=f"r{k}"):
+                        stamps.append(time.perf_counter())
+                        out.append(t.token_id)
+                    took[rate].append(stamps[-1] - started)
+                    tpot[rate].append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+                    auditor.submit(placement, coordinator, FinishedRequest(f"r{k}", prompt, out, Sampling()))
+                await auditor.idle()
+                await asyncio.sleep(0.2)
+    finally:
+        for auditor in auditors.values():
+            await auditor.close()
+        for server in servers:
+            server.close()
+        for ep in eps:
+            await ep.close()
+    assert not placement.evicted, placement.evicted
+    rows = []
+    for rate in RATES:
+        c = auditors[rate].counters.get(MODEL)
+        per_audit = c.total_ms / c.run if c and c.run else None
+        request_ms = statistics.median(took[rate]) * 1e3
+        rows.append({"rate": rate, "requests": len(took[rate]), "tpot_ms": statistics.median(tpot[rate]) * 1e3,
+                     "request_ms": request_ms, "audits_run": c.run if c else 0,
+                     "audits_dropped": c.dropped if c else 0, "audits_failed": c.failed if c else 0,
+                     "recompute_ms": per_audit,
+                     "recompute_over_request": per_audit / request_ms if per_audit else None})
+    for row in rows:
+        row["tpot_vs_rate0"] = row["tpot_ms"] / rows[0]["tpot_ms"]  # type: ignore[operator]
+    return rows
 
 
 def table(name: str, rows: list[dict[str, object]]) -> str:
     def f(v: object, spec: str) -> str:
         return "-" if v is None else format(v, spec)
 
-    lines = [f"{name}", "| audit rate | requests | TPOT ms | vs rate 0 | request ms | audits run | dropped | "
-             "failed | recompute ms / audit | recompute / request |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [name, "| audit rate | requests | TPOT ms | vs rate 0 | request ms | audits run | dropped | failed | "
+             "recompute ms / audit | recompute / request |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['rate']} | {r['requests']} | {f(r['tpot_ms'], '.2f')} | {f(r['tpot_vs_rate0'], '.3f')} | "
                      f"{f(r['request_ms'], '.0f')} | {r['audits_run']} | {r['audits_dropped']} | "
@@ -126,8 +153,8 @@ def main() -> None:
         else:
             path = write_tiny_llama(Path(tmp) / "tiny.gguf", n_layers=6, width=256, ffn=512, seed=1)
             name = "tiny llama (6 x 256)"
-        rows = run(path, path.stem, args.rounds, args.block, args.tokens, Path(tmp))
-    print(table(f"{name}, 2 stages, {args.tokens} tokens per request", rows))
+        rows = asyncio.run(run(path, args.rounds, args.block, args.tokens))
+    print(table(f"{name}, 2 stages, {len(PROMPT)}-token prompt, {args.tokens} tokens per request", rows))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")

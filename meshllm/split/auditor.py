@@ -167,7 +167,9 @@ class Auditor:
     """The coordinator side of audits for every split model of a node."""
 
     def __init__(self, endpoint: Endpoint, *, rate: float = AUDIT_RATE, memory: int = AUDIT_MEMORY,
-                 kernels: Kernels = "exact", publish: Callable[..., Any] | None = None) -> None:
+                 kernels: Kernels = "exact", publish: Callable[..., Any] | None = None,
+                 seed: int | None = None) -> None:
+        """``seed`` fixes which requests are drawn (benchmarks); None draws from the OS's entropy."""
         self.endpoint = endpoint
         self.rate = rate
         self.memory = memory
@@ -178,7 +180,7 @@ class Auditor:
         self._seen: weakref.WeakSet[SplitCoordinator] = weakref.WeakSet()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="split-audit", initializer=_lower_priority)
         self._task: asyncio.Task[None] | None = None
-        self._random = random.Random()
+        self._random = random.Random(seed)
 
     def status(self, model: str) -> dict[str, object]:
         return self._counters(model).status()
@@ -204,6 +206,10 @@ class Auditor:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="split-audits")
 
+    async def idle(self) -> None:
+        """Wait until every queued audit has run (benchmarks and tests measure one batch at a time)."""
+        await self._queue.join()
+
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
@@ -216,13 +222,15 @@ class Auditor:
             job = await self._queue.get()
             counters = self._counters(job.placement.engine.model_id)
             counters.pending -= 1
-            if time.monotonic() - job.request.finished > RECORD_TTL_S / 2:
-                counters.dropped += 1  # waited so long that a failure could no longer be attributed
-                continue
             try:
-                await self.audit(job.placement, job.coordinator, job.request)
+                if time.monotonic() - job.request.finished > RECORD_TTL_S / 2:
+                    counters.dropped += 1  # waited so long that a failure could no longer be attributed
+                else:
+                    await self.audit(job.placement, job.coordinator, job.request)
             except (MeshllmError, OSError, ValueError) as exc:
                 log.warning("split audit of %s could not run: %s", job.request.session, exc)
+            finally:
+                self._queue.task_done()
 
     async def audit(self, placement: SplitPlacement, coordinator: SplitCoordinator,
                     request: FinishedRequest) -> Verdict | None:
