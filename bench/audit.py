@@ -9,7 +9,8 @@ rate in turn on the same chain and wait for the block's audits to finish before 
 one rate's audits never overlap another rate's requests; within a block requests go back to back,
 so audits run beside the next requests: that is the interference measured. Reported per rate:
 median TPOT (time per token after the first), median request time, audits run / dropped / failed,
-and the mean recomputation time per audit with its ratio to the median request time.
+and the mean recomputation time per audit with its ratio to the median request time. First it measures how far recomputed logits are from the chain's,
+on the chain's schedule (what audits do) and as one prefill (what they must not do).
 
     .venv/bin/python bench/audit.py [--gemma] [--rounds 3] [--block 4] [--tokens 32] [--out bench/results/audit.json]
 """
@@ -123,6 +124,52 @@ async def run(path: Path, rounds: int, block: int, tokens: int) -> list[dict[str
     return rows
 
 
+def parity(path: Path, prompt_len: int, generated: int) -> dict[str, object]:
+    """How far a recomputation's logits are from the chain's: on the chain's schedule, and as one prefill.
+
+    The chain (2 stages) prefills the prompt and decodes ``generated`` positions one at a time; the
+    recomputation reruns the sequence range by range on the same schedule
+    (:func:`~meshllm.split.auditor.recompute`'s way), and the naive one as a single forward per range.
+    """
+    import numpy as np
+
+    from meshllm.split.audit import schedule
+
+    hp = read_hparams(GGUFFile(path))
+    mid, n = hp.n_layers // 2, prompt_len + generated
+    ids = np.random.default_rng(0).integers(3, hp.vocab, n)
+    calls = schedule(prompt_len, n, 256)
+
+    def chain() -> np.ndarray:
+        a, b = (StageModel.load(path, 0, mid, max_context=1024, threads=2),
+                StageModel.load(path, mid, hp.n_layers, max_context=1024, threads=2))
+        rows = [b.forward("s", a.forward("s", ids[s:e], s), s, last_only=True)[-1] for s, e in calls]
+        a.close()
+        b.close()
+        return np.stack(rows[-(generated + 1):])
+
+    def recomputed(calls: list[tuple[int, int]]) -> np.ndarray:
+        x, rows = ids, []
+        for start, end in ((0, mid), (mid, hp.n_layers)):
+            stage = StageModel.load(path, start, end, max_context=1024, threads=1)
+            if end < hp.n_layers:
+                x = np.concatenate([stage.forward("r", x[s:e], s) for s, e in calls])
+            elif len(calls) > 1:  # the recomputation's way: the chain's calls, the last row of each
+                rows = [stage.forward("r", x[s:e], s, last_only=True) for s, e in calls if e >= prompt_len]
+            else:  # one forward: the logits of every position
+                rows = [stage.forward("r", x, 0)]
+            stage.close()
+        return np.concatenate(rows)[-(generated + 1):]
+
+    served = chain()
+    same = recomputed(calls)
+    one = recomputed([(0, n)])
+    assert same.shape == one.shape == served.shape
+    return {"max_diff_schedule": float(np.abs(served - same).max()), "argmax_same_schedule":
+            bool((served.argmax(1) == same.argmax(1)).all()), "max_diff_one_prefill": float(np.abs(served - one).max()),
+            "argmax_same_one_prefill": bool((served.argmax(1) == one.argmax(1)).all())}
+
+
 def table(name: str, rows: list[dict[str, object]]) -> str:
     def f(v: object, spec: str) -> str:
         return "-" if v is None else format(v, spec)
@@ -153,12 +200,17 @@ def main() -> None:
         else:
             path = write_tiny_llama(Path(tmp) / "tiny.gguf", n_layers=6, width=256, ffn=512, seed=1)
             name = "tiny llama (6 x 256)"
+        match = parity(path, 40, 24)
         rows = asyncio.run(run(path, args.rounds, args.block, args.tokens))
+    print(f"{name}: recomputed logits vs the chain's (40-token prompt, 24 decoded), max |difference|: "
+          f"{match['max_diff_schedule']:.3g} on the chain's schedule (same argmax: {match['argmax_same_schedule']}), "
+          f"{match['max_diff_one_prefill']:.3g} as one prefill (same argmax: {match['argmax_same_one_prefill']})")
     print(table(f"{name}, 2 stages, {len(PROMPT)}-token prompt, {args.tokens} tokens per request", rows))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    out.write_text(json.dumps({"date": stamp, "model": name, "tokens": args.tokens, "rows": rows}, indent=2))
+    out.write_text(json.dumps({"date": stamp, "model": name, "tokens": args.tokens, "parity": match, "rows": rows},
+                              indent=2))
     print(f"wrote {out}")
 
 

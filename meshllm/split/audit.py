@@ -7,9 +7,9 @@ bound) on exactly the schedule the chain ran (:func:`schedule`: the prompt in th
 chunks, then one position per generated token, as Decodes and Verify windows compute them), and
 judges every returned token against the recomputed logits (:class:`TokenChecker`: greedy tokens
 must be the argmax within :data:`LOGIT_EPS`, sampled tokens the seeded draw). On this machine the
-recomputation is bit for bit what the chain computed for quantized models (0.0 on the default
-model and a Q8_0 tiny model, <= 1e-6 on float32 tiny models, whose float32 matmuls take another
-kernel for one row than for several); the tolerances cover another CPU's accumulation order.
+recomputation is bit for bit what the chain computed (0.0 difference on the default model and on
+float32 and Q8_0 tiny models, ``bench/audit.py``; as one prefill instead, the default model's logits
+move by 5.1 and its argmax changes); the tolerances cover another CPU's accumulation order.
 
 When an audit fails, every worker of the chain is asked for its :class:`StageRecord` of the
 session: the input rows it received and the output rows (the last stage: the tokens) it produced,
