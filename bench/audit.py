@@ -9,8 +9,9 @@ rate in turn on the same chain and wait for the block's audits to finish before 
 one rate's audits never overlap another rate's requests; within a block requests go back to back,
 so audits run beside the next requests: that is the interference measured. Reported per rate:
 median TPOT (time per token after the first), median request time, audits run / dropped / failed,
-and the mean recomputation time per audit with its ratio to the median request time. First it measures how far recomputed logits are from the chain's,
-on the chain's schedule (what audits do) and as one prefill (what they must not do).
+and the mean recomputation time per audit with its ratio to the median request time. First it
+measures how far recomputed logits are from the chain's, on the chain's schedule (what audits do)
+and as one prefill (what they must not do).
 
     .venv/bin/python bench/audit.py [--gemma] [--rounds 3] [--block 4] [--tokens 32] [--out bench/results/audit.json]
 """
