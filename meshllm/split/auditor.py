@@ -41,7 +41,6 @@ from meshllm.identity.ids import node_public_key, short
 from meshllm.identity.signing import sign_bytes, verify_bytes
 from meshllm.models.gguf_file import GGUFFile
 from meshllm.net import Endpoint, NetError, PeerConnection, Stream
-from meshllm.split import codec
 from meshllm.split.audit import (
     AUDIT_FRAME_MAX,
     AUDIT_MEMORY,
@@ -82,14 +81,17 @@ QUERY_TIMEOUT_S = 10.0
 
 @dataclass(frozen=True)
 class FinishedRequest:
-    """What a split request fed the chain and what came back: the input of an audit."""
+    """What a split request fed the chain and what came back: the input of an audit.
+
+    Split engines hand activations over as float32 (the exact codec), which is what records and
+    recomputation compare; the lossy codecs (f16, i8) are not audited.
+    """
 
     session: str
     prompt: list[int]
     tokens: list[int]
     """Every token the chain returned that the request consumed, in order."""
     sampling: Sampling
-    dtype: codec.Dtype = "f32"
     finished: float = field(default_factory=time.monotonic)
     """When the request ended: workers keep its records for :data:`~meshllm.split.audit.RECORD_TTL_S` after."""
 
@@ -143,8 +145,6 @@ def recompute(path: Path, chain: Sequence[Hop], request: FinishedRequest, *, chu
         finally:
             stage.close()
         if end in ends:
-            if request.dtype != "f32":  # the next stage received what the codec made of it
-                x = codec.decode(codec.encode(x, request.dtype), request.dtype, n, x.shape[1])
             honest.append(x)
     return Recomputation(honest, checker.first_bad, checker.expected, ranges, time.perf_counter() - started)
 
