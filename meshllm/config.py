@@ -188,6 +188,8 @@ class Config:
     """Most disk the library's own files (downloads, fetched models and stage files) may take."""
     speculate: str = "auto"
     """Speculative decoding: ``auto``, ``on`` or ``off`` (``meshllm serve --speculate``)."""
+    split_audit: float | None = None
+    """Share of split requests a coordinator audits (``meshllm serve --split-audit``); None: the default."""
 
 
 SPECULATE_MODES = ("auto", "on", "off")
@@ -202,7 +204,8 @@ def load_config(home: Path) -> Config:
         raw: dict[str, Any] = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"cannot read {path}: {exc}", hint="fix or delete the file") from exc
-    known = {"api_port", "mesh_port", "name", "dht_bootstrap", "model_dirs", "models_disk_budget_gb", "speculate"}
+    known = {"api_port", "mesh_port", "name", "dht_bootstrap", "model_dirs", "models_disk_budget_gb", "speculate",
+             "split_audit"}
     unknown = set(raw) - known
     if unknown:
         raise ConfigError(f"{path}: unknown settings {sorted(unknown)}", hint=f"known settings: {sorted(known)}")
@@ -218,9 +221,18 @@ def load_config(home: Path) -> Config:
             model_dirs=tuple(str(d) for d in raw.get("model_dirs", ())),
             models_disk_budget_gb=_budget(raw.get("models_disk_budget_gb")),
             speculate=speculate,
+            split_audit=_rate(raw.get("split_audit")),
         )
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{path}: {exc}") from exc
+
+
+def _rate(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"split_audit must be a share between 0 and 1, not {value!r}")
+    return float(value)
 
 
 def _budget(value: Any) -> float | None:

@@ -28,11 +28,13 @@ class NodeProcess:
     """One ``meshllm serve`` (or ``join``) subprocess; ``prefix`` runs it inside a network namespace."""
 
     def __init__(self, home: Path, args: list[str], name: str, prefix: Sequence[str] | None = None, *,
-                 command: str = "serve", mesh_host: str = "127.0.0.1") -> None:
-        """``prefix`` wraps the command (tests/netns runs nodes under ``ip netns exec NS``)."""
+                 command: str = "serve", mesh_host: str = "127.0.0.1", entry: Sequence[str] = ("-m", "meshllm")
+                 ) -> None:
+        """``prefix`` wraps the command (tests/netns runs nodes under ``ip netns exec NS``); ``entry`` is
+        what Python runs (a test's wrapper script instead of the CLI: tests/security/forger.py)."""
         self.home = home
         self.name = name
-        cmd = [*(prefix or []), sys.executable, "-m", "meshllm", command, "--home", str(home), "--name", name,
+        cmd = [*(prefix or []), sys.executable, *entry, command, "--home", str(home), "--name", name,
                "--port", "0", "--mesh-port", "0", "--mesh-host", mesh_host, "--log-format", "json", *args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

@@ -71,6 +71,13 @@ def node_options(func: Any) -> Any:
                      help="Speculative decoding: draft tokens from the prompt and the output and verify them in "
                           "one pass (auto: where the measured costs say it pays; on: every draft found; off). "
                           "Default: speculate in config.toml, else auto."),
+        click.option("--split-audit", "split_audit", type=click.FloatRange(0.0, 1.0), default=None, metavar="RATE",
+                     help="Share of split requests this coordinator recomputes from its own file to catch a stage "
+                          "forging output (plus each new chain's first; 0: none). Default: split_audit in "
+                          "config.toml, else 0.05."),
+        click.option("--split-audit-memory", type=click.FloatRange(min=1.0), default=None, metavar="MB",
+                     help="Memory (MiB) an audit's loaded layers may take at once; it recomputes range by range "
+                          "within it (default 1024)."),
         click.option("--stages", type=click.IntRange(2, 8), default=None,
                      help="Stages of a split (default: the planner chooses; force: one per worker plus this node)."),
         click.option("--max-memory", type=GIGABYTES, default=None, metavar="GB",
@@ -138,7 +145,8 @@ def _run(join_token: str | None, *, home: Path | None, name: str, api_port: int,
          models: tuple[str, ...], engine: str, threads: int | None, gpu_layers: int | None, parallel: int | None,
          max_tokens_default: int, kernels: str, log_format: str, verbose: bool,
          dht_bootstrap: tuple[str, ...], dht_port: int | None, listing_ttl: float, worker: bool, split: str,
-         stages: int | None, max_memory: float | None, speculate: str | None, api_keys: tuple[str, ...],
+         stages: int | None, max_memory: float | None, speculate: str | None, split_audit: float | None,
+         split_audit_memory: float | None, api_keys: tuple[str, ...],
          api_key_file: Path | None, cors_origins: tuple[str, ...], allowed_hosts: tuple[str, ...], standby: bool,
          standby_idle_s: float, lookup_timeout: float = 15.0) -> None:
     from meshllm.node import Node, NodeOptions
@@ -157,7 +165,8 @@ def _run(join_token: str | None, *, home: Path | None, name: str, api_port: int,
         announce=announce, join=join_token, bootstrap=bootstrap, ephemeral=ephemeral,
         role="client" if client else "worker" if worker else "host", models=list(models) or ["default"],
         engine=engine, threads=threads, gpu_layers=gpu_layers, parallel=parallel, max_tokens_default=max_tokens_default,
-        kernels=kernels, split=split_options(split, stages, max_memory),
+        kernels=kernels, split=split_options(split, stages, max_memory, config.split_audit if split_audit is None
+                                             else split_audit, split_audit_memory),
         speculate=speculate or config.speculate,  # type: ignore[arg-type]
         dht_bootstrap=dht_peers, dht_port=dht_port, listing_ttl_s=listing_ttl, relay=relay,  # type: ignore[arg-type]
         api_keys=[*api_keys, *_key_file(api_key_file)], cors_origins=list(cors_origins),
@@ -188,13 +197,17 @@ def _unlock_mesh_key(home: Path) -> None:
         os.environ[MESH_PASSPHRASE_ENV] = mesh_passphrase(confirm=False)
 
 
-def split_options(mode: str, stages: int | None, max_memory_gb: float | None) -> Any:
-    """``--split``/``--stages``/``--max-memory`` as :class:`~meshllm.split.placement.SplitOptions`."""
+def split_options(mode: str, stages: int | None, max_memory_gb: float | None, audit_rate: float | None = None,
+                  audit_memory_mb: float | None = None) -> Any:
+    """The split flags (``--split``, ``--stages``, ``--max-memory``, ``--split-audit*``) as ``SplitOptions``."""
+    from meshllm.split.audit import AUDIT_MEMORY, AUDIT_RATE
     from meshllm.split.placement import SplitOptions
     from meshllm.split.planner import GIB
 
     cap = int(max_memory_gb * GIB) if max_memory_gb is not None else None
-    return SplitOptions(mode=mode, stages=stages, max_memory=cap)  # type: ignore[arg-type]
+    return SplitOptions(mode=mode, stages=stages, max_memory=cap,  # type: ignore[arg-type]
+                        audit_rate=AUDIT_RATE if audit_rate is None else audit_rate,
+                        audit_memory=int(audit_memory_mb * 2**20) if audit_memory_mb is not None else AUDIT_MEMORY)
 
 
 def _resolve_published(hub: EventHub, mesh_id: str, mesh_host: str, dht_peers: list[str], timeout: float,

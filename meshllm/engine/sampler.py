@@ -65,10 +65,45 @@ class Sampler:
         sums (each several milliseconds over Gemma's 262,144 tokens, as long as a decode step):
         top-p sorts only the tokens that can be in its set, and the draw inverts block sums.
         """
-        p = self.params
         logits = self._penalized(np.asarray(logits, dtype=np.float32), history)
-        if p.temperature <= 0.0:
+        if self.params.temperature <= 0.0:
             return int(np.argmax(logits))
+        ids, w = self._weights(logits)
+        pick = _draw(w, self._rng.random())
+        return pick if ids is None else int(ids[pick])
+
+    def judge(self, logits: np.ndarray, history: Sequence[int], token: int, eps: float) -> tuple[bool, int]:
+        """Whether ``token`` is what this position gives, within ``eps`` of logit; and what it gives exactly.
+
+        Consumes the position's draw like :meth:`__call__` (an audit replays a request's stream).
+        Greedy: ``token``'s logit is within ``eps`` of the largest. Sampled: the draw lands in
+        ``token``'s interval of the cumulative weights, widened on each side by the weight a logit
+        moved by ``eps`` could shift (``eps / temperature`` of the total, to first order).
+        """
+        logits = self._penalized(np.asarray(logits, dtype=np.float32), history)
+        if not 0 <= token < logits.size:
+            return False, self(logits)
+        if self.params.temperature <= 0.0:
+            best = int(np.argmax(logits))
+            return bool(logits[token] >= logits[best] - eps), best
+        ids, w = self._weights(logits)
+        u = self._rng.random()
+        pick = _draw(w, u)
+        expected = pick if ids is None else int(ids[pick])
+        if token == expected:
+            return True, expected
+        where = np.flatnonzero(ids == token) if ids is not None else np.asarray([token])
+        if where.size == 0:
+            return False, expected
+        i = int(where[0])
+        total = float(w.sum(dtype=np.float64))
+        lo = float(w[:i].sum(dtype=np.float64))
+        slack = total * eps / max(self.params.temperature, 1e-6)
+        return bool(lo - slack <= u * total <= lo + float(w[i]) + slack), expected
+
+    def _weights(self, logits: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        """Candidate ids (None: all) and their unnormalised weights after top-k, min-p, top-p, temperature."""
+        p = self.params
         ids = _candidates(logits, p.top_k)
         z = logits if ids is None else logits[ids]
         z = z - z.max()
@@ -80,8 +115,7 @@ class Sampler:
                 w[probs < p.min_p * probs.max()] = 0.0
             if p.top_p < 1.0:
                 w[~_top_p(probs, p.top_p)] = 0.0
-        pick = _draw(w, self._rng.random())
-        return pick if ids is None else int(ids[pick])
+        return ids, w
 
     def _penalized(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
         """Logits after repetition, presence and frequency penalties over the recent window."""

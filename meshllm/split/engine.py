@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import secrets
 import time
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from meshllm.engine.base import (
@@ -34,6 +36,7 @@ from meshllm.engine.sampler import sampling_params
 from meshllm.engine.text import TextStream, token_budget
 from meshllm.engine.tokenizer import Tokenizer
 from meshllm.models.metadata import read_metadata
+from meshllm.split.auditor import FinishedRequest
 from meshllm.split.coordinator import SplitCoordinator
 from meshllm.split.errors import StageFailed
 from meshllm.split.frames import Sampling
@@ -49,8 +52,15 @@ class ChainUnavailable(EngineNotLoaded):
 
 
 def chain_sampling(params: GenerationParams) -> Sampling:
-    """OpenAI semantics for the last stage's sampler (no min-p, no repetition penalty), as GgmlEngine."""
-    return Sampling(**dataclasses.asdict(sampling_params(params)))
+    """OpenAI semantics for the last stage's sampler (no min-p, no repetition penalty), as GgmlEngine.
+
+    A sampled request without a seed gets a fresh random one here rather than on the last stage, so
+    the coordinator can recompute its draws in an audit (the text is as random either way).
+    """
+    sampling = sampling_params(params)
+    if sampling.temperature > 0 and sampling.seed is None:
+        sampling = dataclasses.replace(sampling, seed=secrets.randbits(63))
+    return Sampling(**dataclasses.asdict(sampling))
 
 
 class SplitEngine(Engine):
@@ -68,6 +78,8 @@ class SplitEngine(Engine):
         """Why no chain is attached (shown in the 503)."""
         self._running = 0
         self._rate = TokenRate()
+        self.on_finished: Callable[[SplitCoordinator, FinishedRequest], None] | None = None
+        """Told about every request the chain served to its end (the node's audits)."""
 
     async def load(self) -> None:
         """Load only the tokenizer (the layers are loaded by placement, per plan); cap the context at the model's."""
@@ -126,10 +138,12 @@ class SplitEngine(Engine):
             return
         started = time.monotonic()
         self._running += 1
-        tokens = coordinator.generate(prompt + fed, max_tokens=max(limit - len(fed), 1),
-                                      sampling=chain_sampling(request.params))
+        session, sampling, returned = uuid.uuid4().hex, chain_sampling(request.params), []
+        tokens = coordinator.generate(prompt + fed, max_tokens=max(limit - len(fed), 1), sampling=sampling,
+                                      session=session)
         try:
             async for token in tokens:
+                returned.append(token.token_id)
                 delta = text.feed(token.token_id, last=bool(token.finish))
                 if delta is not None:
                     yield delta
@@ -141,6 +155,8 @@ class SplitEngine(Engine):
             await tokens.aclose()
             self._running -= 1
             self._rate.observe(text.generated - len(fed), started, time.monotonic())
+        if self.on_finished is not None:
+            self.on_finished(coordinator, FinishedRequest(session, prompt + fed, returned, sampling))
         for event in text.finish():
             yield event
 

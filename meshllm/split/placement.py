@@ -30,7 +30,8 @@ from meshllm.errors import MeshllmError
 from meshllm.mesh.records import Capacity, PeerRecord
 from meshllm.models.gguf_file import GGUFFile
 from meshllm.models.refs import ModelRef
-from meshllm.split.control import Host, Hosted, ask
+from meshllm.split.audit import AUDIT_MEMORY, AUDIT_RATE
+from meshllm.split.control import Host, Hosted, Release, ask
 from meshllm.split.coordinator import Deadlines, SplitCoordinator
 from meshllm.split.engine import SplitEngine
 from meshllm.split.errors import SplitError, StageFailed
@@ -45,6 +46,8 @@ RAM_SHARE = 0.75
 """Share of a node's RAM offered to models when ``--max-memory`` is not given."""
 SUSPECT_S = 30.0
 """How long a node whose stage failed stays out of plans (gossip drops a dead one well before)."""
+UNTRUSTED_S = 24 * 3600.0
+"""How long a node an audit caught forging stays out of this node's plans (at most for the process)."""
 RETRY_S = 1.0
 """Pause between placement attempts while no chain fits (workers missing, a host refused)."""
 
@@ -68,6 +71,10 @@ class SplitOptions:
     """The node's ggml kernel choice (``--kernels``), the same for its stages as for its whole models."""
     speculate: SpeculateMode = "auto"
     """Speculative decoding on the chains this node coordinates (``--speculate``)."""
+    audit_rate: float = AUDIT_RATE
+    """Share of split requests the coordinator audits by recomputation (``--split-audit``; 0: none)."""
+    audit_memory: int = AUDIT_MEMORY
+    """Bytes an audit's loaded layers may hold at once (``--split-audit-memory``)."""
 
     def load_stage(self, path: Path, layer_start: int, layer_end: int, max_context: int) -> StageModel:
         """Load a layer range with this node's threads and accelerator settings (blocking)."""
@@ -203,8 +210,10 @@ class SplitPlacement:
                  rtt: Callable[[], dict[str, dict[str, float]]], server: StageServer, engine: SplitEngine,
                  ref: ModelRef, manifest: bytes, options: SplitOptions, budget: int,
                  publish: Callable[..., Any], on_chain: Callable[[list[Hop] | None], None],
-                 profile: ModelProfile | None = None) -> None:
-        """``manifest``: the model's manifest signed by this node, sent with every stage request."""
+                 profile: ModelProfile | None = None,
+                 audits: Callable[[], dict[str, object]] | None = None) -> None:
+        """``manifest``: the model's manifest signed by this node, sent with every stage request;
+        ``audits()``: the model's audit counters for ``/api/status``."""
         self._own, self._members, self._rtt = own, members, rtt
         self.server = server
         self.engine = engine
@@ -221,6 +230,9 @@ class SplitPlacement:
         """The latest chain's coordinator (kept after a failure: its measured stage speeds inform the replan)."""
         self._first: StageModel | None = None
         self._suspects: dict[str, float] = {}
+        self.untrusted: dict[str, float] = {}
+        """Nodes an audit caught (node id -> until when, monotonic): never placed on again before then."""
+        self._audits = audits
         self._replan = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -248,6 +260,8 @@ class SplitPlacement:
                         "layers": [h.layer_start, h.layer_end]} for h in self.chain],
             "predicted_ms_per_token": round(self.plan.total_s * 1e3, 3) if self.plan else None,
             "speculation": coordinator.speculation_status() if (coordinator := self.engine.coordinator) else None,
+            "audits": self._audits() if self._audits is not None else None,
+            "untrusted": sorted(self.untrusted),
         }
 
     def names(self) -> dict[str, str]:
@@ -262,6 +276,26 @@ class SplitPlacement:
             self.publish("split_stage_failed", model=self.engine.model_id, stage=exc.stage_index,
                          failed_node=exc.node_id, reason=exc.reason)
         self._replan.set()
+
+    def evict(self, coordinator: SplitCoordinator, nodes: Collection[str], reason: str) -> None:
+        """An audit of ``coordinator``'s chain caught ``nodes``: never place on them again, replan now.
+
+        Their stages are released (best effort: a forger may ignore it), and the chain is torn down
+        only if it is still the one serving (a later chain already excludes them).
+        """
+        until = time.monotonic() + UNTRUSTED_S
+        for node in nodes:
+            self.untrusted[node] = until
+        if self.engine.coordinator is coordinator:
+            self.engine.detach(f"an audit caught {len(nodes)} stage(s) of the chain forging output; replanning")
+            self._replan.set()
+        for hop in coordinator.chain:
+            if hop.node_id in nodes:
+                asyncio.get_running_loop().create_task(self._release(hop))
+
+    async def _release(self, hop: Hop) -> None:
+        with contextlib.suppress(MeshllmError):
+            await ask(self.server.endpoint, hop.node_id, hop.addr, Release(model=self.engine.model_id), timeout=5.0)
 
     async def _run(self) -> None:
         while True:
@@ -282,10 +316,11 @@ class SplitPlacement:
         started = time.monotonic()
         now = time.monotonic()
         self._suspects = {n: t for n, t in self._suspects.items() if t > now}
+        self.untrusted = {n: t for n, t in self.untrusted.items() if t > now}
         own, members = self._own(), self._members()
         old = self.coordinator
         measured = measured_speeds(old, self.profile) if old is not None else {}
-        nodes = candidates(own, self.budget, members, set(self._suspects), measured)
+        nodes = candidates(own, self.budget, members, {*self._suspects, *self.untrusted}, measured)
         opts = plan_options(self.options, len(nodes) - 1, placing=True, degraded=self.plan is not None)
         chosen = plan(self.profile, nodes, self._rtt(), own.node_id, opts)
         if chosen.solo or chosen.stages[0].node_id != own.node_id:

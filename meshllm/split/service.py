@@ -28,6 +28,8 @@ from meshllm.mesh.service import MeshService
 from meshllm.models.manifest import sign_manifest
 from meshllm.models.refs import ModelRef, resolve_model
 from meshllm.models.store import ModelStore
+from meshllm.split.audit import Recorder
+from meshllm.split.auditor import Auditor, serve_records
 from meshllm.split.control import StageHost
 from meshllm.split.engine import SplitEngine
 from meshllm.split.frames import Hop
@@ -73,6 +75,11 @@ class SplitService:
         self.server = StageServer(mesh.endpoint)
         self.host = StageHost(self.server, store, self.budget, self._hosted_changed, options.load_stage,
                               names=self._names, is_owner=self._is_mesh_owner) if role == "worker" else None
+        if role == "worker":  # keep what our stages compute, so a coordinator's audit can say who lied
+            self.server.recorder = Recorder()
+            serve_records(mesh.endpoint, self.server.recorder, signing_key)
+        self.auditor = Auditor(mesh.endpoint, rate=options.audit_rate, memory=options.audit_memory,
+                               kernels=options.kernels, publish=events.publish)
         self.placements: dict[str, SplitPlacement] = {}
         self._pending: list[tuple[ModelRef, ModelProfile, bytes]] = []
         self._chains: dict[str, list[Hop]] = {}
@@ -137,7 +144,9 @@ class SplitService:
                 own=self._own, members=self._members, rtt=self._rtt, server=self.server, engine=engine, ref=ref,
                 manifest=manifest, options=self.options, budget=self.budget, publish=self.events.publish,
                 on_chain=lambda chain, model=ref.model_id: self._chain_changed(model, chain), profile=profile,
+                audits=lambda model=ref.model_id: self.auditor.status(model),
             )
+            engine.on_finished = lambda coordinator, request, p=placement: self.auditor.submit(p, coordinator, request)
             self.placements[ref.model_id] = placement
             self.events.publish("split_placing", model=ref.model_id, mode=self.options.mode,
                                 stages=self.options.stages)
@@ -147,6 +156,7 @@ class SplitService:
     async def stop(self) -> None:
         for placement in self.placements.values():
             await placement.stop()
+        await self.auditor.close()
         self.server.close()
 
     def status(self) -> list[dict[str, Any]]:

@@ -41,6 +41,7 @@ from meshllm.engine.speculate import verify_window
 from meshllm.errors import MeshllmError
 from meshllm.net import Endpoint, NetError, PeerConnection, PeerEvent, PeerEventKind, Stream
 from meshllm.split import codec
+from meshllm.split.audit import Recorder
 from meshllm.split.compute import Compute
 from meshllm.split.frames import (
     KIND,
@@ -121,6 +122,8 @@ class StageServer:
         self._replies: dict[str, ReplySink] = {}
         self.compute = Compute()
         """The node's one compute runner (local coordinators use it too): steps never overlap."""
+        self.recorder: Recorder | None = None
+        """What this node's stages received and produced per session, for coordinators' audits (workers)."""
         endpoint.on_stream(KIND, self._serve, max_frame=LANE_FRAME_MAX)
         self._unsubscribe = endpoint.on_peer_event(self._peer_event)
 
@@ -258,6 +261,9 @@ class StageServer:
             session.history = list(frame.history)
         stage.reset(frame.session)
         self._sessions[frame.session] = session
+        if self.recorder is not None:
+            self.recorder.start(frame.session, coordinator=owner, model=frame.model,
+                                layers=(frame.layer_start, frame.layer_end), width=stage.hparams.width, last=last)
         return None
 
     async def _step(self, session: _Session, frame: Step) -> None:
@@ -282,6 +288,8 @@ class StageServer:
             out, took = await self.compute.run(session.open.model, frame.n_tokens == 1, lambda: compute(x))
         except MeshllmError as exc:
             return await self._refuse(session.upstream, frame, "stage-error", str(exc))
+        if self.recorder is not None:
+            self.recorder.step(sid, frame.pos, x, out, window=isinstance(frame, Verify))
         spent = [*frame.compute_ms, round(took, 3)]
         if not session.last:
             assert isinstance(out, np.ndarray)
