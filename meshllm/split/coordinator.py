@@ -34,13 +34,31 @@ from meshllm.errors import DecodeError
 from meshllm.net import NetError, PeerEvent, PeerEventKind
 from meshllm.split import codec
 from meshllm.split.errors import StageFailed
-from meshllm.split.frames import MAX_DRAFT, Decode, Error, Hop, Open, Prefill, Sampling, Step, Stop, Tokens, Verify
+from meshllm.split.frames import (
+    MAX_BATCH,
+    MAX_DRAFT,
+    Batch,
+    Decode,
+    Error,
+    Hop,
+    Open,
+    Prefill,
+    Sampling,
+    Step,
+    Stop,
+    Tokens,
+    Verify,
+)
 from meshllm.split.lanes import Lane, probe_timeout
-from meshllm.split.stage import StageServer, forward_positions
+from meshllm.split.stage import MAX_SESSIONS_PER_OWNER, StageServer, forward_rounds
 from meshllm.wire.addr import parse_addr
 
 STAGE_SAMPLES = 256
 """Passes over which each stage's compute time is summarised (a median: robust to load spikes)."""
+DEFAULT_BATCH = 8
+"""Sessions of a chain that decode together in one pass (``--split-batch``)."""
+GATHER_S = 0.003
+"""Longest a ready session waits for the chain's other decoding sessions to join its pass."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +93,7 @@ class SplitCoordinator:
     ``chain`` is the plan as hops, ``chain[0]`` being this node. ``on_stage_failed`` is told about
     every :class:`StageFailed` so the node can mark the node suspect and replan. ``speculate`` is the
     mode (``off``, ``on``, ``auto``); the pass costs and acceptance it learns are the chain's, shared
-    by its requests.
+    by its requests. ``batch``: how many requests' decode steps go down the chain as one pass.
     """
 
     def __init__(
@@ -88,7 +106,10 @@ class SplitCoordinator:
         deadlines: Deadlines | None = None,
         on_stage_failed: Callable[[StageFailed], None] | None = None,
         speculate: SpeculateMode = "auto",
+        batch: int = DEFAULT_BATCH,
     ) -> None:
+        if not 1 <= batch <= min(MAX_BATCH, MAX_SESSIONS_PER_OWNER):
+            raise ValueError(f"a split batch holds 1 to {min(MAX_BATCH, MAX_SESSIONS_PER_OWNER)} sessions")
         if len(chain) < 2 or chain[0].node_id != server.endpoint.node_id:
             raise ValueError("a split chain has at least two stages and starts at this node")
         if (first.layer_start, first.layer_end) != (chain[0].layer_start, chain[0].layer_end):
@@ -111,6 +132,11 @@ class SplitCoordinator:
         self._stage_s: list[deque[float]] = [deque(maxlen=STAGE_SAMPLES) for _ in self.chain]
         self._serve_s: deque[float] = deque(maxlen=STAGE_SAMPLES)
         """Seconds per token between a reply and the next step: the consumer's (engine, API, stream) share."""
+        self.batch = batch
+        """Most sessions in one decode pass: the chain's slots (1: one session's step at a time)."""
+        self.batcher = _Batcher(self, batch)
+        self.prefill_sent = 0
+        """Prompt tokens sent down the chain so far: prefill work a later step may queue behind."""
 
     @property
     def serve_seconds(self) -> float | None:
@@ -207,6 +233,8 @@ class _Run:
         self.replies: asyncio.Queue[Tokens | Error | StageFailed] = asyncio.Queue()
         self._index = {hop.node_id: i for i, hop in enumerate(coord.chain)}
         self._cleanup: list[Callable[[], object]] = []
+        self._prefill_seen = 0
+        """``prefill_sent`` at this session's previous step: prompt work sent since may be ahead of the next."""
 
     async def start(self, prompt: list[int], sampling: Sampling) -> None:
         c, server = self.c, self.c.server
@@ -231,25 +259,32 @@ class _Run:
             ids = prompt[pos : pos + d.prefill_chunk]
             x, _ = await self._run_first(ids, pos)
             last = pos + len(ids) >= len(prompt)
+            self.c.prefill_sent += len(ids)
             await self._send(Prefill(
                 session=self.session, pos=pos, n_tokens=len(ids), dtype=self.dtype, shape=x.shape,
                 activations=codec.encode(x, self.dtype), sample=last,
             ))
-        return await self._await(len(prompt) - 1, len(prompt), d.decode_timeout + d.prefill_s_per_token * len(prompt))
+        ahead = self.c.prefill_sent - len(prompt) - self._prefill_seen  # other requests' prompts sent meanwhile
+        self._prefill_seen = self.c.prefill_sent
+        timeout = d.decode_timeout + d.prefill_s_per_token * (len(prompt) + max(ahead, 0))
+        return await self._await(len(prompt) - 1, len(prompt), timeout)
 
     async def step(self, token: int, pos: int, draft: list[int]) -> Tokens:
-        """One decode pass from ``pos``: ``token`` alone (a Decode) or with ``draft`` (a Verify window)."""
+        """One decode pass from ``pos``: ``token`` alone (a Decode) or with ``draft`` (a Verify window).
+
+        The step goes down the chain in the next pass of the coordinator's :class:`_Batcher`, beside
+        the steps of the chain's other sessions ready at the same time.
+        """
         loop = asyncio.get_running_loop()
         started = loop.time()
         ids = [token, *draft]
-        x, first_s = await self._run_first(ids, pos, window=True)
-        fields = {"session": self.session, "pos": pos, "n_tokens": len(ids), "dtype": self.dtype, "shape": x.shape,
-                  "activations": codec.encode(x, self.dtype)}
-        await self._send(Verify(**fields, draft=draft) if draft else Decode(**fields))
+        first_s = await self.c.batcher.step(self, ids, pos, draft)
         d, c = self.c.deadlines, self.c
-        check = max(d.soft_min, d.soft_factor * c.step_s * len(ids)) if c.step_s else d.decode_timeout
-        timeout = d.decode_timeout + d.prefill_s_per_token * len(draft)
-        reply = await self._await(pos, pos + len(ids), timeout, check_after=check)
+        # prompt chunks sent since this session's previous step may be computed before it on every stage
+        ahead, self._prefill_seen = c.prefill_sent - self._prefill_seen, c.prefill_sent
+        backlog = d.prefill_s_per_token * (len(draft) + ahead)
+        check = max(d.soft_min, d.soft_factor * c.step_s * len(ids)) + backlog if c.step_s else d.decode_timeout
+        reply = await self._await(pos, pos + len(ids), d.decode_timeout + backlog, check_after=check)
         took = loop.time() - started
         if not draft:
             c.step_s = took if not c.step_s else 0.8 * c.step_s + 0.2 * took
@@ -260,6 +295,7 @@ class _Run:
         return reply
 
     async def finish(self) -> None:
+        self.c.batcher.leave(self)
         for undo in self._cleanup:
             undo()
         self.c.first.reset(self.session)
@@ -278,20 +314,15 @@ class _Run:
         except (NetError, OSError, DecodeError) as exc:
             raise StageFailed(index, hop.node_id, f"unreachable: {exc}") from None
 
-    async def _run_first(self, ids: list[int], pos: int, *, window: bool = False) -> tuple[np.ndarray, float]:
-        """This node's layers on ``ids`` at ``pos`` and the seconds they took.
-
-        A step right after a Verify first drops the window's rejected positions (the KV beyond
-        ``pos``); a window runs one position at a time, as Decodes would (see ``forward_positions``).
-        """
+    async def _run_first(self, ids: list[int], pos: int) -> tuple[np.ndarray, float]:
+        """This node's layers on a prompt chunk ``ids`` at ``pos`` and the seconds they took."""
         tokens = np.asarray(ids, dtype=np.int64)
         first, session = self.c.first, self.session
 
         def compute() -> tuple[np.ndarray, float]:
             started = time.perf_counter()
-            if first.session_length(session) > pos:
-                first.trim(session, pos)
-            out = forward_positions(first, session, tokens, pos) if window else first.forward(session, tokens, pos)
+            first.batch_exact()  # (a one-token prompt is a lone row too)
+            out = first.forward(session, tokens, pos)
             return out, time.perf_counter() - started
 
         return await self.c._compute.run("first", len(ids) == 1, compute)
@@ -369,3 +400,125 @@ class _Run:
         except (NetError, TimeoutError):
             return None
         return None if pong is None else pong.pos
+
+
+@dataclass
+class _Ready:
+    """A session's next decode step, waiting for its pass."""
+
+    run: _Run
+    ids: list[int]
+    pos: int
+    draft: list[int]
+    sent: asyncio.Future[float]
+    """Resolves with the first stage's compute seconds once the pass is on its way down the chain."""
+
+
+class _Batcher:
+    """The coordinator's step scheduler: the decode steps of sessions ready in the same tick go as one pass.
+
+    A pass starts as soon as every decoding session of the chain has its next step ready (the
+    replies of one pass come back together, so the sessions that shared it share the next), when
+    ``batch`` steps are ready, or :data:`GATHER_S` after the first one was (a session whose client
+    is slow to read does not hold the others up for longer). Sessions still prefilling are not
+    waited for: their prompt chunks travel as Prefill frames between passes, one chunk at a time, so
+    a new prompt delays a pass by at most one chunk. A session that finishes, is cancelled or fails
+    leaves at once (:meth:`leave`); passes beyond ``batch`` sessions run side by side down the chain.
+    """
+
+    def __init__(self, coord: SplitCoordinator, batch: int) -> None:
+        self.c = coord
+        self.batch = batch
+        self.decoding: set[_Run] = set()
+        """Sessions past their prefill and not finished: those a pass waits for."""
+        self.ready: list[_Ready] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.passes = 0
+        """Passes sent (each one frame down the chain)."""
+        self.steps = 0
+        """Session steps sent in them: ``steps / passes`` is the mean batch."""
+
+    async def step(self, run: _Run, ids: list[int], pos: int, draft: list[int]) -> float:
+        """Queue ``run``'s step and wait until its pass is sent; the first stage's seconds for the pass."""
+        sent: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        self.decoding.add(run)
+        self.ready.append(_Ready(run, ids, pos, draft, sent))
+        self._maybe_launch()
+        return await sent
+
+    def leave(self, run: _Run) -> None:
+        """``run`` ends: drop its waiting step (if any) and stop waiting for it."""
+        self.decoding.discard(run)
+        for item in [r for r in self.ready if r.run is run]:
+            self.ready.remove(item)
+            item.sent.cancel()
+        self._maybe_launch()
+
+    def _maybe_launch(self) -> None:
+        while len(self.ready) >= self.batch:
+            self._launch(self.batch)
+        if not self.ready:
+            self._cancel_timer()
+        elif len(self.ready) == len(self.decoding):
+            self._launch(len(self.ready))
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(GATHER_S, self._gathered)
+
+    def _gathered(self) -> None:
+        self._timer = None
+        if self.ready:
+            self._launch(len(self.ready))
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _launch(self, n: int) -> None:
+        group, self.ready = self.ready[:n], self.ready[n:]
+        if not self.ready:
+            self._cancel_timer()
+        task = asyncio.get_running_loop().create_task(self._send(group))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, group: list[_Ready]) -> None:
+        """The first stage's rows for the whole group, then one frame down the chain for it."""
+        first = self.c.first
+        steps = [(r.run.session, np.asarray(r.ids, dtype=np.int64), r.pos) for r in group]
+
+        def compute() -> tuple[list[np.ndarray], float]:
+            started = time.perf_counter()
+            first.batch_exact()
+            for session, _, pos in steps:
+                if first.session_length(session) > pos:
+                    first.trim(session, pos)  # a step right after a window drops its rejected positions
+            return forward_rounds(first, steps), time.perf_counter() - started
+
+        try:
+            outs, first_s = await self.c._compute.run("first", len(group) == 1 and len(group[0].ids) == 1, compute)
+            lanes: dict[int, tuple[_Run, list[Decode | Verify]]] = {}  # (a lane replaced meanwhile: its own frame)
+            for r, x in zip(group, outs, strict=True):
+                fields = {"session": r.run.session, "pos": r.pos, "n_tokens": len(r.ids), "dtype": r.run.dtype,
+                          "shape": x.shape, "activations": codec.encode(x, r.run.dtype)}
+                lanes.setdefault(id(r.run.lane), (r.run, []))[1].append(
+                    Verify(**fields, draft=r.draft) if r.draft else Decode(**fields))
+            for run, frames in lanes.values():
+                await run._send(frames[0] if len(frames) == 1 else Batch(steps=frames))
+        except BaseException as exc:  # every session of the pass learns why (a first-stage error as it is)
+            for r in group:
+                if r.sent.done():
+                    continue
+                if isinstance(exc, Exception):
+                    r.sent.set_exception(exc)
+                else:
+                    r.sent.cancel()
+            if not isinstance(exc, Exception):
+                raise
+            return
+        self.passes += 1
+        self.steps += len(group)
+        for r in group:
+            if not r.sent.done():
+                r.sent.set_result(first_s)

@@ -19,9 +19,15 @@ ranges); the lane already checks that it comes from the chain's previous hop. So
 the plan cannot borrow the stage's compute, and a member inside it cannot redirect its output. Each
 owner may keep at most :data:`MAX_SESSIONS_PER_OWNER` sessions open on this node.
 
-A :class:`~meshllm.split.frames.Verify` window runs position by position on every stage; the last
-stage stops at the first draft its sampler rejects (:meth:`StageServer._verify`), and every stage cuts
-the rejected positions from its KV when the session's next step arrives at the kept length.
+**Batches.** A decode pass of one session (:class:`~meshllm.split.frames.Decode`, or a
+:class:`~meshllm.split.frames.Verify` window) or of several (:class:`~meshllm.split.frames.Batch`)
+runs as rounds (:meth:`StageServer._pass`): round ``r`` is one forward over position ``r`` of every
+session still in the pass, each row computed exactly as a lone Decode would be
+(:meth:`StageModel.batch_exact`), the weights read once for all of them. The last stage samples each
+session with its own sampler and stops a window at the first draft it rejects; every stage cuts the
+rejected positions from its KV when the session's next step arrives at the kept length. A session
+whose step cannot run here (out of step) is refused alone; a failed forward fails every session of
+the pass.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from meshllm.split.compute import Compute
 from meshllm.split.frames import (
     KIND,
     LANE_FRAME_MAX,
+    Batch,
     Decode,
     Error,
     Hop,
@@ -69,13 +76,21 @@ ReplySink = Callable[[str, Tokens | Error], None]
 """``sink(peer_id, frame)``: where a coordinator session receives its Tokens and Errors."""
 
 
-def forward_positions(stage: StageModel, session: str, inputs: np.ndarray, pos: int) -> np.ndarray:
-    """``inputs`` run one position at a time: bit for bit what consecutive Decodes compute.
+def forward_rounds(stage: StageModel, steps: list[tuple[str, np.ndarray, int]]) -> list[np.ndarray]:
+    """The rows of several sessions' steps (``(session, inputs, pos)``) through a stage that is not the last.
 
-    A multi-row forward uses other kernels than a one-row one (and its logits differ), so a verify
-    window computed in one call could keep tokens plain decoding would not have produced.
+    Round ``r`` is one batched forward of position ``r`` of every step that has one: each row is
+    computed as a Decode of it alone would be (a multi-row forward of one session attends with other
+    kernels, and a verify window computed that way could keep tokens plain decoding never produces),
+    while the sessions share one pass over the weights.
     """
-    return np.concatenate([stage.forward(session, inputs[i : i + 1], pos + i) for i in range(len(inputs))])
+    outs: list[list[np.ndarray]] = [[] for _ in steps]
+    for r in range(max(len(x) for _, x, _ in steps)):
+        live = [i for i, (_, x, _) in enumerate(steps) if r < len(x)]
+        rows = [(steps[i][0], steps[i][1][r : r + 1], steps[i][2] + r) for i in live]
+        for i, out in zip(live, stage.forward_batch(rows), strict=True):
+            outs[i].append(out)
+    return [np.concatenate(o) for o in outs]
 
 
 @dataclass
@@ -203,11 +218,17 @@ class StageServer:
         if isinstance(frame, Open):
             await self._open(lane, frame)
             return
+        if isinstance(frame, Batch):
+            await self._pass([(s, step) for step in frame.steps if (s := self._sessions.get(step.session))
+                              is not None and s.upstream is lane])
+            return
         session = self._sessions.get(frame.session)  # type: ignore[union-attr]
         if session is None or session.upstream is not lane:
             return  # the lane already refused it, or the session failed here before
-        if isinstance(frame, Prefill | Decode | Verify):
-            await self._step(session, frame)
+        if isinstance(frame, Decode | Verify):
+            await self._pass([(session, frame)])
+        elif isinstance(frame, Prefill):
+            await self._prefill(session, frame)
         elif isinstance(frame, Reset | Stop):
             session.stage.reset(frame.session)
             session.history = list(session.open.history)
@@ -259,21 +280,19 @@ class StageServer:
         self._sessions[frame.session] = session
         return None
 
-    async def _step(self, session: _Session, frame: Step) -> None:
+    async def _prefill(self, session: _Session, frame: Prefill) -> None:
+        """A prompt chunk through this stage's layers; the final one sampled on the last stage."""
         sid, stage = frame.session, session.stage
-        sample = session.last and not (isinstance(frame, Prefill) and not frame.sample)
+        sample = session.last and frame.sample
 
         def compute(x: np.ndarray) -> tuple[np.ndarray | list[int], float]:
             started = time.perf_counter()
+            stage.batch_exact()  # (a one-token prompt is a lone row too)
             if stage.session_length(sid) > frame.pos:
-                stage.trim(sid, frame.pos)  # positions of the previous window the last stage did not keep
-            out: np.ndarray | list[int]
-            if isinstance(frame, Verify):
-                out = self._verify(session, x, frame) if session.last else forward_positions(stage, sid, x, frame.pos)
-            else:
-                out = stage.forward(sid, x, frame.pos, last_only=session.last)
-                if sample:
-                    out = [self._sample(session, out[-1])]
+                stage.trim(sid, frame.pos)
+            out: np.ndarray | list[int] = stage.forward(sid, x, frame.pos, last_only=session.last)
+            if sample:
+                out = [self._sample(session, out[-1])]
             return out, (time.perf_counter() - started) * 1e3
 
         try:
@@ -290,31 +309,104 @@ class StageServer:
         if not sample:
             return None
         assert isinstance(out, list)
-        end = frame.pos + (len(out) if isinstance(frame, Verify) else frame.n_tokens)
-        finish = "length" if end + 1 >= session.open.max_context else None
-        return await self._forward(session, Tokens(session=sid, pos=end, token_ids=out, finish=finish,
-                                                   compute_ms=spent))
+        return await self._reply(session, frame, out, spent)
 
-    def _verify(self, session: _Session, x: np.ndarray, frame: Verify) -> list[int]:
-        """The last stage's side of a window: positions one by one until the sampler rejects a draft.
+    async def _pass(self, items: list[tuple[_Session, Decode | Verify]]) -> None:
+        """One decode pass of one or more sessions (a :class:`Decode`/:class:`Verify`, or a :class:`Batch`).
 
-        Each position is a decode step of its own (same graph, same kernels, so a kept token and its
-        KV are exactly what plain decoding computes), and the positions after the first rejection
-        are never computed: a rejected draft costs the last stage nothing.
+        The rows go through the layers together, round by round: round ``r`` holds position ``r`` of
+        every session still in the pass (a Decode has one position, a window ``k + 1``), so each row
+        is computed as a Decode of it alone would be, and one forward serves all sessions. On the last
+        stage a window leaves the pass at the first draft its sampler rejects.
         """
-        assert session.sampler is not None
-        sid, out = frame.session, []
-        for i in range(frame.n_tokens):
-            logits = session.stage.forward(sid, x[i : i + 1], frame.pos + i, last_only=True)[-1]
-            if i < len(frame.draft):
-                token, kept = session.sampler.verify(logits, session.history, frame.draft[i])
+        ready: list[tuple[_Session, Decode | Verify, np.ndarray]] = []
+        for session, frame in items:
+            try:
+                ready.append((session, frame, codec.decode(frame.activations, frame.dtype, frame.n_tokens,
+                                                           frame.shape[1])))
+            except MeshllmError as exc:
+                await self._refuse(session.upstream, frame, "stage-error", str(exc))
+        by_stage: dict[int, list[tuple[_Session, Decode | Verify, np.ndarray]]] = {}
+        for item in ready:  # (one chain's batch is one stage; a peer's mixed batch still runs per stage)
+            by_stage.setdefault(id(item[0].stage), []).append(item)
+        for group in by_stage.values():
+            await self._pass_on(group[0][0].stage, group)
+
+    async def _pass_on(self, stage: StageModel, items: list[tuple[_Session, Decode | Verify, np.ndarray]]) -> None:
+        last = items[0][0].last
+
+        def compute() -> tuple[list[np.ndarray | list[int]], list[tuple[_Session, Step, str]], float]:
+            started = time.perf_counter()
+            stage.batch_exact()
+            bad: list[tuple[_Session, Step, str]] = []
+            live = []
+            for i, (session, frame, _) in enumerate(items):
+                sid = frame.session
+                if stage.session_length(sid) > frame.pos:
+                    stage.trim(sid, frame.pos)  # positions of the previous window the last stage did not keep
+                if stage.session_length(sid) != frame.pos:
+                    bad.append((session, frame, f"session {sid} is at position {stage.session_length(sid)} here, "
+                                                f"the step starts at {frame.pos}"))
+                else:
+                    live.append(i)
+            if not last:
+                steps = [(items[i][1].session, items[i][2], items[i][1].pos) for i in live]
+                done: list[np.ndarray | list[int]] = [np.empty(0)] * len(items)
+                for i, out in zip(live, forward_rounds(stage, steps) if steps else [], strict=True):
+                    done[i] = out
+                return done, bad, (time.perf_counter() - started) * 1e3
+            outs: list[list[int]] = [[] for _ in items]
+            r = 0
+            while live:
+                rows = [(items[i][1].session, items[i][2][r : r + 1], items[i][1].pos + r) for i in live]
+                still = []
+                for i, logits in zip(live, stage.forward_batch(rows, last_only=True), strict=True):
+                    session, frame, _ = items[i]
+                    drafts = frame.draft if isinstance(frame, Verify) else []
+                    assert session.sampler is not None
+                    if r < len(drafts):
+                        token, keep = session.sampler.verify(logits[-1], session.history, drafts[r])
+                    else:
+                        token, keep = session.sampler(logits[-1], session.history), False
+                    session.history.append(token)
+                    outs[i].append(token)
+                    if keep:  # a window goes on until its sampler rejects a draft: no later position is computed
+                        still.append(i)
+                live, r = still, r + 1
+            return list(outs), bad, (time.perf_counter() - started) * 1e3
+
+        small = len(items) == 1 and items[0][1].n_tokens == 1
+        try:
+            done, bad, took = await self.compute.run(items[0][0].open.model, small, compute)
+        except MeshllmError as exc:  # the batch's forward failed: every session of it fails here
+            for session, frame, _ in items:
+                await self._refuse(session.upstream, frame, "stage-error", str(exc))
+            return
+        refused = {id(frame) for _, frame, _ in bad}
+        for session, frame, message in bad:
+            await self._refuse(session.upstream, frame, "stage-error", message)
+        outgoing: dict[int, tuple[_Session, list[Decode | Verify]]] = {}
+        for (session, frame, _), out in zip(items, done, strict=True):
+            if id(frame) in refused or self._sessions.get(frame.session) is not session:
+                continue
+            spent = [*frame.compute_ms, round(took, 3)]
+            if last:
+                assert isinstance(out, list)
+                await self._reply(session, frame, out, spent)
             else:
-                token, kept = session.sampler(logits, session.history), False
-            session.history.append(token)
-            out.append(token)
-            if not kept:
-                break
-        return out
+                assert isinstance(out, np.ndarray)
+                step = msgspec.structs.replace(frame, activations=codec.encode(out, frame.dtype), shape=out.shape,
+                                               compute_ms=spent)
+                outgoing.setdefault(id(session.downstream), (session, []))[1].append(step)
+        for session, steps in outgoing.values():
+            await self._forward(session, steps[0] if len(steps) == 1 else Batch(steps=steps), steps)
+
+    async def _reply(self, session: _Session, frame: Step, tokens: list[int], spent: list[float]) -> None:
+        """The last stage's answer to ``frame``: its tokens, straight to the coordinator."""
+        end = frame.pos + (len(tokens) if isinstance(frame, Verify) else frame.n_tokens)
+        finish = "length" if end + 1 >= session.open.max_context else None
+        await self._forward(session, Tokens(session=frame.session, pos=end, token_ids=tokens, finish=finish,
+                                            compute_ms=spent))
 
     def _sample(self, session: _Session, logits: np.ndarray) -> int:
         assert session.sampler is not None
@@ -322,14 +414,21 @@ class StageServer:
         session.history.append(token)
         return token
 
-    async def _forward(self, session: _Session, frame: LaneFrame) -> None:
-        """Send downstream (or the reply to the coordinator); a failure goes upstream as an Error."""
+    async def _forward(self, session: _Session, frame: LaneFrame, steps: list[Decode | Verify] | None = None) -> None:
+        """Send downstream (or the reply to the coordinator); a failure goes upstream as an Error.
+
+        A :class:`Batch` goes on ``session``'s lane, which every session of ``steps`` shares; when it
+        fails, each of them fails upstream.
+        """
         assert session.downstream is not None
+        lane = session.downstream
         try:
-            await session.downstream.send(frame)
+            await lane.send(frame)
         except NetError as exc:
             culprit = 0 if session.last else session.open.index + 1
-            await self._fail_upstream(session, "hop-lost", f"lane to {session.downstream.peer_id[:12]}: {exc}", culprit)
+            for sid in [step.session for step in steps] if steps else [session.open.session]:
+                if (failed := self._sessions.get(sid)) is not None:
+                    await self._fail_upstream(failed, "hop-lost", f"lane to {lane.peer_id[:12]}: {exc}", culprit)
 
     async def _refuse(self, lane: Lane, frame: LaneFrame, code: str, message: str, stage: int | None = None) -> None:
         sid = getattr(frame, "session", "")

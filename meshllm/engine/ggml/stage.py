@@ -46,6 +46,8 @@ KEPT_GRAPHS = 8
 REUSE_MAX_TOKENS = 16
 """Graphs for more tokens than this per session (prompt chunks) are built, run and freed."""
 
+_FLOAT_TYPES = frozenset({lib.F32, lib.F16, lib.BF16})
+"""Matrix types whose one-row product rounds differently from the same row in a batch."""
 _BLOCKS: dict[str, Callable[[Step, LayerWeights, int, T], T]] = {"llama": llama.block, "gemma3": gemma3.block}
 
 
@@ -179,36 +181,22 @@ class StageModel:
             cache.trim(n)
 
     def batch_exact(self) -> bool:
-        """Make every row's result independent of the rows beside it; whether lone rows need padding.
+        """Make every row's result independent of the rows beside it; whether lone rows get padded.
 
-        Measured once: the same row alone and beside another session's row. With quantized weights
-        they agree under exact kernels (the default model); float weights take ggml's one-row
-        kernel for a lone row, so from then on a lone row gets a scratch row beside it (one more
-        row of compute). Serving batches calls this; a stage used alone need not.
+        Under exact kernels, quantized matrices compute a row the same way alone and in a batch
+        (measured bit for bit on the default model, every split point); float matrices (F32, F16,
+        BF16) take ggml's one-row kernel for a lone row and a tiled one for several, which round
+        differently. So a stage with float matrices gives a lone row a scratch row beside it from
+        then on (one more row of compute). Serving batches calls this; a stage used alone (llama.cpp
+        parity, the whole-model engine) computes as llama.cpp does, without padding.
         """
         with self._lock:
-            if self._pad is not None:
-                return self.pad_lone_rows
-        rng = np.random.default_rng(0)
-        if self.first:
-            rows = rng.integers(0, self.hparams.vocab, 5)
-        else:
-            rows = rng.standard_normal((5, self.hparams.width)).astype(np.float32)
-        a, b = "\0probe-a", "\0probe-b"
-        try:
-            self.forward(a, rows[:4], 0)
-            alone = self.forward(a, rows[4:], 4, last_only=True)
-            self.trim(a, 4)
-            beside = self.forward_batch([(a, rows[4:], 4), (b, rows[4:], 0)], last_only=True)[0]
-        finally:
-            self.reset(a)
-            self.reset(b)
-        with self._lock:
             self._check_open()
-            self.pad_lone_rows = not np.array_equal(alone, beside)
-            self._pad = KVCache(self.backends, self._kv_bufts, self.hparams.n_kv_heads * self.hparams.head_dim,
-                                KV_TYPES[self.kv_type], 1, v_trans=not self.flash_attn)
-        return self.pad_lone_rows
+            if self._pad is None:
+                self.pad_lone_rows = any(t.type_id in _FLOAT_TYPES and len(t.shape) > 1 for t in self.plan.tensors())
+                self._pad = KVCache(self.backends, self._kv_bufts, self.hparams.n_kv_heads * self.hparams.head_dim,
+                                    KV_TYPES[self.kv_type], 1, v_trans=not self.flash_attn)
+            return self.pad_lone_rows
 
     # -- compute ------------------------------------------------------------------------------
 
