@@ -71,6 +71,8 @@ def node_options(func: Any) -> Any:
                      help="Speculative decoding: draft tokens from the prompt and the output and verify them in "
                           "one pass (auto: where the measured costs say it pays; on: every draft found; off). "
                           "Default: speculate in config.toml, else auto."),
+        click.option("--split-batch", type=click.IntRange(1, 32), default=8, show_default=True, metavar="N",
+                     help="Requests whose decode steps go down a split chain as one pass (1: one at a time)."),
         click.option("--stages", type=click.IntRange(2, 8), default=None,
                      help="Stages of a split (default: the planner chooses; force: one per worker plus this node)."),
         click.option("--max-memory", type=GIGABYTES, default=None, metavar="GB",
@@ -138,7 +140,8 @@ def _run(join_token: str | None, *, home: Path | None, name: str, api_port: int,
          models: tuple[str, ...], engine: str, threads: int | None, gpu_layers: int | None, parallel: int | None,
          max_tokens_default: int, kernels: str, log_format: str, verbose: bool,
          dht_bootstrap: tuple[str, ...], dht_port: int | None, listing_ttl: float, worker: bool, split: str,
-         stages: int | None, max_memory: float | None, speculate: str | None, api_keys: tuple[str, ...],
+         stages: int | None, split_batch: int, max_memory: float | None, speculate: str | None,
+         api_keys: tuple[str, ...],
          api_key_file: Path | None, cors_origins: tuple[str, ...], allowed_hosts: tuple[str, ...], standby: bool,
          standby_idle_s: float, lookup_timeout: float = 15.0) -> None:
     from meshllm.node import Node, NodeOptions
@@ -157,7 +160,7 @@ def _run(join_token: str | None, *, home: Path | None, name: str, api_port: int,
         announce=announce, join=join_token, bootstrap=bootstrap, ephemeral=ephemeral,
         role="client" if client else "worker" if worker else "host", models=list(models) or ["default"],
         engine=engine, threads=threads, gpu_layers=gpu_layers, parallel=parallel, max_tokens_default=max_tokens_default,
-        kernels=kernels, split=split_options(split, stages, max_memory),
+        kernels=kernels, split=split_options(split, stages, max_memory, split_batch),
         speculate=speculate or config.speculate,  # type: ignore[arg-type]
         dht_bootstrap=dht_peers, dht_port=dht_port, listing_ttl_s=listing_ttl, relay=relay,  # type: ignore[arg-type]
         api_keys=[*api_keys, *_key_file(api_key_file)], cors_origins=list(cors_origins),
@@ -188,13 +191,13 @@ def _unlock_mesh_key(home: Path) -> None:
         os.environ[MESH_PASSPHRASE_ENV] = mesh_passphrase(confirm=False)
 
 
-def split_options(mode: str, stages: int | None, max_memory_gb: float | None) -> Any:
-    """``--split``/``--stages``/``--max-memory`` as :class:`~meshllm.split.placement.SplitOptions`."""
+def split_options(mode: str, stages: int | None, max_memory_gb: float | None, batch: int) -> Any:
+    """``--split``/``--stages``/``--max-memory``/``--split-batch`` as :class:`~meshllm.split.placement.SplitOptions`."""
     from meshllm.split.placement import SplitOptions
     from meshllm.split.planner import GIB
 
     cap = int(max_memory_gb * GIB) if max_memory_gb is not None else None
-    return SplitOptions(mode=mode, stages=stages, max_memory=cap)  # type: ignore[arg-type]
+    return SplitOptions(mode=mode, stages=stages, max_memory=cap, batch=batch)  # type: ignore[arg-type]
 
 
 def _resolve_published(hub: EventHub, mesh_id: str, mesh_host: str, dht_peers: list[str], timeout: float,

@@ -31,7 +31,7 @@ from meshllm.mesh.records import Capacity, PeerRecord
 from meshllm.models.gguf_file import GGUFFile
 from meshllm.models.refs import ModelRef
 from meshllm.split.control import Host, Hosted, ask
-from meshllm.split.coordinator import Deadlines, SplitCoordinator
+from meshllm.split.coordinator import DEFAULT_BATCH, Deadlines, SplitCoordinator
 from meshllm.split.engine import SplitEngine
 from meshllm.split.errors import SplitError, StageFailed
 from meshllm.split.frames import Hop
@@ -68,6 +68,8 @@ class SplitOptions:
     """The node's ggml kernel choice (``--kernels``), the same for its stages as for its whole models."""
     speculate: SpeculateMode = "auto"
     """Speculative decoding on the chains this node coordinates (``--speculate``)."""
+    batch: int = DEFAULT_BATCH
+    """Requests whose decode steps go down a chain this node coordinates as one pass (``--split-batch``)."""
 
     def load_stage(self, path: Path, layer_start: int, layer_end: int, max_context: int) -> StageModel:
         """Load a layer range with this node's threads and accelerator settings (blocking)."""
@@ -295,7 +297,8 @@ class SplitPlacement:
         await asyncio.gather(*(self._host(chain, i) for i in range(1, len(chain))), self._load_first(first))
         assert self._first is not None
         coordinator = SplitCoordinator(self.server, self.engine.model_id, self._first, chain,
-                                       on_stage_failed=self.stage_failed, speculate=self.options.speculate)
+                                       on_stage_failed=self.stage_failed, speculate=self.options.speculate,
+                                       batch=self.options.batch)
         self.chain, self.plan, self.coordinator = chain, chosen, coordinator
         self.engine.attach(coordinator)
         self.on_chain(chain)

@@ -16,6 +16,7 @@ from split_helpers import MODEL, PROMPT, make_chain, solo_greedy
 
 from meshllm.engine.ggml import StageModel
 from meshllm.split import Sampling, SplitCoordinator, StageFailed
+from meshllm.split.engine import SplitEngine
 from meshllm.split.frames import Batch, Decode, Verify
 
 LOOPY = [1, *b"the cat sat on the mat. the cat sat on the mat. the cat"]
@@ -171,3 +172,20 @@ def test_a_failed_stage_fails_every_session_of_the_batch_named(tiny_model: Path)
     results, elapsed, node = asyncio.run(main())
     assert all(isinstance(r, StageFailed) and r.stage_index == 1 and r.node_id == node for r in results), results
     assert elapsed < 2.0
+
+
+def test_the_split_engine_reports_the_chains_batch_as_its_slots(tiny_model: Path) -> None:
+    """Routing reads a split model's concurrency from its load report (gossiped as the record's slots)."""
+    async def main() -> list[tuple[int, int]]:
+        engine = SplitEngine(tiny_model, "tiny", 256)
+        seen = [(engine.load_report().slots, engine.load_report().running)]
+        chain = await make_chain(tiny_model, [0, 3, 6], batch=4)
+        try:
+            engine.attach(chain.coordinator)
+            seen.append((engine.load_report().slots, engine.load_report().running))
+        finally:
+            engine.detach("test over")
+            await chain.close()
+        return seen
+
+    assert asyncio.run(main()) == [(0, 0), (4, 0)]
