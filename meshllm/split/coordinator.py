@@ -211,6 +211,12 @@ class SplitCoordinator:
         finally:
             await run.finish()
 
+    def batching_status(self) -> dict[str, object]:
+        """Batching figures for ``/api/status``: sessions per pass allowed, passes sent, their mean size."""
+        b = self.batcher
+        return {"batch": self.batch, "passes": b.passes, "steps": b.steps,
+                "mean_batch": round(b.steps / b.passes, 2) if b.passes else None, "decoding": len(b.decoding)}
+
     def speculation_status(self) -> dict[str, object]:
         """Speculation figures for ``/api/status``: counters, acceptance, and the measured pass costs."""
         costs = self.costs

@@ -250,6 +250,7 @@ class SplitPlacement:
                         "layers": [h.layer_start, h.layer_end]} for h in self.chain],
             "predicted_ms_per_token": round(self.plan.total_s * 1e3, 3) if self.plan else None,
             "speculation": coordinator.speculation_status() if (coordinator := self.engine.coordinator) else None,
+            "batching": coordinator.batching_status() if coordinator is not None else None,
         }
 
     def names(self) -> dict[str, str]:
