@@ -290,7 +290,10 @@ class _Run:
         ahead, self._prefill_seen = c.prefill_sent - self._prefill_seen, c.prefill_sent
         backlog = d.prefill_s_per_token * (len(draft) + ahead)
         check = max(d.soft_min, d.soft_factor * c.step_s * len(ids)) + backlog if c.step_s else d.decode_timeout
-        reply = await self._await(pos, pos + len(ids), d.decode_timeout + backlog, check_after=check)
+        try:
+            reply = await self._await(pos, pos + len(ids), d.decode_timeout + backlog, check_after=check)
+        finally:
+            c.batcher.returned(self)
         took = loop.time() - started
         if not draft:
             c.step_s = took if not c.step_s else 0.8 * c.step_s + 0.2 * took
@@ -423,13 +426,16 @@ class _Ready:
 class _Batcher:
     """The coordinator's step scheduler: the decode steps of sessions ready in the same tick go as one pass.
 
-    A pass starts as soon as every decoding session of the chain has its next step ready (the
-    replies of one pass come back together, so the sessions that shared it share the next), when
-    ``batch`` steps are ready, or :data:`GATHER_S` after the first one was (a session whose client
-    is slow to read does not hold the others up for longer). Sessions still prefilling are not
+    A pass starts when every decoding session of the chain has its next step ready (the replies of
+    one pass come back together, so the sessions that shared it share the next) or when ``batch``
+    steps are ready. A session that becomes ready while others are in flight (it just finished its
+    prefill, or its group was split) waits for them to come back, at most about two passes: from
+    then on the groups decode as one. A session whose reply came but whose next step has not (its
+    client reads slowly) is waited for :data:`GATHER_S` only. With more sessions than ``batch``,
+    passes of up to ``batch`` run side by side down the chain. Sessions still prefilling are not
     waited for: their prompt chunks travel as Prefill frames between passes, one chunk at a time, so
     a new prompt delays a pass by at most one chunk. A session that finishes, is cancelled or fails
-    leaves at once (:meth:`leave`); passes beyond ``batch`` sessions run side by side down the chain.
+    leaves at once (:meth:`leave`).
     """
 
     def __init__(self, coord: SplitCoordinator, batch: int) -> None:
@@ -437,6 +443,8 @@ class _Batcher:
         self.batch = batch
         self.decoding: set[_Run] = set()
         """Sessions past their prefill and not finished: those a pass waits for."""
+        self.in_flight: set[_Run] = set()
+        """Sessions whose step was sent and whose reply has not come back yet."""
         self.ready: list[_Ready] = []
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -453,9 +461,15 @@ class _Batcher:
         self._maybe_launch()
         return await sent
 
+    def returned(self, run: _Run) -> None:
+        """``run``'s reply came back: its next step follows once its consumer took the tokens."""
+        self.in_flight.discard(run)
+        self._maybe_launch()
+
     def leave(self, run: _Run) -> None:
         """``run`` ends: drop its waiting step (if any) and stop waiting for it."""
         self.decoding.discard(run)
+        self.in_flight.discard(run)
         for item in [r for r in self.ready if r.run is run]:
             self.ready.remove(item)
             item.sent.cancel()
@@ -468,8 +482,16 @@ class _Batcher:
             self._cancel_timer()
         elif len(self.ready) == len(self.decoding):
             self._launch(len(self.ready))
-        elif self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(GATHER_S, self._gathered)
+        elif self.in_flight and len(self.decoding) > self.batch:
+            self._launch(len(self.ready))  # more sessions than one pass holds: passes side by side
+        else:
+            # wait for the sessions in flight (about a pass), else briefly for the slow readers
+            wait = min(max(GATHER_S, 2 * self.c.step_s), self.c.deadlines.decode_timeout) if self.in_flight \
+                else GATHER_S
+            loop = asyncio.get_running_loop()
+            if self._timer is None or loop.time() + wait < self._timer.when():  # (never postponed)
+                self._cancel_timer()
+                self._timer = loop.call_later(wait, self._gathered)
 
     def _gathered(self) -> None:
         self._timer = None
@@ -527,4 +549,5 @@ class _Batcher:
         self.steps += len(group)
         for r in group:
             if not r.sent.done():
+                self.in_flight.add(r.run)
                 r.sent.set_result(first_s)
