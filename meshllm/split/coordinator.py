@@ -516,18 +516,27 @@ class _Batcher:
         first = self.c.first
         steps = [(r.run.session, np.asarray(r.ids, dtype=np.int64), r.pos) for r in group]
 
-        def compute() -> tuple[list[np.ndarray], float]:
+        def compute() -> tuple[list[np.ndarray | None], float]:
             started = time.perf_counter()
             first.batch_exact()
-            for session, _, pos in steps:
+            live = []
+            for i, (session, _, pos) in enumerate(steps):
                 if first.session_length(session) > pos:
                     first.trim(session, pos)  # a step right after a window drops its rejected positions
-            return forward_rounds(first, steps), time.perf_counter() - started
+                if first.session_length(session) == pos:
+                    live.append(i)  # (not a session that ended, and was reset, after its step was queued)
+            outs: list[np.ndarray | None] = [None] * len(steps)
+            for i, out in zip(live, forward_rounds(first, [steps[i] for i in live]) if live else [], strict=True):
+                outs[i] = out
+            return outs, time.perf_counter() - started
 
         try:
             outs, first_s = await self.c._compute.run("first", len(group) == 1 and len(group[0].ids) == 1, compute)
             lanes: dict[int, tuple[_Run, list[Decode | Verify]]] = {}  # (a lane replaced meanwhile: its own frame)
             for r, x in zip(group, outs, strict=True):
+                if x is None:
+                    r.sent.cancel()
+                    continue
                 fields = {"session": r.run.session, "pos": r.pos, "n_tokens": len(r.ids), "dtype": r.run.dtype,
                           "shape": x.shape, "activations": codec.encode(x, r.run.dtype)}
                 lanes.setdefault(id(r.run.lane), (r.run, []))[1].append(
@@ -546,7 +555,7 @@ class _Batcher:
                 raise
             return
         self.passes += 1
-        self.steps += len(group)
+        self.steps += sum(x is not None for x in outs)
         for r in group:
             if not r.sent.done():
                 self.in_flight.add(r.run)

@@ -189,3 +189,30 @@ def test_the_split_engine_reports_the_chains_batch_as_its_slots(tiny_model: Path
         return seen
 
     assert asyncio.run(main()) == [(0, 0), (4, 0)]
+
+
+def test_a_request_cancelled_at_any_moment_leaves_the_others_exact(tiny_model: Path) -> None:
+    """The client's task is cancelled wherever it is (waiting for its pass, its reply, or the first stage):
+    the session leaves, its KV is freed, and the other sessions' passes go on unchanged."""
+    async def main() -> tuple[list[list[int]], list[list[list[int]]], int]:
+        chain = await make_chain(tiny_model, [0, 3, 6], speculate="off")
+        coord = chain.coordinator
+        try:
+            alone = [await _run(coord, *r) for r in REQUESTS]
+            runs = []
+            for delay in (0.0, 0.003, 0.01, 0.03, 0.07):
+                tasks = [asyncio.create_task(_run(coord, *r)) for r in REQUESTS]
+                await asyncio.sleep(delay)
+                tasks[2].cancel()
+                done = await asyncio.gather(*tasks, return_exceptions=True)
+                assert isinstance(done[2], asyncio.CancelledError) or done[2] == alone[2]
+                runs.append([d for i, d in enumerate(done) if i != 2])
+            await asyncio.sleep(0.1)
+            return alone, runs, sum(s.sessions for s in chain.servers[1:])
+        finally:
+            await chain.close()
+
+    alone, runs, left = asyncio.run(main())
+    for others in runs:
+        assert others == [a for i, a in enumerate(alone) if i != 2]
+    assert left == 0
