@@ -191,7 +191,7 @@ def bench_split(args: argparse.Namespace, spec: str, model: str, tmp: Path) -> d
             coords[batch] = coord
         chains = {}
         for batch, coord in coords.items():
-            ready = coord.wait_event(lambda e: e["type"] == "split_ready", 180)
+            ready = coord.wait_event(lambda e: e["type"] == "split_ready", 600)  # workers fetch their layers
             chains[batch] = ready["stages"]
         rows = side_by_side(args, {b: c.api for b, c in coords.items()}, model, "split_batch")
         batching = {b: c.status()["splits"][0]["batching"] for b, c in coords.items()}

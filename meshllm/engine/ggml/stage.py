@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from meshllm.engine.ggml.hparams import HParams, read_hparams
 from meshllm.engine.ggml.kv_cache import KV_TYPES, KVCache, kv_bytes_per_token
 from meshllm.engine.ggml.weights import LayerWeights, StagePlan, StageWeights, load_weights, plan_stage
 from meshllm.engine.kernels import Kernels, use_kernels
+from meshllm.engine.slots import CallCosts
 from meshllm.models.gguf_file import GGUFFile
 
 CHUNK = 512
@@ -95,6 +97,8 @@ class StageModel:
         """Give a step of one row a second (scratch) row, so that it computes as it would in a batch
         (:meth:`batch_exact`: float matrices take another kernel for one row than for several)."""
         self._pad: KVCache | None = None
+        self._costs = CallCosts()
+        """Seconds per decode call by rows: whether a batch of lone rows runs faster as one-row calls."""
 
     @classmethod
     def load(cls, path: str | Path, layer_start: int = 0, layer_end: int | None = None, *,
@@ -216,7 +220,10 @@ class StageModel:
                 chunk = inputs[start : start + CHUNK]
                 final = start + CHUNK >= n
                 n_out = (1 if last_only else len(chunk)) if self.last else 0
+                started = time.perf_counter()
                 out = self._run([(session, cache, pos + start, len(chunk), n_out)], chunk)[: n_out or len(chunk)]
+                if n == 1:
+                    self._costs.observe(1, time.perf_counter() - started)
                 if not self.last or not last_only or final:
                     outs.append(out)
             cache.length += n
@@ -231,6 +238,10 @@ class StageModel:
         write and attend to its own KV cache. Under exact kernels a row's result does not depend on
         the other rows, so each session gets what :meth:`forward` would give it alone. Returns each
         session's output in order; a failed call leaves every session as it was.
+
+        A batch of one-row steps runs as one-row graphs instead while they are measured cheaper
+        (:class:`~meshllm.engine.slots.CallCosts`, as the llama.cpp engine does: on a CPU a lone row
+        streams the weights, a few rows are compute-bound); the rows' results are the same either way.
         """
         if len(steps) == 1:
             session, inputs, pos = steps[0]
@@ -245,11 +256,22 @@ class StageModel:
             caches = [self._cache_at(s, pos, len(x)) for (s, _, pos), x in zip(steps, checked, strict=True)]
             segments = [(s, cache, pos, len(x), n_out)
                         for (s, _, pos), x, cache, n_out in zip(steps, checked, caches, n_outs, strict=True)]
-            out = self._run(segments, np.concatenate(checked))
+            rows = len(checked) if all(len(x) == 1 for x in checked) else 0
+            started = time.perf_counter()
+            if rows and not self.pad_lone_rows and self._costs.split(rows):
+                outs = []
+                for seg, x in zip(segments, checked, strict=True):
+                    outs.append(self._run([seg], x))
+                    self._costs.observe(1, time.perf_counter() - started)
+                    started = time.perf_counter()
+            else:
+                out = self._run(segments, np.concatenate(checked))
+                if rows:
+                    self._costs.observe(rows, time.perf_counter() - started)
+                outs = np.split(out, np.cumsum(n_outs if self.last else [len(x) for x in checked])[:-1])
             for cache, x in zip(caches, checked, strict=True):
                 cache.length += len(x)
-        rows = n_outs if self.last else [len(x) for x in checked]
-        return np.split(out, np.cumsum(rows)[:-1])
+        return outs
 
     def _cache_at(self, session: str, pos: int, n: int) -> KVCache:
         """``session``'s cache (a new one for a new session), checked to be at ``pos``, with room for ``n`` more."""

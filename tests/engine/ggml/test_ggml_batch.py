@@ -115,3 +115,24 @@ def test_default_model_batches_exactly_without_padding(default_model: Path) -> N
             assert _same(alone, batched)
         finally:
             stage.close()
+
+
+def test_a_batch_measured_slower_runs_as_lone_rows_with_the_same_results(tiny_llama: Path) -> None:
+    """Where lone rows are measured cheaper (CallCosts), a batch runs row by row; nothing else changes."""
+    stage = StageModel.load(tiny_llama, 2, 4, max_context=256, threads=1)
+    try:
+        rng = np.random.default_rng(3)
+        x = rng.standard_normal((4, stage.hparams.width)).astype(np.float32)
+        for s in ("a", "b", "c"):
+            stage.forward(s, x[:3], 0)
+        alone = [stage.forward(s, x[3:], 3) for s in ("a", "b")]
+        stage.trim("a", 3)
+        stage.trim("b", 3)
+        stage._costs.observe(1, 0.001)
+        stage._costs.observe(2, 1.0)  # as if two rows in one call took far longer than two calls of one
+        assert stage._costs.split(2)
+        split = stage.forward_batch([("a", x[3:], 3), ("b", x[3:], 3)])
+        assert all(np.array_equal(p, q) for p, q in zip(alone, split, strict=True))
+        assert (stage.session_length("a"), stage.session_length("b")) == (4, 4)
+    finally:
+        stage.close()
