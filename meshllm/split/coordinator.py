@@ -284,11 +284,12 @@ class _Run:
         loop = asyncio.get_running_loop()
         started = loop.time()
         ids = [token, *draft]
-        first_s = await self.c.batcher.step(self, ids, pos, draft)
+        first_s, rows = await self.c.batcher.step(self, ids, pos, draft)
         d, c = self.c.deadlines, self.c
-        # prompt chunks sent since this session's previous step may be computed before it on every stage
+        # prompt chunks sent since this session's previous step may be computed before it on every stage,
+        # and the pass's other rows beside it: each counts like a prompt token
         ahead, self._prefill_seen = c.prefill_sent - self._prefill_seen, c.prefill_sent
-        backlog = d.prefill_s_per_token * (len(draft) + ahead)
+        backlog = d.prefill_s_per_token * (rows - 1 + ahead)
         check = max(d.soft_min, d.soft_factor * c.step_s * len(ids)) + backlog if c.step_s else d.decode_timeout
         try:
             reply = await self._await(pos, pos + len(ids), d.decode_timeout + backlog, check_after=check)
@@ -419,8 +420,8 @@ class _Ready:
     ids: list[int]
     pos: int
     draft: list[int]
-    sent: asyncio.Future[float]
-    """Resolves with the first stage's compute seconds once the pass is on its way down the chain."""
+    sent: asyncio.Future[tuple[float, int]]
+    """Resolves once the pass is on its way down the chain: the first stage's seconds, the pass's rows."""
 
 
 class _Batcher:
@@ -453,9 +454,10 @@ class _Batcher:
         self.steps = 0
         """Session steps sent in them: ``steps / passes`` is the mean batch."""
 
-    async def step(self, run: _Run, ids: list[int], pos: int, draft: list[int]) -> float:
-        """Queue ``run``'s step and wait until its pass is sent; the first stage's seconds for the pass."""
-        sent: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+    async def step(self, run: _Run, ids: list[int], pos: int, draft: list[int]) -> tuple[float, int]:
+        """Queue ``run``'s step and wait until its pass is sent; the first stage's seconds and the pass's rows
+        (positions of all its sessions)."""
+        sent: asyncio.Future[tuple[float, int]] = asyncio.get_running_loop().create_future()
         self.decoding.add(run)
         self.ready.append(_Ready(run, ids, pos, draft, sent))
         self._maybe_launch()
@@ -556,7 +558,8 @@ class _Batcher:
             return
         self.passes += 1
         self.steps += sum(x is not None for x in outs)
+        rows = sum(len(x) for x in outs if x is not None)
         for r in group:
             if not r.sent.done():
                 self.in_flight.add(r.run)
-                r.sent.set_result(first_s)
+                r.sent.set_result((first_s, rows))

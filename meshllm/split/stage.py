@@ -1,9 +1,11 @@
 """Stage server: hosts layer ranges (ggml :class:`StageModel`) and serves ``stage-lane`` streams.
 
 Per session it keeps the KV cache on this node, runs each Prefill/Decode through its layers in a
-worker thread, and either forwards the activations to the next stage over its own pooled lane or,
-as the last stage, samples and sends :class:`Tokens` straight back to the coordinator (whose node id
-and address are the chain's first hop), over a lane it opens (and pools) to the coordinator.
+worker thread (an incoming lane's frames are worked through in order by a task of their own, so the
+lane's reader answers Pings at once however much compute is queued), and either forwards the
+activations to the next stage over its own pooled lane or, as the last stage, samples and sends
+:class:`Tokens` straight back to the coordinator (whose node id and address are the chain's first
+hop), over a lane it opens (and pools) to the coordinator.
 
 Errors flow back towards the coordinator: a refused or failed frame is answered on the lane it
 came in on, and an Error arriving from downstream is relayed upstream. A downstream lane that
@@ -71,6 +73,8 @@ log = logging.getLogger(__name__)
 
 MAX_SESSIONS_PER_OWNER = 32
 """Sessions one coordinator may keep open on this node's stages (each holds a KV cache)."""
+LANE_BACKLOG = 256
+"""Frames of one incoming lane waiting for compute; beyond it the lane stops reading until one is done."""
 
 ReplySink = Callable[[str, Tokens | Error], None]
 """``sink(peer_id, frame)``: where a coordinator session receives its Tokens and Errors."""
@@ -91,6 +95,14 @@ def forward_rounds(stage: StageModel, steps: list[tuple[str, np.ndarray, int]]) 
         for i, out in zip(live, stage.forward_batch(rows), strict=True):
             outs[i].append(out)
     return [np.concatenate(o) for o in outs]
+
+
+@dataclass
+class _LaneWork:
+    """The frames of one incoming lane waiting for their turn, and the task working through them."""
+
+    queue: asyncio.Queue[LaneFrame]
+    task: asyncio.Task[None] | None = None
 
 
 @dataclass
@@ -135,6 +147,9 @@ class StageServer:
         self._replies: dict[str, ReplySink] = {}
         self.compute = Compute()
         """The node's one compute runner (local coordinators use it too): steps never overlap."""
+        self._work: dict[Lane, _LaneWork] = {}
+        """Per incoming lane, its frames in order: the lane's reader only queues them, so it answers Pings
+        (liveness) at once even while many steps wait for compute."""
         endpoint.on_stream(KIND, self._serve, max_frame=LANE_FRAME_MAX)
         self._unsubscribe = endpoint.on_peer_event(self._peer_event)
 
@@ -188,6 +203,10 @@ class StageServer:
         """Close every lane, free every session and the hosted stages."""
         self._unsubscribe()
         self.pool.close()
+        for work in self._work.values():
+            if work.task is not None:
+                work.task.cancel()
+        self._work.clear()
         for session in list(self._sessions.values()):
             session.stage.reset(session.open.session)
         self._sessions.clear()
@@ -210,11 +229,27 @@ class StageServer:
             if sink is not None:
                 sink(lane.peer_id, frame)
             return
-        if isinstance(frame, Ping):
+        if isinstance(frame, Ping):  # answered at once, even while this lane's steps wait for compute
             known = self._sessions.get(frame.session)
             pos = known.stage.session_length(frame.session) if known else -1
             await lane.send(Pong(nonce=frame.nonce, pos=pos))
             return
+        work = self._work.get(lane)
+        if work is None:
+            work = self._work[lane] = _LaneWork(asyncio.Queue(LANE_BACKLOG))
+            work.task = asyncio.get_running_loop().create_task(self._work_through(lane, work.queue))
+        await work.queue.put(frame)  # (a full backlog holds the reader: the peer's sends wait)
+
+    async def _work_through(self, lane: Lane, frames: asyncio.Queue[LaneFrame]) -> None:
+        """A lane's frames in order: its sessions' Opens, steps, Resets and Stops, one after another."""
+        while True:
+            frame = await frames.get()
+            try:
+                await self._from_upstream_in_order(lane, frame)
+            except Exception:  # a bug must not silently stop the lane's other sessions
+                log.exception("stage lane from %s: frame %s failed", lane.peer_id[:12], type(frame).__name__)
+
+    async def _from_upstream_in_order(self, lane: Lane, frame: LaneFrame) -> None:
         if isinstance(frame, Open):
             await self._open(lane, frame)
             return
@@ -474,6 +509,9 @@ class StageServer:
             asyncio.get_running_loop().create_task(self._fail_upstream(session, code, message, culprit))
 
     def _upstream_closed(self, lane: Lane, reason: str) -> None:
+        work = self._work.pop(lane, None)
+        if work is not None and work.task is not None:
+            work.task.cancel()
         for sid in [sid for sid, s in self._sessions.items() if s.upstream is lane]:
             session = self._sessions.pop(sid)
             session.stage.reset(sid)

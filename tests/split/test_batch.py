@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from net.net_helpers import until
 from split_helpers import MODEL, PROMPT, make_chain, solo_greedy
 
 from meshllm.engine.ggml import StageModel
@@ -104,9 +105,8 @@ def test_a_cancelled_request_leaves_the_others_text_unchanged(tiny_model: Path) 
             cut = [None, 5, None, 1, None]
             together = await asyncio.gather(*(_run(coord, *r, stop_after=c) for r, c in zip(REQUESTS, cut,
                                                                                               strict=True)))
-            await asyncio.sleep(0.1)
-            left = sum(s.sessions for s in chain.servers[1:])
-            return alone, list(together), left
+            await until(lambda: sum(s.sessions for s in chain.servers[1:]) == 0)
+            return alone, list(together), sum(s.sessions for s in chain.servers[1:])
         finally:
             await chain.close()
 
@@ -207,7 +207,7 @@ def test_a_request_cancelled_at_any_moment_leaves_the_others_exact(tiny_model: P
                 done = await asyncio.gather(*tasks, return_exceptions=True)
                 assert isinstance(done[2], asyncio.CancelledError) or done[2] == alone[2]
                 runs.append([d for i, d in enumerate(done) if i != 2])
-            await asyncio.sleep(0.1)
+            await until(lambda: sum(s.sessions for s in chain.servers[1:]) == 0)
             return alone, runs, sum(s.sessions for s in chain.servers[1:])
         finally:
             await chain.close()
