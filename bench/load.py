@@ -177,29 +177,36 @@ def bench_slots(args: argparse.Namespace, spec: str, model: str, tmp: Path) -> d
 # ---- split: a 2-stage chain batching its sessions vs one session at a time ----------------
 
 def bench_split(args: argparse.Namespace, spec: str, model: str, tmp: Path) -> dict[str, object]:
-    """Per ``--split-batch`` value a coordinator (``--split force --stages 2``) and a worker of its own."""
+    """Per ``--split-batch`` value a coordinator (``--split force --stages 2``) and a worker of its own.
+
+    Every node gets ``--max-memory`` (default 0.27 GiB): on the default model only the even split
+    [0, 9) + [9, 18) fits it, so both chains are alike (left free, the planner splits by the nodes'
+    measured speed, which differs from one start to the next on a busy host).
+    """
+    cap = ["--max-memory", str(args.max_memory)] if args.max_memory else []
     with running_nodes() as nodes:
         coords = {}
         for batch in args.split_batch:
             coord = NodeProcess(tmp / f"b{batch}", ["--model", spec, "--split", "force", "--stages", "2",
                                                     "--split-batch", str(batch), "--speculate", "off",
-                                                    "--threads", str(args.threads)], f"b{batch}")
+                                                    "--threads", str(args.threads), *cap], f"b{batch}")
             nodes.append(coord)
             token = coord.wait_ready(120)["invite"]
             nodes.append(NodeProcess(tmp / f"w{batch}", ["--worker", "--join", token, "--threads",
-                                                         str(args.threads)], f"w{batch}"))
+                                                         str(args.threads), *cap], f"w{batch}"))
             coords[batch] = coord
         chains = {}
         for batch, coord in coords.items():
             ready = coord.wait_event(lambda e: e["type"] == "split_ready", 600)  # workers fetch their layers
             chains[batch] = ready["stages"]
+            print(f"  --split-batch {batch}: chain {chains[batch]}", flush=True)
         rows = side_by_side(args, {b: c.api for b, c in coords.items()}, model, "split_batch")
         batching = {b: c.status()["splits"][0]["batching"] for b, c in coords.items()}
     print(f"\n{model} on a 2-stage split ({', '.join(f'--split-batch {b}: {chains[b]}' for b in chains)}): "
           f"{args.requests} requests per stream, max_tokens {args.max_tokens}, greedy, --threads {args.threads}")
     ratios = table(args, rows, "split_batch", "b")
     print("passes: " + ", ".join(f"--split-batch {b}: {s['passes']} passes, mean {s['mean_batch']} sessions"
-                                 for b, s in batching.items()))
+                                 if s else f"--split-batch {b}: no chain at the end" for b, s in batching.items()))
     return {"rows": rows, "ratio_tok_s": ratios, "chains": chains, "batching": batching}
 
 
@@ -321,6 +328,8 @@ def main() -> None:
     parser.add_argument("--parallel", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
     parser.add_argument("--split-batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8],
                         help="split: --split-batch of each chain")
+    parser.add_argument("--max-memory", type=float, default=0.27,
+                        help="split: --max-memory of every node (GiB; 0: none)")
     parser.add_argument("--requests", type=int, default=3, help="slots, split: requests per stream")
     parser.add_argument("--threads", type=int, default=1, help="slots, split: threads per node")
     parser.add_argument("--clients", type=int, default=32, help="mesh: streaming clients")
