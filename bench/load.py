@@ -139,7 +139,7 @@ def side_by_side(args: argparse.Namespace, apis: dict[int, str], model: str, key
     return rows
 
 
-def table(args: argparse.Namespace, rows: list[dict[str, object]], key: str, short: str) -> dict[int, float]:
+def table(args: argparse.Namespace, rows: list[dict[str, object]], key: str, short: str) -> dict[int, float | None]:
     """Print aggregate tok/s and TTFT p50/p99 per stream count, the servers side by side; the ratios."""
     values = sorted({int(r[key]) for r in rows})  # type: ignore[call-overload]
     lo, hi = values[0], values[-1]
@@ -152,9 +152,10 @@ def table(args: argparse.Namespace, rows: list[dict[str, object]], key: str, sho
         for v in values:
             r = by[(v, streams)]
             cells.append(f"{r['tok_s']:>11} {r['ttft_p50_s']!s:>8} {r['ttft_p99_s']!s:>6}")
-        ratio = float(by[(hi, streams)]["tok_s"]) / max(float(by[(lo, streams)]["tok_s"]), 1e-9)  # type: ignore[arg-type]
-        ratios[streams] = round(ratio, 2)
-        print(f"{streams:>7} | " + " | ".join(cells) + f" | {ratio:>7.2f}x")
+        base = float(by[(lo, streams)]["tok_s"])  # type: ignore[arg-type]
+        ratio = float(by[(hi, streams)]["tok_s"]) / base if base else None  # type: ignore[arg-type]
+        ratios[streams] = round(ratio, 2) if ratio is not None else None
+        print(f"{streams:>7} | " + " | ".join(cells) + (f" | {ratio:>7.2f}x" if ratio is not None else " |      n/a"))
     return ratios
 
 

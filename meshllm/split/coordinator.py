@@ -287,7 +287,7 @@ class _Run:
         first_s, rows = await self.c.batcher.step(self, ids, pos, draft)
         d, c = self.c.deadlines, self.c
         # prompt chunks sent since this session's previous step may be computed before it on every stage,
-        # and the pass's other rows beside it: each counts like a prompt token
+        # as are the pass's other rows and the passes in flight ahead: each counts like a prompt token
         ahead, self._prefill_seen = c.prefill_sent - self._prefill_seen, c.prefill_sent
         backlog = d.prefill_s_per_token * (rows - 1 + ahead)
         check = max(d.soft_min, d.soft_factor * c.step_s * len(ids)) + backlog if c.step_s else d.decode_timeout
@@ -421,7 +421,7 @@ class _Ready:
     pos: int
     draft: list[int]
     sent: asyncio.Future[tuple[float, int]]
-    """Resolves once the pass is on its way down the chain: the first stage's seconds, the pass's rows."""
+    """Resolves once the pass is on its way down the chain: the first stage's seconds, the rows ahead of the reply."""
 
 
 class _Batcher:
@@ -444,8 +444,8 @@ class _Batcher:
         self.batch = batch
         self.decoding: set[_Run] = set()
         """Sessions past their prefill and not finished: those a pass waits for."""
-        self.in_flight: set[_Run] = set()
-        """Sessions whose step was sent and whose reply has not come back yet."""
+        self.in_flight: dict[_Run, int] = {}
+        """Sessions whose step was sent and whose reply has not come back yet, with the step's rows."""
         self.ready: list[_Ready] = []
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -455,8 +455,8 @@ class _Batcher:
         """Session steps sent in them: ``steps / passes`` is the mean batch."""
 
     async def step(self, run: _Run, ids: list[int], pos: int, draft: list[int]) -> tuple[float, int]:
-        """Queue ``run``'s step and wait until its pass is sent; the first stage's seconds and the pass's rows
-        (positions of all its sessions)."""
+        """Queue ``run``'s step and wait until its pass is sent; the first stage's seconds and the rows the
+        stages compute before its reply (its pass's, and those of the passes in flight ahead of it)."""
         sent: asyncio.Future[tuple[float, int]] = asyncio.get_running_loop().create_future()
         self.decoding.add(run)
         self.ready.append(_Ready(run, ids, pos, draft, sent))
@@ -465,13 +465,13 @@ class _Batcher:
 
     def returned(self, run: _Run) -> None:
         """``run``'s reply came back: its next step follows once its consumer took the tokens."""
-        self.in_flight.discard(run)
+        self.in_flight.pop(run, None)
         self._maybe_launch()
 
     def leave(self, run: _Run) -> None:
         """``run`` ends: drop its waiting step (if any) and stop waiting for it."""
         self.decoding.discard(run)
-        self.in_flight.discard(run)
+        self.in_flight.pop(run, None)
         for item in [r for r in self.ready if r.run is run]:
             self.ready.remove(item)
             item.sent.cancel()
@@ -559,7 +559,8 @@ class _Batcher:
         self.passes += 1
         self.steps += sum(x is not None for x in outs)
         rows = sum(len(x) for x in outs if x is not None)
+        ahead = sum(self.in_flight.values())  # passes sent before this one: the stages compute them first
         for r in group:
             if not r.sent.done():
-                self.in_flight.add(r.run)
-                r.sent.set_result((first_s, rows))
+                self.in_flight[r.run] = len(r.ids)
+                r.sent.set_result((first_s, rows + ahead))
