@@ -445,7 +445,9 @@ class _Batcher:
         self.decoding: set[_Run] = set()
         """Sessions past their prefill and not finished: those a pass waits for."""
         self.in_flight: dict[_Run, int] = {}
-        """Sessions whose step was sent and whose reply has not come back yet, with the step's rows."""
+        """Sessions whose step was sent and whose reply has not come back yet, with the pass they went in."""
+        self._rows: dict[int, int] = {}
+        """Rows of each pass in flight."""
         self.ready: list[_Ready] = []
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -478,17 +480,21 @@ class _Batcher:
         self._maybe_launch()
 
     def _maybe_launch(self) -> None:
-        while len(self.ready) >= self.batch:
-            self._launch(self.batch)
+        # one pass in flight per stage keeps every stage busy; each pass holds up to ``batch`` sessions
+        stages = len(self.c.chain)
+        cap = max(1, min(self.batch, -(-len(self.decoding) // stages)))
+        while len(self.ready) >= cap:
+            self._launch(cap)
+        passes = len(set(self.in_flight.values()))
+        serving = len(self.decoding) - len(self.in_flight) - len(self.ready)
         if not self.ready:
             self._cancel_timer()
-        elif len(self.ready) == len(self.decoding):
-            self._launch(len(self.ready))
-        elif self.in_flight and len(self.decoding) > self.batch:
-            self._launch(len(self.ready))  # more sessions than one pass holds: passes side by side
+        elif passes < stages and serving <= 0:
+            self._launch(len(self.ready))  # nobody else is about to join: a stage is idle, start it
         else:
-            # wait for the sessions in flight (about a pass), else briefly for the slow readers
-            wait = min(max(GATHER_S, 2 * self.c.step_s), self.c.deadlines.decode_timeout) if self.in_flight \
+            # wait for a pass in flight to come back and merge with it (about a pass), or briefly for
+            # the sessions whose clients are still reading their tokens
+            wait = min(max(GATHER_S, 2 * self.c.step_s), self.c.deadlines.decode_timeout) if passes >= stages \
                 else GATHER_S
             loop = asyncio.get_running_loop()
             if self._timer is None or loop.time() + wait < self._timer.when():  # (never postponed)
@@ -559,8 +565,10 @@ class _Batcher:
         self.passes += 1
         self.steps += sum(x is not None for x in outs)
         rows = sum(len(x) for x in outs if x is not None)
-        ahead = sum(self.in_flight.values())  # passes sent before this one: the stages compute them first
+        live = set(self.in_flight.values())
+        ahead = sum(n for p, n in self._rows.items() if p in live)  # passes sent before: computed first
+        self._rows = {p: n for p, n in self._rows.items() if p in live} | {self.passes: rows}
         for r in group:
             if not r.sent.done():
-                self.in_flight[r.run] = len(r.ids)
+                self.in_flight[r.run] = self.passes
                 r.sent.set_result((first_s, rows + ahead))

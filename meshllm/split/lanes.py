@@ -282,8 +282,11 @@ class LanePool:
         """A live lane to ``node_id`` (dialing ``host:port`` if needed); :class:`NetError` if unreachable."""
         async with self._locks.setdefault(node_id, asyncio.Lock()):
             lane = self._lanes.get(node_id)
-            if lane is not None and lane.closed is None and \
-                    await lane.probe(probe_timeout(self.endpoint, node_id)) is not None:
+            timeout = probe_timeout(self.endpoint, node_id)
+            # a second, longer chance before replacing it: the lane carries other sessions, and a busy
+            # peer (or host) can miss one short probe
+            if lane is not None and lane.closed is None and (
+                    await lane.probe(timeout) is not None or await lane.probe(4 * timeout) is not None):
                 return lane
             if lane is not None:
                 lane.close("probe failed before reuse")

@@ -86,7 +86,7 @@ def test_concurrent_requests_give_the_text_they_give_alone(tiny_model: Path, bou
     alone, together, coord = _alone_then_together(tiny_model, bounds, speculate="off")
     assert together == alone
     assert [len(t) for t in together] == [n for _, n, _ in REQUESTS]
-    assert coord.batcher.steps / coord.batcher.passes > 2.0  # the passes really were shared
+    assert coord.batcher.steps / coord.batcher.passes > 1.3  # the passes really were shared
     assert alone[0] == solo_greedy(tiny_model, PROMPT, 40)  # and a lone session is the whole model's text
 
 
