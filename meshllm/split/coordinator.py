@@ -427,16 +427,17 @@ class _Ready:
 class _Batcher:
     """The coordinator's step scheduler: the decode steps of sessions ready in the same tick go as one pass.
 
-    A pass starts when every decoding session of the chain has its next step ready (the replies of
-    one pass come back together, so the sessions that shared it share the next) or when ``batch``
-    steps are ready. A session that becomes ready while others are in flight (it just finished its
-    prefill, or its group was split) waits for them to come back, at most about two passes: from
-    then on the groups decode as one. A session whose reply came but whose next step has not (its
-    client reads slowly) is waited for :data:`GATHER_S` only. With more sessions than ``batch``,
-    passes of up to ``batch`` run side by side down the chain. Sessions still prefilling are not
-    waited for: their prompt chunks travel as Prefill frames between passes, one chunk at a time, so
-    a new prompt delays a pass by at most one chunk. A session that finishes, is cancelled or fails
-    leaves at once (:meth:`leave`).
+    The decoding sessions are spread over one pass in flight per stage of the chain, each of up to
+    ``batch`` sessions: while stage 1 computes one pass the coordinator computes the next, so every
+    stage has work and each shares its weight reads among the pass's rows. A pass leaves as soon as
+    it is full; otherwise when a stage would be idle and nobody is about to join (the sessions not in
+    flight are all ready), or after :data:`GATHER_S` for sessions whose clients are still reading
+    their tokens. When every stage already has a pass, a session that becomes ready (its prefill just
+    ended) waits for one to come back, at most about two passes, and joins it: staggered sessions
+    merge instead of each running alone. Sessions still prefilling are not waited for: their prompt
+    chunks travel as Prefill frames between passes, one chunk at a time, so a new prompt delays a
+    pass by at most one chunk. A session that finishes, is cancelled or fails leaves at once
+    (:meth:`leave`).
     """
 
     def __init__(self, coord: SplitCoordinator, batch: int) -> None:
