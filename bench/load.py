@@ -7,6 +7,11 @@ Reported per (slots, streams): aggregate tokens/s (completion tokens over the wa
 round), time to first token p50/p99, and the ratio of the two nodes' aggregates. Rounds alternate
 between the nodes so a noisy moment on this shared host hits both alike.
 
+``split``: the same table for a 2-stage split of the model: per ``--split-batch`` value (1: one
+session's step at a time; 8: the steps of up to 8 sessions in one pass) a coordinator node
+(``--split force --stages 2``) and a worker node of its own, all started through the CLI; rounds
+alternate between the two chains.
+
 ``mesh``: the sustained mesh test: 32 streaming clients over three nodes (two serve, one
 ``--client`` routes) for ``--duration`` seconds; every request ends ``completed``, ``failed`` (a
 clean error, e.g. a 429 when saturated) or ``lost`` (no clean end: must be 0).
@@ -17,6 +22,7 @@ of its own (ggml reads its kernel switch once per process), alternating; medians
 ceiling of batching on a CPU: a lone row is bandwidth-bound, a batch compute-bound.
 
     .venv/bin/python bench/load.py [--model default|tiny] [--streams 1,2,4,8] [--parallel 1,8] [--requests 3]
+    .venv/bin/python bench/load.py --mode split [--model default|tiny] [--streams 1,2,4,8] [--split-batch 1,8]
     .venv/bin/python bench/load.py --mode mesh [--clients 32] [--duration 60] [--model tiny]
     .venv/bin/python bench/load.py --mode steps [--runs 4]
 """
@@ -109,8 +115,51 @@ async def round_of(api: str, model: str, streams: int, requests: int, max_tokens
     return time.monotonic() - started, [o for per in results for o in per]
 
 
-def bench_slots(args: argparse.Namespace, spec: str, model: str, tmp: Path) -> dict[str, object]:
+def side_by_side(args: argparse.Namespace, apis: dict[int, str], model: str, key: str) -> list[dict[str, object]]:
+    """Each stream count on each server in turn (so a noisy moment hits all alike); a row per (server, streams)."""
+    for api in apis.values():
+        asyncio.run(round_of(api, model, 1, 1, 4, 999_000))  # warm up
     rows: list[dict[str, object]] = []
+    base = 0
+    for streams in args.streams:
+        for value, api in apis.items():
+            base += 100_000
+            wall, outcomes = asyncio.run(round_of(api, model, streams, args.requests, args.max_tokens, base))
+            ok = [o for o in outcomes if o.status == "completed"]
+            ttfts = [o.ttft_s for o in ok if o.ttft_s is not None]
+            row = {key: value, "streams": streams, "requests": len(outcomes),
+                   "completed": len(ok), "failed": sum(o.status == "failed" for o in outcomes),
+                   "lost": sum(o.status == "lost" for o in outcomes), "wall_s": round(wall, 2),
+                   "tokens": sum(o.tokens for o in ok), "tok_s": round(sum(o.tokens for o in ok) / wall, 2),
+                   "ttft_p50_s": round(statistics.median(ttfts), 3) if ttfts else None,
+                   "ttft_p99_s": round(percentile(ttfts, 0.99), 3) if ttfts else None}
+            rows.append(row)
+            print(f"  {key} {value} streams {streams}: {row['tok_s']} tok/s, TTFT p50 {row['ttft_p50_s']} s "
+                  f"p99 {row['ttft_p99_s']} s ({row['completed']}/{row['requests']} completed)", flush=True)
+    return rows
+
+
+def table(args: argparse.Namespace, rows: list[dict[str, object]], key: str, short: str) -> dict[int, float | None]:
+    """Print aggregate tok/s and TTFT p50/p99 per stream count, the servers side by side; the ratios."""
+    values = sorted({int(r[key]) for r in rows})  # type: ignore[call-overload]
+    lo, hi = values[0], values[-1]
+    print(f"{'streams':>7} | " + " | ".join(f"{short + str(v) + ' tok/s':>11} {'TTFT p50':>8} {'p99':>6}"
+                                            for v in values) + f" | {f'{short}{hi}/{short}{lo}':>8}")
+    by = {(r[key], r["streams"]): r for r in rows}
+    ratios = {}
+    for streams in args.streams:
+        cells = []
+        for v in values:
+            r = by[(v, streams)]
+            cells.append(f"{r['tok_s']:>11} {r['ttft_p50_s']!s:>8} {r['ttft_p99_s']!s:>6}")
+        base = float(by[(lo, streams)]["tok_s"])  # type: ignore[arg-type]
+        ratio = float(by[(hi, streams)]["tok_s"]) / base if base else None  # type: ignore[arg-type]
+        ratios[streams] = round(ratio, 2) if ratio is not None else None
+        print(f"{streams:>7} | " + " | ".join(cells) + (f" | {ratio:>7.2f}x" if ratio is not None else " |      n/a"))
+    return ratios
+
+
+def bench_slots(args: argparse.Namespace, spec: str, model: str, tmp: Path) -> dict[str, object]:
     with running_nodes() as nodes:
         servers = {}
         for parallel in args.parallel:
@@ -120,39 +169,46 @@ def bench_slots(args: argparse.Namespace, spec: str, model: str, tmp: Path) -> d
             servers[parallel] = node
         for node in servers.values():
             node.wait_ready(120)
-            asyncio.run(round_of(node.api, model, 1, 1, 4, 999_000))  # warm up
-        base = 0
-        for streams in args.streams:
-            for parallel, node in servers.items():
-                base += 100_000
-                wall, outcomes = asyncio.run(round_of(node.api, model, streams, args.requests, args.max_tokens, base))
-                ok = [o for o in outcomes if o.status == "completed"]
-                ttfts = [o.ttft_s for o in ok if o.ttft_s is not None]
-                row = {"parallel": parallel, "streams": streams, "requests": len(outcomes),
-                       "completed": len(ok), "failed": sum(o.status == "failed" for o in outcomes),
-                       "lost": sum(o.status == "lost" for o in outcomes), "wall_s": round(wall, 2),
-                       "tokens": sum(o.tokens for o in ok), "tok_s": round(sum(o.tokens for o in ok) / wall, 2),
-                       "ttft_p50_s": round(statistics.median(ttfts), 3) if ttfts else None,
-                       "ttft_p99_s": round(percentile(ttfts, 0.99), 3) if ttfts else None}
-                rows.append(row)
-                print(f"  parallel {parallel} streams {streams}: {row['tok_s']} tok/s, TTFT p50 {row['ttft_p50_s']} s "
-                      f"p99 {row['ttft_p99_s']} s ({row['completed']}/{row['requests']} completed)", flush=True)
-    lo, hi = min(args.parallel), max(args.parallel)
+        rows = side_by_side(args, {p: n.api for p, n in servers.items()}, model, "parallel")
     print(f"\n{model}: {args.requests} requests per stream, max_tokens {args.max_tokens}, greedy, "
           f"--threads {args.threads}")
-    print(f"{'streams':>7} | " + " | ".join(f"{'p' + str(p) + ' tok/s':>11} {'TTFT p50':>8} {'p99':>6}"
-                                            for p in args.parallel) + f" | {f'p{hi}/p{lo}':>8}")
-    by = {(r["parallel"], r["streams"]): r for r in rows}
-    ratios = {}
-    for streams in args.streams:
-        cells = []
-        for p in args.parallel:
-            r = by[(p, streams)]
-            cells.append(f"{r['tok_s']:>11} {r['ttft_p50_s']!s:>8} {r['ttft_p99_s']!s:>6}")
-        ratio = float(by[(hi, streams)]["tok_s"]) / max(float(by[(lo, streams)]["tok_s"]), 1e-9)  # type: ignore[arg-type]
-        ratios[streams] = round(ratio, 2)
-        print(f"{streams:>7} | " + " | ".join(cells) + f" | {ratio:>7.2f}x")
-    return {"rows": rows, "ratio_tok_s": ratios}
+    return {"rows": rows, "ratio_tok_s": table(args, rows, "parallel", "p")}
+
+
+# ---- split: a 2-stage chain batching its sessions vs one session at a time ----------------
+
+def bench_split(args: argparse.Namespace, spec: str, model: str, tmp: Path) -> dict[str, object]:
+    """Per ``--split-batch`` value a coordinator (``--split force --stages 2``) and a worker of its own.
+
+    Every node gets ``--max-memory`` (default 0.27 GiB): on the default model only the even split
+    [0, 9) + [9, 18) fits it, so both chains are alike (left free, the planner splits by the nodes'
+    measured speed, which differs from one start to the next on a busy host).
+    """
+    cap = ["--max-memory", str(args.max_memory)] if args.max_memory else []
+    with running_nodes() as nodes:
+        coords = {}
+        for batch in args.split_batch:
+            coord = NodeProcess(tmp / f"b{batch}", ["--model", spec, "--split", "force", "--stages", "2",
+                                                    "--split-batch", str(batch), "--speculate", "off",
+                                                    "--threads", str(args.threads), *cap], f"b{batch}")
+            nodes.append(coord)
+            token = coord.wait_ready(120)["invite"]
+            nodes.append(NodeProcess(tmp / f"w{batch}", ["--worker", "--join", token, "--threads",
+                                                         str(args.threads), *cap], f"w{batch}"))
+            coords[batch] = coord
+        chains = {}
+        for batch, coord in coords.items():
+            ready = coord.wait_event(lambda e: e["type"] == "split_ready", 600)  # workers fetch their layers
+            chains[batch] = ready["stages"]
+            print(f"  --split-batch {batch}: chain {chains[batch]}", flush=True)
+        rows = side_by_side(args, {b: c.api for b, c in coords.items()}, model, "split_batch")
+        batching = {b: c.status()["splits"][0]["batching"] for b, c in coords.items()}
+    print(f"\n{model} on a 2-stage split ({', '.join(f'--split-batch {b}: {chains[b]}' for b in chains)}): "
+          f"{args.requests} requests per stream, max_tokens {args.max_tokens}, greedy, --threads {args.threads}")
+    ratios = table(args, rows, "split_batch", "b")
+    print("passes: " + ", ".join(f"--split-batch {b}: {s['passes']} passes, mean {s['mean_batch']} sessions"
+                                 if s else f"--split-batch {b}: no chain at the end" for b, s in batching.items()))
+    return {"rows": rows, "ratio_tok_s": ratios, "chains": chains, "batching": batching}
 
 
 # ---- mesh: sustained load over three nodes --------------------------------------------------
@@ -267,12 +323,16 @@ def bench_steps(args: argparse.Namespace, spec: str, model: str, tmp: Path) -> d
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mode", choices=["slots", "mesh", "steps", "steps-child"], default="slots")
+    parser.add_argument("--mode", choices=["slots", "split", "mesh", "steps", "steps-child"], default="slots")
     parser.add_argument("--model", choices=["tiny", "default"], default="default")
     parser.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8])
     parser.add_argument("--parallel", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
-    parser.add_argument("--requests", type=int, default=3, help="slots: requests per stream")
-    parser.add_argument("--threads", type=int, default=1, help="slots: llama.cpp threads per node")
+    parser.add_argument("--split-batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8],
+                        help="split: --split-batch of each chain")
+    parser.add_argument("--max-memory", type=float, default=0.27,
+                        help="split: --max-memory of every node (GiB; 0: none)")
+    parser.add_argument("--requests", type=int, default=3, help="slots, split: requests per stream")
+    parser.add_argument("--threads", type=int, default=1, help="slots, split: threads per node")
     parser.add_argument("--clients", type=int, default=32, help="mesh: streaming clients")
     parser.add_argument("--duration", type=float, default=60.0, help="mesh: seconds")
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -288,7 +348,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         spec = str(write_tiny_llama(Path(tmp) / "tiny.gguf", seed=0)) if args.model == "tiny" else "default"
         model = "tiny" if args.model == "tiny" else "gemma-3-270m-q4_k_m"
-        run = {"slots": bench_slots, "mesh": bench_mesh, "steps": bench_steps}[args.mode]
+        run = {"slots": bench_slots, "split": bench_split, "mesh": bench_mesh, "steps": bench_steps}[args.mode]
         result = run(args, spec, model, Path(tmp))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({

@@ -78,6 +78,8 @@ def node_options(func: Any) -> Any:
         click.option("--split-audit-memory", type=click.FloatRange(min=1.0), default=None, metavar="MB",
                      help="Memory (MiB) an audit's loaded layers may take at once; it recomputes range by range "
                           "within it (default 1024)."),
+        click.option("--split-batch", type=click.IntRange(1, 32), default=8, show_default=True, metavar="N",
+                     help="Requests whose decode steps go down a split chain as one pass (1: one at a time)."),
         click.option("--stages", type=click.IntRange(2, 8), default=None,
                      help="Stages of a split (default: the planner chooses; force: one per worker plus this node)."),
         click.option("--max-memory", type=GIGABYTES, default=None, metavar="GB",
@@ -145,8 +147,8 @@ def _run(join_token: str | None, *, home: Path | None, name: str, api_port: int,
          models: tuple[str, ...], engine: str, threads: int | None, gpu_layers: int | None, parallel: int | None,
          max_tokens_default: int, kernels: str, log_format: str, verbose: bool,
          dht_bootstrap: tuple[str, ...], dht_port: int | None, listing_ttl: float, worker: bool, split: str,
-         stages: int | None, max_memory: float | None, speculate: str | None, split_audit: float | None,
-         split_audit_memory: float | None, api_keys: tuple[str, ...],
+         stages: int | None, split_batch: int, max_memory: float | None, speculate: str | None,
+         split_audit: float | None, split_audit_memory: float | None, api_keys: tuple[str, ...],
          api_key_file: Path | None, cors_origins: tuple[str, ...], allowed_hosts: tuple[str, ...], standby: bool,
          standby_idle_s: float, lookup_timeout: float = 15.0) -> None:
     from meshllm.node import Node, NodeOptions
@@ -165,8 +167,9 @@ def _run(join_token: str | None, *, home: Path | None, name: str, api_port: int,
         announce=announce, join=join_token, bootstrap=bootstrap, ephemeral=ephemeral,
         role="client" if client else "worker" if worker else "host", models=list(models) or ["default"],
         engine=engine, threads=threads, gpu_layers=gpu_layers, parallel=parallel, max_tokens_default=max_tokens_default,
-        kernels=kernels, split=split_options(split, stages, max_memory, config.split_audit if split_audit is None
-                                             else split_audit, split_audit_memory),
+        kernels=kernels, split=split_options(split, stages, max_memory, split_batch,
+                                             config.split_audit if split_audit is None else split_audit,
+                                             split_audit_memory),
         speculate=speculate or config.speculate,  # type: ignore[arg-type]
         dht_bootstrap=dht_peers, dht_port=dht_port, listing_ttl_s=listing_ttl, relay=relay,  # type: ignore[arg-type]
         api_keys=[*api_keys, *_key_file(api_key_file)], cors_origins=list(cors_origins),
@@ -197,15 +200,16 @@ def _unlock_mesh_key(home: Path) -> None:
         os.environ[MESH_PASSPHRASE_ENV] = mesh_passphrase(confirm=False)
 
 
-def split_options(mode: str, stages: int | None, max_memory_gb: float | None, audit_rate: float | None = None,
-                  audit_memory_mb: float | None = None) -> Any:
-    """The split flags (``--split``, ``--stages``, ``--max-memory``, ``--split-audit*``) as ``SplitOptions``."""
+def split_options(mode: str, stages: int | None, max_memory_gb: float | None, batch: int = 8,
+                  audit_rate: float | None = None, audit_memory_mb: float | None = None) -> Any:
+    """The split flags (``--split``, ``--stages``, ``--max-memory``, ``--split-batch``, ``--split-audit*``) as
+    ``SplitOptions``."""
     from meshllm.split.audit import AUDIT_MEMORY, AUDIT_RATE
     from meshllm.split.placement import SplitOptions
     from meshllm.split.planner import GIB
 
     cap = int(max_memory_gb * GIB) if max_memory_gb is not None else None
-    return SplitOptions(mode=mode, stages=stages, max_memory=cap,  # type: ignore[arg-type]
+    return SplitOptions(mode=mode, stages=stages, max_memory=cap, batch=batch,  # type: ignore[arg-type]
                         audit_rate=AUDIT_RATE if audit_rate is None else audit_rate,
                         audit_memory=int(audit_memory_mb * 2**20) if audit_memory_mb is not None else AUDIT_MEMORY)
 

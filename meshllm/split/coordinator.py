@@ -34,13 +34,31 @@ from meshllm.errors import DecodeError
 from meshllm.net import NetError, PeerEvent, PeerEventKind
 from meshllm.split import codec
 from meshllm.split.errors import StageFailed
-from meshllm.split.frames import MAX_DRAFT, Decode, Error, Hop, Open, Prefill, Sampling, Step, Stop, Tokens, Verify
+from meshllm.split.frames import (
+    MAX_BATCH,
+    MAX_DRAFT,
+    Batch,
+    Decode,
+    Error,
+    Hop,
+    Open,
+    Prefill,
+    Sampling,
+    Step,
+    Stop,
+    Tokens,
+    Verify,
+)
 from meshllm.split.lanes import Lane, probe_timeout
-from meshllm.split.stage import StageServer, forward_positions
+from meshllm.split.stage import MAX_SESSIONS_PER_OWNER, StageServer, forward_rounds
 from meshllm.wire.addr import parse_addr
 
 STAGE_SAMPLES = 256
 """Passes over which each stage's compute time is summarised (a median: robust to load spikes)."""
+DEFAULT_BATCH = 8
+"""Sessions of a chain that decode together in one pass (``--split-batch``)."""
+GATHER_S = 0.003
+"""Longest a ready session waits for the chain's other decoding sessions to join its pass."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +93,7 @@ class SplitCoordinator:
     ``chain`` is the plan as hops, ``chain[0]`` being this node. ``on_stage_failed`` is told about
     every :class:`StageFailed` so the node can mark the node suspect and replan. ``speculate`` is the
     mode (``off``, ``on``, ``auto``); the pass costs and acceptance it learns are the chain's, shared
-    by its requests.
+    by its requests. ``batch``: how many requests' decode steps go down the chain as one pass.
     """
 
     def __init__(
@@ -88,7 +106,10 @@ class SplitCoordinator:
         deadlines: Deadlines | None = None,
         on_stage_failed: Callable[[StageFailed], None] | None = None,
         speculate: SpeculateMode = "auto",
+        batch: int = DEFAULT_BATCH,
     ) -> None:
+        if not 1 <= batch <= min(MAX_BATCH, MAX_SESSIONS_PER_OWNER):
+            raise ValueError(f"a split batch holds 1 to {min(MAX_BATCH, MAX_SESSIONS_PER_OWNER)} sessions")
         if len(chain) < 2 or chain[0].node_id != server.endpoint.node_id:
             raise ValueError("a split chain has at least two stages and starts at this node")
         if (first.layer_start, first.layer_end) != (chain[0].layer_start, chain[0].layer_end):
@@ -111,6 +132,11 @@ class SplitCoordinator:
         self._stage_s: list[deque[float]] = [deque(maxlen=STAGE_SAMPLES) for _ in self.chain]
         self._serve_s: deque[float] = deque(maxlen=STAGE_SAMPLES)
         """Seconds per token between a reply and the next step: the consumer's (engine, API, stream) share."""
+        self.batch = batch
+        """Most sessions in one decode pass: the chain's slots (1: one session's step at a time)."""
+        self.batcher = _Batcher(self, batch)
+        self.prefill_sent = 0
+        """Prompt tokens sent down the chain so far: prefill work a later step may queue behind."""
 
     @property
     def serve_seconds(self) -> float | None:
@@ -185,6 +211,12 @@ class SplitCoordinator:
         finally:
             await run.finish()
 
+    def batching_status(self) -> dict[str, object]:
+        """Batching figures for ``/api/status``: sessions per pass allowed, passes sent, their mean size."""
+        b = self.batcher
+        return {"batch": self.batch, "passes": b.passes, "steps": b.steps,
+                "mean_batch": round(b.steps / b.passes, 2) if b.passes else None, "decoding": len(b.decoding)}
+
     def speculation_status(self) -> dict[str, object]:
         """Speculation figures for ``/api/status``: counters, acceptance, and the measured pass costs."""
         costs = self.costs
@@ -207,6 +239,8 @@ class _Run:
         self.replies: asyncio.Queue[Tokens | Error | StageFailed] = asyncio.Queue()
         self._index = {hop.node_id: i for i, hop in enumerate(coord.chain)}
         self._cleanup: list[Callable[[], object]] = []
+        self._prefill_seen = 0
+        """``prefill_sent`` at this session's previous step: prompt work sent since may be ahead of the next."""
 
     async def start(self, prompt: list[int], sampling: Sampling) -> None:
         c, server = self.c, self.c.server
@@ -231,25 +265,36 @@ class _Run:
             ids = prompt[pos : pos + d.prefill_chunk]
             x, _ = await self._run_first(ids, pos)
             last = pos + len(ids) >= len(prompt)
+            self.c.prefill_sent += len(ids)
             await self._send(Prefill(
                 session=self.session, pos=pos, n_tokens=len(ids), dtype=self.dtype, shape=x.shape,
                 activations=codec.encode(x, self.dtype), sample=last,
             ))
-        return await self._await(len(prompt) - 1, len(prompt), d.decode_timeout + d.prefill_s_per_token * len(prompt))
+        ahead = self.c.prefill_sent - len(prompt) - self._prefill_seen  # other requests' prompts sent meanwhile
+        self._prefill_seen = self.c.prefill_sent
+        timeout = d.decode_timeout + d.prefill_s_per_token * (len(prompt) + max(ahead, 0))
+        return await self._await(len(prompt) - 1, len(prompt), timeout)
 
     async def step(self, token: int, pos: int, draft: list[int]) -> Tokens:
-        """One decode pass from ``pos``: ``token`` alone (a Decode) or with ``draft`` (a Verify window)."""
+        """One decode pass from ``pos``: ``token`` alone (a Decode) or with ``draft`` (a Verify window).
+
+        The step goes down the chain in the next pass of the coordinator's :class:`_Batcher`, beside
+        the steps of the chain's other sessions ready at the same time.
+        """
         loop = asyncio.get_running_loop()
         started = loop.time()
         ids = [token, *draft]
-        x, first_s = await self._run_first(ids, pos, window=True)
-        fields = {"session": self.session, "pos": pos, "n_tokens": len(ids), "dtype": self.dtype, "shape": x.shape,
-                  "activations": codec.encode(x, self.dtype)}
-        await self._send(Verify(**fields, draft=draft) if draft else Decode(**fields))
+        first_s, rows = await self.c.batcher.step(self, ids, pos, draft)
         d, c = self.c.deadlines, self.c
-        check = max(d.soft_min, d.soft_factor * c.step_s * len(ids)) if c.step_s else d.decode_timeout
-        timeout = d.decode_timeout + d.prefill_s_per_token * len(draft)
-        reply = await self._await(pos, pos + len(ids), timeout, check_after=check)
+        # prompt chunks sent since this session's previous step may be computed before it on every stage,
+        # as are the pass's other rows and the passes in flight ahead: each counts like a prompt token
+        ahead, self._prefill_seen = c.prefill_sent - self._prefill_seen, c.prefill_sent
+        backlog = d.prefill_s_per_token * (rows - 1 + ahead)
+        check = max(d.soft_min, d.soft_factor * c.step_s * len(ids)) + backlog if c.step_s else d.decode_timeout
+        try:
+            reply = await self._await(pos, pos + len(ids), d.decode_timeout + backlog, check_after=check)
+        finally:
+            c.batcher.returned(self)
         took = loop.time() - started
         if not draft:
             c.step_s = took if not c.step_s else 0.8 * c.step_s + 0.2 * took
@@ -260,6 +305,7 @@ class _Run:
         return reply
 
     async def finish(self) -> None:
+        self.c.batcher.leave(self)
         for undo in self._cleanup:
             undo()
         self.c.first.reset(self.session)
@@ -278,20 +324,15 @@ class _Run:
         except (NetError, OSError, DecodeError) as exc:
             raise StageFailed(index, hop.node_id, f"unreachable: {exc}") from None
 
-    async def _run_first(self, ids: list[int], pos: int, *, window: bool = False) -> tuple[np.ndarray, float]:
-        """This node's layers on ``ids`` at ``pos`` and the seconds they took.
-
-        A step right after a Verify first drops the window's rejected positions (the KV beyond
-        ``pos``); a window runs one position at a time, as Decodes would (see ``forward_positions``).
-        """
+    async def _run_first(self, ids: list[int], pos: int) -> tuple[np.ndarray, float]:
+        """This node's layers on a prompt chunk ``ids`` at ``pos`` and the seconds they took."""
         tokens = np.asarray(ids, dtype=np.int64)
         first, session = self.c.first, self.session
 
         def compute() -> tuple[np.ndarray, float]:
             started = time.perf_counter()
-            if first.session_length(session) > pos:
-                first.trim(session, pos)
-            out = forward_positions(first, session, tokens, pos) if window else first.forward(session, tokens, pos)
+            first.batch_exact()  # (a one-token prompt is a lone row too)
+            out = first.forward(session, tokens, pos)
             return out, time.perf_counter() - started
 
         return await self.c._compute.run("first", len(ids) == 1, compute)
@@ -369,3 +410,166 @@ class _Run:
         except (NetError, TimeoutError):
             return None
         return None if pong is None else pong.pos
+
+
+@dataclass
+class _Ready:
+    """A session's next decode step, waiting for its pass."""
+
+    run: _Run
+    ids: list[int]
+    pos: int
+    draft: list[int]
+    sent: asyncio.Future[tuple[float, int]]
+    """Resolves once the pass is on its way down the chain: the first stage's seconds, the rows ahead of the reply."""
+
+
+class _Batcher:
+    """The coordinator's step scheduler: the decode steps of sessions ready in the same tick go as one pass.
+
+    The decoding sessions are spread over one pass in flight per stage of the chain, each of up to
+    ``batch`` sessions: while stage 1 computes one pass the coordinator computes the next, so every
+    stage has work and each shares its weight reads among the pass's rows. A pass leaves as soon as
+    it is full; otherwise when a stage would be idle and nobody is about to join (the sessions not in
+    flight are all ready), or after :data:`GATHER_S` for sessions whose clients are still reading
+    their tokens. When every stage already has a pass, a session that becomes ready (its prefill just
+    ended) waits for one to come back, at most about two passes, and joins it: staggered sessions
+    merge instead of each running alone. Sessions still prefilling are not waited for: their prompt
+    chunks travel as Prefill frames between passes, one chunk at a time, so a new prompt delays a
+    pass by at most one chunk. A session that finishes, is cancelled or fails leaves at once
+    (:meth:`leave`).
+    """
+
+    def __init__(self, coord: SplitCoordinator, batch: int) -> None:
+        self.c = coord
+        self.batch = batch
+        self.decoding: set[_Run] = set()
+        """Sessions past their prefill and not finished: those a pass waits for."""
+        self.in_flight: dict[_Run, int] = {}
+        """Sessions whose step was sent and whose reply has not come back yet, with the pass they went in."""
+        self._rows: dict[int, int] = {}
+        """Rows of each pass in flight."""
+        self.ready: list[_Ready] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.passes = 0
+        """Passes sent (each one frame down the chain)."""
+        self.steps = 0
+        """Session steps sent in them: ``steps / passes`` is the mean batch."""
+
+    async def step(self, run: _Run, ids: list[int], pos: int, draft: list[int]) -> tuple[float, int]:
+        """Queue ``run``'s step and wait until its pass is sent; the first stage's seconds and the rows the
+        stages compute before its reply (its pass's, and those of the passes in flight ahead of it)."""
+        sent: asyncio.Future[tuple[float, int]] = asyncio.get_running_loop().create_future()
+        self.decoding.add(run)
+        self.ready.append(_Ready(run, ids, pos, draft, sent))
+        self._maybe_launch()
+        return await sent
+
+    def returned(self, run: _Run) -> None:
+        """``run``'s reply came back: its next step follows once its consumer took the tokens."""
+        self.in_flight.pop(run, None)
+        self._maybe_launch()
+
+    def leave(self, run: _Run) -> None:
+        """``run`` ends: drop its waiting step (if any) and stop waiting for it."""
+        self.decoding.discard(run)
+        self.in_flight.pop(run, None)
+        for item in [r for r in self.ready if r.run is run]:
+            self.ready.remove(item)
+            item.sent.cancel()
+        self._maybe_launch()
+
+    def _maybe_launch(self) -> None:
+        # one pass in flight per stage keeps every stage busy; each pass holds up to ``batch`` sessions
+        stages = len(self.c.chain)
+        cap = max(1, min(self.batch, -(-len(self.decoding) // stages)))
+        while len(self.ready) >= cap:
+            self._launch(cap)
+        passes = len(set(self.in_flight.values()))
+        serving = len(self.decoding) - len(self.in_flight) - len(self.ready)
+        if not self.ready:
+            self._cancel_timer()
+        elif passes < stages and serving <= 0:
+            self._launch(len(self.ready))  # nobody else is about to join: a stage is idle, start it
+        else:
+            # wait for a pass in flight to come back and merge with it (about a pass), or briefly for
+            # the sessions whose clients are still reading their tokens
+            wait = min(max(GATHER_S, 2 * self.c.step_s), self.c.deadlines.decode_timeout) if passes >= stages \
+                else GATHER_S
+            loop = asyncio.get_running_loop()
+            if self._timer is None or loop.time() + wait < self._timer.when():  # (never postponed)
+                self._cancel_timer()
+                self._timer = loop.call_later(wait, self._gathered)
+
+    def _gathered(self) -> None:
+        self._timer = None
+        if self.ready:
+            self._launch(len(self.ready))
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _launch(self, n: int) -> None:
+        group, self.ready = self.ready[:n], self.ready[n:]
+        if not self.ready:
+            self._cancel_timer()
+        task = asyncio.get_running_loop().create_task(self._send(group))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, group: list[_Ready]) -> None:
+        """The first stage's rows for the whole group, then one frame down the chain for it."""
+        first = self.c.first
+        steps = [(r.run.session, np.asarray(r.ids, dtype=np.int64), r.pos) for r in group]
+
+        def compute() -> tuple[list[np.ndarray | None], float]:
+            started = time.perf_counter()
+            first.batch_exact()
+            live = []
+            for i, (session, _, pos) in enumerate(steps):
+                if first.session_length(session) > pos:
+                    first.trim(session, pos)  # a step right after a window drops its rejected positions
+                if first.session_length(session) == pos:
+                    live.append(i)  # (not a session that ended, and was reset, after its step was queued)
+            outs: list[np.ndarray | None] = [None] * len(steps)
+            for i, out in zip(live, forward_rounds(first, [steps[i] for i in live]) if live else [], strict=True):
+                outs[i] = out
+            return outs, time.perf_counter() - started
+
+        try:
+            outs, first_s = await self.c._compute.run("first", len(group) == 1 and len(group[0].ids) == 1, compute)
+            lanes: dict[int, tuple[_Run, list[Decode | Verify]]] = {}  # (a lane replaced meanwhile: its own frame)
+            for r, x in zip(group, outs, strict=True):
+                if x is None:
+                    r.sent.cancel()
+                    continue
+                fields = {"session": r.run.session, "pos": r.pos, "n_tokens": len(r.ids), "dtype": r.run.dtype,
+                          "shape": x.shape, "activations": codec.encode(x, r.run.dtype)}
+                lanes.setdefault(id(r.run.lane), (r.run, []))[1].append(
+                    Verify(**fields, draft=r.draft) if r.draft else Decode(**fields))
+            for run, frames in lanes.values():
+                await run._send(frames[0] if len(frames) == 1 else Batch(steps=frames))
+        except BaseException as exc:  # every session of the pass learns why (a first-stage error as it is)
+            for r in group:
+                if r.sent.done():
+                    continue
+                if isinstance(exc, Exception):
+                    r.sent.set_exception(exc)
+                else:
+                    r.sent.cancel()
+            if not isinstance(exc, Exception):
+                raise
+            return
+        self.passes += 1
+        self.steps += sum(x is not None for x in outs)
+        rows = sum(len(x) for x in outs if x is not None)
+        live = set(self.in_flight.values())
+        ahead = sum(n for p, n in self._rows.items() if p in live)  # passes sent before: computed first
+        self._rows = {p: n for p, n in self._rows.items() if p in live} | {self.passes: rows}
+        for r in group:
+            if not r.sent.done():
+                self.in_flight[r.run] = self.passes
+                r.sent.set_result((first_s, rows + ahead))

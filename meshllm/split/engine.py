@@ -110,7 +110,10 @@ class SplitEngine(Engine):
         return self.max_context
 
     def load_report(self) -> LoadReport:
-        return LoadReport(running=self._running, queued=0, max_queue=0, tokens_per_s=round(self._rate.value, 2))
+        """Slots are the chain's batch (requests decoding in one pass); none while no chain is attached."""
+        slots = self.coordinator.batch if self.coordinator is not None else 0
+        return LoadReport(running=self._running, slots=slots, queued=0, max_queue=0,
+                          tokens_per_s=round(self._rate.value, 2))
 
     def prompt_tokens(self, request: GenerationRequest) -> tuple[list[int], tuple[str, ...]]:
         """The tokens fed for ``request`` and its stop strings (the client's plus the chat format's)."""

@@ -36,9 +36,15 @@ class StageFailed(SplitError):
 
 
 class BadFrame(DecodeError):
-    """A lane frame failed validation; ``code`` is the :class:`~meshllm.split.frames.Error` code to answer with."""
+    """A lane frame failed validation; ``code`` is the :class:`~meshllm.split.frames.Error` code to answer with.
 
-    def __init__(self, message: str, *, code: str = "bad-frame", session: str = "") -> None:
+    ``sessions`` are the sessions refused with it: the frame's one session, or every session a
+    refused :class:`~meshllm.split.frames.Batch` names (empty when none can be read).
+    """
+
+    def __init__(self, message: str, *, code: str = "bad-frame", session: str = "",
+                 sessions: tuple[str, ...] | None = None) -> None:
         super().__init__(message)
         self.code = code
-        self.session = session
+        self.sessions = sessions if sessions is not None else ((session,) if session else ())
+        self.session = self.sessions[0] if self.sessions else ""

@@ -7,6 +7,9 @@ last stage back to the coordinator); many sessions share it. Per session the coo
 step that asks for a sample with :class:`Tokens`, straight to the coordinator. :class:`Reset` empties
 a session's KV caches, :class:`Stop` frees them. :class:`Error` travels back towards the coordinator.
 
+Several sessions of one chain decode together as one :class:`Batch` per pass (continuous batching):
+their Decodes and Verify windows in one frame, run by each stage as one forward per round.
+
 Speculation replaces a Decode with a :class:`Verify`: the last accepted token and ``k`` drafted ones as
 one window of ``k + 1`` positions, through the chain as one frame; the last stage keeps the longest
 prefix of the draft it agrees with and answers with those tokens plus its own next one. The KV of the
@@ -47,6 +50,8 @@ TokenId = Annotated[int, Meta(ge=0, lt=1 << 31)]
 Finish = Literal["stop", "length"]
 MAX_DRAFT = 16
 """Most drafted tokens in one :class:`Verify` (the window is one more position)."""
+MAX_BATCH = 64
+"""Most sessions in one :class:`Batch`."""
 ComputeMs = Annotated[list[Annotated[float, Meta(ge=0.0, le=1e7)]], Meta(max_length=64)]
 """Milliseconds of compute per stage, in chain order from stage 1."""
 
@@ -127,6 +132,19 @@ class Verify(_Step, frozen=True, kw_only=True, tag="verify"):
     draft: Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_DRAFT)]
 
 
+class Batch(msgspec.Struct, frozen=True, kw_only=True, tag="batch"):
+    """One decode pass of several sessions: per session a :class:`Decode` or a :class:`Verify` window.
+
+    The coordinator groups the steps of every session ready in the same tick; each stage runs its
+    layers once for all their rows (a window's positions one per round, beside the other sessions'
+    rows), forwards one Batch, and the last stage answers each session with its own :class:`Tokens`.
+    Sessions are distinct; the whole batch is refused (an Error for each session it names) if any
+    step is invalid.
+    """
+
+    steps: Annotated[list[Decode | Verify], Meta(min_length=1, max_length=MAX_BATCH)]
+
+
 class Reset(msgspec.Struct, frozen=True, tag="reset"):
     """Empty ``session``'s KV caches on every stage (the session stays open, back at position 0)."""
 
@@ -175,7 +193,7 @@ class Error(msgspec.Struct, frozen=True, kw_only=True, tag="error"):
     """Index in the chain of the stage at fault (not necessarily the one reporting)."""
 
 
-LaneFrame = Open | Prefill | Decode | Verify | Reset | Stop | Ping | Pong | Tokens | Error
+LaneFrame = Open | Prefill | Decode | Verify | Batch | Reset | Stop | Ping | Pong | Tokens | Error
 Step = Prefill | Decode | Verify
 
 _decoder = msgspec.msgpack.Decoder(LaneFrame)
@@ -188,13 +206,32 @@ class _SessionOnly(msgspec.Struct):
 _session_decoder = msgspec.msgpack.Decoder(_SessionOnly)
 
 
+class _SessionsOnly(msgspec.Struct):
+    steps: list[_SessionOnly] = []
+
+
+_sessions_decoder = msgspec.msgpack.Decoder(_SessionsOnly)
+_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, RecursionError)
+
+
 def session_of(raw: bytes) -> str:
     """The session a (possibly invalid) frame claims, or "" when that cannot be read either."""
     try:
         session = _session_decoder.decode(raw).session
-    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, RecursionError):
+    except _DECODE_ERRORS:
         return ""
     return session if 0 < len(session) <= 64 else ""
+
+
+def sessions_of(raw: bytes) -> tuple[str, ...]:
+    """The sessions a (possibly invalid) frame claims: its one session, or a batch's (at most :data:`MAX_BATCH`)."""
+    if session := session_of(raw):
+        return (session,)
+    try:
+        steps = _sessions_decoder.decode(raw).steps
+    except _DECODE_ERRORS:
+        return ()
+    return tuple(dict.fromkeys(s.session for s in steps[:MAX_BATCH] if 0 < len(s.session) <= 64))
 
 
 def decode_frame(raw: bytes, *, max_activation_bytes: int | None = None) -> LaneFrame:
@@ -202,7 +239,7 @@ def decode_frame(raw: bytes, *, max_activation_bytes: int | None = None) -> Lane
     try:
         frame = _decoder.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, RecursionError) as exc:
-        raise BadFrame(f"malformed lane frame: {exc}", session=session_of(raw)) from None
+        raise BadFrame(f"malformed lane frame: {exc}", sessions=sessions_of(raw)) from None
     validate(frame, max_activation_bytes=max_activation_bytes)
     return frame
 
@@ -211,6 +248,8 @@ def validate(frame: LaneFrame, *, max_activation_bytes: int | None = None) -> No
     """Cross-field checks msgspec's per-field constraints cannot express; :class:`BadFrame` on failure."""
     if isinstance(frame, Prefill | Decode | Verify):
         _validate_step(frame, max_activation_bytes)
+    elif isinstance(frame, Batch):
+        _validate_batch(frame, max_activation_bytes)
     elif isinstance(frame, Open):
         _validate_open(frame)
 
@@ -238,6 +277,22 @@ def _validate_step(frame: Step, max_bytes: int | None) -> None:
             f"{frame.dtype} activations of shape [{n}, {width}] take {expected} bytes, got {len(frame.activations)}",
             code="bad-size", session=s,
         )
+
+
+def _validate_batch(frame: Batch, max_bytes: int | None) -> None:
+    """Every step valid, each session once, and all activations together within the lane's limit."""
+    sessions = tuple(dict.fromkeys(step.session for step in frame.steps))
+    if len(sessions) != len(frame.steps):
+        raise BadFrame("a batch names a session twice", code="duplicate", sessions=sessions)
+    total = sum(len(step.activations) for step in frame.steps)
+    if max_bytes is not None and total > max_bytes:
+        raise BadFrame(f"{total} bytes of activations in a batch exceed this lane's {max_bytes}-byte limit",
+                       code="too-large", sessions=sessions)
+    for step in frame.steps:
+        try:
+            _validate_step(step, max_bytes)
+        except BadFrame as exc:
+            raise BadFrame(f"session {step.session}: {exc}", code=exc.code, sessions=sessions) from None
 
 
 def _validate_open(frame: Open) -> None:

@@ -25,6 +25,7 @@ from meshllm.split.errors import BadFrame
 from meshllm.split.frames import (
     KIND,
     LANE_FRAME_MAX,
+    Batch,
     Decode,
     Error,
     LaneFrame,
@@ -33,6 +34,7 @@ from meshllm.split.frames import (
     Pong,
     Prefill,
     Reset,
+    Step,
     Stop,
     Verify,
     decode_frame,
@@ -101,21 +103,15 @@ class LaneState:
             self.stage = frame.index
             self._sessions[frame.session] = _Expect(0, frame.dtype)
         elif isinstance(frame, Prefill | Decode | Verify):
-            expect = self._sessions.get(frame.session)
-            if expect is None:
-                raise BadFrame(f"session {frame.session} was not opened on this lane", code="not-in-plan",
-                               session=frame.session)
-            if not expect.low_pos <= frame.pos <= expect.next_pos:
-                wanted = str(expect.next_pos) if expect.low_pos == expect.next_pos else \
-                    f"{expect.low_pos}-{expect.next_pos}"
-                raise BadFrame(f"step at position {frame.pos}, expected {wanted}", code="out-of-order",
-                               session=frame.session)
-            if frame.dtype != expect.dtype:
-                raise BadFrame(f"{frame.dtype} activations on a {expect.dtype} session", code="bad-dtype",
-                               session=frame.session)
-            expect.next_pos = frame.pos + frame.n_tokens
-            # after a window, the next step starts anywhere from its first kept position to its end
-            expect.low_pos = frame.pos + 1 if isinstance(frame, Verify) else expect.next_pos
+            self._advance(self._expected(frame), frame)
+        elif isinstance(frame, Batch):
+            sessions = tuple(step.session for step in frame.steps)
+            try:
+                expects = [self._expected(step) for step in frame.steps]
+            except BadFrame as exc:  # the whole batch is refused; no session moves
+                raise BadFrame(str(exc), code=exc.code, sessions=sessions) from None
+            for expect, step in zip(expects, frame.steps, strict=True):
+                self._advance(expect, step)
         elif isinstance(frame, Reset | Stop) and frame.session not in self._sessions:
             raise BadFrame(f"session {frame.session} was not opened on this lane", code="not-in-plan",
                            session=frame.session)
@@ -125,9 +121,31 @@ class LaneState:
             del self._sessions[frame.session]
         return frame
 
-    def refusal(self, exc: BadFrame) -> Error:
-        """The Error frame answering a refused frame."""
-        return Error(session=exc.session, code=exc.code, message=str(exc), stage=self.stage)
+    def _expected(self, frame: Step) -> _Expect:
+        """The state of ``frame``'s session, checked to take this step next (position and dtype)."""
+        expect = self._sessions.get(frame.session)
+        if expect is None:
+            raise BadFrame(f"session {frame.session} was not opened on this lane", code="not-in-plan",
+                           session=frame.session)
+        if not expect.low_pos <= frame.pos <= expect.next_pos:
+            wanted = str(expect.next_pos) if expect.low_pos == expect.next_pos else \
+                f"{expect.low_pos}-{expect.next_pos}"
+            raise BadFrame(f"session {frame.session}: step at position {frame.pos}, expected {wanted}",
+                           code="out-of-order", session=frame.session)
+        if frame.dtype != expect.dtype:
+            raise BadFrame(f"{frame.dtype} activations on a {expect.dtype} session", code="bad-dtype",
+                           session=frame.session)
+        return expect
+
+    @staticmethod
+    def _advance(expect: _Expect, frame: Step) -> None:
+        expect.next_pos = frame.pos + frame.n_tokens
+        # after a window, the next step starts anywhere from its first kept position to its end
+        expect.low_pos = frame.pos + 1 if isinstance(frame, Verify) else expect.next_pos
+
+    def refusals(self, exc: BadFrame) -> list[Error]:
+        """The Error frames answering a refused frame: one per session it names ("" for the lane)."""
+        return [Error(session=sid, code=exc.code, message=str(exc), stage=self.stage) for sid in exc.sessions or ("",)]
 
     def forget(self, session: str) -> None:
         """Drop a session that failed elsewhere (its next steps will be refused)."""
@@ -220,7 +238,8 @@ class Lane:
             frame = self.state.receive(raw)
         except BadFrame as exc:
             log.info("refused a frame from %s: %s", self.peer_id[:12], exc)
-            await self.send(self.state.refusal(exc))
+            for error in self.state.refusals(exc):
+                await self.send(error)
             return
         if isinstance(frame, Pong):
             future = self._pongs.get(frame.nonce)
@@ -263,8 +282,11 @@ class LanePool:
         """A live lane to ``node_id`` (dialing ``host:port`` if needed); :class:`NetError` if unreachable."""
         async with self._locks.setdefault(node_id, asyncio.Lock()):
             lane = self._lanes.get(node_id)
-            if lane is not None and lane.closed is None and \
-                    await lane.probe(probe_timeout(self.endpoint, node_id)) is not None:
+            timeout = probe_timeout(self.endpoint, node_id)
+            # a second, longer chance before replacing it: the lane carries other sessions, and a busy
+            # peer (or host) can miss one short probe
+            if lane is not None and lane.closed is None and (
+                    await lane.probe(timeout) is not None or await lane.probe(4 * timeout) is not None):
                 return lane
             if lane is not None:
                 lane.close("probe failed before reuse")

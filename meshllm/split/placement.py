@@ -32,7 +32,7 @@ from meshllm.models.gguf_file import GGUFFile
 from meshllm.models.refs import ModelRef
 from meshllm.split.audit import AUDIT_MEMORY, AUDIT_RATE
 from meshllm.split.control import Host, Hosted, Release, ask
-from meshllm.split.coordinator import Deadlines, SplitCoordinator
+from meshllm.split.coordinator import DEFAULT_BATCH, Deadlines, SplitCoordinator
 from meshllm.split.engine import SplitEngine
 from meshllm.split.errors import SplitError, StageFailed
 from meshllm.split.frames import Hop
@@ -75,6 +75,8 @@ class SplitOptions:
     """Share of split requests the coordinator audits by recomputation (``--split-audit``; 0: none)."""
     audit_memory: int = AUDIT_MEMORY
     """Bytes an audit's loaded layers may hold at once (``--split-audit-memory``)."""
+    batch: int = DEFAULT_BATCH
+    """Requests whose decode steps go down a chain this node coordinates as one pass (``--split-batch``)."""
 
     def load_stage(self, path: Path, layer_start: int, layer_end: int, max_context: int) -> StageModel:
         """Load a layer range with this node's threads and accelerator settings (blocking)."""
@@ -262,6 +264,7 @@ class SplitPlacement:
             "speculation": coordinator.speculation_status() if (coordinator := self.engine.coordinator) else None,
             "audits": self._audits() if self._audits is not None else None,
             "untrusted": sorted(self.untrusted),
+            "batching": coordinator.batching_status() if coordinator is not None else None,
         }
 
     def names(self) -> dict[str, str]:
@@ -330,7 +333,8 @@ class SplitPlacement:
         await asyncio.gather(*(self._host(chain, i) for i in range(1, len(chain))), self._load_first(first))
         assert self._first is not None
         coordinator = SplitCoordinator(self.server, self.engine.model_id, self._first, chain,
-                                       on_stage_failed=self.stage_failed, speculate=self.options.speculate)
+                                       on_stage_failed=self.stage_failed, speculate=self.options.speculate,
+                                       batch=self.options.batch)
         self.chain, self.plan, self.coordinator = chain, chosen, coordinator
         self.engine.attach(coordinator)
         self.on_chain(chain)

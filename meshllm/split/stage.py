@@ -1,9 +1,11 @@
 """Stage server: hosts layer ranges (ggml :class:`StageModel`) and serves ``stage-lane`` streams.
 
 Per session it keeps the KV cache on this node, runs each Prefill/Decode through its layers in a
-worker thread, and either forwards the activations to the next stage over its own pooled lane or,
-as the last stage, samples and sends :class:`Tokens` straight back to the coordinator (whose node id
-and address are the chain's first hop), over a lane it opens (and pools) to the coordinator.
+worker thread (an incoming lane's frames are worked through in order by a task of their own, so the
+lane's reader answers Pings at once however much compute is queued), and either forwards the
+activations to the next stage over its own pooled lane or, as the last stage, samples and sends
+:class:`Tokens` straight back to the coordinator (whose node id and address are the chain's first
+hop), over a lane it opens (and pools) to the coordinator.
 
 Errors flow back towards the coordinator: a refused or failed frame is answered on the lane it
 came in on, and an Error arriving from downstream is relayed upstream. A downstream lane that
@@ -19,9 +21,15 @@ ranges); the lane already checks that it comes from the chain's previous hop. So
 the plan cannot borrow the stage's compute, and a member inside it cannot redirect its output. Each
 owner may keep at most :data:`MAX_SESSIONS_PER_OWNER` sessions open on this node.
 
-A :class:`~meshllm.split.frames.Verify` window runs position by position on every stage; the last
-stage stops at the first draft its sampler rejects (:meth:`StageServer._verify`), and every stage cuts
-the rejected positions from its KV when the session's next step arrives at the kept length.
+**Batches.** A decode pass of one session (:class:`~meshllm.split.frames.Decode`, or a
+:class:`~meshllm.split.frames.Verify` window) or of several (:class:`~meshllm.split.frames.Batch`)
+runs as rounds (:meth:`StageServer._pass`): round ``r`` is one forward over position ``r`` of every
+session still in the pass, each row computed exactly as a lone Decode would be
+(:meth:`StageModel.batch_exact`), the weights read once for all of them. The last stage samples each
+session with its own sampler and stops a window at the first draft it rejects; every stage cuts the
+rejected positions from its KV when the session's next step arrives at the kept length. A session
+whose step cannot run here (out of step) is refused alone; a failed forward fails every session of
+the pass.
 """
 
 from __future__ import annotations
@@ -37,7 +45,6 @@ import numpy as np
 
 from meshllm.engine.ggml import StageModel
 from meshllm.engine.sampler import Sampler, SamplingParams
-from meshllm.engine.speculate import verify_window
 from meshllm.errors import MeshllmError
 from meshllm.net import Endpoint, NetError, PeerConnection, PeerEvent, PeerEventKind, Stream
 from meshllm.split import codec
@@ -46,6 +53,7 @@ from meshllm.split.compute import Compute
 from meshllm.split.frames import (
     KIND,
     LANE_FRAME_MAX,
+    Batch,
     Decode,
     Error,
     Hop,
@@ -66,18 +74,36 @@ log = logging.getLogger(__name__)
 
 MAX_SESSIONS_PER_OWNER = 32
 """Sessions one coordinator may keep open on this node's stages (each holds a KV cache)."""
+LANE_BACKLOG = 256
+"""Frames of one incoming lane waiting for compute; beyond it the lane stops reading until one is done."""
 
 ReplySink = Callable[[str, Tokens | Error], None]
 """``sink(peer_id, frame)``: where a coordinator session receives its Tokens and Errors."""
 
 
-def forward_positions(stage: StageModel, session: str, inputs: np.ndarray, pos: int) -> np.ndarray:
-    """``inputs`` run one position at a time: bit for bit what consecutive Decodes compute.
+def forward_rounds(stage: StageModel, steps: list[tuple[str, np.ndarray, int]]) -> list[np.ndarray]:
+    """The rows of several sessions' steps (``(session, inputs, pos)``) through a stage that is not the last.
 
-    A multi-row forward uses other kernels than a one-row one (and its logits differ), so a verify
-    window computed in one call could keep tokens plain decoding would not have produced.
+    Round ``r`` is one batched forward of position ``r`` of every step that has one: each row is
+    computed as a Decode of it alone would be (a multi-row forward of one session attends with other
+    kernels, and a verify window computed that way could keep tokens plain decoding never produces),
+    while the sessions share one pass over the weights.
     """
-    return np.concatenate([stage.forward(session, inputs[i : i + 1], pos + i) for i in range(len(inputs))])
+    outs: list[list[np.ndarray]] = [[] for _ in steps]
+    for r in range(max(len(x) for _, x, _ in steps)):
+        live = [i for i, (_, x, _) in enumerate(steps) if r < len(x)]
+        rows = [(steps[i][0], steps[i][1][r : r + 1], steps[i][2] + r) for i in live]
+        for i, out in zip(live, stage.forward_batch(rows), strict=True):
+            outs[i].append(out)
+    return [np.concatenate(o) for o in outs]
+
+
+@dataclass
+class _LaneWork:
+    """The frames of one incoming lane waiting for their turn, and the task working through them."""
+
+    queue: asyncio.Queue[LaneFrame]
+    task: asyncio.Task[None] | None = None
 
 
 @dataclass
@@ -124,6 +150,9 @@ class StageServer:
         """The node's one compute runner (local coordinators use it too): steps never overlap."""
         self.recorder: Recorder | None = None
         """What this node's stages received and produced per session, for coordinators' audits (workers)."""
+        self._work: dict[Lane, _LaneWork] = {}
+        """Per incoming lane, its frames in order: the lane's reader only queues them, so it answers Pings
+        (liveness) at once even while many steps wait for compute."""
         endpoint.on_stream(KIND, self._serve, max_frame=LANE_FRAME_MAX)
         self._unsubscribe = endpoint.on_peer_event(self._peer_event)
 
@@ -177,6 +206,10 @@ class StageServer:
         """Close every lane, free every session and the hosted stages."""
         self._unsubscribe()
         self.pool.close()
+        for work in self._work.values():
+            if work.task is not None:
+                work.task.cancel()
+        self._work.clear()
         for session in list(self._sessions.values()):
             session.stage.reset(session.open.session)
         self._sessions.clear()
@@ -199,19 +232,41 @@ class StageServer:
             if sink is not None:
                 sink(lane.peer_id, frame)
             return
-        if isinstance(frame, Ping):
+        if isinstance(frame, Ping):  # answered at once, even while this lane's steps wait for compute
             known = self._sessions.get(frame.session)
             pos = known.stage.session_length(frame.session) if known else -1
             await lane.send(Pong(nonce=frame.nonce, pos=pos))
             return
+        work = self._work.get(lane)
+        if work is None:
+            work = self._work[lane] = _LaneWork(asyncio.Queue(LANE_BACKLOG))
+            work.task = asyncio.get_running_loop().create_task(self._work_through(lane, work.queue))
+        await work.queue.put(frame)  # (a full backlog holds the reader: the peer's sends wait)
+
+    async def _work_through(self, lane: Lane, frames: asyncio.Queue[LaneFrame]) -> None:
+        """A lane's frames in order: its sessions' Opens, steps, Resets and Stops, one after another."""
+        while True:
+            frame = await frames.get()
+            try:
+                await self._from_upstream_in_order(lane, frame)
+            except Exception:  # a bug must not silently stop the lane's other sessions
+                log.exception("stage lane from %s: frame %s failed", lane.peer_id[:12], type(frame).__name__)
+
+    async def _from_upstream_in_order(self, lane: Lane, frame: LaneFrame) -> None:
         if isinstance(frame, Open):
             await self._open(lane, frame)
+            return
+        if isinstance(frame, Batch):
+            await self._pass([(s, step) for step in frame.steps if (s := self._sessions.get(step.session))
+                              is not None and s.upstream is lane])
             return
         session = self._sessions.get(frame.session)  # type: ignore[union-attr]
         if session is None or session.upstream is not lane:
             return  # the lane already refused it, or the session failed here before
-        if isinstance(frame, Prefill | Decode | Verify):
-            await self._step(session, frame)
+        if isinstance(frame, Decode | Verify):
+            await self._pass([(session, frame)])
+        elif isinstance(frame, Prefill):
+            await self._prefill(session, frame)
         elif isinstance(frame, Reset | Stop):
             session.stage.reset(frame.session)
             session.history = list(session.open.history)
@@ -266,21 +321,19 @@ class StageServer:
                                 layers=(frame.layer_start, frame.layer_end), width=stage.hparams.width, last=last)
         return None
 
-    async def _step(self, session: _Session, frame: Step) -> None:
+    async def _prefill(self, session: _Session, frame: Prefill) -> None:
+        """A prompt chunk through this stage's layers; the final one sampled on the last stage."""
         sid, stage = frame.session, session.stage
-        sample = session.last and not (isinstance(frame, Prefill) and not frame.sample)
+        sample = session.last and frame.sample
 
         def compute(x: np.ndarray) -> tuple[np.ndarray | list[int], float]:
             started = time.perf_counter()
+            stage.batch_exact()  # (a one-token prompt is a lone row too)
             if stage.session_length(sid) > frame.pos:
-                stage.trim(sid, frame.pos)  # positions of the previous window the last stage did not keep
-            out: np.ndarray | list[int]
-            if isinstance(frame, Verify):
-                out = self._verify(session, x, frame) if session.last else forward_positions(stage, sid, x, frame.pos)
-            else:
-                out = stage.forward(sid, x, frame.pos, last_only=session.last)
-                if sample:
-                    out = [self._sample(session, out[-1])]
+                stage.trim(sid, frame.pos)
+            out: np.ndarray | list[int] = stage.forward(sid, x, frame.pos, last_only=session.last)
+            if sample:
+                out = [self._sample(session, out[-1])]
             return out, (time.perf_counter() - started) * 1e3
 
         try:
@@ -289,7 +342,7 @@ class StageServer:
         except MeshllmError as exc:
             return await self._refuse(session.upstream, frame, "stage-error", str(exc))
         if self.recorder is not None:
-            self.recorder.step(sid, frame.pos, x, out, window=isinstance(frame, Verify))
+            self.recorder.step(sid, frame.pos, x, out, window=False)
         spent = [*frame.compute_ms, round(took, 3)]
         if not session.last:
             assert isinstance(out, np.ndarray)
@@ -299,26 +352,104 @@ class StageServer:
         if not sample:
             return None
         assert isinstance(out, list)
-        end = frame.pos + (len(out) if isinstance(frame, Verify) else frame.n_tokens)
-        finish = "length" if end + 1 >= session.open.max_context else None
-        return await self._forward(session, Tokens(session=sid, pos=end, token_ids=out, finish=finish,
-                                                   compute_ms=spent))
+        return await self._reply(session, frame, out, spent)
 
-    def _verify(self, session: _Session, x: np.ndarray, frame: Verify) -> list[int]:
-        """The last stage's side of a window: positions one by one until the sampler rejects a draft
-        (:func:`~meshllm.engine.speculate.verify_window`).
+    async def _pass(self, items: list[tuple[_Session, Decode | Verify]]) -> None:
+        """One decode pass of one or more sessions (a :class:`Decode`/:class:`Verify`, or a :class:`Batch`).
 
-        Each position is a decode step of its own (same graph, same kernels, so a kept token and its
-        KV are exactly what plain decoding computes), and the positions after the first rejection
-        are never computed: a rejected draft costs the last stage nothing.
+        The rows go through the layers together, round by round: round ``r`` holds position ``r`` of
+        every session still in the pass (a Decode has one position, a window ``k + 1``), so each row
+        is computed as a Decode of it alone would be, and one forward serves all sessions. On the last
+        stage a window leaves the pass at the first draft its sampler rejects.
         """
-        sid = frame.session
+        ready: list[tuple[_Session, Decode | Verify, np.ndarray]] = []
+        for session, frame in items:
+            try:
+                ready.append((session, frame, codec.decode(frame.activations, frame.dtype, frame.n_tokens,
+                                                           frame.shape[1])))
+            except MeshllmError as exc:
+                await self._refuse(session.upstream, frame, "stage-error", str(exc))
+        by_stage: dict[int, list[tuple[_Session, Decode | Verify, np.ndarray]]] = {}
+        for item in ready:  # (one chain's batch is one stage; a peer's mixed batch still runs per stage)
+            by_stage.setdefault(id(item[0].stage), []).append(item)
+        for group in by_stage.values():
+            await self._pass_on(group[0][0].stage, group)
 
-        def produce(i: int) -> int:
-            logits = session.stage.forward(sid, x[i : i + 1], frame.pos + i, last_only=True)[-1]
-            return self._sample(session, logits)
+    async def _pass_on(self, stage: StageModel, items: list[tuple[_Session, Decode | Verify, np.ndarray]]) -> None:
+        last = items[0][0].last
 
-        return verify_window(frame.draft, produce)
+        def compute() -> tuple[list[np.ndarray | list[int]], list[tuple[_Session, Step, str]], float]:
+            started = time.perf_counter()
+            stage.batch_exact()
+            bad: list[tuple[_Session, Step, str]] = []
+            live = []
+            for i, (session, frame, _) in enumerate(items):
+                sid = frame.session
+                if stage.session_length(sid) > frame.pos:
+                    stage.trim(sid, frame.pos)  # positions of the previous window the last stage did not keep
+                if stage.session_length(sid) != frame.pos:
+                    bad.append((session, frame, f"session {sid} is at position {stage.session_length(sid)} here, "
+                                                f"the step starts at {frame.pos}"))
+                else:
+                    live.append(i)
+            if not last:
+                steps = [(items[i][1].session, items[i][2], items[i][1].pos) for i in live]
+                done: list[np.ndarray | list[int]] = [np.empty(0)] * len(items)
+                for i, out in zip(live, forward_rounds(stage, steps) if steps else [], strict=True):
+                    done[i] = out
+                return done, bad, (time.perf_counter() - started) * 1e3
+            outs: list[list[int]] = [[] for _ in items]
+            r = 0
+            while live:
+                rows = [(items[i][1].session, items[i][2][r : r + 1], items[i][1].pos + r) for i in live]
+                still = []
+                for i, logits in zip(live, stage.forward_batch(rows, last_only=True), strict=True):
+                    session, frame, _ = items[i]
+                    drafts = frame.draft if isinstance(frame, Verify) else []
+                    assert session.sampler is not None
+                    # a draft is kept exactly when the plain draw at its position equals it (verify_window's rule)
+                    token = self._sample(session, logits[-1])
+                    keep = r < len(drafts) and token == drafts[r]
+                    outs[i].append(token)
+                    if keep:  # a window goes on until its sampler rejects a draft: no later position is computed
+                        still.append(i)
+                live, r = still, r + 1
+            return list(outs), bad, (time.perf_counter() - started) * 1e3
+
+        small = len(items) == 1 and items[0][1].n_tokens == 1
+        try:
+            done, bad, took = await self.compute.run(items[0][0].open.model, small, compute)
+        except MeshllmError as exc:  # the batch's forward failed: every session of it fails here
+            for session, frame, _ in items:
+                await self._refuse(session.upstream, frame, "stage-error", str(exc))
+            return
+        refused = {id(frame) for _, frame, _ in bad}
+        for session, frame, message in bad:
+            await self._refuse(session.upstream, frame, "stage-error", message)
+        outgoing: dict[int, tuple[_Session, list[Decode | Verify]]] = {}
+        for (session, frame, x), out in zip(items, done, strict=True):
+            if id(frame) in refused or self._sessions.get(frame.session) is not session:
+                continue
+            if self.recorder is not None:  # what this stage took in and gave out, for the coordinator's audits
+                self.recorder.step(frame.session, frame.pos, x, out, window=isinstance(frame, Verify))
+            spent = [*frame.compute_ms, round(took, 3)]
+            if last:
+                assert isinstance(out, list)
+                await self._reply(session, frame, out, spent)
+            else:
+                assert isinstance(out, np.ndarray)
+                step = msgspec.structs.replace(frame, activations=codec.encode(out, frame.dtype), shape=out.shape,
+                                               compute_ms=spent)
+                outgoing.setdefault(id(session.downstream), (session, []))[1].append(step)
+        for session, steps in outgoing.values():
+            await self._forward(session, steps[0] if len(steps) == 1 else Batch(steps=steps), steps)
+
+    async def _reply(self, session: _Session, frame: Step, tokens: list[int], spent: list[float]) -> None:
+        """The last stage's answer to ``frame``: its tokens, straight to the coordinator."""
+        end = frame.pos + (len(tokens) if isinstance(frame, Verify) else frame.n_tokens)
+        finish = "length" if end + 1 >= session.open.max_context else None
+        await self._forward(session, Tokens(session=frame.session, pos=end, token_ids=tokens, finish=finish,
+                                            compute_ms=spent))
 
     def _sample(self, session: _Session, logits: np.ndarray) -> int:
         assert session.sampler is not None
@@ -326,14 +457,21 @@ class StageServer:
         session.history.append(token)
         return token
 
-    async def _forward(self, session: _Session, frame: LaneFrame) -> None:
-        """Send downstream (or the reply to the coordinator); a failure goes upstream as an Error."""
+    async def _forward(self, session: _Session, frame: LaneFrame, steps: list[Decode | Verify] | None = None) -> None:
+        """Send downstream (or the reply to the coordinator); a failure goes upstream as an Error.
+
+        A :class:`Batch` goes on ``session``'s lane, which every session of ``steps`` shares; when it
+        fails, each of them fails upstream.
+        """
         assert session.downstream is not None
+        lane = session.downstream
         try:
-            await session.downstream.send(frame)
+            await lane.send(frame)
         except NetError as exc:
             culprit = 0 if session.last else session.open.index + 1
-            await self._fail_upstream(session, "hop-lost", f"lane to {session.downstream.peer_id[:12]}: {exc}", culprit)
+            for sid in [step.session for step in steps] if steps else [session.open.session]:
+                if (failed := self._sessions.get(sid)) is not None:
+                    await self._fail_upstream(failed, "hop-lost", f"lane to {lane.peer_id[:12]}: {exc}", culprit)
 
     async def _refuse(self, lane: Lane, frame: LaneFrame, code: str, message: str, stage: int | None = None) -> None:
         sid = getattr(frame, "session", "")
@@ -379,6 +517,9 @@ class StageServer:
             asyncio.get_running_loop().create_task(self._fail_upstream(session, code, message, culprit))
 
     def _upstream_closed(self, lane: Lane, reason: str) -> None:
+        work = self._work.pop(lane, None)
+        if work is not None and work.task is not None:
+            work.task.cancel()
         for sid in [sid for sid, s in self._sessions.items() if s.upstream is lane]:
             session = self._sessions.pop(sid)
             session.stage.reset(sid)

@@ -55,8 +55,12 @@ async def make_chain(path: Path, bounds: list[int], *, max_context: int = 256, *
 
 
 def solo_greedy(path: Path, prompt: list[int], n: int, max_context: int = 256) -> list[int]:
-    """Greedy tokens of the whole model in one stage, decoded one by one (the reference)."""
+    """Greedy tokens of the whole model in one stage, decoded one by one (the reference).
+
+    Rows are computed as a chain's stages compute them: a lone row as it would be in a batch.
+    """
     stage = StageModel.load(path, max_context=max_context, threads=1)
+    stage.batch_exact()
     sampler = Sampler(SamplingParams(temperature=0.0))
     history = list(prompt)
     logits = stage.forward("s", np.asarray(prompt), 0, last_only=True)

@@ -41,7 +41,7 @@ def test_steps_advance_in_order_and_errors_touch_one_session() -> None:
     assert refused(lane, decode("a", 1, "f16")).code == "bad-dtype"
     lane.receive(decode("a", 1))  # the refusals left the session where it was
     assert refused(lane, decode("b", 0)).code == "not-in-plan"
-    error = lane.refusal(refused(lane, decode("b", 0)))
+    error, = lane.refusals(refused(lane, decode("b", 0)))
     assert (error.session, error.stage) == ("b", 1)
 
 

@@ -1,9 +1,10 @@
 """The pieces every family's graph is made of, in llama.cpp's order: inputs, norms, rope, attention, head.
 
-A :class:`Step` builds one forward graph of a stage for ``n`` tokens at positions ``pos .. pos+n-1``
-of one session: its input tensors (token ids or the previous stage's activations, positions, the KV
-rows to write, the attention masks, the output rows), the shared blocks, and the output (activations,
-or logits of the rows in ``out_ids`` on the last stage). The family modules
+A :class:`Step` builds one forward graph of a stage for the tokens of one or more sessions (each
+session's ``n`` tokens at its positions ``pos .. pos+n-1``): its input tensors (token ids or the
+previous stage's activations, positions, and per session the KV rows to write and the attention
+masks; the output rows), the shared blocks, and the output (activations, or logits of the rows in
+``out_ids`` on the last stage). The family modules
 (:mod:`~meshllm.engine.ggml.llama`, :mod:`~meshllm.engine.ggml.gemma3`) only say how one layer is
 wired from these blocks, mirroring llama.cpp's ``src/models/*.cpp`` and ``llm_graph_context``
 (``build_norm``, ``build_attn``, ``build_ffn``) op for op, because the same ops in the same order are
@@ -28,34 +29,57 @@ from meshllm.engine.ggml.weights import StageWeights
 
 TENSORS_PER_LAYER = 64
 """Upper bound on ggml tensors one layer's graph creates (ops and views); sizes the graph context."""
+TENSORS_PER_SEGMENT = 32
+"""More per layer for each session of a batch (its views, KV writes, attention, the concatenation)."""
 
 
 @dataclass(frozen=True)
 class Shape:
-    """What a graph is built for; a graph is reused for another step only when its shape is the same."""
+    """One session's part of a graph; a graph is reused for another step only when every part is the same."""
 
     n: int
-    """Tokens in the step."""
+    """Tokens of the session in the step."""
     n_kv: int
     """KV rows attended over (the cache length after the step, rounded up to 256)."""
     n_out: int
-    """Rows of logits the last stage returns (the last ``n_out`` tokens); 0 on other stages."""
+    """Rows of logits the last stage returns (the session's last ``n_out`` tokens); 0 on other stages."""
+
+
+@dataclass
+class _Segment:
+    """The rows of one session in a step: where they sit in the batch and the inputs only they use."""
+
+    cache: KVCache
+    shape: Shape
+    offset: int
+    """Index of the session's first row among the step's rows."""
+    kv_rows: T
+    v_rows: T
+    masks: dict[int, T]
+    """Attention window (0: unlimited) -> its mask [n_kv, n]."""
 
 
 class Step:
-    """One forward graph under construction (then reused): inputs, blocks, output."""
+    """One forward graph under construction (then reused): inputs, blocks, output.
 
-    def __init__(self, graph: Graph, hp: HParams, weights: StageWeights, cache: KVCache, shape: Shape,
+    A step holds the rows of one or more sessions (a batch: continuous batching on split chains).
+    Everything row-wise (norms, projections, FFN, head) runs once over all rows; each session's rows
+    write its own KV cache and attend only to it, through ops of their own. With one session the graph
+    is exactly the single-session graph (no views, no concatenation).
+    """
+
+    def __init__(self, graph: Graph, hp: HParams, weights: StageWeights, caches: list[KVCache], shapes: list[Shape],
                  *, first: bool, last: bool, flash_attn: bool) -> None:
+        if not shapes or len(caches) != len(shapes):
+            raise ValueError("a step has one KV cache per session")
         self.g = graph
         self.hp = hp
         self.w = weights
-        self.cache = cache
-        self.shape = shape
         self.first = first
         self.last = last
         self.flash_attn = flash_attn
-        n = shape.n
+        self.n = n = sum(s.n for s in shapes)
+        """Rows of the step (every session's tokens, in order)."""
         if first:
             self.tokens: T | None = graph.new(lib.I32, n, name="inp_tokens", input=True)
             self.x_in: T | None = None
@@ -63,48 +87,62 @@ class Step:
             self.tokens = None
             self.x_in = graph.new(lib.F32, hp.width, n, name="inp_embd", input=True)
         self.pos = graph.new(lib.I32, n, name="inp_pos", input=True)
-        self.kv_rows = graph.new(lib.I64, n, name="inp_kv_rows", input=True)
         width = hp.n_kv_heads * hp.head_dim
-        self.v_rows = graph.new(lib.I64, n * width, name="inp_v_rows", input=True) if cache.v_trans else self.kv_rows
-        """Where V goes: the token rows, or for a transposed V one index per (token, dimension) element."""
         mask_type = lib.F16 if flash_attn else lib.F32
-        self.masks: dict[int, T] = {}
-        """Attention window (0: unlimited) -> its mask [n_kv, n]."""
-        for window in sorted({hp.window_for(lw.index) for lw in weights.layers}):
-            self.masks[window] = graph.new(mask_type, shape.n_kv, n, name=f"inp_kq_mask_w{window}", input=True)
-        self.out_ids = graph.new(lib.I32, shape.n_out, name="inp_out_ids", input=True) if last else None
+        windows = sorted({hp.window_for(lw.index) for lw in weights.layers})
+        self.segments: list[_Segment] = []
+        offset = 0
+        for i, (cache, shape) in enumerate(zip(caches, shapes, strict=True)):
+            tag = f"_s{i}" if len(shapes) > 1 else ""
+            kv_rows = graph.new(lib.I64, shape.n, name=f"inp_kv_rows{tag}", input=True)
+            # where V goes: the token rows, or for a transposed V one index per (token, dimension) element
+            v_rows = graph.new(lib.I64, shape.n * width, name=f"inp_v_rows{tag}", input=True) \
+                if cache.v_trans else kv_rows
+            masks = {w: graph.new(mask_type, shape.n_kv, shape.n, name=f"inp_kq_mask_w{w}{tag}", input=True)
+                     for w in windows}
+            self.segments.append(_Segment(cache, shape, offset, kv_rows, v_rows, masks))
+            offset += shape.n
+        self.n_out = sum(s.n_out for s in shapes)
+        self.out_ids = graph.new(lib.I32, self.n_out, name="inp_out_ids", input=True) if last else None
         self.out: T | None = None
 
     # -- inputs -------------------------------------------------------------------------------
 
-    def set_inputs(self, g: lib.Ggml, inputs: np.ndarray, pos: int) -> None:
+    def set_inputs(self, g: lib.Ggml, inputs: np.ndarray, starts: list[int]) -> None:
         """Write this step's inputs: token ids (first stage) or activations, positions, KV rows, masks.
 
-        All of them, before every compute: ggml's allocator may reuse an input's memory once its last
-        reader ran, so nothing left in a reused graph's inputs can be trusted.
+        ``inputs`` are every session's rows in order, ``starts`` each session's first position. All
+        inputs are written before every compute: ggml's allocator may reuse an input's memory once its
+        last reader ran, so nothing left in a reused graph's inputs can be trusted.
         """
-        n, n_kv = self.shape.n, self.shape.n_kv
+        if len(starts) != len(self.segments):
+            raise ValueError(f"{len(starts)} start positions for {len(self.segments)} sessions")
         if self.tokens is not None:
             _set(g, self.tokens, np.ascontiguousarray(inputs, dtype=np.int32))
         else:
             assert self.x_in is not None
             _set(g, self.x_in, np.ascontiguousarray(inputs, dtype=np.float32))
-        positions = np.arange(pos, pos + n, dtype=np.int32)
-        _set(g, self.pos, positions)
-        _set(g, self.kv_rows, positions.astype(np.int64))
-        if self.v_rows is not self.kv_rows:  # element (token i, dim j) of a transposed V: j * capacity + pos_i
-            width = self.hp.n_kv_heads * self.hp.head_dim
-            dims = np.arange(width, dtype=np.int64) * self.cache.capacity
-            _set(g, self.v_rows, (positions.astype(np.int64)[:, None] + dims[None, :]).reshape(-1))
-        cells = np.arange(n_kv)[None, :]
-        q = positions[:, None]
-        visible = cells <= q  # causal: a token sees every earlier position and itself
-        for window, mask in self.masks.items():
-            seen = visible & (q - cells < window) if window else visible
-            dtype = np.float16 if mask.type == lib.F16 else np.float32
-            _set(g, mask, np.where(seen, 0.0, -np.inf).astype(dtype))
+        per_session = [np.arange(p, p + seg.shape.n, dtype=np.int32) for p, seg in zip(starts, self.segments,
+                                                                                     strict=True)]
+        _set(g, self.pos, np.concatenate(per_session))
+        width = self.hp.n_kv_heads * self.hp.head_dim
+        out_ids = []
+        for seg, positions in zip(self.segments, per_session, strict=True):
+            _set(g, seg.kv_rows, positions.astype(np.int64))
+            if seg.v_rows is not seg.kv_rows:  # element (token i, dim j) of a transposed V: j * capacity + pos_i
+                dims = np.arange(width, dtype=np.int64) * seg.cache.capacity
+                _set(g, seg.v_rows, (positions.astype(np.int64)[:, None] + dims[None, :]).reshape(-1))
+            cells = np.arange(seg.shape.n_kv)[None, :]
+            q = positions[:, None]
+            visible = cells <= q  # causal: a token sees every earlier position and itself
+            for window, mask in seg.masks.items():
+                seen = visible & (q - cells < window) if window else visible
+                dtype = np.float16 if mask.type == lib.F16 else np.float32
+                _set(g, mask, np.where(seen, 0.0, -np.inf).astype(dtype))
+            end = seg.offset + seg.shape.n
+            out_ids.append(np.arange(end - seg.shape.n_out, end, dtype=np.int32))
         if self.out_ids is not None:
-            _set(g, self.out_ids, np.arange(n - self.shape.n_out, n, dtype=np.int32))
+            _set(g, self.out_ids, np.concatenate(out_ids))
 
     # -- blocks -------------------------------------------------------------------------------
 
@@ -127,43 +165,63 @@ class Step:
         )
 
     def attention(self, slot: int, layer: int, q: T, k: T, v: T, kq_scale: float) -> T:
-        """Store this step's K/V rows in the cache, attend over ``n_kv`` rows; returns [heads*head_dim, n].
+        """Store this step's K/V rows in the caches, attend over ``n_kv`` rows; returns [heads*head_dim, n].
 
         ``q`` is [head_dim, heads, n], ``k``/``v`` [head_dim, kv_heads, n]; llama.cpp's ``build_attn``
         with its KV cache: the writes are expanded into the graph before the attention that reads them.
+        In a batch each session's rows are views of the three, attend to that session's cache with
+        exactly the ops (and shapes) they would have alone, and the outputs are concatenated in order.
         """
-        g, hp, cache, n = self.g, self.hp, self.cache, self.shape.n
-        width = hp.n_kv_heads * hp.head_dim
+        g = self.g
         g.expand(q)
         g.expand(v)
         g.expand(k)
-        k_cache, v_cache = cache.k[slot], cache.v[slot]
-        g.expand(g.set_rows(k_cache, g.view(k, (width, n), (k.nb[2],)), self.kv_rows))
-        if cache.v_trans:  # one "row" per element: (token, dim) -> dim * capacity + position
-            g.expand(g.set_rows(g.reshape(v_cache, 1, v_cache.n_elements), g.reshape(v, 1, width * n), self.v_rows))
+        if len(self.segments) == 1:
+            out = self._attend(self.segments[0], slot, layer, q, k, v, kq_scale)
         else:
-            g.expand(g.set_rows(v_cache, g.view(v, (width, n), (v.nb[2],)), self.kv_rows))
+            out = None
+            for seg in self.segments:
+                rows = [self._rows(t, seg) for t in (q, k, v)]
+                part = self._attend(seg, slot, layer, *rows, kq_scale)
+                out = part if out is None else g.concat(out, part, 1)
+            assert out is not None
+        g.expand(out)
+        return out
+
+    def _rows(self, t: T, seg: _Segment) -> T:
+        """The view of ``t`` [head_dim, heads, n] holding ``seg``'s rows."""
+        ne0, ne1, _, _ = t.ne
+        nb = t.nb
+        return self.g.view(t, (ne0, ne1, seg.shape.n), (nb[1], nb[2]), seg.offset * nb[2])
+
+    def _attend(self, seg: _Segment, slot: int, layer: int, q: T, k: T, v: T, kq_scale: float) -> T:
+        """One session's K/V writes and attention over its cache: [heads*head_dim, n] for its ``n`` rows."""
+        g, hp, cache, n = self.g, self.hp, seg.cache, seg.shape.n
+        width = hp.n_kv_heads * hp.head_dim
+        k_cache, v_cache = cache.k[slot], cache.v[slot]
+        g.expand(g.set_rows(k_cache, g.view(k, (width, n), (k.nb[2],)), seg.kv_rows))
+        if cache.v_trans:  # one "row" per element: (token, dim) -> dim * capacity + position
+            g.expand(g.set_rows(g.reshape(v_cache, 1, v_cache.n_elements), g.reshape(v, 1, width * n), seg.v_rows))
+        else:
+            g.expand(g.set_rows(v_cache, g.view(v, (width, n), (v.nb[2],)), seg.kv_rows))
         elt = int(g.g.ggml_row_size(k_cache.type, 1))
-        n_kv = self.shape.n_kv
+        n_kv = seg.shape.n_kv
         keys = g.permute(g.view(k_cache, (hp.head_dim, hp.n_kv_heads, n_kv), (elt * hp.head_dim, elt * width)),
                          0, 2, 1, 3)
         q = g.permute(q, 0, 2, 1, 3)
-        mask = self.masks[hp.window_for(layer)]
+        mask = seg.masks[hp.window_for(layer)]
         if self.flash_attn:
             values = g.permute(g.view(v_cache, (hp.head_dim, hp.n_kv_heads, n_kv), (elt * hp.head_dim, elt * width)),
                                0, 2, 1, 3)
             out = g.f32_accumulation(g.flash_attn(q, keys, values, mask, kq_scale))
-            out = g.reshape(out, hp.head_dim * hp.n_heads, n)
-        else:
-            cap = cache.capacity  # the transposed V: [n_kv, kv_heads, head_dim] -> [n_kv, head_dim, kv_heads]
-            strides = (elt * cap * hp.head_dim, elt * cap)
-            values = g.permute(g.view(v_cache, (n_kv, hp.n_kv_heads, hp.head_dim), strides), 0, 2, 1, 3)
-            kq = g.f32_accumulation(g.mul_mat(keys, q))
-            kq = g.soft_max(kq, mask, kq_scale)
-            kqv = g.mul_mat(values, kq)
-            out = g.cont_2d(g.permute(kqv, 0, 2, 1, 3), hp.head_dim * hp.n_heads, n)
-        g.expand(out)
-        return out
+            return g.reshape(out, hp.head_dim * hp.n_heads, n)
+        cap = cache.capacity  # the transposed V: [n_kv, kv_heads, head_dim] -> [n_kv, head_dim, kv_heads]
+        strides = (elt * cap * hp.head_dim, elt * cap)
+        values = g.permute(g.view(v_cache, (n_kv, hp.n_kv_heads, hp.head_dim), strides), 0, 2, 1, 3)
+        kq = g.f32_accumulation(g.mul_mat(keys, q))
+        kq = g.soft_max(kq, mask, kq_scale)
+        kqv = g.mul_mat(values, kq)
+        return g.cont_2d(g.permute(kqv, 0, 2, 1, 3), hp.head_dim * hp.n_heads, n)
 
     def output_rows(self, layer: int, *xs: T) -> tuple[T, ...]:
         """In the model's last layer, keep only the rows whose logits are wanted (llama.cpp's ``out_ids``)."""

@@ -17,7 +17,7 @@ from meshllm.engine.ggml.weights import LayerWeights
 
 def block(s: Step, lw: LayerWeights, slot: int, x: T) -> T:
     """Run layer ``lw`` on activations ``x`` [width, n]; its K/V go to cache layer ``slot``."""
-    g, hp, n, il = s.g, s.hp, s.shape.n, lw.index
+    g, hp, n, il = s.g, s.hp, s.n, lw.index
     cur = s.norm(x, lw["attn_norm.weight"])
     q = g.reshape(s.linear(cur, lw["attn_q.weight"]), hp.head_dim, hp.n_heads, n)
     k = g.reshape(s.linear(cur, lw["attn_k.weight"]), hp.head_dim, hp.n_kv_heads, n)

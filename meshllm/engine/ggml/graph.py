@@ -217,6 +217,13 @@ class Graph:
             raise self._fail("cont_2d", f"{ne0} x {ne1} elements", a)
         return self._op(self.g.ggml_cont_2d, a.p, ne0, ne1)
 
+    def concat(self, a: T, b: T, dim: int) -> T:
+        """``a`` then ``b`` along ``dim`` (same type, every other dimension equal)."""
+        if not 0 <= dim < lib.MAX_DIMS or a.type != b.type or any(
+                x != y for i, (x, y) in enumerate(zip(a.ne, b.ne, strict=True)) if i != dim):
+            raise self._fail("concat", f"cannot join along dimension {dim}", a, b)
+        return self._op(self.g.ggml_concat, a.p, b.p, dim)
+
     def rope(self, a: T, pos: T, freqs: T | None, *, n_dims: int, mode: int, n_ctx_orig: int, freq_base: float,
              freq_scale: float, ext_factor: float, attn_factor: float, beta_fast: float, beta_slow: float) -> T:
         """ggml_rope_ext over [head_dim, heads, n] with positions ``pos`` [n] (i32)."""

@@ -108,6 +108,7 @@ _PROTOTYPES: dict[str, tuple[Any, list[Any]]] = {
     "ggml_view_3d": (_T, [_P, _T, _I64, _I64, _I64, c_size_t, c_size_t, c_size_t]),
     "ggml_permute": (_T, [_P, _T, c_int, c_int, c_int, c_int]),
     "ggml_cont_2d": (_T, [_P, _T, _I64, _I64]),
+    "ggml_concat": (_T, [_P, _T, _T, c_int]),
     "ggml_set_rows": (_T, [_P, _T, _T, _T]),
     "ggml_soft_max_ext": (_T, [_P, _T, _T, _F, _F]),
     "ggml_flash_attn_ext": (_T, [_P, _T, _T, _T, _T, _F, _F, _F]),

@@ -15,7 +15,7 @@ from meshllm.engine.ggml.weights import LayerWeights
 
 def block(s: Step, lw: LayerWeights, slot: int, x: T) -> T:
     """Run layer ``lw`` on activations ``x`` [width, n]; its K/V go to cache layer ``slot``."""
-    g, hp, n, il = s.g, s.hp, s.shape.n, lw.index
+    g, hp, n, il = s.g, s.hp, s.n, lw.index
     residual = x
     cur = s.norm(x, lw["attn_norm.weight"])
     q = s.linear(cur, lw["attn_q.weight"], lw.get("attn_q.bias"))

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,22 +31,25 @@ import numpy as np
 
 from meshllm.engine.ggml import gemma3, lib, llama
 from meshllm.engine.ggml.backends import Backends, Device, choose_accelerator, devices, layers_that_fit
-from meshllm.engine.ggml.blocks import TENSORS_PER_LAYER, Shape, Step, read
+from meshllm.engine.ggml.blocks import TENSORS_PER_LAYER, TENSORS_PER_SEGMENT, Shape, Step, read
 from meshllm.engine.ggml.errors import StageInputError, UnsupportedModel
 from meshllm.engine.ggml.graph import Graph, T
 from meshllm.engine.ggml.hparams import HParams, read_hparams
 from meshllm.engine.ggml.kv_cache import KV_TYPES, KVCache, kv_bytes_per_token
 from meshllm.engine.ggml.weights import LayerWeights, StagePlan, StageWeights, load_weights, plan_stage
 from meshllm.engine.kernels import Kernels, use_kernels
+from meshllm.engine.slots import CallCosts
 from meshllm.models.gguf_file import GGUFFile
 
 CHUNK = 512
 """Most tokens one graph processes; longer inputs run as consecutive chunks (llama.cpp's ``n_ubatch``)."""
-KEPT_GRAPHS = 4
-"""Small graphs (decode, short verify windows) kept for reuse per stage."""
+KEPT_GRAPHS = 8
+"""Small graphs (decode steps of one session or a batch, short verify windows) kept for reuse per stage."""
 REUSE_MAX_TOKENS = 16
-"""Graphs for more tokens than this (prompt chunks) are built, run and freed."""
+"""Graphs for more tokens than this per session (prompt chunks) are built, run and freed."""
 
+_FLOAT_TYPES = frozenset({lib.F32, lib.F16, lib.BF16})
+"""Matrix types whose one-row product rounds differently from the same row in a batch."""
 _BLOCKS: dict[str, Callable[[Step, LayerWeights, int, T], T]] = {"llama": llama.block, "gemma3": gemma3.block}
 
 
@@ -89,6 +93,12 @@ class StageModel:
         self._kv_bufts = [backends.gpu_buft if lw.on_accelerator else backends.cpu_buft for lw in weights.layers]
         self.compute_bytes = 0
         """Largest compute buffer a graph of this stage has needed so far (all backends)."""
+        self.pad_lone_rows = False
+        """Give a step of one row a second (scratch) row, so that it computes as it would in a batch
+        (:meth:`batch_exact`: float matrices take another kernel for one row than for several)."""
+        self._pad: KVCache | None = None
+        self._costs = CallCosts()
+        """Seconds per decode call by rows: whether a batch of lone rows runs faster as one-row calls."""
 
     @classmethod
     def load(cls, path: str | Path, layer_start: int = 0, layer_end: int | None = None, *,
@@ -174,6 +184,24 @@ class StageModel:
                 return
             cache.trim(n)
 
+    def batch_exact(self) -> bool:
+        """Make every row's result independent of the rows beside it; whether lone rows get padded.
+
+        Under exact kernels, quantized matrices compute a row the same way alone and in a batch
+        (measured bit for bit on the default model, every split point); float matrices (F32, F16,
+        BF16) take ggml's one-row kernel for a lone row and a tiled one for several, which round
+        differently. So a stage with float matrices gives a lone row a scratch row beside it from
+        then on (one more row of compute). Serving batches calls this; a stage used alone (llama.cpp
+        parity, the whole-model engine) computes as llama.cpp does, without padding.
+        """
+        with self._lock:
+            self._check_open()
+            if self._pad is None:
+                self.pad_lone_rows = any(t.type_id in _FLOAT_TYPES and len(t.shape) > 1 for t in self.plan.tensors())
+                self._pad = KVCache(self.backends, self._kv_bufts, self.hparams.n_kv_heads * self.hparams.head_dim,
+                                    KV_TYPES[self.kv_type], 1, v_trans=not self.flash_attn)
+            return self.pad_lone_rows
+
     # -- compute ------------------------------------------------------------------------------
 
     def forward(self, session: str, inputs: np.ndarray, pos: int, *, last_only: bool = False) -> np.ndarray:
@@ -186,29 +214,81 @@ class StageModel:
         inputs = self._checked(inputs)
         n = inputs.shape[0]
         with self._lock:
-            self._check_open()
-            cache = self._sessions.get(session)
-            if cache is None:
-                cache = KVCache(self.backends, self._kv_bufts, self.hparams.n_kv_heads * self.hparams.head_dim,
-                                KV_TYPES[self.kv_type], self.max_context, v_trans=not self.flash_attn)
-            if pos != cache.length:
-                raise StageInputError(
-                    f"session {session!r} is at position {cache.length} on layers "
-                    f"[{self.layer_start}, {self.layer_end}), but the input starts at {pos}",
-                    hint="Trim or reset the session so every stage agrees on its length.",
-                )
-            cache.reserve(n)
-            self._sessions[session] = cache
+            cache = self._cache_at(session, pos, n)
             outs = []
             for start in range(0, n, CHUNK):
                 chunk = inputs[start : start + CHUNK]
                 final = start + CHUNK >= n
                 n_out = (1 if last_only else len(chunk)) if self.last else 0
-                out = self._run(session, cache, chunk, pos + start, n_out)
+                started = time.perf_counter()
+                out = self._run([(session, cache, pos + start, len(chunk), n_out)], chunk)[: n_out or len(chunk)]
+                if n == 1:
+                    self._costs.observe(1, time.perf_counter() - started)
                 if not self.last or not last_only or final:
                     outs.append(out)
             cache.length += n
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
+
+    def forward_batch(self, steps: Sequence[tuple[str, np.ndarray, int]], *,
+                      last_only: bool = False) -> list[np.ndarray]:
+        """:meth:`forward` for several sessions at once: one graph over all their rows.
+
+        ``steps`` are ``(session, inputs, pos)`` of distinct sessions, at most :data:`CHUNK` rows in
+        all. Every row-wise op (projections, FFN, head) runs once for the batch; each session's rows
+        write and attend to its own KV cache. Under exact kernels a row's result does not depend on
+        the other rows, so each session gets what :meth:`forward` would give it alone. Returns each
+        session's output in order; a failed call leaves every session as it was.
+
+        A batch of one-row steps runs as one-row graphs instead while they are measured cheaper
+        (:class:`~meshllm.engine.slots.CallCosts`, as the llama.cpp engine does: on a CPU a lone row
+        streams the weights, a few rows are compute-bound); the rows' results are the same either way.
+        """
+        if len(steps) == 1:
+            session, inputs, pos = steps[0]
+            return [self.forward(session, inputs, pos, last_only=last_only)]
+        if not steps or len({s for s, _, _ in steps}) != len(steps):
+            raise StageInputError("a batch holds one step for each of several distinct sessions")
+        checked = [self._checked(x) for _, x, _ in steps]
+        if sum(len(x) for x in checked) > CHUNK:
+            raise StageInputError(f"a batch holds at most {CHUNK} rows, got {sum(len(x) for x in checked)}")
+        n_outs = [(1 if last_only else len(x)) if self.last else 0 for x in checked]
+        with self._lock:
+            caches = [self._cache_at(s, pos, len(x)) for (s, _, pos), x in zip(steps, checked, strict=True)]
+            segments = [(s, cache, pos, len(x), n_out)
+                        for (s, _, pos), x, cache, n_out in zip(steps, checked, caches, n_outs, strict=True)]
+            rows = len(checked) if all(len(x) == 1 for x in checked) else 0
+            started = time.perf_counter()
+            if rows and not self.pad_lone_rows and self._costs.split(rows):
+                outs = []
+                for seg, x in zip(segments, checked, strict=True):
+                    outs.append(self._run([seg], x))
+                    self._costs.observe(1, time.perf_counter() - started)
+                    started = time.perf_counter()
+            else:
+                out = self._run(segments, np.concatenate(checked))
+                if rows:
+                    self._costs.observe(rows, time.perf_counter() - started)
+                outs = np.split(out, np.cumsum(n_outs if self.last else [len(x) for x in checked])[:-1])
+            for cache, x in zip(caches, checked, strict=True):
+                cache.length += len(x)
+        return outs
+
+    def _cache_at(self, session: str, pos: int, n: int) -> KVCache:
+        """``session``'s cache (a new one for a new session), checked to be at ``pos``, with room for ``n`` more."""
+        self._check_open()
+        cache = self._sessions.get(session)
+        if cache is None:
+            cache = KVCache(self.backends, self._kv_bufts, self.hparams.n_kv_heads * self.hparams.head_dim,
+                            KV_TYPES[self.kv_type], self.max_context, v_trans=not self.flash_attn)
+        if pos != cache.length:
+            raise StageInputError(
+                f"session {session!r} is at position {cache.length} on layers "
+                f"[{self.layer_start}, {self.layer_end}), but the input starts at {pos}",
+                hint="Trim or reset the session so every stage agrees on its length.",
+            )
+        cache.reserve(n)
+        self._sessions[session] = cache
+        return cache
 
     def _check_open(self) -> None:
         if self._closed:
@@ -235,17 +315,27 @@ class StageModel:
             raise StageInputError("activations contain NaN or infinity")
         return inputs
 
-    def _run(self, session: str, cache: KVCache, inputs: np.ndarray, pos: int, n_out: int) -> np.ndarray:
-        shape = Shape(n=len(inputs), n_kv=cache.n_kv(pos + len(inputs)), n_out=n_out)
-        key = (session, cache.generation, shape)
+    def _run(self, segments: list[tuple[str, KVCache, int, int, int]], inputs: np.ndarray) -> np.ndarray:
+        """One graph over ``inputs``: the rows of each ``(session, cache, pos, n, n_out)`` segment in order.
+
+        A lone row gets the scratch row beside it when :attr:`pad_lone_rows` (its output is the last
+        row of the result: callers take the rows they asked for).
+        """
+        if self.pad_lone_rows and len(inputs) == 1 and self._pad is not None:
+            self._pad.length = 0
+            self._pad.reserve(1)
+            segments = [*segments, ("\0pad", self._pad, 0, 1, 1 if self.last else 0)]
+            inputs = np.concatenate([inputs, inputs])
+        shapes = [Shape(n=n, n_kv=cache.n_kv(pos + n), n_out=n_out) for _, cache, pos, n, n_out in segments]
+        key = tuple((seg[0], seg[1].generation, shape) for seg, shape in zip(segments, shapes, strict=True))
         compiled = self._graphs.get(key)
         if compiled is None:
-            compiled = self._compile(key, cache, shape)
+            compiled = self._compile(key, [seg[1] for seg in segments], shapes)
         else:
             self._graphs.move_to_end(key)
         g = self.backends.g
         try:
-            compiled.step.set_inputs(g, inputs, pos)
+            compiled.step.set_inputs(g, inputs, [seg[2] for seg in segments])
             status = g.ggml_backend_sched_graph_compute(compiled.sched, compiled.graph.gf)
             if status != lib.STATUS_SUCCESS:
                 raise StageInputError(f"ggml could not compute layers [{self.layer_start}, {self.layer_end}) "
@@ -256,11 +346,13 @@ class StageModel:
             if key not in self._graphs:
                 compiled.close(g)
 
-    def _compile(self, key: tuple[object, ...], cache: KVCache, shape: Shape) -> _Compiled:
+    def _compile(self, key: tuple[object, ...], caches: list[KVCache], shapes: list[Shape]) -> _Compiled:
         g, b = self.backends.g, self.backends
-        graph = Graph(g, max_tensors=64 + TENSORS_PER_LAYER * len(self.weights.layers))
+        per_layer = TENSORS_PER_LAYER + (TENSORS_PER_SEGMENT * len(shapes) if len(shapes) > 1 else 0)
+        graph = Graph(g, max_tensors=64 + 8 * len(shapes) + per_layer * len(self.weights.layers))
+        n = sum(s.n for s in shapes)
         try:
-            step = Step(graph, self.hparams, self.weights, cache, shape, first=self.first, last=self.last,
+            step = Step(graph, self.hparams, self.weights, caches, shapes, first=self.first, last=self.last,
                         flash_attn=self.flash_attn)
             x = step.embed() if self.first else step.x_in
             assert x is not None
@@ -280,11 +372,11 @@ class StageModel:
         compiled = _Compiled(key, graph, step, int(sched))
         if not g.ggml_backend_sched_alloc_graph(sched, graph.gf):
             compiled.close(g)
-            raise StageInputError(f"ggml could not allocate compute buffers for {shape.n} tokens",
+            raise StageInputError(f"ggml could not allocate compute buffers for {n} tokens",
                                   hint="send shorter prompt chunks, or free memory on this node")
         used = sum(int(g.ggml_backend_sched_get_buffer_size(sched, be)) for be in b.backends)
         self.compute_bytes = max(self.compute_bytes, used)
-        if shape.n <= REUSE_MAX_TOKENS:
+        if n <= REUSE_MAX_TOKENS * len(shapes):
             self._graphs[key] = compiled
             while len(self._graphs) > KEPT_GRAPHS:
                 _, old = self._graphs.popitem(last=False)
@@ -292,7 +384,7 @@ class StageModel:
         return compiled
 
     def _drop_graphs(self, session: str) -> None:
-        for key in [k for k in self._graphs if k[0] == session]:
+        for key in [k for k in self._graphs if any(part[0] == session for part in k)]:
             self._graphs.pop(key).close(self.backends.g)
 
     def close(self) -> None:
@@ -308,6 +400,8 @@ class StageModel:
             for cache in self._sessions.values():
                 cache.close()
             self._sessions.clear()
+            if self._pad is not None:
+                self._pad.close()
             self.weights.close()
             self.backends.close()
 

@@ -1,0 +1,218 @@
+"""Batching on split chains over real QUIC endpoints: concurrent requests share decode passes, and
+each one's text is byte for byte what it is alone.
+
+Every comparison runs the same requests one at a time on the same kind of chain first: that is the
+reference (a lone session's steps are single rows; in a pass they sit beside other sessions' rows).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+from net.net_helpers import until
+from split_helpers import MODEL, PROMPT, make_chain, solo_greedy
+
+from meshllm.engine.ggml import StageModel
+from meshllm.split import Sampling, SplitCoordinator, StageFailed
+from meshllm.split.engine import SplitEngine
+from meshllm.split.frames import Batch, Decode, Verify
+
+LOOPY = [1, *b"the cat sat on the mat. the cat sat on the mat. the cat"]
+REQUESTS: list[tuple[list[int], int, Sampling]] = [
+    (PROMPT, 40, Sampling()),
+    ([1, *b"Once upon a time"], 33, Sampling()),
+    (LOOPY, 45, Sampling()),
+    ([1, *b"abc"], 25, Sampling(temperature=0.8, top_k=40, seed=7)),
+    ([1, *b"A much longer prompt, so that its prefill takes a while beside the others"], 38,
+     Sampling(temperature=1.1, top_p=0.9, seed=3)),
+]
+"""Greedy and seeded requests of different lengths: sessions join and leave the batch at different times."""
+
+
+async def _run(coord: SplitCoordinator, prompt: list[int], n: int, sampling: Sampling,
+               stop_after: int | None = None, session: str | None = None) -> list[int]:
+    out = []
+    async for t in coord.generate(prompt, max_tokens=n, sampling=sampling, session=session):
+        out.append(t.token_id)
+        if stop_after is not None and len(out) == stop_after:
+            break  # the client goes away: the session leaves the batch
+    return out
+
+
+def _record_logits(stage: StageModel) -> list[dict[tuple[str, int], bytes]]:
+    """Keep the bytes of every decode row's logits on the last stage, by (session, position), in the
+    last dict of the returned list (append one to start another record)."""
+    real = stage.forward_batch
+    records: list[dict[tuple[str, int], bytes]] = [{}]
+
+    def forward_batch(steps, **kw):  # type: ignore[no-untyped-def]
+        outs = real(steps, **kw)
+        for (session, _, pos), out in zip(steps, outs, strict=True):
+            records[-1][(session, pos)] = out.tobytes()
+        return outs
+
+    stage.forward_batch = forward_batch  # type: ignore[method-assign]
+    return records
+
+
+def _alone_then_together(path: Path, bounds: list[int], **kwargs: object) -> tuple[list[list[int]], list[list[int]],
+                                                                                  SplitCoordinator]:
+    """The requests one at a time, then all at once; the last stage's logits agree bit for bit too."""
+    async def main() -> tuple[list[list[int]], list[list[int]], SplitCoordinator]:
+        chain = await make_chain(path, bounds, **kwargs)
+        coord = chain.coordinator
+        logits = _record_logits(chain.servers[-1]._stages[(None, MODEL)].stage)
+        try:
+            alone = [await _run(coord, *r, session=f"r{i}") for i, r in enumerate(REQUESTS)]
+            passes, steps = coord.batcher.passes, coord.batcher.steps
+            assert steps == passes  # one at a time: every pass held one session
+            logits.append({})
+            together = await asyncio.gather(*(_run(coord, *r, session=f"r{i}") for i, r in enumerate(REQUESTS)))
+            coord.batcher.passes -= passes
+            coord.batcher.steps -= steps
+            assert len(logits[0]) > 150 and logits[1] == logits[0]
+            return alone, list(together), coord
+        finally:
+            await chain.close()
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("bounds", [[0, 3, 6], [0, 2, 4, 6]])
+def test_concurrent_requests_give_the_text_they_give_alone(tiny_model: Path, bounds: list[int]) -> None:
+    alone, together, coord = _alone_then_together(tiny_model, bounds, speculate="off")
+    assert together == alone
+    assert [len(t) for t in together] == [n for _, n, _ in REQUESTS]
+    assert coord.batcher.steps / coord.batcher.passes > 1.3  # the passes really were shared
+    assert alone[0] == solo_greedy(tiny_model, PROMPT, 40)  # and a lone session is the whole model's text
+
+
+def test_one_at_a_time_baseline_gives_the_same_text(tiny_model: Path) -> None:
+    """``batch=1`` (``--split-batch 1``): concurrent requests take turns, one session per pass."""
+    alone, together, coord = _alone_then_together(tiny_model, [0, 3, 6], speculate="off", batch=1)
+    assert together == alone and coord.batcher.steps == coord.batcher.passes
+
+
+def test_a_cancelled_request_leaves_the_others_text_unchanged(tiny_model: Path) -> None:
+    async def main() -> tuple[list[list[int]], list[list[int]], int]:
+        chain = await make_chain(tiny_model, [0, 2, 4, 6], speculate="off")
+        coord = chain.coordinator
+        try:
+            alone = [await _run(coord, *r) for r in REQUESTS]
+            cut = [None, 5, None, 1, None]
+            together = await asyncio.gather(*(_run(coord, *r, stop_after=c) for r, c in zip(REQUESTS, cut,
+                                                                                              strict=True)))
+            await until(lambda: sum(s.sessions for s in chain.servers[1:]) == 0)
+            return alone, list(together), sum(s.sessions for s in chain.servers[1:])
+        finally:
+            await chain.close()
+
+    alone, together, left = asyncio.run(main())
+    assert together[1] == alone[1][:5] and together[3] == alone[3][:1]
+    assert [together[i] for i in (0, 2, 4)] == [alone[i] for i in (0, 2, 4)]
+    assert left == 0  # every session's Stop freed its KV on every stage
+
+
+def test_batches_with_speculation_stay_exact(tiny_model: Path) -> None:
+    """Verify windows ride in the same pass as other sessions' Decodes; every text is the plain one."""
+    sent: list[object] = []
+
+    async def main() -> tuple[list[list[int]], list[list[int]]]:
+        plain = await make_chain(tiny_model, [0, 3, 6], speculate="off")
+        try:
+            reference = [await _run(plain.coordinator, *r) for r in REQUESTS]
+        finally:
+            await plain.close()
+        chain = await make_chain(tiny_model, [0, 3, 6], speculate="on")
+        lane = await chain.servers[0].pool.get(chain.hops[1].node_id, chain.hops[1].addr)
+        real_send = lane.send
+
+        async def record(frame):  # type: ignore[no-untyped-def]
+            sent.append(frame)
+            await real_send(frame)
+
+        lane.send = record  # type: ignore[method-assign]
+        try:
+            together = await asyncio.gather(*(_run(chain.coordinator, *r) for r in REQUESTS))
+            return reference, list(together)
+        finally:
+            await chain.close()
+
+    reference, together = asyncio.run(main())
+    assert together == reference
+    mixed = [f for f in sent if isinstance(f, Batch) and {type(s) for s in f.steps} == {Decode, Verify}]
+    assert len(mixed) > 3  # windows and plain rows in one pass, many times
+
+
+def test_a_failed_stage_fails_every_session_of_the_batch_named(tiny_model: Path) -> None:
+    async def main() -> tuple[list[BaseException | list[int]], float, str]:
+        chain = await make_chain(tiny_model, [0, 2, 4, 6], speculate="off")
+        coord = chain.coordinator
+        closed_at = 0.0
+
+        async def run(i: int) -> list[int]:
+            nonlocal closed_at
+            out = []
+            async for t in coord.generate([1, *b"request", i], max_tokens=500):
+                out.append(t.token_id)
+                if i == 0 and len(out) == 10 and not closed_at:
+                    closed_at = time.monotonic()
+                    await chain.endpoints[1].close()  # the middle stage goes away mid-batch
+            return out
+
+        try:
+            results = await asyncio.gather(*(run(i) for i in range(4)), return_exceptions=True)
+            return list(results), time.monotonic() - closed_at, chain.hops[1].node_id
+        finally:
+            await chain.close()
+
+    results, elapsed, node = asyncio.run(main())
+    assert all(isinstance(r, StageFailed) and r.stage_index == 1 and r.node_id == node for r in results), results
+    assert elapsed < 2.0
+
+
+def test_the_split_engine_reports_the_chains_batch_as_its_slots(tiny_model: Path) -> None:
+    """Routing reads a split model's concurrency from its load report (gossiped as the record's slots)."""
+    async def main() -> list[tuple[int, int]]:
+        engine = SplitEngine(tiny_model, "tiny", 256)
+        seen = [(engine.load_report().slots, engine.load_report().running)]
+        chain = await make_chain(tiny_model, [0, 3, 6], batch=4)
+        try:
+            engine.attach(chain.coordinator)
+            seen.append((engine.load_report().slots, engine.load_report().running))
+        finally:
+            engine.detach("test over")
+            await chain.close()
+        return seen
+
+    assert asyncio.run(main()) == [(0, 0), (4, 0)]
+
+
+def test_a_request_cancelled_at_any_moment_leaves_the_others_exact(tiny_model: Path) -> None:
+    """The client's task is cancelled wherever it is (waiting for its pass, its reply, or the first stage):
+    the session leaves, its KV is freed, and the other sessions' passes go on unchanged."""
+    async def main() -> tuple[list[list[int]], list[list[list[int]]], int]:
+        chain = await make_chain(tiny_model, [0, 3, 6], speculate="off")
+        coord = chain.coordinator
+        try:
+            alone = [await _run(coord, *r) for r in REQUESTS]
+            runs = []
+            for delay in (0.0, 0.003, 0.01, 0.03, 0.07):
+                tasks = [asyncio.create_task(_run(coord, *r)) for r in REQUESTS]
+                await asyncio.sleep(delay)
+                tasks[2].cancel()
+                done = await asyncio.gather(*tasks, return_exceptions=True)
+                assert isinstance(done[2], asyncio.CancelledError) or done[2] == alone[2]
+                runs.append([d for i, d in enumerate(done) if i != 2])
+            await until(lambda: sum(s.sessions for s in chain.servers[1:]) == 0)
+            return alone, runs, sum(s.sessions for s in chain.servers[1:])
+        finally:
+            await chain.close()
+
+    alone, runs, left = asyncio.run(main())
+    for others in runs:
+        assert others == [a for i, a in enumerate(alone) if i != 2]
+    assert left == 0
