@@ -32,6 +32,7 @@ from meshllm.api.edge import EdgePolicy, is_loopback_host
 from meshllm.api.events import EventHub
 from meshllm.api.health import Readiness
 from meshllm.api.limits import EdgeLimits
+from meshllm.api.replay import DEFAULT_MAX_REPLAYS, ReplayPolicy
 from meshllm.api.serving import Serving
 from meshllm.api.status import mesh_links, status_router
 from meshllm.config import (
@@ -95,6 +96,8 @@ class NodeOptions:
     """llama.cpp slots per model: requests generated at once in one batch (None: sized from memory)."""
     max_tokens_default: int = DEFAULT_MAX_TOKENS
     """Tokens generated for a request that sets no ``max_tokens``."""
+    replays: int = DEFAULT_MAX_REPLAYS
+    """Replays per routed generation whose serving node fails mid-answer (``meshllm.api.replay``)."""
     kernels: Kernels = "exact"
     """ggml kernels of every engine and stage: row-exact (answers independent of batching) or fast."""
     relay: Literal["on", "off", "auto"] = "auto"
@@ -173,7 +176,8 @@ class Node:
             relay=opts.relay, revocations_file=self.home / REVOCATIONS_FILE,
         )
         await self.mesh.start()
-        self.serving = Serving(self.key.node_id, self.mesh, self.events)
+        self.serving = Serving(self.key.node_id, self.mesh, self.events, hash_cache=self.home / MODEL_HASHES_FILE,
+                               replay=ReplayPolicy(max_replays=opts.replays))
         split = dataclasses.replace(opts.split, threads=opts.threads, gpu_layers=opts.gpu_layers, kernels=opts.kernels)
         self.splits = SplitService(self.mesh, self.serving, self.events, opts.role, split,
                                    hash_cache=self.home / MODEL_HASHES_FILE)

@@ -8,12 +8,16 @@ walks the order with an :class:`~meshllm.api.router.Attempt` (failover until the
 gone to the client), and holds every wait to a deadline.
 
 A peer that vanishes mid-response is noticed by the transport's probes (``suspect`` within about
-a second) or a closed connection; both reset the streams in flight to it, so the client gets a
-clean error at once instead of waiting for a timeout.
+a second) or a closed connection; both reset the streams in flight to it. A generation broken that
+way after its first byte is *replayed*: the request and the token ids already sent go to another
+node serving the same model file, which continues the answer where it broke, so the client's
+stream goes on (:mod:`meshllm.api.replay` keeps the state and the rules). With nowhere to go the
+client gets the clean error at once instead of waiting for a timeout.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -31,6 +35,7 @@ from meshllm.api.errors import (
     UpstreamTimeout,
     classify,
 )
+from meshllm.api.replay import Progress, ReplayPolicy, seeded
 from meshllm.api.router import Attempt, PeerView, Router, Target, affinity_key
 from meshllm.api.tunnel import (
     STREAM_KIND,
@@ -104,6 +109,9 @@ class MeshBackend:
     router: Router = field(init=False)
     deadlines: TunnelDeadlines = field(default_factory=TunnelDeadlines)
     counters: RequestCounters = field(default_factory=RequestCounters)
+    replay: ReplayPolicy = field(default_factory=ReplayPolicy)
+    hashes: Mapping[str, str] = field(default_factory=dict)
+    """sha256 of each local engine's model file by model id (the live dict; absent while hashing)."""
     clock: Callable[[], float] = time.monotonic
     on_event: Callable[..., None] = field(default=lambda *_a, **_k: None)
     """``on_event(type, **fields)``: the node's event hub (failovers show in ``/api/events``)."""
@@ -204,9 +212,46 @@ class MeshBackend:
         return answer
 
     async def _route(self, request: Routable) -> AsyncIterator[TunnelEvent]:
-        targets = self.router.order(request.model, local_models=self.engines.keys(), peers=self._peer_views(),
-                                    now=self.clock(), key=affinity_key(request),
-                                    local_free=self._local_free(request.model))
+        """The events of ``request``: fail over until the first event, then replay a generation whose
+        serving node fails mid-answer on another node (:mod:`meshllm.api.replay`)."""
+        progress = None if isinstance(request, EmbedRequest) else Progress(seeded(request), self.replay)
+        target, first, events = await self._start(progress.request if progress else request,
+                                                  self._targets(request), progress)
+        while True:
+            failure: Exception | None = None
+            try:
+                event = first
+                while True:
+                    if progress is not None:
+                        progress.sent(event)
+                    yield event
+                    event = await anext(events)
+            except StopAsyncIteration:
+                pass
+            except Exception as exc:
+                failure = exc
+            finally:
+                await _aclose(events)
+            if failure is None:
+                self.router.record_success(target.node_id)
+                return
+            self.router.record_failure(target.node_id, self.clock())
+            if progress is None or progress.why_not(failure) is not None:
+                raise failure
+            target, first, events = await self._replay(progress, target, failure)
+
+    def _targets(self, request: Routable) -> list[Target]:
+        """Where ``request`` can run, best first (empty: nowhere)."""
+        model = request.model
+        return self.router.order(model, local_models=self.engines.keys(), peers=self._peer_views(),
+                                 now=self.clock(), key=affinity_key(request), local_free=self._local_free(model))
+
+    async def _start(self, request: Routable, targets: Sequence[Target], progress: Progress | None = None,
+                     ) -> tuple[Target, TunnelEvent, AsyncIterator[TunnelEvent]]:
+        """The first target of ``targets`` that answers: it, its first event, and the rest of its events.
+
+        A target that fails before its first event (and not because of the request) is skipped.
+        """
         if not targets:
             if self._known_anywhere(request.model):
                 raise NoCapacity(f"no reachable node serves {request.model!r} right now "
@@ -215,7 +260,7 @@ class MeshBackend:
         attempt = Attempt(targets, self.router)
         failures: list[tuple[Target, BaseException]] = []
         while (target := attempt.next_target()) is not None:
-            events = self._open(target, request)
+            events = self._open(target, request, progress)
             try:
                 first = await _first(events, self._name(target))
             except Exception as exc:
@@ -228,18 +273,50 @@ class MeshBackend:
                               error=str(exc), status=classify(exc)[0])
                 continue
             attempt.first_byte()
-            try:
-                yield first
-                async for event in events:
-                    yield event
-            except Exception:
-                attempt.failed(self.clock())
-                raise
-            finally:
-                await _aclose(events)
-            attempt.succeeded()
-            return
+            if progress is not None and target.local and not progress.model_sha256:
+                progress.model_sha256 = self.hashes.get(request.model)
+            return target, first, events
         raise self._exhausted(request.model, failures)
+
+    async def _replay(self, progress: Progress, failed: Target, exc: Exception,
+                      ) -> tuple[Target, TunnelEvent, AsyncIterator[TunnelEvent]]:
+        """Continue ``progress``'s generation on another node after ``failed`` broke it with ``exc``.
+
+        Raises ``exc`` itself when no other node serves the model (the request ends as it would
+        without replay), or an :class:`UpstreamError` naming both failures when the replay failed.
+        """
+        request = progress.begin(failed.node_id)
+        model, tokens, name = request.model, len(request.continuation), self._name(failed)
+        pin = progress.model_sha256
+        targets = [t for t in self._targets(request) if t.node_id not in progress.failed
+                   and not (t.local and pin and self.hashes.get(model) != pin)]
+        if not targets:
+            self.counters.replays_impossible += 1
+            why = f"no other node serves {model!r}"
+            self.on_event("request_not_replayed", model=model, node_id=failed.node_id, error=str(exc), reason=why)
+            log.warning("%s failed mid-answer and %s: %s", name, why, exc)
+            raise exc
+        self.counters.replays += 1
+        self.on_event("request_replay", model=model, node_id=failed.node_id, error=str(exc), tokens=tokens,
+                      replay=progress.replays)
+        started = self.clock()
+        try:
+            async with asyncio.timeout(self.replay.first_event_s):
+                target, first, events = await self._start(request, targets, progress)
+        except Exception as again:
+            self.counters.replays_failed += 1
+            why = f"no first event within {self.replay.first_event_s:g}s" if isinstance(again, TimeoutError) \
+                else str(again)
+            self.on_event("request_replay_failed", model=model, node_id=failed.node_id, error=why,
+                          replay=progress.replays)
+            log.warning("%s failed mid-answer (%s); continuing it elsewhere failed too: %s", name, exc, why)
+            raise UpstreamError(f"{exc}; continuing the answer on another node failed: {why}") from again
+        took_ms = round((self.clock() - started) * 1000)
+        self.on_event("request_replayed", model=model, node_id=target.node_id, from_node_id=failed.node_id,
+                      tokens=tokens, replay=progress.replays, took_ms=took_ms)
+        log.info("%s failed mid-answer (%s); %s continues it after %d tokens (%d ms)", name, exc,
+                 self._name(target), tokens, took_ms)
+        return target, first, events
 
     def _exhausted(self, model: str, failures: list[tuple[Target, BaseException]]) -> ApiError:
         """The error after every target failed: a timeout stays 504; every node busy is a 429 with
@@ -252,9 +329,9 @@ class MeshBackend:
             return Saturated(f"every node serving {model!r} is busy ({why})", retry_after_s=min(hints, default=1.0))
         return NoCapacity(f"every node serving {model!r} failed ({why})")
 
-    def _open(self, target: Target, request: Routable) -> AsyncIterator[TunnelEvent]:
+    def _open(self, target: Target, request: Routable, progress: Progress | None) -> AsyncIterator[TunnelEvent]:
         if not target.local:
-            return self._remote(target.node_id, request)
+            return self._remote(target.node_id, request, progress)
         engine = self.engines[request.model]
         if isinstance(request, EmbedRequest):
             return embed_stream(engine, request)
@@ -267,8 +344,12 @@ class MeshBackend:
         record = self._alive_records().get(target.node_id)
         return f"node {record.name if record is not None and record.name else short(target.node_id)}"
 
-    async def _remote(self, node_id: str, request: Routable) -> AsyncIterator[TunnelEvent]:
-        """One request through the tunnel to ``node_id``; every wait has a deadline."""
+    async def _remote(self, node_id: str, request: Routable, progress: Progress | None) -> AsyncIterator[TunnelEvent]:
+        """One request through the tunnel to ``node_id``; every wait has a deadline.
+
+        A replay (``progress`` holding the first node's model sha256) may only run on that file; the
+        first node's sha256, when it tells it, is kept in ``progress`` for later replays.
+        """
         dl = self.deadlines
         name = self._name(Target(node_id))
         call = _Call(node_id)
@@ -277,7 +358,8 @@ class MeshBackend:
         try:
             conn = await self._connection(node_id, name)
             call.stream = await conn.open_stream(STREAM_KIND)
-            await call.stream.send(client.start(uuid.uuid4().hex, request, int(dl.total_s * 1000)),
+            pin = progress.model_sha256 if progress is not None and progress.replays else None
+            await call.stream.send(client.start(uuid.uuid4().hex, request, int(dl.total_s * 1000), pin or ""),
                                    timeout=dl.connect_s)
             end = self.clock() + dl.total_s
             wait = dl.first_byte_s
@@ -292,7 +374,10 @@ class MeshBackend:
                 if frame is None:
                     client.stream_ended()
                     return
-                yield client.receive(frame)
+                event = client.receive(frame)
+                if progress is not None and not progress.model_sha256 and client.model_sha256:
+                    progress.model_sha256 = client.model_sha256
+                yield event
                 wait = dl.idle_s
         except StreamClosed as exc:
             raise UpstreamError(f"{name} {call.lost or f'dropped the request ({exc})'}; retry the request") from None

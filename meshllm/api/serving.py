@@ -15,12 +15,14 @@ import asyncio
 import contextlib
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from meshllm.api.counters import RequestCounters
 from meshllm.api.events import EventHub
 from meshllm.api.limits import ApiLimits, Slots
 from meshllm.api.mesh_backend import MeshBackend
+from meshllm.api.replay import ReplayPolicy
 from meshllm.api.tunnel import STREAM_KIND
 from meshllm.api.tunnel_serve import TunnelService
 from meshllm.engine.base import DEFAULT_MAX_TOKENS, Engine
@@ -29,7 +31,7 @@ from meshllm.engine.llama import LlamaEngine
 from meshllm.errors import ConfigError
 from meshllm.mesh.records import Load, Models, ServedModel
 from meshllm.mesh.service import MeshService
-from meshllm.models.refs import resolve_model
+from meshllm.models.refs import ModelRef, resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +42,23 @@ ENGINES = ("llama", "ggml")
 class Serving:
     """Engines of this node, the backend the API routes call, and the tunnel peers call."""
 
-    def __init__(self, node_id: str, mesh: MeshService, events: EventHub, limits: ApiLimits | None = None) -> None:
+    def __init__(self, node_id: str, mesh: MeshService, events: EventHub, limits: ApiLimits | None = None,
+                 hash_cache: Path | None = None, replay: ReplayPolicy | None = None) -> None:
+        """``hash_cache``: JSON file remembering model sha256s (a replay only continues on the same file);
+        ``replay``: how routed generations broken mid-answer are continued elsewhere."""
         self.node_id = node_id
         self.mesh = mesh
         self.events = events
         self.engines: dict[str, Engine] = {}
+        self.hashes: dict[str, str] = {}
+        """sha256 of each engine's model file, by model id (filled in the background after loading)."""
+        self.hash_cache = hash_cache
         self.counters = RequestCounters()
-        self.backend = MeshBackend(node_id, self.engines, mesh, counters=self.counters, on_event=events.publish)
-        self.tunnel = TunnelService(self.engines, Slots((limits or ApiLimits()).max_concurrent), self.counters)
+        self.backend = MeshBackend(node_id, self.engines, mesh, counters=self.counters, on_event=events.publish,
+                                   replay=replay or ReplayPolicy(), hashes=self.hashes)
+        self.tunnel = TunnelService(self.engines, Slots((limits or ApiLimits()).max_concurrent), self.counters,
+                                    self.hashes)
+        self._hashing: set[asyncio.Task[None]] = set()
         assert mesh.endpoint is not None
         mesh.endpoint.on_stream(STREAM_KIND, self.tunnel.handle)
         self._load_task: asyncio.Task[None] | None = None
@@ -72,6 +83,7 @@ class Serving:
             started = time.monotonic()
             await instance.load()
             self.engines[instance.model_id] = instance
+            self._hash(ref, instance.model_id)
             self.events.publish("model_ready", model=instance.model_id, engine=engine,
                                 context=instance.context_length, slots=instance.load_report().slots,
                                 load_s=round(time.monotonic() - started, 2))
@@ -80,9 +92,27 @@ class Serving:
         ]))
         self._load_task = asyncio.create_task(self._publish_load(), name="publish-load")
 
-    def add_engine(self, engine: Engine) -> None:
+    def add_engine(self, engine: Engine, sha256: str | None = None) -> None:
         """Serve an engine built elsewhere (a split model's chain) as a local model; its owner announces it."""
         self.engines[engine.model_id] = engine
+        if sha256:
+            self.hashes[engine.model_id] = sha256
+
+    def _hash(self, ref: ModelRef, model_id: str) -> None:
+        """Learn the model file's sha256 without holding up serving (a big file takes seconds)."""
+        if ref.sha256:
+            self.hashes[model_id] = ref.sha256
+            return
+
+        async def run() -> None:
+            try:
+                self.hashes[model_id] = (await asyncio.to_thread(ref.hashed, self.hash_cache)).sha256 or ""
+            except OSError as exc:
+                log.warning("cannot hash %s (replays of its requests take any file of that name): %s", ref.path, exc)
+
+        task = asyncio.create_task(run(), name=f"hash-{model_id}")
+        self._hashing.add(task)
+        task.add_done_callback(self._hashing.discard)
 
     @staticmethod
     def _make_engine(engine: str, ref: Any, threads: int | None, gpu_layers: int | None, parallel: int | None,
@@ -116,6 +146,8 @@ class Serving:
     async def close(self) -> None:
         if self._load_task is not None:
             self._load_task.cancel()
+        for task in list(self._hashing):
+            task.cancel()
         for engine in self.engines.values():
             with contextlib.suppress(Exception):
                 await engine.close()

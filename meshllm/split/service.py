@@ -106,7 +106,7 @@ class SplitService:
         for ref, profile in self._pending:
             engine = SplitEngine(ref.path, ref.model_id, self.options.context)
             await engine.load()
-            self.serving.add_engine(engine)
+            self.serving.add_engine(engine, ref.sha256)
             placement = SplitPlacement(
                 own=self._own, members=self._members, rtt=self._rtt, server=self.server, engine=engine, ref=ref,
                 options=self.options, budget=self.budget, publish=self.events.publish,
