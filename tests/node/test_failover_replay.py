@@ -1,0 +1,161 @@
+"""A serving node killed mid-answer is invisible to the client: real nodes, ``kill -9``, the stream goes on.
+
+Nodes A1 and A2 serve the same model; a ``--client`` node C routes. A request with a ``user`` goes to
+its affinity node (rendezvous hashing), so the test knows which node to kill. The model is a
+random-weight llama wide enough to take a second or more for 200 tokens, so the kill lands mid-answer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from nodes import NodeProcess, running_nodes, wait_until
+from tinymodels import write_tiny_llama
+
+from meshllm.api.router import rendezvous_score
+
+pytestmark = pytest.mark.timeout(240)
+
+MODEL = "wide"
+USER = "session-7"
+KILL_AT = 50
+"""Chunks the client has read when the serving node is killed."""
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """6 ms a token here: 200 tokens take a second or more, long enough to kill the server in the middle,
+    while replaying 50 of them (one decode step each, docs/api.md) stays well under the 1.5 s bound."""
+    return write_tiny_llama(tmp_path_factory.mktemp("models") / f"{MODEL}.gguf", seed=3, width=384, n_layers=6,
+                            heads=6, kv_heads=3, ffn=1536)
+
+
+def client_of(node: NodeProcess, timeout: float = 60.0) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{node.api}/v1", api_key="unused", max_retries=0, timeout=timeout)
+
+
+def serving(node: NodeProcess) -> list[str]:
+    data = httpx.get(f"{node.api}/v1/models", timeout=5).json()["data"]
+    return next((m["nodes"] for m in data if m["id"] == MODEL), [])
+
+
+@pytest.fixture
+def mesh(tmp_path: Path, gguf: Path) -> Iterator[tuple[NodeProcess, NodeProcess, NodeProcess]]:
+    """(owner of USER's affinity, the other server, client C); the owner is the one to kill."""
+    with running_nodes() as nodes:
+        a1 = NodeProcess(tmp_path / "a1", ["--model", str(gguf), "--threads", "1"], "a1")
+        nodes.append(a1)
+        token = a1.wait_ready()["invite"]
+        a2 = NodeProcess(tmp_path / "a2", ["--model", str(gguf), "--threads", "1", "--join", token], "a2")
+        c = NodeProcess(tmp_path / "c", ["--client", "--join", token], "c")
+        nodes.extend([a2, c])
+        a2.wait_ready()
+        c.wait_ready()
+        wait_until(lambda: len(serving(c)) == 2, 20.0)
+        owner = max((a1, a2), key=lambda s: (rendezvous_score(f"user:{USER}", s.node_id), s.node_id))
+        yield owner, a2 if owner is a1 else a1, c
+
+
+def stream_and_kill(c: NodeProcess, victim: NodeProcess | None, **request: Any) -> tuple[str, list[float], Any]:
+    """Stream a completion from C, killing ``victim`` after KILL_AT chunks: text, gaps between chunks, usage."""
+    chunks = client_of(c).completions.create(model=MODEL, prompt="The tale of", max_tokens=200, user=USER,
+                                             stream=True, stream_options={"include_usage": True}, **request)
+    text, times, usage, ids = "", [], None, set()
+    for i, chunk in enumerate(chunks):
+        times.append(time.monotonic())
+        ids.add(chunk.id)
+        if chunk.choices:
+            text += chunk.choices[0].text
+        usage = chunk.usage or usage
+        if i + 1 == KILL_AT and victim is not None:
+            victim.kill()
+    assert len(ids) == 1, "one id for the whole stream"
+    return text, [b - a for a, b in itertools.pairwise(times)], usage
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.9, "seed": 1234}],
+                         ids=["greedy", "seeded"])
+def test_stream_continues_on_the_other_node_with_the_uninterrupted_text(
+        mesh: tuple[NodeProcess, NodeProcess, NodeProcess], sampling: dict[str, Any]) -> None:
+    owner, other, c = mesh
+    reference, _, ref_usage = stream_and_kill(c, None, **sampling)
+    assert owner.status()["requests"]["served_for_peers"] == 1  # the affinity node served it
+    text, gaps, usage = stream_and_kill(c, owner, **sampling)
+    longest = max(gaps)
+    replayed = c.wait_event(lambda e: e["type"] == "request_replayed", 5.0)
+    print(f"{sampling}: {len(reference)} chars; killed after {KILL_AT} chunks, continued on the other node "
+          f"after {replayed['tokens']} tokens ({replayed['took_ms']} ms to its first event); "
+          f"longest gap between chunks {longest:.2f} s")
+    assert owner.proc.returncode is not None  # really killed mid-answer (the stream was still going)
+    assert replayed["from_node_id"] == owner.node_id and replayed["node_id"] == other.node_id
+    assert 0 < replayed["tokens"] < 200
+    assert text == reference
+    assert usage.completion_tokens == ref_usage.completion_tokens == 200
+    assert usage.prompt_tokens == ref_usage.prompt_tokens
+    assert longest <= 1.5
+    requests = c.status()["requests"]
+    assert requests["replays"] == 1 and requests["failed"] == 0 and requests["replays_failed"] == 0
+
+
+def test_non_streamed_answer_survives_the_kill(mesh: tuple[NodeProcess, NodeProcess, NodeProcess]) -> None:
+    owner, other, c = mesh
+    messages = [{"role": "user", "content": "Tell me a long story."}]
+    chat = client_of(c).chat.completions
+    reference = chat.create(model=MODEL, messages=messages, max_tokens=200, user=USER, seed=5,  # type: ignore[arg-type]
+                            temperature=0.7)
+    assert reference.usage is not None and reference.usage.completion_tokens == 200
+
+    result: dict[str, Any] = {}
+
+    def ask() -> None:
+        result["reply"] = chat.create(model=MODEL, messages=messages, max_tokens=200, user=USER, seed=5,  # type: ignore[arg-type]
+                                      temperature=0.7)
+
+    asking = threading.Thread(target=ask)
+    asking.start()
+    # kill once the owner's engine runs the request (its record's load says so within ~2 s; we poll its status)
+    wait_until(lambda: owner.status()["requests"]["served_for_peers"] == 2, 10.0, interval=0.02)
+    time.sleep(0.5)
+    owner.kill()
+    asking.join(60)
+    reply = result["reply"]
+    replayed = c.wait_event(lambda e: e["type"] == "request_replayed", 5.0)
+    print(f"non-streamed: continued on the other node after {replayed['tokens']} tokens")
+    assert replayed["node_id"] == other.node_id and 0 < replayed["tokens"] < 200
+    assert reply.choices[0].message.content == reference.choices[0].message.content
+    assert reply.choices[0].finish_reason == reference.choices[0].finish_reason == "length"
+    assert reply.usage is not None and reply.usage.completion_tokens == 200
+    assert reply.usage.prompt_tokens == reference.usage.prompt_tokens
+
+
+def test_with_no_other_node_the_stream_ends_with_the_clean_error(tmp_path: Path, gguf: Path) -> None:
+    with running_nodes() as nodes:
+        a = NodeProcess(tmp_path / "a", ["--model", str(gguf), "--threads", "1"], "a")
+        nodes.append(a)
+        token = a.wait_ready()["invite"]
+        c = NodeProcess(tmp_path / "c", ["--client", "--join", token], "c")
+        nodes.append(c)
+        c.wait_ready()
+        wait_until(lambda: len(serving(c)) == 1, 20.0)
+        killed_at = 0.0
+        with pytest.raises(openai.APIError) as caught:
+            for i, _chunk in enumerate(client_of(c).completions.create(model=MODEL, prompt="a", max_tokens=200,
+                                                                       temperature=0, stream=True)):
+                if i + 1 == KILL_AT:
+                    a.kill()
+                    killed_at = time.monotonic()
+        ended = time.monotonic() - killed_at
+        print(f"no replacement: stream error {ended:.2f} s after kill -9: {caught.value}")
+        assert killed_at and ended < 1.5
+        assert "unreachable" in str(caught.value) and "retry the request" in str(caught.value)
+        event = c.wait_event(lambda e: e["type"] == "request_not_replayed", 2.0)
+        assert event["reason"] == f"no other node serves {MODEL!r}"
+        assert c.status()["requests"]["replays_impossible"] == 1
