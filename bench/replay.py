@@ -1,0 +1,138 @@
+"""The gap a client sees when the node serving its stream is killed: uninterrupted vs ``kill -9`` + replay.
+
+Real nodes: ``servers`` nodes serve the model, a ``--client`` node C routes. For each kill point
+``k`` the same greedy 200-token stream is read from C twice, back to back: once uninterrupted (the
+reference), once with the serving node killed (``kill -9``) after ``k`` chunks. The router replays the
+request on another node, which decodes the ``k``-odd tokens already sent one per step (that is what
+keeps the text exact) and continues. Each killed run uses up one server (the request's affinity node,
+so the victim is known in advance), hence ``servers = kill points x rounds + 1``.
+
+Reported per kill point (medians over rounds): the longest gap between two chunks uninterrupted and
+with the kill, their ratio, the replay's own share (from the failure to the replacement's first
+event, the ``request_replayed`` event's ``took_ms``), the rest (the kill noticed: the transport's
+probes), and whether the text was exactly the reference's.
+
+    .venv/bin/python bench/replay.py [--model default|PATH] [--kill-at 10 50 100] [--rounds 1] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import itertools
+
+from nodes import NodeProcess, running_nodes, wait_until
+
+from meshllm.api.router import rendezvous_score
+from meshllm.models.refs import model_id_for, resolve_model
+
+MAX_TOKENS = 200
+THREADS = 1
+PROMPT = "The history of the printing press begins in the fifteenth century, when"
+
+
+def stream(http: httpx.Client, c: NodeProcess, model: str, user: str, kill: NodeProcess | None,
+           kill_at: int) -> tuple[str, list[float]]:
+    """Read one greedy stream from C (killing ``kill`` after ``kill_at`` chunks): text, gaps between chunks."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
+            "user": user}
+    text, times = "", []
+    with http.stream("POST", f"{c.api}/v1/completions", json=body, timeout=120) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"the stream failed: {chunk['error']}")
+            times.append(time.perf_counter())
+            text += chunk["choices"][0]["text"] if chunk.get("choices") else ""
+            if kill is not None and len(times) == kill_at:
+                kill.kill()
+    return text, [b - a for a, b in itertools.pairwise(times)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="default", help="default, or a GGUF path")
+    parser.add_argument("--kill-at", type=int, nargs="+", default=[10, 50, 100])
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "replay.json")
+    args = parser.parse_args()
+
+    spec = args.model
+    model = resolve_model(spec, progress=False).model_id if spec == "default" else model_id_for(Path(spec))
+    n_servers = len(args.kill_at) * args.rounds + 1
+    runs: dict[int, list[dict[str, Any]]] = {k: [] for k in args.kill_at}
+    with tempfile.TemporaryDirectory() as tmp, running_nodes() as nodes, httpx.Client(trust_env=False) as http:
+        first = NodeProcess(Path(tmp) / "s0", ["--model", spec, "--threads", str(THREADS)], "s0")
+        nodes.append(first)
+        token = first.wait_ready()["invite"]
+        servers = [first] + [NodeProcess(Path(tmp) / f"s{i}", ["--model", spec, "--threads", str(THREADS),
+                                                               "--join", token], f"s{i}") for i in range(1, n_servers)]
+        c = NodeProcess(Path(tmp) / "c", ["--client", "--join", token], "c")
+        nodes.extend([*servers[1:], c])
+        for node in [*servers[1:], c]:
+            node.wait_ready(120)
+
+        def listed() -> int:
+            data = httpx.get(f"{c.api}/v1/models", timeout=5).json()["data"]
+            return len(next((m["nodes"] for m in data if m["id"] == model), []))
+
+        wait_until(lambda: listed() == n_servers, 60)
+        alive = list(servers)
+        for rnd in range(args.rounds):
+            for k in args.kill_at:
+                user = f"bench-{rnd}-{k}"
+                victim = max(alive, key=lambda s, u=user: (rendezvous_score(f"user:{u}", s.node_id), s.node_id))
+                reference, ref_gaps = stream(http, c, model, user, None, k)
+                seen = len(c.events)
+                text, gaps = stream(http, c, model, user, victim, k)
+                alive.remove(victim)
+                replayed = c.wait_event(lambda e, s=seen: e["type"] == "request_replayed"
+                                        and c.events.index(e) >= s, 10)
+                runs[k].append({"exact": text == reference, "tokens_replayed": replayed["tokens"],
+                                "replay_ms": replayed["took_ms"], "max_gap_ms": max(gaps) * 1000,
+                                "ref_max_gap_ms": max(ref_gaps) * 1000,
+                                "ref_median_gap_ms": statistics.median(ref_gaps) * 1000})
+                left = len(alive)
+                wait_until(lambda n=left: listed() == n, 30)  # C has dropped the victim
+
+    rows = {}
+    for k, samples in runs.items():
+        med = {key: statistics.median(s[key] for s in samples)
+               for key in ("tokens_replayed", "replay_ms", "max_gap_ms", "ref_max_gap_ms", "ref_median_gap_ms")}
+        rows[k] = {**med, "gap_ratio": med["max_gap_ms"] / med["ref_max_gap_ms"],
+                   "noticed_ms": med["max_gap_ms"] - med["replay_ms"], "exact": all(s["exact"] for s in samples),
+                   "runs": len(samples)}
+    print(f"model {model}, {MAX_TOKENS} greedy tokens, kill -9 of the serving node after k chunks, "
+          f"{args.rounds} round(s), medians; load average {os.getloadavg()[0]:.2f}")
+    print(f"{'k':>4} {'replayed':>9} {'token ms':>9} {'max gap ms':>11} {'killed gap ms':>14} {'ratio':>6} "
+          f"{'replay ms':>10} {'noticed ms':>11} {'exact':>6}")
+    for k, r in rows.items():
+        print(f"{k:4d} {r['tokens_replayed']:9.0f} {r['ref_median_gap_ms']:9.1f} {r['ref_max_gap_ms']:11.0f} "
+              f"{r['max_gap_ms']:14.0f} {r['gap_ratio']:6.1f} {r['replay_ms']:10.0f} {r['noticed_ms']:11.0f} "
+              f"{'yes' if r['exact'] else 'NO':>6}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "bench": "replay", "when": datetime.now(UTC).isoformat(timespec="seconds"), "host": platform.node(),
+        "cpus": os.cpu_count(), "model": model, "max_tokens": MAX_TOKENS, "results": rows, "samples": runs},
+        indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
