@@ -4,8 +4,8 @@ Real nodes: ``servers`` nodes serve the model, a ``--client`` node C routes. For
 ``k`` the same greedy 200-token stream is read from C twice, back to back: once uninterrupted (the
 reference), once with the serving node killed (``kill -9``) after ``k`` chunks. The router replays the
 request on another node, which decodes the ``k``-odd tokens already sent one per step (that is what
-keeps the text exact) and continues. Each killed run uses up one server (the request's affinity node,
-so the victim is known in advance), hence ``servers = kill points x rounds + 1``.
+keeps the text exact) and continues. Each killed run uses up one server (the one serving it, found by
+its ``served_for_peers`` count), hence ``servers = kill points x rounds + 1``.
 
 Reported per kill point (medians over rounds): the longest gap between two chunks uninterrupted and
 with the kill, their ratio, the replay's own share (from the failure to the replacement's first
@@ -36,7 +36,6 @@ import itertools
 
 from nodes import NodeProcess, running_nodes, wait_until
 
-from meshllm.api.router import rendezvous_score
 from meshllm.models.refs import model_id_for, resolve_model
 
 MAX_TOKENS = 200
@@ -44,9 +43,17 @@ THREADS = 1
 PROMPT = "The history of the printing press begins in the fifteenth century, when"
 
 
-def stream(http: httpx.Client, c: NodeProcess, model: str, user: str, kill: NodeProcess | None,
-           kill_at: int) -> tuple[str, list[float]]:
-    """Read one greedy stream from C (killing ``kill`` after ``kill_at`` chunks): text, gaps between chunks."""
+def served(nodes: list[NodeProcess]) -> list[int]:
+    """Requests each node has served for peers so far."""
+    return [n.status()["requests"]["served_for_peers"] for n in nodes]
+
+
+def stream(http: httpx.Client, c: NodeProcess, model: str, user: str, servers: list[NodeProcess] | None,
+           kill_at: int) -> tuple[str, list[float], NodeProcess | None]:
+    """Read one greedy stream from C, killing the node serving it (one of ``servers``) after ``kill_at``
+    chunks: text, gaps between chunks, the node killed."""
+    before = served(servers) if servers else []
+    victim = None
     body = {"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
             "user": user}
     text, times = "", []
@@ -60,9 +67,10 @@ def stream(http: httpx.Client, c: NodeProcess, model: str, user: str, kill: Node
                 raise RuntimeError(f"the stream failed: {chunk['error']}")
             times.append(time.perf_counter())
             text += chunk["choices"][0]["text"] if chunk.get("choices") else ""
-            if kill is not None and len(times) == kill_at:
-                kill.kill()
-    return text, [b - a for a, b in itertools.pairwise(times)]
+            if servers and len(times) == kill_at:
+                victim = next(n for n, b, a in zip(servers, before, served(servers), strict=True) if a > b)
+                victim.kill()
+    return text, [b - a for a, b in itertools.pairwise(times)], victim
 
 
 def main() -> None:
@@ -97,10 +105,10 @@ def main() -> None:
         for rnd in range(args.rounds):
             for k in args.kill_at:
                 user = f"bench-{rnd}-{k}"
-                victim = max(alive, key=lambda s, u=user: (rendezvous_score(f"user:{u}", s.node_id), s.node_id))
-                reference, ref_gaps = stream(http, c, model, user, None, k)
+                reference, ref_gaps, _ = stream(http, c, model, user, None, k)
                 seen = len(c.events)
-                text, gaps = stream(http, c, model, user, victim, k)
+                text, gaps, victim = stream(http, c, model, user, alive, k)
+                assert victim is not None
                 alive.remove(victim)
                 replayed = c.wait_event(lambda e, s=seen: e["type"] == "request_replayed"
                                         and c.events.index(e) >= s, 10)

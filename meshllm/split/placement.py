@@ -30,7 +30,7 @@ from meshllm.models.gguf_file import GGUFFile
 from meshllm.models.refs import ModelRef
 from meshllm.split.control import Host, ask
 from meshllm.split.coordinator import Deadlines, SplitCoordinator
-from meshllm.split.engine import SplitEngine
+from meshllm.split.engine import NO_CHAIN, SplitEngine
 from meshllm.split.errors import SplitError, StageFailed
 from meshllm.split.frames import Hop
 from meshllm.split.planner import Candidate, ModelProfile, Plan, PlanOptions, plan
@@ -209,6 +209,8 @@ class SplitPlacement:
             "stages": [{"node_id": h.node_id, "name": names.get(h.node_id, h.node_id[:8]),
                         "layers": [h.layer_start, h.layer_end]} for h in self.chain],
             "predicted_ms_per_token": round(self.plan.total_s * 1e3, 3) if self.plan else None,
+            "replays": self.engine.replays,
+            "replays_failed": self.engine.replays_failed,
         }
 
     def names(self) -> dict[str, str]:
@@ -230,7 +232,7 @@ class SplitPlacement:
             try:
                 await self._place()
             except (MeshllmError, OSError) as exc:
-                reason = f"no chain yet: {exc}"
+                reason = f"{NO_CHAIN}: {exc}"
                 if reason != self.engine.unavailable:
                     log.info("split %s: %s", self.engine.model_id, exc)
                     self.publish("split_waiting", model=self.engine.model_id, reason=str(exc))

@@ -104,7 +104,8 @@ class SplitService:
     async def start(self) -> None:
         """Register a :class:`SplitEngine` per split model and start placing its chain."""
         for ref, profile in self._pending:
-            engine = SplitEngine(ref.path, ref.model_id, self.options.context)
+            engine = SplitEngine(ref.path, ref.model_id, self.options.context,
+                                 max_replays=self.serving.backend.replay.max_replays, on_event=self.events.publish)
             await engine.load()
             self.serving.add_engine(engine, ref.sha256)
             placement = SplitPlacement(
