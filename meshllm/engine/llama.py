@@ -17,7 +17,8 @@ would compute. Whether it depends on what runs *beside* it is up to llama.cpp's 
 matmul is off, which leaves kernels that compute a row the same way in any batch, except that a
 lone row of float weights differs from a pair (measured at load, :func:`lone_row_differs`); then
 every call gets a second row (a padding row in a neighbouring sequence, or the prompt's last two
-positions). A continuation is decoded token by token, as its first engine did. docs/llama-engine.md
+positions). A continuation is decoded token by token, as its first engine did (without the output
+head where the kernels are row-exact: its next token is known). docs/llama-engine.md
 has the measurements.
 
 Closing a request's iterator frees its slot at the next step boundary (one step: milliseconds on
@@ -93,6 +94,8 @@ class EngineStats:
     decode_calls: int = 0
     decode_rows: int = 0
     """Generated tokens decoded, over ``decode_calls`` batches (their ratio is the mean batch)."""
+    headless_rows: int = 0
+    """Of ``decode_rows``, continuation tokens decoded without the output head (their next token is known)."""
     prefill_chunks: int = 0
 
 
@@ -467,7 +470,7 @@ class LlamaEngine(Engine):
         tokens = [e.token if isinstance(e, DecodeRow) else e[0] for e in segment]
         pos = [e.pos if isinstance(e, DecodeRow) else e[1] for e in segment]
         seqs = [e.slot if isinstance(e, DecodeRow) else e[2] for e in segment]
-        outputs = [isinstance(e, DecodeRow) for e in segment]
+        outputs = [isinstance(e, DecodeRow) and self._needs_logits(e.slot) for e in segment]
         if self.pad_lone_rows and len(real) == 1:  # a second output row, so the lone row computes as in a batch
             if pads:
                 outputs[segment.index(pads[0])] = True
@@ -483,11 +486,21 @@ class LlamaEngine(Engine):
         self._costs.observe(len(tokens), time.perf_counter() - started)
         self.stats.decode_calls += 1
         self.stats.decode_rows += len(real)
+        self.stats.headless_rows += sum(not outputs[i] for i, _ in real)
         assert self._sched is not None
         for i, row in real:
             with self._cond:
                 self._sched.decoded(row.slot)
-            self._after_logits(row.slot, self._ctx.logits(i))
+            self._after_logits(row.slot, self._ctx.logits(i) if outputs[i] else None)
+
+    def _needs_logits(self, index: int) -> bool:
+        """Whether slot ``index``'s decode row needs its logits: not while it replays a continuation (the
+        next token is known), unless every row must output (padding on: output rows change the head's
+        kernel). Skipping the head makes a replayed token cost the layers only (on the default model the
+        262k-row head is over half of a decode step)."""
+        assert self._sched is not None
+        job = self._sched.slots[index].job
+        return self.pad_lone_rows or job is None or not job.forced
 
     def _prefill(self, chunk: Chunk) -> None:
         """One grid chunk of a prompt; its last chunk gives the first token."""
@@ -524,8 +537,9 @@ class LlamaEngine(Engine):
         at = self._ctx.length(seq)
         return (token, at, seq) if at < self._ctx.n_ctx_seq else None
 
-    def _after_logits(self, index: int, logits: np.ndarray) -> None:
-        """Sample the slot's next token, send its text, and continue or finish the request."""
+    def _after_logits(self, index: int, logits: np.ndarray | None) -> None:
+        """Sample the slot's next token, send its text, and continue or finish the request
+        (``logits`` is ``None`` only for a row of a continuation, whose next token is known)."""
         assert self._sched is not None
         job = self._sched.slots[index].job
         if job is None or job.cancelled:
@@ -534,6 +548,7 @@ class LlamaEngine(Engine):
             with self._cond:
                 self._sched.sampled(index, job.forced.popleft())
             return
+        assert logits is not None
         try:
             token = job.sampler.sample(logits, job.text.generated)
             if token is None:  # the grammar allows nothing more: the text is complete

@@ -13,7 +13,9 @@ import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
+from gguf import GGMLQuantizationType
 from tinymodels import write_tiny_llama
 
 from meshllm.api.errors import BadRequest, NoCapacity, UpstreamError, UpstreamTimeout
@@ -146,3 +148,21 @@ def test_a_stop_string_held_back_at_the_cut_is_still_found(engines: tuple[LlamaE
         for event in full[:cut]:
             progress.sent(event)
         assert seen(full[:cut] + asyncio.run(events_of(second, progress.begin("first")))) == seen(full)
+
+
+def test_replayed_tokens_skip_the_output_head_and_change_nothing(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """With row-exact kernels (a quantized model here) a continuation's rows compute the layers only: the
+    next token is known, so the head (over half of a decode step on a 262k vocabulary) is skipped."""
+    path = write_tiny_llama(tmp_path_factory.mktemp("q8") / "q8.gguf", seed=4, weight_type=GGMLQuantizationType.Q8_0)
+    engine = LlamaEngine(path, n_ctx=512, n_threads=1, parallel=2)
+    asyncio.run(engine.load())
+    try:
+        assert not engine.pad_lone_rows  # a lone row computes as in a batch: output rows may vary
+        request = completion(temperature=0.0, max_tokens=40)
+        tokens = [t for e in asyncio.run(events_of(engine, request)) if isinstance(e, TextDelta) for t in e.tokens]
+        before = engine.stats.headless_rows
+        resumed = asyncio.run(events_of(engine, msgspec.structs.replace(request, continuation=tuple(tokens[:30]))))
+        assert [t for e in resumed if isinstance(e, TextDelta) for t in e.tokens] == tokens[30:]
+        assert engine.stats.headless_rows - before == 29  # the 30th row's logits give the 31st token
+    finally:
+        asyncio.run(engine.close())
