@@ -1,11 +1,11 @@
 """The gap a client sees when the node serving its stream is killed: uninterrupted vs ``kill -9`` + replay.
 
-Real nodes: ``servers`` nodes serve the model, a ``--client`` node C routes. For each kill point
+Real nodes: two nodes serve the model, a ``--client`` node C routes. For each kill point
 ``k`` the same greedy 200-token stream is read from C twice, back to back: once uninterrupted (the
 reference), once with the serving node killed (``kill -9``) after ``k`` chunks. The router replays the
 request on another node, which decodes the ``k``-odd tokens already sent one per step (that is what
-keeps the text exact) and continues. Each killed run uses up one server (the one serving it, found by
-its ``served_for_peers`` count), hence ``servers = kill points x rounds + 1``.
+keeps the text exact) and continues. Each kill runs in a fresh mesh of two servers and C; the node
+killed is the one serving the stream (found by its ``served_for_peers`` count).
 
 Reported per kill point (medians over rounds): the longest gap between two chunks uninterrupted and
 with the kill, their ratio, the replay's own share (from the failure to the replacement's first
@@ -73,6 +73,33 @@ def stream(http: httpx.Client, c: NodeProcess, model: str, user: str, servers: l
     return text, [b - a for a, b in itertools.pairwise(times)], victim
 
 
+def one_kill(http: httpx.Client, spec: str, model: str, k: int, user: str) -> dict[str, Any]:
+    """A fresh mesh (two servers, client C): the reference stream, then the stream whose server is killed.
+
+    A fresh mesh per kill, because after a kill the surviving accuser's down notices get it cut off
+    by the others for a minute (``peer_cooled``: "down notices faster than any honest accuser signs
+    them"), which would leave a second replay nowhere to go.
+    """
+    with tempfile.TemporaryDirectory() as tmp, running_nodes() as nodes:
+        first = NodeProcess(Path(tmp) / "s0", ["--model", spec, "--threads", str(THREADS)], "s0")
+        nodes.append(first)
+        token = first.wait_ready(120)["invite"]
+        second = NodeProcess(Path(tmp) / "s1", ["--model", spec, "--threads", str(THREADS), "--join", token], "s1")
+        c = NodeProcess(Path(tmp) / "c", ["--client", "--join", token], "c")
+        nodes.extend([second, c])
+        for node in (second, c):
+            node.wait_ready(120)
+        wait_until(lambda: len(next((m["nodes"] for m in httpx.get(f"{c.api}/v1/models", timeout=5).json()["data"]
+                                     if m["id"] == model), [])) == 2, 60)
+        reference, ref_gaps, _ = stream(http, c, model, user, None, k)
+        text, gaps, victim = stream(http, c, model, user, [first, second], k)
+        assert victim is not None
+        replayed = c.wait_event(lambda e: e["type"] == "request_replayed", 10)
+        return {"exact": text == reference, "tokens_replayed": replayed["tokens"],
+                "replay_ms": replayed["took_ms"], "max_gap_ms": max(gaps) * 1000,
+                "ref_max_gap_ms": max(ref_gaps) * 1000, "ref_median_gap_ms": statistics.median(ref_gaps) * 1000}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default", help="default, or a GGUF path")
@@ -83,41 +110,11 @@ def main() -> None:
 
     spec = args.model
     model = resolve_model(spec, progress=False).model_id if spec == "default" else model_id_for(Path(spec))
-    n_servers = len(args.kill_at) * args.rounds + 1
     runs: dict[int, list[dict[str, Any]]] = {k: [] for k in args.kill_at}
-    with tempfile.TemporaryDirectory() as tmp, running_nodes() as nodes, httpx.Client(trust_env=False) as http:
-        first = NodeProcess(Path(tmp) / "s0", ["--model", spec, "--threads", str(THREADS)], "s0")
-        nodes.append(first)
-        token = first.wait_ready()["invite"]
-        servers = [first] + [NodeProcess(Path(tmp) / f"s{i}", ["--model", spec, "--threads", str(THREADS),
-                                                               "--join", token], f"s{i}") for i in range(1, n_servers)]
-        c = NodeProcess(Path(tmp) / "c", ["--client", "--join", token], "c")
-        nodes.extend([*servers[1:], c])
-        for node in [*servers[1:], c]:
-            node.wait_ready(120)
-
-        def listed() -> int:
-            data = httpx.get(f"{c.api}/v1/models", timeout=5).json()["data"]
-            return len(next((m["nodes"] for m in data if m["id"] == model), []))
-
-        wait_until(lambda: listed() == n_servers, 60)
-        alive = list(servers)
+    with httpx.Client(trust_env=False) as http:
         for rnd in range(args.rounds):
             for k in args.kill_at:
-                user = f"bench-{rnd}-{k}"
-                reference, ref_gaps, _ = stream(http, c, model, user, None, k)
-                seen = len(c.events)
-                text, gaps, victim = stream(http, c, model, user, alive, k)
-                assert victim is not None
-                alive.remove(victim)
-                replayed = c.wait_event(lambda e, s=seen: e["type"] == "request_replayed"
-                                        and c.events.index(e) >= s, 10)
-                runs[k].append({"exact": text == reference, "tokens_replayed": replayed["tokens"],
-                                "replay_ms": replayed["took_ms"], "max_gap_ms": max(gaps) * 1000,
-                                "ref_max_gap_ms": max(ref_gaps) * 1000,
-                                "ref_median_gap_ms": statistics.median(ref_gaps) * 1000})
-                left = len(alive)
-                wait_until(lambda n=left: listed() == n, 30)  # C has dropped the victim
+                runs[k].append(one_kill(http, spec, model, k, f"bench-{rnd}-{k}"))
 
     rows = {}
     for k, samples in runs.items():

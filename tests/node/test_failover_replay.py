@@ -10,10 +10,11 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -173,3 +174,81 @@ def test_with_no_other_node_the_stream_ends_with_the_clean_error(tmp_path: Path,
         event = c.wait_event(lambda e: e["type"] == "request_not_replayed", 2.0)
         assert event["reason"] == f"no other node serves {MODEL!r}"
         assert c.status()["requests"]["replays_impossible"] == 1
+
+
+Seen = tuple[str, int, str]
+"""What a client saw: the text, the completion tokens, why it ended."""
+
+
+def chat_stream(c: NodeProcess, kill: Callable[[], None]) -> Seen:
+    """Seeded chat completion, streamed (``kill`` runs after KILL_AT chunks)."""
+    chunks = client_of(c).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": ASK}], max_tokens=200, seed=9, stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True}, temperature=0.8, top_p=0.95)
+    text, ids, usage, reason = "", set(), 0, ""
+    for i, chunk in enumerate(chunks):
+        ids.add(chunk.id)
+        text += (chunk.choices[0].delta.content or "") if chunk.choices else ""
+        reason = (chunk.choices[0].finish_reason or reason) if chunk.choices else reason
+        usage = chunk.usage.completion_tokens if chunk.usage else usage
+        if i + 1 == KILL_AT:
+            kill()
+    assert len(ids) == 1
+    return text, usage, reason
+
+
+def responses_stream(c: NodeProcess, kill: Callable[[], None]) -> Seen:
+    """Responses API, streamed, greedy (it has no seed)."""
+    final = None
+    with client_of(c).responses.stream(model=MODEL, input=ASK, max_output_tokens=200, temperature=0) as stream:
+        deltas = 0
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                deltas += 1
+                if deltas == KILL_AT:
+                    kill()
+            elif event.type in ("response.completed", "response.incomplete"):  # the helper wants "completed"
+                final = event.response
+    assert final is not None and final.usage is not None
+    return final.output_text, final.usage.output_tokens, final.status or ""
+
+
+def messages_stream(c: NodeProcess, kill: Callable[[], None]) -> Seen:
+    """Anthropic Messages, streamed, greedy (it has no seed)."""
+    claude = anthropic.Anthropic(base_url=c.api, api_key="unused", max_retries=0, timeout=60)
+    with claude.messages.stream(model=MODEL, max_tokens=200, messages=[{"role": "user", "content": ASK}],
+                                temperature=0) as stream:
+        text = ""
+        for i, piece in enumerate(stream.text_stream):
+            text += piece
+            if i + 1 == KILL_AT:
+                kill()
+        final = stream.get_final_message()
+    assert "".join(b.text for b in final.content) == text  # type: ignore[union-attr]
+    return text, final.usage.output_tokens, final.stop_reason or ""
+
+
+ASK = "Tell me a long story."
+
+
+@pytest.mark.parametrize("surface", [chat_stream, responses_stream, messages_stream],
+                         ids=["chat", "responses", "anthropic"])
+def test_every_surface_streams_through_the_kill(mesh: tuple[NodeProcess, NodeProcess, NodeProcess],
+                                                surface: Callable[[NodeProcess, Callable[[], None]], Seen],
+                                                ) -> None:
+    """The node serving a streamed chat completion (seeded), Responses or Anthropic Messages stream (greedy)
+    is killed mid-stream: each stream is the uninterrupted one, with the same usage."""
+    a1, a2, c = mesh
+    reference = surface(c, lambda: None)
+    assert reference[1] > KILL_AT + 20
+    before = served((a1, a2))
+    killed: list[NodeProcess] = []
+
+    def kill() -> None:
+        killed.append(the_one_serving((a1, a2), before))
+        killed[0].kill()
+
+    assert surface(c, kill) == reference
+    assert killed and killed[0].proc.returncode is not None
+    c.wait_event(lambda e: e["type"] == "request_replayed", 5.0)
+    assert c.status()["requests"]["replays"] == 1
