@@ -18,6 +18,7 @@ client gets the clean error at once instead of waiting for a timeout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -51,6 +52,7 @@ from meshllm.engine.base import (
     EmbedRequest,
     Engine,
     EngineBusy,
+    Finish,
     GenerationEvent,
     GenerationRequest,
     check_supported,
@@ -81,6 +83,14 @@ class TunnelDeadlines:
     """Between two response frames."""
     total_s: float = 900.0
     """The whole response; also sent to the peer, which abandons the request after it."""
+
+
+@dataclass(frozen=True)
+class _Leg:
+    """The part of a generation one target serves: the target and its remaining events."""
+
+    target: Target
+    events: AsyncIterator[TunnelEvent]
 
 
 @dataclass(eq=False)
@@ -213,32 +223,102 @@ class MeshBackend:
 
     async def _route(self, request: Routable) -> AsyncIterator[TunnelEvent]:
         """The events of ``request``: fail over until the first event, then replay a generation whose
-        serving node fails mid-answer on another node (:mod:`meshllm.api.replay`)."""
-        progress = None if isinstance(request, EmbedRequest) else Progress(seeded(request), self.replay)
-        target, first, events = await self._start(progress.request if progress else request,
-                                                  self._targets(request), progress)
-        while True:
-            failure: Exception | None = None
+        serving node fails (or stalls) mid-answer on another node (:mod:`meshllm.api.replay`)."""
+        if isinstance(request, EmbedRequest):
+            target, first, events = await self._start(request, self._targets(request))
             try:
-                event = first
-                while True:
-                    if progress is not None:
-                        progress.sent(event)
+                yield first
+                async for event in events:
                     yield event
-                    event = await anext(events)
-            except StopAsyncIteration:
-                pass
-            except Exception as exc:
-                failure = exc
+            except Exception:
+                self.router.record_failure(target.node_id, self.clock())
+                raise
             finally:
                 await _aclose(events)
-            if failure is None:
-                self.router.record_success(target.node_id)
-                return
-            self.router.record_failure(target.node_id, self.clock())
-            if progress is None or progress.why_not(failure) is not None:
-                raise failure
-            target, first, events = await self._replay(progress, target, failure)
+            self.router.record_success(target.node_id)
+            return
+        progress = Progress(seeded(request), self.replay)
+        target, event, events = await self._start(progress.request, self._targets(request), progress)
+        leg = _Leg(target, events)
+        try:
+            while True:
+                if progress.passes(event):
+                    progress.sent(event, self.clock())
+                    yield event
+                if isinstance(event, Finish):
+                    self.router.record_success(leg.target.node_id)
+                    return
+                try:
+                    event, leg = await self._next(leg, progress)
+                except StopAsyncIteration:
+                    return
+                except Exception as exc:
+                    await _aclose(leg.events)
+                    self.router.record_failure(leg.target.node_id, self.clock())
+                    if progress.why_not(exc) is not None:
+                        raise
+                    targets = self._replacements(progress, leg.target)
+                    if not targets:
+                        self._nowhere(progress, leg.target, exc)
+                        raise
+                    target, event, events = await self._replay(progress, leg.target, str(exc), targets)
+                    leg = _Leg(target, events)
+        finally:
+            await _aclose(leg.events)
+
+    async def _next(self, leg: _Leg, progress: Progress) -> tuple[TunnelEvent, _Leg]:
+        """The stream's next event. A stream silent past its stall delay is hedged: its replay starts
+        elsewhere at once, and whichever of the two speaks first goes on (both give the same text)."""
+        stall = progress.stall_s()
+        if stall is None:
+            return await anext(leg.events), leg
+        pending = asyncio.ensure_future(anext(leg.events))
+        hedge: asyncio.Future[tuple[Target, TunnelEvent, AsyncIterator[TunnelEvent]]] | None = None
+        try:
+            await asyncio.wait({pending}, timeout=stall)  # from now: the client may have been slow to read
+            targets = [] if pending.done() else self._replacements(progress, leg.target)
+            if not targets:
+                return await pending, leg
+            silent = f"{self._name(leg.target)} sent nothing for {stall:.2f}s"
+            hedge = asyncio.ensure_future(self._replay(progress, leg.target, silent, targets, hedge=True))
+            await asyncio.wait({pending, hedge}, return_when=asyncio.FIRST_COMPLETED)
+            if pending.done() and pending.exception() is None:
+                return pending.result(), leg  # the first node spoke first: the hedge is dropped (finally)
+            await asyncio.wait({hedge})  # the first node failed, or the hedge answered first
+            error, outcome, hedge = hedge.exception(), (None if hedge.exception() else hedge.result()), None
+            if outcome is None:
+                if pending.done():
+                    raise error  # type: ignore[misc]  # both failed: the error names both
+                return await pending, leg  # no replacement: the first node may still answer
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+            await _aclose(leg.events)
+            self.router.record_failure(leg.target.node_id, self.clock())
+            progress.took_over(leg.target.node_id)
+            return outcome[1], _Leg(outcome[0], outcome[2])
+        finally:
+            if not pending.done() or hedge is not None:
+                pending.cancel()
+                with contextlib.suppress(BaseException):
+                    await pending
+            if hedge is not None:
+                await self._drop(hedge, progress)
+
+    async def _drop(self, hedge: asyncio.Future[tuple[Target, TunnelEvent, AsyncIterator[TunnelEvent]]],
+                    progress: Progress) -> None:
+        """Stop a hedge the first node outran (its node cancels the request)."""
+        hedge.cancel()
+        with contextlib.suppress(BaseException):
+            await hedge
+        node_id = None
+        if hedge.done() and not hedge.cancelled() and hedge.exception() is None:
+            target, _first, events = hedge.result()
+            node_id = target.node_id
+            await _aclose(events)
+        self.counters.replays_dropped += 1
+        self.on_event("request_replay_dropped", model=progress.request.model, node_id=node_id,
+                      replay=progress.replays + progress.hedges, reason="the first node answered first")
 
     def _targets(self, request: Routable) -> list[Target]:
         """Where ``request`` can run, best first (empty: nowhere)."""
@@ -278,27 +358,30 @@ class MeshBackend:
             return target, first, events
         raise self._exhausted(request.model, failures)
 
-    async def _replay(self, progress: Progress, failed: Target, exc: Exception,
-                      ) -> tuple[Target, TunnelEvent, AsyncIterator[TunnelEvent]]:
-        """Continue ``progress``'s generation on another node after ``failed`` broke it with ``exc``.
+    def _replacements(self, progress: Progress, failed: Target) -> list[Target]:
+        """Where ``progress``'s generation may continue after ``failed``: other nodes serving the model
+        (the same file, when the first node named it) that have not failed this request."""
+        model, pin = progress.request.model, progress.model_sha256
+        return [t for t in self._targets(progress.request) if t.node_id not in progress.failed | {failed.node_id}
+                and not (t.local and pin and self.hashes.get(model) != pin)]
 
-        Raises ``exc`` itself when no other node serves the model (the request ends as it would
-        without replay), or an :class:`UpstreamError` naming both failures when the replay failed.
-        """
-        request = progress.begin(failed.node_id)
+    def _nowhere(self, progress: Progress, failed: Target, exc: Exception) -> None:
+        """Report a generation that broke with no other node to continue it (the client gets ``exc``)."""
+        self.counters.replays_impossible += 1
+        why = f"no other node serves {progress.request.model!r}"
+        self.on_event("request_not_replayed", model=progress.request.model, node_id=failed.node_id, error=str(exc),
+                      reason=why)
+        log.warning("%s failed mid-answer and %s: %s", self._name(failed), why, exc)
+
+    async def _replay(self, progress: Progress, failed: Target, reason: str, targets: Sequence[Target], *,
+                      hedge: bool = False) -> tuple[Target, TunnelEvent, AsyncIterator[TunnelEvent]]:
+        """Continue ``progress``'s generation on the first of ``targets`` that answers, after ``failed``
+        broke (or, ``hedge``, stalled: ``reason``); an :class:`UpstreamError` naming both when none does in time."""
+        request = progress.begin(failed.node_id, hedge=hedge)
         model, tokens, name = request.model, len(request.continuation), self._name(failed)
-        pin = progress.model_sha256
-        targets = [t for t in self._targets(request) if t.node_id not in progress.failed
-                   and not (t.local and pin and self.hashes.get(model) != pin)]
-        if not targets:
-            self.counters.replays_impossible += 1
-            why = f"no other node serves {model!r}"
-            self.on_event("request_not_replayed", model=model, node_id=failed.node_id, error=str(exc), reason=why)
-            log.warning("%s failed mid-answer and %s: %s", name, why, exc)
-            raise exc
         self.counters.replays += 1
-        self.on_event("request_replay", model=model, node_id=failed.node_id, error=str(exc), tokens=tokens,
-                      replay=progress.replays)
+        self.on_event("request_replay", model=model, node_id=failed.node_id, error=reason, tokens=tokens,
+                      replay=progress.replays + progress.hedges, hedge=hedge)
         started = self.clock()
         try:
             async with asyncio.timeout(self.replay.first_event_s):
@@ -308,13 +391,13 @@ class MeshBackend:
             why = f"no first event within {self.replay.first_event_s:g}s" if isinstance(again, TimeoutError) \
                 else str(again)
             self.on_event("request_replay_failed", model=model, node_id=failed.node_id, error=why,
-                          replay=progress.replays)
-            log.warning("%s failed mid-answer (%s); continuing it elsewhere failed too: %s", name, exc, why)
-            raise UpstreamError(f"{exc}; continuing the answer on another node failed: {why}") from again
+                          replay=progress.replays + progress.hedges)
+            log.warning("%s broke mid-answer (%s); continuing it elsewhere failed too: %s", name, reason, why)
+            raise UpstreamError(f"{reason}; continuing the answer on another node failed: {why}") from again
         took_ms = round((self.clock() - started) * 1000)
         self.on_event("request_replayed", model=model, node_id=target.node_id, from_node_id=failed.node_id,
-                      tokens=tokens, replay=progress.replays, took_ms=took_ms)
-        log.info("%s failed mid-answer (%s); %s continues it after %d tokens (%d ms)", name, exc,
+                      tokens=tokens, replay=progress.replays + progress.hedges, took_ms=took_ms, hedge=hedge)
+        log.info("%s broke mid-answer (%s); %s continues it after %d tokens (%d ms)", name, reason,
                  self._name(target), tokens, took_ms)
         return target, first, events
 
@@ -358,7 +441,7 @@ class MeshBackend:
         try:
             conn = await self._connection(node_id, name)
             call.stream = await conn.open_stream(STREAM_KIND)
-            pin = progress.model_sha256 if progress is not None and progress.replays else None
+            pin = progress.model_sha256 if progress is not None else None  # known once a first node spoke
             await call.stream.send(client.start(uuid.uuid4().hex, request, int(dl.total_s * 1000), pin or ""),
                                    timeout=dl.connect_s)
             end = self.clock() + dl.total_s

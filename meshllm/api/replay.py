@@ -16,14 +16,19 @@ without a seed gets one here, before it first runs, so that a replacement contin
 random stream rather than a fresh one (the text a client sees is distributed as before: the seed
 was random either way).
 
-Bounds: at most :attr:`ReplayPolicy.max_replays` per request, each with a deadline for the
-replacement's first event; a failure the request caused (a 4xx) is never replayed.
+**Hedging**: the failure of a killed node is noticed by the transport's probes after about a
+second. A stream that falls silent for much longer than its usual gap between deltas
+(:meth:`Progress.stall_s`) starts its replay at once, while the first node may still answer: since
+the replay is exact, whichever speaks first is the stream, and the other is dropped. The client's
+gap becomes the stall delay plus the replay instead of the detection plus the replay.
+
+Bounds: at most :attr:`ReplayPolicy.max_replays` replays per request and as many hedges, each with
+a deadline for the replacement's first event; a failure the request caused (a 4xx) is never replayed.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -43,6 +48,14 @@ class ReplayPolicy:
     first_event_s: float = 30.0
     """How long a replay may take to produce its first event (finding a node, its prefill of prompt
     + continuation, its queue); past it the replay has failed."""
+    hedge: bool = True
+    """Start the replay when the stream stalls, before the failure is certain (:meth:`Progress.stall_s`)."""
+    stall_factor: float = 8.0
+    """A stall is a silence this many times the stream's recent gap between deltas ..."""
+    stall_min_s: float = 0.4
+    """... and at least this long (scheduling noise and a neighbour's prefill chunk are shorter)."""
+    stall_after: int = 8
+    """Deltas a stream must have sent before its gaps are known well enough to call a silence a stall."""
 
 
 def seeded(request: GenerationRequest) -> GenerationRequest:
@@ -64,7 +77,9 @@ class Progress:
     tokens: list[int] = field(default_factory=list)
     """Token ids of the deltas sent so far (after the request's own continuation, if it had one)."""
     replays: int = 0
-    """Replays started so far."""
+    """Replays that took over the generation (after a failure, or a hedge that spoke first)."""
+    hedges: int = 0
+    """Hedges started (replays begun on a stall, while the first node may still answer)."""
     failed: set[str] = field(default_factory=set)
     """Nodes that failed this request: a replay never goes back to one of them."""
     model_sha256: str | None = None
@@ -72,18 +87,46 @@ class Progress:
     blind: bool = False
     """A delta carried text but no token ids (an engine that does not report them): not replayable."""
     finished: bool = False
+    tail_sent: bool = False
+    """The engine's tail delta reached the client: a replacement's text is all sent already."""
+    deltas: int = 0
+    last_at: float | None = None
+    """When the last delta was sent."""
+    gap_s: float = 0.0
+    """Recent gap between deltas (exponential average)."""
 
     def __post_init__(self) -> None:
         self.tokens = list(self.request.continuation)
 
-    def sent(self, event: TunnelEvent) -> None:
+    def sent(self, event: TunnelEvent, now: float) -> None:
         """An event is about to reach the client."""
         if isinstance(event, TextDelta):
             if event.text and not event.tokens:
                 self.blind = True
             self.tokens.extend(event.tokens)
+            self.tail_sent = self.tail_sent or event.final
+            if self.last_at is not None:
+                gap = now - self.last_at
+                self.gap_s = gap if not self.gap_s else 0.8 * self.gap_s + 0.2 * gap
+            self.deltas += 1
+            self.last_at = now
         else:
             self.finished = True
+
+    def passes(self, event: TunnelEvent) -> bool:
+        """Whether an event goes to the client: all do, except a replacement's text after the first
+        node's tail was sent (the first node broke just before its finish; the replacement, exact,
+        sends that same tail again)."""
+        return not (self.tail_sent and isinstance(event, TextDelta))
+
+    def stall_s(self) -> float | None:
+        """Seconds of silence after the last delta at which to hedge (start the replay while the first
+        node may still answer); ``None``: never now (too early to tell, or nothing left to replay with)."""
+        policy = self.policy
+        if not policy.hedge or self.deltas < policy.stall_after or self.blind or self.finished \
+                or max(self.replays, self.hedges) >= policy.max_replays:
+            return None
+        return max(policy.stall_min_s, policy.stall_factor * self.gap_s)
 
     def why_not(self, exc: BaseException) -> str | None:
         """Why the generation cannot be replayed after ``exc``; ``None`` when it can."""
@@ -98,12 +141,16 @@ class Progress:
                 if self.policy.max_replays else "replays are off"
         return None
 
-    def begin(self, failed_node: str) -> GenerationRequest:
-        """Start replay number ``replays + 1`` after ``failed_node`` failed: the request to send."""
-        self.failed.add(failed_node)
-        self.replays += 1
+    def begin(self, node: str, *, hedge: bool = False) -> GenerationRequest:
+        """The request that continues the generation elsewhere: a replay after ``node`` failed, or a
+        hedge while it stalls (it counts as a replay only if it takes over: :meth:`took_over`)."""
+        if hedge:
+            self.hedges += 1
+        else:
+            self.took_over(node)
         return msgspec.structs.replace(self.request, continuation=tuple(self.tokens))
 
-    def exclude(self, node_ids: Iterable[str]) -> list[str]:
-        """Of ``node_ids``, those a replay may try (the ones that have not failed this request)."""
-        return [n for n in node_ids if n not in self.failed]
+    def took_over(self, node: str) -> None:
+        """A replay replaced ``node``, which no later replay goes back to."""
+        self.failed.add(node)
+        self.replays += 1

@@ -67,6 +67,8 @@ class DeltaFrame(msgspec.Struct, frozen=True, tag="delta", omit_defaults=True):
     logprobs: tuple[TokenLogprob, ...] = ()
     model_sha256: str = ""
     """On the first delta: the sha256 of the serving model file (what a replay must run on), if known."""
+    final: bool = False
+    """The engine's tail delta: only the finish follows (:attr:`~meshllm.engine.base.TextDelta.final`)."""
 
 
 class FinishFrame(msgspec.Struct, frozen=True, tag="finish"):
@@ -153,7 +155,7 @@ class TunnelClient:
             raise DecodeError(f"tunnel peer sent {type(frame).__name__} after the response ended")
         if isinstance(frame, DeltaFrame):
             self.model_sha256 = self.model_sha256 or frame.model_sha256
-            return TextDelta(frame.text, frame.tokens, frame.logprobs)
+            return TextDelta(frame.text, frame.tokens, frame.logprobs, frame.final)
         self.state = "done"
         if isinstance(frame, FinishFrame):
             return Finish(reason=frame.reason, usage=Usage(frame.prompt_tokens, frame.completion_tokens,
@@ -203,7 +205,7 @@ class TunnelServer:
         self._check_open()
         if isinstance(event, TextDelta):
             sha, self._told = ("" if self._told else self.model_sha256), True
-            return DeltaFrame(event.text, event.tokens, event.logprobs, sha)
+            return DeltaFrame(event.text, event.tokens, event.logprobs, sha, event.final)
         self.done = True
         if isinstance(event, Embeddings):
             return EmbeddingsFrame(event.vectors, event.prompt_tokens)

@@ -54,7 +54,7 @@ def test_progress_records_the_ids_sent_and_builds_the_continuation() -> None:
     request = CompletionRequest(model="m", prompt="p", continuation=(1, 2))
     progress = Progress(request)
     for event in (TextDelta("a", (3,)), TextDelta("bc", (4, 5, 6)), TextDelta("", (7,))):
-        progress.sent(event)
+        progress.sent(event, 0.0)
     assert progress.why_not(UpstreamError("peer gone")) is None
     replay = progress.begin("node-a")
     assert replay.continuation == (1, 2, 3, 4, 5, 6, 7) and replay.prompt == "p"
@@ -69,7 +69,7 @@ def test_progress_records_the_ids_sent_and_builds_the_continuation() -> None:
 def test_what_is_never_replayed(events: tuple[GenerationEvent, ...], exc: Exception, why: str) -> None:
     progress = Progress(completion())
     for event in events:
-        progress.sent(event)
+        progress.sent(event, 0.0)
     assert why in (progress.why_not(exc) or "")
 
 
@@ -113,6 +113,7 @@ def seen(events: list[GenerationEvent]) -> tuple[str, list[object], Finish]:
 CASES = {
     "greedy": completion(temperature=0.0, max_tokens=40, logprobs=2),
     "sampled, no seed": completion(temperature=0.9, top_p=0.95, max_tokens=40),
+    "seeded, ends inside a character": completion(temperature=0.9, top_p=0.95, max_tokens=40, seed=1),
     "seeded, penalties": completion(temperature=1.1, seed=77, top_k=40, presence_penalty=0.5, max_tokens=40),
     "chat, greedy": ChatRequest(model="tiny", messages=(ChatMessage("user", "hello there"),),
                                 params=GenerationParams(temperature=0.0, max_tokens=40)),
@@ -122,6 +123,7 @@ CASES = {
 @pytest.mark.parametrize("name", CASES)
 def test_a_stream_cut_after_any_delta_continues_exactly_on_another_engine(
         engines: tuple[LlamaEngine, LlamaEngine], name: str) -> None:
+    """Every cut, the one between the tail delta (held-back text) and the finish included."""
     first, second = engines
     request = seeded(CASES[name])
     full = asyncio.run(events_of(first, request))
@@ -129,9 +131,9 @@ def test_a_stream_cut_after_any_delta_continues_exactly_on_another_engine(
     for cut in range(len(full)):
         progress = Progress(request)
         for event in full[:cut]:
-            progress.sent(event)
+            progress.sent(event, 0.0)
         assert progress.why_not(UpstreamError("the serving node became unreachable")) is None
-        rest = asyncio.run(events_of(second, progress.begin("first")))
+        rest = [e for e in asyncio.run(events_of(second, progress.begin("first"))) if progress.passes(e)]
         assert seen(full[:cut] + rest) == seen(full), f"{name}: cut after {cut} events"
 
 
@@ -146,8 +148,9 @@ def test_a_stop_string_held_back_at_the_cut_is_still_found(engines: tuple[LlamaE
     for cut in range(len(full)):
         progress = Progress(request)
         for event in full[:cut]:
-            progress.sent(event)
-        assert seen(full[:cut] + asyncio.run(events_of(second, progress.begin("first")))) == seen(full)
+            progress.sent(event, 0.0)
+        rest = asyncio.run(events_of(second, progress.begin("first")))
+        assert seen(full[:cut] + [e for e in rest if progress.passes(e)]) == seen(full)
 
 
 def test_replayed_tokens_skip_the_output_head_and_change_nothing(tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -166,3 +169,18 @@ def test_replayed_tokens_skip_the_output_head_and_change_nothing(tmp_path_factor
         assert engine.stats.headless_rows - before == 29  # the 30th row's logits give the 31st token
     finally:
         asyncio.run(engine.close())
+
+
+def test_a_stall_is_a_silence_much_longer_than_the_streams_gaps() -> None:
+    progress = Progress(completion(), ReplayPolicy(stall_factor=8.0, stall_min_s=0.3, stall_after=8, max_replays=1))
+    for i in range(7):
+        progress.sent(TextDelta("x", (i,)), now=i * 0.01)
+        assert progress.stall_s() is None  # too early to know the stream's pace
+    progress.sent(TextDelta("x", (7,)), now=0.07)
+    assert progress.stall_s() == pytest.approx(0.3)  # 8 x 10 ms is below the floor
+    for i in range(8, 40):
+        progress.sent(TextDelta("x", (i,)), now=0.07 + (i - 7) * 0.1)
+    assert progress.stall_s() == pytest.approx(0.8, rel=0.05)  # 8 x the recent 100 ms gaps
+    progress.begin("a")
+    assert progress.stall_s() is None  # no replay left to hedge with
+    assert Progress(completion(), ReplayPolicy(hedge=False)).stall_s() is None

@@ -31,10 +31,11 @@ KILL_AT = 50
 
 @pytest.fixture(scope="module")
 def gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """4-8 ms a token here: 200 tokens take about a second, long enough to kill the server in the middle,
-    while replaying 50-70 of them (one decode step each, docs/api.md) stays under the 1.5 s bound."""
-    return write_tiny_llama(tmp_path_factory.mktemp("models") / f"{MODEL}.gguf", seed=3, width=256, n_layers=8,
-                            heads=4, kv_heads=2, ffn=1024)
+    """2-5 ms a token here: 200 tokens take about a second, long enough to kill the server in the middle,
+    and its greedy and seeded answers run to the length limit. Replaying the 50-100 tokens sent by then
+    costs one decode step each (docs/api.md)."""
+    return write_tiny_llama(tmp_path_factory.mktemp("models") / f"{MODEL}.gguf", seed=5, width=128, n_layers=8,
+                            heads=4, kv_heads=2, ffn=512)
 
 
 def client_of(node: NodeProcess, timeout: float = 60.0) -> openai.OpenAI:
@@ -163,7 +164,7 @@ def test_with_no_other_node_the_stream_ends_with_the_clean_error(tmp_path: Path,
         killed_at = 0.0
         with pytest.raises(openai.APIError) as caught:
             for i, _chunk in enumerate(client_of(c).completions.create(model=MODEL, prompt="a", max_tokens=200,
-                                                                       temperature=0, stream=True)):
+                                                                       stream=True, extra_body={"temperature": 0})):
                 if i + 1 == KILL_AT:
                     a.kill()
                     killed_at = time.monotonic()
@@ -216,16 +217,17 @@ def responses_stream(c: NodeProcess, kill: Callable[[], None]) -> Seen:
 def messages_stream(c: NodeProcess, kill: Callable[[], None]) -> Seen:
     """Anthropic Messages, streamed, greedy (it has no seed)."""
     claude = anthropic.Anthropic(base_url=c.api, api_key="unused", max_retries=0, timeout=60)
-    with claude.messages.stream(model=MODEL, max_tokens=200, messages=[{"role": "user", "content": ASK}],
-                                temperature=0) as stream:
-        text = ""
-        for i, piece in enumerate(stream.text_stream):
-            text += piece
-            if i + 1 == KILL_AT:
+    events = claude.messages.create(model=MODEL, max_tokens=200, messages=[{"role": "user", "content": ASK}],
+                                    stream=True, extra_body={"temperature": 0})
+    text, deltas, usage, reason = "", 0, 0, ""
+    for event in events:
+        if event.type == "content_block_delta" and event.delta.type == "text_delta":
+            text, deltas = text + event.delta.text, deltas + 1
+            if deltas == KILL_AT:
                 kill()
-        final = stream.get_final_message()
-    assert "".join(b.text for b in final.content) == text  # type: ignore[union-attr]
-    return text, final.usage.output_tokens, final.stop_reason or ""
+        elif event.type == "message_delta":
+            usage, reason = event.usage.output_tokens, event.delta.stop_reason or ""
+    return text, usage, reason
 
 
 ASK = "Tell me a long story."
