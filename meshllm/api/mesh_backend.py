@@ -261,7 +261,7 @@ class MeshBackend:
                     if not targets:
                         self._nowhere(progress, leg.target, exc)
                         raise
-                    target, event, events = await self._replay(progress, leg.target, str(exc), targets)
+                    target, event, events, _started = await self._replay(progress, leg.target, str(exc), targets)
                     leg = _Leg(target, events)
         finally:
             await _aclose(leg.events)
@@ -273,7 +273,7 @@ class MeshBackend:
         if stall is None:
             return await anext(leg.events), leg
         pending = asyncio.ensure_future(anext(leg.events))
-        hedge: asyncio.Future[tuple[Target, TunnelEvent, AsyncIterator[TunnelEvent]]] | None = None
+        hedge: asyncio.Future[tuple[Target, TunnelEvent, AsyncIterator[TunnelEvent], float]] | None = None
         try:
             await asyncio.wait({pending}, timeout=stall)  # from now: the client may have been slow to read
             targets = [] if pending.done() else self._replacements(progress, leg.target)
@@ -296,7 +296,9 @@ class MeshBackend:
             await _aclose(leg.events)
             self.router.record_failure(leg.target.node_id, self.clock())
             progress.took_over(leg.target.node_id)
-            return outcome[1], _Leg(outcome[0], outcome[2])
+            target, first, events, started = outcome
+            self._replayed(progress, leg.target, target, silent, len(progress.tokens), started)
+            return first, _Leg(target, events)
         finally:
             if not pending.done() or hedge is not None:
                 pending.cancel()
@@ -305,7 +307,7 @@ class MeshBackend:
             if hedge is not None:
                 await self._drop(hedge, progress)
 
-    async def _drop(self, hedge: asyncio.Future[tuple[Target, TunnelEvent, AsyncIterator[TunnelEvent]]],
+    async def _drop(self, hedge: asyncio.Future[tuple[Target, TunnelEvent, AsyncIterator[TunnelEvent], float]],
                     progress: Progress) -> None:
         """Stop a hedge the first node outran (its node cancels the request)."""
         hedge.cancel()
@@ -313,7 +315,7 @@ class MeshBackend:
             await hedge
         node_id = None
         if hedge.done() and not hedge.cancelled() and hedge.exception() is None:
-            target, _first, events = hedge.result()
+            target, _first, events, _started = hedge.result()
             node_id = target.node_id
             await _aclose(events)
         self.counters.replays_dropped += 1
@@ -374,9 +376,10 @@ class MeshBackend:
         log.warning("%s failed mid-answer and %s: %s", self._name(failed), why, exc)
 
     async def _replay(self, progress: Progress, failed: Target, reason: str, targets: Sequence[Target], *,
-                      hedge: bool = False) -> tuple[Target, TunnelEvent, AsyncIterator[TunnelEvent]]:
+                      hedge: bool = False) -> tuple[Target, TunnelEvent, AsyncIterator[TunnelEvent], float]:
         """Continue ``progress``'s generation on the first of ``targets`` that answers, after ``failed``
-        broke (or, ``hedge``, stalled: ``reason``); an :class:`UpstreamError` naming both when none does in time."""
+        broke (or, ``hedge``, stalled: ``reason``): it, its first event, its other events, when the replay
+        started. An :class:`UpstreamError` naming both failures when none answers in time."""
         request = progress.begin(failed.node_id, hedge=hedge)
         model, tokens, name = request.model, len(request.continuation), self._name(failed)
         self.counters.replays += 1
@@ -394,12 +397,19 @@ class MeshBackend:
                           replay=progress.replays + progress.hedges)
             log.warning("%s broke mid-answer (%s); continuing it elsewhere failed too: %s", name, reason, why)
             raise UpstreamError(f"{reason}; continuing the answer on another node failed: {why}") from again
+        if not hedge:  # a hedge is reported when it takes over
+            self._replayed(progress, failed, target, reason, tokens, started)
+        return target, first, events, started
+
+    def _replayed(self, progress: Progress, failed: Target, target: Target, reason: str, tokens: int,
+                  started: float) -> None:
+        """Report a replay that took over the generation."""
         took_ms = round((self.clock() - started) * 1000)
-        self.on_event("request_replayed", model=model, node_id=target.node_id, from_node_id=failed.node_id,
-                      tokens=tokens, replay=progress.replays + progress.hedges, took_ms=took_ms, hedge=hedge)
-        log.info("%s broke mid-answer (%s); %s continues it after %d tokens (%d ms)", name, reason,
+        self.on_event("request_replayed", model=progress.request.model, node_id=target.node_id,
+                      from_node_id=failed.node_id, tokens=tokens, replay=progress.replays + progress.hedges,
+                      took_ms=took_ms)
+        log.info("%s broke mid-answer (%s); %s continues it after %d tokens (%d ms)", self._name(failed), reason,
                  self._name(target), tokens, took_ms)
-        return target, first, events
 
     def _exhausted(self, model: str, failures: list[tuple[Target, BaseException]]) -> ApiError:
         """The error after every target failed: a timeout stays 504; every node busy is a 429 with
