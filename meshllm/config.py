@@ -182,6 +182,15 @@ class Config:
     mesh_port: int = DEFAULT_MESH_PORT
     name: str = ""
     dht_bootstrap: tuple[str, ...] = ()
+    model_dirs: tuple[str, ...] = ()
+    """Folders whose GGUFs the model library indexes in place (never deletes)."""
+    models_disk_budget_gb: float | None = None
+    """Most disk the library's own files (downloads, fetched models and stage files) may take."""
+    speculate: str = "auto"
+    """Speculative decoding: ``auto``, ``on`` or ``off`` (``meshllm serve --speculate``)."""
+
+
+SPECULATE_MODES = ("auto", "on", "off")
 
 
 def load_config(home: Path) -> Config:
@@ -193,16 +202,30 @@ def load_config(home: Path) -> Config:
         raw: dict[str, Any] = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"cannot read {path}: {exc}", hint="fix or delete the file") from exc
-    known = {"api_port", "mesh_port", "name", "dht_bootstrap"}
+    known = {"api_port", "mesh_port", "name", "dht_bootstrap", "model_dirs", "models_disk_budget_gb", "speculate"}
     unknown = set(raw) - known
     if unknown:
         raise ConfigError(f"{path}: unknown settings {sorted(unknown)}", hint=f"known settings: {sorted(known)}")
+    speculate = raw.get("speculate", "auto")
+    if speculate not in SPECULATE_MODES:
+        raise ConfigError(f"{path}: speculate = {speculate!r} is not one of {', '.join(SPECULATE_MODES)}")
     try:
         return Config(
             api_port=int(raw.get("api_port", DEFAULT_API_PORT)),
             mesh_port=int(raw.get("mesh_port", DEFAULT_MESH_PORT)),
             name=str(raw.get("name", "")),
             dht_bootstrap=tuple(str(a) for a in raw.get("dht_bootstrap", ())),
+            model_dirs=tuple(str(d) for d in raw.get("model_dirs", ())),
+            models_disk_budget_gb=_budget(raw.get("models_disk_budget_gb")),
+            speculate=speculate,
         )
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{path}: {exc}") from exc
+
+
+def _budget(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ValueError(f"models_disk_budget_gb must be a positive number of GB, not {value!r}")
+    return float(value)

@@ -38,6 +38,7 @@ from meshllm.api.status import mesh_links, status_router
 from meshllm.config import (
     MODEL_HASHES_FILE,
     NODE_CERT_FILE,
+    OWNER_KEYSTORE_FILE,
     REVOCATIONS_FILE,
     ensure_home,
     load_or_create_admin_token,
@@ -49,14 +50,23 @@ from meshllm.discovery.routes import discovery_router
 from meshllm.engine.base import DEFAULT_MAX_TOKENS
 from meshllm.engine.capacity import compute_devices, measure_capacity
 from meshllm.engine.kernels import Kernels
-from meshllm.errors import ConfigError, DecodeError
-from meshllm.identity.ids import node_public_key, unb32
+from meshllm.engine.speculate import SpeculateMode
+from meshllm.errors import ConfigError, DecodeError, KeystoreError, MeshllmError, VerificationError
+from meshllm.identity.certs import decode_certificate, open_certificate
+from meshllm.identity.ids import b32, node_public_key, unb32
 from meshllm.identity.keys import NodeKey
+from meshllm.identity.keystore import obtain_passphrase, read_keystore, unlock_keystore
 from meshllm.identity.trust import TrustStore
 from meshllm.mesh.admission import INVITE_ID_BYTES
 from meshllm.mesh.membership import Membership, join_mesh, own_mesh
-from meshllm.mesh.records import PeerRecord
+from meshllm.mesh.records import MAX_AVAILABLE, DiskModel, PeerRecord
 from meshllm.mesh.service import MeshService
+from meshllm.models.library import Library
+from meshllm.models.routes import models_router
+from meshllm.models.store import ModelStore, Offer
+from meshllm.owner.routes import owner_router
+from meshllm.owner.service import OwnerService
+from meshllm.owner.standby import StandbyConfig
 from meshllm.split.placement import SplitOptions
 from meshllm.split.routes import plan_router
 from meshllm.split.service import SplitService, offered_capacity
@@ -104,6 +114,8 @@ class NodeOptions:
     """Relay for members behind NATs: always, never, or when peers find us reachable (auto)."""
     split: SplitOptions = field(default_factory=SplitOptions)
     """``--split``/``--stages``/``--max-memory``: whether and how to split models over workers."""
+    speculate: SpeculateMode = "auto"
+    """``--speculate``: speculative decoding on split chains and the llama engine (docs/splits.md)."""
     dht_bootstrap: list[str] = field(default_factory=list)
     """DHT peers (multiaddrs) to join at start; the DHT also starts on the first publish."""
     dht_port: int | None = None
@@ -118,6 +130,10 @@ class NodeOptions:
     """``--allowed-host``: host names requests may carry besides localhost and IP literals (``*``: any)."""
     edge: EdgeLimits = field(default_factory=EdgeLimits)
     """HTTP connection cap and read deadlines."""
+    standby: bool = False
+    """``--standby``: load none of ``models`` at start; serve each when the mesh wants it and cannot keep up."""
+    standby_idle_s: float = StandbyConfig.idle_s
+    """``--standby-idle``: a model a standby took is unloaded after this long without a request."""
 
 
 class Node:
@@ -141,6 +157,9 @@ class Node:
         self.mesh: MeshService | None = None
         self.serving: Serving | None = None
         self.splits: SplitService | None = None
+        self.store: ModelStore | None = None
+        self._scan_task: asyncio.Task[None] | None = None
+        self.owner: OwnerService | None = None
         self.discovery: NodeDiscovery | None = None
         self.api_url = ""
         self.invite: str | None = None
@@ -176,19 +195,31 @@ class Node:
             relay=opts.relay, revocations_file=self.home / REVOCATIONS_FILE,
         )
         await self.mesh.start()
-        self.serving = Serving(self.key.node_id, self.mesh, self.events, hash_cache=self.home / MODEL_HASHES_FILE,
-                               replay=ReplayPolicy(max_replays=opts.replays))
-        split = dataclasses.replace(opts.split, threads=opts.threads, gpu_layers=opts.gpu_layers, kernels=opts.kernels)
-        self.splits = SplitService(self.mesh, self.serving, self.events, opts.role, split,
-                                   hash_cache=self.home / MODEL_HASHES_FILE)
+        assert self.mesh.endpoint is not None
+        self.store = ModelStore(Library.for_home(self.home), self.mesh.endpoint, self.key.signing_key,
+                                self._model_offers, self.events.publish, on_change=self._advertise_models)
+        self._advertise_models()
+        self._scan_task = asyncio.create_task(self._scan_library(), name="scan-model-library")
+        self.serving = Serving(self.key.node_id, self.mesh, self.events, store=self.store,
+                               hash_cache=self.home / MODEL_HASHES_FILE, replay=ReplayPolicy(max_replays=opts.replays))
+        split = dataclasses.replace(opts.split, threads=opts.threads, gpu_layers=opts.gpu_layers, kernels=opts.kernels,
+                                    speculate=opts.speculate)
+        self.splits = SplitService(self.mesh, self.serving, self.events, opts.role, split, self.store,
+                                   self.key.signing_key)
+        self.owner = OwnerService(
+            self.key, self.mesh, self.serving, trust=lambda: TrustStore.load(self.home), certificate=self._owner_cert,
+            rename=self._rename, describe=self._describe, on_event=self.events.publish,
+            standby=await self._standby_library(), standby_config=StandbyConfig(idle_s=opts.standby_idle_s),
+        )
         self.discovery = self._make_discovery()
         await self._start_api()
         self.events.publish("mesh_ready", mesh_id=self.membership.mesh_id, mesh_addr=self.mesh_addr)
-        whole = await self.splits.prepare(opts.models if opts.role == "host" else [])
+        whole = await self.splits.prepare(opts.models if opts.role == "host" and not opts.standby else [])
         await self.serving.load_models(whole, engine=opts.engine, threads=opts.threads, gpu_layers=opts.gpu_layers,
                                        parallel=opts.parallel, max_tokens_default=opts.max_tokens_default,
                                        kernels=opts.kernels)
         await self.splits.start()
+        self.owner.start()
         self.invite = self._ready_invite()
         await self.discovery.start()
         self.events.publish(
@@ -202,8 +233,12 @@ class Node:
             self.events.publish("stopping", node_id=self.key.node_id)
         if self._server is not None:
             self._server.should_exit = True
+        if self._scan_task is not None:
+            self._scan_task.cancel()
         if self.discovery is not None:
             await self.discovery.stop()
+        if self.owner is not None:
+            await self.owner.stop()
         if self.mesh is not None:
             await self.mesh.stop(graceful=True)
         if self.splits is not None:
@@ -221,10 +256,15 @@ class Node:
         routers = [status_router(self), console_router()]
         if self.splits is not None:
             routers.append(plan_router(self.splits))
+        if self.store is not None:
+            routers.append(models_router(self.store, self.serving.resolve))
+        if self.owner is not None:
+            routers.append(owner_router(self.owner, self._node_names, self._unlock_owner))
         if self.discovery is not None:
             routers.append(discovery_router(self.discovery))
         edge = _fit_to_descriptors(self.options.edge)
-        app = create_app(self.serving.backend, routers=routers, access=self.access, edge=edge, policy=self.policy,
+        backend = self.owner.backend if self.owner is not None else self.serving.backend
+        app = create_app(backend, routers=routers, access=self.access, edge=edge, policy=self.policy,
                          readiness=self.readiness)
         sock = _bind_api_socket(self.options.api_host, self.options.api_port)
         config = uvicorn.Config(app, http=guarded_protocol(edge), backlog=ACCEPT_BACKLOG, log_level="warning",
@@ -248,10 +288,40 @@ class Node:
         return NodeDiscovery(
             node_key=self.key.signing_key, node_id=self.key.node_id, node_name=self.name,
             mesh_key=self.membership.mesh_key,
-            facts=lambda: facts_from_records(gossip.own, list(gossip.members().values())),
+            facts=lambda: facts_from_records(gossip.own, list(gossip.members().values()), time.time()),
             quic_port=self.mesh.endpoint.local_addr[1], host=opts.mesh_host, dht_bootstrap=opts.dht_bootstrap,
             dht_port=opts.dht_port, listing_ttl_s=opts.listing_ttl_s, on_event=self.events.publish,
         )
+
+    # -- the model library ------------------------------------------------------------------------
+
+    async def _scan_library(self) -> None:
+        """Index the library's folders (hashing new files off the loop), then advertise what is there."""
+        assert self.store is not None
+        try:
+            await asyncio.to_thread(self.store.library.scan)
+        except (OSError, MeshllmError) as exc:
+            log.warning("could not scan the model library: %s", exc)
+        self._advertise_models()
+
+    def _advertise_models(self) -> None:
+        """Our record's ``models.available``: the whole models of the library, most recently used first."""
+        assert self.mesh is not None and self.store is not None and self.mesh.gossip is not None
+        entries = sorted(self.store.library.available(), key=lambda e: -e.last_used)[:MAX_AVAILABLE]
+        available = [DiskModel(e.id, e.name[:200], e.size) for e in entries]
+        own = self.mesh.gossip.own
+        if available != own.models.available:
+            self.mesh.update_own(models=msgspec.structs.replace(own.models, available=available))
+
+    def _model_offers(self) -> list[Offer]:
+        """Whole models peers offer, from their records; the closest holders (by RTT) first."""
+        assert self.mesh is not None and self.mesh.gossip is not None
+        gossip = self.mesh.gossip
+        rtt = gossip.own.rtt
+        offers = [Offer(node_id, rec.addresses.listen[0], m.id, m.name, m.size)
+                  for node_id, rec in gossip.members().items() if rec.state == "alive" and rec.addresses.listen
+                  for m in rec.models.available]
+        return sorted(offers, key=lambda o: rtt[o.node_id].rtt_ms if o.node_id in rtt else 1e9)
 
     # -- StatusSource -----------------------------------------------------------------------------
 
@@ -293,8 +363,58 @@ class Node:
         return self.create_invite(SERVE_INVITE_TTL_S, 0)
 
     def _owner_cert(self) -> bytes | None:
+        """``node.cert`` as it is now (read again for every owner command: installing one needs no restart)."""
         path = self.home / NODE_CERT_FILE
         return path.read_bytes() if path.exists() and not self.options.ephemeral else None
+
+    # -- owner control ------------------------------------------------------------------------------
+
+    async def _standby_library(self) -> dict[str, str] | None:
+        """``--standby``: model id -> reference of each ``--model`` it may take (resolved, not loaded)."""
+        opts = self.options
+        if not opts.standby:
+            return None
+        if opts.role != "host":
+            raise ConfigError("--standby serves models on demand, so it cannot be combined with --client or --worker")
+        refs = [await self.serving.resolve(spec) for spec in opts.models]
+        return {ref.model_id: spec for ref, spec in zip(refs, opts.models, strict=True)}
+
+    def _rename(self, name: str) -> None:
+        assert self.mesh is not None
+        self.name = name
+        self.mesh.update_own(name=name)
+
+    def _describe(self) -> dict[str, Any]:
+        """What an owner ``status`` command reports about the node itself."""
+        cert = self._owner_cert()
+        expires = None
+        if cert is not None:
+            with contextlib.suppress(DecodeError, VerificationError):
+                expires = open_certificate(decode_certificate(cert)).expires
+        return {"node_id": self.key.node_id, "name": self.name, "version": __version__,
+                "uptime_s": round(time.time() - self.started_at, 1), "certificate_expires": expires}
+
+    def _node_names(self) -> list[tuple[str, str]]:
+        """``(node id, name)`` of this node and every member it knows (for naming a command's target)."""
+        assert self.mesh is not None and self.mesh.gossip is not None
+        members = [(n, e.record.name) for n, e in self.mesh.gossip.state.peers.items()
+                   if e.status in ("alive", "suspect") and n != self.key.node_id]
+        return [(self.key.node_id, self.name), *sorted(members)]
+
+    def _owner_key(self) -> str | None:
+        """The owner key whose keystore is in this node's home (its public half: no passphrase needed)."""
+        path = self.home / OWNER_KEYSTORE_FILE
+        if not path.exists():
+            return None
+        with contextlib.suppress(KeystoreError):
+            return b32(read_keystore(path).public)
+        return None
+
+    def _unlock_owner(self, passphrase: str | None) -> Any:
+        """The owner key from the keystore in this node's home (for console commands; never kept)."""
+        if passphrase is None:
+            passphrase = obtain_passphrase(confirm=False, prompt=None)
+        return unlock_keystore(self.home / OWNER_KEYSTORE_FILE, passphrase)
 
     def status(self) -> dict[str, Any]:
         """The ``/api/status`` snapshot (schema in docs/api.md)."""
@@ -317,7 +437,8 @@ class Node:
                              "cpu_cores": rec.capacity.cpu_cores, "gflops": rec.capacity.gflops},
                 "load": {"in_flight": rec.load.in_flight, "queue": rec.load.queue, "tok_s": rec.load.tok_s,
                          "slots": rec.load.slots, "free_slots": rec.load.free_slots},
-                "addr": (rec.addresses.listen or [""])[0], "seq": rec.seq,
+                "addr": (rec.addresses.listen or [""])[0], "seq": rec.seq, "standby": list(rec.standby),
+                "available": [{"id": m.id, "name": m.name, "size": m.size} for m in rec.models.available],
             })
         own = gossip.own
         return {
@@ -325,12 +446,15 @@ class Node:
             "role": own.role, "api_url": self.api_url, "mesh_addr": self.mesh_addr,
             "uptime_s": round(time.time() - self.started_at, 1),
             "mesh_owner": self.membership is not None and self.membership.mesh_key is not None,
+            "owner_key": self._owner_key(),
             "models": [_model_json(m) for m in own.models.served],
             "capacity": msgspec.structs.asdict(own.capacity), "load": msgspec.structs.asdict(own.load),
             "peers": peers,
             "rtt_matrix": {a: {b: round(ms, 3) for b, ms in row.items()} for a, row in gossip.rtt_matrix().items()},
             "links": mesh_links([own, *gossip.members().values()]),
             "splits": self.splits.status() if self.splits is not None else [],
+            "transfers": self.store.status() if self.store is not None else [],
+            **(self.owner.status(time.time()) if self.owner is not None else {}),
             "requests": self.serving.request_counters(),
             "devices": [{"name": d.name, "description": d.description, "kind": d.kind,
                          "memory_free": d.memory_free, "memory_total": d.memory_total} for d in compute_devices()],

@@ -54,7 +54,7 @@ from meshllm.api.generation import (
 )
 from meshllm.api.grammar import build_grammar
 from meshllm.api.limits import Admission
-from meshllm.api.schemas import I64_MAX, Lenient, clean, params, travels
+from meshllm.api.schemas import I64_MAX, RequestBody, clean, params, travels
 from meshllm.api.tools import NO_TOOLS, Choice, ParsedCall, ToolSpec, function
 from meshllm.engine.base import ChatMessage, ChatRequest, ToolCall, Usage
 
@@ -120,7 +120,7 @@ async def _app_error_response(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
-class MessagesRequest(Lenient):
+class MessagesRequest(RequestBody):
     """``POST /v1/messages``."""
 
     model: str = Field(min_length=1, max_length=512)

@@ -18,12 +18,12 @@ from meshllm.api.backend import Backend
 from meshllm.api.errors import BadRequest
 from meshllm.api.generation import ERROR_RESPONSES
 from meshllm.api.limits import Admission
-from meshllm.api.schemas import Lenient, TokenIds, clean
+from meshllm.api.schemas import RequestBody, TokenIds, clean
 from meshllm.engine.base import EmbedRequest
 from meshllm.engine.embed import MAX_INPUTS
 
 
-class EmbeddingRequestIn(Lenient):
+class EmbeddingRequestIn(RequestBody):
     """``POST /v1/embeddings``."""
 
     model: str = Field(min_length=1, max_length=512)

@@ -165,9 +165,13 @@ def _validation_response(exc: RequestValidationError) -> JSONResponse:
     if any(e.get("type") == "json_invalid" for e in errors):
         return JSONResponse(error_body("request body is not valid JSON", "invalid_request_error", "invalid_json"),
                             status_code=400)
-    first = errors[0] if errors else {}
+    unknown = [e for e in errors if e.get("type") == "extra_forbidden"]
+    first = unknown[0] if unknown else errors[0] if errors else {}
     loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_tag(p)]
     param = ".".join(loc) or None
+    if unknown:  # OpenAI's answer to a field it does not know, word for word
+        return JSONResponse(error_body(f"Unrecognized request argument supplied: {param}", "invalid_request_error",
+                                       "unknown_parameter", param), status_code=400)
     message = f"{param}: {first.get('msg', 'invalid value')}" if param else str(first.get("msg", "invalid request"))
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problems)"

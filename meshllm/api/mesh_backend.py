@@ -60,7 +60,7 @@ from meshllm.engine.base import (
 from meshllm.engine.embed import embed_stream
 from meshllm.errors import MeshllmError
 from meshllm.identity.ids import short
-from meshllm.mesh.records import PeerRecord, ServedModel
+from meshllm.mesh.records import PeerRecord, takes_requests
 from meshllm.mesh.service import MeshService
 from meshllm.net.connection import PeerConnection
 from meshllm.net.errors import NetTimeout, StreamClosed
@@ -144,7 +144,7 @@ class MeshBackend:
             nodes[mid], names[mid], context[mid] = [self.node_id], [self._own_name()], engine_context(engine)
         for node_id, record in sorted(self._alive_records().items()):
             for model in record.models.served:
-                if _whole(model):
+                if takes_requests(model):
                     nodes.setdefault(model.name, []).append(node_id)
                     names.setdefault(model.name, []).append(record.name or short(node_id))
                     context.setdefault(model.name, model.context)
@@ -174,8 +174,8 @@ class MeshBackend:
             load = max(record.load.in_flight + record.load.queue, ours)
             # the record is up to a few seconds old: our own calls in flight may already fill its free slots
             free = max(0, record.load.free_slots - ours) if record.load.slots else None
-            views.append(PeerView(node_id=node_id, models=frozenset(m.name for m in record.models.served if _whole(m)),
-                                  load=load, free_slots=free, rtt_ms=rtt,
+            served = frozenset(m.name for m in record.models.served if takes_requests(m))
+            views.append(PeerView(node_id=node_id, models=served, load=load, free_slots=free, rtt_ms=rtt,
                                   alive=conn is None or conn.state != "suspect"))
         return views
 
@@ -511,14 +511,6 @@ class MeshBackend:
 def _busy(exc: BaseException) -> bool:
     """The target refused because all its slots or queue places are taken (it works; it is full)."""
     return isinstance(exc, EngineBusy) or (isinstance(exc, RemoteError) and exc.code == "no_capacity")
-
-
-def _whole(model: ServedModel) -> bool:
-    """The node answers requests for ``model``: it serves it whole, or coordinates a split of it.
-
-    A worker's ``stage`` entry (one layer range of someone else's chain) takes no requests.
-    """
-    return model.engine == "split" or (model.engine != "stage" and model.layer_start == 0 and model.layer_end == 0)
 
 
 def _hang_up(stream: Stream, client: TunnelClient) -> None:

@@ -21,6 +21,7 @@ know them.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -52,16 +53,18 @@ from meshllm.api.generation import (
 )
 from meshllm.api.grammar import build_grammar
 from meshllm.api.limits import Admission
-from meshllm.api.schemas import I64_MAX, I64_MIN, Lenient, clean, params, travels
+from meshllm.api.schemas import I64_MAX, I64_MIN, RequestBody, clean, params, travels
 from meshllm.api.tools import NO_TOOLS, Choice, ParsedCall, ToolSpec, function
 from meshllm.engine.base import ChatMessage, ChatRequest, ToolCall, Usage
+
+log = logging.getLogger(__name__)
 
 STORE_SIZE = 1000
 """Stored responses per node (oldest dropped first)."""
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-class ResponsesRequest(Lenient):
+class ResponsesRequest(RequestBody):
     """``POST /v1/responses``."""
 
     model: str = Field(min_length=1, max_length=512)
@@ -89,6 +92,12 @@ class ResponsesRequest(Lenient):
     max_tool_calls: int | None = None
     top_logprobs: int | None = None
     service_tier: str | None = None
+    safety_identifier: str | None = Field(default=None, max_length=512)
+    stream_options: dict[str, Any] | None = Field(default=None, description="accepted: events are never obfuscated")
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
+    client_metadata: dict[str, Any] | None = Field(
+        default=None, description="what the client says about itself (Codex sends it): logged with the request")
 
     def check(self) -> None:
         """400 for what we cannot honour."""
@@ -104,7 +113,9 @@ class ResponsesRequest(Lenient):
             raise BadRequest(f"include {other[0]!r} is not supported", param="include")
         for name, why in (("background", "responses run in the foreground"),
                           ("max_tool_calls", "the number of calls is not limited"),
-                          ("top_logprobs", "use /v1/chat/completions for logprobs")):
+                          ("top_logprobs", "use /v1/chat/completions for logprobs"),
+                          ("conversation", "conversations are not stored; pass previous_response_id or the input"),
+                          ("prompt", "stored prompt templates are not kept here; send the input")):
             if getattr(self, name):
                 raise BadRequest(f"{name} is not supported: {why}", param=name)
         if self.service_tier not in (None, "auto", "default"):
@@ -346,6 +357,8 @@ def router(backend: Backend, admission: Admission) -> APIRouter:
     async def create_response(body: ResponsesRequest, http: Request) -> Response:
         """Create a model response; ``stream=true`` for its events."""
         body.check()
+        if body.client_metadata:
+            log.info("responses request for %s from a client that says %s", body.model, body.client_metadata)
         tools = body.tool_spec()
         conversation: list[ChatMessage] = []
         if body.previous_response_id is not None:
@@ -360,7 +373,7 @@ def router(backend: Backend, admission: Admission) -> APIRouter:
         conversation += input_messages(body.input)
         if not conversation:
             raise BadRequest("input is empty", param="input")
-        key = body.user or body.prompt_cache_key
+        key = body.user or body.safety_identifier or body.prompt_cache_key
         request = ChatRequest(
             model=body.model, messages=tuple(conversation), tools=tools.engine_tools(),
             params=params(max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,

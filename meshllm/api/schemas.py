@@ -1,9 +1,11 @@
 """OpenAI request and response bodies (pydantic: validated at the HTTP edge), and their engine requests.
 
-Unknown request fields are ignored, as OpenAI-compatible servers commonly do, so clients written
-for newer API versions keep working. Fields we know are either honoured or refused with a 400
-that names them (``param``), never silently ignored: :func:`refuse` lists the ones no engine can
-honour (``logit_bias``, audio output, predicted outputs...). Bounds mirror OpenAI's documented
+A field the request body does not know is a 400 naming it (``unknown_parameter``), as OpenAI and
+Anthropic answer, never ignored; the bodies list every field of the current API references. Fields
+we know are either honoured or refused with a 400 that names them (``param``): :func:`refuse` lists
+the ones no engine can honour (``logit_bias``, audio output, predicted outputs...). Objects inside a
+body (messages, content parts, tools) ignore keys they do not know: clients send back the messages
+a response gave them, with its extra keys (``refusal``, ``annotations``...). Bounds mirror OpenAI's documented
 ranges; ``seed`` is limited to 64 bits because requests travel to peers as msgpack.
 
 The Responses API and Anthropic's Messages API have their own bodies (``meshllm.api.responses``,
@@ -32,9 +34,15 @@ Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class Lenient(BaseModel):
-    """A request body that ignores fields it does not know (clients written for newer API versions)."""
+    """An object inside a request body: keys it does not know are ignored (echoed response objects)."""
 
     model_config = ConfigDict(extra="ignore")
+
+
+class RequestBody(BaseModel):
+    """A top-level request body: a field it does not know is a 400 naming it, not silently dropped."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 def clean(text: str) -> str:
@@ -174,7 +182,7 @@ class StreamOptions(Lenient):
     include_usage: bool = False
 
 
-class _SamplingFields(Lenient):
+class _SamplingFields(RequestBody):
     """Fields shared by chat and text completions."""
 
     model: str = Field(min_length=1, max_length=512)
@@ -191,6 +199,24 @@ class _SamplingFields(Lenient):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = Field(default=None, max_length=512)
+    safety_identifier: str | None = Field(default=None, max_length=512,
+                                          description="as user: the client's key for its fair share")
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = Field(default=None, max_length=512,
+                                         description="accepted: prompt caching is automatic, keyed by the prompt")
+
+    def client_key(self) -> str | None:
+        """``user``, else ``safety_identifier``: whose fair share of the queue the request takes."""
+        key = self.user or self.safety_identifier
+        return clean(key) if key else None
+
+    def refuse_common(self) -> None:
+        """400 for the shared fields no engine can honour."""
+        refuse(self, {"logit_bias": "token biases are not applied by this server",
+                      "metadata": "completions are not stored, so there is nothing to tag"})
+        if self.service_tier not in (None, "auto", "default"):
+            raise BadRequest("service_tier: only auto or default (one tier)", param="service_tier")
 
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -226,6 +252,7 @@ class ChatCompletionRequest(_SamplingFields):
     prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
     reasoning_effort: str | None = None
+    verbosity: str | None = None
     store: bool | None = None
 
     @field_validator("tools", "functions")
@@ -290,9 +317,10 @@ class ChatCompletionRequest(_SamplingFields):
 
         ``tools`` is :meth:`tool_spec` when the caller already has it.
         """
-        refuse(self, {"logit_bias": "token biases are not applied by this server",
-                      "audio": "text models only", "prediction": "predicted outputs are not used",
+        self.refuse_common()
+        refuse(self, {"audio": "text models only", "prediction": "predicted outputs are not used",
                       "web_search_options": "no web search", "reasoning_effort": "not a reasoning model",
+                      "verbosity": "the length of the answer follows max_tokens and the prompt",
                       "store": "completions are not stored"})
         if self.modalities not in (None, ["text"]):
             raise BadRequest("modalities: only ['text']", param="modalities")
@@ -308,7 +336,7 @@ class ChatCompletionRequest(_SamplingFields):
                           top_p=self.top_p, top_k=self.top_k, seed=choice_seed(self.seed, i), stop=self.stops(),
                           presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                           grammar=grammar, logprobs=(self.top_logprobs or 0) if self.logprobs else None),
-            tools=tools.engine_tools(), user=clean(self.user) if self.user else None,
+            tools=tools.engine_tools(), user=self.client_key(),
         ) for i in range(self.choices)]
 
 
@@ -356,8 +384,8 @@ class CompletionRequestIn(_SamplingFields):
 
     def to_engine(self) -> list[CompletionRequest]:
         """One engine request per prompt and choice (OpenAI's order: prompt-major)."""
-        refuse(self, {"logit_bias": "token biases are not applied by this server",
-                      "suffix": "fill-in-the-middle is not supported"})
+        self.refuse_common()
+        refuse(self, {"suffix": "fill-in-the-middle is not supported"})
         if self.best_of is not None and self.best_of != self.choices:
             raise BadRequest("best_of: only equal to n (choices are not ranked)", param="best_of")
         prompts = self.prompts()
@@ -374,7 +402,7 @@ class CompletionRequestIn(_SamplingFields):
                           top_k=self.top_k, seed=choice_seed(self.seed, j), stop=self.stops(),
                           presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                           logprobs=self.logprobs),
-            user=clean(self.user) if self.user else None,
+            user=self.client_key(),
         ) for prompt in prompts for j in range(self.choices)]
 
 

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 from meshllm.api.counters import RequestCounters
-from meshllm.api.errors import NoCapacity, UnknownModel, UpstreamTimeout
+from meshllm.api.errors import NoCapacity, UpstreamTimeout
 from meshllm.api.limits import Slots
 from meshllm.api.tunnel import CallerFrame, ModelMismatch, Routable, TunnelEvent, TunnelServer
 from meshllm.engine.base import EmbedRequest, Engine, Unsupported, check_supported
@@ -54,8 +54,8 @@ class TunnelService:
         assert server.request is not None
         request = server.request.request
         engine = self.engines.get(request.model)
-        if engine is None:
-            await stream.send(server.error(UnknownModel(f"model {request.model!r} is not served by this node")))
+        if engine is None:  # the caller's view of our record is stale (an unload): a 503 lets it fail over
+            await stream.send(server.error(NoCapacity(f"model {request.model!r} is not served by this node now")))
             return
         server.model_sha256 = self.hashes.get(request.model, "")
         wanted = server.request.model_sha256

@@ -5,8 +5,8 @@ so every layout is tested by rendering sample snapshots to a recording console. 
 from another process and may lack fields; every read has a default so a partial snapshot still draws.
 
 The layout fits the terminal it is given: sections are stacked (header, peers, RTT heat map, split
-topology, events) and, when the height is short, long sections are cut with a "+N more" line,
-events first, so an 80x24 terminal stays readable.
+topology, demand and standby when the mesh has any, events) and, when the height is short, long
+sections are cut with a "+N more" line, events first, so an 80x24 terminal stays readable.
 """
 
 from __future__ import annotations
@@ -304,24 +304,105 @@ def split_bar(split: Mapping[str, Any], names: Mapping[str, str], colours: Mappi
     return bar
 
 
+def active_transfers(snapshot: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """Model transfers still running (``/api/status`` ``transfers``)."""
+    return [t for t in snapshot.get("transfers") or [] if t.get("state") in ("fetching", "verifying")]
+
+
+def transfer_line(transfer: Mapping[str, Any], width: int) -> Text:
+    """``<- model layers a-b  42%  10.5/25.0 MB  3.1 MB/s  from coord, h1``: one model transfer in flight."""
+    done, total = int(transfer.get("bytes_done") or 0), int(transfer.get("bytes_total") or 0)
+    layers = transfer.get("layers")
+    what = f"layers {layers[0]}-{layers[1]}" if layers else str(transfer.get("kind", "whole"))
+    holders = [h.get("name", "?") for h in transfer.get("holders") or [] if not h.get("dropped")]
+    line = Text(no_wrap=True, overflow="ellipsis")
+    line.append("  <- ", style="cyan")
+    line.append(f"{transfer.get('model', '?')} {what}  ", style="bold")
+    line.append(f"{100 * done / total:3.0f}%  " if total else "  ?%  ")
+    line.append(f"{fmt_bytes(done)}/{fmt_bytes(total)}  {fmt_bytes(transfer.get('rate_bytes_s') or 0)}/s")
+    if holders:
+        line.append(f"  from {', '.join(holders)}", style="dim")
+    line.truncate(width)
+    return line
+
+
 def render_splits(snapshot: Mapping[str, Any], width: int, max_rows: int | None) -> list[RenderableType]:
-    """Split topology: one bar per model served by a chain of nodes, stages labelled name + layers."""
+    """Split topology: one bar per model served by a chain of nodes, stages labelled name + layers;
+    then one line per model transfer in flight (a worker fetching its layers, a node fetching a model)."""
     splits = snapshot.get("splits") or []
+    transfers = active_transfers(snapshot)
     out: list[RenderableType] = [_section("split topology")]
-    if not splits:
+    if not splits and not transfers:
         out.append(Text("  no splits", style="dim"))
         return out
     names = node_names(snapshot)
     colours = {node: NODE_COLOURS[i % len(NODE_COLOURS)] for i, node in enumerate(names)}
-    label_w = min(20, max(len(str(s.get("model", "?"))) for s in splits))
-    shown = splits if max_rows is None or len(splits) <= max_rows else splits[: max(0, max_rows - 1)]
-    for split in shown:
+    label_w = min(20, max((len(str(s.get("model", "?"))) for s in splits), default=0))
+    rows: list[RenderableType] = []
+    for split in splits:
         line = Text(no_wrap=True, overflow="ellipsis")
         line.append(f"{str(split.get('model', '?'))[:label_w]:<{label_w}} ", style="bold")
         line.append_text(split_bar(split, names, colours, width - label_w - 1))
-        out.append(line)
-    if len(shown) < len(splits):
-        out.append(_more(len(splits) - len(shown), "splits"))
+        rows.append(line)
+    rows += [transfer_line(t, width) for t in transfers]
+    shown = rows if max_rows is None or len(rows) <= max_rows else rows[: max(0, max_rows - 1)]
+    out += shown
+    if len(shown) < len(rows):
+        out.append(_more(len(rows) - len(shown), "splits and transfers"))
+    return out
+
+
+def demand_rows(snapshot: Mapping[str, Any]) -> int:
+    """Lines of the demand section (0: the section is not shown)."""
+    return len(snapshot.get("demand") or []) + (1 if snapshot.get("standby") else 0)
+
+
+def demand_line(entry: Mapping[str, Any], width: int) -> Text:
+    """``model  12 req/min  3 refused  served by a, b  last 4s ago``: the mesh's demand for one model."""
+    line = Text(no_wrap=True, overflow="ellipsis")
+    line.append(f"  {entry.get('model', '?')}  ", style="bold")
+    line.append(f"{entry.get('requests', 0)} req/min")
+    if entry.get("unmet"):
+        line.append(f"  {entry['unmet']} refused", style="red")
+    servers = entry.get("served_by") or []
+    line.append(f"  served by {', '.join(servers)}" if servers else "  served by nobody",
+                style="dim" if servers else "yellow")
+    line.append(f"  last {fmt_duration(float(entry.get('last_active_age_s') or 0))} ago", style="dim")
+    line.truncate(width)
+    return line
+
+
+def standby_line(standby: Mapping[str, Any], width: int) -> Text:
+    """``standby on · library a, b · serving a · waiting b: queue 1.5s · cooling c``: this node's standby state."""
+    line = Text(no_wrap=True, overflow="ellipsis")
+    line.append("  standby ", style="bold")
+    line.append("on" if standby.get("enabled") else "paused", style="green" if standby.get("enabled") else "yellow")
+    line.append(f" · library {', '.join(standby.get('candidates') or []) or '-'}")
+    line.append(f" · serving {', '.join(standby.get('serving') or []) or 'nothing'}")
+    for wait in standby.get("waiting") or []:
+        line.append(f" · {wait.get('model')}: {wait.get('reason')} for {wait.get('for_s')}s", style="yellow")
+    if standby.get("cooling"):
+        line.append(f" · cooling {', '.join(standby['cooling'])}", style="dim")
+    decisions = standby.get("decisions") or []
+    if decisions:
+        last = decisions[-1]
+        line.append(f" · last: {last.get('action')} {last.get('model')} ({last.get('reason')})", style="dim")
+    line.truncate(width)
+    return line
+
+
+def render_demand(snapshot: Mapping[str, Any], width: int, max_rows: int | None) -> list[RenderableType]:
+    """Demand per model (what clients asked for that their own node does not serve) and this node's standby."""
+    if not demand_rows(snapshot):
+        return []
+    rows: list[RenderableType] = []
+    if snapshot.get("standby"):
+        rows.append(standby_line(snapshot["standby"], width))
+    rows += [demand_line(entry, width) for entry in snapshot.get("demand") or []]
+    shown = rows if max_rows is None or len(rows) <= max_rows else rows[: max(0, max_rows - 1)]
+    out: list[RenderableType] = [_section("demand and standby"), *shown]
+    if len(shown) < len(rows):
+        out.append(_more(len(rows) - len(shown), "models asked for"))
     return out
 
 
@@ -362,22 +443,24 @@ def render_events(events: Sequence[Mapping[str, Any]], snapshot: Mapping[str, An
 def _table_rows(snapshot: Mapping[str, Any]) -> tuple[int, int, int]:
     peers = len(snapshot.get("peers") or [])
     nodes = len(matrix_nodes(snapshot))
-    return peers, nodes if nodes >= 2 else 0, len(snapshot.get("splits") or [])
+    return peers, nodes if nodes >= 2 else 0, len(snapshot.get("splits") or []) + len(active_transfers(snapshot))
 
 
 def fit(height: int | None, snapshot: Mapping[str, Any], n_events: int) -> tuple[int | None, ...]:
-    """Rows for peers, matrix, splits and events so the whole screen fits ``height`` lines.
+    """Rows for peers, matrix, splits, demand and events so the whole screen fits ``height`` lines.
 
     Fixed cost: two header lines, a title per section and a column-header line per table. What is
-    left goes to peers first, then the matrix, splits and events (events are the first to shrink).
+    left goes to peers first, then the matrix, splits, demand and events (events are the first to
+    shrink). The demand section costs nothing while the snapshot has no demand and no standby.
     """
     if height is None:
-        return None, None, None, None
+        return None, None, None, None, None
     peers, nodes, splits = _table_rows(snapshot)
-    fixed = 2 + 4 + (1 if peers else 0) + (1 if nodes else 0)
+    demand = demand_rows(snapshot)
+    fixed = 2 + 4 + (1 if peers else 0) + (1 if nodes else 0) + (1 if demand else 0)
     left = max(0, height - fixed)
-    wants = [max(1, peers), max(1, nodes), max(1, splits), max(1, min(MAX_EVENTS, n_events))]
-    floors = [min(w, 3) for w in wants[:3]] + [min(wants[3], 2)]
+    wants = [max(1, peers), max(1, nodes), max(1, splits), demand, max(1, min(MAX_EVENTS, n_events))]
+    floors = [min(w, 3) for w in wants[:3]] + [min(demand, 2), min(wants[4], 2)]
     rows = floors[:]
     left -= sum(floors)
     for i, want in enumerate(wants):  # top-up in priority order
@@ -390,11 +473,12 @@ def fit(height: int | None, snapshot: Mapping[str, Any], n_events: int) -> tuple
 def render(snapshot: Mapping[str, Any], events: Sequence[Mapping[str, Any]], link: Link, *,
            now: float, width: int, height: int | None = None) -> RenderableType:
     """The whole dashboard at unix time ``now`` for ``width`` x ``height`` (height None: no limit)."""
-    peer_rows, matrix_rows, split_rows, event_rows = fit(height, snapshot, len(events))
+    peer_rows, matrix_rows, split_rows, demand_rows_, event_rows = fit(height, snapshot, len(events))
     return Group(
         render_header(snapshot, link, now, width),
         *render_peers(snapshot, width, peer_rows),
         *render_matrix(snapshot, width, matrix_rows),
         *render_splits(snapshot, width, split_rows),
+        *render_demand(snapshot, width, demand_rows_),
         *render_events(events, snapshot, event_rows),
     )

@@ -16,7 +16,7 @@ def cli() -> None:
 
 def _register() -> None:
     """Attach the subcommands (imported here so ``meshllm --version`` stays fast)."""
-    from meshllm.cli import auth, console, discover, invite, launch, mesh, models, plan, publish, serve, status
+    from meshllm.cli import auth, console, discover, invite, launch, mesh, models, owner, plan, publish, serve, status
 
     cli.add_command(auth.auth)
     cli.add_command(mesh.mesh)
@@ -24,6 +24,7 @@ def _register() -> None:
     cli.add_command(status.status)
     cli.add_command(plan.plan)
     cli.add_command(models.models)
+    cli.add_command(owner.owner)
     cli.add_command(serve.serve)
     cli.add_command(serve.join)
     cli.add_command(publish.publish)

@@ -68,12 +68,22 @@ def node_options(func: Any) -> Any:
                      help="Serve no whole model; offer this node's memory to host layer ranges of split models."),
         click.option("--split", type=click.Choice(["auto", "force", "off"]), default="off", show_default=True,
                      help="Split served models over workers: auto (only when a model does not fit), force (always)."),
+        click.option("--speculate", type=click.Choice(["auto", "on", "off"]), default=None,
+                     help="Speculative decoding: draft tokens from the prompt and the output and verify them in "
+                          "one pass (auto: where the measured costs say it pays; on: every draft found; off). "
+                          "Default: speculate in config.toml, else auto."),
         click.option("--stages", type=click.IntRange(2, 8), default=None,
                      help="Stages of a split (default: the planner chooses; force: one per worker plus this node)."),
         click.option("--max-memory", type=GIGABYTES, default=None, metavar="GB",
                      help="Memory (GiB) this node gives models or, with --worker, offers to splits."),
         click.option("--model", "models", multiple=True, metavar="REF",
                      help="Model to serve: a GGUF path or 'default' (repeatable; default: the bundled model)."),
+        click.option("--standby", is_flag=True,
+                     help="Load no model at start: serve each --model when the mesh asks for it and cannot keep up "
+                          "(nobody serves it, requests queue or are refused); unload it again once idle."),
+        click.option("--standby-idle", "standby_idle_s", type=click.FloatRange(1.0, 86400.0), default=300.0,
+                     show_default=True, metavar="SECONDS",
+                     help="With --standby: unload a model after this long without a request."),
         click.option("--engine", type=click.Choice(["llama", "ggml"]), default="llama", show_default=True,
                      help="Inference engine for served models: llama.cpp, or the ggml stage runtime splits use."),
         click.option("--threads", type=click.IntRange(min=1), default=None,
@@ -132,14 +142,16 @@ def _run(join_token: str | None, *, home: Path | None, name: str, api_port: int,
          models: tuple[str, ...], engine: str, threads: int | None, gpu_layers: int | None, parallel: int | None,
          max_tokens_default: int, replays: int, kernels: str, log_format: str, verbose: bool,
          dht_bootstrap: tuple[str, ...], dht_port: int | None, listing_ttl: float, worker: bool, split: str,
-         stages: int | None, max_memory: float | None, api_keys: tuple[str, ...], api_key_file: Path | None,
-         cors_origins: tuple[str, ...], allowed_hosts: tuple[str, ...], lookup_timeout: float = 15.0) -> None:
+         stages: int | None, max_memory: float | None, speculate: str | None, api_keys: tuple[str, ...],
+         api_key_file: Path | None, cors_origins: tuple[str, ...], allowed_hosts: tuple[str, ...], standby: bool,
+         standby_idle_s: float, lookup_timeout: float = 15.0) -> None:
     from meshllm.node import Node, NodeOptions
 
     logs.configure(log_format, verbose)
     hub = EventHub()
     hub.add_sink(logs.event_sink(log_format))
-    dht_peers = list(dht_bootstrap) or list(load_config(resolve_home(home)).dht_bootstrap)
+    config = load_config(resolve_home(home))
+    dht_peers = list(dht_bootstrap) or list(config.dht_bootstrap)
     if join_token is not None and is_mesh_id(join_token):
         join_token, bootstrap = _resolve_published(hub, join_token, mesh_host, dht_peers, lookup_timeout, bootstrap)
     if join_token is None:
@@ -150,9 +162,10 @@ def _run(join_token: str | None, *, home: Path | None, name: str, api_port: int,
         role="client" if client else "worker" if worker else "host", models=list(models) or ["default"],
         engine=engine, threads=threads, gpu_layers=gpu_layers, parallel=parallel, max_tokens_default=max_tokens_default,
         replays=replays, kernels=kernels, split=split_options(split, stages, max_memory),
+        speculate=speculate or config.speculate,  # type: ignore[arg-type]
         dht_bootstrap=dht_peers, dht_port=dht_port, listing_ttl_s=listing_ttl, relay=relay,  # type: ignore[arg-type]
         api_keys=[*api_keys, *_key_file(api_key_file)], cors_origins=list(cors_origins),
-        allowed_hosts=list(allowed_hosts),
+        allowed_hosts=list(allowed_hosts), standby=standby, standby_idle_s=standby_idle_s,
     )
     asyncio.run(_serve(Node(options, hub), log_format))
 

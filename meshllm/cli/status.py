@@ -173,9 +173,16 @@ def run_dashboard(api: NodeApi, snapshot: dict[str, Any], interval: float) -> No
 @click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
               help="Seconds between refreshes of the dashboard.")
 def status(api: NodeApi, as_json: bool, interval: float) -> None:
-    """Show a running node: peers, RTT heat map, split topology and events (q or Ctrl-C to leave)."""
+    """Show a running node: peers, RTT heat map, split topology and events (q or Ctrl-C to leave).
+
+    When stdout is not a terminal (a pipe, a file, a script), it prints the dashboard once and exits.
+    """
     snapshot = fetch_status(api, timeout=5.0)
     if as_json:
         echo_json(snapshot)
+        return
+    if not sys.stdout.isatty():
+        console = Console(width=max(100, Console().size.width))
+        console.print(render(snapshot, [], Link(api.url), now=time.time(), width=console.size.width))
         return
     run_dashboard(api, snapshot, interval)

@@ -38,6 +38,7 @@ from meshllm.discovery.mdns import MdnsAdvertiser
 from meshllm.discovery.quic_listing import ListingServer
 from meshllm.errors import ConfigError, MeshllmError
 from meshllm.mesh.admission import MeshKey, decode_token, verify_invite
+from meshllm.mesh.demand import record_demand, wanted_models
 from meshllm.mesh.records import PeerRecord
 from meshllm.net.endpoint import Endpoint
 from meshllm.net.interfaces import lan_addresses
@@ -61,10 +62,15 @@ class ListingFacts:
     models_wanted: list[str] = field(default_factory=list)
 
 
-def facts_from_records(own: PeerRecord, members: list[PeerRecord]) -> ListingFacts:
-    """Summarise our record and the live members' records (ours first in the bootstrap list)."""
+def facts_from_records(own: PeerRecord, members: list[PeerRecord], now: float) -> ListingFacts:
+    """Summarise our record and the live members' records (ours first in the bootstrap list).
+
+    ``models_wanted``: models the mesh's clients asked for in the last minute that nobody serves or
+    that were refused everywhere for lack of capacity (``mesh/demand.py``).
+    """
     records = [own, *members]
     served = sorted({m.name for r in records for m in r.models.served})
+    wanted = wanted_models(record_demand(records, now), served, now=now)
     addrs: list[str] = []
     for record in records:
         for addr in record.addresses.listen:
@@ -76,8 +82,8 @@ def facts_from_records(own: PeerRecord, members: list[PeerRecord]) -> ListingFac
         gpu_nodes=sum(1 for r in records if r.capacity.vram_bytes > 0),
         tokens_per_s=round(sum(r.load.tok_s for r in records), 1),
     )
-    return ListingFacts(bootstrap=addrs[:MAX_BOOTSTRAP], models_served=served[:64], node_count=len(records),
-                        capacity=capacity)
+    return ListingFacts(bootstrap=addrs[:MAX_BOOTSTRAP], models_served=served[:64], models_wanted=wanted[:64],
+                        node_count=len(records), capacity=capacity)
 
 
 def lan_scope(host: str) -> list[str] | None:

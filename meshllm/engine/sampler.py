@@ -83,6 +83,20 @@ class Sampler:
         pick = _draw(w, self._rng.random())
         return pick if ids is None else int(ids[pick])
 
+    def verify(self, logits: np.ndarray, history: Sequence[int], draft: int) -> tuple[int, bool]:
+        """Judge a drafted token: ``(token, kept)``, where ``token`` is what this position produces.
+
+        The draft is kept exactly when the token sampled here (one draw, as :meth:`__call__`) equals
+        it. For a drafter that proposes one token with certainty this *is* the standard speculative
+        sampling rule: the draft is kept with probability ``p(draft)``, and a rejected draft's
+        replacement is distributed as ``p`` without the draft, renormalised. Coupling the rule to the
+        plain draw makes it stronger: with the same random stream, each position's token is the one
+        plain decoding would have sampled, so speculation changes neither the distribution of the
+        text nor, with a seed, the text itself. Greedy is the special case (kept iff it is the argmax).
+        """
+        token = self(logits, history)
+        return token, token == draft
+
     def _penalized(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
         """Logits after repetition, presence and frequency penalties over the recent window."""
         p = self.params

@@ -207,7 +207,7 @@ class TrustStore:
                 raise Untrusted(f"node {short(node_id)} presented no owner certificate (policy require-owned)")
             return TrustDecision(node_id, policy)
         try:
-            return self._owned(node_id, certificate, now, policy)
+            return self.owned_by(node_id, certificate, now, policy)
         except (CertificateRevoked, OwnerRevoked):
             raise
         except (DecodeError, VerificationError) as exc:
@@ -215,8 +215,14 @@ class TrustStore:
                 raise
             return TrustDecision(node_id, policy, note=str(exc))
 
-    def _owned(self, node_id: str, certificate: bytes, now: float, policy: TrustPolicy) -> TrustDecision:
-        """The decision for a peer whose certificate must make it owned, or the reason it does not."""
+    def owned_by(self, node_id: str, certificate: bytes, now: float,
+                 policy: TrustPolicy | None = None) -> TrustDecision:
+        """The decision for a node whose certificate must make it owned, or the reason it does not.
+
+        Every certificate rule, whatever the policy: owner commands (``owner/policy.py``) ask this of
+        the node's own certificate.
+        """
+        policy = self.data.policy if policy is None else policy
         signed = decode_certificate(certificate)
         cert = open_certificate(signed)
         # Revocations come before the subject and time checks: "revoked" is the more useful

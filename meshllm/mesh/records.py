@@ -90,13 +90,35 @@ class ServedModel(msgspec.Struct, frozen=True, kw_only=True):
     layer_end: int = 0
     """Exclusive end of the served layer range; 0 with ``layer_start`` 0 means the whole model."""
     engine: str = "llama.cpp"
+    id: str = ""
+    """The model id (sha256 of its GGUF, hex) when known; "" when the node has not hashed it."""
+
+
+class DiskModel(msgspec.Struct, frozen=True, array_like=True):
+    """A whole model file the node has on disk and offers to peers (``model-fetch``)."""
+
+    id: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
+    name: Annotated[str, msgspec.Meta(max_length=200)]
+    size: Annotated[int, msgspec.Meta(ge=0)]
+
+
+MAX_AVAILABLE = 64
+"""Most models on disk a record lists (the most recently used first): bounds the record's size."""
+
+
+def takes_requests(model: ServedModel) -> bool:
+    """Whether the node answers requests for ``model``: it serves it whole, or coordinates a split of it.
+
+    A worker's ``stage`` entry (one layer range of someone else's chain) takes no requests.
+    """
+    return model.engine == "split" or (model.engine != "stage" and model.layer_start == 0 and model.layer_end == 0)
 
 
 class Models(msgspec.Struct, frozen=True, kw_only=True):
-    """Served models and those on disk that could be loaded quickly."""
+    """Served models and the model files on disk, which peers may fetch."""
 
     served: list[ServedModel] = []
-    available: list[str] = []
+    available: Annotated[list[DiskModel], msgspec.Meta(max_length=MAX_AVAILABLE)] = []
 
 
 class Load(msgspec.Struct, frozen=True, kw_only=True):
@@ -110,6 +132,27 @@ class Load(msgspec.Struct, frozen=True, kw_only=True):
     """Requests the node's engines can generate at once (0: a node too old to say)."""
     free_slots: int = 0
     """Of ``slots``, those free now: a request routed here starts at once."""
+
+
+ModelName = Annotated[str, msgspec.Meta(max_length=200)]
+"""A model id as demand and standby entries carry it (longer names are never tracked)."""
+Count = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
+UnixTime = Annotated[float, msgspec.Meta(ge=0.0, le=1e11)]
+"""A finite wall-clock time (NaN and infinities fail the bounds at decode)."""
+MAX_DEMAND = 32
+"""Most models a record's demand map and standby list name: bounds what one peer makes every member hold."""
+
+
+class DemandEntry(msgspec.Struct, frozen=True, array_like=True):
+    """Requests for one model that the record's node could not serve locally (``mesh/demand.py``)."""
+
+    model: ModelName
+    requests: Count
+    """Such requests in the last demand window (60 s) before the record was signed."""
+    unmet: Count
+    """Of them, those nobody could take: no node serves the model, or every one refused (no capacity)."""
+    last_active: UnixTime
+    """Unix time of the latest such request."""
 
 
 RttMs = Annotated[float, msgspec.Meta(ge=0.0, le=3_600_000.0)]
@@ -143,6 +186,10 @@ class PeerRecord(msgspec.Struct, frozen=True, kw_only=True):
     state: RecordState = "alive"
     signed_at: float = 0.0
     """Wall-clock time the node signed this version: bounds how long any copy of it is accepted."""
+    demand: Annotated[list[DemandEntry], msgspec.Meta(max_length=MAX_DEMAND)] = []
+    """The node's own demand map: what its clients asked for that it does not serve itself."""
+    standby: Annotated[list[ModelName], msgspec.Meta(max_length=MAX_DEMAND)] = []
+    """Models this node would start serving on demand (``serve --standby``); empty: not a standby."""
 
 
 def sign_record(key: SigningKey, record: PeerRecord) -> bytes:

@@ -134,11 +134,16 @@ class MeshService:
 
     async def start(self) -> None:
         """Bind the endpoint, start the cores, and (when joining) reach a bootstrap member."""
-        self.endpoint = await Endpoint.create(
-            self.key.signing_key, self._host, self._port,
-            admit=self._admit, local_proof=lambda: self.membership.proof, options=self._endpoint_options,
-            take_grant=self._take_grant,
-        )
+        try:
+            self.endpoint = await Endpoint.create(
+                self.key.signing_key, self._host, self._port,
+                admit=self._admit, local_proof=lambda: self.membership.proof, options=self._endpoint_options,
+                take_grant=self._take_grant,
+            )
+        except OSError as exc:
+            raise ConfigError(f"cannot open the mesh's UDP port {self._host}:{self._port}: {exc.strerror}",
+                              hint="is another node running there? pick another port with --mesh-port "
+                                   "(0 picks a free one)") from None
         self.endpoint.on_stream(GOSSIP_STREAM, self._serve_gossip)
         self.endpoint.on_cool_down = lambda peer, reason: self._on_event("peer_cooled", node_id=peer, reason=reason)
         self.traversal = Traversal(self.endpoint, self._relay_mode, bool(self._announce), self._on_event)

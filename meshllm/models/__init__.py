@@ -1,4 +1,5 @@
-"""Model references, the bundled default model, and GGUF metadata read without loading weights."""
+"""Models: references (paths, library names and ids, ``hf:``), the bundled default model, GGUF metadata read
+without loading weights, the content-addressed library, and transfers between nodes (docs/models.md)."""
 
 from meshllm.models.metadata import GGUFMetadata, NotGGUF, read_metadata
 from meshllm.models.refs import DEFAULT_REF, ModelNotFound, ModelRef, resolve_model

@@ -84,11 +84,19 @@ class GGUFFile:
     tensor outside the file.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, header: bytes | None = None, size: int | None = None) -> None:
+        """Read the file at ``path``; or, with ``header`` (the file's first bytes) and ``size`` (its
+        length), parse a header that arrived from elsewhere (a peer) before the file exists here.
+        """
         self.path = Path(path)
         self.fields: dict[str, Any] = {}
         self.tensors: list[TensorInfo] = []
         try:
+            if header is not None:
+                self.size = len(header) if size is None else size
+                fh = io.BufferedReader(io.BytesIO(header))  # type: ignore[arg-type]
+                self._read(_ArrayReader(fh, self.path, self.size), fh)
+                return
             self.size = self.path.stat().st_size
             with self.path.open("rb") as raw:
                 fh = io.BufferedReader(raw, buffer_size=1 << 20)  # type: ignore[arg-type]
@@ -104,12 +112,16 @@ class GGUFFile:
         version = r.unpack(_U32)
         if version not in (2, 3):
             raise NotGGUF(f"{self.path}: unsupported GGUF version {version}")
+        self.version = version
         n_tensors, n_kv = r.unpack(_U64), r.unpack(_U64)
         if n_tensors > MAX_TENSORS or n_kv > 1_000_000:
             raise NotGGUF(f"{self.path}: implausible header ({n_tensors} tensors, {n_kv} keys)")
+        self.n_kv = n_kv
         for _ in range(n_kv):
             key = r.string()
             self.fields[key] = r.value(r.unpack(_U32))
+        self.kv_end = fh.tell()
+        """Where the key-value section ends and the tensor directory begins (a stage file copies the keys)."""
         directory = []
         for _ in range(n_tensors):
             name = r.string()

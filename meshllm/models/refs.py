@@ -1,11 +1,16 @@
-"""Model references: what the user names (a GGUF path or ``default``) and how the mesh names it.
+"""Model references: what the user names and how the mesh names it, resolved in one place.
+
+A reference is a GGUF path, ``default`` (the bundled Gemma 3 270M), a name or id from the model
+library (``models/library.py``), or ``hf:ORG/REPO/FILE.gguf`` / ``hf:ORG/REPO:QUANT`` (downloaded
+into the library, ``models/hub.py``). :func:`resolve_model` tries them in that order.
 
 Two names matter. The **model id** is what API clients put in ``"model"``: the file stem, short
 and stable across machines that hold the same file under the same name. The **identity** adds a
 sha256 prefix, because two nodes may hold different files under the same stem (another
-quantisation, a re-conversion); routing and layer splits must only pair identical files.
-Hashing a multi-GB file takes seconds, so it is lazy, done in the caller's worker thread, and
-can be cached on disk keyed by path, size and mtime.
+quantisation, a re-conversion); routing and layer splits must only pair identical files, and the
+library and transfers name a model by its full sha256 alone. Hashing a multi-GB file takes
+seconds, so it is lazy, done in the caller's worker thread, and cached on disk keyed by path, size
+and mtime.
 """
 
 from __future__ import annotations
@@ -15,10 +20,15 @@ import json
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from meshllm.errors import MeshllmError
 from meshllm.models.default import default_model_path, default_model_sha256
 from meshllm.models.metadata import GGUF_MAGIC, NotGGUF
+
+if TYPE_CHECKING:
+    from meshllm.models.hub import Report
+    from meshllm.models.library import Library
 
 DEFAULT_REF = "default"
 SHORT_HASH = 12
@@ -28,7 +38,8 @@ SHORT_HASH = 12
 class ModelNotFound(MeshllmError):
     """A model reference names no readable file."""
 
-    hint = "pass the path of a .gguf file, or `default` for the bundled Gemma 3 270M"
+    hint = ("pass a .gguf path, a name or id from `meshllm models list`, hf:ORG/REPO/FILE.gguf, "
+            "or `default` for the bundled Gemma 3 270M")
 
 
 @dataclass(frozen=True)
@@ -57,15 +68,34 @@ def model_id_for(path: Path) -> str:
     return path.name[: -len(".gguf")] if path.name.lower().endswith(".gguf") else path.name
 
 
-def resolve_model(spec: str | os.PathLike[str] | None = None, *, progress: bool = True) -> ModelRef:
-    """Turn ``None``/``"default"``/a path into a :class:`ModelRef`, checking the file is a GGUF.
+def resolve_model(spec: str | os.PathLike[str] | None = None, *, progress: bool = True,
+                  library: Library | None = None, report: Report | None = None) -> ModelRef:
+    """Turn a reference into a :class:`ModelRef`, checking the file is a GGUF.
 
-    ``progress`` is passed to the default model's first-use assembly.
+    ``None``/``"default"`` is the bundled model (``progress`` shows its first-use assembly); a path
+    that exists is used in place; ``hf:...`` is pulled into ``library`` (``report`` gets the
+    download's progress, else huggingface_hub draws its bar); anything else is looked up in
+    ``library`` by name or id. Raises :class:`ModelNotFound` when nothing matches (the node may
+    then look for the model in the mesh).
     """
     if spec is None or str(spec) == DEFAULT_REF:
         path = default_model_path(progress=progress)
         return ModelRef(path=path, model_id=model_id_for(path), sha256=default_model_sha256(), is_default=True)
-    path = Path(spec).expanduser()
+    text = str(spec)
+    if text.startswith("hf:"):
+        if library is None:
+            raise ModelNotFound(f"{text}: Hugging Face references need the node's model library")
+        from meshllm.models.hub import pull
+
+        entry = pull(text, library, report=report)
+        return ModelRef(path=entry.file, model_id=entry.name, sha256=entry.id)
+    path = Path(text).expanduser()
+    if not path.exists() and library is not None and not looks_like_path(text):
+        entry = library.find(text)
+        if entry is not None:
+            library.touch(entry)
+            return ModelRef(path=entry.file, model_id=entry.name, sha256=entry.id)
+        raise ModelNotFound(f"no model {text!r} in the library, and no such file")
     if not path.is_file():
         raise ModelNotFound(f"model file {path} does not exist" if not path.exists() else f"{path} is not a file")
     try:
@@ -76,6 +106,11 @@ def resolve_model(spec: str | os.PathLike[str] | None = None, *, progress: bool 
     if magic != GGUF_MAGIC:
         raise NotGGUF(f"{path} is not a GGUF file")
     return ModelRef(path=path.resolve(), model_id=model_id_for(path))
+
+
+def looks_like_path(text: str) -> bool:
+    """A reference with a folder separator or a ``.gguf`` suffix names a file, never a library entry."""
+    return "/" in text or os.sep in text or text.lower().endswith(".gguf") or text.startswith(("~", "."))
 
 
 def file_sha256(path: Path, cache_file: Path | None = None) -> str:

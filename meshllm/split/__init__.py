@@ -18,7 +18,7 @@ servers and tests need not load the tokenizer stack.
 from meshllm.split.coordinator import Deadlines, SplitCoordinator, SplitToken
 from meshllm.split.errors import BadFrame, NoChainFits, SplitError, StageFailed
 from meshllm.split.frames import Hop, Sampling
-from meshllm.split.planner import Candidate, ModelProfile, Plan, PlannedStage, PlanOptions, plan
+from meshllm.split.planner import Candidate, ModelProfile, Plan, PlannedStage, PlanOptions, Speculation, plan
 from meshllm.split.stage import StageServer
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "PlanOptions",
     "PlannedStage",
     "Sampling",
+    "Speculation",
     "SplitCoordinator",
     "SplitError",
     "SplitToken",

@@ -1,62 +1,105 @@
 """Stage control: a coordinator asks a worker to host a layer range (stream kind ``stage-control``).
 
-One short stream per request: ``Host`` -> ``Hosted`` or ``Refused``; ``Release`` -> ``Released``.
-The model file itself never travels: the worker loads ``path`` from its own disk and refuses unless
-the file's sha256 equals the coordinator's, so two nodes never pair layers of different files (a
-re-quantisation under the same name). Loading runs in a worker thread; the node keeps serving.
+One short stream per request: ``Host`` -> ``Progress``* -> ``Hosted`` or ``Refused``; ``Release`` ->
+``Released`` or ``Refused``. A model is named by its id (the sha256 of its file), never by a path:
+``Host`` carries the coordinator's **manifest** of the file, signed with its node key, and the worker
+finds the layers in its own library (the whole file, or a stage file it kept) or fetches just that
+range's tensors from the coordinator and every other holder, checking each piece against the
+manifest (``models/store.py``). ``Progress`` frames keep the request alive while bytes travel.
+
+**Authority.** A stage belongs to the coordinator that placed it, and only that coordinator (the
+peer on the control stream, whose TLS identity the transport proved) may host, re-place or release
+it: ``Host`` is accepted only when its chain starts at the requester and names this node, and the
+manifest must be signed by the requester; ``Release`` releases only the requester's own stage. The
+chain in ``Host`` is recorded with the stage, and the stage server opens sessions only for exactly
+that chain (``split/stage.py``). Per member, a worker hosts at most :data:`MAX_STAGES_PER_MEMBER`
+stages within its memory budget, and never evicts one member's stage for another.
+
 Only a node started with ``--worker`` answers (:class:`StageHost`); any other refuses at the stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import msgspec
 from msgspec import Meta
 
 from meshllm.engine.ggml import StageModel
+from meshllm.engine.ggml.hparams import read_hparams
+from meshllm.engine.ggml.kv_cache import kv_bytes_per_token, padded
+from meshllm.engine.ggml.memory import compute_bytes
+from meshllm.engine.ggml.weights import plan_stage
 from meshllm.errors import DecodeError, MeshllmError
-from meshllm.models.refs import file_sha256
+from meshllm.identity.ids import short
+from meshllm.models.gguf_file import GGUFFile
+from meshllm.models.library import LibraryEntry
+from meshllm.models.manifest import MAX_MANIFEST, MODEL_ID, open_manifest
+from meshllm.models.store import ModelStore
 from meshllm.net import Endpoint, NetError, PeerConnection, Stream
+from meshllm.split.coordinator import Deadlines
 from meshllm.split.errors import SplitError
-from meshllm.split.frames import Layer
+from meshllm.split.frames import Hop
 from meshllm.split.stage import StageServer
 from meshllm.wire.addr import parse_addr
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 KIND = "stage-control"
-HOST_TIMEOUT_S = 60.0
-"""Loading a range maps it (milliseconds) and copies what is repacked or offloaded (seconds for big models)."""
+REPLY_TIMEOUT_S = 60.0
+"""Longest silence on a control stream: the worker sends Progress at least every :data:`PROGRESS_S`."""
+PROGRESS_S = 2.0
+MAX_STAGES_PER_MEMBER = 4
+"""Stages one coordinator may keep on one worker (a model each)."""
+CONTROL_FRAME = MAX_MANIFEST + 64 * 1024
 
 ModelName = Annotated[str, Meta(min_length=1, max_length=200)]
 
 
 class Host(msgspec.Struct, frozen=True, kw_only=True, tag="host"):
-    """Load layers [layer_start, layer_end) of the GGUF at ``path`` (same sha256) and serve them as ``model``."""
+    """Host ``chain[index]``'s layers of the model ``model_id`` (served as ``model``) for this chain."""
 
     model: ModelName
-    path: Annotated[str, Meta(min_length=1, max_length=4096)]
-    sha256: Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]
-    layer_start: Layer
-    layer_end: Layer
+    model_id: Annotated[str, Meta(pattern=MODEL_ID.pattern)]
+    manifest: Annotated[bytes, Meta(max_length=MAX_MANIFEST)]
+    """The model's manifest, signed by the coordinator (``chain[0]``)."""
+    chain: Annotated[list[Hop], Meta(min_length=2, max_length=64)]
+    index: Annotated[int, Meta(ge=1, le=63)]
     max_context: Annotated[int, Meta(ge=1, le=1 << 24)]
+
+    @property
+    def hop(self) -> Hop:
+        return self.chain[self.index]
 
 
 class Release(msgspec.Struct, frozen=True, kw_only=True, tag="release"):
-    """Stop serving ``model`` (a replan moved its layers elsewhere)."""
+    """Stop serving the requester's stage of ``model`` (a replan moved its layers elsewhere)."""
 
     model: ModelName
+
+
+class Progress(msgspec.Struct, frozen=True, kw_only=True, tag="progress"):
+    """The worker is still fetching (or loading) the range."""
+
+    bytes_done: int
+    bytes_total: int
 
 
 class Hosted(msgspec.Struct, frozen=True, kw_only=True, tag="hosted"):
     model: str
     layer_start: int
     layer_end: int
+    fetched_bytes: int = 0
+    """Bytes the worker fetched from peers to host the range (0 when it had them)."""
+    bad_holders: list[str] = []
+    """Holders dropped from that transfer for sending bytes that did not match the manifest."""
 
 
 class Released(msgspec.Struct, frozen=True, kw_only=True, tag="released"):
@@ -68,81 +111,190 @@ class Refused(msgspec.Struct, frozen=True, kw_only=True, tag="refused"):
 
 
 Request = Host | Release
-Reply = Hosted | Released | Refused
+Reply = Progress | Hosted | Released | Refused
 
 
 class HostRefused(SplitError):
     """A worker would not (or could not) host the range it was asked for."""
 
-    hint = "check that every node has the same model file at the same path (see docs/splits.md)"
+    hint = "see the worker's log; `meshllm models list` on it shows what it holds"
+
+
+@dataclass
+class HostedStage:
+    """A stage this worker holds for one coordinator."""
+
+    owner: str
+    request: Host
+    memory: int
+    """Bytes the runtime is estimated to hold for it (what the worker's budget counts)."""
+    entry: LibraryEntry
+    """The library file it was loaded from (pinned: never evicted while hosted)."""
+
+    @property
+    def layers(self) -> tuple[int, int]:
+        return self.request.hop.layer_start, self.request.hop.layer_end
+
+
+Loader = Callable[[Path, int, int, int], StageModel]
 
 
 class StageHost:
     """Worker side: answers ``stage-control`` streams by loading ranges into the node's :class:`StageServer`.
 
-    ``on_change(model)`` tells the node that what it hosts changed (``hosted``: model -> Host), for its
-    peer record. ``hash_cache`` (JSON, keyed by path, size and mtime) spares re-hashing the model file.
+    ``on_change(model)`` tells the node that what it hosts changed, for its peer record. ``budget``
+    (bytes) caps what the stages of all members together may hold.
     """
 
-    def __init__(
-        self, server: StageServer, on_change: Callable[[str], None] | None = None,
-        hash_cache: Path | None = None, load: Callable[[Path, int, int, int], StageModel] | None = None,
-    ) -> None:
+    def __init__(self, server: StageServer, store: ModelStore, budget: int,
+                 on_change: Callable[[str], None] | None = None, load: Loader | None = None,
+                 names: Callable[[], dict[str, str]] | None = None,
+                 is_owner: Callable[[str], bool] | None = None) -> None:
+        """``is_owner(node_id)``: whether that peer is the mesh owner's node (which may release any stage)."""
         self.server = server
+        self.store = store
+        self.budget = budget
         self.on_change = on_change
-        self.hash_cache = hash_cache
         self.load = load or (lambda path, a, b, ctx: StageModel.load(path, a, b, max_context=ctx))
         """``load(path, layer_start, layer_end, max_context)``: the node's stage loader (threads, GPU layers)."""
-        self.hosted: dict[str, Host] = {}
-        server.endpoint.on_stream(KIND, self._serve)
+        self.names = names or dict
+        self.is_owner = is_owner or (lambda _node: False)
+        self.hosted: dict[tuple[str, str], HostedStage] = {}
+        """(owner node id, model) -> what is hosted for that coordinator."""
+        server.endpoint.on_stream(KIND, self._serve, max_frame=CONTROL_FRAME)
 
     async def _serve(self, stream: Stream, peer: PeerConnection) -> None:
+        peer_id = peer.node_id or ""
         request = await stream.recv(Request, timeout=5.0)
         if request is None:
             return
         try:
-            reply: Reply = await self.handle(request)
+            reply: Reply = await self._handle(stream, peer_id, request)
         except (MeshllmError, OSError) as exc:
             reply = Refused(message=str(exc))
-        log.info("stage-control from %s: %s -> %s", (peer.node_id or "?")[:12], type(request).__name__,
-                 type(reply).__name__)
+        log.info("stage-control from %s: %s -> %s", short(peer_id), type(request).__name__, type(reply).__name__)
         await stream.send(reply)
 
-    async def handle(self, request: Request) -> Reply:
-        """Carry out one request; raises on a file that is missing, different or not loadable."""
+    async def _handle(self, stream: Stream, peer_id: str, request: Request) -> Reply:
         if isinstance(request, Release):
-            self.server.unhost(request.model)
-            self.hosted.pop(request.model, None)
+            keys = [(peer_id, request.model)] if (peer_id, request.model) in self.hosted else []
+            if not keys and self.is_owner(peer_id):  # the mesh owner may release any member's stage of it
+                keys = [k for k in self.hosted if k[1] == request.model]
+            if not keys:
+                return Refused(message=f"no stage of {request.model} is hosted here for node {short(peer_id)}")
+            for owner, model in keys:
+                held = self.hosted.pop((owner, model))
+                self.server.unhost(model, owner=owner)
+                self.store.library.unpin(held.entry)
             self._changed(request.model)
             return Released(model=request.model)
-        path = Path(request.path)
-        if not path.is_file():
-            return Refused(message=f"no file at {path} on this worker")
-        digest = await asyncio.to_thread(file_sha256, path, self.hash_cache)
-        if digest != request.sha256:
-            return Refused(message=f"{path} on this worker has sha256 {digest[:12]}, not {request.sha256[:12]}")
-        stage = await asyncio.to_thread(self.load, path, request.layer_start, request.layer_end, request.max_context)
-        self.server.host(request.model, stage)
-        self.hosted[request.model] = request
+        return await self._host(stream, peer_id, request)
+
+    async def _host(self, stream: Stream, peer_id: str, request: Host) -> Reply:
+        why = self._check_request(peer_id, request)
+        if why:
+            return Refused(message=why)
+        manifest = open_manifest(request.manifest, peer_id, request.model_id)
+        start, end = request.hop.layer_start, request.hop.layer_end
+        key = (peer_id, request.model)
+        held = self.hosted.get(key)
+        if held is not None and held.request.model_id == request.model_id and held.layers == (start, end):
+            self.hosted[key] = HostedStage(peer_id, request, held.memory, held.entry)  # same layers, new chain
+            self.server.place(request.model, owner=peer_id, chain=request.chain)
+            return Hosted(model=request.model, layer_start=start, layer_end=end)
+        others = sum(h.memory for k, h in self.hosted.items() if k != key)
+        mine = [k for k in self.hosted if k[0] == peer_id and k != key]
+        if len(mine) >= MAX_STAGES_PER_MEMBER:
+            return Refused(message=f"node {short(peer_id)} already has {len(mine)} stages here "
+                                   f"(at most {MAX_STAGES_PER_MEMBER} per member)")
+        memory: list[int] = []
+
+        def check(header: GGUFFile) -> None:
+            need = stage_memory(header, start, end, request.max_context)
+            if others + need > self.budget:
+                raise HostRefused(f"layers [{start}, {end}) need {need / 2**20:.0f} MiB; this worker has "
+                                  f"{max(0, self.budget - others) / 2**20:.0f} MiB free for stages")
+            memory.append(need)
+
+        names = {h.node_id: self.names().get(h.node_id, short(h.node_id)) for h in request.chain}
+        transfer = f"{manifest.model}:{start}-{end}"
+        library = self.store.library
+        had = library.whole(manifest.model) or library.stage(manifest.model, start, end)
+        entry = await self._keep_alive(stream, asyncio.ensure_future(self.store.stage_file(
+            manifest, request.model, start, end, [(peer_id, request.chain[0].addr)], names, check)), transfer)
+        view = self.store.transfers.get(transfer) if had is None else None
+        fetched = view.bytes_done if view is not None else 0
+        bad = [h["node_id"] for h in view.holders.values() if h["bad"]] if view is not None else []
+        stage = await self._keep_alive(stream, asyncio.ensure_future(
+            asyncio.to_thread(self.load, entry.file, start, end, request.max_context)), None)
+        library.pin(entry)
+        self.server.host(request.model, stage, owner=peer_id, chain=request.chain)
+        if held is not None and held.entry.key != entry.key:
+            library.unpin(held.entry)
+        self.hosted[key] = HostedStage(peer_id, request, memory[0] if memory else 0, entry)
         self._changed(request.model)
-        return Hosted(model=request.model, layer_start=request.layer_start, layer_end=request.layer_end)
+        return Hosted(model=request.model, layer_start=start, layer_end=end, fetched_bytes=fetched, bad_holders=bad)
+
+    def _check_request(self, peer_id: str, request: Host) -> str | None:
+        """Why ``request`` is refused before anything is fetched, or None."""
+        chain = request.chain
+        if chain[0].node_id != peer_id:
+            return "a stage request must come from the coordinator its chain starts with"
+        if request.index >= len(chain) or request.hop.node_id != self.server.endpoint.node_id:
+            return "the chain does not place this node where the request says"
+        if chain[0].layer_start != 0 or any(a.layer_end != b.layer_start for a, b in itertools.pairwise(chain)):
+            return "the chain's layer ranges are not contiguous from layer 0"
+        if any(h.layer_end <= h.layer_start for h in chain) or len({h.node_id for h in chain}) != len(chain):
+            return "the chain has an empty stage or a node twice"
+        return None
+
+    async def _keep_alive(self, stream: Stream, task: asyncio.Future[T], transfer: str | None) -> T:
+        """Await ``task``, sending Progress every :data:`PROGRESS_S` so the coordinator keeps waiting."""
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=PROGRESS_S)
+                if done:
+                    return task.result()
+                view = self.store.transfers.get(transfer) if transfer else None
+                await stream.send(Progress(bytes_done=view.bytes_done if view else 0,
+                                           bytes_total=view.bytes_total if view else 0))
+        except NetError:
+            task.cancel()
+            raise
 
     def _changed(self, model: str) -> None:
         if self.on_change is not None:
             self.on_change(model)
 
 
+def stage_memory(reader: GGUFFile, start: int, end: int, context: int) -> int:
+    """Bytes layers ``[start, end)`` will hold: their tensors, one session's KV at ``context``, compute buffers.
+
+    Works from the model's header or from a stage file (which holds only its range), unlike the
+    planner's whole-model profile.
+    """
+    hp = read_hparams(reader)
+    plan = plan_stage(reader, hp, start, end)
+    kv = kv_bytes_per_token(end - start, hp.n_kv_heads * hp.head_dim) * padded(min(context, hp.context_length))
+    logits = hp.vocab * 4 if end == hp.n_layers else 0
+    return plan.nbytes + kv + compute_bytes(hp, min(context, hp.context_length), Deadlines().prefill_chunk) + logits
+
+
 async def ask(endpoint: Endpoint, node_id: str, addr: str, request: Request,
-              timeout: float = HOST_TIMEOUT_S) -> Hosted | Released:
-    """Send one control request to ``node_id`` at ``addr``; :class:`HostRefused` unless it succeeds."""
+              timeout: float = REPLY_TIMEOUT_S) -> Hosted | Released:
+    """Send one control request to ``node_id`` at ``addr``; :class:`HostRefused` unless it succeeds.
+
+    ``timeout`` bounds each silence: a worker fetching a range sends Progress while it works.
+    """
     try:
         conn = await endpoint.connect(parse_addr(addr), node_id, timeout=3.0)
-        stream = await conn.open_stream(KIND)
+        stream = await conn.open_stream(KIND, max_frame=CONTROL_FRAME)
         await stream.send(request)
-        reply = await stream.recv(Reply, timeout=timeout)
+        while isinstance(reply := await stream.recv(Reply, timeout=timeout), Progress):
+            pass
     except (NetError, OSError, DecodeError) as exc:
-        raise HostRefused(f"node {node_id[:12]} did not answer the stage request: {exc}") from None
+        raise HostRefused(f"node {short(node_id)} did not answer the stage request: {exc}") from None
     if reply is None or isinstance(reply, Refused):
         why = reply.message if reply is not None else "stream ended (is it a --worker?)"
-        raise HostRefused(f"node {node_id[:12]} refused: {why}")
+        raise HostRefused(f"node {short(node_id)} refused: {why}")
     return reply

@@ -2,7 +2,11 @@
 
 It embeds the prompt and runs its own layers (in a worker thread), sends the activations down the
 chain in :class:`Prefill` chunks and then one :class:`Decode` per token, and waits for each
-:class:`Tokens` from the last stage, yielding token ids as they come. Every wait has a deadline
+:class:`Tokens` from the last stage, yielding token ids as they come. With speculation
+(:mod:`meshllm.engine.speculate`) a step whose text continues an n-gram seen before becomes a
+:class:`Verify` window instead: the token plus drafted ones in one frame, so the hops are paid once
+for every token the last stage keeps; the window's size comes from the acceptance rate and the
+pass costs the stages report (``compute_ms``). Every wait has a deadline
 (decode: ``decode_timeout``; prefill: that plus ``prefill_s_per_token`` per token) and ends early
 on anything that proves a stage dead: an Error relayed up the chain, the transport reporting a
 chain node suspect or closed (the coordinator connects to every stage so its probes watch them
@@ -15,21 +19,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import statistics
+import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from meshllm.engine.ggml import StageModel
+from meshllm.engine.speculate import Acceptance, ChainCosts, NgramDrafter, SpecStats, SpeculateMode, WindowPolicy
 from meshllm.errors import DecodeError
 from meshllm.net import NetError, PeerEvent, PeerEventKind
 from meshllm.split import codec
 from meshllm.split.errors import StageFailed
-from meshllm.split.frames import Decode, Error, Hop, Open, Prefill, Sampling, Stop, Tokens
-from meshllm.split.lanes import PROBE_TIMEOUT, Lane
-from meshllm.split.stage import StageServer
+from meshllm.split.frames import MAX_DRAFT, Decode, Error, Hop, Open, Prefill, Sampling, Step, Stop, Tokens, Verify
+from meshllm.split.lanes import Lane, probe_timeout
+from meshllm.split.stage import StageServer, forward_positions
 from meshllm.wire.addr import parse_addr
+
+STAGE_SAMPLES = 256
+"""Passes over which each stage's compute time is summarised (a median: robust to load spikes)."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +73,9 @@ class SplitCoordinator:
     """Runs split requests for one model whose first layers (``first``) this node holds.
 
     ``chain`` is the plan as hops, ``chain[0]`` being this node. ``on_stage_failed`` is told about
-    every :class:`StageFailed` so the node can mark the node suspect and replan.
+    every :class:`StageFailed` so the node can mark the node suspect and replan. ``speculate`` is the
+    mode (``off``, ``on``, ``auto``); the pass costs and acceptance it learns are the chain's, shared
+    by its requests.
     """
 
     def __init__(
@@ -74,6 +87,7 @@ class SplitCoordinator:
         *,
         deadlines: Deadlines | None = None,
         on_stage_failed: Callable[[StageFailed], None] | None = None,
+        speculate: SpeculateMode = "auto",
     ) -> None:
         if len(chain) < 2 or chain[0].node_id != server.endpoint.node_id:
             raise ValueError("a split chain has at least two stages and starts at this node")
@@ -88,6 +102,36 @@ class SplitCoordinator:
         self._compute = server.compute
         self.step_s = 0.0
         """Recent decode step time (exponential average): sets how soon a silent chain is checked."""
+        self.speculate: SpeculateMode = speculate
+        self.costs = ChainCosts()
+        """Measured pass costs of this chain (hops, per position, per kept token)."""
+        self.acceptance = Acceptance()
+        """Acceptance over every request: the prior of the next request's window policy."""
+        self.stats = SpecStats(speculate)
+        self._stage_s: list[deque[float]] = [deque(maxlen=STAGE_SAMPLES) for _ in self.chain]
+        self._serve_s: deque[float] = deque(maxlen=STAGE_SAMPLES)
+        """Seconds per token between a reply and the next step: the consumer's (engine, API, stream) share."""
+
+    @property
+    def serve_seconds(self) -> float | None:
+        """Median time per token the request's consumer takes between passes (None before any)."""
+        return statistics.median(self._serve_s) if self._serve_s else None
+
+    def stage_seconds(self) -> list[float | None]:
+        """Median compute of each stage over recent passes: per position, the last stage per kept token.
+
+        What the planner should price this chain's nodes at (``placement.measured_speeds``), measured
+        by the stages themselves under whatever else their machines run.
+        """
+        return [statistics.median(d) if d else None for d in self._stage_s]
+
+    def _observe_stages(self, first_s: float, compute_ms: list[float], positions: int, tokens: int) -> None:
+        if len(compute_ms) != len(self.chain) - 1:
+            return
+        self._stage_s[0].append(first_s / positions)
+        for i, ms in enumerate(compute_ms[:-1], start=1):
+            self._stage_s[i].append(ms / 1e3 / positions)
+        self._stage_s[-1].append(compute_ms[-1] / 1e3 / tokens)
 
     async def generate(
         self,
@@ -100,21 +144,56 @@ class SplitCoordinator:
     ) -> AsyncIterator[SplitToken]:
         """Stream the tokens generated after ``prompt``; raises :class:`StageFailed` naming a failed stage."""
         run = _Run(self, session or uuid.uuid4().hex, dtype)
+        policy = WindowPolicy(self.speculate, prior=self.acceptance.rate)
+        drafter = NgramDrafter(prompt) if self.speculate != "off" else None
         try:
             await run.start(list(prompt), sampling or Sampling())
-            token = await run.prefill(list(prompt))
-            for n in range(1, max_tokens + 1):
-                finish = token.finish or ("length" if n == max_tokens else None)
-                yield SplitToken(token.token_ids[0], finish)
-                if finish:
-                    return
-                token = await run.decode(token.token_ids[0], token.pos)
+            reply = await run.prefill(list(prompt))
+            produced = 0
+            while True:
+                replied = time.perf_counter()
+                for i, token_id in enumerate(reply.token_ids):
+                    produced += 1
+                    last = i == len(reply.token_ids) - 1
+                    finish = (reply.finish if last else None) or ("length" if produced == max_tokens else None)
+                    yield SplitToken(token_id, finish)
+                    if finish:
+                        return
+                draft: list[int] = []
+                if drafter is not None:
+                    drafter.extend(reply.token_ids)
+                    # a pass yields up to len(draft) + 1 tokens, and plain decoding ends one short of the context
+                    room = min(max_tokens - produced, self.first.max_context - 1 - reply.pos) - 1
+                    if self.costs.measured and room > 0:
+                        found = drafter.draft(min(room, MAX_DRAFT))
+                        draft = found[: policy.window(len(found), self.costs)]
+                        if not draft:
+                            policy.decline(found)
+                self._serve_s.append((time.perf_counter() - replied) / len(reply.token_ids))
+                reply = await run.step(reply.token_ids[-1], reply.pos, draft)
+                kept = len(reply.token_ids) - 1
+                if draft:
+                    policy.observe(len(draft), kept)
+                    self.acceptance.observe(len(draft), kept)
+                else:
+                    policy.produced(reply.token_ids)
+                self.stats.observe(len(draft), kept, len(reply.token_ids))
         except StageFailed as exc:
             if self.on_stage_failed is not None:
                 self.on_stage_failed(exc)
             raise
         finally:
             await run.finish()
+
+    def speculation_status(self) -> dict[str, object]:
+        """Speculation figures for ``/api/status``: counters, acceptance, and the measured pass costs."""
+        costs = self.costs
+        measured = {"fixed_ms": round(costs.fixed * 1e3, 3), "per_position_ms": round(costs.per_position * 1e3, 3),
+                    "per_token_ms": round(costs.per_token * 1e3, 3),
+                    "plain_ms_per_token": round(costs(0, 1.0) * 1e3, 3)} if costs.measured else None
+        if measured is not None and (serve := self.serve_seconds) is not None:
+            measured["serve_ms_per_token"] = round(serve * 1e3, 3)
+        return {**self.stats.status(), "acceptance_estimate": round(self.acceptance.rate, 3), "pass_costs": measured}
 
 
 class _Run:
@@ -150,27 +229,34 @@ class _Run:
         d = self.c.deadlines
         for pos in range(0, len(prompt), d.prefill_chunk):
             ids = prompt[pos : pos + d.prefill_chunk]
-            x = await self._run_first(ids, pos)
+            x, _ = await self._run_first(ids, pos)
             last = pos + len(ids) >= len(prompt)
             await self._send(Prefill(
                 session=self.session, pos=pos, n_tokens=len(ids), dtype=self.dtype, shape=x.shape,
                 activations=codec.encode(x, self.dtype), sample=last,
             ))
-        return await self._await(len(prompt), d.decode_timeout + d.prefill_s_per_token * len(prompt))
+        return await self._await(len(prompt) - 1, len(prompt), d.decode_timeout + d.prefill_s_per_token * len(prompt))
 
-    async def decode(self, token: int, pos: int) -> Tokens:
+    async def step(self, token: int, pos: int, draft: list[int]) -> Tokens:
+        """One decode pass from ``pos``: ``token`` alone (a Decode) or with ``draft`` (a Verify window)."""
         loop = asyncio.get_running_loop()
         started = loop.time()
-        x = await self._run_first([token], pos)
-        await self._send(Decode(
-            session=self.session, pos=pos, n_tokens=1, dtype=self.dtype, shape=x.shape,
-            activations=codec.encode(x, self.dtype),
-        ))
+        ids = [token, *draft]
+        x, first_s = await self._run_first(ids, pos, window=True)
+        fields = {"session": self.session, "pos": pos, "n_tokens": len(ids), "dtype": self.dtype, "shape": x.shape,
+                  "activations": codec.encode(x, self.dtype)}
+        await self._send(Verify(**fields, draft=draft) if draft else Decode(**fields))
         d, c = self.c.deadlines, self.c
-        check = max(d.soft_min, d.soft_factor * c.step_s) if c.step_s else d.decode_timeout
-        reply = await self._await(pos + 1, d.decode_timeout, check_after=check)
+        check = max(d.soft_min, d.soft_factor * c.step_s * len(ids)) if c.step_s else d.decode_timeout
+        timeout = d.decode_timeout + d.prefill_s_per_token * len(draft)
+        reply = await self._await(pos, pos + len(ids), timeout, check_after=check)
         took = loop.time() - started
-        c.step_s = took if not c.step_s else 0.8 * c.step_s + 0.2 * took
+        if not draft:
+            c.step_s = took if not c.step_s else 0.8 * c.step_s + 0.2 * took
+        if reply.compute_ms:  # the stages' own figures: what of the pass was compute and what was hops
+            upstream = first_s + sum(reply.compute_ms[:-1]) / 1e3
+            c.costs.observe(took, len(ids), len(reply.token_ids), upstream, reply.compute_ms[-1] / 1e3)
+            c._observe_stages(first_s, reply.compute_ms, len(ids), len(reply.token_ids))
         return reply
 
     async def finish(self) -> None:
@@ -192,23 +278,38 @@ class _Run:
         except (NetError, OSError, DecodeError) as exc:
             raise StageFailed(index, hop.node_id, f"unreachable: {exc}") from None
 
-    async def _run_first(self, ids: list[int], pos: int) -> np.ndarray:
-        tokens = np.asarray(ids, dtype=np.int64)
-        first = self.c.first
-        return await self.c._compute.run("first", len(ids) == 1, lambda: first.forward(self.session, tokens, pos))
+    async def _run_first(self, ids: list[int], pos: int, *, window: bool = False) -> tuple[np.ndarray, float]:
+        """This node's layers on ``ids`` at ``pos`` and the seconds they took.
 
-    async def _send(self, frame: Prefill | Decode) -> None:
+        A step right after a Verify first drops the window's rejected positions (the KV beyond
+        ``pos``); a window runs one position at a time, as Decodes would (see ``forward_positions``).
+        """
+        tokens = np.asarray(ids, dtype=np.int64)
+        first, session = self.c.first, self.session
+
+        def compute() -> tuple[np.ndarray, float]:
+            started = time.perf_counter()
+            if first.session_length(session) > pos:
+                first.trim(session, pos)
+            out = forward_positions(first, session, tokens, pos) if window else first.forward(session, tokens, pos)
+            return out, time.perf_counter() - started
+
+        return await self.c._compute.run("first", len(ids) == 1, compute)
+
+    async def _send(self, frame: Step) -> None:
         assert self.lane is not None
         try:
             await self.lane.send(frame)
         except NetError as exc:
             raise StageFailed(1, self.c.chain[1].node_id, f"lane lost: {exc}") from None
 
-    async def _await(self, pos: int, timeout: float, check_after: float | None = None) -> Tokens:
-        """The Tokens for ``pos``; fails a stage that does not answer a Ping once ``check_after`` has passed.
+    async def _await(self, start: int, end: int, timeout: float, check_after: float | None = None) -> Tokens:
+        """The Tokens of the step that started at ``start`` and consumed at most up to ``end``.
 
-        The early check only fails a stage that is silent (dead or cut off): a slow but answering
-        chain gets the whole ``timeout``, so load spikes do not cost requests.
+        A Decode's reply ends at ``end``; a Verify's anywhere after ``start`` (as many positions as
+        tokens came back). A stage that does not answer a Ping once ``check_after`` has passed fails
+        the request; the early check only fails a stage that is silent (dead or cut off): a slow but
+        answering chain gets the whole ``timeout``, so load spikes do not cost requests.
         """
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
@@ -226,13 +327,13 @@ class _Run:
                         node = self.c.chain[silent].node_id
                         raise StageFailed(silent, node, f"no answer to a ping after {check_after:.2f}s") from None
                     continue
-                raise await self._diagnose(pos, timeout) from None
+                raise await self._diagnose(start + 1, timeout) from None
             if isinstance(item, StageFailed):
                 raise item
             if isinstance(item, Error):
                 stage = min(max(item.stage, 0), len(self.c.chain) - 1)
                 raise StageFailed(stage, self.c.chain[stage].node_id, f"{item.code}: {item.message}")
-            if item.pos == pos:
+            if item.pos - len(item.token_ids) == start and item.pos <= end:
                 return item
 
     def _reply(self, peer_id: str, frame: Tokens | Error) -> None:
@@ -262,8 +363,9 @@ class _Run:
     async def _ping(self, index: int) -> int | None:
         hop = self.c.chain[index]
         try:
-            lane = await asyncio.wait_for(self.c.server.pool.get(hop.node_id, hop.addr), PROBE_TIMEOUT)
-            pong = await lane.probe(PROBE_TIMEOUT, session=self.session)
+            timeout = probe_timeout(self.c.server.endpoint, hop.node_id)
+            lane = await asyncio.wait_for(self.c.server.pool.get(hop.node_id, hop.addr), 2 * timeout)
+            pong = await lane.probe(timeout, session=self.session)
         except (NetError, TimeoutError):
             return None
         return None if pong is None else pong.pos

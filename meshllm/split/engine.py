@@ -29,7 +29,6 @@ from pathlib import Path
 
 from meshllm.engine.base import (
     Engine,
-    EngineBusy,
     EngineNotLoaded,
     GenerationEvent,
     GenerationParams,
@@ -55,8 +54,11 @@ NO_CHAIN = "no chain yet"
 """How placement's reason starts when it could not build a chain (a replaying request stops waiting)."""
 
 
-class ChainUnavailable(EngineBusy):
-    """No chain serves the model right now (planning, replanning, or a stage just failed): HTTP 503."""
+class ChainUnavailable(EngineNotLoaded):
+    """No chain serves the model right now (planning, replanning, or a stage just failed): HTTP 503.
+
+    Not :class:`EngineBusy`: a chain being rebuilt is not a saturated node, so a request that finds
+    no other server gets a 503, not a 429 telling the client the mesh is full."""
 
     hint = "the node is rebuilding the chain; retry in a few seconds"
 

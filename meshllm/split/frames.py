@@ -7,6 +7,14 @@ last stage back to the coordinator); many sessions share it. Per session the coo
 step that asks for a sample with :class:`Tokens`, straight to the coordinator. :class:`Reset` empties
 a session's KV caches, :class:`Stop` frees them. :class:`Error` travels back towards the coordinator.
 
+Speculation replaces a Decode with a :class:`Verify`: the last accepted token and ``k`` drafted ones as
+one window of ``k + 1`` positions, through the chain as one frame; the last stage keeps the longest
+prefix of the draft it agrees with and answers with those tokens plus its own next one. The KV of the
+rejected positions is trimmed by the next step itself: its ``pos`` (the accepted length) may be
+anywhere in the window, and each stage cuts its cache back to it before computing. Every step
+carries the compute time of each stage it passed (``compute_ms``), which :class:`Tokens` hands back
+to the coordinator: the pass costs that size the next window and check the planner's prediction.
+
 Everything a peer sends is checked here before it touches state: :func:`decode_frame` turns any
 bytes into a frame or a :class:`~meshllm.split.errors.BadFrame` that names the session when it can be
 read, so the receiver can refuse that session alone and keep the lane (and the other sessions) going.
@@ -37,6 +45,10 @@ Count = Annotated[int, Meta(ge=1, le=MAX_POS)]
 Layer = Annotated[int, Meta(ge=0, le=4096)]
 TokenId = Annotated[int, Meta(ge=0, lt=1 << 31)]
 Finish = Literal["stop", "length"]
+MAX_DRAFT = 16
+"""Most drafted tokens in one :class:`Verify` (the window is one more position)."""
+ComputeMs = Annotated[list[Annotated[float, Meta(ge=0.0, le=1e7)]], Meta(max_length=64)]
+"""Milliseconds of compute per stage, in chain order from stage 1."""
 
 
 class Hop(msgspec.Struct, frozen=True, array_like=True):
@@ -90,6 +102,8 @@ class _Step(msgspec.Struct, frozen=True, kw_only=True):
     shape: tuple[Count, Count]
     """``(n_tokens, width)``."""
     activations: bytes
+    compute_ms: ComputeMs = []
+    """Compute time of each stage this step has passed after the coordinator (appended hop by hop)."""
 
 
 class Prefill(_Step, frozen=True, kw_only=True, tag="prefill"):
@@ -100,6 +114,17 @@ class Prefill(_Step, frozen=True, kw_only=True, tag="prefill"):
 
 class Decode(_Step, frozen=True, kw_only=True, tag="decode"):
     """The activations of one generated token; the last stage always answers with :class:`Tokens`."""
+
+
+class Verify(_Step, frozen=True, kw_only=True, tag="verify"):
+    """A speculative window: the last accepted token then ``draft`` at positions ``pos .. pos + len(draft)``.
+
+    Every stage runs the positions one by one, exactly as it would run Decodes (so what is kept is bit
+    for bit what plain decoding computes); the last stage stops at the first position whose sample
+    differs from the draft and answers :class:`Tokens` with the kept drafts plus that sample.
+    """
+
+    draft: Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_DRAFT)]
 
 
 class Reset(msgspec.Struct, frozen=True, tag="reset"):
@@ -136,6 +161,8 @@ class Tokens(msgspec.Struct, frozen=True, kw_only=True, tag="tokens"):
     """Length of the session (tokens consumed) when these tokens were sampled."""
     token_ids: Annotated[list[TokenId], Meta(min_length=1, max_length=64)]
     finish: Finish | None = None
+    compute_ms: ComputeMs = []
+    """The step's ``compute_ms`` with the last stage's own time appended."""
 
 
 class Error(msgspec.Struct, frozen=True, kw_only=True, tag="error"):
@@ -148,8 +175,8 @@ class Error(msgspec.Struct, frozen=True, kw_only=True, tag="error"):
     """Index in the chain of the stage at fault (not necessarily the one reporting)."""
 
 
-LaneFrame = Open | Prefill | Decode | Reset | Stop | Ping | Pong | Tokens | Error
-Step = Prefill | Decode
+LaneFrame = Open | Prefill | Decode | Verify | Reset | Stop | Ping | Pong | Tokens | Error
+Step = Prefill | Decode | Verify
 
 _decoder = msgspec.msgpack.Decoder(LaneFrame)
 
@@ -182,7 +209,7 @@ def decode_frame(raw: bytes, *, max_activation_bytes: int | None = None) -> Lane
 
 def validate(frame: LaneFrame, *, max_activation_bytes: int | None = None) -> None:
     """Cross-field checks msgspec's per-field constraints cannot express; :class:`BadFrame` on failure."""
-    if isinstance(frame, Prefill | Decode):
+    if isinstance(frame, Prefill | Decode | Verify):
         _validate_step(frame, max_activation_bytes)
     elif isinstance(frame, Open):
         _validate_open(frame)
@@ -195,6 +222,9 @@ def _validate_step(frame: Step, max_bytes: int | None) -> None:
         raise BadFrame(f"shape {list(frame.shape)} disagrees with n_tokens={frame.n_tokens}", session=s)
     if isinstance(frame, Decode) and n != 1:
         raise BadFrame(f"a decode frame carries one token, got {n}", session=s)
+    if isinstance(frame, Verify) and n != len(frame.draft) + 1:
+        raise BadFrame(f"a verify window of {len(frame.draft)} drafts carries {len(frame.draft) + 1} positions, "
+                       f"got {n}", session=s)
     if frame.pos + n > MAX_POS:
         raise BadFrame(f"position {frame.pos}+{n} exceeds {MAX_POS}", session=s)
     if max_bytes is not None and len(frame.activations) > max_bytes:

@@ -34,6 +34,7 @@ from meshllm.split.frames import (
     Prefill,
     Reset,
     Stop,
+    Verify,
     decode_frame,
 )
 from meshllm.wire.addr import parse_addr
@@ -41,7 +42,18 @@ from meshllm.wire.addr import parse_addr
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT = 0.25
-"""A lane that does not answer a Ping this fast is not reused."""
+"""A lane that does not answer a Ping this much later than its round trip is not reused."""
+
+
+def probe_timeout(endpoint: Endpoint, node_id: str) -> float:
+    """How long a Ping to ``node_id`` may take: :data:`PROBE_TIMEOUT` on top of its measured RTT.
+
+    A fixed 250 ms would fail every probe of a peer 250 ms away (another continent) and replace its
+    lane on every reuse; the slack on top of the RTT is what detects a stage that stopped answering.
+    """
+    peer = endpoint.peers.get(node_id)
+    rtt_ms = peer.rtt_ms if peer is not None else None
+    return PROBE_TIMEOUT + (rtt_ms or 0.0) / 1000.0
 MAX_ACTIVATION_BYTES = 16 * 1024 * 1024
 """Largest activation payload a lane accepts; larger frames get a ``too-large`` Error."""
 
@@ -49,7 +61,10 @@ MAX_ACTIVATION_BYTES = 16 * 1024 * 1024
 @dataclass
 class _Expect:
     next_pos: int
+    """Highest position the session's next step may start at (its length on the previous stage)."""
     dtype: str
+    low_pos: int = 0
+    """Lowest: below ``next_pos`` only after a Verify, whose rejected positions the next step drops."""
 
 
 class LaneState:
@@ -85,23 +100,27 @@ class LaneState:
                 )
             self.stage = frame.index
             self._sessions[frame.session] = _Expect(0, frame.dtype)
-        elif isinstance(frame, Prefill | Decode):
+        elif isinstance(frame, Prefill | Decode | Verify):
             expect = self._sessions.get(frame.session)
             if expect is None:
                 raise BadFrame(f"session {frame.session} was not opened on this lane", code="not-in-plan",
                                session=frame.session)
-            if frame.pos != expect.next_pos:
-                raise BadFrame(f"step at position {frame.pos}, expected {expect.next_pos}", code="out-of-order",
+            if not expect.low_pos <= frame.pos <= expect.next_pos:
+                wanted = str(expect.next_pos) if expect.low_pos == expect.next_pos else \
+                    f"{expect.low_pos}-{expect.next_pos}"
+                raise BadFrame(f"step at position {frame.pos}, expected {wanted}", code="out-of-order",
                                session=frame.session)
             if frame.dtype != expect.dtype:
                 raise BadFrame(f"{frame.dtype} activations on a {expect.dtype} session", code="bad-dtype",
                                session=frame.session)
-            expect.next_pos += frame.n_tokens
+            expect.next_pos = frame.pos + frame.n_tokens
+            # after a window, the next step starts anywhere from its first kept position to its end
+            expect.low_pos = frame.pos + 1 if isinstance(frame, Verify) else expect.next_pos
         elif isinstance(frame, Reset | Stop) and frame.session not in self._sessions:
             raise BadFrame(f"session {frame.session} was not opened on this lane", code="not-in-plan",
                            session=frame.session)
         elif isinstance(frame, Reset):
-            self._sessions[frame.session].next_pos = 0
+            self._sessions[frame.session].next_pos = self._sessions[frame.session].low_pos = 0
         elif isinstance(frame, Stop):
             del self._sessions[frame.session]
         return frame
@@ -244,7 +263,8 @@ class LanePool:
         """A live lane to ``node_id`` (dialing ``host:port`` if needed); :class:`NetError` if unreachable."""
         async with self._locks.setdefault(node_id, asyncio.Lock()):
             lane = self._lanes.get(node_id)
-            if lane is not None and lane.closed is None and await lane.probe() is not None:
+            if lane is not None and lane.closed is None and \
+                    await lane.probe(probe_timeout(self.endpoint, node_id)) is not None:
                 return lane
             if lane is not None:
                 lane.close("probe failed before reuse")

@@ -2,8 +2,9 @@
 
 The pure part turns what gossip knows (peer records: role, capacity, addresses; the RTT matrix) into
 the planner's inputs and a plan into hops and JSON. :class:`SplitPlacement` is the node-side driver
-for one split model: it plans, asks each worker over ``stage-control`` to host its range (workers load
-the same file from their own disk, checked by sha256), loads the first range itself, and attaches a
+for one split model: it plans, asks each worker over ``stage-control`` to host its range (naming the
+model by id, with this node's signed manifest of the file: a worker without the file fetches just
+its range's tensors from this node and other holders), loads the first range itself, and attaches a
 :class:`SplitCoordinator` to the model's :class:`SplitEngine`. When a request reports a failed stage,
 the engine is detached at once (new requests get a 503 that says a replan is running), the node is
 kept out of plans for a while, and a new chain is placed over the nodes that are left.
@@ -24,11 +25,12 @@ from meshllm.engine.ggml import StageModel
 from meshllm.engine.ggml.hparams import read_hparams
 from meshllm.engine.ggml.memory import memory_profile
 from meshllm.engine.kernels import Kernels
+from meshllm.engine.speculate import SpeculateMode
 from meshllm.errors import MeshllmError
 from meshllm.mesh.records import Capacity, PeerRecord
 from meshllm.models.gguf_file import GGUFFile
 from meshllm.models.refs import ModelRef
-from meshllm.split.control import Host, ask
+from meshllm.split.control import Host, Hosted, ask
 from meshllm.split.coordinator import Deadlines, SplitCoordinator
 from meshllm.split.engine import NO_CHAIN, SplitEngine
 from meshllm.split.errors import SplitError, StageFailed
@@ -64,6 +66,8 @@ class SplitOptions:
     """Layers of each stage this node loads that go to its accelerator (``--gpu-layers``; None: all that fit)."""
     kernels: Kernels = "exact"
     """The node's ggml kernel choice (``--kernels``), the same for its stages as for its whole models."""
+    speculate: SpeculateMode = "auto"
+    """Speculative decoding on the chains this node coordinates (``--speculate``)."""
 
     def load_stage(self, path: Path, layer_start: int, layer_end: int, max_context: int) -> StageModel:
         """Load a layer range with this node's threads and accelerator settings (blocking)."""
@@ -107,19 +111,38 @@ def model_profile(path: Path, context: int) -> ModelProfile:
 
 
 def candidates(own: PeerRecord, own_budget: int, members: Mapping[str, PeerRecord],
-               exclude: Collection[str] = ()) -> list[Candidate]:
+               exclude: Collection[str] = (), measured: Mapping[str, float] | None = None) -> list[Candidate]:
     """This node (the coordinator) plus every live worker that can be dialled directly.
 
     Hosts serve whole models and clients nothing, so only workers offer stage memory; a worker with
-    no listen address is reachable only through a relay and is never a stage.
+    no listen address is reachable only through a relay and is never a stage. ``measured`` gives
+    seconds per block that running chains of the same model measured (:func:`measured_speeds`);
+    they replace the gossiped gflops estimate for those nodes.
     """
-    out = [Candidate(own.node_id, own_budget, gflops=own.capacity.gflops, role="host")]
+    speeds = measured or {}
+    out = [Candidate(own.node_id, own_budget, gflops=own.capacity.gflops, role="host",
+                     seconds_per_layer=speeds.get(own.node_id))]
     for node_id, rec in sorted(members.items()):
         if rec.role != "worker" or node_id in exclude or rec.state != "alive":
             continue
         out.append(Candidate(node_id, rec.capacity.ram_bytes + rec.capacity.vram_bytes,
                              gflops=rec.capacity.gflops, role="worker",
-                             relay_only=not rec.addresses.listen))
+                             relay_only=not rec.addresses.listen, seconds_per_layer=speeds.get(node_id)))
+    return out
+
+
+def measured_speeds(coordinator: SplitCoordinator, profile: ModelProfile) -> dict[str, float]:
+    """Seconds per block of each node of a running chain, from the compute its stages report.
+
+    The last stage's time includes the head, which the planner prices as ``head_flops /
+    layer_flops`` blocks on the same node, so it is divided by its layers plus that many.
+    """
+    head_blocks = profile.head_flops / profile.layer_flops if profile.layer_flops > 0 else 0.0
+    out = {}
+    for i, (hop, seconds) in enumerate(zip(coordinator.chain, coordinator.stage_seconds(), strict=True)):
+        if seconds is not None:
+            blocks = hop.layer_end - hop.layer_start + (head_blocks if i == len(coordinator.chain) - 1 else 0.0)
+            out[hop.node_id] = seconds / blocks
     return out
 
 
@@ -130,17 +153,28 @@ def hops(chosen: Plan, own: PeerRecord, members: Mapping[str, PeerRecord]) -> li
             for s in chosen.stages]
 
 
-def describe(chosen: Plan, names: Mapping[str, str], model: str, profile: ModelProfile) -> dict[str, Any]:
-    """JSON of a plan for ``/api/plan`` and ``meshllm plan``: chain, memory per stage, prediction."""
+def describe(chosen: Plan, names: Mapping[str, str], model: str, profile: ModelProfile,
+             measured: Collection[str] = (), acceptance: float | None = None) -> dict[str, Any]:
+    """JSON of a plan for ``/api/plan`` and ``meshllm plan``: chain, memory per stage, prediction.
+
+    ``compute`` of a stage is ``measured`` when its node's speed comes from a running chain, else
+    ``estimated`` (gossiped gflops); ``speculation`` appears when the plan was priced with an
+    ``acceptance`` a running chain measured.
+    """
+    predicted: dict[str, Any] = {"total": round(chosen.total_s * 1e3, 3), "compute": round(chosen.compute_s * 1e3, 3),
+                                 "network": round(chosen.network_s * 1e3, 3),
+                                 "overhead": round(chosen.overhead_s * 1e3, 3), "serve": round(chosen.serve_s * 1e3, 3)}
+    if chosen.speculative_s is not None and acceptance is not None:
+        predicted["speculation"] = {"acceptance": round(acceptance, 3), "window": chosen.window,
+                                    "tokens_per_pass": round(chosen.tokens_per_pass, 3),
+                                    "total": round(chosen.speculative_s * 1e3, 3)}
     return {
         "model": model, "n_layers": profile.n_layers, "solo": chosen.solo,
         "stages": [{"node_id": s.node_id, "name": names.get(s.node_id, s.node_id[:8]),
                     "layers": [s.layer_start, s.layer_end], "memory_bytes": s.memory_bytes,
-                    "compute_ms": round(s.compute_s * 1e3, 3)} for s in chosen.stages],
-        "predicted_ms_per_token": {"total": round(chosen.total_s * 1e3, 3),
-                                   "compute": round(chosen.compute_s * 1e3, 3),
-                                   "network": round(chosen.network_s * 1e3, 3),
-                                   "overhead": round(chosen.overhead_s * 1e3, 3)},
+                    "compute_ms": round(s.compute_s * 1e3, 3),
+                    "compute": "measured" if s.node_id in measured else "estimated"} for s in chosen.stages],
+        "predicted_ms_per_token": predicted,
     }
 
 
@@ -167,13 +201,15 @@ class SplitPlacement:
 
     def __init__(self, *, own: Callable[[], PeerRecord], members: Callable[[], dict[str, PeerRecord]],
                  rtt: Callable[[], dict[str, dict[str, float]]], server: StageServer, engine: SplitEngine,
-                 ref: ModelRef, options: SplitOptions, budget: int,
+                 ref: ModelRef, manifest: bytes, options: SplitOptions, budget: int,
                  publish: Callable[..., Any], on_chain: Callable[[list[Hop] | None], None],
                  profile: ModelProfile | None = None) -> None:
+        """``manifest``: the model's manifest signed by this node, sent with every stage request."""
         self._own, self._members, self._rtt = own, members, rtt
         self.server = server
         self.engine = engine
         self.ref = ref
+        self.manifest = manifest
         self.options = options
         self.budget = budget
         self.publish = publish
@@ -181,6 +217,8 @@ class SplitPlacement:
         self.profile = profile or model_profile(ref.path, options.context)
         self.chain: list[Hop] = []
         self.plan: Plan | None = None
+        self.coordinator: SplitCoordinator | None = None
+        """The latest chain's coordinator (kept after a failure: its measured stage speeds inform the replan)."""
         self._first: StageModel | None = None
         self._suspects: dict[str, float] = {}
         self._replan = asyncio.Event()
@@ -211,6 +249,7 @@ class SplitPlacement:
             "predicted_ms_per_token": round(self.plan.total_s * 1e3, 3) if self.plan else None,
             "replays": self.engine.replays,
             "replays_failed": self.engine.replays_failed,
+            "speculation": coordinator.speculation_status() if (coordinator := self.engine.coordinator) else None,
         }
 
     def names(self) -> dict[str, str]:
@@ -246,18 +285,20 @@ class SplitPlacement:
         now = time.monotonic()
         self._suspects = {n: t for n, t in self._suspects.items() if t > now}
         own, members = self._own(), self._members()
-        nodes = candidates(own, self.budget, members, set(self._suspects))
+        old = self.coordinator
+        measured = measured_speeds(old, self.profile) if old is not None else {}
+        nodes = candidates(own, self.budget, members, set(self._suspects), measured)
         opts = plan_options(self.options, len(nodes) - 1, placing=True, degraded=self.plan is not None)
         chosen = plan(self.profile, nodes, self._rtt(), own.node_id, opts)
         if chosen.solo or chosen.stages[0].node_id != own.node_id:
             raise SplitError("the plan does not start at this node with at least one worker")
         chain = hops(chosen, own, members)
         first = chain[0]
-        await asyncio.gather(*(self._host(h) for h in chain[1:]), self._load_first(first))
+        await asyncio.gather(*(self._host(chain, i) for i in range(1, len(chain))), self._load_first(first))
         assert self._first is not None
         coordinator = SplitCoordinator(self.server, self.engine.model_id, self._first, chain,
-                                       on_stage_failed=self.stage_failed)
-        self.chain, self.plan = chain, chosen
+                                       on_stage_failed=self.stage_failed, speculate=self.options.speculate)
+        self.chain, self.plan, self.coordinator = chain, chosen, coordinator
         self.engine.attach(coordinator)
         self.on_chain(chain)
         names = self.names()
@@ -265,12 +306,17 @@ class SplitPlacement:
                      stages=[[names.get(h.node_id, h.node_id[:8]), h.layer_start, h.layer_end] for h in chain],
                      predicted_ms=round(chosen.total_s * 1e3, 3), took_s=round(time.monotonic() - started, 3))
 
-    async def _host(self, hop: Hop) -> None:
+    async def _host(self, chain: list[Hop], index: int) -> None:
         assert self.ref.sha256 is not None
-        await ask(self.server.endpoint, hop.node_id, hop.addr, Host(
-            model=self.engine.model_id, path=str(self.ref.path), sha256=self.ref.sha256,
-            layer_start=hop.layer_start, layer_end=hop.layer_end, max_context=self.engine.max_context,
+        hop = chain[index]
+        hosted = await ask(self.server.endpoint, hop.node_id, hop.addr, Host(
+            model=self.engine.model_id, model_id=self.ref.sha256, manifest=self.manifest, chain=chain, index=index,
+            max_context=self.engine.max_context,
         ))
+        if isinstance(hosted, Hosted) and hosted.fetched_bytes:
+            self.publish("split_stage_fetched", model=self.engine.model_id, node=hop.node_id,
+                         layers=[hop.layer_start, hop.layer_end], bytes=hosted.fetched_bytes,
+                         bad_holders=hosted.bad_holders)
 
     async def _load_first(self, hop: Hop) -> None:
         held = self._first

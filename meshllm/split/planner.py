@@ -1,27 +1,43 @@
 """Split planner (sans-IO): choose solo or a chain of stages that minimises predicted time per token.
 
-Cost model (DESIGN "Layer splits", the Mesh-LLM model with our RTT matrix)::
+Cost model of plain decoding (DESIGN "Layer splits", the Mesh-LLM model with our RTT matrix)::
 
-    time/token = sum(stage compute) + sum(hop latency around the ring) + (S - 1) * P
+    time/token = sum(stage compute) + sum(hop latency around the ring) + S * P + Q
 
 Activations travel coordinator -> stage 1 -> ... -> last stage and the sampled token comes straight
-back to the coordinator, so a token crosses each edge of the ring once; a hop costs half its RTT (a
-2-stage chain costs exactly one RTT). ``P`` is our measured per-hop protocol overhead (encode, QUIC,
-decode). Compute is ``layers x seconds/layer`` plus the head on the last stage.
+back to the coordinator, so a token crosses each of the ``S`` edges of the ring once; an edge costs half
+its RTT (a 2-stage chain costs exactly one RTT) plus ``P``, the protocol overhead of one lane frame
+(encode, QUIC on both ends, decode: about 1.5 ms here, measured per edge by ``bench/wan.py``). Compute
+is ``layers x seconds/layer`` plus the head on the last stage, priced at the same node's speed. ``Q``
+is the coordinator's own time per token outside the chain (its engine, the API, the stream), which a
+running chain measures (0 when unknown).
+
+With speculation (:class:`Speculation`), one pass carries ``k`` drafted tokens and yields ``E(k) =
+1 + a + ... + a^k`` tokens at acceptance ``a``. Every stage but the last runs all ``k + 1`` positions;
+the last stage stops at the first rejected one, so it runs ``E(k)`` of them on average::
+
+    pass(k)   = sum(hop latency) + S * P + upstream compute * (k + 1) + last compute * E(k)
+    time/token = min over k of pass(k) / E(k) + Q
+
+The hops are paid once per pass, so the longer the ring, the wider the best window and the larger
+the gain (``a = 0`` gives ``k = 0``: plain decoding).
 
 For a fixed ordered set of nodes, compute is linear in each node's layer count, so the best split
 gives every node one layer and the rest to the fastest nodes first, up to what their memory holds.
 The planner enumerates ordered node sets (coordinator first, few candidates, few stages) and keeps
 the cheapest; a tie keeps fewer stages, so a stage is added only when memory forces it or it predicts
-faster. Every input is a plain value; the caller (the node) builds them from gossip.
+faster. Every input is a plain value; the caller (the node) builds them from gossip and from what its
+running chains measured.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise, permutations
 
+from meshllm.engine.speculate import MAX_WINDOW, expected_tokens
 from meshllm.split.errors import NoChainFits
 
 GIB = 1024**3
@@ -69,7 +85,8 @@ class Candidate:
     gflops: float = 0.0
     """Measured compute speed; used when ``seconds_per_layer`` is not known."""
     seconds_per_layer: float | None = None
-    """Measured time of one block for one token (more accurate than gflops when known)."""
+    """Measured time of one block for one token (more accurate than gflops when known); the head is
+    priced at the same speed (``head_flops / layer_flops`` blocks' worth)."""
     role: str = "host"
     relay_only: bool = False
     """A peer reachable only through a relay: never a stage (every hop would double its latency)."""
@@ -85,13 +102,26 @@ class PlanOptions:
     max_memory_per_node: int | None = None
     """Use at most this much of any node's memory."""
     per_hop_overhead_s: float = 0.0015
-    """P: protocol overhead per hop beyond the network RTT."""
+    """P: protocol overhead per edge of the ring (each lane frame), beyond half the edge's RTT."""
     unknown_rtt_ms: float = 100.0
     """Assumed RTT between nodes the matrix has no measurement for (pessimistic)."""
     assumed_gflops: float = 5.0
     """Speed of a node that has not measured itself yet."""
     max_candidates: int = 8
     """Only the best few nodes (by speed and memory) are considered, to bound the search."""
+    speculation: Speculation | None = None
+    """Price chains with speculative decoding at this acceptance (None: plain decoding)."""
+    serve_overhead_s: float = 0.0
+    """Q: the coordinator's own time per token between passes (its engine, the API, the stream)."""
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """What speculation is expected to achieve: the per-token acceptance and the widest window."""
+
+    acceptance: float
+    """Probability that a drafted token is kept (measured on a running chain; 0 makes no difference)."""
+    max_window: int = MAX_WINDOW
 
 
 @dataclass(frozen=True)
@@ -113,11 +143,23 @@ class Plan:
     compute_s: float
     network_s: float
     overhead_s: float
+    serve_s: float = 0.0
+    """Q, the serving node's time per token outside the chain (a measured constant)."""
+    window: int = 0
+    """Drafts per pass the speculation model chose (0: plain decoding)."""
+    tokens_per_pass: float = 1.0
+    speculative_s: float | None = None
+    """Predicted seconds per token with speculation (None: not priced)."""
 
     @property
     def total_s(self) -> float:
-        """Predicted seconds per generated token."""
-        return self.compute_s + self.network_s + self.overhead_s
+        """Predicted seconds per generated token with plain decoding."""
+        return self.compute_s + self.network_s + self.overhead_s + self.serve_s
+
+    @property
+    def expected_s(self) -> float:
+        """What the plan is chosen by: seconds per token with speculation when priced, else plain."""
+        return self.total_s if self.speculative_s is None else self.speculative_s
 
     @property
     def solo(self) -> bool:
@@ -154,7 +196,7 @@ def plan(
         for size in sizes:
             for rest in permutations(others, size - 1):
                 found = _price(model, (first, *rest), rtt_ms, opts)
-                if found is not None and (best is None or found.total_s < best.total_s - 1e-12):
+                if found is not None and (best is None or found.expected_s < best.expected_s - 1e-12):
                     best = found
     if best is None:
         raise _no_fit(model, nodes, sizes[-1], opts)
@@ -217,7 +259,7 @@ def _price(
         last = i == n - 1
         compute = counts[i] * per_layer[i]
         if last:
-            compute += model.head_flops / ((c.gflops or opts.assumed_gflops) * 1e9)
+            compute += _head_s(model, c, opts)
         memory = counts[i] * model.layer_bytes + model.ends_bytes(i == 0, last)
         stages.append(PlannedStage(c.node_id, start, end, memory, compute))
         start = end
@@ -226,7 +268,30 @@ def _price(
         ring = [*chain, chain[0]]
         network = sum(_rtt(rtt_ms, a.node_id, b.node_id, opts) / 2 for a, b in pairwise(ring))
         network /= 1000.0
-    return Plan(tuple(stages), sum(s.compute_s for s in stages), network, (n - 1) * opts.per_hop_overhead_s)
+    overhead = n * opts.per_hop_overhead_s if n > 1 else 0.0
+    plain = Plan(tuple(stages), sum(s.compute_s for s in stages), network, overhead, opts.serve_overhead_s)
+    return _speculate(plain, opts.speculation) if opts.speculation is not None and n > 1 else plain
+
+
+def _speculate(plain: Plan, spec: Speculation) -> Plan:
+    """``plain`` with the window that minimises ``pass(k) / E(k)`` and its time per token."""
+    upstream = sum(s.compute_s for s in plain.stages[:-1])
+    last = plain.stages[-1].compute_s
+    fixed = plain.network_s + plain.overhead_s
+    best_k, best_e, best_s = 0, 1.0, plain.total_s
+    for k in range(1, spec.max_window + 1):
+        e = expected_tokens(spec.acceptance, k)
+        per_token = (fixed + upstream * (k + 1) + last * e) / e + plain.serve_s
+        if per_token < best_s - 1e-12:
+            best_k, best_e, best_s = k, e, per_token
+    return dataclasses.replace(plain, window=best_k, tokens_per_pass=best_e, speculative_s=best_s)
+
+
+def _head_s(model: ModelProfile, c: Candidate, opts: PlanOptions) -> float:
+    """The head's time on ``c``: at its measured block speed when known (as so many blocks' worth), else by gflops."""
+    if c.seconds_per_layer is not None and model.layer_flops > 0:
+        return c.seconds_per_layer * model.head_flops / model.layer_flops
+    return model.head_flops / ((c.gflops or opts.assumed_gflops) * 1e9)
 
 
 def _rtt(rtt_ms: Mapping[str, Mapping[str, float]], a: str, b: str, opts: PlanOptions) -> float:

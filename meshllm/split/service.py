@@ -1,7 +1,8 @@
 """A node's split side: its stage server, worker duties, split models, and what it tells the mesh.
 
 Every node runs a :class:`StageServer` (coordinators receive their Tokens on it too). A worker also
-answers ``stage-control`` (:class:`StageHost`). A host started with ``--split auto|force`` keeps each
+answers ``stage-control`` (:class:`StageHost`), finding or fetching the layers it is asked for through
+the node's :class:`~meshllm.models.store.ModelStore`. A host started with ``--split auto|force`` keeps each
 model that must (or is forced to) be split out of the ordinary engines, serves it through a
 :class:`SplitEngine` and keeps a chain placed for it (:class:`SplitPlacement`). What each node holds
 goes into its peer record: the coordinator announces the model with ``engine="split"`` and its own
@@ -12,16 +13,21 @@ range (routable: it serves the whole model), a worker each hosted range with ``e
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
+import dataclasses
+import time
 from typing import Any
 
 import msgspec
+from nacl.signing import SigningKey
 
 from meshllm.api.events import EventHub
 from meshllm.api.serving import Serving
+from meshllm.errors import MeshllmError
 from meshllm.mesh.records import Capacity, Models, PeerRecord, ServedModel
 from meshllm.mesh.service import MeshService
+from meshllm.models.manifest import sign_manifest
 from meshllm.models.refs import ModelRef, resolve_model
+from meshllm.models.store import ModelStore
 from meshllm.split.control import StageHost
 from meshllm.split.engine import SplitEngine
 from meshllm.split.frames import Hop
@@ -30,12 +36,13 @@ from meshllm.split.placement import (
     SplitPlacement,
     candidates,
     describe,
+    measured_speeds,
     memory_budget,
     model_profile,
     needs_split,
     plan_options,
 )
-from meshllm.split.planner import ModelProfile, plan
+from meshllm.split.planner import ModelProfile, Speculation, plan
 from meshllm.split.stage import StageServer
 
 SPLIT_ENGINE = "split"
@@ -55,19 +62,19 @@ class SplitService:
     """Stage server, worker host and split placements of one node."""
 
     def __init__(self, mesh: MeshService, serving: Serving, events: EventHub, role: str,
-                 options: SplitOptions, hash_cache: Path | None = None) -> None:
-        """``hash_cache``: JSON file remembering model sha256s by path, size and mtime (e.g. in the node home)."""
+                 options: SplitOptions, store: ModelStore, signing_key: SigningKey) -> None:
         assert mesh.endpoint is not None and mesh.gossip is not None
         self.mesh = mesh
         self.serving = serving
         self.events = events
         self.options = options
-        self.hash_cache = hash_cache
+        self.store = store
+        self.key = signing_key
         self.server = StageServer(mesh.endpoint)
-        self.host = StageHost(self.server, self._hosted_changed, hash_cache, options.load_stage) \
-            if role == "worker" else None
+        self.host = StageHost(self.server, store, self.budget, self._hosted_changed, options.load_stage,
+                              names=self._names, is_owner=self._is_mesh_owner) if role == "worker" else None
         self.placements: dict[str, SplitPlacement] = {}
-        self._pending: list[tuple[ModelRef, ModelProfile]] = []
+        self._pending: list[tuple[ModelRef, ModelProfile, bytes]] = []
         self._chains: dict[str, list[Hop]] = {}
 
     def _own(self) -> PeerRecord:
@@ -77,6 +84,20 @@ class SplitService:
     def _members(self) -> dict[str, PeerRecord]:
         assert self.mesh.gossip is not None
         return self.mesh.gossip.members()
+
+    def _is_mesh_owner(self, node_id: str) -> bool:
+        """Whether ``node_id`` holds the mesh owner's membership (from its record, checked now)."""
+        record = self._members().get(node_id)
+        if record is None:
+            return False
+        try:
+            standing = self.mesh.admission.standing(node_id, record.membership_proof, time.time())
+        except MeshllmError:
+            return False
+        return standing.via == "owner"
+
+    def _names(self) -> dict[str, str]:
+        return {n: r.name for n, r in self._members().items()}
 
     def _rtt(self) -> dict[str, dict[str, float]]:
         assert self.mesh.gossip is not None
@@ -93,24 +114,29 @@ class SplitService:
             return specs
         rest = []
         for spec in specs:
-            ref = await asyncio.to_thread(resolve_model, spec)
+            ref = await self.serving.resolve(spec)
             profile = await asyncio.to_thread(model_profile, ref.path, self.options.context)
             if needs_split(self.options, profile, self.budget):
-                self._pending.append((await asyncio.to_thread(ref.hashed, self.hash_cache), profile))
+                entry = await asyncio.to_thread(self.store.library.add, ref.path, source="file", owned=False,
+                                                name=ref.model_id, model_id=ref.sha256)
+                manifest = await asyncio.to_thread(self.store.library.manifest, entry)
+                self.store.library.pin(entry)
+                ref = dataclasses.replace(ref, sha256=entry.id)
+                self._pending.append((ref, profile, sign_manifest(self.key, manifest)))
             else:
                 rest.append(spec)
         return rest
 
     async def start(self) -> None:
         """Register a :class:`SplitEngine` per split model and start placing its chain."""
-        for ref, profile in self._pending:
+        for ref, profile, manifest in self._pending:
             engine = SplitEngine(ref.path, ref.model_id, self.options.context,
                                  max_replays=self.serving.backend.replay.max_replays, on_event=self.events.publish)
             await engine.load()
             self.serving.add_engine(engine, ref.sha256)
             placement = SplitPlacement(
                 own=self._own, members=self._members, rtt=self._rtt, server=self.server, engine=engine, ref=ref,
-                options=self.options, budget=self.budget, publish=self.events.publish,
+                manifest=manifest, options=self.options, budget=self.budget, publish=self.events.publish,
                 on_chain=lambda chain, model=ref.model_id: self._chain_changed(model, chain), profile=profile,
             )
             self.placements[ref.model_id] = placement
@@ -130,16 +156,25 @@ class SplitService:
 
     def plan_json(self, spec: str, stages: int | None, max_memory: int | None) -> dict[str, Any]:
         """What the planner would choose for ``spec`` over this node's view of the mesh (``/api/plan``)."""
-        ref = resolve_model(spec, progress=False)
+        ref = resolve_model(spec, progress=False, library=self.store.library)
         profile = model_profile(ref.path, self.options.context)
         options = SplitOptions(mode="force" if stages else "auto", stages=stages,
                                max_memory=max_memory or self.options.max_memory, context=self.options.context)
         own, members = self._own(), self._members()
-        nodes = candidates(own, memory_budget(own.capacity, options.max_memory), members)
-        chosen = plan(profile, nodes, self._rtt(), own.node_id,
-                      plan_options(options, len(nodes) - 1))
+        # a chain of this model that ran here measured its nodes' speeds and its acceptance: plan with them
+        running = self.placements.get(ref.model_id)
+        coordinator = running.coordinator if running is not None else None
+        measured = measured_speeds(coordinator, profile) if coordinator is not None else {}
+        acceptance = coordinator.acceptance.rate if coordinator is not None and coordinator.stats.drafted else None
+        nodes = candidates(own, memory_budget(own.capacity, options.max_memory), members, measured=measured)
+        opts = plan_options(options, len(nodes) - 1)
+        if coordinator is not None and (serve := coordinator.serve_seconds) is not None:
+            opts = dataclasses.replace(opts, serve_overhead_s=serve)
+        if acceptance is not None:
+            opts = dataclasses.replace(opts, speculation=Speculation(acceptance))
+        chosen = plan(profile, nodes, self._rtt(), own.node_id, opts)
         names = {**{n: r.name for n, r in members.items()}, own.node_id: own.name}
-        return describe(chosen, names, ref.model_id, profile)
+        return describe(chosen, names, ref.model_id, profile, measured, acceptance)
 
     # -- the peer record -------------------------------------------------------------------------
 
@@ -156,13 +191,14 @@ class SplitService:
     def _announce(self) -> None:
         """Replace our split and stage entries in ``models.served``, leaving other engines' entries alone."""
         own = self._own()
-        mine = set(self._chains) | (set(self.host.hosted) if self.host else set())
-        served = [m for m in own.models.served if m.name not in mine]
+        served = [m for m in own.models.served if m.engine not in (SPLIT_ENGINE, STAGE_ENGINE)]
         for model, chain in self._chains.items():
-            context = self.placements[model].engine.max_context
-            served.append(ServedModel(name=model, context=context, layer_start=chain[0].layer_start,
-                                      layer_end=chain[0].layer_end, engine=SPLIT_ENGINE))
-        for model, host in (self.host.hosted.items() if self.host else ()):
-            served.append(ServedModel(name=model, context=host.max_context, layer_start=host.layer_start,
-                                      layer_end=host.layer_end, engine=STAGE_ENGINE))
+            placement = self.placements[model]
+            served.append(ServedModel(name=model, context=placement.engine.max_context,
+                                      layer_start=chain[0].layer_start, layer_end=chain[0].layer_end,
+                                      engine=SPLIT_ENGINE, id=placement.ref.sha256 or ""))
+        for (_owner, model), held in (self.host.hosted.items() if self.host else ()):
+            start, end = held.layers
+            served.append(ServedModel(name=model, context=held.request.max_context, layer_start=start,
+                                      layer_end=end, engine=STAGE_ENGINE, id=held.request.model_id))
         self.mesh.update_own(models=Models(served=served, available=own.models.available))

@@ -11,12 +11,24 @@ closes, or a next-hop node the transport reports suspect or closed, fails every 
 through it at once (an Error naming that stage), so a dead stage fails requests in well under a
 second instead of after a timeout. Every node runs one server: the coordinator's replies (Tokens,
 Errors) arrive on it too and are handed to the sinks registered with :meth:`route_replies`.
+
+**Who may open sessions.** A stage placed by a coordinator (``stage-control`` ``Host``) belongs to
+it: it is kept under (owner, model) with the chain it was placed for, and an ``Open`` is accepted
+only when its chain starts at that owner and equals the placed chain hop for hop (nodes, addresses,
+ranges); the lane already checks that it comes from the chain's previous hop. So a member outside
+the plan cannot borrow the stage's compute, and a member inside it cannot redirect its output. Each
+owner may keep at most :data:`MAX_SESSIONS_PER_OWNER` sessions open on this node.
+
+A :class:`~meshllm.split.frames.Verify` window runs position by position on every stage; the last
+stage stops at the first draft its sampler rejects (:meth:`StageServer._verify`), and every stage cuts
+the rejected positions from its KV when the session's next step arrives at the kept length.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -34,21 +46,49 @@ from meshllm.split.frames import (
     LANE_FRAME_MAX,
     Decode,
     Error,
+    Hop,
     LaneFrame,
     Open,
     Ping,
     Pong,
     Prefill,
     Reset,
+    Step,
     Stop,
     Tokens,
+    Verify,
 )
 from meshllm.split.lanes import MAX_ACTIVATION_BYTES, Lane, LanePool
 
 log = logging.getLogger(__name__)
 
+MAX_SESSIONS_PER_OWNER = 32
+"""Sessions one coordinator may keep open on this node's stages (each holds a KV cache)."""
+
 ReplySink = Callable[[str, Tokens | Error], None]
 """``sink(peer_id, frame)``: where a coordinator session receives its Tokens and Errors."""
+
+
+def forward_positions(stage: StageModel, session: str, inputs: np.ndarray, pos: int) -> np.ndarray:
+    """``inputs`` run one position at a time: bit for bit what consecutive Decodes compute.
+
+    A multi-row forward uses other kernels than a one-row one (and its logits differ), so a verify
+    window computed in one call could keep tokens plain decoding would not have produced.
+    """
+    return np.concatenate([stage.forward(session, inputs[i : i + 1], pos + i) for i in range(len(inputs))])
+
+
+@dataclass
+class _Hosted:
+    """A hosted range: its layers, the coordinator it belongs to and the chain it was placed for.
+
+    ``owner`` and ``chain`` are None for a stage wired by hand (tests, benchmarks), which any chain
+    may use.
+    """
+
+    stage: StageModel
+    owner: str | None = None
+    chain: list[Hop] | None = None
 
 
 @dataclass
@@ -74,7 +114,8 @@ class StageServer:
         self.max_activation_bytes = max_activation_bytes
         """Largest activation payload accepted from upstream (larger steps get a ``too-large`` Error)."""
         self.pool = LanePool(endpoint, self._from_downstream, self._downstream_closed)
-        self._stages: dict[str, StageModel] = {}
+        self._stages: dict[tuple[str | None, str], _Hosted] = {}
+        """(owner, model) -> hosted range; owner None: a stage any chain may use."""
         self._sessions: dict[str, _Session] = {}
         self._replies: dict[str, ReplySink] = {}
         self.compute = Compute()
@@ -84,18 +125,29 @@ class StageServer:
 
     # -- API for the node and the coordinator ------------------------------------------------
 
-    def host(self, model: str, stage: StageModel) -> None:
-        """Serve ``stage`` (a loaded layer range) as part of ``model``'s chains (freeing the one it replaces)."""
-        old = self._stages.get(model)
-        self._stages[model] = stage
-        if old is not None and old is not stage:
-            self._free(old)
+    def host(self, model: str, stage: StageModel, *, owner: str | None = None,
+             chain: list[Hop] | None = None) -> None:
+        """Serve ``stage`` (a loaded layer range) as part of ``model``'s chains (freeing the one it replaces).
 
-    def unhost(self, model: str) -> None:
-        """Stop serving ``model`` and free its layers; its sessions fail at their next step."""
-        old = self._stages.pop(model, None)
+        With ``owner`` (the coordinator that placed it) and ``chain``, only that exact chain may open
+        sessions on it.
+        """
+        old = self._stages.get((owner, model))
+        self._stages[(owner, model)] = _Hosted(stage, owner, chain)
+        if old is not None and old.stage is not stage:
+            self._free(old.stage)
+
+    def place(self, model: str, *, owner: str, chain: list[Hop]) -> None:
+        """The owner re-placed its chain with the same layers here: accept Opens for the new chain."""
+        held = self._stages.get((owner, model))
+        if held is not None:
+            held.chain = chain
+
+    def unhost(self, model: str, *, owner: str | None = None) -> None:
+        """Stop serving ``owner``'s ``model`` and free its layers; its sessions fail at their next step."""
+        old = self._stages.pop((owner, model), None)
         if old is not None:
-            self._free(old)
+            self._free(old.stage)
 
     def _free(self, stage: StageModel) -> None:
         """Close a stage off the loop (it waits for a step in flight, then frees weights and caches).
@@ -124,8 +176,8 @@ class StageServer:
         for session in list(self._sessions.values()):
             session.stage.reset(session.open.session)
         self._sessions.clear()
-        for stage in self._stages.values():
-            stage.close()
+        for held in self._stages.values():
+            held.stage.close()
         self._stages.clear()
 
     # -- incoming lanes ------------------------------------------------------------------------
@@ -154,7 +206,7 @@ class StageServer:
         session = self._sessions.get(frame.session)  # type: ignore[union-attr]
         if session is None or session.upstream is not lane:
             return  # the lane already refused it, or the session failed here before
-        if isinstance(frame, Prefill | Decode):
+        if isinstance(frame, Prefill | Decode | Verify):
             await self._step(session, frame)
         elif isinstance(frame, Reset | Stop):
             session.stage.reset(frame.session)
@@ -165,18 +217,30 @@ class StageServer:
                 await self._forward(session, frame)
 
     async def _open(self, lane: Lane, frame: Open) -> None:
-        stage = self._stages.get(frame.model)
+        owner = frame.chain[0].node_id
+        held = self._stages.get((owner, frame.model)) or self._stages.get((None, frame.model))
+        stage = held.stage if held is not None else None
         me = frame.chain[frame.index]
         if frame.session in self._sessions:
             return await self._refuse(lane, frame, "duplicate", f"session {frame.session} is open on another lane")
         if me.node_id != self.endpoint.node_id:
             return await self._refuse(lane, frame, "not-in-plan", "this node is not that stage of the chain")
+        if held is not None and held.chain is not None and frame.chain != held.chain:
+            return await self._refuse(lane, frame, "not-in-plan",
+                                      "the chain differs from the one its coordinator placed this stage for")
+        if held is None and any(model == frame.model for _, model in self._stages):
+            return await self._refuse(lane, frame, "not-in-plan",
+                                      f"no stage of {frame.model} was placed here by node {owner[:12]}")
         if stage is None or (stage.layer_start, stage.layer_end) != (frame.layer_start, frame.layer_end):
-            held = f"[{stage.layer_start}, {stage.layer_end})" if stage else "nothing"
+            where = f"[{stage.layer_start}, {stage.layer_end})" if stage else "nothing"
             return await self._refuse(
                 lane, frame, "wrong-stage",
-                f"asked for {frame.model} layers [{frame.layer_start}, {frame.layer_end}), this node holds {held}",
+                f"asked for {frame.model} layers [{frame.layer_start}, {frame.layer_end}), this node holds {where}",
             )
+        if held is not None and held.owner is not None and sum(
+                1 for s in self._sessions.values() if s.open.chain[0].node_id == owner) >= MAX_SESSIONS_PER_OWNER:
+            return await self._refuse(lane, frame, "busy", f"node {owner[:12]} already has {MAX_SESSIONS_PER_OWNER} "
+                                      "sessions open on this stage")
         session = _Session(frame, stage, lane)
         last = frame.index == len(frame.chain) - 1
         target = frame.chain[0] if last else frame.chain[frame.index + 1]
@@ -195,25 +259,62 @@ class StageServer:
         self._sessions[frame.session] = session
         return None
 
-    async def _step(self, session: _Session, frame: Prefill | Decode) -> None:
-        sid = frame.session
+    async def _step(self, session: _Session, frame: Step) -> None:
+        sid, stage = frame.session, session.stage
+        sample = session.last and not (isinstance(frame, Prefill) and not frame.sample)
+
+        def compute(x: np.ndarray) -> tuple[np.ndarray | list[int], float]:
+            started = time.perf_counter()
+            if stage.session_length(sid) > frame.pos:
+                stage.trim(sid, frame.pos)  # positions of the previous window the last stage did not keep
+            out: np.ndarray | list[int]
+            if isinstance(frame, Verify):
+                out = self._verify(session, x, frame) if session.last else forward_positions(stage, sid, x, frame.pos)
+            else:
+                out = stage.forward(sid, x, frame.pos, last_only=session.last)
+                if sample:
+                    out = [self._sample(session, out[-1])]
+            return out, (time.perf_counter() - started) * 1e3
+
         try:
             x = codec.decode(frame.activations, frame.dtype, frame.n_tokens, frame.shape[1])
-            stage, small = session.stage, frame.n_tokens == 1
-            out = await self.compute.run(
-                session.open.model, small, lambda: stage.forward(sid, x, frame.pos, last_only=session.last)
-            )
+            out, took = await self.compute.run(session.open.model, frame.n_tokens == 1, lambda: compute(x))
         except MeshllmError as exc:
             return await self._refuse(session.upstream, frame, "stage-error", str(exc))
+        spent = [*frame.compute_ms, round(took, 3)]
         if not session.last:
-            step = msgspec.structs.replace(frame, activations=codec.encode(out, frame.dtype), shape=out.shape)
+            assert isinstance(out, np.ndarray)
+            step = msgspec.structs.replace(frame, activations=codec.encode(out, frame.dtype), shape=out.shape,
+                                           compute_ms=spent)
             return await self._forward(session, step)
-        if isinstance(frame, Prefill) and not frame.sample:
+        if not sample:
             return None
-        token = await self.compute.run("sample", True, lambda: self._sample(session, out[-1]))
-        end = frame.pos + frame.n_tokens
+        assert isinstance(out, list)
+        end = frame.pos + (len(out) if isinstance(frame, Verify) else frame.n_tokens)
         finish = "length" if end + 1 >= session.open.max_context else None
-        return await self._forward(session, Tokens(session=sid, pos=end, token_ids=[token], finish=finish))
+        return await self._forward(session, Tokens(session=sid, pos=end, token_ids=out, finish=finish,
+                                                   compute_ms=spent))
+
+    def _verify(self, session: _Session, x: np.ndarray, frame: Verify) -> list[int]:
+        """The last stage's side of a window: positions one by one until the sampler rejects a draft.
+
+        Each position is a decode step of its own (same graph, same kernels, so a kept token and its
+        KV are exactly what plain decoding computes), and the positions after the first rejection
+        are never computed: a rejected draft costs the last stage nothing.
+        """
+        assert session.sampler is not None
+        sid, out = frame.session, []
+        for i in range(frame.n_tokens):
+            logits = session.stage.forward(sid, x[i : i + 1], frame.pos + i, last_only=True)[-1]
+            if i < len(frame.draft):
+                token, kept = session.sampler.verify(logits, session.history, frame.draft[i])
+            else:
+                token, kept = session.sampler(logits, session.history), False
+            session.history.append(token)
+            out.append(token)
+            if not kept:
+                break
+        return out
 
     def _sample(self, session: _Session, logits: np.ndarray) -> int:
         assert session.sampler is not None

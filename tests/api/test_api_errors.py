@@ -93,6 +93,47 @@ def test_unsupported_values_are_400_naming_the_field(tiny_server: str, path: str
     assert error["param"] == param, error
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (CHAT, HELLO),
+        ("/v1/completions", {"model": "tiny-llama", "prompt": "x", "max_tokens": 2}),
+        ("/v1/embeddings", {"model": "tiny-llama", "input": "x"}),
+        ("/v1/responses", {"model": "tiny-llama", "input": "x", "max_output_tokens": 2}),
+    ],
+)
+def test_a_field_the_api_does_not_know_is_400_naming_it(tiny_server: str, path: str, body: dict[str, Any]) -> None:
+    error = assert_openai_error(httpx.post(tiny_server + path, json={**body, "tempreature": 0}), 400,
+                                "unknown_parameter")
+    assert error["param"] == "tempreature" and "tempreature" in error["message"]
+
+
+def test_unknown_fields_through_the_clients(tiny_server: str) -> None:
+    client = openai.OpenAI(base_url=f"{tiny_server}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="bogus"):
+        client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=2, extra_body={"bogus": 1})
+    answer = httpx.post(tiny_server + "/v1/messages", json={"model": "tiny-llama", "max_tokens": 2, "bogus": 1,
+                                                            "messages": [{"role": "user", "content": "x"}]})
+    assert answer.status_code == 400 and answer.json()["type"] == "error", answer.text
+    assert "bogus" in answer.json()["error"]["message"]
+
+
+def test_messages_echoed_from_a_response_keep_their_extra_keys(tiny_server: str) -> None:
+    """Clients append the message a response gave them, with keys like ``refusal``: that is no unknown field."""
+    client = openai.OpenAI(base_url=f"{tiny_server}/v1", api_key="x", max_retries=0)
+    first = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "x"}],
+                                           max_tokens=2, prompt_cache_key="conv-1", safety_identifier="u1")
+    echoed = first.choices[0].message.model_dump() | {"annotations": [], "audio": None}
+    again = client.chat.completions.create(model="tiny-llama", max_tokens=2, service_tier="auto", messages=[
+        {"role": "user", "content": "x"}, echoed, {"role": "user", "content": "y"}])
+    assert again.choices[0].finish_reason in ("stop", "length")
+    for extra, param in (({"service_tier": "flex"}, "service_tier"), ({"metadata": {"k": "v"}}, "metadata"),
+                         ({"verbosity": "low"}, "verbosity")):
+        error = assert_openai_error(httpx.post(tiny_server + CHAT, json={**HELLO, **extra}), 400)
+        assert error["param"] == param, error
+
+
 def test_prompt_over_the_context_is_400(tiny_server: str) -> None:
     body = {**HELLO, "messages": [{"role": "user", "content": "x" * 600}]}
     assert_openai_error(httpx.post(tiny_server + CHAT, json=body), 400, "context_length_exceeded")

@@ -77,8 +77,9 @@ def test_a_saturated_node_answers_429_with_retry_after(tmp_path: Path) -> None:
 
         results = asyncio.run(flood())
         refused = [r for r in results if r[0] == 429]
-        # two slots and 32 queue places: at most 6 refused (fewer if some finished while the flood came in)
-        assert 1 <= len(refused) <= 40 - 2 - 32 and all(r[1] is not None and int(r[1]) >= 1 for r in refused)
+        # 32 queue places and two slots: 6 refused when both slots took a request before the queue filled,
+        # up to 8 when the engine's loop was still busy moving them (a loaded host), fewer if some finished
+        assert 1 <= len(refused) <= 40 - 32 and all(r[1] is not None and int(r[1]) >= 1 for r in refused)
         assert all(status == 200 for status, _ in results if status != 429)
 
         # the openai client retries a 429 after Retry-After and then succeeds

@@ -130,3 +130,23 @@ def test_formatters() -> None:
 
 def events(n: int) -> list[dict[str, Any]]:
     return [{"ts": NOW - n + i, "type": "peer_joined", "node_id": node_id(NAMES[i % 12])} for i in range(n)]
+
+
+def test_demand_and_standby_section() -> None:
+    snap = snapshot([peer(0)])
+    assert "demand and standby" not in draw(snap, 80, 24)  # nothing asked for, no standby: no section
+    snap["demand"] = [{"model": "llama-70b", "requests": 12, "unmet": 3, "last_active_age_s": 4.0, "origins": 2,
+                       "served_by": []},
+                      {"model": "gemma-3-270m", "requests": 5, "unmet": 0, "last_active_age_s": 1.0, "origins": 1,
+                       "served_by": ["beta"]}]
+    snap["standby"] = {"enabled": True, "candidates": ["gemma-3-270m", "qwen"], "serving": ["gemma-3-270m"],
+                       "waiting": [{"model": "qwen", "reason": "queue", "for_s": 1.5}], "cooling": [],
+                       "idle_s": 300.0, "decisions": [{"at": NOW, "model": "gemma-3-270m", "action": "promote",
+                                                       "reason": "queue"}]}
+    text = draw(snap, 160, 40, events=events(3))
+    section = text[text.index("demand and standby"):text.index("recent events")]
+    assert "standby on · library gemma-3-270m, qwen · serving gemma-3-270m" in section
+    assert "qwen: queue for 1.5s" in section and "last: promote gemma-3-270m (queue)" in section
+    assert "llama-70b  12 req/min  3 refused  served by nobody  last 4s ago" in section
+    assert "gemma-3-270m  5 req/min  served by beta" in section
+    assert "recent events" in draw(snap, 80, 24, events=events(12))  # still fits a small terminal

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -99,6 +100,15 @@ def test_second_node_on_a_busy_api_port_says_what_to_do(trio: list[NodeProcess],
     out = meshllm("serve", "--client", "--home", str(tmp_path / "z"), "--port", port, "--mesh-port", "0",
                   "--mesh-host", "127.0.0.1")
     assert out.returncode == 1 and "--port" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_second_node_on_a_busy_mesh_port_says_what_to_do(tmp_path: Path) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        port = str(busy.getsockname()[1])
+        out = meshllm("serve", "--client", "--home", str(tmp_path / "m"), "--port", "0", "--mesh-port", port,
+                      "--mesh-host", "127.0.0.1")
+    assert out.returncode == 1 and "--mesh-port" in out.stderr and "internal error" not in out.stderr, out.stderr
 
 
 def test_event_stream_replays_history_then_streams_live_events(trio: list[NodeProcess], tmp_path: Path) -> None:

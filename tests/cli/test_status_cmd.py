@@ -125,6 +125,13 @@ def test_json_prints_one_snapshot(node: FakeNode) -> None:
     assert json.loads(out.stdout) == FIXTURE
 
 
+def test_piped_prints_the_dashboard_once(node: FakeNode) -> None:
+    """Without a terminal (a pipe, a script) the dashboard is drawn once and the command ends."""
+    out = run_status("--api", node.url)
+    assert out.returncode == 0, out.stderr
+    assert FIXTURE["name"] in out.stdout and "peers (" in out.stdout and "RTT matrix" in out.stdout
+
+
 def test_api_url_from_environment(node: FakeNode) -> None:
     out = run_status("--json", env={"MESHLLM_API": node.url + "/"})
     assert out.returncode == 0, out.stderr

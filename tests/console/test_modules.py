@@ -178,3 +178,35 @@ def test_the_event_list_prepends_new_events_instead_of_redrawing(page: Any) -> N
     """)
     assert result == {"again": False, "kept": True,
                       "texts": ["alpha left (down)", "alpha record #5", "alpha joined"]}
+
+
+def test_owner_control_gate_and_answers(page: Any) -> None:
+    out = run(page, """
+        const { controlGate, describeAnswer, renderStandby } = await import('/console/control.js');
+        const me = { node_id: 'self', owner_key: null };
+        const gates = [controlGate(null, true, 'x'), controlGate(me, false, 'self'), controlGate(me, true, 'self'),
+                       controlGate(me, true, 'other'), controlGate({ ...me, owner_key: 'k' }, true, 'other')];
+        const answers = [
+          describeAnswer('load', { model: 'm', context: 2048, loaded: true }),
+          describeAnswer('unload', { model: 'm', drained: false, cancelled: 2, waited_s: 60 }),
+          describeAnswer('drain', { ok: false, code: 'uncertified', message: 'no certificate' }),
+          describeAnswer('status', { ok: true, code: 'ok', message: 'status' })];
+        const card = document.createElement('article'), body = document.createElement('div');
+        card.append(body); document.body.append(card);
+        renderStandby(card, body, null);
+        const hidden = card.hidden;
+        renderStandby(card, body, { enabled: true, candidates: ['tiny'], serving: ['tiny'], idle_s: 300,
+          waiting: [{ model: 'qwen', reason: 'queue', for_s: 1.5 }],
+          decisions: [{ at: 1700000000, model: 'tiny', action: 'promote', reason: 'queue' }] });
+        return { gates, answers, hidden, shown: !card.hidden, text: body.textContent,
+                 decision: body.querySelector('li')?.dataset.action };
+    """)
+    gates = out["gates"]
+    assert "status" in gates[0] and "token" in gates[1] and gates[2] == "" and "owner keystore" in gates[3]
+    assert gates[4] == ""
+    assert out["answers"] == ["loaded m (context 2048)",
+                              "unloaded m; 2 requests still running were cancelled",
+                              "refused (uncertified): no certificate", "status"]
+    assert out["hidden"] and out["shown"] and out["decision"] == "promote"
+    text = out["text"]
+    assert "library tiny" in text and "qwen: queue for 1.5 s" in text and "promote tiny (queue)" in text

@@ -26,20 +26,26 @@ from meshllm.discovery.resolve import NothingFound, fetch_candidates, find_listi
 from meshllm.identity.ids import node_id
 from meshllm.identity.signing import encode_signed, sign
 from meshllm.mesh.admission import MeshKey
-from meshllm.mesh.records import Addresses, Load, Models, PeerRecord, ServedModel
+from meshllm.mesh.records import Addresses, DemandEntry, Load, Models, PeerRecord, ServedModel
 from meshllm.mesh.records import Capacity as NodeCapacity
 
+NOW = 1_800_000_000.0
 
-def record(name: str, addr: str, models: list[str], ram: int, vram: int = 0, tok_s: float = 0.0) -> PeerRecord:
+
+def record(name: str, addr: str, models: list[str], ram: int, vram: int = 0, tok_s: float = 0.0,
+           demand: tuple[DemandEntry, ...] = ()) -> PeerRecord:
     return PeerRecord(node_id=name, mesh_id="m", seq=1, membership_proof=b"", name=name,
                       addresses=Addresses(listen=[addr]), capacity=NodeCapacity(ram_bytes=ram, vram_bytes=vram),
-                      models=Models(served=[ServedModel(name=m, context=512) for m in models]), load=Load(tok_s=tok_s))
+                      models=Models(served=[ServedModel(name=m, context=512) for m in models]), load=Load(tok_s=tok_s),
+                      demand=list(demand))
 
 
 def test_facts_and_lan_scope() -> None:
+    asked = (DemandEntry("x", 5, 0, NOW - 1), DemandEntry("z", 2, 2, NOW - 2), DemandEntry("old", 9, 9, NOW - 3600))
     facts = facts_from_records(record("a", "10.0.0.1:1", ["x"], 4, tok_s=2.5),
-                               [record("b", "10.0.0.2:1", ["x", "y"], 6, vram=8, tok_s=1.0)])
+                               [record("b", "10.0.0.2:1", ["x", "y"], 6, vram=8, tok_s=1.0, demand=asked)], NOW)
     assert facts.bootstrap == ["10.0.0.1:1", "10.0.0.2:1"] and facts.models_served == ["x", "y"]
+    assert facts.models_wanted == ["z"]  # x is served and keeps up; the old demand has expired
     assert facts.node_count == 2 and facts.capacity == Capacity(ram_bytes=10, vram_bytes=8, gpu_nodes=1,
                                                                 tokens_per_s=3.5)
     assert lan_scope("127.0.0.1") is None and lan_scope("0.0.0.0") == [] and lan_scope("10.1.2.3") == ["10.1.2.3"]

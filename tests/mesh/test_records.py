@@ -31,10 +31,12 @@ from meshllm.mesh.messages import (
     verify_notice,
 )
 from meshllm.mesh.records import (
+    MAX_DEMAND,
     RECORD_MAX,
     RECORD_MAX_AGE_S,
     SEQ_LIMIT,
     Capacity,
+    DemandEntry,
     ExpiredRecord,
     Models,
     PeerRecord,
@@ -62,6 +64,8 @@ def full_record(seq: int = 5) -> PeerRecord:
         models=Models(served=[ServedModel(name="gemma", context=4096, layer_start=0, layer_end=9)]),
         rtt={make_record(OTHER).node_id: RttEntry(12.5, "direct")},
         owner_cert=b"cert",
+        demand=[DemandEntry("llama-70b", 12, 3, 1_800_000_000.5)],
+        standby=["gemma"],
     )
 
 
@@ -212,5 +216,20 @@ def test_rtt_rows_must_be_finite_and_plausible(rtt: float) -> None:
     key = make_key(78)
     raw = msgspec.msgpack.encode(sign(key, "peer-record", {**msgspec.structs.asdict(make_record(key)),
                                                           "rtt": {"x": [rtt, "direct"]}}))
+    with pytest.raises(DecodeError):
+        decode_record(raw)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("demand", [["m", 1, 0, float("nan")]]),
+    ("demand", [["m", -1, 0, 1.0]]),
+    ("demand", [["x" * 201, 1, 0, 1.0]]),
+    ("demand", [["m", 1, 0, 1.0]] * (MAX_DEMAND + 1)),
+    ("standby", ["m"] * (MAX_DEMAND + 1)),
+])
+def test_demand_and_standby_lists_are_bounded(field: str, value: object) -> None:
+    """What one peer's demand map and standby list make every member hold is capped at decode."""
+    key = make_key(79)
+    raw = msgspec.msgpack.encode(sign(key, "peer-record", {**msgspec.structs.asdict(make_record(key)), field: value}))
     with pytest.raises(DecodeError):
         decode_record(raw)

@@ -74,7 +74,7 @@ def test_client_node_lists_the_mesh_models(pair: tuple[NodeProcess, NodeProcess]
 def test_models_command_lists_local_and_mesh_models(pair: tuple[NodeProcess, NodeProcess]) -> None:
     a, b = pair
     for node, local in ((a, True), (b, False)):
-        assert meshllm_json("models", "--api", node.api, timeout=20) == [{"id": MODEL, "context_length": 2048,
+        assert meshllm_json("models", "--api", node.api, timeout=20)["served"] == [{"id": MODEL, "context_length": 2048,
                                     "nodes": [{"id": a.node_id, "name": "s0", "local": local}]}]
     done = meshllm("models", "--api", a.api, timeout=20)
     assert done.returncode == 0, done.stderr

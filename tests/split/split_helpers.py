@@ -42,21 +42,21 @@ def addr(ep: Endpoint) -> str:
     return f"{host}:{port}"
 
 
-async def make_chain(path: Path, bounds: list[int], **coord_kwargs: object) -> Chain:
-    """Stages [bounds[i], bounds[i+1]) on one endpoint each; stage 0 is the coordinator."""
+async def make_chain(path: Path, bounds: list[int], *, max_context: int = 256, **coord_kwargs: object) -> Chain:
+    """Stages [bounds[i], bounds[i+1]) on one endpoint each (one thread); stage 0 is the coordinator."""
     eps = [await endpoint(probe_interval=0.1) for _ in range(len(bounds) - 1)]
     servers = [StageServer(ep) for ep in eps]
     hops = [Hop(ep.node_id, addr(ep), a, b) for ep, a, b in zip(eps, bounds, bounds[1:], strict=False)]
     for server, hop in zip(servers[1:], hops[1:], strict=True):
-        server.host(MODEL, StageModel.load(path, hop.layer_start, hop.layer_end, max_context=256))
-    first = StageModel.load(path, 0, bounds[1], max_context=256)
+        server.host(MODEL, StageModel.load(path, hop.layer_start, hop.layer_end, max_context=max_context, threads=1))
+    first = StageModel.load(path, 0, bounds[1], max_context=max_context, threads=1)
     coord = SplitCoordinator(servers[0], MODEL, first, hops, **coord_kwargs)  # type: ignore[arg-type]
     return Chain(eps, servers, hops, coord)
 
 
-def solo_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
-    """Greedy tokens of the whole model in one stage (the reference)."""
-    stage = StageModel.load(path, max_context=256)
+def solo_greedy(path: Path, prompt: list[int], n: int, max_context: int = 256) -> list[int]:
+    """Greedy tokens of the whole model in one stage, decoded one by one (the reference)."""
+    stage = StageModel.load(path, max_context=max_context, threads=1)
     sampler = Sampler(SamplingParams(temperature=0.0))
     history = list(prompt)
     logits = stage.forward("s", np.asarray(prompt), 0, last_only=True)
@@ -66,4 +66,5 @@ def solo_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
         out.append(token)
         history.append(token)
         logits = stage.forward("s", np.asarray([token]), len(history) - 1, last_only=True)
+    stage.close()
     return out

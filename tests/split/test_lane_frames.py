@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from meshllm.errors import DecodeError
 from meshllm.split import codec
 from meshllm.split.errors import BadFrame
-from meshllm.split.frames import Decode, Hop, Open, Prefill, Tokens, decode_frame
+from meshllm.split.frames import Decode, Hop, Open, Prefill, Tokens, Verify, decode_frame
 
 FUZZ = settings(max_examples=2000, deadline=None)
 CHAIN = [Hop("a", "127.0.0.1:1", 0, 2), Hop("b", "127.0.0.1:2", 2, 4)]
@@ -112,3 +112,17 @@ def test_decoder_fuzz_raises_only_typed_errors(data: bytes) -> None:
             assert exc.code == "bad-values"
         else:
             assert x.shape == frame.shape
+
+
+def test_verify_frames_round_trip_and_bound_their_drafts() -> None:
+    x = np.zeros((3, 8), np.float32)
+    frame = Verify(session="s1", pos=5, n_tokens=3, dtype="f32", shape=(3, 8), activations=codec.encode(x, "f32"),
+                   draft=[10, 11], compute_ms=[1.5])
+    assert decode_frame(msgspec.msgpack.encode(frame)) == frame
+    for bad in ({"draft": []}, {"draft": list(range(17)), "n_tokens": 18, "shape": (18, 8),
+                                 "activations": codec.encode(np.zeros((18, 8), np.float32), "f32")},
+                {"compute_ms": [-1.0]}, {"compute_ms": [float("nan")]}):
+        with pytest.raises(BadFrame):
+            decode_frame(msgspec.msgpack.encode(msgspec.structs.replace(frame, **bad)))
+    reply = Tokens(session="s1", pos=7, token_ids=[10, 4], compute_ms=[1.5, 3.25])
+    assert decode_frame(msgspec.msgpack.encode(reply)) == reply

@@ -1,16 +1,12 @@
-"""Placement's pure parts (gossip -> planner inputs, stage counts) and the stage-control protocol over QUIC."""
+"""Placement's pure parts: gossip -> planner inputs, stage counts (the control protocol: test_control.py)."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
-from split_helpers import MODEL, addr, endpoint
 
 from meshllm.mesh.records import Addresses, Capacity, PeerRecord
-from meshllm.models.refs import file_sha256
-from meshllm.split.control import Host, HostRefused, Release, StageHost, ask
 from meshllm.split.placement import (
     NotEnoughWorkers,
     SplitOptions,
@@ -19,7 +15,6 @@ from meshllm.split.placement import (
     needs_split,
     plan_options,
 )
-from meshllm.split.stage import StageServer
 
 GB = 1 << 30
 
@@ -58,37 +53,3 @@ def test_auto_splits_only_what_does_not_fit(tiny_model: Path) -> None:
     assert needs_split(SplitOptions(mode="auto"), profile, whole - 1)
     assert needs_split(SplitOptions(mode="force"), profile, 100 * GB)
     assert not needs_split(SplitOptions(mode="off"), profile, 1)
-
-
-def test_worker_hosts_checks_the_hash_and_releases(tiny_model: Path, tmp_path: Path) -> None:
-    async def main() -> None:
-        worker_ep, coord_ep, plain_ep = [await endpoint() for _ in range(3)]
-        server = StageServer(worker_ep)
-        changes: list[str] = []
-        host = StageHost(server, changes.append)
-        StageServer(plain_ep)
-        digest = file_sha256(tiny_model)
-        req = Host(model=MODEL, path=str(tiny_model), sha256=digest, layer_start=2, layer_end=4, max_context=64)
-        try:
-            hosted = await ask(coord_ep, worker_ep.node_id, addr(worker_ep), req)
-            assert (hosted.layer_start, hosted.layer_end) == (2, 4)  # type: ignore[union-attr]
-            assert host.hosted[MODEL] == req and changes == [MODEL]
-            with pytest.raises(HostRefused, match="sha256"):
-                await ask(coord_ep, worker_ep.node_id, addr(worker_ep), _with(req, sha256="0" * 64))
-            with pytest.raises(HostRefused, match="no file"):
-                await ask(coord_ep, worker_ep.node_id, addr(worker_ep), _with(req, path=str(tmp_path / "none")))
-            with pytest.raises(HostRefused):  # not a worker: no stage-control handler
-                await ask(coord_ep, plain_ep.node_id, addr(plain_ep), req, timeout=2.0)
-            await ask(coord_ep, worker_ep.node_id, addr(worker_ep), Release(model=MODEL))
-            assert MODEL not in host.hosted
-        finally:
-            for ep in (worker_ep, coord_ep, plain_ep):
-                await ep.close()
-
-    asyncio.run(main())
-
-
-def _with(req: Host, **changes: object) -> Host:
-    import msgspec
-
-    return msgspec.structs.replace(req, **changes)

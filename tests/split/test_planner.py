@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshllm.split import Candidate, ModelProfile, NoChainFits, PlanOptions, plan
+from meshllm.split import Candidate, ModelProfile, NoChainFits, Plan, PlanOptions, Speculation, plan
 
 GB = 1024**3
 MODEL = ModelProfile(n_layers=24, layer_bytes=GB // 2, first_bytes=GB, last_bytes=GB, layer_flops=2e8, head_flops=4e8)
@@ -129,3 +129,52 @@ def test_every_stage_pays_its_buffers_and_a_solo_stage_holds_a_tied_table_once()
     with pytest.raises(NoChainFits):
         plan(tied, [Candidate("a", 4 * GB + GB // 2, gflops=10), Candidate("b", 4 * GB + GB // 2, gflops=10)],
              rtts(["a", "b"], 1.0), "a")
+
+
+def test_overhead_is_paid_on_every_edge_of_the_ring() -> None:
+    nodes = [Candidate(n, 64 * GB, gflops=50) for n in "abc"]
+    p = plan(MODEL, nodes, rtts(list("abc"), 10.0), "a", PlanOptions(stages=3, per_hop_overhead_s=0.002))
+    assert p.network_s == pytest.approx(0.015) and p.overhead_s == pytest.approx(0.006)
+
+
+def test_a_measured_block_speed_prices_the_head_too() -> None:
+    nodes = [Candidate("a", 64 * GB, seconds_per_layer=0.001)]
+    p = plan(MODEL, nodes, {}, "a")
+    assert p.compute_s == pytest.approx(24 * 0.001 + 0.001 * MODEL.head_flops / MODEL.layer_flops)
+
+
+def test_speculation_amortises_the_ring_and_widens_with_distance() -> None:
+    nodes = [Candidate(n, 64 * GB, seconds_per_layer=0.0005) for n in "abc"]
+    ids = list("abc")
+
+    def priced(rtt: float, acceptance: float) -> Plan:
+        return plan(MODEL, nodes, rtts(ids, rtt), "a", PlanOptions(stages=3, speculation=Speculation(acceptance)))
+
+    near, far = priced(2.0, 0.8), priced(80.0, 0.8)
+    assert far.window > near.window >= 0
+    assert far.speculative_s < far.total_s and far.tokens_per_pass > 2
+    # pass(k) / E(k) at the chosen window, from the plan's own parts
+    upstream = sum(s.compute_s for s in far.stages[:-1])
+    e = far.tokens_per_pass
+    assert far.speculative_s == pytest.approx(
+        (far.network_s + far.overhead_s + upstream * (far.window + 1) + far.stages[-1].compute_s * e) / e)
+    useless = priced(80.0, 0.0)
+    assert useless.window == 0 and useless.speculative_s == pytest.approx(useless.total_s)
+
+
+def test_with_speculation_a_distant_fast_node_can_pay_for_its_hops() -> None:
+    """Plain decoding keeps the model on the slow node; a high acceptance makes the far fast one worth it."""
+    nodes = [Candidate("slow", 64 * GB, seconds_per_layer=0.004), Candidate("fast", 64 * GB, seconds_per_layer=0.001)]
+    matrix = rtts(["slow", "fast"], 120.0)
+    assert plan(MODEL, nodes, matrix, "slow").solo
+    chosen = plan(MODEL, nodes, matrix, "slow", PlanOptions(speculation=Speculation(0.95)))
+    assert not chosen.solo and chosen.window > 4
+
+
+def test_the_serving_nodes_own_time_per_token_is_added_once() -> None:
+    nodes = [Candidate(n, 64 * GB, seconds_per_layer=0.0005) for n in "ab"]
+    base = plan(MODEL, nodes, rtts(["a", "b"], 20.0), "a", PlanOptions(stages=2))
+    served = plan(MODEL, nodes, rtts(["a", "b"], 20.0), "a", PlanOptions(stages=2, serve_overhead_s=0.004,
+                                                                           speculation=Speculation(0.9)))
+    assert served.total_s == pytest.approx(base.total_s + 0.004) and served.serve_s == 0.004
+    assert served.speculative_s is not None and served.speculative_s > 0.004

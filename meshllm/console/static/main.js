@@ -6,6 +6,7 @@
 
 import { Api, takeTokenFromFragment } from "./api.js";
 import { Chat } from "./chat.js";
+import { Control, renderStandby } from "./control.js";
 import { el, fmtDuration, meshNodes, nodeNames, replace, setText, shortId } from "./dom.js";
 import { EventFeed, EventLog, Rates, renderRates, renderSpark } from "./live.js";
 import { renderMap, renderNodes } from "./map.js";
@@ -16,7 +17,7 @@ import { Owner } from "./owner.js";
 const STATUS_EVERY_MS = 1000;
 const MODELS_EVERY_MS = 5000;
 const REFRESH_ON = new Set(["peer_joined", "peer_left", "peer_state", "peer_connected", "peer_path", "model_ready",
-  "split_ready", "split_stage_failed", "published", "unpublished"]);
+  "model_unloaded", "standby_promote", "standby_demote", "split_ready", "split_stage_failed", "published", "unpublished"]);
 const $ = (id) => document.getElementById(id);
 
 takeTokenFromFragment(sessionStorage);
@@ -27,6 +28,7 @@ const events = new EventLog($("events"), $("show-noisy"));
 const chat = new Chat(api);
 const feed = new EventFeed(api, onEvent, (s, err) => { state.feed = s; state.feedError = err || null; showLink(); });
 const owner = new Owner(api, () => { feed.restart(); refreshStatus(); refreshModels(); });
+const control = new Control(api, () => { refreshStatus(); refreshModels(); });
 
 // -- theme and tabs ---------------------------------------------------------------------------------
 
@@ -125,8 +127,10 @@ function render() {
     renderSplits($("splits"), status, nodes);
     renderOptional($("transfers-card"), $("transfers"), status.transfers);
     renderOptional($("demand-card"), $("demand"), status.demand);
+    renderStandby($("standby-card"), $("standby"), status.standby);
   }
   owner.update(status);
+  control.update(status);
 }
 
 // -- polling and events -----------------------------------------------------------------------------

@@ -1,0 +1,346 @@
+"""A node's models on disk: its library, the ``model-fetch`` server, and transfers from peers.
+
+What the node offers the mesh is its library's whole models (peer records list their ids). What it
+fetches is either a **stage file** (a worker asked to host layers of a model it lacks: only the
+header and that range's spans, checked against the coordinator's signed manifest) or a **whole
+model** (``serve --model ID`` on a node without the file: every span, checked against a holder's
+manifest, and then the whole file against the model id — a holder whose manifest does not add up
+to the id is dropped and the next holder's manifest is tried, keeping every piece that still
+verifies). Each transfer shows in :meth:`ModelStore.status` (``/api/status`` ``transfers``) and as
+``transfer_*`` events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nacl.signing import SigningKey
+
+from meshllm.errors import DecodeError, MeshllmError
+from meshllm.identity.ids import short
+from meshllm.models.gguf_file import GGUFFile
+from meshllm.models.library import MIN_PREFIX, AmbiguousModel, Library, LibraryEntry
+from meshllm.models.manifest import Manifest, sign_manifest
+from meshllm.models.refs import SHORT_HASH, ModelNotFound, file_sha256
+from meshllm.models.stage_file import stage_layout, whole_layout
+from meshllm.models.transfer import (
+    TransferFailed,
+    TransferServer,
+    TransferState,
+    fetch,
+    get_manifest,
+    get_range,
+)
+from meshllm.net import Endpoint, NetError
+
+log = logging.getLogger(__name__)
+
+Check = Callable[[GGUFFile], None]
+"""``check(header)``: raise to refuse a stage before its bytes are fetched or loaded."""
+
+
+@dataclass(frozen=True)
+class Offer:
+    """A peer offers a whole model file (from its peer record's ``models.available``)."""
+
+    node_id: str
+    addr: str
+    model_id: str
+    name: str
+    size: int
+
+
+Catalog = Callable[[], list[Offer]]
+"""What the mesh offers now, best holders first (the node builds it from gossip)."""
+MESH_WAIT_S = 30.0
+"""How long ``serve --model NAME`` waits for a peer offering the model to show up in gossip."""
+PROGRESS_EVENT_S = 1.0
+"""At most one ``transfer_progress`` event per transfer per second."""
+KEEP_FINISHED_S = 120.0
+"""Finished transfers stay in the status this long."""
+
+
+@dataclass
+class TransferView:
+    """One transfer as ``/api/status`` shows it."""
+
+    model: str
+    name: str
+    kind: str
+    layers: tuple[int, int] | None
+    bytes_total: int = 0
+    bytes_done: int = 0
+    state: str = "fetching"
+    started: float = field(default_factory=time.monotonic)
+    ended: float | None = None
+    holders: dict[str, dict[str, Any]] = field(default_factory=dict)
+    error: str | None = None
+    last_event: float = 0.0
+
+    def json(self) -> dict[str, Any]:
+        elapsed = (self.ended or time.monotonic()) - self.started
+        return {"model": self.name, "id": self.model[:12], "kind": self.kind,
+                "layers": list(self.layers) if self.layers else None, "state": self.state,
+                "bytes_done": self.bytes_done, "bytes_total": self.bytes_total,
+                "rate_bytes_s": round(self.bytes_done / elapsed) if elapsed > 0 else 0,
+                "elapsed_s": round(elapsed, 1), "holders": list(self.holders.values()), "error": self.error}
+
+
+class ModelStore:
+    """The library, served to peers and filled from them."""
+
+    def __init__(self, library: Library, endpoint: Endpoint, signing_key: SigningKey, catalog: Catalog,
+                 publish: Callable[..., Any], on_change: Callable[[], None] | None = None) -> None:
+        """``on_change()`` is called when the library's whole models change (the peer record lists them)."""
+        self.library = library
+        self.endpoint = endpoint
+        self.key = signing_key
+        self.catalog = catalog
+        self.publish = publish
+        self.on_change = on_change
+        self.transfers: dict[str, TransferView] = {}
+        self._running: dict[str, asyncio.Task[LibraryEntry]] = {}
+        self.server = TransferServer(endpoint, self.offered, self.signed_manifest)
+
+    # -- what we offer ------------------------------------------------------------------------------
+
+    def offered(self, model_id: str) -> Path | None:
+        """The whole file of ``model_id`` this node offers to peers (every whole model of its library)."""
+        entry = self.library.whole(model_id)
+        return entry.file if entry is not None else None
+
+    def signed_manifest(self, model_id: str) -> bytes:
+        """This node's manifest of a model it holds, signed (blocking: hashes the file the first time)."""
+        entry = self.library.whole(model_id)
+        if entry is None:
+            raise TransferFailed(f"this node does not hold model {model_id[:12]}")
+        return sign_manifest(self.key, self.library.manifest(entry))
+
+    def holders(self, model_id: str) -> list[tuple[str, str]]:
+        """Peers offering ``model_id`` (node id, ``host:port``), best first."""
+        return [(o.node_id, o.addr) for o in self.catalog() if o.model_id == model_id]
+
+    def find_in_mesh(self, ref: str) -> Offer | None:
+        """The model a peer offers under ``ref`` (an id, an id prefix, a name or ``name@prefix``)."""
+        name, _, prefix = ref.strip().partition("@")
+        offers = self.catalog()
+        by_id = [o for o in offers if len(ref) >= MIN_PREFIX and o.model_id.startswith(ref)]
+        matches = by_id or [o for o in offers if o.name == name and o.model_id.startswith(prefix)]
+        ids = {o.model_id for o in matches}
+        if len(ids) > 1:
+            listing = ", ".join(sorted({f"{o.name}@{o.model_id[:SHORT_HASH]}" for o in matches}))
+            raise AmbiguousModel(f"{ref!r} matches several models in the mesh: {listing}")
+        return matches[0] if matches else None
+
+    async def fetch_from_mesh(self, ref: str, wait_s: float = MESH_WAIT_S) -> LibraryEntry:
+        """The whole model a peer offers under ``ref``, fetched into the library (waiting for gossip)."""
+        deadline = time.monotonic() + wait_s
+        while (offer := self.find_in_mesh(ref)) is None:
+            if time.monotonic() > deadline:
+                raise ModelNotFound(f"no model {ref!r} here, in the library or in the mesh (waited {wait_s:.0f} s)",
+                                    hint="`meshllm models list` shows what this node and its peers have")
+            await asyncio.sleep(0.5)
+        return await self.whole_file(offer.model_id, offer.name)
+
+    def hub_reporter(self, spec: str) -> Callable[[int, int | None], None]:
+        """A progress callback for a Hugging Face download (called from its thread) that feeds the status."""
+        loop = asyncio.get_running_loop()
+        view = TransferView(spec, spec, "download", None)
+        self.transfers[spec] = view
+
+        def update(done: int, total: int | None) -> None:
+            def apply() -> None:
+                view.bytes_done, view.bytes_total = done, total or 0
+                now = time.monotonic()
+                if now - view.last_event >= PROGRESS_EVENT_S:
+                    view.last_event = now
+                    self.publish("transfer_progress", model=spec, kind="download", bytes_done=done,
+                                 bytes_total=total or 0)
+            loop.call_soon_threadsafe(apply)
+
+        return update
+
+    def download_ended(self, spec: str, error: str | None = None) -> None:
+        view = self.transfers.get(spec)
+        if view is not None:
+            view.state, view.ended, view.error = ("failed" if error else "done"), time.monotonic(), error
+        if error is None and self.on_change is not None:
+            self.on_change()
+
+    def changed(self) -> None:
+        """The library's whole models changed (a model was added or removed)."""
+        if self.on_change is not None:
+            self.on_change()
+
+    # -- status -------------------------------------------------------------------------------------
+
+    def status(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        for key, view in list(self.transfers.items()):
+            if view.ended is not None and now - view.ended > KEEP_FINISHED_S:
+                del self.transfers[key]
+        return [v.json() for v in self.transfers.values()]
+
+    def _progress(self, view: TransferView, names: dict[str, str]) -> Callable[[TransferState], None]:
+        def update(state: TransferState) -> None:
+            view.bytes_done, view.bytes_total = state.done_bytes, state.total_bytes
+            for node, h in state.holders.items():
+                before = view.holders.get(node, {}).get("dropped")
+                view.holders[node] = {"node_id": node, "name": names.get(node, short(node)), "bytes": h.bytes,
+                                      "dropped": h.dropped, "bad": h.bad}
+                if h.dropped and not before:
+                    self.publish("transfer_holder_dropped", model=view.name, id=view.model, holder=node,
+                                 reason=h.dropped, bad_bytes=h.bad)
+            now = time.monotonic()
+            if now - view.last_event >= PROGRESS_EVENT_S or state.finished:
+                view.last_event = now
+                self.publish("transfer_progress", model=view.name, id=view.model, kind=view.kind,
+                             bytes_done=state.done_bytes, bytes_total=state.total_bytes)
+        return update
+
+    # -- what we fetch ------------------------------------------------------------------------------
+
+    async def stage_file(self, manifest: Manifest, name: str, start: int, end: int,
+                         first: list[tuple[str, str]], names: dict[str, str] | None = None,
+                         check: Check | None = None) -> LibraryEntry:
+        """A file holding layers ``[start, end)`` of ``manifest``'s model: the whole model if the
+        library has it, a stage file it holds, or one fetched now from ``first`` (the coordinator)
+        and every other holder.
+
+        ``check(header)`` sees the model's header before anything is fetched (or the file found) and
+        raises to refuse (a worker's memory quota, say).
+        """
+        found = self.library.whole(manifest.model) or self.library.stage(manifest.model, start, end)
+        if found is not None:
+            if check is not None:
+                await asyncio.to_thread(check, GGUFFile(found.file))
+            self.library.touch(found)
+            return found
+        key = f"{manifest.model}:{start}-{end}"
+        return await self._once(key, lambda: self._fetch_stage(manifest, name, start, end, first, names or {}, check))
+
+    async def whole_file(self, model_id: str, name: str, names: dict[str, str] | None = None) -> LibraryEntry:
+        """The whole model ``model_id``, fetched from the peers that hold it unless the library has it."""
+        whole = self.library.whole(model_id)
+        if whole is not None:
+            return whole
+        return await self._once(model_id, lambda: self._fetch_whole(model_id, name, names or {}))
+
+    async def _once(self, key: str, start: Callable[[], Any]) -> LibraryEntry:
+        """One transfer per file at a time: a second request for it waits for the first."""
+        task = self._running.get(key)
+        if task is None:
+            task = asyncio.ensure_future(start())
+            self._running[key] = task
+            task.add_done_callback(lambda _t: self._running.pop(key, None))
+        return await asyncio.shield(task)
+
+    async def _fetch_stage(self, manifest: Manifest, name: str, start: int, end: int,
+                           first: list[tuple[str, str]], names: dict[str, str], check: Check | None) -> LibraryEntry:
+        holders = _unique([*first, *self.holders(manifest.model)])
+        view = TransferView(manifest.model, name, "stage", (start, end))
+        self.transfers[f"{manifest.model}:{start}-{end}"] = view
+        self.publish("transfer_started", model=name, id=manifest.model, kind="stage", layers=[start, end],
+                     holders=[h for h, _ in holders])
+        try:
+            header = await self._header(manifest, holders)
+            if check is not None:
+                check(GGUFFile(f"model {manifest.model[:12]}", header=header, size=manifest.size))
+            layout = stage_layout(manifest, header, start, end, name)
+            part = self.library.incoming(f"{manifest.model}.{start}-{end}.part")
+            await asyncio.to_thread(self.library.reserve, layout.fetch_bytes + len(layout.header or b""))
+            state = await fetch(self.endpoint, manifest, layout, holders, part, progress=self._progress(view, names))
+            entry = self.library.commit(part, model_id=manifest.model, name=name, source=_source(state),
+                                        layers=(start, end))
+        except (MeshllmError, OSError) as exc:
+            return self._failed(view, exc)
+        return self._done(view, entry)
+
+    async def _fetch_whole(self, model_id: str, name: str, names: dict[str, str]) -> LibraryEntry:
+        holders = _unique(self.holders(model_id))
+        view = TransferView(model_id, name, "whole", None)
+        self.transfers[model_id] = view
+        self.publish("transfer_started", model=name, id=model_id, kind="whole", layers=None,
+                     holders=[h for h, _ in holders])
+        part = self.library.incoming(f"{model_id}.part")
+        refused: list[str] = []
+        liars: set[str] = set()
+        try:
+            for node, addr in holders:  # each holder's manifest in turn, until one adds up to the id
+                try:
+                    manifest, _signed = await get_manifest(self.endpoint, node, addr, model_id)
+                except (NetError, DecodeError, MeshllmError) as exc:
+                    refused.append(f"{short(node)}: {exc}")
+                    liars.add(node)  # unreachable, or cannot describe the model: not a holder to fetch from
+                    continue
+                have = part.stat().st_blocks * 512 if part.exists() else 0
+                await asyncio.to_thread(self.library.reserve, max(0, manifest.size - have))
+                state = await fetch(self.endpoint, manifest, whole_layout(manifest),
+                                    [h for h in holders if h[0] not in liars], part,
+                                    progress=self._progress(view, names))
+                view.state = "verifying"
+                digest = await asyncio.to_thread(file_sha256, part)
+                if digest == model_id:
+                    entry = self.library.commit(part, model_id=model_id, name=name, source=_source(state))
+                    return self._done(view, entry)
+                liars.add(node)
+                refused.append(f"{short(node)}: its manifest describes another file (sha256 {digest[:12]})")
+                self.publish("transfer_holder_dropped", model=name, id=model_id, holder=node,
+                             reason="its manifest does not add up to the model id", bad_bytes=True)
+                view.state = "fetching"
+            raise TransferFailed(f"no holder could provide model {model_id[:12]}: {'; '.join(refused) or 'none'}")
+        except (MeshllmError, OSError) as exc:
+            return self._failed(view, exc)
+
+    async def _header(self, manifest: Manifest, holders: list[tuple[str, str]]) -> bytes:
+        """The model's header (span 0), each piece checked, from the first holder that sends it right."""
+        errors = []
+        for node, addr in holders:
+            try:
+                parts = []
+                for piece in manifest.pieces(0):
+                    data = await get_range(self.endpoint, node, addr, manifest.model, piece.offset, piece.length)
+                    if not piece.check(data):
+                        raise TransferFailed("its header does not match the manifest")
+                    parts.append(data)
+                return b"".join(parts)
+            except (NetError, OSError, DecodeError, TransferFailed) as exc:
+                errors.append(f"{short(node)}: {exc}")
+        raise TransferFailed(f"no holder sent the header of model {manifest.model[:12]}: {'; '.join(errors)}")
+
+    def _done(self, view: TransferView, entry: LibraryEntry) -> LibraryEntry:
+        view.state, view.ended = "done", time.monotonic()
+        if entry.kind == "whole":
+            self.changed()
+        took = view.ended - view.started
+        self.publish("transfer_done", model=view.name, id=view.model, kind=view.kind,
+                     layers=list(view.layers) if view.layers else None, bytes=view.bytes_done, took_s=round(took, 3),
+                     path=entry.path, holders={h["node_id"]: h["bytes"] for h in view.holders.values()})
+        return entry
+
+    def _failed(self, view: TransferView, exc: BaseException) -> LibraryEntry:
+        view.state, view.ended, view.error = "failed", time.monotonic(), str(exc)
+        self.publish("transfer_failed", model=view.name, id=view.model, kind=view.kind, reason=str(exc))
+        if isinstance(exc, MeshllmError):
+            raise exc
+        raise TransferFailed(str(exc)) from exc
+
+
+def _unique(holders: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Holders in order, each once (the first address given for a node wins)."""
+    seen: dict[str, tuple[str, str]] = {}
+    for node, addr in holders:
+        seen.setdefault(node, (node, addr))
+    return list(seen.values())
+
+
+def _source(state: TransferState) -> str:
+    best = max(state.holders.values(), key=lambda h: h.bytes, default=None)
+    return f"peer:{best.node_id}" if best is not None else "peer"
+
