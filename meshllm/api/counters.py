@@ -20,7 +20,7 @@ class RequestCounters:
     served_for_peers: int = 0
     """Requests peers sent to this node's engines over the tunnel."""
     replays: int = 0
-    """Generations whose serving node failed mid-answer that this node continued elsewhere (replays started)."""
+    """Replays this node started for generations whose serving node failed (or stalled: hedges) mid-answer."""
     replays_failed: int = 0
     """Replays that found no node to continue on in time (the client got the error)."""
     replays_impossible: int = 0
