@@ -32,9 +32,11 @@ from meshllm.api.edge import EdgePolicy, is_loopback_host
 from meshllm.api.events import EventHub
 from meshllm.api.health import Readiness
 from meshllm.api.limits import EdgeLimits
+from meshllm.api.replay import DEFAULT_MAX_REPLAYS, ReplayPolicy
 from meshllm.api.serving import Serving
 from meshllm.api.status import mesh_links, status_router
 from meshllm.config import (
+    MODEL_HASHES_FILE,
     NODE_CERT_FILE,
     OWNER_KEYSTORE_FILE,
     REVOCATIONS_FILE,
@@ -104,6 +106,8 @@ class NodeOptions:
     """llama.cpp slots per model: requests generated at once in one batch (None: sized from memory)."""
     max_tokens_default: int = DEFAULT_MAX_TOKENS
     """Tokens generated for a request that sets no ``max_tokens``."""
+    replays: int = DEFAULT_MAX_REPLAYS
+    """Replays per routed generation whose serving node fails mid-answer (``meshllm.api.replay``)."""
     kernels: Kernels = "exact"
     """ggml kernels of every engine and stage: row-exact (answers independent of batching) or fast."""
     relay: Literal["on", "off", "auto"] = "auto"
@@ -196,7 +200,8 @@ class Node:
                                 self._model_offers, self.events.publish, on_change=self._advertise_models)
         self._advertise_models()
         self._scan_task = asyncio.create_task(self._scan_library(), name="scan-model-library")
-        self.serving = Serving(self.key.node_id, self.mesh, self.events, store=self.store)
+        self.serving = Serving(self.key.node_id, self.mesh, self.events, store=self.store,
+                               hash_cache=self.home / MODEL_HASHES_FILE, replay=ReplayPolicy(max_replays=opts.replays))
         split = dataclasses.replace(opts.split, threads=opts.threads, gpu_layers=opts.gpu_layers, kernels=opts.kernels,
                                     speculate=opts.speculate)
         self.splits = SplitService(self.mesh, self.serving, self.events, opts.role, split, self.store,

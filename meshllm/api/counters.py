@@ -19,6 +19,14 @@ class RequestCounters:
     """Requests this node's API sent to a peer."""
     served_for_peers: int = 0
     """Requests peers sent to this node's engines over the tunnel."""
+    replays: int = 0
+    """Replays this node started for generations whose serving node failed (or stalled: hedges) mid-answer."""
+    replays_failed: int = 0
+    """Replays that found no node to continue on in time (the client got the error)."""
+    replays_impossible: int = 0
+    """Generations that broke mid-answer with no other node serving their model."""
+    replays_dropped: int = 0
+    """Hedges (replays started on a stall) dropped because the first node answered first."""
     _recent: deque[float] = field(default_factory=deque)
 
     def started(self, now: float, *, remote: bool = False) -> None:
@@ -40,7 +48,9 @@ class RequestCounters:
     def snapshot(self, now: float) -> dict[str, Any]:
         """The ``requests`` object of ``/api/status``."""
         return {"total": self.total, "failed": self.failed, "per_min": self.per_minute(now),
-                "remote": self.remote, "served_for_peers": self.served_for_peers}
+                "remote": self.remote, "served_for_peers": self.served_for_peers,
+                "replays": self.replays, "replays_failed": self.replays_failed,
+                "replays_impossible": self.replays_impossible, "replays_dropped": self.replays_dropped}
 
     def _trim(self, now: float) -> None:
         while self._recent and self._recent[0] <= now - WINDOW_S:

@@ -8,12 +8,17 @@ walks the order with an :class:`~meshllm.api.router.Attempt` (failover until the
 gone to the client), and holds every wait to a deadline.
 
 A peer that vanishes mid-response is noticed by the transport's probes (``suspect`` within about
-a second) or a closed connection; both reset the streams in flight to it, so the client gets a
-clean error at once instead of waiting for a timeout.
+a second) or a closed connection; both reset the streams in flight to it. A generation broken that
+way after its first byte is *replayed*: the request and the token ids already sent go to another
+node serving the same model file, which continues the answer where it broke, so the client's
+stream goes on (:mod:`meshllm.api.replay` keeps the state and the rules). With nowhere to go the
+client gets the clean error at once instead of waiting for a timeout.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -31,6 +36,7 @@ from meshllm.api.errors import (
     UpstreamTimeout,
     classify,
 )
+from meshllm.api.replay import Progress, ReplayPolicy, seeded
 from meshllm.api.router import Attempt, PeerView, Router, Target, affinity_key
 from meshllm.api.tunnel import (
     STREAM_KIND,
@@ -46,6 +52,7 @@ from meshllm.engine.base import (
     EmbedRequest,
     Engine,
     EngineBusy,
+    Finish,
     GenerationEvent,
     GenerationRequest,
     check_supported,
@@ -78,6 +85,14 @@ class TunnelDeadlines:
     """The whole response; also sent to the peer, which abandons the request after it."""
 
 
+@dataclass(frozen=True)
+class _Leg:
+    """The part of a generation one target serves: the target and its remaining events."""
+
+    target: Target
+    events: AsyncIterator[TunnelEvent]
+
+
 @dataclass(eq=False)
 class _Call:
     """A routed request in flight to one peer, so peer events can abort it."""
@@ -104,6 +119,9 @@ class MeshBackend:
     router: Router = field(init=False)
     deadlines: TunnelDeadlines = field(default_factory=TunnelDeadlines)
     counters: RequestCounters = field(default_factory=RequestCounters)
+    replay: ReplayPolicy = field(default_factory=ReplayPolicy)
+    hashes: Mapping[str, str] = field(default_factory=dict)
+    """sha256 of each local engine's model file by model id (the live dict; absent while hashing)."""
     clock: Callable[[], float] = time.monotonic
     on_event: Callable[..., None] = field(default=lambda *_a, **_k: None)
     """``on_event(type, **fields)``: the node's event hub (failovers show in ``/api/events``)."""
@@ -204,9 +222,118 @@ class MeshBackend:
         return answer
 
     async def _route(self, request: Routable) -> AsyncIterator[TunnelEvent]:
-        targets = self.router.order(request.model, local_models=self.engines.keys(), peers=self._peer_views(),
-                                    now=self.clock(), key=affinity_key(request),
-                                    local_free=self._local_free(request.model))
+        """The events of ``request``: fail over until the first event, then replay a generation whose
+        serving node fails (or stalls) mid-answer on another node (:mod:`meshllm.api.replay`)."""
+        if isinstance(request, EmbedRequest):
+            target, first, events = await self._start(request, self._targets(request))
+            try:
+                yield first
+                async for event in events:
+                    yield event
+            except Exception:
+                self.router.record_failure(target.node_id, self.clock())
+                raise
+            finally:
+                await _aclose(events)
+            self.router.record_success(target.node_id)
+            return
+        progress = Progress(seeded(request), self.replay)
+        target, event, events = await self._start(progress.request, self._targets(request), progress)
+        leg = _Leg(target, events)
+        try:
+            while True:
+                if progress.passes(event):
+                    progress.sent(event, self.clock())
+                    yield event
+                if isinstance(event, Finish):
+                    self.router.record_success(leg.target.node_id)
+                    return
+                try:
+                    event, leg = await self._next(leg, progress)
+                except StopAsyncIteration:
+                    return
+                except Exception as exc:
+                    await _aclose(leg.events)
+                    self.router.record_failure(leg.target.node_id, self.clock())
+                    if progress.why_not(exc) is not None:
+                        raise
+                    targets = self._replacements(progress, leg.target)
+                    if not targets:
+                        self._nowhere(progress, leg.target, exc)
+                        raise
+                    target, event, events, _started = await self._replay(progress, leg.target, str(exc), targets)
+                    leg = _Leg(target, events)
+        finally:
+            await _aclose(leg.events)
+
+    async def _next(self, leg: _Leg, progress: Progress) -> tuple[TunnelEvent, _Leg]:
+        """The stream's next event. A stream silent past its stall delay is hedged: its replay starts
+        elsewhere at once, and whichever of the two speaks first goes on (both give the same text)."""
+        stall = progress.stall_s()
+        if stall is None:
+            return await anext(leg.events), leg
+        pending = asyncio.ensure_future(anext(leg.events))
+        hedge: asyncio.Future[tuple[Target, TunnelEvent, AsyncIterator[TunnelEvent], float]] | None = None
+        try:
+            await asyncio.wait({pending}, timeout=stall)  # from now: the client may have been slow to read
+            targets = [] if pending.done() else self._replacements(progress, leg.target)
+            if not targets:
+                return await pending, leg
+            silent = f"{self._name(leg.target)} sent nothing for {stall:.2f}s"
+            hedge = asyncio.ensure_future(self._replay(progress, leg.target, silent, targets, hedge=True))
+            await asyncio.wait({pending, hedge}, return_when=asyncio.FIRST_COMPLETED)
+            if pending.done() and pending.exception() is None:
+                return pending.result(), leg  # the first node spoke first: the hedge is dropped (finally)
+            await asyncio.wait({hedge})  # the first node failed, or the hedge answered first
+            error, outcome, hedge = hedge.exception(), (None if hedge.exception() else hedge.result()), None
+            if outcome is None:
+                if pending.done():
+                    raise error  # type: ignore[misc]  # both failed: the error names both
+                return await pending, leg  # no replacement: the first node may still answer
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+            await _aclose(leg.events)
+            self.router.record_failure(leg.target.node_id, self.clock())
+            progress.took_over(leg.target.node_id)
+            target, first, events, started = outcome
+            self._replayed(progress, leg.target, target, silent, len(progress.tokens), started)
+            return first, _Leg(target, events)
+        finally:
+            if not pending.done() or hedge is not None:
+                pending.cancel()
+                with contextlib.suppress(BaseException):
+                    await pending
+            if hedge is not None:
+                await self._drop(hedge, progress)
+
+    async def _drop(self, hedge: asyncio.Future[tuple[Target, TunnelEvent, AsyncIterator[TunnelEvent], float]],
+                    progress: Progress) -> None:
+        """Stop a hedge the first node outran (its node cancels the request)."""
+        hedge.cancel()
+        with contextlib.suppress(BaseException):
+            await hedge
+        node_id = None
+        if hedge.done() and not hedge.cancelled() and hedge.exception() is None:
+            target, _first, events, _started = hedge.result()
+            node_id = target.node_id
+            await _aclose(events)
+        self.counters.replays_dropped += 1
+        self.on_event("request_replay_dropped", model=progress.request.model, node_id=node_id,
+                      replay=progress.replays + progress.hedges, reason="the first node answered first")
+
+    def _targets(self, request: Routable) -> list[Target]:
+        """Where ``request`` can run, best first (empty: nowhere)."""
+        model = request.model
+        return self.router.order(model, local_models=self.engines.keys(), peers=self._peer_views(),
+                                 now=self.clock(), key=affinity_key(request), local_free=self._local_free(model))
+
+    async def _start(self, request: Routable, targets: Sequence[Target], progress: Progress | None = None,
+                     ) -> tuple[Target, TunnelEvent, AsyncIterator[TunnelEvent]]:
+        """The first target of ``targets`` that answers: it, its first event, and the rest of its events.
+
+        A target that fails before its first event (and not because of the request) is skipped.
+        """
         if not targets:
             if self._known_anywhere(request.model):
                 raise NoCapacity(f"no reachable node serves {request.model!r} right now "
@@ -215,7 +342,7 @@ class MeshBackend:
         attempt = Attempt(targets, self.router)
         failures: list[tuple[Target, BaseException]] = []
         while (target := attempt.next_target()) is not None:
-            events = self._open(target, request)
+            events = self._open(target, request, progress)
             try:
                 first = await _first(events, self._name(target))
             except Exception as exc:
@@ -228,18 +355,61 @@ class MeshBackend:
                               error=str(exc), status=classify(exc)[0])
                 continue
             attempt.first_byte()
-            try:
-                yield first
-                async for event in events:
-                    yield event
-            except Exception:
-                attempt.failed(self.clock())
-                raise
-            finally:
-                await _aclose(events)
-            attempt.succeeded()
-            return
+            if progress is not None and target.local and not progress.model_sha256:
+                progress.model_sha256 = self.hashes.get(request.model)
+            return target, first, events
         raise self._exhausted(request.model, failures)
+
+    def _replacements(self, progress: Progress, failed: Target) -> list[Target]:
+        """Where ``progress``'s generation may continue after ``failed``: other nodes serving the model
+        (the same file, when the first node named it) that have not failed this request."""
+        model, pin = progress.request.model, progress.model_sha256
+        return [t for t in self._targets(progress.request) if t.node_id not in progress.failed | {failed.node_id}
+                and not (t.local and pin and self.hashes.get(model) != pin)]
+
+    def _nowhere(self, progress: Progress, failed: Target, exc: Exception) -> None:
+        """Report a generation that broke with no other node to continue it (the client gets ``exc``)."""
+        self.counters.replays_impossible += 1
+        why = f"no other node serves {progress.request.model!r}"
+        self.on_event("request_not_replayed", model=progress.request.model, node_id=failed.node_id, error=str(exc),
+                      reason=why)
+        log.warning("%s failed mid-answer and %s: %s", self._name(failed), why, exc)
+
+    async def _replay(self, progress: Progress, failed: Target, reason: str, targets: Sequence[Target], *,
+                      hedge: bool = False) -> tuple[Target, TunnelEvent, AsyncIterator[TunnelEvent], float]:
+        """Continue ``progress``'s generation on the first of ``targets`` that answers, after ``failed``
+        broke (or, ``hedge``, stalled: ``reason``): it, its first event, its other events, when the replay
+        started. An :class:`UpstreamError` naming both failures when none answers in time."""
+        request = progress.begin(failed.node_id, hedge=hedge)
+        model, tokens, name = request.model, len(request.continuation), self._name(failed)
+        self.counters.replays += 1
+        self.on_event("request_replay", model=model, node_id=failed.node_id, error=reason, tokens=tokens,
+                      replay=progress.replays + progress.hedges, hedge=hedge)
+        started = self.clock()
+        try:
+            async with asyncio.timeout(self.replay.first_event_s):
+                target, first, events = await self._start(request, targets, progress)
+        except Exception as again:
+            self.counters.replays_failed += 1
+            why = f"no first event within {self.replay.first_event_s:g}s" if isinstance(again, TimeoutError) \
+                else str(again)
+            self.on_event("request_replay_failed", model=model, node_id=failed.node_id, error=why,
+                          replay=progress.replays + progress.hedges)
+            log.warning("%s broke mid-answer (%s); continuing it elsewhere failed too: %s", name, reason, why)
+            raise UpstreamError(f"{reason}; continuing the answer on another node failed: {why}") from again
+        if not hedge:  # a hedge is reported when it takes over
+            self._replayed(progress, failed, target, reason, tokens, started)
+        return target, first, events, started
+
+    def _replayed(self, progress: Progress, failed: Target, target: Target, reason: str, tokens: int,
+                  started: float) -> None:
+        """Report a replay that took over the generation."""
+        took_ms = round((self.clock() - started) * 1000)
+        self.on_event("request_replayed", model=progress.request.model, node_id=target.node_id,
+                      from_node_id=failed.node_id, tokens=tokens, replay=progress.replays + progress.hedges,
+                      took_ms=took_ms)
+        log.info("%s broke mid-answer (%s); %s continues it after %d tokens (%d ms)", self._name(failed), reason,
+                 self._name(target), tokens, took_ms)
 
     def _exhausted(self, model: str, failures: list[tuple[Target, BaseException]]) -> ApiError:
         """The error after every target failed: a timeout stays 504; every node busy is a 429 with
@@ -252,9 +422,9 @@ class MeshBackend:
             return Saturated(f"every node serving {model!r} is busy ({why})", retry_after_s=min(hints, default=1.0))
         return NoCapacity(f"every node serving {model!r} failed ({why})")
 
-    def _open(self, target: Target, request: Routable) -> AsyncIterator[TunnelEvent]:
+    def _open(self, target: Target, request: Routable, progress: Progress | None) -> AsyncIterator[TunnelEvent]:
         if not target.local:
-            return self._remote(target.node_id, request)
+            return self._remote(target.node_id, request, progress)
         engine = self.engines[request.model]
         if isinstance(request, EmbedRequest):
             return embed_stream(engine, request)
@@ -267,8 +437,12 @@ class MeshBackend:
         record = self._alive_records().get(target.node_id)
         return f"node {record.name if record is not None and record.name else short(target.node_id)}"
 
-    async def _remote(self, node_id: str, request: Routable) -> AsyncIterator[TunnelEvent]:
-        """One request through the tunnel to ``node_id``; every wait has a deadline."""
+    async def _remote(self, node_id: str, request: Routable, progress: Progress | None) -> AsyncIterator[TunnelEvent]:
+        """One request through the tunnel to ``node_id``; every wait has a deadline.
+
+        A replay (``progress`` holding the first node's model sha256) may only run on that file; the
+        first node's sha256, when it tells it, is kept in ``progress`` for later replays.
+        """
         dl = self.deadlines
         name = self._name(Target(node_id))
         call = _Call(node_id)
@@ -277,7 +451,8 @@ class MeshBackend:
         try:
             conn = await self._connection(node_id, name)
             call.stream = await conn.open_stream(STREAM_KIND)
-            await call.stream.send(client.start(uuid.uuid4().hex, request, int(dl.total_s * 1000)),
+            pin = progress.model_sha256 if progress is not None else None  # known once a first node spoke
+            await call.stream.send(client.start(uuid.uuid4().hex, request, int(dl.total_s * 1000), pin or ""),
                                    timeout=dl.connect_s)
             end = self.clock() + dl.total_s
             wait = dl.first_byte_s
@@ -292,7 +467,10 @@ class MeshBackend:
                 if frame is None:
                     client.stream_ended()
                     return
-                yield client.receive(frame)
+                event = client.receive(frame)
+                if progress is not None and not progress.model_sha256 and client.model_sha256:
+                    progress.model_sha256 = client.model_sha256
+                yield event
                 wait = dl.idle_s
         except StreamClosed as exc:
             raise UpstreamError(f"{name} {call.lost or f'dropped the request ({exc})'}; retry the request") from None

@@ -27,12 +27,14 @@ import asyncio
 import contextlib
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from meshllm.api.counters import RequestCounters
 from meshllm.api.events import EventHub
 from meshllm.api.limits import ApiLimits, Slots
 from meshllm.api.mesh_backend import MeshBackend
+from meshllm.api.replay import ReplayPolicy
 from meshllm.api.tunnel import STREAM_KIND
 from meshllm.api.tunnel_serve import TunnelService
 from meshllm.engine.base import DEFAULT_MAX_TOKENS, Engine
@@ -65,16 +67,24 @@ class Serving:
     """Engines of this node, the backend the API routes call, and the tunnel peers call."""
 
     def __init__(self, node_id: str, mesh: MeshService, events: EventHub, limits: ApiLimits | None = None,
-                 store: ModelStore | None = None) -> None:
+                 store: ModelStore | None = None, hash_cache: Path | None = None,
+                 replay: ReplayPolicy | None = None) -> None:
+        """``hash_cache``: JSON file remembering model sha256s (a replay only continues on the same file);
+        ``replay``: how routed generations broken mid-answer are continued elsewhere."""
         self.node_id = node_id
         self.mesh = mesh
         self.events = events
         self.store = store
         """The node's models on disk (None: references are paths or ``default`` only)."""
         self.engines: dict[str, Engine] = {}
+        self.hashes: dict[str, str] = {}
+        """sha256 of each engine's model file, by model id (filled in the background after loading)."""
+        self.hash_cache = hash_cache
         self.counters = RequestCounters()
-        self.backend = MeshBackend(node_id, self.engines, mesh, counters=self.counters, on_event=events.publish)
-        self.tunnel = TunnelService(self.engines, Slots((limits or ApiLimits()).max_concurrent), self.counters)
+        self.backend = MeshBackend(node_id, self.engines, mesh, counters=self.counters, on_event=events.publish,
+                                   replay=replay or ReplayPolicy(), hashes=self.hashes)
+        self.tunnel = TunnelService(self.engines, Slots((limits or ApiLimits()).max_concurrent), self.counters,
+                                    self.hashes)
         assert mesh.endpoint is not None
         mesh.endpoint.on_stream(STREAM_KIND, self.tunnel.handle)
         self._load_task: asyncio.Task[None] | None = None
@@ -161,6 +171,7 @@ class Serving:
                                  hint="`meshllm models --api URL` lists what each node serves")
         del self.loaded[model_id]
         engine = self.draining[model_id] = self.engines.pop(model_id)
+        self.hashes.pop(model_id, None)
         self.announce()
         started = time.monotonic()
         self.events.publish("model_draining", model=model_id, in_flight=in_flight(engine), timeout_s=timeout_s)
@@ -185,6 +196,7 @@ class Serving:
         await engine.load()
         self.loaded[engine.model_id] = self._engine
         self.engines[engine.model_id] = engine
+        self._hash(ref, engine.model_id)
         self.events.publish("model_ready", model=engine.model_id, engine=self._engine,
                             context=engine.context_length, slots=engine.load_report().slots,
                             load_s=round(time.monotonic() - started, 2))
@@ -243,9 +255,30 @@ class Serving:
                 if entry.name == model_id:
                     self.store.library.unpin(entry)
 
-    def add_engine(self, engine: Engine) -> None:
+    def add_engine(self, engine: Engine, sha256: str | None = None) -> None:
         """Serve an engine built elsewhere (a split model's chain) as a local model; its owner announces it."""
         self.engines[engine.model_id] = engine
+        if sha256:
+            self.hashes[engine.model_id] = sha256
+
+    def _hash(self, ref: ModelRef, model_id: str) -> None:
+        """Learn the model file's sha256 without holding up serving (a big file takes seconds)."""
+        if ref.sha256:
+            self.hashes[model_id] = ref.sha256
+            return
+
+        async def run() -> None:
+            try:
+                digest = (await asyncio.to_thread(ref.hashed, self.hash_cache)).sha256
+            except OSError as exc:
+                log.warning("cannot hash %s (replays of its requests take any file of that name): %s", ref.path, exc)
+                return
+            if digest and model_id in self.engines:
+                self.hashes[model_id] = digest
+
+        task = asyncio.create_task(run(), name=f"hash-{model_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     @staticmethod
     def _make_engine(engine: str, ref: Any, threads: int | None, gpu_layers: int | None, parallel: int | None,

@@ -49,6 +49,8 @@ class RequestFrame(msgspec.Struct, frozen=True, tag="request"):
     deadline_ms: int
     """Milliseconds from receipt; the server abandons the request after it."""
     version: int = TUNNEL_VERSION
+    model_sha256: str = ""
+    """Serve only from a model file with this sha256 (a replay continues on the same file); empty: any."""
 
 
 class CancelFrame(msgspec.Struct, frozen=True, tag="cancel"):
@@ -57,12 +59,16 @@ class CancelFrame(msgspec.Struct, frozen=True, tag="cancel"):
     reason: str = ""
 
 
-class DeltaFrame(msgspec.Struct, frozen=True, tag="delta"):
+class DeltaFrame(msgspec.Struct, frozen=True, tag="delta", omit_defaults=True):
     """Server -> caller: generated text, with its token ids and (when asked) their logprobs."""
 
     text: str
     tokens: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
+    model_sha256: str = ""
+    """On the first delta: the sha256 of the serving model file (what a replay must run on), if known."""
+    final: bool = False
+    """The engine's tail delta: only the finish follows (:attr:`~meshllm.engine.base.TextDelta.final`)."""
 
 
 class FinishFrame(msgspec.Struct, frozen=True, tag="finish"):
@@ -111,6 +117,12 @@ class RemoteError(ApiError):
         self.type = "invalid_request_error" if frame.status < 500 else "server_error"
 
 
+class ModelMismatch(ApiError):
+    """A replay asked for a model file (sha256) this node does not serve under that model id."""
+
+    status, type, code = 503, "server_error", "model_mismatch"
+
+
 def failover_allowed(exc: BaseException) -> bool:
     """Whether another node might succeed where this one failed (its fault, not the request's)."""
     return classify(exc)[0] >= 500
@@ -121,13 +133,16 @@ class TunnelClient:
 
     def __init__(self) -> None:
         self.state: Literal["idle", "open", "done"] = "idle"
+        self.model_sha256 = ""
+        """The serving model file's sha256, from the first delta (empty until then, or if the peer did not say)."""
 
-    def start(self, request_id: str, request: Routable, deadline_ms: int) -> RequestFrame:
-        """The frame to send first."""
+    def start(self, request_id: str, request: Routable, deadline_ms: int, model_sha256: str = "") -> RequestFrame:
+        """The frame to send first (``model_sha256``: only that model file may serve it)."""
         if self.state != "idle":
             raise RuntimeError("tunnel already started")
         self.state = "open"
-        return RequestFrame(request_id=request_id, request=request, deadline_ms=deadline_ms)
+        return RequestFrame(request_id=request_id, request=request, deadline_ms=deadline_ms,
+                            model_sha256=model_sha256)
 
     def cancel(self, reason: str = "client disconnected") -> CancelFrame:
         """The frame that asks the server to stop (send it, then close the stream)."""
@@ -139,7 +154,8 @@ class TunnelClient:
         if self.state != "open":
             raise DecodeError(f"tunnel peer sent {type(frame).__name__} after the response ended")
         if isinstance(frame, DeltaFrame):
-            return TextDelta(frame.text, frame.tokens, frame.logprobs)
+            self.model_sha256 = self.model_sha256 or frame.model_sha256
+            return TextDelta(frame.text, frame.tokens, frame.logprobs, frame.final)
         self.state = "done"
         if isinstance(frame, FinishFrame):
             return Finish(reason=frame.reason, usage=Usage(frame.prompt_tokens, frame.completion_tokens,
@@ -163,10 +179,13 @@ class TunnelClient:
 class TunnelServer:
     """Serving side of one tunnel stream."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_sha256: str = "") -> None:
         self.request: RequestFrame | None = None
         self.cancelled = False
         self.done = False
+        self.model_sha256 = model_sha256
+        """The serving model file's sha256, told to the caller on the first delta."""
+        self._told = False
 
     def receive(self, frame: CallerFrame) -> None:
         """Take a frame from the caller; the first must be the request, and only once."""
@@ -185,7 +204,8 @@ class TunnelServer:
         """The frame for one engine event."""
         self._check_open()
         if isinstance(event, TextDelta):
-            return DeltaFrame(event.text, event.tokens, event.logprobs)
+            sha, self._told = ("" if self._told else self.model_sha256), True
+            return DeltaFrame(event.text, event.tokens, event.logprobs, sha, event.final)
         self.done = True
         if isinstance(event, Embeddings):
             return EmbeddingsFrame(event.vectors, event.prompt_tokens)

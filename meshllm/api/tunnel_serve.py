@@ -13,11 +13,12 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
 
 from meshllm.api.counters import RequestCounters
 from meshllm.api.errors import NoCapacity, UpstreamTimeout
 from meshllm.api.limits import Slots
-from meshllm.api.tunnel import CallerFrame, Routable, TunnelEvent, TunnelServer
+from meshllm.api.tunnel import CallerFrame, ModelMismatch, Routable, TunnelEvent, TunnelServer
 from meshllm.engine.base import EmbedRequest, Engine, Unsupported, check_supported
 from meshllm.engine.embed import embed_stream
 from meshllm.identity.ids import short
@@ -33,13 +34,15 @@ SEND_TIMEOUT_S = 30.0
 """How long one response frame may wait for the caller to read (a stalled caller is dropped)."""
 
 
+@dataclass
 class TunnelService:
     """Serves tunnel streams from peers with this node's engines."""
 
-    def __init__(self, engines: Mapping[str, Engine], slots: Slots, counters: RequestCounters) -> None:
-        self.engines = engines
-        self.slots = slots
-        self.counters = counters
+    engines: Mapping[str, Engine]
+    slots: Slots
+    counters: RequestCounters
+    hashes: Mapping[str, str] = field(default_factory=dict)
+    """sha256 of each engine's model file by model id (the live dict; a file still being hashed is absent)."""
 
     async def handle(self, stream: Stream, conn: PeerConnection) -> None:
         """The endpoint's handler for ``"request"`` streams (it closes the stream when we return)."""
@@ -53,6 +56,13 @@ class TunnelService:
         engine = self.engines.get(request.model)
         if engine is None:  # the caller's view of our record is stale (an unload): a 503 lets it fail over
             await stream.send(server.error(NoCapacity(f"model {request.model!r} is not served by this node now")))
+            return
+        server.model_sha256 = self.hashes.get(request.model, "")
+        wanted = server.request.model_sha256
+        if wanted and wanted != server.model_sha256:
+            have = f"sha256 {server.model_sha256[:12]}" if server.model_sha256 else "a file not yet hashed"
+            await stream.send(server.error(ModelMismatch(
+                f"this node serves {request.model!r} from {have}, not {wanted[:12]}")))
             return
         if not self.slots.try_take():
             await stream.send(server.error(NoCapacity(f"all {self.slots.limit} peer request slots are busy")))

@@ -13,6 +13,7 @@ import click
 
 from meshllm import logs
 from meshllm.api.events import EventHub
+from meshllm.api.replay import DEFAULT_MAX_REPLAYS
 from meshllm.cli.common import GIGABYTES, dht_multiaddrs, home_option, mesh_passphrase
 from meshllm.config import DEFAULT_API_PORT, DEFAULT_MESH_PORT, load_config, read_private, resolve_home
 from meshllm.discovery.listing import LISTING_TTL_S
@@ -104,6 +105,9 @@ def node_options(func: Any) -> Any:
                           "as many as a quarter of the free memory holds KV caches for)."),
         click.option("--max-tokens-default", type=click.IntRange(min=1), default=DEFAULT_MAX_TOKENS,
                      show_default=True, help="Tokens generated for a request that sets no max_tokens."),
+        click.option("--replays", type=click.IntRange(0, 10), default=DEFAULT_MAX_REPLAYS, show_default=True,
+                     help="Times a routed answer whose serving node fails mid-stream is continued on another "
+                          "node (0: the client gets the error)."),
         click.option("--kernels", type=click.Choice(["exact", "fast"]), default="exact", show_default=True,
                      help="ggml kernels of models and stages: exact (a request's text never depends on what runs "
                           "beside it) or fast (also repacked and tiled kernels: faster prompts on some CPUs)."),
@@ -145,7 +149,7 @@ def join(token: str, lookup_timeout: float, **kwargs: Any) -> None:
 def _run(join_token: str | None, *, home: Path | None, name: str, api_port: int, api_host: str, mesh_port: int,
          mesh_host: str, announce: list[str], bootstrap: list[str], relay: str, ephemeral: bool, client: bool,
          models: tuple[str, ...], engine: str, threads: int | None, gpu_layers: int | None, parallel: int | None,
-         max_tokens_default: int, kernels: str, log_format: str, verbose: bool,
+         max_tokens_default: int, replays: int, kernels: str, log_format: str, verbose: bool,
          dht_bootstrap: tuple[str, ...], dht_port: int | None, listing_ttl: float, worker: bool, split: str,
          stages: int | None, split_batch: int, max_memory: float | None, speculate: str | None,
          split_audit: float | None, split_audit_memory: float | None, api_keys: tuple[str, ...],
@@ -167,7 +171,7 @@ def _run(join_token: str | None, *, home: Path | None, name: str, api_port: int,
         announce=announce, join=join_token, bootstrap=bootstrap, ephemeral=ephemeral,
         role="client" if client else "worker" if worker else "host", models=list(models) or ["default"],
         engine=engine, threads=threads, gpu_layers=gpu_layers, parallel=parallel, max_tokens_default=max_tokens_default,
-        kernels=kernels, split=split_options(split, stages, max_memory, split_batch,
+        replays=replays, kernels=kernels, split=split_options(split, stages, max_memory, split_batch,
                                              config.split_audit if split_audit is None else split_audit,
                                              split_audit_memory),
         speculate=speculate or config.speculate,  # type: ignore[arg-type]

@@ -223,6 +223,9 @@ class TextDelta(msgspec.Struct, frozen=True, tag="delta"):
     by a stop-string match); concatenated over a stream they are the request's continuation."""
     logprobs: tuple[TokenLogprob, ...] = ()
     """One entry per token of ``tokens`` when the request asked for logprobs."""
+    final: bool = False
+    """The tail: text held back until the end (half a character, a possible stop string's start); only
+    the :class:`Finish` follows. A replay after it must not send that text again."""
 
 
 class Finish(msgspec.Struct, frozen=True, tag="finish"):

@@ -17,7 +17,8 @@ would compute. Whether it depends on what runs *beside* it is up to llama.cpp's 
 matmul is off, which leaves kernels that compute a row the same way in any batch, except that a
 lone row of float weights differs from a pair (measured at load, :func:`lone_row_differs`); then
 every call gets a second row (a padding row in a neighbouring sequence, or the prompt's last two
-positions). A continuation is decoded token by token, as its first engine did. docs/llama-engine.md
+positions). A continuation is decoded token by token, as its first engine did (without the output
+head where the kernels are row-exact: its next token is known). docs/llama-engine.md
 has the measurements.
 
 **Speculative decoding** (:mod:`meshllm.engine.speculate`, ``speculate`` off/on/auto): a generating

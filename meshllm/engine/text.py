@@ -122,8 +122,8 @@ class TextStream:
         self._tokens.clear()
         self._logprobs.clear()
 
-    def _delta(self, text: str) -> TextDelta:
-        delta = TextDelta(text, tokens=tuple(self._tokens), logprobs=tuple(self._logprobs))
+    def _delta(self, text: str, final: bool = False) -> TextDelta:
+        delta = TextDelta(text, tokens=tuple(self._tokens), logprobs=tuple(self._logprobs), final=final)
         self._tokens.clear()
         self._logprobs.clear()
         return delta
@@ -137,7 +137,7 @@ class TextStream:
         out: list[GenerationEvent] = []
         tail = "" if self._stops.hit else self._stops.flush(self._decoder.decode(b"", final=True))
         if tail or (self._tokens and not self._stops.hit):
-            out.append(self._delta(tail))
+            out.append(self._delta(tail, final=True))
         out.append(Finish(reason=self.reason, usage=Usage(prompt_tokens=self._prompt_tokens,
                                                           completion_tokens=self.generated,
                                                           cached_tokens=self.cached_tokens),

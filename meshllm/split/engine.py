@@ -8,12 +8,21 @@ instead of hanging on a chain that no longer exists.
 
 End of generation is decided here, not on the last stage (no stop ids go down the chain): the next
 ``Decode`` is only sent after the previous token was consumed, so stopping costs no wasted step.
+
+**Replay**: when a stage fails mid-request, placement rebuilds the chain (a spare worker, or fewer
+stages) and attaches it; the request waits for that (bounded by ``replay_wait_s``), prefills prompt
++ every token generated so far into the new chain and goes on, so the client's stream continues.
+The text core is the request's own throughout, so nothing is sent twice. Greedy text continues as
+the first chain would have gone on as far as a prefill of those tokens computes the logits their
+decode steps did (the same in every test here; ggml may differ in the last bits between the two);
+a seeded request's random stream starts again from its seed on the new chain (docs/splits.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import secrets
 import time
 import uuid
@@ -40,6 +49,12 @@ from meshllm.split.auditor import FinishedRequest
 from meshllm.split.coordinator import SplitCoordinator
 from meshllm.split.errors import StageFailed
 from meshllm.split.frames import Sampling
+
+log = logging.getLogger(__name__)
+
+
+NO_CHAIN = "no chain yet"
+"""How placement's reason starts when it could not build a chain (a replaying request stops waiting)."""
 
 
 class ChainUnavailable(EngineNotLoaded):
@@ -68,14 +83,26 @@ class SplitEngine(Engine):
 
     supports = SUPPORTS
 
-    def __init__(self, path: Path, model_id: str, max_context: int) -> None:
+    def __init__(self, path: Path, model_id: str, max_context: int, *, max_replays: int = 2,
+                 replay_wait_s: float = 30.0, on_event: Callable[..., None] | None = None) -> None:
+        """``max_replays``: chain rebuilds one request may ride out (0: a failed stage ends it);
+        ``replay_wait_s``: how long it waits for the rebuilt chain; ``on_event(type, **fields)``: the node's events."""
         self.path = path
         self.model_id = model_id
         self.max_context = max_context
+        self.max_replays = max_replays
+        self.replay_wait_s = replay_wait_s
+        self.on_event = on_event or (lambda *_a, **_k: None)
         self.tokenizer: Tokenizer | None = None
         self.coordinator: SplitCoordinator | None = None
         self.unavailable = "planning the chain"
         """Why no chain is attached (shown in the 503)."""
+        self.replays = 0
+        """Requests continued on a rebuilt chain after a stage failed (``/api/status`` ``splits``)."""
+        self.replays_failed = 0
+        """Requests whose chain could not be rebuilt in time (the client got the error)."""
+        self._news = asyncio.Event()
+        """Set (and replaced) whenever a chain is attached or detached: what a replaying request waits on."""
         self._running = 0
         self._rate = TokenRate()
         self.on_finished: Callable[[SplitCoordinator, FinishedRequest], None] | None = None
@@ -97,13 +124,53 @@ class SplitEngine(Engine):
         self.detach("closed")
 
     def attach(self, coordinator: SplitCoordinator) -> None:
-        """Serve new requests through ``coordinator``'s chain."""
+        """Serve new requests (and requests replaying after a failed stage) through ``coordinator``'s chain."""
         self.coordinator = coordinator
+        self._announce()
 
     def detach(self, reason: str) -> None:
         """Stop taking requests until the next :meth:`attach`; ``reason`` goes into the 503s."""
         self.coordinator = None
         self.unavailable = reason
+        self._announce()
+
+    def _announce(self) -> None:
+        news, self._news = self._news, asyncio.Event()
+        news.set()
+
+    async def _rebuilt(self, failed: SplitCoordinator, exc: StageFailed) -> SplitCoordinator:
+        """The chain placement attaches after ``failed`` lost a stage; :class:`ChainUnavailable` naming
+        ``exc`` when it cannot (placement gave up, or ``replay_wait_s`` passed)."""
+        deadline = time.monotonic() + self.replay_wait_s
+        while self.coordinator is None or self.coordinator is failed:
+            news = self._news
+            try:
+                await asyncio.wait_for(news.wait(), timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise ChainUnavailable(f"{exc}; no new chain within {self.replay_wait_s:g}s") from exc
+            if self.coordinator is None and self.unavailable.startswith(NO_CHAIN):
+                raise ChainUnavailable(f"{exc}; the chain cannot be rebuilt ({self.unavailable})") from exc
+        return self.coordinator
+
+    async def _replay(self, failed: SplitCoordinator, exc: StageFailed, tokens: int, replay: int) -> SplitCoordinator:
+        """Wait for the rebuilt chain after ``exc``, telling the node's events and log."""
+        self.on_event("split_replay", model=self.model_id, stage=exc.stage_index, failed_node=exc.node_id,
+                      tokens=tokens, replay=replay)
+        started = time.monotonic()
+        try:
+            coordinator = await self._rebuilt(failed, exc)
+        except ChainUnavailable as gone:
+            self.replays_failed += 1
+            self.on_event("split_replay_failed", model=self.model_id, error=str(gone), replay=replay)
+            log.warning("split %s: %s", self.model_id, gone)
+            raise
+        self.replays += 1
+        took_ms = round((time.monotonic() - started) * 1000)
+        self.on_event("split_replayed", model=self.model_id, stages=len(coordinator.chain), tokens=tokens,
+                      replay=replay, took_ms=took_ms)
+        log.info("split %s: stage %d failed (%s); continuing on a rebuilt %d-stage chain after %d tokens (%d ms)",
+                 self.model_id, exc.stage_index, exc.reason, len(coordinator.chain), tokens, took_ms)
+        return coordinator
 
     @property
     def context_length(self) -> int:
@@ -122,7 +189,8 @@ class SplitEngine(Engine):
         return self.tokenizer.request_prompt(request, self.model_id)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
-        """Stream ``request`` through the chain; a failed stage ends it with :class:`ChainUnavailable`."""
+        """Stream ``request`` through the chain, riding out up to ``max_replays`` chain rebuilds; a failed
+        stage whose chain cannot be rebuilt ends it with :class:`ChainUnavailable` naming the stage."""
         coordinator, tokenizer = self.coordinator, self.tokenizer
         if tokenizer is None:
             raise EngineNotLoaded(f"model {self.model_id} is not loaded")
@@ -141,25 +209,36 @@ class SplitEngine(Engine):
             return
         started = time.monotonic()
         self._running += 1
-        session, sampling, returned = uuid.uuid4().hex, chain_sampling(request.params), []
-        tokens = coordinator.generate(prompt + fed, max_tokens=max(limit - len(fed), 1), sampling=sampling,
-                                      session=session)
+        # one seed for every attempt (an unseeded request gets one in chain_sampling), so an audit can recompute it
+        sampling, session = chain_sampling(request.params), uuid.uuid4().hex
+        produced = list(fed)  # every token id fed to ``text``: what a rebuilt chain prefills after the prompt
+        replays = 0
         try:
-            async for token in tokens:
-                returned.append(token.token_id)
-                delta = text.feed(token.token_id, last=bool(token.finish))
-                if delta is not None:
-                    yield delta
-                if text.done:
+            while True:
+                session = uuid.uuid4().hex
+                tokens = coordinator.generate(prompt + produced, max_tokens=max(limit - len(produced), 1),
+                                              sampling=sampling, session=session)
+                try:
+                    async for token in tokens:
+                        produced.append(token.token_id)
+                        delta = text.feed(token.token_id, last=bool(token.finish))
+                        if delta is not None:
+                            yield delta
+                        if text.done:
+                            break
                     break
-        except StageFailed as exc:
-            raise ChainUnavailable(str(exc)) from exc
+                except StageFailed as exc:
+                    if replays >= self.max_replays:
+                        raise ChainUnavailable(str(exc)) from exc
+                    replays += 1
+                    coordinator = await self._replay(coordinator, exc, len(produced), replays)
+                finally:
+                    await tokens.aclose()
         finally:
-            await tokens.aclose()
             self._running -= 1
             self._rate.observe(text.generated - len(fed), started, time.monotonic())
-        if self.on_finished is not None:
-            self.on_finished(coordinator, FinishedRequest(session, prompt + fed, returned, sampling))
+        if self.on_finished is not None and not replays:  # an audit replays one chain's session
+            self.on_finished(coordinator, FinishedRequest(session, prompt + fed, produced[len(fed):], sampling))
         for event in text.finish():
             yield event
 

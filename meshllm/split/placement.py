@@ -33,7 +33,7 @@ from meshllm.models.refs import ModelRef
 from meshllm.split.audit import AUDIT_MEMORY, AUDIT_RATE
 from meshllm.split.control import Host, Hosted, Release, ask
 from meshllm.split.coordinator import DEFAULT_BATCH, Deadlines, SplitCoordinator
-from meshllm.split.engine import SplitEngine
+from meshllm.split.engine import NO_CHAIN, SplitEngine
 from meshllm.split.errors import SplitError, StageFailed
 from meshllm.split.frames import Hop
 from meshllm.split.planner import Candidate, ModelProfile, Plan, PlanOptions, plan
@@ -261,6 +261,8 @@ class SplitPlacement:
             "stages": [{"node_id": h.node_id, "name": names.get(h.node_id, h.node_id[:8]),
                         "layers": [h.layer_start, h.layer_end]} for h in self.chain],
             "predicted_ms_per_token": round(self.plan.total_s * 1e3, 3) if self.plan else None,
+            "replays": self.engine.replays,
+            "replays_failed": self.engine.replays_failed,
             "speculation": coordinator.speculation_status() if (coordinator := self.engine.coordinator) else None,
             "audits": self._audits() if self._audits is not None else None,
             "untrusted": sorted(self.untrusted),
@@ -306,7 +308,7 @@ class SplitPlacement:
             try:
                 await self._place()
             except (MeshllmError, OSError) as exc:
-                reason = f"no chain yet: {exc}"
+                reason = f"{NO_CHAIN}: {exc}"
                 if reason != self.engine.unavailable:
                     log.info("split %s: %s", self.engine.model_id, exc)
                     self.publish("split_waiting", model=self.engine.model_id, reason=str(exc))

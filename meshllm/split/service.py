@@ -137,9 +137,10 @@ class SplitService:
     async def start(self) -> None:
         """Register a :class:`SplitEngine` per split model and start placing its chain."""
         for ref, profile, manifest in self._pending:
-            engine = SplitEngine(ref.path, ref.model_id, self.options.context)
+            engine = SplitEngine(ref.path, ref.model_id, self.options.context,
+                                 max_replays=self.serving.backend.replay.max_replays, on_event=self.events.publish)
             await engine.load()
-            self.serving.add_engine(engine)
+            self.serving.add_engine(engine, ref.sha256)
             placement = SplitPlacement(
                 own=self._own, members=self._members, rtt=self._rtt, server=self.server, engine=engine, ref=ref,
                 manifest=manifest, options=self.options, budget=self.budget, publish=self.events.publish,

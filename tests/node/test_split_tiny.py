@@ -3,7 +3,7 @@
 One run covers the whole life of a chain: a 3-stage chain (coordinator + two ``--worker``s) gives
 exactly the solo ggml node's greedy text (which is llama.cpp's) through the ``openai`` client, streamed and not; its
 chain shows in ``/api/status`` and the peer records; ``kill -9`` of the middle stage ends the
-client's stream with an error within 1 s; new requests get a 503 until the replan, then a 2-stage
+client's stream with an error within 1 s when replays are off; new requests get a 503 until the replan, then a 2-stage
 chain serves the same text again; no other node crashes.
 """
 
@@ -65,7 +65,9 @@ def test_tiny_split_3_then_2_stages_matches_solo_and_survives_kill9(tmp_path: Pa
     model = "tiny"
     with running_nodes() as nodes:
         solo = NodeProcess(tmp_path / "solo", ["--engine", "ggml", "--model", str(gguf)], "solo")
-        coord = NodeProcess(tmp_path / "c", ["--model", str(gguf), "--split", "force", "--stages", "3"], "coord")
+        # --replays 0: a failed stage ends the stream (replay onto a rebuilt chain: test_failover_split.py)
+        coord = NodeProcess(tmp_path / "c", ["--model", str(gguf), "--split", "force", "--stages", "3",
+                                             "--replays", "0"], "coord")
         nodes += [solo, coord]
         token = coord.wait_ready()["invite"]
         workers = [NodeProcess(tmp_path / f"w{i}", ["--worker", "--join", token], f"w{i}") for i in (1, 2)]

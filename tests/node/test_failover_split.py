@@ -1,0 +1,74 @@
+"""A split stage killed mid-answer is invisible to the client: the chain is rebuilt and the stream goes on.
+
+Real nodes through the CLI: a coordinator forcing a 3-stage split of a 6-layer tiny model and three
+``--worker``s, so one worker is spare. The middle stage is killed (``kill -9``) while a stream runs;
+placement rebuilds a 3-stage chain with the spare, the request prefills prompt + the tokens it had
+generated into it and continues: the client gets exactly the uninterrupted text, with one usage.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import openai
+import pytest
+from nodes import NodeProcess, running_nodes
+from tinymodels import write_tiny_llama
+
+pytestmark = pytest.mark.timeout(180)
+
+MODEL = "tiny"
+PROMPT = "Hello, world"
+KILL_AT = 50
+
+
+def test_middle_stage_killed_mid_stream_the_stream_completes_on_the_rebuilt_chain(tmp_path: Path) -> None:
+    gguf = write_tiny_llama(tmp_path / f"{MODEL}.gguf", n_layers=6, seed=3)
+    with running_nodes() as nodes:
+        coord = NodeProcess(tmp_path / "c", ["--model", str(gguf), "--split", "force", "--stages", "3"], "coord")
+        nodes.append(coord)
+        token = coord.wait_ready()["invite"]
+        workers = {}
+        for i in (1, 2, 3):
+            worker = NodeProcess(tmp_path / f"w{i}", ["--worker", "--join", token], f"w{i}")
+            nodes.append(worker)
+            workers[worker.wait_ready()["node_id"]] = worker
+        ready = coord.wait_event(lambda e: e["type"] == "split_ready" and len(e["stages"]) == 3, 60.0)
+        (split,) = coord.status()["splits"]
+        middle = workers[split["stages"][1]["node_id"]]
+        in_chain = {s["node_id"] for s in split["stages"]}
+        spare = next(w for node_id, w in workers.items() if node_id not in in_chain)
+
+        client = openai.OpenAI(base_url=coord.api + "/v1", api_key="x", max_retries=0, timeout=60)
+
+        def stream(kill: NodeProcess | None) -> tuple[str, int, float]:
+            chunks = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=300, temperature=0,
+                                               stream=True, stream_options={"include_usage": True})
+            text, usage, last, longest = "", 0, time.monotonic(), 0.0
+            for i, chunk in enumerate(chunks):
+                now = time.monotonic()
+                longest, last = max(longest, now - last), now
+                if chunk.choices:
+                    text += chunk.choices[0].text
+                if chunk.usage is not None:
+                    usage = chunk.usage.completion_tokens
+                if kill is not None and i + 1 == KILL_AT:
+                    kill.kill()
+            return text, usage, longest
+
+        reference, ref_usage, _ = stream(None)
+        text, usage, longest = stream(middle)
+        replayed = coord.wait_event(lambda e: e["type"] == "split_replayed", 5.0)
+        rebuilt = coord.wait_event(lambda e: e["type"] == "split_ready" and e is not ready
+                                   and spare.name in [s[0] for s in e["stages"]], 5.0)
+        print(f"middle stage killed after {KILL_AT} chunks: continued on a rebuilt {replayed['stages']}-stage chain "
+              f"{rebuilt['stages']} after {replayed['tokens']} tokens, {replayed['took_ms']} ms waiting for it; "
+              f"longest gap between chunks {longest:.2f} s")
+        assert middle.proc.returncode is not None
+        assert text == reference and usage == ref_usage == 300
+        assert replayed["stages"] == 3 and 0 < replayed["tokens"] < 300
+        (after,) = coord.status()["splits"]
+        assert after["replays"] == 1 and after["replays_failed"] == 0
+        assert spare.node_id in {s["node_id"] for s in after["stages"]}
+        assert coord.status()["requests"]["failed"] == 0
