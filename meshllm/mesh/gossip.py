@@ -524,6 +524,12 @@ class Gossip:
             return []  # expired (a replay or a late resend): it proves nothing about now
         if reporter == self.node_id or self._banned.remaining(reporter, now):
             return []
+        held = self.state.peers.get(notice.subject)
+        if held is not None and held.status == "down" and held.record.seq == notice.subject_seq:
+            # What we already hold, sent again (anti-entropy resends notices to peers whose digest still
+            # lists the node): it changes nothing and costs the accuser nothing, or every honest
+            # accuser of a dead node would soon be cut off for resending its one notice.
+            return []
         if not self._notice_rate.allow(reporter, now):
             return [Overstep(source, "down notices faster than any honest accuser signs them")] \
                 if source == reporter else []

@@ -123,6 +123,20 @@ def test_notices_are_rate_limited_per_accuser() -> None:
     assert all(isinstance(o[0], Overstep) for o in outs[int(NOTICE_BURST):])
 
 
+def test_a_notice_we_already_hold_costs_its_accuser_nothing() -> None:
+    """Anti-entropy resends a down notice to every peer whose digest still lists the dead node: the
+    honest accuser of one dead node must not overstep the notice rate by that."""
+    g = mesh()
+    raw = notice(B, 5)
+    assert status(g, B) == "alive"
+    g.receive(nid(C), Notices([raw]), NOW)
+    assert status(g, B) == "down"
+    outs = [g.receive(nid(C), Notices([raw]), NOW + i * 0.01) for i in range(4 * int(NOTICE_BURST))]
+    assert all(o == [] for o in outs) and status(g, B) == "down"
+    fresh = [sign_notice(C, DownNotice(nid(make_key(200 + i)), 1, nid(C), NOW)) for i in range(int(NOTICE_BURST))]
+    assert all(g.receive(nid(C), Notices([r]), NOW + 0.5) == [] for r in fresh[:-1])  # its rate is intact
+
+
 def test_digests_are_answered_at_a_bounded_rate() -> None:
     g = mesh()
     outs = [g.receive(nid(C), Digest({}), NOW) for _ in range(20)]
