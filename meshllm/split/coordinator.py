@@ -28,13 +28,28 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from meshllm.engine.base import InvalidRequest
 from meshllm.engine.ggml import StageModel
 from meshllm.engine.speculate import Acceptance, ChainCosts, NgramDrafter, SpecStats, SpeculateMode, WindowPolicy
 from meshllm.errors import DecodeError
 from meshllm.net import NetError, PeerEvent, PeerEventKind
 from meshllm.split import codec
 from meshllm.split.errors import StageFailed
-from meshllm.split.frames import MAX_DRAFT, Decode, Error, Hop, Open, Prefill, Sampling, Step, Stop, Tokens, Verify
+from meshllm.split.frames import (
+    BAD_REQUEST,
+    MAX_DRAFT,
+    Decode,
+    Error,
+    Hop,
+    Open,
+    Prefill,
+    Sampling,
+    Step,
+    Stop,
+    TokenLogprobs,
+    Tokens,
+    Verify,
+)
 from meshllm.split.lanes import Lane, probe_timeout
 from meshllm.split.stage import StageServer, forward_positions
 from meshllm.wire.addr import parse_addr
@@ -50,6 +65,8 @@ class SplitToken:
     token_id: int
     finish: str | None
     """``"stop"`` (a stop id was sampled) or ``"length"`` (context or ``max_tokens`` reached) on the last one."""
+    logprobs: TokenLogprobs | None = None
+    """Its logprob and top alternatives, when the request's :attr:`Sampling.logprobs` asked for them."""
 
 
 @dataclass(frozen=True)
@@ -156,7 +173,7 @@ class SplitCoordinator:
                     produced += 1
                     last = i == len(reply.token_ids) - 1
                     finish = (reply.finish if last else None) or ("length" if produced == max_tokens else None)
-                    yield SplitToken(token_id, finish)
+                    yield SplitToken(token_id, finish, reply.logprobs[i] if reply.logprobs else None)
                     if finish:
                         return
                 draft: list[int] = []
@@ -331,6 +348,8 @@ class _Run:
             if isinstance(item, StageFailed):
                 raise item
             if isinstance(item, Error):
+                if item.code == BAD_REQUEST:  # the request's fault (its grammar, its continuation): a 400
+                    raise InvalidRequest(f"the chain's last stage refused the request: {item.message}")
                 stage = min(max(item.stage, 0), len(self.c.chain) - 1)
                 raise StageFailed(stage, self.c.chain[stage].node_id, f"{item.code}: {item.message}")
             if item.pos - len(item.token_ids) == start and item.pos <= end:

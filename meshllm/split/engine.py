@@ -8,6 +8,11 @@ instead of hanging on a chain that no longer exists.
 
 End of generation is decided here, not on the last stage (no stop ids go down the chain): the next
 ``Decode`` is only sent after the previous token was consumed, so stopping costs no wasted step.
+
+Grammars and logprobs are the last stage's work, since it samples: the request's grammar goes down
+in the session's :class:`~meshllm.split.frames.Sampling` (checked here first, so a bad one is a 400
+before the chain sees it), with the continuation it has already produced, and each
+:class:`~meshllm.split.frames.Tokens` brings the tokens' logprobs back as ids, which get their text here.
 """
 
 from __future__ import annotations
@@ -15,26 +20,29 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 from meshllm.engine.base import (
     Engine,
+    EngineError,
     EngineNotLoaded,
     GenerationEvent,
     GenerationParams,
     GenerationRequest,
     LoadReport,
+    TokenLogprob,
     TokenRate,
     check_supported,
     context_cap,
 )
+from meshllm.engine.gbnf import check_grammar
 from meshllm.engine.ggml.engine import SUPPORTS, replay
-from meshllm.engine.sampler import sampling_params
+from meshllm.engine.sampler import check_logprobs, logprob_entry, sampling_params
 from meshllm.engine.text import TextStream, token_budget
 from meshllm.engine.tokenizer import Tokenizer
 from meshllm.models.metadata import read_metadata
-from meshllm.split.coordinator import SplitCoordinator
+from meshllm.split.coordinator import SplitCoordinator, SplitToken
 from meshllm.split.errors import StageFailed
 from meshllm.split.frames import Sampling
 
@@ -48,9 +56,16 @@ class ChainUnavailable(EngineNotLoaded):
     hint = "the node is rebuilding the chain; retry in a few seconds"
 
 
-def chain_sampling(params: GenerationParams) -> Sampling:
-    """OpenAI semantics for the last stage's sampler (no min-p, no repetition penalty), as GgmlEngine."""
-    return Sampling(**dataclasses.asdict(sampling_params(params)))
+def chain_sampling(params: GenerationParams, generated: Sequence[int] = ()) -> Sampling:
+    """OpenAI semantics for the last stage's sampler (no min-p, no repetition penalty), as GgmlEngine,
+    with the request's grammar (checked here: :class:`~meshllm.engine.gbnf.BadGrammar`), the tokens of
+    its continuation the grammar has produced (``generated``), and the logprobs it asks for."""
+    check_logprobs(params)
+    grammar = params.grammar or None
+    if grammar is not None:
+        check_grammar(grammar)
+    return Sampling(**dataclasses.asdict(sampling_params(params)), grammar=grammar, logprobs=params.logprobs,
+                    generated=list(generated) if grammar else [])
 
 
 class SplitEngine(Engine):
@@ -124,13 +139,14 @@ class SplitEngine(Engine):
             for event in text.finish():
                 yield event
             return
+        sampling = chain_sampling(request.params, fed)
         started = time.monotonic()
         self._running += 1
-        tokens = coordinator.generate(prompt + fed, max_tokens=max(limit - len(fed), 1),
-                                      sampling=chain_sampling(request.params))
+        tokens = coordinator.generate(prompt + fed, max_tokens=max(limit - len(fed), 1), sampling=sampling)
         try:
             async for token in tokens:
-                delta = text.feed(token.token_id, last=bool(token.finish))
+                logprob = None if sampling.logprobs is None else self._logprob(tokenizer, token)
+                delta = text.feed(token.token_id, last=bool(token.finish), logprob=logprob)
                 if delta is not None:
                     yield delta
                 if text.done:
@@ -143,4 +159,11 @@ class SplitEngine(Engine):
             self._rate.observe(text.generated - len(fed), started, time.monotonic())
         for event in text.finish():
             yield event
+
+    @staticmethod
+    def _logprob(tokenizer: Tokenizer, token: SplitToken) -> TokenLogprob:
+        """The engine contract's logprob entry for a token the last stage reported figures for."""
+        if token.logprobs is None:
+            raise EngineError("the chain's last stage sent no logprobs for a request that asked for them")
+        return logprob_entry(tokenizer.token_bytes, token.token_id, token.logprobs.logprob, token.logprobs.top)
 

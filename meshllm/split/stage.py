@@ -27,6 +27,7 @@ the rejected positions from its KV when the session's next step arrives at the k
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -35,13 +36,17 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
+from meshllm.engine.base import InvalidRequest
+from meshllm.engine.constrained import Grammar, Vocab
+from meshllm.engine.gbnf import check_grammar
 from meshllm.engine.ggml import StageModel
-from meshllm.engine.sampler import Sampler, SamplingParams
+from meshllm.engine.sampler import Sampler, SamplingParams, token_logprobs
 from meshllm.errors import MeshllmError
 from meshllm.net import Endpoint, NetError, PeerConnection, PeerEvent, PeerEventKind, Stream
 from meshllm.split import codec
 from meshllm.split.compute import Compute
 from meshllm.split.frames import (
+    BAD_REQUEST,
     KIND,
     LANE_FRAME_MAX,
     Decode,
@@ -53,8 +58,10 @@ from meshllm.split.frames import (
     Pong,
     Prefill,
     Reset,
+    Sampling,
     Step,
     Stop,
+    TokenLogprobs,
     Tokens,
     Verify,
 )
@@ -89,6 +96,8 @@ class _Hosted:
     stage: StageModel
     owner: str | None = None
     chain: list[Hop] | None = None
+    vocab: Vocab | None = None
+    """The stage file's vocabulary, loaded by the first session with a grammar (last stages only)."""
 
 
 @dataclass
@@ -100,6 +109,7 @@ class _Session:
     """Lane to the next stage, or (last stage) to the coordinator."""
     sampler: Sampler | None = None
     history: list[int] = field(default_factory=list)
+    held: _Hosted | None = None
 
     @property
     def last(self) -> bool:
@@ -213,6 +223,11 @@ class StageServer:
             session.history = list(session.open.history)
             if isinstance(frame, Stop):
                 del self._sessions[frame.session]
+            elif session.last and session.held is not None:  # the sampler starts over too (grammar, draws)
+                try:
+                    session.sampler = await asyncio.to_thread(self._sampler, session.held, session.open.sampling)
+                except MeshllmError as exc:
+                    return await self._fail_upstream(session, "stage-error", str(exc), session.open.index)
             if session.downstream is not None and not session.last:
                 await self._forward(session, frame)
 
@@ -253,8 +268,12 @@ class StageServer:
             culprit = 0 if last else frame.index + 1
             return await self._refuse(lane, frame, "hop-lost", f"cannot reach {target.node_id[:12]}: {exc}", culprit)
         if last:
-            session.sampler = Sampler(SamplingParams(**msgspec.structs.asdict(frame.sampling)))
+            try:
+                session.sampler = await asyncio.to_thread(self._sampler, held, frame.sampling)
+            except MeshllmError as exc:  # a bad grammar or continuation: the request's fault, not the stage's
+                return await self._refuse(lane, frame, BAD_REQUEST, str(exc))
             session.history = list(frame.history)
+            session.held = held
         stage.reset(frame.session)
         self._sessions[frame.session] = session
         return None
@@ -263,17 +282,18 @@ class StageServer:
         sid, stage = frame.session, session.stage
         sample = session.last and not (isinstance(frame, Prefill) and not frame.sample)
 
-        def compute(x: np.ndarray) -> tuple[np.ndarray | list[int], float]:
+        def compute(x: np.ndarray) -> tuple[np.ndarray | list[tuple[int, TokenLogprobs | None]], float]:
             started = time.perf_counter()
             if stage.session_length(sid) > frame.pos:
                 stage.trim(sid, frame.pos)  # positions of the previous window the last stage did not keep
-            out: np.ndarray | list[int]
+            out: np.ndarray | list[tuple[int, TokenLogprobs | None]]
             if isinstance(frame, Verify):
                 out = self._verify(session, x, frame) if session.last else forward_positions(stage, sid, x, frame.pos)
             else:
                 out = stage.forward(sid, x, frame.pos, last_only=session.last)
                 if sample:
-                    out = [self._sample(session, out[-1])]
+                    token, logprobs, _ = self._sample(session, out[-1])
+                    out = [(token, logprobs)]
             return out, (time.perf_counter() - started) * 1e3
 
         try:
@@ -292,35 +312,60 @@ class StageServer:
         assert isinstance(out, list)
         end = frame.pos + (len(out) if isinstance(frame, Verify) else frame.n_tokens)
         finish = "length" if end + 1 >= session.open.max_context else None
-        return await self._forward(session, Tokens(session=sid, pos=end, token_ids=out, finish=finish,
-                                                   compute_ms=spent))
+        logprobs = [lp for _, lp in out if lp is not None]
+        return await self._forward(session, Tokens(session=sid, pos=end, token_ids=[t for t, _ in out], finish=finish,
+                                                   compute_ms=spent, logprobs=logprobs))
 
-    def _verify(self, session: _Session, x: np.ndarray, frame: Verify) -> list[int]:
+    def _sampler(self, held: _Hosted, sampling: Sampling) -> Sampler:
+        """Worker thread: a last stage's sampler for a session, its grammar (checked first: a peer can
+        send anything) compiled over the stage file's vocabulary and advanced over the continuation."""
+        params = SamplingParams(**{f.name: getattr(sampling, f.name) for f in dataclasses.fields(SamplingParams)})
+        if sampling.grammar is None:
+            return Sampler(params)
+        check_grammar(sampling.grammar)
+        if held.vocab is None:
+            if held.stage.path is None:
+                raise InvalidRequest("this stage has no vocabulary file to constrain sampling with")
+            held.vocab = Vocab(held.stage.path)
+        if held.vocab.end_token < 0:
+            raise InvalidRequest("the model has no end token, so a grammar could not end its text")
+        grammar = Grammar(held.vocab, sampling.grammar)
+        grammar.replay(sampling.generated)
+        return Sampler(params, grammar)
+
+    def _verify(self, session: _Session, x: np.ndarray, frame: Verify) -> list[tuple[int, TokenLogprobs | None]]:
         """The last stage's side of a window: positions one by one until the sampler rejects a draft.
 
         Each position is a decode step of its own (same graph, same kernels, so a kept token and its
         KV are exactly what plain decoding computes), and the positions after the first rejection
         are never computed: a rejected draft costs the last stage nothing.
         """
-        assert session.sampler is not None
         sid, out = frame.session, []
         for i in range(frame.n_tokens):
             logits = session.stage.forward(sid, x[i : i + 1], frame.pos + i, last_only=True)[-1]
-            if i < len(frame.draft):
-                token, kept = session.sampler.verify(logits, session.history, frame.draft[i])
-            else:
-                token, kept = session.sampler(logits, session.history), False
-            session.history.append(token)
-            out.append(token)
+            token, logprobs, kept = self._sample(session, logits, frame.draft[i] if i < len(frame.draft) else None)
+            out.append((token, logprobs))
             if not kept:
                 break
         return out
 
-    def _sample(self, session: _Session, logits: np.ndarray) -> int:
-        assert session.sampler is not None
-        token = session.sampler(logits, session.history)
+    def _sample(self, session: _Session, logits: np.ndarray,
+                draft: int | None = None) -> tuple[int, TokenLogprobs | None, bool]:
+        """The token at one position, its logprobs when the session asks, and whether ``draft`` is kept.
+
+        The sampler's grammar advances over the token (never over a rejected draft). When the grammar
+        allows nothing more, the model's end token ends the text (the coordinator stops on it).
+        """
+        sampler = session.sampler
+        assert sampler is not None
+        token, kept = (sampler(logits, session.history), False) if draft is None else \
+            sampler.verify(logits, session.history, draft)
+        if token is None:
+            assert sampler.grammar is not None
+            token, kept = sampler.grammar.vocab.end_token, False
         session.history.append(token)
-        return token
+        k = session.open.sampling.logprobs
+        return token, None if k is None else TokenLogprobs(*token_logprobs(logits, token, k)), kept
 
     async def _forward(self, session: _Session, frame: LaneFrame) -> None:
         """Send downstream (or the reply to the coordinator); a failure goes upstream as an Error."""

@@ -89,6 +89,8 @@ class StageModel:
         self._kv_bufts = [backends.gpu_buft if lw.on_accelerator else backends.cpu_buft for lw in weights.layers]
         self.compute_bytes = 0
         """Largest compute buffer a graph of this stage has needed so far (all backends)."""
+        self.path: Path | None = None
+        """The GGUF (or stage file) it was loaded from: a last stage reads its vocabulary there for grammars."""
 
     @classmethod
     def load(cls, path: str | Path, layer_start: int = 0, layer_end: int | None = None, *,
@@ -123,7 +125,9 @@ class StageModel:
         except BaseException:
             backends.close()
             raise
-        return cls(hp, plan, weights, backends, max_context=context, kv_type=kv_type, flash_attn=flash_attn)
+        stage = cls(hp, plan, weights, backends, max_context=context, kv_type=kv_type, flash_attn=flash_attn)
+        stage.path = path
+        return stage
 
     # -- what it is ----------------------------------------------------------------------------
 
