@@ -15,6 +15,9 @@ anywhere in the window, and each stage cuts its cache back to it before computin
 carries the compute time of each stage it passed (``compute_ms``), which :class:`Tokens` hands back
 to the coordinator: the pass costs that size the next window and check the planner's prediction.
 
+The session's sampling travels in the Open (with the request's grammar, the continuation tokens the
+grammar has produced, and how many logprobs to report); :class:`Tokens` carries the logprobs back.
+
 Everything a peer sends is checked here before it touches state: :func:`decode_frame` turns any
 bytes into a frame or a :class:`~meshllm.split.errors.BadFrame` that names the session when it can be
 read, so the receiver can refuse that session alone and keep the lane (and the other sessions) going.

@@ -19,6 +19,11 @@ ranges); the lane already checks that it comes from the chain's previous hop. So
 the plan cannot borrow the stage's compute, and a member inside it cannot redirect its output. Each
 owner may keep at most :data:`MAX_SESSIONS_PER_OWNER` sessions open on this node.
 
+As the last stage it samples with the session's :class:`~meshllm.split.frames.Sampling`: under its
+grammar (checked, then compiled over the vocabulary read from the stage's own file, which keeps the
+model's metadata) and with its logprobs, returned in :class:`Tokens`. A grammar or continuation it
+cannot take is refused with the ``bad-request`` code, which the coordinator answers as a 400.
+
 A :class:`~meshllm.split.frames.Verify` window runs position by position on every stage; the last
 stage stops at the first draft its sampler rejects (:meth:`StageServer._verify`), and every stage cuts
 the rejected positions from its KV when the session's next step arrives at the kept length.
@@ -27,6 +32,7 @@ the rejected positions from its KV when the session's next step arrives at the k
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import time
@@ -69,6 +75,8 @@ from meshllm.split.lanes import MAX_ACTIVATION_BYTES, Lane, LanePool
 
 log = logging.getLogger(__name__)
 
+VOCAB_TIMEOUT_S = 10.0
+"""How long a session with a grammar waits for a stage's vocabulary still being read (then: refused)."""
 MAX_SESSIONS_PER_OWNER = 32
 """Sessions one coordinator may keep open on this node's stages (each holds a KV cache)."""
 
@@ -96,8 +104,8 @@ class _Hosted:
     stage: StageModel
     owner: str | None = None
     chain: list[Hop] | None = None
-    vocab: Vocab | None = None
-    """The stage file's vocabulary, loaded by the first session with a grammar (last stages only)."""
+    vocab: concurrent.futures.Future[Vocab] | None = None
+    """The stage file's vocabulary for grammars (last stages only), read in the background when hosted."""
 
 
 @dataclass
@@ -128,6 +136,7 @@ class StageServer:
         """(owner, model) -> hosted range; owner None: a stage any chain may use."""
         self._sessions: dict[str, _Session] = {}
         self._replies: dict[str, ReplySink] = {}
+        self._vocab_loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage-vocab")
         self.compute = Compute()
         """The node's one compute runner (local coordinators use it too): steps never overlap."""
         endpoint.on_stream(KIND, self._serve, max_frame=LANE_FRAME_MAX)
@@ -143,7 +152,13 @@ class StageServer:
         sessions on it.
         """
         old = self._stages.get((owner, model))
-        self._stages[(owner, model)] = _Hosted(stage, owner, chain)
+        held = _Hosted(stage, owner, chain)
+        if old is not None and old.stage is stage:
+            held.vocab = old.vocab
+        elif stage.last and stage.path is not None:
+            # read now, off the loop: the first Open with a grammar must not spend a step's deadline on it
+            held.vocab = self._vocab_loader.submit(Vocab, stage.path)
+        self._stages[(owner, model)] = held
         if old is not None and old.stage is not stage:
             self._free(old.stage)
 
@@ -189,6 +204,7 @@ class StageServer:
         for held in self._stages.values():
             held.stage.close()
         self._stages.clear()
+        self._vocab_loader.shutdown(wait=False, cancel_futures=True)
 
     # -- incoming lanes ------------------------------------------------------------------------
 
@@ -324,12 +340,14 @@ class StageServer:
             return Sampler(params)
         check_grammar(sampling.grammar)
         if held.vocab is None:
-            if held.stage.path is None:
-                raise InvalidRequest("this stage has no vocabulary file to constrain sampling with")
-            held.vocab = Vocab(held.stage.path)
-        if held.vocab.end_token < 0:
+            raise InvalidRequest("this stage has no vocabulary file to constrain sampling with")
+        try:
+            vocab = held.vocab.result(timeout=VOCAB_TIMEOUT_S)
+        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError) as exc:
+            raise InvalidRequest(f"this stage's vocabulary is not readable yet ({type(exc).__name__})") from None
+        if vocab.end_token < 0:
             raise InvalidRequest("the model has no end token, so a grammar could not end its text")
-        grammar = Grammar(held.vocab, sampling.grammar)
+        grammar = Grammar(vocab, sampling.grammar)
         grammar.replay(sampling.generated)
         return Sampler(params, grammar)
 
