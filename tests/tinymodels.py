@@ -247,7 +247,7 @@ _CALL_PIECES = ("<tool_call>\n", '{"name": "get_weather",', ' "arguments":', ' {
 """The call's tokens (llama-cpp-python detokenizes pieces of at most 32 bytes)."""
 
 
-def write_tiny_tool_model(path: str | Path) -> Path:
+def write_tiny_tool_model(path: str | Path, blocks: int = 1) -> Path:
     """A llama-architecture model whose replies are fixed by construction, not by luck.
 
     Its layers compute: *next token = a fixed successor of the current one* (one-hot embeddings,
@@ -261,6 +261,9 @@ def write_tiny_tool_model(path: str | Path) -> Path:
     ``b`` ... ``z`` -> ``a``), so plain completions produce text; most other tokens end the turn.
     Under a grammar that forbids the successor, the model prefers ``"``, then ``}``, then ``]``,
     so constrained JSON closes quickly instead of running to ``max_tokens``.
+
+    ``blocks`` above 1 appends blocks whose attention output and FFN down matrices are zero: each
+    passes the residual on unchanged, so the logits are the same and the model can be split.
     """
     path = Path(path)
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
@@ -319,7 +322,7 @@ def write_tiny_tool_model(path: str | Path) -> Path:
     w.add_name("tiny-tools")
     w.add_context_length(8192)
     w.add_embedding_length(width)
-    w.add_block_count(1)
+    w.add_block_count(blocks)
     w.add_feed_forward_length(ffn)
     w.add_head_count(heads)
     w.add_head_count_kv(heads)
@@ -346,6 +349,13 @@ def write_tiny_tool_model(path: str | Path) -> Path:
     w.add_tensor("blk.0.ffn_gate.weight", gate)
     w.add_tensor("blk.0.ffn_up.weight", up)
     w.add_tensor("blk.0.ffn_down.weight", down)
+    for il in range(1, blocks):  # identity blocks: nothing reaches the residual
+        for name, tensor in (("attn_norm", np.ones(width, np.float32)), ("attn_q", zeros), ("attn_k", zeros),
+                             ("attn_v", zeros), ("attn_output", zeros), ("ffn_norm", np.ones(width, np.float32)),
+                             ("ffn_gate", np.zeros((ffn, width), np.float32)),
+                             ("ffn_up", np.zeros((ffn, width), np.float32)),
+                             ("ffn_down", np.zeros((width, ffn), np.float32))):
+            w.add_tensor(f"blk.{il}.{name}.weight", tensor)
     w.add_tensor("output_norm.weight", np.ones(width, np.float32))
     w.add_tensor("output.weight", out)
     _finish(w)

@@ -58,13 +58,16 @@ def _init_backend() -> None:
 class NativeModel:
     """Weights and vocabulary of one GGUF."""
 
-    def __init__(self, path: Path, *, n_gpu_layers: int = 0, repack: bool = True) -> None:
+    def __init__(self, path: Path, *, n_gpu_layers: int = 0, repack: bool = True, vocab_only: bool = False) -> None:
         """``repack=False`` keeps quantized weights in their file layout: no repacked matrix kernels,
-        whose 1-3 row and 4-row forms accumulate differently (row-exact batching needs that)."""
+        whose 1-3 row and 4-row forms accumulate differently (row-exact batching needs that).
+        ``vocab_only`` reads the metadata and vocabulary alone (no tensors, well under a second): what
+        a grammar needs, and it works on a stage file, which carries the model's metadata verbatim."""
         _init_backend()
         params = L.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.use_extra_bufts = repack
+        params.vocab_only = vocab_only
         ptr = L.llama_model_load_from_file(str(path).encode(), params)
         if not ptr:
             raise EngineError(f"llama.cpp could not load {path}",

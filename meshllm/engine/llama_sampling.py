@@ -18,12 +18,12 @@ import os
 
 import numpy as np
 
-from meshllm.engine.base import GenerationParams, InvalidRequest, TokenLogprob, TopLogprob
+from meshllm.engine.base import GenerationParams, InvalidRequest, TokenLogprob
 from meshllm.engine.llama_native import Candidates, NativeModel, NativeSampler
+from meshllm.engine.sampler import check_logprobs, logprob_entry, token_logprobs
 
 PENALTY_WINDOW = 64
 """Tokens the presence/frequency penalties look back over (as the numpy sampler's ``repeat_last_n``)."""
-MAX_LOGPROBS = 20
 _MASK = (1 << 64) - 1
 
 
@@ -45,8 +45,7 @@ class SlotSampler:
     """The samplers of one request in one slot."""
 
     def __init__(self, model: NativeModel, params: GenerationParams) -> None:
-        if params.logprobs is not None and not (0 <= params.logprobs <= MAX_LOGPROBS):
-            raise InvalidRequest(f"logprobs must be between 0 and {MAX_LOGPROBS}")
+        check_logprobs(params)
         self.model = model
         self.greedy = params.temperature <= 0.0
         self.seed = request_seed(params)
@@ -111,16 +110,7 @@ class SlotSampler:
         """``token``'s log-probability and the top alternatives, from the raw logits (``None``: not asked)."""
         if self.top_logprobs is None:
             return None
-        z = logits.astype(np.float64)
-        lse = float(z.max() + np.log(np.exp(z - z.max()).sum()))
-        top: tuple[TopLogprob, ...] = ()
-        if self.top_logprobs:
-            k = min(self.top_logprobs, z.size)
-            best = np.argpartition(-z, k - 1)[:k]
-            best = best[np.lexsort((best, -z[best]))]
-            top = tuple(TopLogprob(token_id=int(t), piece=self.model.piece(int(t)), logprob=float(z[t]) - lse)
-                        for t in best)
-        return TokenLogprob(token_id=token, piece=self.model.piece(token), logprob=float(z[token]) - lse, top=top)
+        return logprob_entry(self.model.piece, token, *token_logprobs(logits, token, self.top_logprobs))
 
     def close(self) -> None:
         for sampler in (self.grammar, getattr(self, "chain", None)):

@@ -1,18 +1,31 @@
-"""Choosing the next token from logits: penalties, greedy, temperature, top-k, top-p, min-p.
+"""Choosing the next token from logits: penalties, grammar, greedy, temperature, top-k, top-p, min-p.
 
 The order follows llama.cpp's default chain (penalties, top-k, top-p, min-p, temperature, draw), so
 the same parameters mean the same thing on either engine. Randomness comes from a numpy ``Generator``
 seeded per request: the same seed, prompt and parameters give the same tokens.
+
+A grammar (:class:`meshllm.engine.constrained.Grammar`) is checked the way llama.cpp's server and
+our llama.cpp engine check it: the token drawn without it is kept when the grammar allows it (one
+token to check), and only otherwise is the whole vocabulary masked and the draw made again with
+the same uniform number. The log-probabilities an engine reports are the raw logits' softmax
+(:func:`token_logprobs`), as the llama.cpp engine reports them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from meshllm.engine.base import GenerationParams
+from meshllm.engine.base import GenerationParams, InvalidRequest, TokenLogprob, TopLogprob
+
+if TYPE_CHECKING:
+    from meshllm.engine.constrained import Grammar
+
+MAX_LOGPROBS = 20
+"""Most alternatives per token a request may ask for (OpenAI's ``top_logprobs`` limit)."""
 
 
 @dataclass(frozen=True)
@@ -52,24 +65,44 @@ def sampling_params(params: GenerationParams) -> SamplingParams:
 
 
 class Sampler:
-    """Samples tokens for one request; keep one per request so its random stream is its own."""
+    """Samples tokens for one request; keep one per request so its random stream is its own.
 
-    def __init__(self, params: SamplingParams) -> None:
+    With a ``grammar``, every token it returns is taken as generated: the grammar advances over it
+    (so a caller never feeds the grammar itself, and a rejected draft never reaches it).
+    """
+
+    def __init__(self, params: SamplingParams, grammar: Grammar | None = None) -> None:
         self.params = params
+        self.grammar = grammar
         self._rng = np.random.default_rng(params.seed)
 
-    def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+    def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int | None:
         """The next token given ``logits`` [vocab] and the tokens so far (for the penalties).
 
+        ``None`` only under a grammar that allows no token at all (the constrained text is complete).
         Sampling runs on every generated token, so it avoids whole-vocabulary sorts and cumulative
         sums (each several milliseconds over Gemma's 262,144 tokens, as long as a decode step):
         top-p sorts only the tokens that can be in its set, and the draw inverts block sums.
         """
         logits = self._penalized(np.asarray(logits, dtype=np.float32), history)
-        if self.params.temperature <= 0.0:
+        u = self._rng.random() if self.params.temperature > 0.0 else 0.0
+        token: int | None = self._pick(logits, u)
+        grammar = self.grammar
+        if grammar is not None:
+            if not grammar.allows(token):
+                masked = grammar.mask(logits)
+                token = self._pick(masked, u) if np.isfinite(masked).any() else None
+            if token is not None:
+                grammar.accept(token)
+        return token
+
+    def _pick(self, logits: np.ndarray, u: float) -> int:
+        """The token the draw ``u`` selects from ``logits`` (at least one finite) under the truncations."""
+        p = self.params
+        if p.temperature <= 0.0:
             return int(np.argmax(logits))
         ids, w = self._weights(logits)
-        pick = _draw(w, self._rng.random())
+        pick = _draw(w, u)
         return pick if ids is None else int(ids[pick])
 
     def judge(self, logits: np.ndarray, history: Sequence[int], token: int, eps: float) -> tuple[bool, int]:
@@ -129,6 +162,35 @@ class Sampler:
         vals = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
         out[seen] = vals - counts * p.frequency_penalty - p.presence_penalty
         return out
+
+
+def token_logprobs(logits: np.ndarray, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """``token``'s log-probability under the softmax of ``logits`` and the ``top`` most likely tokens
+    with theirs (most likely first, ties by id). Computed in float64: the raw model distribution,
+    before penalties, grammar and truncations, as OpenAI and the llama.cpp engine report it."""
+    z = np.asarray(logits, dtype=np.float64)
+    peak = float(z.max())
+    lse = peak + float(np.log(np.exp(z - peak).sum()))
+    best: list[tuple[int, float]] = []
+    if top > 0:
+        k = min(top, z.size)
+        ids = np.argpartition(-z, k - 1)[:k]
+        ids = ids[np.lexsort((ids, -z[ids]))]
+        best = [(int(t), float(z[t]) - lse) for t in ids]
+    return float(z[token]) - lse, best
+
+
+def check_logprobs(params: GenerationParams) -> None:
+    """Refuse a ``logprobs`` count outside 0-:data:`MAX_LOGPROBS` (a peer can send any number)."""
+    if params.logprobs is not None and not 0 <= params.logprobs <= MAX_LOGPROBS:
+        raise InvalidRequest(f"logprobs must be between 0 and {MAX_LOGPROBS}")
+
+
+def logprob_entry(piece: Callable[[int], bytes], token: int, logprob: float,
+                  top: Sequence[tuple[int, float]]) -> TokenLogprob:
+    """The engine contract's :class:`TokenLogprob` for :func:`token_logprobs`' figures (``piece``: a token's bytes)."""
+    return TokenLogprob(token_id=token, piece=piece(token), logprob=logprob,
+                        top=tuple(TopLogprob(token_id=t, piece=piece(t), logprob=lp) for t, lp in top))
 
 
 def _top_p(probs: np.ndarray, top_p: float) -> np.ndarray:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from meshllm.engine.base import InvalidRequest
 from meshllm.engine.ggml import StageModel
 from meshllm.engine.speculate import Acceptance, ChainCosts, NgramDrafter, SpecStats, SpeculateMode, WindowPolicy
 from meshllm.errors import DecodeError
@@ -35,6 +36,7 @@ from meshllm.net import NetError, PeerEvent, PeerEventKind
 from meshllm.split import codec
 from meshllm.split.errors import StageFailed
 from meshllm.split.frames import (
+    BAD_REQUEST,
     MAX_BATCH,
     MAX_DRAFT,
     Batch,
@@ -46,6 +48,7 @@ from meshllm.split.frames import (
     Sampling,
     Step,
     Stop,
+    TokenLogprobs,
     Tokens,
     Verify,
 )
@@ -68,6 +71,8 @@ class SplitToken:
     token_id: int
     finish: str | None
     """``"stop"`` (a stop id was sampled) or ``"length"`` (context or ``max_tokens`` reached) on the last one."""
+    logprobs: TokenLogprobs | None = None
+    """Its logprob and top alternatives, when the request's :attr:`Sampling.logprobs` asked for them."""
 
 
 @dataclass(frozen=True)
@@ -182,7 +187,7 @@ class SplitCoordinator:
                     produced += 1
                     last = i == len(reply.token_ids) - 1
                     finish = (reply.finish if last else None) or ("length" if produced == max_tokens else None)
-                    yield SplitToken(token_id, finish)
+                    yield SplitToken(token_id, finish, reply.logprobs[i] if reply.logprobs else None)
                     if finish:
                         return
                 draft: list[int] = []
@@ -372,6 +377,8 @@ class _Run:
             if isinstance(item, StageFailed):
                 raise item
             if isinstance(item, Error):
+                if item.code == BAD_REQUEST:  # the request's fault (its grammar, its continuation): a 400
+                    raise InvalidRequest(f"the chain's last stage refused the request: {item.message}")
                 stage = min(max(item.stage, 0), len(self.c.chain) - 1)
                 raise StageFailed(stage, self.c.chain[stage].node_id, f"{item.code}: {item.message}")
             if item.pos - len(item.token_ids) == start and item.pos <= end:

@@ -16,6 +16,11 @@ The text core is the request's own throughout, so nothing is sent twice. Greedy 
 the first chain would have gone on as far as a prefill of those tokens computes the logits their
 decode steps did (the same in every test here; ggml may differ in the last bits between the two);
 a seeded request's random stream starts again from its seed on the new chain (docs/splits.md).
+
+Grammars and logprobs are the last stage's work, since it samples: the request's grammar goes down
+in the session's :class:`~meshllm.split.frames.Sampling` (checked here first, so a bad one is a 400
+before the chain sees it), with the continuation it has already produced, and each
+:class:`~meshllm.split.frames.Tokens` brings the tokens' logprobs back as ids, which get their text here.
 """
 
 from __future__ import annotations
@@ -26,27 +31,32 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
+
+import msgspec
 
 from meshllm.engine.base import (
     Engine,
+    EngineError,
     EngineNotLoaded,
     GenerationEvent,
     GenerationParams,
     GenerationRequest,
     LoadReport,
+    TokenLogprob,
     TokenRate,
     check_supported,
     context_cap,
 )
+from meshllm.engine.gbnf import check_grammar
 from meshllm.engine.ggml.engine import SUPPORTS, replay
-from meshllm.engine.sampler import sampling_params
+from meshllm.engine.sampler import check_logprobs, logprob_entry, sampling_params
 from meshllm.engine.text import TextStream, token_budget
 from meshllm.engine.tokenizer import Tokenizer
 from meshllm.models.metadata import read_metadata
 from meshllm.split.auditor import FinishedRequest
-from meshllm.split.coordinator import SplitCoordinator
+from meshllm.split.coordinator import SplitCoordinator, SplitToken
 from meshllm.split.errors import StageFailed
 from meshllm.split.frames import Sampling
 
@@ -66,16 +76,23 @@ class ChainUnavailable(EngineNotLoaded):
     hint = "the node is rebuilding the chain; retry in a few seconds"
 
 
-def chain_sampling(params: GenerationParams) -> Sampling:
-    """OpenAI semantics for the last stage's sampler (no min-p, no repetition penalty), as GgmlEngine.
+def chain_sampling(params: GenerationParams, generated: Sequence[int] = ()) -> Sampling:
+    """OpenAI semantics for the last stage's sampler (no min-p, no repetition penalty), as GgmlEngine,
+    with the request's grammar (checked here: :class:`~meshllm.engine.gbnf.BadGrammar`), the tokens of
+    its continuation the grammar has produced (``generated``), and the logprobs it asks for.
 
     A sampled request without a seed gets a fresh random one here rather than on the last stage, so
     the coordinator can recompute its draws in an audit (the text is as random either way).
     """
+    check_logprobs(params)
+    grammar = params.grammar or None
+    if grammar is not None:
+        check_grammar(grammar)
     sampling = sampling_params(params)
     if sampling.temperature > 0 and sampling.seed is None:
         sampling = dataclasses.replace(sampling, seed=secrets.randbits(63))
-    return Sampling(**dataclasses.asdict(sampling))
+    return Sampling(**dataclasses.asdict(sampling), grammar=grammar, logprobs=params.logprobs,
+                    generated=list(generated) if grammar else [])
 
 
 class SplitEngine(Engine):
@@ -207,21 +224,24 @@ class SplitEngine(Engine):
             for event in text.finish():
                 yield event
             return
+        sampling = chain_sampling(request.params, fed)
         started = time.monotonic()
         self._running += 1
-        # one seed for every attempt (an unseeded request gets one in chain_sampling), so an audit can recompute it
-        sampling, session = chain_sampling(request.params), uuid.uuid4().hex
+        session = uuid.uuid4().hex  # the last attempt's session: the one an audit replays
         produced = list(fed)  # every token id fed to ``text``: what a rebuilt chain prefills after the prompt
         replays = 0
         try:
             while True:
                 session = uuid.uuid4().hex
+                if replays and sampling.grammar is not None:  # the new last stage's grammar starts after them
+                    sampling = msgspec.structs.replace(sampling, generated=list(produced))
                 tokens = coordinator.generate(prompt + produced, max_tokens=max(limit - len(produced), 1),
                                               sampling=sampling, session=session)
                 try:
                     async for token in tokens:
                         produced.append(token.token_id)
-                        delta = text.feed(token.token_id, last=bool(token.finish))
+                        logprob = None if sampling.logprobs is None else self._logprob(tokenizer, token)
+                        delta = text.feed(token.token_id, last=bool(token.finish), logprob=logprob)
                         if delta is not None:
                             yield delta
                         if text.done:
@@ -237,8 +257,16 @@ class SplitEngine(Engine):
         finally:
             self._running -= 1
             self._rate.observe(text.generated - len(fed), started, time.monotonic())
-        if self.on_finished is not None and not replays:  # an audit replays one chain's session
+        # an audit replays one chain's session, and recomputes plain draws (not a grammar's)
+        if self.on_finished is not None and not replays and sampling.grammar is None:
             self.on_finished(coordinator, FinishedRequest(session, prompt + fed, produced[len(fed):], sampling))
         for event in text.finish():
             yield event
+
+    @staticmethod
+    def _logprob(tokenizer: Tokenizer, token: SplitToken) -> TokenLogprob:
+        """The engine contract's logprob entry for a token the last stage reported figures for."""
+        if token.logprobs is None:
+            raise EngineError("the chain's last stage sent no logprobs for a request that asked for them")
+        return logprob_entry(tokenizer.token_bytes, token.token_id, token.logprobs.logprob, token.logprobs.top)
 

@@ -18,6 +18,9 @@ anywhere in the window, and each stage cuts its cache back to it before computin
 carries the compute time of each stage it passed (``compute_ms``), which :class:`Tokens` hands back
 to the coordinator: the pass costs that size the next window and check the planner's prediction.
 
+The session's sampling travels in the Open (with the request's grammar, the continuation tokens the
+grammar has produced, and how many logprobs to report); :class:`Tokens` carries the logprobs back.
+
 Everything a peer sends is checked here before it touches state: :func:`decode_frame` turns any
 bytes into a frame or a :class:`~meshllm.split.errors.BadFrame` that names the session when it can be
 read, so the receiver can refuse that session alone and keep the lane (and the other sessions) going.
@@ -26,11 +29,14 @@ read, so the receiver can refuse that session alone and keep the lane (and the o
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
 
+from meshllm.engine.gbnf import MAX_GRAMMAR_CHARS
+from meshllm.engine.sampler import MAX_LOGPROBS
 from meshllm.split import codec
 from meshllm.split.codec import Dtype
 from meshllm.split.errors import BadFrame
@@ -67,7 +73,8 @@ class Hop(msgspec.Struct, frozen=True, array_like=True):
 
 
 class Sampling(msgspec.Struct, frozen=True, kw_only=True):
-    """Sampling parameters for the last stage (mirrors :class:`~meshllm.engine.sampler.SamplingParams`)."""
+    """Sampling parameters for the last stage (mirrors :class:`~meshllm.engine.sampler.SamplingParams`,
+    plus the request's grammar and logprobs)."""
 
     temperature: float = 0.0
     top_k: Annotated[int, Meta(ge=0)] = 0
@@ -78,6 +85,14 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
+    grammar: Annotated[str, Meta(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = None
+    """A GBNF grammar every sampled token must keep the text inside (checked again by the last stage
+    before llama.cpp sees it); ``None``: free text."""
+    generated: list[TokenId] = []
+    """The tokens at the end of the prompt that were generated before (a request's continuation):
+    the grammar has produced them already, and the last stage advances it over them first."""
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    """``k``: every :class:`Tokens` carries each token's logprob and its ``k`` most likely alternatives."""
 
 
 class Open(msgspec.Struct, frozen=True, kw_only=True, tag="open"):
@@ -171,6 +186,14 @@ class Pong(msgspec.Struct, frozen=True, tag="pong"):
     pos: int = -1
 
 
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """A sampled token's log-probability and the most likely alternatives at its position (ids only:
+    the coordinator has the vocabulary's text)."""
+
+    logprob: float
+    top: Annotated[list[tuple[TokenId, float]], Meta(max_length=MAX_LOGPROBS)] = []
+
+
 class Tokens(msgspec.Struct, frozen=True, kw_only=True, tag="tokens"):
     """Last stage -> coordinator: token(s) sampled after the step that ended at ``pos``."""
 
@@ -181,6 +204,13 @@ class Tokens(msgspec.Struct, frozen=True, kw_only=True, tag="tokens"):
     finish: Finish | None = None
     compute_ms: ComputeMs = []
     """The step's ``compute_ms`` with the last stage's own time appended."""
+    logprobs: Annotated[list[TokenLogprobs], Meta(max_length=64)] = []
+    """One entry per token of ``token_ids`` when the session's :attr:`Sampling.logprobs` asked for them."""
+
+
+BAD_REQUEST = "bad-request"
+"""The :class:`Error` code of a stage refusing what the request asks (a grammar llama.cpp refuses, a
+continuation the grammar forbids): the client's fault, so the coordinator answers 400 and replans nothing."""
 
 
 class Error(msgspec.Struct, frozen=True, kw_only=True, tag="error"):
@@ -252,6 +282,8 @@ def validate(frame: LaneFrame, *, max_activation_bytes: int | None = None) -> No
         _validate_batch(frame, max_activation_bytes)
     elif isinstance(frame, Open):
         _validate_open(frame)
+    elif isinstance(frame, Tokens):
+        _validate_tokens(frame)
 
 
 def _validate_step(frame: Step, max_bytes: int | None) -> None:
@@ -309,3 +341,15 @@ def _validate_open(frame: Open) -> None:
     mine = chain[frame.index]
     if (mine.layer_start, mine.layer_end) != (frame.layer_start, frame.layer_end):
         raise BadFrame("the open's layer range differs from its chain entry", session=s)
+    if len(frame.sampling.generated) >= frame.max_context:
+        raise BadFrame(f"{len(frame.sampling.generated)} generated tokens do not fit a {frame.max_context}-token "
+                       "context", session=s)
+
+
+def _validate_tokens(frame: Tokens) -> None:
+    s = frame.session
+    if frame.logprobs and len(frame.logprobs) != len(frame.token_ids):
+        raise BadFrame(f"{len(frame.logprobs)} logprobs for {len(frame.token_ids)} tokens", session=s)
+    values = [v for entry in frame.logprobs for v in (entry.logprob, *(lp for _, lp in entry.top))]
+    if not all(math.isfinite(v) and v <= 0.0 for v in values):
+        raise BadFrame("a logprob is not a finite number <= 0", session=s)

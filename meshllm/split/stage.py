@@ -30,11 +30,18 @@ session with its own sampler and stops a window at the first draft it rejects; e
 rejected positions from its KV when the session's next step arrives at the kept length. A session
 whose step cannot run here (out of step) is refused alone; a failed forward fails every session of
 the pass.
+
+As the last stage it samples with the session's :class:`~meshllm.split.frames.Sampling`: under its
+grammar (checked, then compiled over the vocabulary read from the stage's own file, which keeps the
+model's metadata) and with its logprobs, returned in :class:`Tokens`. A grammar or continuation it
+cannot take is refused with the ``bad-request`` code, which the coordinator answers as a 400.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -43,14 +50,18 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
+from meshllm.engine.base import InvalidRequest
+from meshllm.engine.constrained import Grammar, Vocab
+from meshllm.engine.gbnf import check_grammar
 from meshllm.engine.ggml import StageModel
-from meshllm.engine.sampler import Sampler, SamplingParams
+from meshllm.engine.sampler import Sampler, SamplingParams, token_logprobs
 from meshllm.errors import MeshllmError
 from meshllm.net import Endpoint, NetError, PeerConnection, PeerEvent, PeerEventKind, Stream
 from meshllm.split import codec
 from meshllm.split.audit import Recorder
 from meshllm.split.compute import Compute
 from meshllm.split.frames import (
+    BAD_REQUEST,
     KIND,
     LANE_FRAME_MAX,
     Batch,
@@ -63,8 +74,10 @@ from meshllm.split.frames import (
     Pong,
     Prefill,
     Reset,
+    Sampling,
     Step,
     Stop,
+    TokenLogprobs,
     Tokens,
     Verify,
 )
@@ -72,6 +85,8 @@ from meshllm.split.lanes import MAX_ACTIVATION_BYTES, Lane, LanePool
 
 log = logging.getLogger(__name__)
 
+VOCAB_TIMEOUT_S = 10.0
+"""How long a session with a grammar waits for a stage's vocabulary still being read (then: refused)."""
 MAX_SESSIONS_PER_OWNER = 32
 """Sessions one coordinator may keep open on this node's stages (each holds a KV cache)."""
 LANE_BACKLOG = 256
@@ -117,6 +132,8 @@ class _Hosted:
     stage: StageModel
     owner: str | None = None
     chain: list[Hop] | None = None
+    vocab: concurrent.futures.Future[Vocab] | None = None
+    """The stage file's vocabulary for grammars (last stages only), read in the background when hosted."""
 
 
 @dataclass
@@ -128,6 +145,7 @@ class _Session:
     """Lane to the next stage, or (last stage) to the coordinator."""
     sampler: Sampler | None = None
     history: list[int] = field(default_factory=list)
+    held: _Hosted | None = None
 
     @property
     def last(self) -> bool:
@@ -146,6 +164,7 @@ class StageServer:
         """(owner, model) -> hosted range; owner None: a stage any chain may use."""
         self._sessions: dict[str, _Session] = {}
         self._replies: dict[str, ReplySink] = {}
+        self._vocab_loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage-vocab")
         self.compute = Compute()
         """The node's one compute runner (local coordinators use it too): steps never overlap."""
         self.recorder: Recorder | None = None
@@ -166,7 +185,13 @@ class StageServer:
         sessions on it.
         """
         old = self._stages.get((owner, model))
-        self._stages[(owner, model)] = _Hosted(stage, owner, chain)
+        held = _Hosted(stage, owner, chain)
+        if old is not None and old.stage is stage:
+            held.vocab = old.vocab
+        elif stage.last and stage.path is not None:
+            # read now, off the loop: the first Open with a grammar must not spend a step's deadline on it
+            held.vocab = self._vocab_loader.submit(Vocab, stage.path)
+        self._stages[(owner, model)] = held
         if old is not None and old.stage is not stage:
             self._free(old.stage)
 
@@ -216,6 +241,7 @@ class StageServer:
         for held in self._stages.values():
             held.stage.close()
         self._stages.clear()
+        self._vocab_loader.shutdown(wait=False, cancel_futures=True)
 
     # -- incoming lanes ------------------------------------------------------------------------
 
@@ -272,6 +298,11 @@ class StageServer:
             session.history = list(session.open.history)
             if isinstance(frame, Stop):
                 del self._sessions[frame.session]
+            elif session.last and session.held is not None:  # the sampler starts over too (grammar, draws)
+                try:
+                    session.sampler = await asyncio.to_thread(self._sampler, session.held, session.open.sampling)
+                except MeshllmError as exc:
+                    return await self._fail_upstream(session, "stage-error", str(exc), session.open.index)
             if session.downstream is not None and not session.last:
                 await self._forward(session, frame)
 
@@ -312,8 +343,12 @@ class StageServer:
             culprit = 0 if last else frame.index + 1
             return await self._refuse(lane, frame, "hop-lost", f"cannot reach {target.node_id[:12]}: {exc}", culprit)
         if last:
-            session.sampler = Sampler(SamplingParams(**msgspec.structs.asdict(frame.sampling)))
+            try:
+                session.sampler = await asyncio.to_thread(self._sampler, held, frame.sampling)
+            except MeshllmError as exc:  # a bad grammar or continuation: the request's fault, not the stage's
+                return await self._refuse(lane, frame, BAD_REQUEST, str(exc))
             session.history = list(frame.history)
+            session.held = held
         stage.reset(frame.session)
         self._sessions[frame.session] = session
         if self.recorder is not None:
@@ -326,14 +361,16 @@ class StageServer:
         sid, stage = frame.session, session.stage
         sample = session.last and frame.sample
 
-        def compute(x: np.ndarray) -> tuple[np.ndarray | list[int], float]:
+        def compute(x: np.ndarray) -> tuple[np.ndarray | list[tuple[int, TokenLogprobs | None]], float]:
             started = time.perf_counter()
             stage.batch_exact()  # (a one-token prompt is a lone row too)
             if stage.session_length(sid) > frame.pos:
                 stage.trim(sid, frame.pos)
-            out: np.ndarray | list[int] = stage.forward(sid, x, frame.pos, last_only=session.last)
+            out: np.ndarray | list[tuple[int, TokenLogprobs | None]] = stage.forward(
+                sid, x, frame.pos, last_only=session.last)
             if sample:
-                out = [self._sample(session, out[-1])]
+                token, logprobs, _ = self._sample(session, out[-1])
+                out = [(token, logprobs)]
             return out, (time.perf_counter() - started) * 1e3
 
         try:
@@ -342,7 +379,7 @@ class StageServer:
         except MeshllmError as exc:
             return await self._refuse(session.upstream, frame, "stage-error", str(exc))
         if self.recorder is not None:
-            self.recorder.step(sid, frame.pos, x, out, window=False)
+            self.recorder.step(sid, frame.pos, x, _token_ids(out), window=False)
         spent = [*frame.compute_ms, round(took, 3)]
         if not session.last:
             assert isinstance(out, np.ndarray)
@@ -353,6 +390,25 @@ class StageServer:
             return None
         assert isinstance(out, list)
         return await self._reply(session, frame, out, spent)
+
+    def _sampler(self, held: _Hosted, sampling: Sampling) -> Sampler:
+        """Worker thread: a last stage's sampler for a session, its grammar (checked first: a peer can
+        send anything) compiled over the stage file's vocabulary and advanced over the continuation."""
+        params = SamplingParams(**{f.name: getattr(sampling, f.name) for f in dataclasses.fields(SamplingParams)})
+        if sampling.grammar is None:
+            return Sampler(params)
+        check_grammar(sampling.grammar)
+        if held.vocab is None:
+            raise InvalidRequest("this stage has no vocabulary file to constrain sampling with")
+        try:
+            vocab = held.vocab.result(timeout=VOCAB_TIMEOUT_S)
+        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError) as exc:
+            raise InvalidRequest(f"this stage's vocabulary is not readable yet ({type(exc).__name__})") from None
+        if vocab.end_token < 0:
+            raise InvalidRequest("the model has no end token, so a grammar could not end its text")
+        grammar = Grammar(vocab, sampling.grammar)
+        grammar.replay(sampling.generated)
+        return Sampler(params, grammar)
 
     async def _pass(self, items: list[tuple[_Session, Decode | Verify]]) -> None:
         """One decode pass of one or more sessions (a :class:`Decode`/:class:`Verify`, or a :class:`Batch`).
@@ -378,7 +434,8 @@ class StageServer:
     async def _pass_on(self, stage: StageModel, items: list[tuple[_Session, Decode | Verify, np.ndarray]]) -> None:
         last = items[0][0].last
 
-        def compute() -> tuple[list[np.ndarray | list[int]], list[tuple[_Session, Step, str]], float]:
+        def compute() -> tuple[list[np.ndarray | list[tuple[int, TokenLogprobs | None]]],
+                               list[tuple[_Session, Step, str]], float]:
             started = time.perf_counter()
             stage.batch_exact()
             bad: list[tuple[_Session, Step, str]] = []
@@ -394,11 +451,11 @@ class StageServer:
                     live.append(i)
             if not last:
                 steps = [(items[i][1].session, items[i][2], items[i][1].pos) for i in live]
-                done: list[np.ndarray | list[int]] = [np.empty(0)] * len(items)
+                done: list[np.ndarray | list[tuple[int, TokenLogprobs | None]]] = [np.empty(0)] * len(items)
                 for i, out in zip(live, forward_rounds(stage, steps) if steps else [], strict=True):
                     done[i] = out
                 return done, bad, (time.perf_counter() - started) * 1e3
-            outs: list[list[int]] = [[] for _ in items]
+            outs: list[list[tuple[int, TokenLogprobs | None]]] = [[] for _ in items]
             r = 0
             while live:
                 rows = [(items[i][1].session, items[i][2][r : r + 1], items[i][1].pos + r) for i in live]
@@ -408,9 +465,8 @@ class StageServer:
                     drafts = frame.draft if isinstance(frame, Verify) else []
                     assert session.sampler is not None
                     # a draft is kept exactly when the plain draw at its position equals it (verify_window's rule)
-                    token = self._sample(session, logits[-1])
-                    keep = r < len(drafts) and token == drafts[r]
-                    outs[i].append(token)
+                    token, logprobs, keep = self._sample(session, logits[-1], drafts[r] if r < len(drafts) else None)
+                    outs[i].append((token, logprobs))
                     if keep:  # a window goes on until its sampler rejects a draft: no later position is computed
                         still.append(i)
                 live, r = still, r + 1
@@ -431,7 +487,7 @@ class StageServer:
             if id(frame) in refused or self._sessions.get(frame.session) is not session:
                 continue
             if self.recorder is not None:  # what this stage took in and gave out, for the coordinator's audits
-                self.recorder.step(frame.session, frame.pos, x, out, window=isinstance(frame, Verify))
+                self.recorder.step(frame.session, frame.pos, x, _token_ids(out), window=isinstance(frame, Verify))
             spent = [*frame.compute_ms, round(took, 3)]
             if last:
                 assert isinstance(out, list)
@@ -444,18 +500,33 @@ class StageServer:
         for session, steps in outgoing.values():
             await self._forward(session, steps[0] if len(steps) == 1 else Batch(steps=steps), steps)
 
-    async def _reply(self, session: _Session, frame: Step, tokens: list[int], spent: list[float]) -> None:
-        """The last stage's answer to ``frame``: its tokens, straight to the coordinator."""
-        end = frame.pos + (len(tokens) if isinstance(frame, Verify) else frame.n_tokens)
+    async def _reply(self, session: _Session, frame: Step, out: list[tuple[int, TokenLogprobs | None]],
+                     spent: list[float]) -> None:
+        """The last stage's answer to ``frame``: its tokens (and their logprobs), straight to the coordinator."""
+        end = frame.pos + (len(out) if isinstance(frame, Verify) else frame.n_tokens)
         finish = "length" if end + 1 >= session.open.max_context else None
-        await self._forward(session, Tokens(session=frame.session, pos=end, token_ids=tokens, finish=finish,
-                                            compute_ms=spent))
+        logprobs = [lp for _, lp in out if lp is not None]
+        await self._forward(session, Tokens(session=frame.session, pos=end, token_ids=[t for t, _ in out],
+                                            finish=finish, compute_ms=spent, logprobs=logprobs))
 
-    def _sample(self, session: _Session, logits: np.ndarray) -> int:
-        assert session.sampler is not None
-        token = session.sampler(logits, session.history)
+    def _sample(self, session: _Session, logits: np.ndarray,
+                draft: int | None = None) -> tuple[int, TokenLogprobs | None, bool]:
+        """The token at one position, its logprobs when the session asks, and whether ``draft`` is kept.
+
+        The sampler's grammar advances over the token (never over a rejected draft). When the grammar
+        allows nothing more, the model's end token ends the text (the coordinator stops on it).
+        """
+        sampler = session.sampler
+        assert sampler is not None
+        sampled = sampler(logits, session.history)  # a draft is kept exactly when this draw equals it
+        if sampled is None:
+            assert sampler.grammar is not None
+            token, kept = sampler.grammar.vocab.end_token, False
+        else:
+            token, kept = sampled, sampled == draft
         session.history.append(token)
-        return token
+        k = session.open.sampling.logprobs
+        return token, None if k is None else TokenLogprobs(*token_logprobs(logits, token, k)), kept
 
     async def _forward(self, session: _Session, frame: LaneFrame, steps: list[Decode | Verify] | None = None) -> None:
         """Send downstream (or the reply to the coordinator); a failure goes upstream as an Error.
@@ -525,3 +596,8 @@ class StageServer:
             session.stage.reset(sid)
             if session.downstream is not None and not session.last and session.downstream.closed is None:
                 asyncio.get_running_loop().create_task(self._send_quietly(session.downstream, Stop(session=sid)))
+
+
+def _token_ids(out: np.ndarray | list[tuple[int, TokenLogprobs | None]]) -> np.ndarray | list[int]:
+    """A step's output as the audit recorder keeps it: rows, or the sampled token ids."""
+    return out if isinstance(out, np.ndarray) else [token for token, _ in out]

@@ -1,14 +1,14 @@
-"""SplitEngine over a real 2-stage chain: the API's request fields are honoured or refused, never dropped."""
+"""SplitEngine over a real 2-stage chain: the API's request fields are honoured or refused, never dropped
+(grammars and logprobs: test_split_grammar.py)."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
 
-import pytest
 from split_helpers import MODEL, make_chain
 
-from meshllm.engine.base import CompletionRequest, Finish, GenerationEvent, GenerationParams, TextDelta, Unsupported
+from meshllm.engine.base import CompletionRequest, Finish, GenerationEvent, GenerationParams, TextDelta
 from meshllm.split.engine import SplitEngine
 
 
@@ -23,7 +23,7 @@ def _request(**kwargs: object) -> CompletionRequest:
                              continuation=continuation)  # type: ignore[arg-type]
 
 
-def test_split_engine_tokens_continuation_and_refusals(tiny_model: Path) -> None:
+def test_split_engine_tokens_and_continuation(tiny_model: Path) -> None:
     async def main() -> None:
         chain = await make_chain(tiny_model, [0, 3, 6])
         engine = SplitEngine(tiny_model, MODEL, 256)
@@ -40,11 +40,6 @@ def test_split_engine_tokens_continuation_and_refusals(tiny_model: Path) -> None
             ids = tuple(engine.tokenizer.encode("Hello"))  # type: ignore[union-attr]
             by_ids = await _events(engine, _request(prompt=ids, max_tokens=10))
             assert [e for e in by_ids if isinstance(e, TextDelta)] == [e for e in events if isinstance(e, TextDelta)]
-            with pytest.raises(Unsupported) as grammar:
-                await _events(engine, _request(grammar='root ::= "a"'))
-            with pytest.raises(Unsupported) as logprobs:
-                await _events(engine, _request(logprobs=1))
-            assert (grammar.value.param, logprobs.value.param) == ("response_format", "logprobs")
         finally:
             await engine.close()
             await chain.close()

@@ -6,9 +6,10 @@ Each forward step (and the sampling after it) runs in a worker thread via ``asyn
 event loop only moves tokens. Requests take turns on one lock (a stage computes one step at a time);
 a consumer that stops iterating cancels its request before the next token.
 
-It honours token-id prompts and a request's ``continuation`` (prefilled with the prompt and fed
-silently through the text core). Grammars and logprobs are refused by :func:`check_supported` (a 400
-naming the field) rather than ignored.
+It honours token-id prompts, a request's ``continuation`` (prefilled with the prompt and fed
+silently through the text core and the grammar), grammars (llama.cpp's grammar sampler over the
+vocabulary loaded alone, on the first request that has one: :mod:`meshllm.engine.constrained`) and
+logprobs (of the raw logits, as the llama.cpp engine reports them).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from meshllm.engine.base import (
+    GRAMMAR,
+    LOGPROBS,
     TOKEN_PROMPTS,
     Engine,
     EngineBusy,
@@ -30,21 +33,24 @@ from meshllm.engine.base import (
     GenerationEvent,
     GenerationRequest,
     LoadReport,
+    TokenLogprob,
     TokenRate,
     Unsupported,
     check_supported,
     context_cap,
 )
+from meshllm.engine.constrained import Grammar, Vocab
+from meshllm.engine.gbnf import check_grammar
 from meshllm.engine.ggml.errors import StageInputError
 from meshllm.engine.ggml.stage import StageModel
 from meshllm.engine.kernels import Kernels
-from meshllm.engine.sampler import Sampler, sampling_params
+from meshllm.engine.sampler import Sampler, check_logprobs, logprob_entry, sampling_params, token_logprobs
 from meshllm.engine.text import TextStream, token_budget
 from meshllm.engine.tokenizer import Tokenizer
 from meshllm.models.metadata import read_metadata
 from meshllm.models.refs import ModelRef
 
-SUPPORTS = frozenset({TOKEN_PROMPTS})
+SUPPORTS = frozenset({GRAMMAR, LOGPROBS, TOKEN_PROMPTS})
 """Optional request features the ggml runtime's engines honour (the engine contract's capability names)."""
 
 
@@ -92,6 +98,8 @@ class GgmlEngine(Engine):
         self.queue_timeout_s = queue_timeout_s
         self.stage: StageModel | None = None
         self.tokenizer: Tokenizer | None = None
+        self._vocab: Vocab | None = None
+        """The vocabulary for grammars, loaded by the first request that has one."""
         self._turn = asyncio.Lock()
         self._queued = 0
         self._running = 0
@@ -111,6 +119,7 @@ class GgmlEngine(Engine):
         """Free the model; a request in flight fails at its next token with :class:`EngineNotLoaded`."""
         stage, tokenizer = self.stage, self.tokenizer
         self.stage = self.tokenizer = None
+        self._vocab = None  # freed once no request's grammar holds it
         if tokenizer is not None:
             tokenizer.close()
         if stage is not None:
@@ -162,24 +171,33 @@ class GgmlEngine(Engine):
 
     async def _generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         stage, tokenizer = self._require()
+        params = request.params
+        check_logprobs(params)
         prompt, stop_strings = await asyncio.to_thread(self.prompt_tokens, request)
-        limit = token_budget(len(prompt), stage.max_context, request.params.max_tokens, self.model_id)
-        sampler = Sampler(sampling_params(request.params))
+        limit = token_budget(len(prompt), stage.max_context, params.max_tokens, self.model_id)
         text = TextStream(is_end=tokenizer.is_end, token_bytes=tokenizer.token_bytes, stops=stop_strings,
                           limit=limit, prompt_tokens=len(prompt))
         fed = replay(text, request, stage.hparams.vocab)
+        grammar = None
+        if params.grammar and not text.done:
+            grammar = await asyncio.to_thread(self._grammar, params.grammar, fed)
+        sampler = Sampler(sampling_params(params), grammar)
         history = prompt + fed
         session = uuid.uuid4().hex
         started = time.monotonic()
-        step: asyncio.Future[int] | None = None
+        step: asyncio.Future[tuple[int | None, TokenLogprob | None]] | None = None
         try:
             pos = 0
             while not text.done:
-                step = asyncio.ensure_future(asyncio.to_thread(self._step, session, history, pos, sampler))
-                token = await step
+                step = asyncio.ensure_future(asyncio.to_thread(self._step, session, history, pos, sampler,
+                                                               params.logprobs))
+                token, logprob = await step
+                if token is None:  # the grammar allows nothing more: the text is complete
+                    text.reason, text.done = "stop", True
+                    break
                 pos = len(history)
                 history.append(token)
-                delta = text.feed(token)
+                delta = text.feed(token, logprob=logprob)
                 if delta is not None:
                     yield delta
         finally:
@@ -190,17 +208,38 @@ class GgmlEngine(Engine):
                     await asyncio.shield(step)
             if self.stage is not None:
                 self.stage.reset(session)
+            if grammar is not None:
+                grammar.close()
             self._rate.observe(text.generated - len(fed), started, time.monotonic())
         for event in text.finish():
             yield event
 
-    def _step(self, session: str, history: list[int], pos: int, sampler: Sampler) -> int:
-        """Worker thread: feed ``history[pos:]`` and sample the next token."""
-        stage = self.stage
-        if stage is None:
+    def _grammar(self, text: str, fed: list[int]) -> Grammar:
+        """Worker thread: ``text`` compiled over the model's vocabulary, advanced over the continuation."""
+        vocab = self._vocab
+        if vocab is None:
+            check_grammar(text)  # a bad grammar is refused before the vocabulary is loaded for it
+            self._vocab = vocab = Vocab(self.path)
+        grammar = Grammar(vocab, text)
+        try:
+            grammar.replay(fed)
+        except BaseException:
+            grammar.close()
+            raise
+        return grammar
+
+    def _step(self, session: str, history: list[int], pos: int, sampler: Sampler,
+              logprobs: int | None) -> tuple[int | None, TokenLogprob | None]:
+        """Worker thread: feed ``history[pos:]``, sample the next token (``None``: the grammar is complete)
+        and, when asked, its logprobs."""
+        stage, tokenizer = self.stage, self.tokenizer
+        if stage is None or tokenizer is None:
             raise EngineNotLoaded(f"model {self.model_id} was unloaded during the request")
         try:
-            logits = stage.forward(session, np.asarray(history[pos:], dtype=np.int64), pos, last_only=True)
+            logits = stage.forward(session, np.asarray(history[pos:], dtype=np.int64), pos, last_only=True)[-1]
         except StageInputError as exc:
             raise EngineNotLoaded(f"model {self.model_id}: {exc}") from exc
-        return sampler(logits[-1], history)
+        token = sampler(logits, history)
+        if token is None or logprobs is None:
+            return token, None
+        return token, logprob_entry(tokenizer.token_bytes, token, *token_logprobs(logits, token, logprobs))

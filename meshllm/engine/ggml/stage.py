@@ -99,6 +99,8 @@ class StageModel:
         self._pad: KVCache | None = None
         self._costs = CallCosts()
         """Seconds per decode call by rows: whether a batch of lone rows runs faster as one-row calls."""
+        self.path: Path | None = None
+        """The GGUF (or stage file) it was loaded from: a last stage reads its vocabulary there for grammars."""
 
     @classmethod
     def load(cls, path: str | Path, layer_start: int = 0, layer_end: int | None = None, *,
@@ -133,7 +135,9 @@ class StageModel:
         except BaseException:
             backends.close()
             raise
-        return cls(hp, plan, weights, backends, max_context=context, kv_type=kv_type, flash_attn=flash_attn)
+        stage = cls(hp, plan, weights, backends, max_context=context, kv_type=kv_type, flash_attn=flash_attn)
+        stage.path = path
+        return stage
 
     # -- what it is ----------------------------------------------------------------------------
 

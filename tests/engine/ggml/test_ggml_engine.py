@@ -103,15 +103,6 @@ def test_continuation_resumes_where_another_engine_stopped(engine: GgmlEngine) -
     assert text.endswith("".join(e.text for e in rest if isinstance(e, TextDelta)))
 
 
-def test_grammar_and_logprobs_are_refused_not_ignored(engine: GgmlEngine) -> None:
-    with pytest.raises(Unsupported) as info:
-        _run(engine, _completion(grammar='root ::= "a"'))
-    assert info.value.param == "response_format"
-    with pytest.raises(Unsupported) as info:
-        _run(engine, _completion(logprobs=2))
-    assert info.value.param == "logprobs"
-
-
 def test_seed_reproduces(engine: GgmlEngine) -> None:
     a = _run(engine, _completion(max_tokens=10, temperature=1.0, seed=5))
     b = _run(engine, _completion(max_tokens=10, temperature=1.0, seed=5))

@@ -1,0 +1,173 @@
+"""Structured output, logprobs and forced tool calls on a split chain and on ``--engine ggml``, with the
+official ``openai`` client against real nodes started through the CLI.
+
+Three servers of the same tool model (``tinymodels.write_tiny_tool_model`` with two blocks, so it
+splits): a solo llama.cpp node (the reference), a solo ``--engine ggml`` node, and a 2-stage chain
+(a ``--split force`` coordinator and a ``--worker`` that fetches its layers as a stage file and reads
+the vocabulary for the grammar from it). Every greedy answer of the chain and of the ggml node must
+equal the llama.cpp node's; logprobs must agree within float tolerance (the runtimes compute the same
+logits; on this f32 model they can differ in the last bits).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import openai
+import pytest
+from nodes import NodeProcess, running_nodes, wait_until
+from tinymodels import TOOL_MODEL, TOOL_MODEL_REPLY, write_tiny_tool_model
+
+pytestmark = [pytest.mark.timeout(300)]
+
+T = TypeVar("T")
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "days", "sunny", "kind"],
+          "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"},
+                         "sunny": {"type": "boolean"}, "kind": {"enum": ["rain", "sun"]}}}
+JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True}}
+# after a tool result the model would answer "OK": only the grammar makes it call again
+DONE: list[Any] = [*ASK, {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+    "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, NodeProcess]]:
+    """``llama`` (reference), ``ggml`` and ``split`` (the chain's coordinator), each answering for the model."""
+    tmp = tmp_path_factory.mktemp("structured")
+    gguf = write_tiny_tool_model(tmp / f"{TOOL_MODEL}.gguf", blocks=2)
+    with running_nodes() as nodes:
+        llama = NodeProcess(tmp / "llama", ["--model", str(gguf), "--threads", "1"], "llama")
+        ggml = NodeProcess(tmp / "ggml", ["--model", str(gguf), "--engine", "ggml", "--threads", "1"], "ggml")
+        coord = NodeProcess(tmp / "c", ["--model", str(gguf), "--split", "force", "--stages", "2", "--threads", "1"],
+                            "coord")
+        nodes += [llama, ggml, coord]
+        token = coord.wait_ready()["invite"]
+        worker = NodeProcess(tmp / "w", ["--worker", "--join", token, "--threads", "1"], "w")
+        nodes.append(worker)
+        ready = coord.wait_event(lambda e: e["type"] == "split_ready" and len(e["stages"]) == 2, 120.0)
+        assert ready["model"] == TOOL_MODEL
+        llama.wait_ready()
+        ggml.wait_ready()
+        worker.wait_ready()
+        models = worker.home / "models"  # the last stage has only its stage file to read the vocabulary from
+        assert not list(models.glob("*.gguf")) and len(list((models / "stages").glob("*.gguf"))) == 1
+        yield {"llama": llama, "ggml": ggml, "split": coord}
+
+
+def client(node: NodeProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{node.api}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def ask(node: NodeProcess, call: Callable[[openai.OpenAI], T], attempts: int = 4) -> T:
+    """``call`` against ``node``; a chain that missed a stage deadline on this loaded host answers 503
+    while it replans: wait for it to be ready and ask again (any other error fails the test)."""
+    for attempt in range(attempts):
+        try:
+            return call(client(node))
+        except openai.APIStatusError as exc:
+            if exc.status_code != 503 or attempt == attempts - 1:
+                raise
+            wait_until(lambda: all(s["state"] == "ready" for s in node.status()["splits"]), 60.0, interval=0.2)
+    raise AssertionError("unreachable")
+
+
+def _chain_passes(coord: NodeProcess) -> int:
+    """Decode passes the coordinator's chain has run (its speculation counters count every pass)."""
+    (split,) = coord.status()["splits"]
+    return int(split["speculation"]["passes"])
+
+
+def check_weather(text: str) -> dict[str, Any]:
+    """The JSON parses and validates against SCHEMA (checked by hand: no schema library is a dependency)."""
+    value = json.loads(text)
+    assert isinstance(value, dict) and set(value) == {"city", "days", "sunny", "kind"}, value
+    assert isinstance(value["city"], str) and len(value["city"]) <= 12
+    assert isinstance(value["days"], int) and not isinstance(value["days"], bool)
+    assert isinstance(value["sunny"], bool) and value["kind"] in ("rain", "sun")
+    return value
+
+
+@pytest.mark.parametrize("engine", ["split", "ggml"])
+def test_json_schema_output_validates_and_equals_llama(servers: dict[str, NodeProcess], engine: str) -> None:
+    def create(c: openai.OpenAI) -> str:
+        reply = c.chat.completions.create(model=TOOL_MODEL, messages=ASK, response_format=JSON_SCHEMA,  # type: ignore
+                                          temperature=0, max_tokens=200)
+        assert reply.choices[0].finish_reason == "stop"
+        return reply.choices[0].message.content or ""
+
+    expected = ask(servers["llama"], create)
+    check_weather(expected)
+    passes = _chain_passes(servers["split"])
+    text = ask(servers[engine], create)
+    check_weather(text)
+    assert text == expected
+    if engine == "split":  # the chain answered, not some other engine of the coordinator
+        assert _chain_passes(servers["split"]) > passes
+
+    def streamed(c: openai.OpenAI) -> str:
+        chunks = c.chat.completions.create(model=TOOL_MODEL, messages=ASK, response_format=JSON_SCHEMA,  # type: ignore
+                                           temperature=0, max_tokens=200, stream=True)
+        return "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+
+    assert ask(servers[engine], streamed) == expected
+    json_object = ask(servers[engine], lambda c: c.chat.completions.create(
+        model=TOOL_MODEL, messages=ASK, response_format={"type": "json_object"}, temperature=0,  # type: ignore
+        max_tokens=100).choices[0].message.content or "")
+    assert isinstance(json.loads(json_object), dict)
+
+
+def _close(mine: list[float], theirs: list[float]) -> None:
+    assert mine == pytest.approx(theirs, abs=1e-3)
+
+
+@pytest.mark.parametrize("engine", ["split", "ggml"])
+def test_logprobs_with_top_3_equal_llama(servers: dict[str, NodeProcess], engine: str) -> None:
+    def chat(c: openai.OpenAI) -> list[Any]:
+        reply = c.chat.completions.create(model=TOOL_MODEL, messages=ASK, logprobs=True, top_logprobs=3,  # type: ignore
+                                          temperature=0)
+        assert reply.choices[0].message.content == TOOL_MODEL_REPLY and reply.choices[0].logprobs is not None
+        return reply.choices[0].logprobs.content or []
+
+    expected, got = ask(servers["llama"], chat), ask(servers[engine], chat)
+    assert [t.token for t in got] == [t.token for t in expected] == ["O", "K"]
+    for mine, theirs in zip(got, expected, strict=True):
+        assert len(mine.top_logprobs) == 3 and mine.bytes == theirs.bytes
+        assert [t.token for t in mine.top_logprobs] == [t.token for t in theirs.top_logprobs]
+        _close([mine.logprob, *(t.logprob for t in mine.top_logprobs)],
+               [theirs.logprob, *(t.logprob for t in theirs.top_logprobs)])
+
+    def complete(c: openai.OpenAI) -> Any:
+        return c.completions.create(model=TOOL_MODEL, prompt="abc", max_tokens=12, logprobs=3,
+                                    temperature=0).choices[0]
+
+    ref, ours = ask(servers["llama"], complete), ask(servers[engine], complete)
+    assert ours.text == ref.text == "defghijklmno"
+    assert ours.logprobs.tokens == ref.logprobs.tokens
+    _close(ours.logprobs.token_logprobs, ref.logprobs.token_logprobs)
+    for mine_top, ref_top in zip(ours.logprobs.top_logprobs, ref.logprobs.top_logprobs, strict=True):
+        assert list(mine_top) == list(ref_top) and len(mine_top) == 3
+        _close(list(mine_top.values()), list(ref_top.values()))
+
+
+@pytest.mark.parametrize("engine", ["split", "ggml"])
+def test_a_named_tool_choice_forces_a_call(servers: dict[str, NodeProcess], engine: str) -> None:
+    def forced(c: openai.OpenAI) -> list[tuple[str, dict[str, Any]]]:
+        reply = c.chat.completions.create(model=TOOL_MODEL, messages=DONE, tools=[WEATHER],  # type: ignore[arg-type]
+                                          tool_choice=NAMED, temperature=0)  # type: ignore[arg-type]
+        assert reply.choices[0].finish_reason == "tool_calls"
+        return [(t.function.name, json.loads(t.function.arguments)) for t in reply.choices[0].message.tool_calls or []]
+
+    expected = ask(servers["llama"], forced)
+    calls = ask(servers[engine], forced)
+    assert calls == expected and calls and all(name == "get_weather" and "city" in args for name, args in calls)
+    free = ask(servers[engine], lambda c: c.chat.completions.create(model=TOOL_MODEL, messages=DONE,  # type: ignore
+                                                                    tools=[WEATHER]).choices[0].message.content)
+    assert free == TOOL_MODEL_REPLY  # without the grammar the model would not have called
