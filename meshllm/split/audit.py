@@ -25,6 +25,7 @@ first input differs from what the coordinator itself sent, *lied* to the coordin
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -98,7 +99,8 @@ def audit_ranges(chain: Sequence[Hop], cost: Callable[[int, int], int], bound: i
 
 
 def sampler_params(sampling: Sampling) -> SamplingParams:
-    return SamplingParams(**msgspec.structs.asdict(sampling))
+    """The sampler settings of a chain's ``Sampling`` (its grammar and logprobs fields are not the sampler's)."""
+    return SamplingParams(**{f.name: getattr(sampling, f.name) for f in dataclasses.fields(SamplingParams)})
 
 
 class TokenChecker:

@@ -7,7 +7,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from meshllm.engine.sampler import Sampler, SamplingParams
+from meshllm.engine.sampler import Sampler
 from meshllm.split.audit import (
     EXPIRED,
     BadRecord,
@@ -18,6 +18,7 @@ from meshllm.split.audit import (
     audit_ranges,
     check_record,
     rows_close,
+    sampler_params,
     schedule,
 )
 from meshllm.split.frames import Hop, Sampling
@@ -51,7 +52,7 @@ def test_sampled_tokens_must_be_the_seeded_draw() -> None:
     sampling = Sampling(temperature=0.9, top_k=30, seed=42)
     rng = np.random.default_rng(0)
     rows = [rng.standard_normal(300).astype(np.float32) * 3 for _ in range(40)]
-    sampler, history, drawn = Sampler(SamplingParams(**msgspec.structs.asdict(sampling))), [], []
+    sampler, history, drawn = Sampler(sampler_params(sampling)), [], []
     for row in rows:
         drawn.append(sampler(row, history))
         history.append(drawn[-1])

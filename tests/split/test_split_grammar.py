@@ -89,8 +89,10 @@ def test_split_grammar_and_logprobs_equal_the_whole_model(tiny_model: Path, spec
             for mine, theirs in zip(logprobs, reference[2], strict=True):
                 assert (mine.token_id, mine.piece, [t.token_id for t in mine.top]) == \
                     (theirs.token_id, theirs.piece, [t.token_id for t in theirs.top])
+                # float32 weights: a chain pads a lone decode row (batch_exact), which rounds the last bits
+                # differently from the whole model's one-row kernel
                 assert [mine.logprob, *(t.logprob for t in mine.top)] == \
-                    pytest.approx([theirs.logprob, *(t.logprob for t in theirs.top)], abs=1e-6)
+                    pytest.approx([theirs.logprob, *(t.logprob for t in theirs.top)], abs=1e-3)
     if speculate == "on":  # drafts were verified under the grammar: some kept, some rejected
         assert stats["verify_passes"] > 0 and 0 < stats["accepted"] < stats["drafted"], stats
 
