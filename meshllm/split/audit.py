@@ -25,7 +25,6 @@ first input differs from what the coordinator itself sent, *lied* to the coordin
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -36,7 +35,7 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
-from meshllm.engine.sampler import Sampler, SamplingParams
+from meshllm.engine.sampler import Sampler
 from meshllm.split.frames import Hop, Sampling, SessionId
 
 AUDIT_RATE = 0.05
@@ -98,11 +97,6 @@ def audit_ranges(chain: Sequence[Hop], cost: Callable[[int, int], int], bound: i
 # -- judging tokens ------------------------------------------------------------------------------
 
 
-def sampler_params(sampling: Sampling) -> SamplingParams:
-    """The sampler settings of a chain's ``Sampling`` (its grammar and logprobs fields are not the sampler's)."""
-    return SamplingParams(**{f.name: getattr(sampling, f.name) for f in dataclasses.fields(SamplingParams)})
-
-
 class TokenChecker:
     """Judges a request's tokens one position at a time, with the last stage's sampler state.
 
@@ -111,7 +105,7 @@ class TokenChecker:
     """
 
     def __init__(self, sampling: Sampling, prompt: Sequence[int], eps: float = LOGIT_EPS) -> None:
-        params = sampler_params(sampling)
+        params = sampling.params()
         penalties = params.repeat_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
         self.sampler = Sampler(params)
         self.history = list(prompt) if penalties else []

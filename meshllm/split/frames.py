@@ -28,6 +28,7 @@ read, so the receiver can refuse that session alone and keep the lane (and the o
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from typing import Annotated, Literal
@@ -36,7 +37,7 @@ import msgspec
 from msgspec import Meta
 
 from meshllm.engine.gbnf import MAX_GRAMMAR_CHARS
-from meshllm.engine.sampler import MAX_LOGPROBS
+from meshllm.engine.sampler import MAX_LOGPROBS, SamplingParams
 from meshllm.split import codec
 from meshllm.split.codec import Dtype
 from meshllm.split.errors import BadFrame
@@ -93,6 +94,10 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     the grammar has produced them already, and the last stage advances it over them first."""
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     """``k``: every :class:`Tokens` carries each token's logprob and its ``k`` most likely alternatives."""
+
+    def params(self) -> SamplingParams:
+        """The sampler's own settings (the grammar and logprobs fields are not the sampler's)."""
+        return SamplingParams(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingParams)})
 
 
 class Open(msgspec.Struct, frozen=True, kw_only=True, tag="open"):

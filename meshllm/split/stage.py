@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -54,7 +53,7 @@ from meshllm.engine.base import InvalidRequest
 from meshllm.engine.constrained import Grammar, Vocab
 from meshllm.engine.gbnf import check_grammar
 from meshllm.engine.ggml import StageModel
-from meshllm.engine.sampler import Sampler, SamplingParams, token_logprobs
+from meshllm.engine.sampler import Sampler, token_logprobs
 from meshllm.errors import MeshllmError
 from meshllm.net import Endpoint, NetError, PeerConnection, PeerEvent, PeerEventKind, Stream
 from meshllm.split import codec
@@ -394,7 +393,7 @@ class StageServer:
     def _sampler(self, held: _Hosted, sampling: Sampling) -> Sampler:
         """Worker thread: a last stage's sampler for a session, its grammar (checked first: a peer can
         send anything) compiled over the stage file's vocabulary and advanced over the continuation."""
-        params = SamplingParams(**{f.name: getattr(sampling, f.name) for f in dataclasses.fields(SamplingParams)})
+        params = sampling.params()
         if sampling.grammar is None:
             return Sampler(params)
         check_grammar(sampling.grammar)

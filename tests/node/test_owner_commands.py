@@ -211,7 +211,7 @@ def test_models_load_and_unload_on_the_node_itself(mesh: Mesh) -> None:
     assert unauthorised.status_code == 401
     extra = httpx.post(f"{mesh.alpha.api}/api/models/load", json={"model": "x", "engine": "ggml"},
                        headers=mesh.alpha.admin_headers, timeout=5)
-    assert extra.status_code == 422 and "engine" in extra.text
+    assert extra.status_code == 400 and extra.json()["error"]["param"] == "engine"  # a field the route does not know
 
 
 # ---- refusals: each changes nothing and is logged by the node it was meant for ------------------------
