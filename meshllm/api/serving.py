@@ -196,14 +196,16 @@ class Serving:
         await engine.load()
         self.loaded[engine.model_id] = self._engine
         self.engines[engine.model_id] = engine
-        self._hash(ref, engine.model_id)
         self.events.publish("model_ready", model=engine.model_id, engine=self._engine,
                             context=engine.context_length, slots=engine.load_report().slots,
                             load_s=round(time.monotonic() - started, 2))
-        if self.store is not None:
-            task = asyncio.create_task(self._index(ref), name=f"index-{ref.model_id}")
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        if ref.sha256:
+            self.hashes[engine.model_id] = ref.sha256
+        # one pass over the file learns its sha256: the library's indexing when there is one
+        work = self._index(ref) if self.store is not None else self._hash(ref, engine.model_id)
+        task = asyncio.create_task(work, name=f"hash-{ref.model_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
         return engine
 
     def announce(self) -> None:
@@ -236,7 +238,8 @@ class Serving:
         return ref
 
     async def _index(self, ref: ModelRef) -> None:
-        """Add a loaded model to the library (hashing it, off the loop) so peers may fetch it."""
+        """Add a loaded model to the library (hashing it, off the loop) so peers may fetch it, and
+        learn its sha256 for replays on the way."""
         assert self.store is not None
         try:
             entry = await asyncio.to_thread(self.store.library.add, ref.path, source="file", owned=False,
@@ -245,6 +248,7 @@ class Serving:
             log.warning("could not add %s to the model library: %s", ref.path, exc)
             return
         if ref.model_id in self.engines:
+            self.hashes[ref.model_id] = entry.id
             self.store.library.pin(entry)  # in use: never evicted or removed while served
         self.store.changed()
 
@@ -261,24 +265,15 @@ class Serving:
         if sha256:
             self.hashes[engine.model_id] = sha256
 
-    def _hash(self, ref: ModelRef, model_id: str) -> None:
-        """Learn the model file's sha256 without holding up serving (a big file takes seconds)."""
-        if ref.sha256:
-            self.hashes[model_id] = ref.sha256
+    async def _hash(self, ref: ModelRef, model_id: str) -> None:
+        """Learn the model file's sha256 (without a library) off the loop: a big file takes seconds."""
+        try:
+            digest = (await asyncio.to_thread(ref.hashed, self.hash_cache)).sha256
+        except OSError as exc:
+            log.warning("cannot hash %s (replays of its requests take any file of that name): %s", ref.path, exc)
             return
-
-        async def run() -> None:
-            try:
-                digest = (await asyncio.to_thread(ref.hashed, self.hash_cache)).sha256
-            except OSError as exc:
-                log.warning("cannot hash %s (replays of its requests take any file of that name): %s", ref.path, exc)
-                return
-            if digest and model_id in self.engines:
-                self.hashes[model_id] = digest
-
-        task = asyncio.create_task(run(), name=f"hash-{model_id}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        if digest and model_id in self.engines:
+            self.hashes[model_id] = digest
 
     @staticmethod
     def _make_engine(engine: str, ref: Any, threads: int | None, gpu_layers: int | None, parallel: int | None,
