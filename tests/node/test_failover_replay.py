@@ -27,6 +27,10 @@ MODEL = "wide"
 USER = "session-7"
 KILL_AT = 50
 """Chunks the client has read when the serving node is killed."""
+SURFACE_KILL_AT = 10
+"""The same for the chat, Responses and Anthropic surfaces, whose clients (Anthropic's most) parse events
+more slowly than the server makes them: on a slow CI host, 50 events in, the server had already sent the
+whole answer, so there was nothing left to replay."""
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +188,7 @@ Seen = tuple[str, int, str]
 
 
 def chat_stream(c: NodeProcess, kill: Callable[[], None]) -> Seen:
-    """Seeded chat completion, streamed (``kill`` runs after KILL_AT chunks)."""
+    """Seeded chat completion, streamed (``kill`` runs after SURFACE_KILL_AT chunks)."""
     chunks = client_of(c).chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": ASK}], max_tokens=200, seed=9, stream=True,  # type: ignore[arg-type]
         stream_options={"include_usage": True}, temperature=0.8, top_p=0.95)
@@ -194,7 +198,7 @@ def chat_stream(c: NodeProcess, kill: Callable[[], None]) -> Seen:
         text += (chunk.choices[0].delta.content or "") if chunk.choices else ""
         reason = (chunk.choices[0].finish_reason or reason) if chunk.choices else reason
         usage = chunk.usage.completion_tokens if chunk.usage else usage
-        if i + 1 == KILL_AT:
+        if i + 1 == SURFACE_KILL_AT:
             kill()
     assert len(ids) == 1
     return text, usage, reason
@@ -208,7 +212,7 @@ def responses_stream(c: NodeProcess, kill: Callable[[], None]) -> Seen:
         for event in stream:
             if event.type == "response.output_text.delta":
                 deltas += 1
-                if deltas == KILL_AT:
+                if deltas == SURFACE_KILL_AT:
                     kill()
             elif event.type in ("response.completed", "response.incomplete"):  # the helper wants "completed"
                 final = event.response
@@ -225,7 +229,7 @@ def messages_stream(c: NodeProcess, kill: Callable[[], None]) -> Seen:
     for event in events:
         if event.type == "content_block_delta" and event.delta.type == "text_delta":
             text, deltas = text + event.delta.text, deltas + 1
-            if deltas == KILL_AT:
+            if deltas == SURFACE_KILL_AT:
                 kill()
         elif event.type == "message_delta":
             usage, reason = event.usage.output_tokens, event.delta.stop_reason or ""
