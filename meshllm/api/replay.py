@@ -85,7 +85,8 @@ class Progress:
     model_sha256: str | None = None
     """The sha256 of the model file the first node served (a replacement must hold the same file)."""
     blind: bool = False
-    """A delta carried text but no token ids (an engine that does not report them): not replayable."""
+    """A delta before the tail carried text but no token ids (an engine that does not report them): not
+    replayable."""
     finished: bool = False
     tail_sent: bool = False
     """The engine's tail delta reached the client: a replacement's text is all sent already."""
@@ -101,8 +102,8 @@ class Progress:
     def sent(self, event: TunnelEvent, now: float) -> None:
         """An event is about to reach the client."""
         if isinstance(event, TextDelta):
-            if event.text and not event.tokens:
-                self.blind = True
+            if event.text and not event.tokens and not event.final:
+                self.blind = True  # (a tail may carry none: the end of a character whose tokens were sent)
             self.tokens.extend(event.tokens)
             self.tail_sent = self.tail_sent or event.final
             if self.last_at is not None:

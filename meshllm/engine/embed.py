@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import threading
 import weakref
 from array import array
@@ -35,12 +34,12 @@ class LlamaEmbedder:
     """A llama.cpp context with embeddings enabled over one GGUF, loaded on first use."""
 
     def __init__(self, path: Path, model_id: str, *, context: int, pooling: int | None,
-                 threads: int | None = None) -> None:
+                 threads: int) -> None:
         self.path = path
         self.model_id = model_id
         self.context = context
         self._pooling = pooling
-        self._threads = threads or max(1, min(8, os.cpu_count() or 1))
+        self._threads = threads
         self._llama: Any = None
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"embed-{model_id}")
@@ -126,7 +125,7 @@ def embedder_for(engine: Engine) -> LlamaEmbedder:
         meta = engine.metadata
         pooling = meta.fields.get(f"{meta.architecture}.pooling_type")
         embedder = LlamaEmbedder(engine.path, engine.model_id, context=engine.context_length,
-                                 pooling=int(pooling) if isinstance(pooling, int) else None)
+                                 pooling=int(pooling) if isinstance(pooling, int) else None, threads=engine.threads)
         _EMBEDDERS[engine] = embedder
         weakref.finalize(engine, embedder.close)
     return embedder

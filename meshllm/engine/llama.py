@@ -191,7 +191,8 @@ class LlamaEngine(Engine):
         self.path = model.path if isinstance(model, ModelRef) else Path(model)
         self.model_id = model_id or (model.model_id if isinstance(model, ModelRef) else self.path.stem)
         self._n_ctx = n_ctx
-        self._threads = n_threads or max(1, min(8, os.cpu_count() or 1))
+        self.threads = n_threads or max(1, min(8, os.cpu_count() or 1))
+        """CPU threads of every llama.cpp context this model opens (its embedder's too)."""
         self._n_gpu_layers = n_gpu_layers
         self._parallel = parallel
         self.max_queue = max_queue
@@ -243,13 +244,13 @@ class LlamaEngine(Engine):
         try:
             n_ctx_seq = context_cap(meta.context_length, self._n_ctx)
             parallel = self._parallel or default_parallel(meta, n_ctx_seq)
-            probe = probe_windows(model, self._threads, self.window + 1, self.pad_lone_rows)
+            probe = probe_windows(model, self.threads, self.window + 1, self.pad_lone_rows)
             self.unavailable = probe.differs
             if self.pad_lone_rows is None:
                 self.pad_lone_rows = probe.pad_lone_rows
             n_seq = parallel + (1 if self.pad_lone_rows else 0)
             ctx = NativeContext(model, n_seq=n_seq, n_ctx_seq=n_ctx_seq, n_batch=max(self.prefill_chunk, n_seq) + 1,
-                                threads=self._threads)
+                                threads=self.threads)
             self._render, self.chat_format = chat_renderer(_TemplateTokens(model), meta.family, meta.chat_template,
                                                            self._chat_format_override)
         except BaseException:

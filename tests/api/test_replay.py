@@ -30,6 +30,7 @@ from meshllm.engine.base import (
     Usage,
 )
 from meshllm.engine.llama import LlamaEngine
+from meshllm.engine.text import TextStream
 
 
 def completion(**params: object) -> CompletionRequest:
@@ -69,6 +70,22 @@ def test_what_is_never_replayed(events: tuple[GenerationEvent, ...], exc: Except
     for event in events:
         progress.sent(event, 0.0)
     assert why in (progress.why_not(exc) or "")
+
+
+def test_a_tail_without_token_ids_is_still_replayable() -> None:
+    """The length limit cut a character in half: the tail is its replacement mark, and its token was
+    sent already with the text before it. A replacement's text is then all sent: only its finish passes."""
+    text = TextStream(is_end=lambda _t: False, token_bytes={1: b"a", 2: "b\u00e9".encode()[:2]}.__getitem__,
+                      stops=(), limit=2, prompt_tokens=3)
+    events = [text.feed(1), text.feed(2), *text.finish()]
+    tail = events[2]
+    assert isinstance(tail, TextDelta) and tail.final and tail.text == "\ufffd" and tail.tokens == ()
+    progress = Progress(completion())
+    for event in events[:3]:
+        assert event is not None
+        progress.sent(event, 0.0)
+    assert progress.why_not(UpstreamError("gone")) is None and progress.tokens == [1, 2]
+    assert not progress.passes(TextDelta("x", (9,))) and progress.passes(Finish(reason="length", usage=Usage(3, 2)))
 
 
 def test_at_most_max_replays() -> None:

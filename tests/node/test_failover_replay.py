@@ -127,10 +127,11 @@ def test_non_streamed_answer_survives_the_kill(mesh: tuple[NodeProcess, NodeProc
     a1, a2, c = mesh
     messages = [{"role": "user", "content": "Tell me a long story."}]
     chat = client_of(c).chat.completions
-    started = time.monotonic()
-    reference = chat.create(model=MODEL, messages=messages, max_tokens=200, user=USER, seed=5,  # type: ignore[arg-type]
-                            temperature=0.7)
-    took = time.monotonic() - started
+    for _warm in range(2):  # the second is timed: a node's first request is slower than the one to kill
+        started = time.monotonic()
+        reference = chat.create(model=MODEL, messages=messages, max_tokens=200, user=USER, seed=5,  # type: ignore[arg-type]
+                                temperature=0.7)
+        took = time.monotonic() - started
     assert reference.usage is not None and reference.usage.completion_tokens == 200
 
     result: dict[str, Any] = {}
@@ -145,7 +146,7 @@ def test_non_streamed_answer_survives_the_kill(mesh: tuple[NodeProcess, NodeProc
     wait_until(lambda: served((a1, a2)) != before, 10.0, interval=0.02)
     owner = the_one_serving((a1, a2), before)
     other = a2 if owner is a1 else a1
-    time.sleep(took * 0.3)  # about a third of the answer in, however fast this host runs today
+    time.sleep(took * 0.25)  # about a quarter of the answer in, however fast this host runs today
     owner.kill()
     asking.join(60)
     reply = result["reply"]
