@@ -72,7 +72,9 @@ def plan(agent: str, api: str, model: str, *, api_key: str | None = None, contex
         return Launch(["codex", "-c", provider, "-c", "model_provider=meshllm", *window, "-m", model, *args],
                       {"MESHLLM_API_KEY": key})
     if agent == "opencode":
-        limits: dict[str, Any] = {"limit": {"context": context, "output": min(context, 4096)}} if context else {}
+        # opencode compacts the conversation whenever input + output could overflow context - output:
+        # an output limit equal to the context compacted after every turn, forever (seen with a 4K model).
+        limits: dict[str, Any] = {"limit": {"context": context, "output": min(context // 4, 4096)}} if context else {}
         config = {"$schema": "https://opencode.ai/config.json",
                   "provider": {"meshllm": {"npm": "@ai-sdk/openai-compatible", "name": "meshllm",
                                            "options": {"baseURL": api + "/v1", "apiKey": key},

@@ -3,9 +3,9 @@
 The last tests install real agents from the npm registry (pinned versions, into a cache folder
 reused by later runs) and have each complete one turn against a node serving the tiny tool
 model. Codex sends its Responses request with its tools, the model calls a tool Codex does not
-have, Codex answers with the error, and the model's reply ends the turn; Claude Code in print
-mode sends a Messages request and prints the reply. They are skipped, saying why, when npm or
-the package cannot be had.
+have, Codex answers with the error, and the model's reply ends the turn; opencode does the same
+over chat completions; Claude Code in print mode sends a Messages request and prints the reply.
+They are skipped, saying why, when npm or the package cannot be had.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ pytestmark = pytest.mark.timeout(300)
 API = "http://127.0.0.1:9999"
 CODEX = "@openai/codex@0.171.0"
 CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.197"
+OPENCODE = "opencode-ai@1.18.33"
 """The agent versions the real-agent tests were written against (their flags change between releases)."""
 
 
@@ -60,7 +61,7 @@ def test_opencode_gets_an_openai_compatible_provider() -> None:
     provider = config["provider"]["meshllm"]
     assert provider["npm"] == "@ai-sdk/openai-compatible" and provider["options"] == {"baseURL": f"{API}/v1",
                                                                                       "apiKey": "k"}
-    assert provider["models"]["m"]["limit"] == {"context": 8192, "output": 4096}
+    assert provider["models"]["m"]["limit"] == {"context": 8192, "output": 2048}  # room left for input
     assert config["model"] == config["small_model"] == "meshllm/m" and job.argv == ["opencode"]
 
 
@@ -137,9 +138,9 @@ def installed(package: str, command: str) -> Path:
 
 def run_agent(agent: str, binary: Path, api: str, args: list[str], home: Path) -> subprocess.CompletedProcess[str]:
     """``meshllm launch <agent> --api <api> -- <args>`` with the installed agent first on PATH."""
-    home.mkdir()
+    home.mkdir(exist_ok=True)
     env = {**os.environ, "PATH": f"{binary.parent}{os.pathsep}{os.environ['PATH']}", "HOME": str(home),
-           "CODEX_HOME": str(home)}
+           "CODEX_HOME": str(home), "PWD": str(home)}  # opencode finds its project by $PWD, as a shell sets it
     return subprocess.run([sys.executable, "-m", "meshllm", "launch", agent, "--api", api, "--", *args],
                           capture_output=True, text=True, env=env, timeout=120, stdin=subprocess.DEVNULL, cwd=home)
 
@@ -166,3 +167,20 @@ def test_claude_code_in_print_mode_completes_a_turn_against_the_node(node: NodeP
                                                   "--system-prompt", "Answer briefly."], tmp_path / "h")
     assert done.returncode == 0, done.stderr[-2000:] + done.stdout[-2000:]
     assert done.stdout.strip() == TOOL_MODEL_REPLY
+
+
+def test_opencode_runs_a_turn_with_a_tool_call_against_the_node(node: NodeProcess, tmp_path: Path) -> None:
+    """opencode's chat-completions turn: the model calls a tool opencode lacks, opencode answers with the
+    error, the model's reply ends the turn. The node's 4,096-token context is what launch gives opencode:
+    with an output limit as large as the context, opencode compacted after every reply and never ended."""
+    binary = installed(OPENCODE, "opencode")
+    project = tmp_path / "h"
+    project.mkdir()
+    # opencode's own prompt and tools are ~40 KB (one token per byte for the tiny model): a project
+    # config keeps one tool and a one-line prompt (launch's config is merged over it).
+    (project / "opencode.json").write_text(json.dumps(
+        {"agent": {"build": {"prompt": "Answer briefly.", "tools": {"*": False, "read": True}}}}))
+    done = run_agent("opencode", binary, node.api, ["run", "Say hi"], project)
+    assert done.returncode == 0, done.stderr[-2000:] + done.stdout[-2000:]
+    assert "get_weather" in done.stderr and "Available tools: read" in done.stderr, done.stderr[-2000:]
+    assert done.stdout.strip() == TOOL_MODEL_REPLY, done.stdout[-2000:]
