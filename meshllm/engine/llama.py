@@ -120,6 +120,8 @@ class EngineStats:
     decode_calls: int = 0
     decode_rows: int = 0
     """Generated tokens decoded, over ``decode_calls`` batches (their ratio is the mean batch)."""
+    headless_rows: int = 0
+    """Of ``decode_rows``, continuation tokens decoded without the output head (their next token is known)."""
     prefill_chunks: int = 0
 
 
@@ -584,7 +586,7 @@ class LlamaEngine(Engine):
                 tokens += window
                 pos += range(e.pos, e.pos + len(window))
                 seqs += [e.slot] * len(window)
-                outputs += [True] * len(window)
+                outputs += [self._needs_logits(e.slot), *[True] * (len(window) - 1)]
             else:
                 pads.append(e)
                 tokens.append(e[0])
@@ -608,8 +610,22 @@ class LlamaEngine(Engine):
         self.stats.decode_rows += len(real)
         for row in real:
             draft = drafts.get(row.slot, [])
+            if not outputs[first[row.slot]]:
+                self.stats.headless_rows += 1
+                self._after_logits(row.slot, [], row)
+                continue
             logits = [self._ctx.logits(first[row.slot] + i) for i in range(len(draft) + 1)]
             self._after_logits(row.slot, logits, row, draft)
+
+    def _needs_logits(self, index: int) -> bool:
+        """Whether slot ``index``'s decode row needs its logits: not while it replays a continuation
+        (the next token is known, and a forced slot never drafts), unless padding is on (there the
+        number of output rows changes the head's kernel for the others). The KV of a row is the same
+        either way: llama.cpp drops non-output rows only after the last layer's attention. On the
+        default model the 262k-row head is over half of a decode step."""
+        assert self._sched is not None
+        job = self._sched.slots[index].job
+        return self.pad_lone_rows or job is None or not job.forced
 
     def _prefill(self, chunk: Chunk) -> None:
         """One grid chunk of a prompt; its last chunk gives the first token."""
@@ -651,8 +667,9 @@ class LlamaEngine(Engine):
         """Sample the slot's next tokens, send their text, and continue or finish the request.
 
         ``logits`` are the rows of the slot's last call: one (a prefill's last chunk, or the decode
-        ``row``) or a window, ``row`` then ``draft``. A window keeps what
-        :func:`~meshllm.engine.speculate.verify_window` keeps, and its other positions leave the KV.
+        ``row``) or a window, ``row`` then ``draft``; none for a continuation's row
+        (:meth:`_needs_logits`). A window keeps what :func:`~meshllm.engine.speculate.verify_window`
+        keeps, and its other positions leave the KV.
         """
         assert self._sched is not None
         job = self._sched.slots[index].job

@@ -13,7 +13,9 @@ import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
+from gguf import GGMLQuantizationType
 from tinymodels import write_tiny_llama
 
 from meshllm.api.errors import BadRequest, NoCapacity, UpstreamError, UpstreamTimeout
@@ -181,3 +183,34 @@ def test_a_stall_is_a_silence_much_longer_than_the_streams_gaps() -> None:
     progress.begin("a")
     assert progress.stall_s() is None  # no replay left to hedge with
     assert Progress(completion(), ReplayPolicy(hedge=False)).stall_s() is None
+
+
+def test_replayed_tokens_skip_the_output_head_and_change_nothing(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """With row-exact kernels (a quantized model: no padding) a continuation's rows compute the layers
+    only, since the next token is known: alone (a call with no output row) and beside another slot's
+    generation in one batch. Neither answer changes."""
+    path = write_tiny_llama(tmp_path_factory.mktemp("q8") / "q8.gguf", seed=4, weight_type=GGMLQuantizationType.Q8_0)
+    engine = LlamaEngine(path, n_ctx=512, n_threads=1, parallel=2)
+    asyncio.run(engine.load())
+    try:
+        assert not engine.pad_lone_rows
+        request, other = completion(temperature=0.0, max_tokens=40), completion(temperature=0.0, max_tokens=60)
+        other = msgspec.structs.replace(other, prompt="A different story")
+
+        def ids(events: list[GenerationEvent]) -> list[int]:
+            return [t for e in events if isinstance(e, TextDelta) for t in e.tokens]
+
+        tokens, other_tokens = ids(asyncio.run(events_of(engine, request))), ids(asyncio.run(events_of(engine, other)))
+        resume = msgspec.structs.replace(request, continuation=tuple(tokens[:30]))
+        before = engine.stats.headless_rows
+        assert ids(asyncio.run(events_of(engine, resume))) == tokens[30:]
+        assert engine.stats.headless_rows - before == 29  # the 30th row's logits give the 31st token
+
+        async def side_by_side() -> tuple[list[GenerationEvent], list[GenerationEvent]]:
+            return await asyncio.gather(events_of(engine, other), events_of(engine, resume))
+
+        beside, resumed = asyncio.run(side_by_side())
+        assert ids(resumed) == tokens[30:] and ids(beside) == other_tokens
+        assert engine.stats.headless_rows - before == 58
+    finally:
+        asyncio.run(engine.close())
