@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import msgspec
 from msgspec import msgpack
 from nacl.signing import SigningKey
@@ -203,6 +204,92 @@ class InitialFlood:
                 for _ in range(batch):
                     sock.sendto(garbage_initial(), self.addr)
                     self.sent += 1
+
+
+class EdgeAbuse:
+    """Abuses a node's local HTTP API from a thread: ``half_open`` connections that send a request line
+    and one header, then nothing (slowloris), topped up as the node closes them; a body dripped a byte
+    a second; and, in turn, management calls without the admin token, a foreign ``Host`` header (DNS
+    rebinding), bad JSON and a body over the cap. ``statuses`` counts what each kind got (0: no answer)."""
+
+    PARTIAL = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
+
+    def __init__(self, api: str, model: str, half_open: int = 300, body_cap: int = 4 * 1024 * 1024) -> None:
+        self.api = api
+        host, port = api.removeprefix("http://").rsplit(":", 1)
+        self.addr = (host, int(port))
+        self.model = model
+        self.half_open = half_open
+        self.body_cap = body_cap
+        self.opened = 0
+        self.statuses: dict[str, dict[int, int]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> EdgeAbuse:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        held: list[socket.socket] = []
+        drip = socket.create_connection(self.addr, timeout=5)
+        drip.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json"
+                     b"\r\ncontent-length: 100000\r\n\r\n")
+        calls = self._calls()
+        with httpx.Client(base_url=self.api, timeout=10) as client:
+            try:
+                for turn in range(1_000_000):
+                    if self._stop.wait(0.1):
+                        break
+                    held = [s for s in held if not _closed(s)]
+                    for _ in range(min(20, self.half_open - len(held))):
+                        with contextlib.suppress(OSError):
+                            sock = socket.create_connection(self.addr, timeout=5)
+                            sock.sendall(self.PARTIAL)
+                            held.append(sock)
+                            self.opened += 1
+                    with contextlib.suppress(OSError):
+                        drip.send(b"{")
+                    kind, (method, path, headers, body) = calls[turn % len(calls)]
+                    try:
+                        status = client.request(method, path, headers=headers, content=body).status_code
+                    except httpx.HTTPError:
+                        status = 0
+                    counts = self.statuses.setdefault(kind, {})
+                    counts[status] = counts.get(status, 0) + 1
+            finally:
+                for sock in [*held, drip]:
+                    sock.close()
+
+    def _calls(self) -> list[tuple[str, tuple[str, str, dict[str, str], bytes]]]:
+        json_type = {"content-type": "application/json"}
+        chat = msgspec.json.encode({"model": self.model, "max_tokens": 1,
+                                    "messages": [{"role": "user", "content": "x" * (self.body_cap + 1024)}]})
+        return [
+            ("management_without_token", ("POST", "/api/invite", json_type, b'{"ttl_s": 86400, "max_uses": 0}')),
+            ("management_without_token", ("POST", "/api/publish", json_type, b'{"name": "stolen"}')),
+            ("foreign_host", ("GET", "/v1/models", {"host": "rebind.attacker.test"}, b"")),
+            ("bad_json", ("POST", "/v1/chat/completions", json_type, b'{"model": ')),
+            ("over_the_cap", ("POST", "/v1/chat/completions", json_type, chat)),
+        ]
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Whether the node is done with ``sock``: closed it, or answered (a 408) and will."""
+    sock.setblocking(False)
+    try:
+        sock.recv(65536)
+        return True  # an answer (a held request is never complete) or the end of the stream
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    finally:
+        sock.setblocking(True)
 
 
 # -- attack routines (shared by the single-finding tests' campaign and the soak) ----------------

@@ -5,10 +5,12 @@ real invite (the one A printed) and, for the whole run, keeps: flooding digests 
 the answers to, opening stage lanes with unfinished 31 MiB frames, dripping gossip streams, forging
 down notices about A and B, pushing fake node ids, and sending garbage QUIC Initials. Whenever A cools
 one identity down it joins again under a fresh key (the invite is unlimited, as a mesh's printed
-invite is). Meanwhile 8 chat loops (4 on A, 4 routed through B) must all succeed, A's RSS must stay
-within 100 MB of its baseline, B must never be marked down, and a new node must still be able to join.
-
-The HTTP-edge attacks join this soak once they exist (issue 18, part B).
+invite is). At the same time a local process abuses A's HTTP API: 600 half-open connections (more
+than A's connection cap), a body dripped a byte a second, management calls without the admin token,
+a foreign ``Host`` header, bad JSON and bodies over the cap. Meanwhile 8 chat loops (4 on A, 4
+routed through B) must all succeed, A's RSS must stay within 100 MB of its baseline, B must never
+be marked down, a new node must still be able to join, and every abusive HTTP call must get its
+clear refusal (401, 403, 400, 413) and change nothing.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import openai
 import pytest
 from attacker import (
     Attacker,
+    EdgeAbuse,
     InitialFlood,
     drip,
     flood_digests,
@@ -191,7 +194,8 @@ def test_a_hostile_member_for_sixty_seconds(tmp_path: Path) -> None:
         baseline = rss_mb(a.proc.pid)
 
         joined: list[float] = []
-        with Watch(a, b) as watch, Chats(a, b) as chats, InitialFlood(a.mesh_addr, 1000.0) as flood:
+        with Watch(a, b) as watch, Chats(a, b) as chats, InitialFlood(a.mesh_addr, 1000.0) as flood, \
+                EdgeAbuse(a.api, MODEL, half_open=600) as edge:
             until = time.monotonic() + SOAK_S
             result: dict[str, dict[str, int]] = {}
             attacker = threading.Thread(target=lambda: result.setdefault("counts", asyncio.run(campaign(a, b, until))))
@@ -204,6 +208,8 @@ def test_a_hostile_member_for_sixty_seconds(tmp_path: Path) -> None:
             wait_until(lambda: sees(a, newcomer.node_id), 15.0)
             joined.append(time.monotonic() - start)
             attacker.join(SOAK_S + 60)
+        published = httpx.get(a.api + "/api/publish", headers={"authorization": f"Bearer {a.admin_token}"},
+                              timeout=10).json()["published"]
         cooled = sum(1 for e in a.events if e["type"] == "peer_cooled")
         cooled_honest = [e for n in (a, b) for e in n.events
                          if e["type"] == "peer_cooled" and e["node_id"] in (a.node_id, b.node_id)]
@@ -220,6 +226,8 @@ def test_a_hostile_member_for_sixty_seconds(tmp_path: Path) -> None:
         "a_not_alive_at_b": sum(1 for s in watch.a_at_b if s not in ("alive",)),
         "samples": len(watch.b_at_a), "newcomer_join_s": round(joined[0], 2) if joined else None,
         "cooled_down": cooled, "honest_cooled_down": len(cooled_honest), **result.get("counts", {}),
+        "http_half_open_opened": edge.opened,
+        **{f"http_{kind}": dict(sorted(got.items())) for kind, got in edge.statuses.items()},
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "soak.json").write_text(json.dumps(summary, indent=2))
@@ -229,3 +237,7 @@ def test_a_hostile_member_for_sixty_seconds(tmp_path: Path) -> None:
     assert summary["b_not_alive_at_a"] == 0, watch.b_at_a
     assert joined, "a new node could not join"
     assert not cooled_honest, cooled_honest
+    refusals = {"management_without_token": 401, "foreign_host": 403, "bad_json": 400, "over_the_cap": 413}
+    for kind, status in refusals.items():
+        assert set(edge.statuses.get(kind, {})) == {status}, (kind, edge.statuses)
+    assert edge.opened > 600 and not published, "half-open connections were closed and replaced; nothing published"
