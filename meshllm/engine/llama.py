@@ -262,7 +262,9 @@ class LlamaEngine(Engine):
         self._n_ctx_seq = min(n_ctx_seq, ctx.n_ctx_seq)
         self.parallel = parallel
         if self.unavailable is not None and self.speculate != "off":
-            log.info("llama engine %s: no speculation: %s", self.model_id, self.unavailable)
+            # asked for (``on``): say why it is refused; ``auto`` only tried, so only the debug log hears
+            log.log(logging.WARNING if self.speculate == "on" else logging.DEBUG,
+                    "llama engine %s: no speculation: %s", self.model_id, self.unavailable)
             self.speculate = self.spec.mode = "off"
         for rows, seconds in probe.call_s.items():  # the window pricing starts from the probe's timings
             self._costs.observe(rows, seconds)
