@@ -27,6 +27,8 @@ MODEL = "wide"
 USER = "session-7"
 KILL_AT = 50
 """Chunks the client has read when the serving node is killed."""
+ANSWER = 600
+"""Tokens of the non-streamed answer."""
 SURFACE_KILL_AT = 10
 """The same for the chat, Responses and Anthropic surfaces, whose clients (Anthropic's most) parse events
 more slowly than the server makes them: on a slow CI host, 50 events in, the server had already sent the
@@ -124,20 +126,23 @@ def test_stream_continues_on_the_other_node_with_the_uninterrupted_text(
 
 
 def test_non_streamed_answer_survives_the_kill(mesh: tuple[NodeProcess, NodeProcess, NodeProcess]) -> None:
+    """A 600-token answer (3x the streams'): the kill must land while the serving node still generates,
+    and the client cannot see how far it is, so the answer is long enough that a quarter of its time
+    outlasts finding the serving node (two status calls per poll) on a slow host."""
     a1, a2, c = mesh
     messages = [{"role": "user", "content": "Tell me a long story."}]
     chat = client_of(c).chat.completions
     for _warm in range(2):  # the second is timed: a node's first request is slower than the one to kill
         started = time.monotonic()
-        reference = chat.create(model=MODEL, messages=messages, max_tokens=200, user=USER, seed=5,  # type: ignore[arg-type]
+        reference = chat.create(model=MODEL, messages=messages, max_tokens=ANSWER, user=USER, seed=5,  # type: ignore[arg-type]
                                 temperature=0.7)
         took = time.monotonic() - started
-    assert reference.usage is not None and reference.usage.completion_tokens == 200
+    assert reference.usage is not None and reference.usage.completion_tokens == ANSWER
 
     result: dict[str, Any] = {}
 
     def ask() -> None:
-        result["reply"] = chat.create(model=MODEL, messages=messages, max_tokens=200, user=USER, seed=5,  # type: ignore[arg-type]
+        result["reply"] = chat.create(model=MODEL, messages=messages, max_tokens=ANSWER, user=USER, seed=5,  # type: ignore[arg-type]
                                       temperature=0.7)
 
     before = served((a1, a2))
@@ -151,11 +156,12 @@ def test_non_streamed_answer_survives_the_kill(mesh: tuple[NodeProcess, NodeProc
     asking.join(60)
     reply = result["reply"]
     replayed = c.wait_event(lambda e: e["type"] == "request_replayed", 5.0)
-    print(f"non-streamed: continued on the other node after {replayed['tokens']} tokens")
-    assert replayed["node_id"] == other.node_id and 0 < replayed["tokens"] < 200
+    print(f"non-streamed: {ANSWER} tokens in {took:.2f} s; continued on the other node after "
+          f"{replayed['tokens']} tokens")
+    assert replayed["node_id"] == other.node_id and 0 < replayed["tokens"] < ANSWER
     assert reply.choices[0].message.content == reference.choices[0].message.content
     assert reply.choices[0].finish_reason == reference.choices[0].finish_reason == "length"
-    assert reply.usage is not None and reply.usage.completion_tokens == 200
+    assert reply.usage is not None and reply.usage.completion_tokens == ANSWER
     assert reply.usage.prompt_tokens == reference.usage.prompt_tokens
 
 
