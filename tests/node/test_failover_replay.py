@@ -93,10 +93,10 @@ def stream_and_kill(c: NodeProcess, servers: tuple[NodeProcess, ...], kill: bool
         if chunk.choices:
             text += chunk.choices[0].text
         usage = chunk.usage or usage
-        if i + 1 == KILL_AT:
+        if i == 0:  # found now, so that the kill at KILL_AT is not late by two status calls
             victim = the_one_serving(servers, before)
-            if kill:
-                victim.kill()
+        if i + 1 == KILL_AT and kill and victim is not None:
+            victim.kill()
     assert len(ids) == 1 and victim is not None, "one id for the whole stream"
     return text, [b - a for a, b in itertools.pairwise(times)], usage, victim
 
