@@ -12,6 +12,7 @@ stops iterating early (``aclose()``, or cancellation of its task when an HTTP cl
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import Any, Literal
@@ -27,6 +28,12 @@ DEFAULT_MAX_CONTEXT = 4096
 DEFAULT_MAX_TOKENS = 1024
 """Tokens generated for a request that sets no ``max_tokens`` (``meshllm serve --max-tokens-default``):
 a client that forgets the field must not hold a slot until the context is full."""
+
+
+def default_threads() -> int:
+    """CPU threads for compute when the caller does not choose: the machine's cores, up to 8 (as llama.cpp's
+    engine). Every engine uses this one rule."""
+    return max(1, min(8, os.cpu_count() or 1))
 
 
 def context_cap(trained: int, requested: int | None = None, *, cap: int = DEFAULT_MAX_CONTEXT) -> int:

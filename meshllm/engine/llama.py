@@ -44,7 +44,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-import os
 import statistics
 import threading
 import time
@@ -73,6 +72,7 @@ from meshllm.engine.base import (
     LoadReport,
     TokenRate,
     context_cap,
+    default_threads,
 )
 from meshllm.engine.capacity import total_ram_bytes
 from meshllm.engine.chat_format import ChatTemplate, chat_renderer
@@ -193,7 +193,7 @@ class LlamaEngine(Engine):
         self.path = model.path if isinstance(model, ModelRef) else Path(model)
         self.model_id = model_id or (model.model_id if isinstance(model, ModelRef) else self.path.stem)
         self._n_ctx = n_ctx
-        self.threads = n_threads or max(1, min(8, os.cpu_count() or 1))
+        self.threads = n_threads or default_threads()
         """CPU threads of every llama.cpp context this model opens (its embedder's too)."""
         self._n_gpu_layers = n_gpu_layers
         self._parallel = parallel

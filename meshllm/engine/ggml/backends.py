@@ -19,11 +19,11 @@ way, matching llama.cpp's choice is what makes our logits bit-identical to its o
 from __future__ import annotations
 
 import ctypes
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from meshllm.engine.base import default_threads
 from meshllm.engine.ggml import lib
 from meshllm.engine.ggml.errors import UnsupportedModel
 from meshllm.engine.ggml.graph import Graph, T
@@ -32,11 +32,6 @@ DeviceKind = Literal["cpu", "gpu", "igpu", "accel"]
 _KINDS: dict[int, DeviceKind] = {lib.DEV_CPU: "cpu", lib.DEV_GPU: "gpu", lib.DEV_IGPU: "igpu", lib.DEV_ACCEL: "accel"}
 WeightOp = Literal["matmul", "rows", "mul", "add", "rope"]
 """How a weight is used: matrix product, row lookup (embeddings), norm scale, bias, rope factors."""
-
-
-def default_threads() -> int:
-    """CPU threads for compute when the caller does not choose: the machine's cores, up to 8 (as llama.cpp's engine)."""
-    return max(1, min(8, os.cpu_count() or 1))
 
 
 @dataclass(frozen=True)
