@@ -311,6 +311,10 @@ class _Run:
 
     async def finish(self) -> None:
         self.c.batcher.leave(self)
+        # a pass holding this session's step may be computing: let it go out first (without the step),
+        # so the Stop below cannot overtake it on the lane and the first stage is not reset under it
+        if (sending := self.c.batcher.sending.get(self)) is not None:
+            await asyncio.wait([sending], timeout=self.c.deadlines.decode_timeout)
         for undo in self._cleanup:
             undo()
         self.c.first.reset(self.session)
@@ -459,6 +463,8 @@ class _Batcher:
         self.ready: list[_Ready] = []
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self.sending: dict[_Run, asyncio.Task[None]] = {}
+        """Sessions whose step is in a pass being computed or sent, with that pass's task."""
         self.passes = 0
         """Passes sent (each one frame down the chain)."""
         self.steps = 0
@@ -525,7 +531,15 @@ class _Batcher:
             self._cancel_timer()
         task = asyncio.get_running_loop().create_task(self._send(group))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        for r in group:
+            self.sending[r.run] = task
+        task.add_done_callback(lambda t: self._sent(t, group))
+
+    def _sent(self, task: asyncio.Task[None], group: list[_Ready]) -> None:
+        self._tasks.discard(task)
+        for r in group:
+            if self.sending.get(r.run) is task:
+                del self.sending[r.run]
 
     async def _send(self, group: list[_Ready]) -> None:
         """The first stage's rows for the whole group, then one frame down the chain for it."""
@@ -549,9 +563,10 @@ class _Batcher:
         try:
             outs, first_s = await self.c._compute.run("first", len(group) == 1 and len(group[0].ids) == 1, compute)
             lanes: dict[int, tuple[_Run, list[Decode | Verify]]] = {}  # (a lane replaced meanwhile: its own frame)
-            for r, x in zip(group, outs, strict=True):
-                if x is None:
+            for i, (r, x) in enumerate(zip(group, outs, strict=True)):
+                if x is None or r.sent.done():  # (a session that left while the pass was computed: not sent)
                     r.sent.cancel()
+                    outs[i] = None
                     continue
                 fields = {"session": r.run.session, "pos": r.pos, "n_tokens": len(r.ids), "dtype": r.run.dtype,
                           "shape": x.shape, "activations": codec.encode(x, r.run.dtype)}

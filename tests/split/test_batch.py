@@ -216,3 +216,38 @@ def test_a_request_cancelled_at_any_moment_leaves_the_others_exact(tiny_model: P
     for others in runs:
         assert others == [a for i, a in enumerate(alone) if i != 2]
     assert left == 0
+
+
+def test_a_request_cancelled_while_its_pass_is_computed_leaves_the_pass_to_the_others(tiny_model: Path) -> None:
+    """The race the timed cancellations above only hit sometimes, forced: the client goes away while the
+    first stage computes the pass holding its step. The pass goes down the chain without that step, and
+    the session's Stop follows it (a Stop first made stage 1 refuse the whole pass, failing the others)."""
+    async def main() -> tuple[list[list[int]], list[object], int, int]:
+        chain = await make_chain(tiny_model, [0, 3, 6], speculate="off")
+        coord, loop = chain.coordinator, asyncio.get_running_loop()
+        try:
+            alone = [await _run(coord, *r) for r in REQUESTS]
+            tasks: list[asyncio.Task[list[int]]] = []
+            real, hits = coord.first.forward_batch, []
+
+            def forward_batch(steps, **kw):  # type: ignore[no-untyped-def]
+                victim = next((s for s, x, _ in steps if s == "r2" and len(x) == 1), None)
+                if victim is not None and len(steps) > 1 and not hits:
+                    hits.append(len(steps))
+                    loop.call_soon_threadsafe(tasks[2].cancel)
+                    time.sleep(0.3)  # the loop runs the cancelled request's cleanup meanwhile
+                return real(steps, **kw)
+
+            coord.first.forward_batch = forward_batch  # type: ignore[method-assign]
+            tasks.extend(asyncio.create_task(_run(coord, *r, session=f"r{i}")) for i, r in enumerate(REQUESTS))
+            done = await asyncio.gather(*tasks, return_exceptions=True)
+            await until(lambda: sum(s.sessions for s in chain.servers[1:]) == 0)
+            return alone, list(done), len(hits), sum(s.sessions for s in chain.servers[1:])
+        finally:
+            await chain.close()
+
+    alone, done, hit, left = asyncio.run(main())
+    assert hit == 1  # the cancellation did land inside a pass's compute
+    assert isinstance(done[2], asyncio.CancelledError)
+    assert [d for i, d in enumerate(done) if i != 2] == [a for i, a in enumerate(alone) if i != 2]
+    assert left == 0
