@@ -29,11 +29,29 @@ class Compute:
         self._last: dict[str, float] = {}
 
     async def run(self, kind: str, small: bool, fn: Callable[[], T]) -> T:
-        """``fn()`` inline if ``small`` and the last ``kind`` step was quick, else in a thread."""
-        async with self.lock:
-            if small and self._last.get(kind, float("inf")) < self.inline_max_s:
+        """``fn()`` inline if ``small`` and the last ``kind`` step was quick, else in a thread.
+
+        A caller cancelled while its ``fn`` runs in the thread gets :class:`asyncio.CancelledError` at
+        once, but the lock stays held until the thread is done: the next step never overlaps it.
+        """
+        await self.lock.acquire()
+        if small and self._last.get(kind, float("inf")) < self.inline_max_s:
+            try:
                 return self._timed(kind, fn)
-            return await asyncio.to_thread(self._timed, kind, fn)
+            finally:
+                self.lock.release()
+        try:
+            work = asyncio.ensure_future(asyncio.to_thread(self._timed, kind, fn))
+        except BaseException:
+            self.lock.release()
+            raise
+        work.add_done_callback(self._done)
+        return await asyncio.shield(work)
+
+    def _done(self, work: asyncio.Future[object]) -> None:
+        self.lock.release()
+        if not work.cancelled():
+            work.exception()  # (retrieved: a cancelled caller no longer awaits it)
 
     def _timed(self, kind: str, fn: Callable[[], T]) -> T:
         started = time.perf_counter()

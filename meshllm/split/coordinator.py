@@ -142,6 +142,8 @@ class SplitCoordinator:
         self.batcher = _Batcher(self, batch)
         self.prefill_sent = 0
         """Prompt tokens sent down the chain so far: prefill work a later step may queue behind."""
+        self._releases: set[asyncio.Task[None]] = set()
+        """Ended sessions still freeing their first-stage KV and sending their Stop."""
 
     @property
     def serve_seconds(self) -> float | None:
@@ -214,7 +216,9 @@ class SplitCoordinator:
                 self.on_stage_failed(exc)
             raise
         finally:
-            await run.finish()
+            # the release runs to its end even if this task is cancelled again meanwhile (anyio's
+            # cancel scopes re-cancel every await of a request whose client went away)
+            await asyncio.shield(run.finish())
 
     def batching_status(self) -> dict[str, object]:
         """Batching figures for ``/api/status``: sessions per pass allowed, passes sent, their mean size."""
@@ -309,15 +313,26 @@ class _Run:
             c._observe_stages(first_s, reply.compute_ms, len(ids), len(reply.token_ids))
         return reply
 
-    async def finish(self) -> None:
+    def finish(self) -> asyncio.Task[None]:
+        """End the session: leave the batcher and the reply routing now, then (in the returned task,
+        which the coordinator keeps) free its first-stage KV and send ``Stop`` down the chain."""
         self.c.batcher.leave(self)
-        # a pass holding this session's step may be computing: let it go out first (without the step),
-        # so the Stop below cannot overtake it on the lane and the first stage is not reset under it
-        if (sending := self.c.batcher.sending.get(self)) is not None:
-            await asyncio.wait([sending], timeout=self.c.deadlines.decode_timeout)
         for undo in self._cleanup:
             undo()
-        self.c.first.reset(self.session)
+        task = asyncio.get_running_loop().create_task(self._release(self.c.batcher.sending.get(self)))
+        self.c._releases.add(task)
+        task.add_done_callback(self.c._releases.discard)
+        return task
+
+    async def _release(self, sending: asyncio.Task[None] | None) -> None:
+        # a pass holding this session's step may be computing: it goes out first (without the step), so
+        # the Stop cannot overtake it on the lane and the first stage is not reset under it; the pass is
+        # bounded by its compute and its lane sends' deadline
+        if sending is not None:
+            await asyncio.wait([sending])
+        first, session = self.c.first, self.session
+        # through the node's compute runner: a reset on the loop would stall it while a step holds the stage
+        await self.c._compute.run("reset", True, lambda: first.reset(session))
         if self.lane is not None and self.lane.closed is None:
             with contextlib.suppress(NetError):
                 await self.lane.send(Stop(session=self.session))
@@ -562,7 +577,7 @@ class _Batcher:
 
         try:
             outs, first_s = await self.c._compute.run("first", len(group) == 1 and len(group[0].ids) == 1, compute)
-            lanes: dict[int, tuple[_Run, list[Decode | Verify]]] = {}  # (a lane replaced meanwhile: its own frame)
+            lanes: dict[int, list[tuple[int, Decode | Verify]]] = {}  # (a lane replaced meanwhile: its own frame)
             for i, (r, x) in enumerate(zip(group, outs, strict=True)):
                 if x is None or r.sent.done():  # (a session that left while the pass was computed: not sent)
                     r.sent.cancel()
@@ -570,10 +585,17 @@ class _Batcher:
                     continue
                 fields = {"session": r.run.session, "pos": r.pos, "n_tokens": len(r.ids), "dtype": r.run.dtype,
                           "shape": x.shape, "activations": codec.encode(x, r.run.dtype)}
-                lanes.setdefault(id(r.run.lane), (r.run, []))[1].append(
-                    Verify(**fields, draft=r.draft) if r.draft else Decode(**fields))
-            for run, frames in lanes.values():
-                await run._send(frames[0] if len(frames) == 1 else Batch(steps=frames))
+                lanes.setdefault(id(r.run.lane), []).append(
+                    (i, Verify(**fields, draft=r.draft) if r.draft else Decode(**fields)))
+            for items in lanes.values():
+                frames = [frame for _, frame in items]
+                try:
+                    await group[items[0][0]].run._send(frames[0] if len(frames) == 1 else Batch(steps=frames))
+                except StageFailed as exc:  # that lane's sessions fail; those on the other lanes went on
+                    for i, _ in items:
+                        if not group[i].sent.done():
+                            group[i].sent.set_exception(exc)
+                        outs[i] = None
         except BaseException as exc:  # every session of the pass learns why (a first-stage error as it is)
             for r in group:
                 if r.sent.done():

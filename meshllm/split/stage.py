@@ -43,7 +43,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 
 import msgspec
@@ -169,6 +169,8 @@ class StageServer:
         self.recorder: Recorder | None = None
         """What this node's stages received and produced per session, for coordinators' audits (workers)."""
         self._work: dict[Lane, _LaneWork] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        """Failures and ends of sessions being sent on (held so they are not collected mid-way)."""
         """Per incoming lane, its frames in order: the lane's reader only queues them, so it answers Pings
         (liveness) at once even while many steps wait for compute."""
         endpoint.on_stream(KIND, self._serve, max_frame=LANE_FRAME_MAX)
@@ -293,7 +295,7 @@ class StageServer:
         elif isinstance(frame, Prefill):
             await self._prefill(session, frame)
         elif isinstance(frame, Reset | Stop):
-            session.stage.reset(frame.session)
+            await self._reset(session.stage, frame.session)
             session.history = list(session.open.history)
             if isinstance(frame, Stop):
                 del self._sessions[frame.session]
@@ -348,7 +350,7 @@ class StageServer:
                 return await self._refuse(lane, frame, BAD_REQUEST, str(exc))
             session.history = list(frame.history)
             session.held = held
-        stage.reset(frame.session)
+        await self._reset(stage, frame.session)
         self._sessions[frame.session] = session
         if self.recorder is not None:
             self.recorder.start(frame.session, coordinator=owner, model=frame.model,
@@ -553,8 +555,8 @@ class StageServer:
     async def _fail_upstream(self, session: _Session, code: str, message: str, stage: int) -> None:
         sid = session.open.session
         self._sessions.pop(sid, None)
-        session.stage.reset(sid)
         session.upstream.state.forget(sid)
+        await self._reset(session.stage, sid)
         await self._send_quietly(session.upstream, Error(session=sid, code=code, message=message, stage=stage))
 
     async def _send_quietly(self, lane: Lane, frame: LaneFrame) -> None:
@@ -584,17 +586,31 @@ class StageServer:
     def _fail_through(self, node_id: str, code: str, message: str) -> None:
         for session in [s for s in self._sessions.values() if s.downstream and s.downstream.peer_id == node_id]:
             culprit = 0 if session.last else session.open.index + 1
-            asyncio.get_running_loop().create_task(self._fail_upstream(session, code, message, culprit))
+            self._spawn(self._fail_upstream(session, code, message, culprit))
 
     def _upstream_closed(self, lane: Lane, reason: str) -> None:
         work = self._work.pop(lane, None)
         if work is not None and work.task is not None:
             work.task.cancel()
         for sid in [sid for sid, s in self._sessions.items() if s.upstream is lane]:
-            session = self._sessions.pop(sid)
-            session.stage.reset(sid)
-            if session.downstream is not None and not session.last and session.downstream.closed is None:
-                asyncio.get_running_loop().create_task(self._send_quietly(session.downstream, Stop(session=sid)))
+            self._spawn(self._end(self._sessions.pop(sid)))
+
+    async def _end(self, session: _Session) -> None:
+        """Free a session whose upstream is gone, and tell the next stage."""
+        sid = session.open.session
+        await self._reset(session.stage, sid)
+        if session.downstream is not None and not session.last and session.downstream.closed is None:
+            await self._send_quietly(session.downstream, Stop(session=sid))
+
+    async def _reset(self, stage: StageModel, session: str) -> None:
+        """Free ``session``'s KV through the node's compute runner: a reset on the loop would block it
+        (lanes, probes, the API) while a step in a worker thread holds the stage."""
+        await self.compute.run("reset", True, lambda: stage.reset(session))
+
+    def _spawn(self, work: Coroutine[object, object, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
 
 def _token_ids(out: np.ndarray | list[tuple[int, TokenLogprobs | None]]) -> np.ndarray | list[int]:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import anyio
 import pytest
 from net.net_helpers import until
 from split_helpers import MODEL, PROMPT, make_chain, solo_greedy
@@ -218,36 +220,141 @@ def test_a_request_cancelled_at_any_moment_leaves_the_others_exact(tiny_model: P
     assert left == 0
 
 
-def test_a_request_cancelled_while_its_pass_is_computed_leaves_the_pass_to_the_others(tiny_model: Path) -> None:
+@pytest.mark.parametrize("cancel", ["task", "anyio-scope"])
+def test_a_request_cancelled_while_its_pass_is_computed_leaves_the_pass_to_the_others(tiny_model: Path,
+                                                                                      cancel: str) -> None:
     """The race the timed cancellations above only hit sometimes, forced: the client goes away while the
     first stage computes the pass holding its step. The pass goes down the chain without that step, and
-    the session's Stop follows it (a Stop first made stage 1 refuse the whole pass, failing the others)."""
-    async def main() -> tuple[list[list[int]], list[object], int, int]:
+    the session's Stop follows it (a Stop first made stage 1 refuse the whole pass, failing the others).
+
+    ``anyio-scope`` cancels the way Starlette does when an HTTP client disconnects: the scope cancels
+    every await until the task leaves it, the cleanup's own awaits included; nothing may be left behind.
+    """
+    async def main() -> tuple[list[list[int]], list[object], int, int, list[object]]:
         chain = await make_chain(tiny_model, [0, 3, 6], speculate="off")
         coord, loop = chain.coordinator, asyncio.get_running_loop()
         try:
             alone = [await _run(coord, *r) for r in REQUESTS]
-            tasks: list[asyncio.Task[list[int]]] = []
+            stop_victim: list[Callable[[], object]] = []
             real, hits = coord.first.forward_batch, []
 
             def forward_batch(steps, **kw):  # type: ignore[no-untyped-def]
                 victim = next((s for s, x, _ in steps if s == "r2" and len(x) == 1), None)
                 if victim is not None and len(steps) > 1 and not hits:
                     hits.append(len(steps))
-                    loop.call_soon_threadsafe(tasks[2].cancel)
+                    loop.call_soon_threadsafe(stop_victim[0])
                     time.sleep(0.3)  # the loop runs the cancelled request's cleanup meanwhile
                 return real(steps, **kw)
 
+            async def victim() -> list[int]:
+                if cancel == "task":
+                    task = asyncio.create_task(_run(coord, *REQUESTS[2], session="r2"))
+                    stop_victim.append(task.cancel)
+                    return await task
+                async with anyio.create_task_group() as group:
+                    stop_victim.append(group.cancel_scope.cancel)
+                    group.start_soon(_run, coord, *REQUESTS[2], None, "r2")
+                raise asyncio.CancelledError  # (the scope swallowed it: report it the same way)
+
             coord.first.forward_batch = forward_batch  # type: ignore[method-assign]
-            tasks.extend(asyncio.create_task(_run(coord, *r, session=f"r{i}")) for i, r in enumerate(REQUESTS))
+            tasks = [asyncio.create_task(_run(coord, *r, session=f"r{i}")) if i != 2 else asyncio.create_task(victim())
+                     for i, r in enumerate(REQUESTS)]
             done = await asyncio.gather(*tasks, return_exceptions=True)
             await until(lambda: sum(s.sessions for s in chain.servers[1:]) == 0)
-            return alone, list(done), len(hits), sum(s.sessions for s in chain.servers[1:])
+            leftovers = [coord.first.session_length("r2"), "r2" in coord.server._replies]
+            return alone, list(done), len(hits), sum(s.sessions for s in chain.servers[1:]), leftovers
         finally:
             await chain.close()
 
-    alone, done, hit, left = asyncio.run(main())
+    alone, done, hit, left, leftovers = asyncio.run(main())
     assert hit == 1  # the cancellation did land inside a pass's compute
     assert isinstance(done[2], asyncio.CancelledError)
     assert [d for i, d in enumerate(done) if i != 2] == [a for i, a in enumerate(alone) if i != 2]
-    assert left == 0
+    assert left == 0 and leftovers == [0, False]  # no KV on any stage, no reply routing left
+
+
+def test_a_prompt_cancelled_mid_chunk_frees_its_kv_without_stalling_the_loop(tiny_model: Path) -> None:
+    """A client that goes away while the first stage computes its prompt chunk (in a worker thread): the
+    chunk runs to its end, and the session's KV is freed after it through the node's compute runner,
+    not on the event loop, which would block until the chunk let go of the stage (lanes, probes and the
+    API stall meanwhile, and peers may take the node for dead)."""
+    async def main() -> tuple[list[str], int, int]:
+        chain = await make_chain(tiny_model, [0, 3, 6], speculate="off")
+        coord, loop = chain.coordinator, asyncio.get_running_loop()
+        order: list[str] = []
+        real_forward, real_reset = coord.first.forward, coord.first.reset
+        task: asyncio.Task[list[int]] | None = None
+
+        def forward(session, inputs, pos, **kw):  # type: ignore[no-untyped-def]
+            if session == "victim" and not order:
+                order.append("chunk")
+                assert task is not None
+                loop.call_soon_threadsafe(task.cancel)
+                time.sleep(1.0)
+                order.append("chunk done")
+            return real_forward(session, inputs, pos, **kw)
+
+        def reset(session: str) -> None:
+            if session == "victim":
+                order.append("reset")
+            real_reset(session)
+
+        coord.first.forward, coord.first.reset = forward, reset  # type: ignore[method-assign]
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        clock = asyncio.create_task(ticker())
+        try:
+            task = asyncio.create_task(_run(coord, *REQUESTS[4], session="victim"))
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await until(lambda: "reset" in order, timeout=5)
+            return order, ticks, coord.first.session_length("victim")
+        finally:
+            clock.cancel()
+            await chain.close()
+
+    order, ticks, kv = asyncio.run(main())
+    assert order == ["chunk", "chunk done", "reset"] and kv == 0
+    assert ticks >= 30  # the loop ran on during the chunk's second (a blocked loop ticks about once)
+
+
+def test_a_lane_lost_under_a_pass_fails_only_its_own_sessions(tiny_model: Path) -> None:
+    """Sessions on two lanes to stage 1 (the pool replaced the first one's lane) share a pass; the older
+    lane closes while the pass is computed. Its session fails, naming stage 1; the others' frame goes on
+    their own lane and their text is what it is alone."""
+    async def main() -> tuple[list[list[int]], list[object], int]:
+        chain = await make_chain(tiny_model, [0, 3, 6], speculate="off")
+        coord, loop = chain.coordinator, asyncio.get_running_loop()
+        hop = coord.chain[1].node_id
+        try:
+            alone = [await _run(coord, *r) for r in REQUESTS[1:4]]
+            real, hits = coord.first.forward_batch, []
+            old: list[object] = []
+
+            def forward_batch(steps, **kw):  # type: ignore[no-untyped-def]
+                if "old" in {s for s, _, _ in steps} and len(steps) > 1 and not hits:
+                    hits.append(1)
+                    loop.call_soon_threadsafe(old[0].close, "test: lane lost")  # type: ignore[attr-defined]
+                    time.sleep(0.1)
+                return real(steps, **kw)
+
+            coord.first.forward_batch = forward_batch  # type: ignore[method-assign]
+            first = asyncio.create_task(_run(coord, *REQUESTS[0], session="old"))
+            await until(lambda: len(coord.batcher.decoding) == 1)
+            old.append(coord.server.pool._lanes.pop(hop))  # the next sessions dial a lane of their own
+            others = [asyncio.create_task(_run(coord, *r, session=f"new{i}")) for i, r in enumerate(REQUESTS[1:4])]
+            done = await asyncio.gather(first, *others, return_exceptions=True)
+            return alone, list(done), len(hits)
+        finally:
+            await chain.close()
+
+    alone, done, hit = asyncio.run(main())
+    assert hit == 1  # the old lane's session did share a pass with the new lane's
+    assert isinstance(done[0], StageFailed) and done[0].stage_index == 1, done[0]
+    assert done[1:] == alone
