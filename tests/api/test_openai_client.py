@@ -86,7 +86,8 @@ def test_stop_sequence_ends_the_text_before_it(client: openai.OpenAI) -> None:
 
 
 def test_max_tokens_gives_finish_reason_length(client: openai.OpenAI) -> None:
-    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)  # type: ignore[arg-type]
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1,  # type: ignore[arg-type]
+                                            temperature=0)
     assert reply.choices[0].finish_reason == "length"
     assert reply.usage is not None and reply.usage.completion_tokens == 1
 

@@ -142,8 +142,11 @@ def test_a_stream_cut_after_any_delta_continues_exactly_on_another_engine(
         engines: tuple[LlamaEngine, LlamaEngine], name: str) -> None:
     """Every cut, the one between the tail delta (held-back text) and the finish included."""
     first, second = engines
-    request = seeded(CASES[name])
-    full = asyncio.run(events_of(first, request))
+    for _ in range(5):  # an unseeded case draws its seed here; a draw that ends at once cuts nowhere much
+        request = seeded(CASES[name])
+        full = asyncio.run(events_of(first, request))
+        if len(full) > 10:
+            break
     assert len(full) > 10
     for cut in range(len(full)):
         progress = Progress(request)

@@ -50,10 +50,11 @@ def one(engine: LlamaEngine, request: CompletionRequest) -> tuple[str, list[int]
     return asyncio.run(collect(engine, request))
 
 
-async def wait_running(engine: LlamaEngine, n: int, timeout_s: float = 10.0) -> None:
+async def wait_running(engine: LlamaEngine, n: int, timeout_s: float = 10.0, *, what: str = "running") -> None:
+    """Until ``n`` requests are ``what`` (``running`` or ``queued``) in the engine's load report."""
     deadline = time.monotonic() + timeout_s
-    while engine.load_report().running < n:
-        assert time.monotonic() < deadline, f"never {n} running: {engine.load_report()}"
+    while getattr(engine.load_report(), what) < n:
+        assert time.monotonic() < deadline, f"never {n} {what}: {engine.load_report()}"
         await asyncio.sleep(0.001)
 
 
@@ -153,7 +154,9 @@ def test_clients_take_turns_for_a_single_slot(tmp_path: Path) -> None:
     order: list[str] = []
 
     async def tracked(name: str, client: str) -> None:
-        request = CompletionRequest(model="m", prompt=name, client=client, params=GenerationParams(max_tokens=30))
+        # greedy and long: the flood's first request is still running when its last one queues
+        request = CompletionRequest(model="m", prompt=name, client=client,
+                                    params=GenerationParams(max_tokens=200, temperature=0.0))
         stream: AsyncIterator[GenerationEvent] = eng.generate(request)
         async for _ in stream:
             if name not in order:
@@ -162,8 +165,7 @@ def test_clients_take_turns_for_a_single_slot(tmp_path: Path) -> None:
     async def scenario() -> None:
         flood = [asyncio.ensure_future(tracked(f"flood{i}", "user:flood")) for i in range(4)]
         await wait_running(eng, 1)
-        while eng.load_report().queued < 3:
-            await asyncio.sleep(0.001)
+        await wait_running(eng, 3, what="queued")
         await asyncio.gather(*flood, tracked("polite", "user:polite"))
 
     try:

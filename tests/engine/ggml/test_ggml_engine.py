@@ -138,7 +138,7 @@ def test_cancel_by_closing_the_stream_frees_the_engine(engine: GgmlEngine) -> No
             break
         await stream.aclose()
         assert engine.load_report().running == 0
-        events = await _events(engine.generate(_completion(max_tokens=2)))
+        events = await _events(engine.generate(_completion(max_tokens=2, temperature=0.0)))
         assert isinstance(events[-1], Finish)
         return "", events[-1]
 
