@@ -13,6 +13,7 @@ from wan import LinkProfile, WanEmulator
 
 from meshllm.split import StageServer
 from meshllm.split.lanes import PROBE_TIMEOUT, probe_timeout
+from meshllm.wire.addr import parse_addr
 
 
 def test_a_lane_to_a_distant_peer_is_reused() -> None:
@@ -24,6 +25,9 @@ def test_a_lane_to_a_distant_peer_is_reused() -> None:
             eb = await endpoint(port=b.real_port, probe_interval=0.6)
             servers = [StageServer(ea), StageServer(eb)]
             try:
+                # the mesh already holds a connection to every peer; a lane's own dial has 1 s, two round trips
+                # at this distance, which a loaded host can miss
+                await ea.connect(parse_addr(b.front_addr), eb.node_id, timeout=10)
                 first = await servers[0].pool.get(eb.node_id, b.front_addr)
                 await until(lambda: ea.peers[eb.node_id].rtt_ms is not None, timeout=5)
                 assert probe_timeout(ea, eb.node_id) > PROBE_TIMEOUT + 0.35
