@@ -169,10 +169,10 @@ class StageServer:
         self.recorder: Recorder | None = None
         """What this node's stages received and produced per session, for coordinators' audits (workers)."""
         self._work: dict[Lane, _LaneWork] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
-        """Failures and ends of sessions being sent on (held so they are not collected mid-way)."""
         """Per incoming lane, its frames in order: the lane's reader only queues them, so it answers Pings
         (liveness) at once even while many steps wait for compute."""
+        self._tasks: set[asyncio.Task[None]] = set()
+        """Failures and ends of sessions being sent on (held so they are not collected mid-way)."""
         endpoint.on_stream(KIND, self._serve, max_frame=LANE_FRAME_MAX)
         self._unsubscribe = endpoint.on_peer_event(self._peer_event)
 
@@ -296,6 +296,8 @@ class StageServer:
             await self._prefill(session, frame)
         elif isinstance(frame, Reset | Stop):
             await self._reset(session.stage, frame.session)
+            if self._sessions.get(frame.session) is not session:
+                return  # it failed meanwhile: its Error went upstream
             session.history = list(session.open.history)
             if isinstance(frame, Stop):
                 del self._sessions[frame.session]
