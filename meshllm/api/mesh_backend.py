@@ -532,6 +532,11 @@ async def _first(events: AsyncIterator[TunnelEvent], name: str) -> TunnelEvent:
 
 
 async def _aclose(events: AsyncIterator[TunnelEvent]) -> None:
+    """Close ``events``. One still running is being read by a task this request has just cancelled
+    (a hedged read whose client went away before it ended): that cancellation closes it as it goes
+    through, and closing it here would raise."""
+    if getattr(events, "ag_running", False):
+        return
     close = getattr(events, "aclose", None)
     if close is not None:
         await close()
