@@ -377,7 +377,12 @@ class LlamaEngine(Engine):
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         """Queue ``request`` for a slot; stream its events. Closing the iterator cancels it."""
         self._require()
-        job = await asyncio.to_thread(self._prepare, request)
+        prepared = asyncio.ensure_future(asyncio.to_thread(self._prepare, request))
+        try:
+            job = await asyncio.shield(prepared)
+        except asyncio.CancelledError:  # the samplers (native memory) are freed once the thread is done
+            prepared.add_done_callback(_close_prepared)
+            raise
         job.loop = asyncio.get_running_loop()
         if job.text.done:  # the continuation already ended the generation
             for event in job.text.finish():
@@ -800,6 +805,12 @@ class _TemplateTokens:
 
     def token_eos(self) -> int:
         return int(self._native.eos)
+
+
+def _close_prepared(prepared: asyncio.Future[_Job]) -> None:
+    """Free the samplers of a job whose request was cancelled while it was being prepared."""
+    if not prepared.cancelled() and prepared.exception() is None and prepared.result().sampler is not None:
+        prepared.result().sampler.close()
 
 
 def _probe_tokens(model: Any, n: int, salt: int = 0) -> list[int]:

@@ -210,6 +210,36 @@ def test_closing_the_stream_cancels_between_tokens(engine: LlamaEngine) -> None:
     assert idle(engine)
 
 
+def test_a_request_cancelled_while_it_is_prepared_frees_its_samplers(engine: LlamaEngine,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client goes away while the worker thread tokenizes the prompt and builds the samplers (native
+    llama.cpp memory, a grammar's among them): they are freed once the thread is done."""
+    prepared: list[object] = []
+    real = engine._prepare
+
+    def prepare(request):  # type: ignore[no-untyped-def]
+        job = real(request)
+        prepared.append(job)
+        time.sleep(0.3)  # the caller is cancelled meanwhile
+        return job
+
+    monkeypatch.setattr(engine, "_prepare", prepare)
+
+    async def cancelled() -> None:
+        task = asyncio.ensure_future(anext(engine.generate(completion("go", max_tokens=8, temperature=0.7))))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.4)
+
+    asyncio.run(cancelled())
+    (job,) = prepared
+    assert job.sampler is not None and job.sampler.chain is not None  # type: ignore[attr-defined]
+    assert job.sampler.chain.ptr is None  # type: ignore[attr-defined]  # freed
+    assert idle(engine)
+
+
 @pytest.fixture
 def slow(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LlamaEngine]:
     """One slot, two queue places, and steps slowed to ~5 ms so requests overlap for sure."""
