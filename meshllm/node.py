@@ -459,6 +459,7 @@ class Node:
             "rtt_matrix": {a: {b: round(ms, 3) for b, ms in row.items()} for a, row in gossip.rtt_matrix().items()},
             "links": mesh_links([own, *gossip.members().values()]),
             "splits": self.splits.status() if self.splits is not None else [],
+            "stages": self.splits.stages_status() if self.splits is not None else [],
             "transfers": self.store.status() if self.store is not None else [],
             **(self.owner.status(time.time()) if self.owner is not None else {}),
             "requests": self.serving.request_counters(),

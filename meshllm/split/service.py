@@ -164,6 +164,10 @@ class SplitService:
         """``/api/status`` ``splits``."""
         return [p.status() for p in self.placements.values()]
 
+    def stages_status(self) -> list[dict[str, object]]:
+        """``/api/status`` ``stages``: the layer ranges this node hosts for chains, with their open sessions."""
+        return self.server.status()
+
     def plan_json(self, spec: str, stages: int | None, max_memory: int | None) -> dict[str, Any]:
         """What the planner would choose for ``spec`` over this node's view of the mesh (``/api/plan``)."""
         ref = resolve_model(spec, progress=False, library=self.store.library)

@@ -220,8 +220,14 @@ class StageServer:
 
     @property
     def sessions(self) -> int:
-        """Sessions with KV on this node (for load reports)."""
+        """Sessions with KV on this node."""
         return len(self._sessions)
+
+    def status(self) -> list[dict[str, object]]:
+        """``/api/status`` ``stages``: each hosted range, whose chains may use it, and the sessions open on it."""
+        return [{"model": model, "layers": [held.stage.layer_start, held.stage.layer_end], "owner": owner,
+                 "sessions": sum(1 for s in self._sessions.values() if s.stage is held.stage)}
+                for (owner, model), held in self._stages.items()]
 
     def route_replies(self, session: str, sink: ReplySink) -> Callable[[], None]:
         """Deliver Tokens and Errors for ``session`` to ``sink``; returns the function that stops it."""
