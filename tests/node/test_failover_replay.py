@@ -194,8 +194,8 @@ Seen = tuple[str, int, str]
 """What a client saw: the text, the completion tokens, why it ended."""
 
 
-def chat_stream(c: NodeProcess, kill: Callable[[], None]) -> Seen:
-    """Seeded chat completion, streamed (``kill`` runs after SURFACE_KILL_AT chunks)."""
+def chat_stream(c: NodeProcess, on_delta: Callable[[int], None]) -> Seen:
+    """Seeded chat completion, streamed (``on_delta(n)`` runs after the n-th chunk)."""
     chunks = client_of(c).chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": ASK}], max_tokens=200, seed=9, stream=True,  # type: ignore[arg-type]
         stream_options={"include_usage": True}, temperature=0.8, top_p=0.95)
@@ -205,13 +205,12 @@ def chat_stream(c: NodeProcess, kill: Callable[[], None]) -> Seen:
         text += (chunk.choices[0].delta.content or "") if chunk.choices else ""
         reason = (chunk.choices[0].finish_reason or reason) if chunk.choices else reason
         usage = chunk.usage.completion_tokens if chunk.usage else usage
-        if i + 1 == SURFACE_KILL_AT:
-            kill()
+        on_delta(i + 1)
     assert len(ids) == 1
     return text, usage, reason
 
 
-def responses_stream(c: NodeProcess, kill: Callable[[], None]) -> Seen:
+def responses_stream(c: NodeProcess, on_delta: Callable[[int], None]) -> Seen:
     """Responses API, streamed, greedy (it has no seed)."""
     final = None
     with client_of(c).responses.stream(model=MODEL, input=ASK, max_output_tokens=200, temperature=0) as stream:
@@ -219,15 +218,14 @@ def responses_stream(c: NodeProcess, kill: Callable[[], None]) -> Seen:
         for event in stream:
             if event.type == "response.output_text.delta":
                 deltas += 1
-                if deltas == SURFACE_KILL_AT:
-                    kill()
+                on_delta(deltas)
             elif event.type in ("response.completed", "response.incomplete"):  # the helper wants "completed"
                 final = event.response
     assert final is not None and final.usage is not None
     return final.output_text, final.usage.output_tokens, final.status or ""
 
 
-def messages_stream(c: NodeProcess, kill: Callable[[], None]) -> Seen:
+def messages_stream(c: NodeProcess, on_delta: Callable[[int], None]) -> Seen:
     """Anthropic Messages, streamed, greedy (it has no seed)."""
     claude = anthropic.Anthropic(base_url=c.api, api_key="unused", max_retries=0, timeout=60)
     events = claude.messages.create(model=MODEL, max_tokens=200, messages=[{"role": "user", "content": ASK}],
@@ -236,8 +234,7 @@ def messages_stream(c: NodeProcess, kill: Callable[[], None]) -> Seen:
     for event in events:
         if event.type == "content_block_delta" and event.delta.type == "text_delta":
             text, deltas = text + event.delta.text, deltas + 1
-            if deltas == SURFACE_KILL_AT:
-                kill()
+            on_delta(deltas)
         elif event.type == "message_delta":
             usage, reason = event.usage.output_tokens, event.delta.stop_reason or ""
     return text, usage, reason
@@ -249,21 +246,23 @@ ASK = "Tell me a long story."
 @pytest.mark.parametrize("surface", [chat_stream, responses_stream, messages_stream],
                          ids=["chat", "responses", "anthropic"])
 def test_every_surface_streams_through_the_kill(mesh: tuple[NodeProcess, NodeProcess, NodeProcess],
-                                                surface: Callable[[NodeProcess, Callable[[], None]], Seen],
+                                                surface: Callable[[NodeProcess, Callable[[int], None]], Seen],
                                                 ) -> None:
     """The node serving a streamed chat completion (seeded), Responses or Anthropic Messages stream (greedy)
     is killed mid-stream: each stream is the uninterrupted one, with the same usage."""
     a1, a2, c = mesh
-    reference = surface(c, lambda: None)
+    reference = surface(c, lambda _: None)
     assert reference[1] > KILL_AT + 20
     before = served((a1, a2))
     killed: list[NodeProcess] = []
 
-    def kill() -> None:
-        killed.append(the_one_serving((a1, a2), before))
-        killed[0].kill()
+    def on_delta(n: int) -> None:
+        if n == 1:  # found now, so that the kill at SURFACE_KILL_AT is not late by two status calls
+            killed.append(the_one_serving((a1, a2), before))
+        elif n == SURFACE_KILL_AT:
+            killed[0].kill()
 
-    assert surface(c, kill) == reference
+    assert surface(c, on_delta) == reference
     assert killed and killed[0].proc.returncode is not None
     c.wait_event(lambda e: e["type"] == "request_replayed", 5.0)
     assert c.status()["requests"]["replays"] == 1
