@@ -119,7 +119,7 @@ def installed(package: str, command: str) -> Path:
     npm = shutil.which("npm")
     if npm is None or shutil.which("node") is None:
         pytest.skip("npm and node are not installed, so no agent CLI can be installed from the npm registry")
-    cache = Path(os.environ.get("MESHLLM_TEST_AGENTS", Path.home() / ".cache" / "meshllm-test-agents"))
+    cache = Path(os.environ.get("MESHLLM_TEST_AGENTS") or Path.home() / ".cache" / "meshllm-test-agents")
     prefix = cache / package.replace("/", "+")
     binary = prefix / "node_modules" / ".bin" / command
     if not binary.exists():
