@@ -48,6 +48,7 @@ from meshllm.mesh.service import MeshService
 from meshllm.models.hub import is_hub_ref
 from meshllm.models.refs import ModelNotFound, ModelRef, looks_like_path, resolve_model
 from meshllm.models.store import ModelStore
+from meshllm.tasks import spawn
 
 log = logging.getLogger(__name__)
 
@@ -203,9 +204,7 @@ class Serving:
             self.hashes[engine.model_id] = ref.sha256
         # one pass over the file learns its sha256: the library's indexing when there is one
         work = self._index(ref) if self.store is not None else self._hash(ref, engine.model_id)
-        task = asyncio.create_task(work, name=f"hash-{ref.model_id}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        spawn(self._tasks, work, name=f"hash-{ref.model_id}")
         return engine
 
     def announce(self) -> None:

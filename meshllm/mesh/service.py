@@ -51,6 +51,7 @@ from meshllm.net.events import PeerEvent, PeerEventKind
 from meshllm.net.interfaces import lan_addresses
 from meshllm.net.messages import ResetCode
 from meshllm.net.nat import RelayMode
+from meshllm.tasks import spawn
 from meshllm.wire.addr import format_addr, parse_addr
 
 log = logging.getLogger(__name__)
@@ -291,7 +292,7 @@ class MeshService:
         verdicts = []
         for out in outputs:
             if isinstance(out, Probe):
-                self._spawn(self._send(out.to, out.message))
+                spawn(self._tasks, self._send(out.to, out.message))
             elif isinstance(out, Overstep):
                 self._overstep(out)
             else:
@@ -314,7 +315,7 @@ class MeshService:
     def _handle_outputs(self, outputs: list[Any]) -> None:
         for out in outputs:
             if isinstance(out, Send):
-                self._spawn(self._send(out.to, out.message))
+                spawn(self._tasks, self._send(out.to, out.message))
             elif isinstance(out, Rejected):
                 log.warning("dropped gossip from %s: %s: %s", out.source[:8], type(out.error).__name__, out.error)
                 self._on_event("record_rejected", source=out.source, error=type(out.error).__name__,
@@ -573,8 +574,3 @@ class MeshService:
             self._handle(self.gossip.receive(source, message, now))
             self._handle(self.gossip.on_detector(self._probe(self.detector.receive(source, message, now)), now))
         self._wake.set()
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)

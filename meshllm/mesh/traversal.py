@@ -55,6 +55,7 @@ from meshllm.net.relay import (
     Reserved,
 )
 from meshllm.net.streams import Stream
+from meshllm.tasks import spawn
 from meshllm.wire.addr import format_addr, parse_addr
 
 log = logging.getLogger(__name__)
@@ -160,13 +161,13 @@ class Traversal:
             due = any(refresh <= now for _, refresh in self.reservations.values())
             if due or (not self.reservations and now >= self._reserve_at):
                 self._reserving = True
-                self._spawn(self._keep_reservations(now, bootstrap))
+                spawn(self._tasks, self._keep_reservations(now, bootstrap))
         relayed = [pid for pid, conn in self.endpoint.peers.items() if conn.path == "relayed" and conn.dialer]
         for peer in self.schedule.due(relayed, now):
             conn = self.endpoint.peers.get(peer)
             if conn is not None:
                 self.schedule.started(peer)
-                self._spawn(self._punch(conn))
+                spawn(self._tasks, self._punch(conn))
 
     def peer_closed(self, peer: str) -> None:
         """A peer's connection ended: its reservation at us (if any) goes with it."""
@@ -360,7 +361,7 @@ class Traversal:
             if peer in self._mapping:
                 return  # an earlier attempt is still opening our NAT towards this peer
             self._mapping.add(peer)
-            self._spawn(self._open_mappings(peer, _ip_addrs(first.addrs)))
+            spawn(self._tasks, self._open_mappings(peer, _ip_addrs(first.addrs)))
 
     async def _open_mappings(self, peer: str, targets: list[Addr]) -> None:
         """Send junk datagrams to the initiator's addresses until its handshake gets through.
@@ -397,10 +398,6 @@ class Traversal:
         current = self.endpoint.peers.get(peer)
         return current is not None and current.path != "relayed"
 
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
 
 def _ip_addrs(addrs: list[str]) -> list[Addr]:

@@ -35,6 +35,7 @@ from meshllm.net.messages import (
 from meshllm.net.probes import Liveness, ProbeOutput, ProbeState
 from meshllm.net.quic import ALPN, MeshQuicConnection
 from meshllm.net.streams import Stream
+from meshllm.tasks import spawn
 from meshllm.wire.frames import CONTROL_FRAME_MAX
 
 if TYPE_CHECKING:
@@ -197,7 +198,7 @@ class PeerConnection:
 
     def retire(self, reason: str) -> None:
         """Close once our streams on this connection are done (another connection replaced it)."""
-        self._spawn(self._retire(reason))
+        spawn(self._tasks, self._retire(reason))
 
     async def _retire(self, reason: str) -> None:
         await asyncio.sleep(RETIRE_GRACE_S)
@@ -315,7 +316,7 @@ class PeerConnection:
             self.close(f"cooling down for {cooling:.0f} s after overstepping limits", CloseCode.MISBEHAVING)
             return
         self.node_id = peer
-        self._spawn(self._run_sweeps())
+        spawn(self._tasks, self._run_sweeps())
         self._admission = Admission(
             dialer=self.dialer,
             local_proof=self.endpoint.local_proof(),
@@ -329,7 +330,7 @@ class PeerConnection:
             stream_id = ADMISSION_STREAM
             self._first_sight(ADMISSION_STREAM)
         stream = self._add_stream(stream_id, "admission", ADMISSION_FRAME_MAX, None)
-        self._spawn(self._run_admission(stream, self._admission))
+        spawn(self._tasks, self._run_admission(stream, self._admission))
 
     async def _run_admission(self, stream: Stream, admission: Admission) -> None:
         try:
@@ -365,7 +366,7 @@ class PeerConnection:
         if self._deadline is not None:
             self._deadline.cancel()
         if self.probes is not None:
-            self._spawn(self._run_probes(self.probes))
+            spawn(self._tasks, self._run_probes(self.probes))
         if not self._ready.done():
             self._ready.set_result(None)
         self.endpoint.admitted(self)
@@ -439,7 +440,7 @@ class PeerConnection:
             return
         handler, max_frame = registered
         stream.bind(header.kind, max_frame)
-        self._spawn(self._run_handler(handler, stream))
+        spawn(self._tasks, self._run_handler(handler, stream))
 
     async def _run_handler(self, handler: Any, stream: Stream) -> None:
         try:
@@ -538,8 +539,3 @@ class PeerConnection:
             if handle is not None:
                 handle.cancel()
         self._timer = self._transmit_handle = None
-
-    def _spawn(self, coro: Any) -> None:
-        task = self._loop.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)

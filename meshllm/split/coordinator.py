@@ -54,6 +54,7 @@ from meshllm.split.frames import (
 )
 from meshllm.split.lanes import Lane, probe_timeout
 from meshllm.split.stage import MAX_SESSIONS_PER_OWNER, StageServer, forward_rounds
+from meshllm.tasks import spawn
 from meshllm.wire.addr import parse_addr
 
 STAGE_SAMPLES = 256
@@ -319,10 +320,7 @@ class _Run:
         self.c.batcher.leave(self)
         for undo in self._cleanup:
             undo()
-        task = asyncio.get_running_loop().create_task(self._release(self.c.batcher.sending.get(self)))
-        self.c._releases.add(task)
-        task.add_done_callback(self.c._releases.discard)
-        return task
+        return spawn(self.c._releases, self._release(self.c.batcher.sending.get(self)))
 
     async def _release(self, sending: asyncio.Task[None] | None) -> None:
         # a pass holding this session's step may be computing: it goes out first (without the step), so
@@ -544,14 +542,12 @@ class _Batcher:
         group, self.ready = self.ready[:n], self.ready[n:]
         if not self.ready:
             self._cancel_timer()
-        task = asyncio.get_running_loop().create_task(self._send(group))
-        self._tasks.add(task)
+        task = spawn(self._tasks, self._send(group))
         for r in group:
             self.sending[r.run] = task
         task.add_done_callback(lambda t: self._sent(t, group))
 
     def _sent(self, task: asyncio.Task[None], group: list[_Ready]) -> None:
-        self._tasks.discard(task)
         for r in group:
             if self.sending.get(r.run) is task:
                 del self.sending[r.run]

@@ -39,6 +39,7 @@ from meshllm.split.frames import (
     Verify,
     decode_frame,
 )
+from meshllm.tasks import spawn
 from meshllm.wire.addr import parse_addr
 
 log = logging.getLogger(__name__)
@@ -298,9 +299,7 @@ class LanePool:
             stream = await peer.open_stream(KIND, max_frame=LANE_FRAME_MAX)
             lane = Lane(stream, node_id, self._on_frame, self._closed)
             self._lanes[node_id] = lane
-            task = asyncio.get_running_loop().create_task(lane.run())
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            spawn(self._tasks, lane.run())
             return lane
 
     def _closed(self, lane: Lane, reason: str) -> None:

@@ -43,7 +43,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -81,6 +81,7 @@ from meshllm.split.frames import (
     Verify,
 )
 from meshllm.split.lanes import MAX_ACTIVATION_BYTES, Lane, LanePool
+from meshllm.tasks import spawn
 
 log = logging.getLogger(__name__)
 
@@ -594,14 +595,14 @@ class StageServer:
     def _fail_through(self, node_id: str, code: str, message: str) -> None:
         for session in [s for s in self._sessions.values() if s.downstream and s.downstream.peer_id == node_id]:
             culprit = 0 if session.last else session.open.index + 1
-            self._spawn(self._fail_upstream(session, code, message, culprit))
+            spawn(self._tasks, self._fail_upstream(session, code, message, culprit))
 
     def _upstream_closed(self, lane: Lane, reason: str) -> None:
         work = self._work.pop(lane, None)
         if work is not None and work.task is not None:
             work.task.cancel()
         for sid in [sid for sid, s in self._sessions.items() if s.upstream is lane]:
-            self._spawn(self._end(self._sessions.pop(sid)))
+            spawn(self._tasks, self._end(self._sessions.pop(sid)))
 
     async def _end(self, session: _Session) -> None:
         """Free a session whose upstream is gone, and tell the next stage."""
@@ -614,11 +615,6 @@ class StageServer:
         """Free ``session``'s KV through the node's compute runner: a reset on the loop would block it
         (lanes, probes, the API) while a step in a worker thread holds the stage."""
         await self.compute.run("reset", True, lambda: stage.reset(session))
-
-    def _spawn(self, work: Coroutine[object, object, None]) -> None:
-        task = asyncio.get_running_loop().create_task(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
 
 def _token_ids(out: np.ndarray | list[tuple[int, TokenLogprobs | None]]) -> np.ndarray | list[int]:
