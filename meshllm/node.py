@@ -32,6 +32,7 @@ from meshllm.api.edge import EdgePolicy, is_loopback_host
 from meshllm.api.events import EventHub
 from meshllm.api.health import Readiness
 from meshllm.api.limits import EdgeLimits
+from meshllm.api.metrics import metrics_router
 from meshllm.api.replay import DEFAULT_MAX_REPLAYS, ReplayPolicy
 from meshllm.api.serving import Serving
 from meshllm.api.status import mesh_links, status_router
@@ -126,6 +127,8 @@ class NodeOptions:
     """``--api-key``: secrets clients on other machines send; required when the API binds beyond loopback."""
     cors_origins: list[str] = field(default_factory=list)
     """``--cors-origin``: web origins whose pages may use the API, besides loopback pages (``*``: any)."""
+    metrics_public: bool = False
+    """``--metrics-public``: ``GET /metrics`` answers without a secret (for a scraper on a trusted network)."""
     allowed_hosts: list[str] = field(default_factory=list)
     """``--allowed-host``: host names requests may carry besides localhost and IP literals (``*``: any)."""
     edge: EdgeLimits = field(default_factory=EdgeLimits)
@@ -253,7 +256,8 @@ class Node:
 
     async def _start_api(self) -> None:
         assert self.serving is not None
-        routers = [status_router(self), console_router()]
+        routers = [status_router(self), console_router(),
+                   metrics_router(self.serving.metrics, public=self.options.metrics_public)]
         if self.splits is not None:
             routers.append(plan_router(self.splits))
         if self.store is not None:
