@@ -29,6 +29,7 @@ def _register() -> None:
         plan,
         publish,
         serve,
+        service,
         status,
     )
 
@@ -46,6 +47,7 @@ def _register() -> None:
     cli.add_command(console.console)
     cli.add_command(launch.launch)
     cli.add_command(chat.chat)
+    cli.add_command(service.service)
 
 
 def main() -> None:
