@@ -447,7 +447,8 @@ class Node:
                              "cpu_cores": rec.capacity.cpu_cores, "gflops": rec.capacity.gflops},
                 "load": {"in_flight": rec.load.in_flight, "queue": rec.load.queue, "tok_s": rec.load.tok_s,
                          "slots": rec.load.slots, "free_slots": rec.load.free_slots},
-                "addr": (rec.addresses.listen or [""])[0], "seq": rec.seq, "standby": list(rec.standby),
+                "addr": (rec.addresses.listen or [""])[0], "seq": rec.seq, "signed_at": rec.signed_at,
+                "standby": list(rec.standby),
                 "available": [{"id": m.id, "name": m.name, "size": m.size} for m in rec.models.available],
             })
         own = gossip.own
@@ -467,10 +468,18 @@ class Node:
             "transfers": self.store.status() if self.store is not None else [],
             **(self.owner.status(time.time()) if self.owner is not None else {}),
             "requests": self.serving.request_counters(),
+            "nat": self._nat_status(),
             "devices": [{"name": d.name, "description": d.description, "kind": d.kind,
                          "memory_free": d.memory_free, "memory_total": d.memory_total} for d in compute_devices()],
         }
 
+
+    def _nat_status(self) -> dict[str, Any]:
+        """``nat``: whether peers reach this node at its own address, and where they see it."""
+        traversal = self.mesh.traversal if self.mesh is not None else None
+        if traversal is None:
+            return {"reachability": "unknown", "observed": []}
+        return {"reachability": traversal.reachability.value, "observed": traversal.observed()}
 
 
 def _model_json(model: Any) -> dict[str, Any]:

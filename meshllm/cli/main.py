@@ -21,6 +21,7 @@ def _register() -> None:
         chat,
         console,
         discover,
+        doctor,
         invite,
         launch,
         mesh,
@@ -48,6 +49,7 @@ def _register() -> None:
     cli.add_command(launch.launch)
     cli.add_command(chat.chat)
     cli.add_command(service.service)
+    cli.add_command(doctor.doctor)
 
 
 def main() -> None:
