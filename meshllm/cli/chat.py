@@ -16,6 +16,7 @@ command below only moves text between them, the terminal and the node's OpenAI A
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import sys
 import time
@@ -351,7 +352,11 @@ def chat(model: str | None, prompt: str | None, system: str, temperature: float 
     conversation = Conversation(pick_model(api, model), system=system)
     screen: Screen = RichScreen() if sys.stdout.isatty() else PlainScreen()
     if question is not None:
-        answer = ask_once(api, options, conversation, question.strip("\n"), screen)
+        try:
+            answer = ask_once(api, options, conversation, question.strip("\n"), screen)
+        except BrokenPipeError:  # the reader left (`| head`): stop quietly, as other Unix tools do
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail
+            raise SystemExit(0) from None
         if answer.stopped:
             raise SystemExit(130)
         return

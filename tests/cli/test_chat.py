@@ -204,5 +204,9 @@ def test_chat_errors_are_one_line(chat_node: NodeProcess, tmp_path: Path) -> Non
     assert empty.returncode == 2 and "question is empty" in empty.stderr
     nobody = meshllm("chat", "--api", "http://127.0.0.1:9", "--home", str(tmp_path), "-p", "hi")
     assert nobody.returncode == 1 and "no meshllm node is running" in nobody.stderr
+    head = subprocess.run(f"{sys.executable} -m meshllm chat tiny-llama {' '.join(chat_node.api_args)} -p hi "
+                          "--temperature 0 --max-tokens 1500 | head -c 1; exit ${PIPESTATUS[0]}", shell=True,
+                          executable="/bin/bash", capture_output=True, timeout=60)
+    assert (head.returncode, len(head.stdout), head.stderr) == (0, 1, b"")  # a reader leaving early is no error
     for done in (missing, empty, nobody):
         assert "Traceback" not in done.stderr
