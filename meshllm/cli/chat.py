@@ -321,6 +321,8 @@ def interactive(api: NodeApi, options: Options, conversation: Conversation, scre
                 ask_once(api, options, conversation, message, screen)
         except MeshllmError as exc:
             screen.error(f"{exc} ({exc.hint})" if exc.hint else str(exc))
+        except KeyboardInterrupt:  # during a command's call to the node: back to the prompt, as for an answer
+            screen.console.print("\n[stopped]", style="yellow", markup=False)
 
 
 @click.command("chat")

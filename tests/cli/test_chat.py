@@ -85,7 +85,7 @@ class Tmux:
                               check=True).stdout
 
     def screen(self) -> str:
-        return self.tmux("capture-pane", "-p", "-J", "-S", "-200", "-t", "t")
+        return self.tmux("capture-pane", "-p", "-J", "-S", "-", "-t", "t")
 
     def type(self, text: str) -> None:
         self.tmux("send-keys", "-t", "t", "-l", text)
@@ -169,10 +169,17 @@ def test_interactive_chat_in_a_terminal(chat_node: NodeProcess, term: list[Tmux]
     assert "Traceback" not in screen
     wait_until(lambda: chat_node.status()["load"]["in_flight"] == 0, 15.0)
 
-    # still chatting afterwards, then /bye leaves with 0
+    # still chatting afterwards; Ctrl-C at the prompt drops the half-typed line; /bye leaves with 0
     t.type("/model " + TOOL_MODEL)
+    t.wait_for(lambda s: f"model: {TOOL_MODEL}" in s)
+    t.type("/clear")
+    t.wait_for(lambda s: s.count("conversation cleared") == 3)
+    t.tmux("send-keys", "-t", "t", "-l", "a half typed line")
+    t.wait_for(lambda s: "a half typed line" in s)
+    t.tmux("send-keys", "-t", "t", "C-c")
     t.type("hello")
-    t.wait_for(lambda s: len(prompts(s)) == 6)
+    with_system = prompts(t.wait_for(lambda s: len(prompts(s)) == 6))
+    assert with_system[5] == with_system[4]  # the same question on a cleared history: the dropped line was not sent
     t.type("/bye")
     t.wait_for(lambda s: "DONE" in s)
     assert after.read_text().strip() == "exit=0"
