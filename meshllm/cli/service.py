@@ -162,6 +162,18 @@ def _check_args(args: tuple[str, ...]) -> None:
                                ) from None
 
 
+def _warn_if_locked(home: Path, args: tuple[str, ...]) -> None:
+    """A service cannot type a passphrase: say so when the node it runs would need the encrypted mesh key."""
+    from meshllm.mesh.admission import MESH_PASSPHRASE_ENV, MeshKey
+
+    joining = any(a.split("=", 1)[0] == "--join" for a in args)
+    stored = None if joining or not home.is_dir() else MeshKey.stored(home)
+    if stored is not None and stored[1]:
+        click.echo(f"warning: the mesh key in {home} is encrypted and a service cannot ask for its passphrase; "
+                   f"give it {MESH_PASSPHRASE_ENV} (systemd: `systemctl --user edit` with an Environment= line in a "
+                   "file only you can read), or decrypt it: meshllm mesh decrypt", err=True)
+
+
 @click.group("service")
 def service() -> None:
     """Run the node as a service of this user: systemd on Linux, launchd on macOS."""
@@ -191,6 +203,7 @@ def install(home: Path | None, unit: str, platform: str | None, dry_run: bool, s
     target = current_platform(platform)
     spec = ServiceSpec(unit, resolve_home(home).resolve(), serve_args)
     text = target.render(spec)
+    _warn_if_locked(spec.home, serve_args)
     if dry_run:
         click.echo(text.decode(), nl=False)
         return

@@ -81,3 +81,16 @@ def test_status_and_uninstall_without_a_service(tmp_path: Path) -> None:
                               capture_output=True, text=True, timeout=60, env=env)
         assert done.returncode == 1 and "no service 'meshllm' is installed" in done.stderr, done.stderr
         assert "Traceback" not in done.stderr
+
+
+def test_an_encrypted_mesh_key_gets_a_warning(tmp_path: Path) -> None:
+    env = {**os.environ, "MESHLLM_MESH_PASSPHRASE": "correct horse battery"}
+    made = subprocess.run([sys.executable, "-m", "meshllm", "mesh", "create", "--encrypt", "--home", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert made.returncode == 0, made.stderr
+    done = meshllm("service", "install", "--dry-run", "--platform", "linux", "--home", str(tmp_path))
+    assert done.returncode == 0 and "[Service]" in done.stdout
+    assert "mesh key" in done.stderr and "MESHLLM_MESH_PASSPHRASE" in done.stderr
+    joining = meshllm("service", "install", "--dry-run", "--platform", "linux", "--home", str(tmp_path), "--",
+                      "--join", "TOKEN")
+    assert joining.returncode == 0 and joining.stderr == ""  # a joining node does not use its own mesh key
