@@ -29,10 +29,11 @@ from typing import Any, Literal
 
 import click
 
-from meshllm.cli.api_client import NodeApi
+from meshllm.cli.api_client import DEFAULT_API, NodeApi
 from meshllm.cli.common import api_option, echo_json, json_option
 from meshllm.config import (
     ADMIN_TOKEN_FILE,
+    DEFAULT_API_PORT,
     MESH_KEY_FILE,
     NODE_KEY_FILE,
     OWNER_KEYSTORE_FILE,
@@ -273,6 +274,8 @@ def run_checks(home: Path, api: NodeApi, api_port: int | None, mesh_port: int | 
         checks += check_config(home)
         with contextlib.suppress(MeshllmError):
             config = load_config(home)
+    if api.url == DEFAULT_API and config.api_port != DEFAULT_API_PORT:  # the node this home's config starts
+        api = NodeApi(f"http://127.0.0.1:{config.api_port}", api.secret, api.source)
     node, status = check_node(api)
     checks.append(node)
     # a running node's own ports, unless others are named; without one, those it would start on
