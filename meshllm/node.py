@@ -32,6 +32,7 @@ from meshllm.api.edge import EdgePolicy, is_loopback_host
 from meshllm.api.events import EventHub
 from meshllm.api.health import Readiness
 from meshllm.api.limits import EdgeLimits
+from meshllm.api.metrics import metrics_router
 from meshllm.api.replay import DEFAULT_MAX_REPLAYS, ReplayPolicy
 from meshllm.api.serving import Serving
 from meshllm.api.status import mesh_links, status_router
@@ -126,6 +127,8 @@ class NodeOptions:
     """``--api-key``: secrets clients on other machines send; required when the API binds beyond loopback."""
     cors_origins: list[str] = field(default_factory=list)
     """``--cors-origin``: web origins whose pages may use the API, besides loopback pages (``*``: any)."""
+    metrics_public: bool = False
+    """``--metrics-public``: ``GET /metrics`` answers without a secret (for a scraper on a trusted network)."""
     allowed_hosts: list[str] = field(default_factory=list)
     """``--allowed-host``: host names requests may carry besides localhost and IP literals (``*``: any)."""
     edge: EdgeLimits = field(default_factory=EdgeLimits)
@@ -253,7 +256,8 @@ class Node:
 
     async def _start_api(self) -> None:
         assert self.serving is not None
-        routers = [status_router(self), console_router()]
+        routers = [status_router(self), console_router(),
+                   metrics_router(self.serving.metrics, public=self.options.metrics_public)]
         if self.splits is not None:
             routers.append(plan_router(self.splits))
         if self.store is not None:
@@ -443,7 +447,8 @@ class Node:
                              "cpu_cores": rec.capacity.cpu_cores, "gflops": rec.capacity.gflops},
                 "load": {"in_flight": rec.load.in_flight, "queue": rec.load.queue, "tok_s": rec.load.tok_s,
                          "slots": rec.load.slots, "free_slots": rec.load.free_slots},
-                "addr": (rec.addresses.listen or [""])[0], "seq": rec.seq, "standby": list(rec.standby),
+                "addr": (rec.addresses.listen or [""])[0], "seq": rec.seq, "signed_at": rec.signed_at,
+                "standby": list(rec.standby),
                 "available": [{"id": m.id, "name": m.name, "size": m.size} for m in rec.models.available],
             })
         own = gossip.own
@@ -463,10 +468,18 @@ class Node:
             "transfers": self.store.status() if self.store is not None else [],
             **(self.owner.status(time.time()) if self.owner is not None else {}),
             "requests": self.serving.request_counters(),
+            "nat": self._nat_status(),
             "devices": [{"name": d.name, "description": d.description, "kind": d.kind,
                          "memory_free": d.memory_free, "memory_total": d.memory_total} for d in compute_devices()],
         }
 
+
+    def _nat_status(self) -> dict[str, Any]:
+        """``nat``: whether peers reach this node at its own address, and where they see it."""
+        traversal = self.mesh.traversal if self.mesh is not None else None
+        if traversal is None:
+            return {"reachability": "unknown", "observed": []}
+        return {"reachability": traversal.reachability.value, "observed": traversal.observed()}
 
 
 def _model_json(model: Any) -> dict[str, Any]:

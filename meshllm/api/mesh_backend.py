@@ -36,6 +36,7 @@ from meshllm.api.errors import (
     UpstreamTimeout,
     classify,
 )
+from meshllm.api.metrics import GenerationWatch, NodeMetrics, Route
 from meshllm.api.replay import Progress, ReplayPolicy, seeded
 from meshllm.api.router import Attempt, PeerView, Router, Target, affinity_key
 from meshllm.api.tunnel import (
@@ -125,6 +126,8 @@ class MeshBackend:
     clock: Callable[[], float] = time.monotonic
     on_event: Callable[..., None] = field(default=lambda *_a, **_k: None)
     """``on_event(type, **fields)``: the node's event hub (failovers show in ``/api/events``)."""
+    metrics: NodeMetrics | None = None
+    """The node's ``/metrics`` registry (None: nothing observed)."""
     _calls: dict[str, set[_Call]] = field(default_factory=dict, init=False)
     _created: int = field(default_factory=lambda: int(time.time()), init=False)
 
@@ -198,34 +201,57 @@ class MeshBackend:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         """Stream ``request`` from the best target, failing over until the first event."""
         self.counters.started(time.time(), remote=request.model not in self.engines)
+        watch = self._watch(request)
         try:
-            async for event in self._route(request):
+            async for event in self._route(request, watch):
+                if watch is not None:
+                    watch.event(event, self.clock())
                 yield event
         except Exception:
             self.counters.failed_one()
+            if watch is not None:
+                watch.failed()
             raise
 
     async def embed(self, request: EmbedRequest) -> Embeddings:
         """Embeddings from the best target, failing over like a generation (the answer is one event)."""
         self.counters.started(time.time(), remote=request.model not in self.engines)
-        events = self._route(request)
+        watch = self._watch(request)
+        events = self._route(request, watch)
         try:
             answer = await _first(events, "the serving node")
+            if not isinstance(answer, Embeddings):
+                raise UpstreamError("the serving node answered an embeddings request with text")
         except Exception:
             self.counters.failed_one()
+            if watch is not None:
+                watch.failed()
             raise
         finally:
             await _aclose(events)
-        if not isinstance(answer, Embeddings):
-            self.counters.failed_one()
-            raise UpstreamError("the serving node answered an embeddings request with text")
+        if watch is not None:
+            watch.prompt_tokens(answer.prompt_tokens)
         return answer
 
-    async def _route(self, request: Routable) -> AsyncIterator[TunnelEvent]:
+    def _watch(self, request: Routable) -> GenerationWatch | None:
+        return None if self.metrics is None else self.metrics.watch(request.model, self.clock())
+
+    def _route_of(self, target: Target, model: str) -> Route:
+        """``/metrics``' route label: a peer, this node's split chain (announced as engine "split"), or local."""
+        if not target.local:
+            return "routed"
+        gossip = self.mesh.gossip
+        if gossip is not None and any(m.name == model and m.engine == "split" for m in gossip.own.models.served):
+            return "split"
+        return "local"
+
+    async def _route(self, request: Routable, watch: GenerationWatch | None = None) -> AsyncIterator[TunnelEvent]:
         """The events of ``request``: fail over until the first event, then replay a generation whose
         serving node fails (or stalls) mid-answer on another node (:mod:`meshllm.api.replay`)."""
         if isinstance(request, EmbedRequest):
             target, first, events = await self._start(request, self._targets(request))
+            if watch is not None:
+                watch.routed(self._route_of(target, request.model))
             try:
                 yield first
                 async for event in events:
@@ -239,6 +265,8 @@ class MeshBackend:
             return
         progress = Progress(seeded(request), self.replay)
         target, event, events = await self._start(progress.request, self._targets(request), progress)
+        if watch is not None:
+            watch.routed(self._route_of(target, request.model))
         leg = _Leg(target, events)
         try:
             while True:
@@ -351,6 +379,7 @@ class MeshBackend:
                     raise
                 attempt.failed(self.clock())
                 failures.append((target, exc))
+                self.counters.failovers += 1
                 self.on_event("request_failover", model=request.model, node_id=target.node_id,
                               error=str(exc), status=classify(exc)[0])
                 continue

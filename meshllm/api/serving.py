@@ -34,6 +34,7 @@ from meshllm.api.counters import RequestCounters
 from meshllm.api.events import EventHub
 from meshllm.api.limits import ApiLimits, Slots
 from meshllm.api.mesh_backend import MeshBackend
+from meshllm.api.metrics import NodeMetrics, NodeState, PeerState
 from meshllm.api.replay import ReplayPolicy
 from meshllm.api.tunnel import STREAM_KIND
 from meshllm.api.tunnel_serve import TunnelService
@@ -82,11 +83,14 @@ class Serving:
         """sha256 of each engine's model file, by model id (filled in the background after loading)."""
         self.hash_cache = hash_cache
         self.counters = RequestCounters()
+        assert mesh.endpoint is not None
+        self.metrics = NodeMetrics(NodeState(engines=self.engines, peers=self._peer_states,
+                                             traffic=mesh.endpoint.traffic, counters=self.counters))
+        """The node's ``/metrics`` registry (requests observed by the backend, state read at scrape time)."""
         self.backend = MeshBackend(node_id, self.engines, mesh, counters=self.counters, on_event=events.publish,
-                                   replay=replay or ReplayPolicy(), hashes=self.hashes)
+                                   replay=replay or ReplayPolicy(), hashes=self.hashes, metrics=self.metrics)
         self.tunnel = TunnelService(self.engines, Slots((limits or ApiLimits()).max_concurrent), self.counters,
                                     self.hashes)
-        assert mesh.endpoint is not None
         mesh.endpoint.on_stream(STREAM_KIND, self.tunnel.handle)
         self._load_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -299,6 +303,20 @@ class Serving:
                 self._last_load = load
                 self.mesh.update_own(load=load)
             await asyncio.sleep(LOAD_PUBLISH_S)
+
+    def _peer_states(self) -> list[PeerState]:
+        """Every peer gossip knows, its state and the RTT this node measured (its record's when not connected)."""
+        gossip, endpoint = self.mesh.gossip, self.mesh.endpoint
+        if gossip is None or endpoint is None:
+            return []
+        peers = []
+        for node_id, entry in gossip.state.peers.items():
+            conn = endpoint.peers.get(node_id)
+            rtt = conn.rtt_ms if conn is not None else None
+            if rtt is None and node_id in gossip.own.rtt:
+                rtt = gossip.own.rtt[node_id].rtt_ms
+            peers.append(PeerState(node_id, entry.record.name, entry.status, rtt))
+        return peers
 
     def request_counters(self) -> dict[str, Any]:
         """The ``requests`` object of ``/api/status``: totals and requests in the last minute."""

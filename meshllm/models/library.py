@@ -173,6 +173,25 @@ class Library:
                     del entries[key]
             return sorted(entries.values(), key=lambda e: (e.name, e.key))
 
+    def check(self, deep: bool = False) -> tuple[int, list[tuple[LibraryEntry, str]]]:
+        """How many entries the index holds, and those whose file is not as indexed, with why (read-only).
+
+        A file that vanished, changed size or time, or is not a GGUF is a problem; ``deep`` also hashes
+        each whole model and compares it with its id (stage files are checked by their manifest).
+        """
+        indexed = list(self._read().values())  # written atomically: no lock needed to read it
+        problems = []
+        for entry in sorted(indexed, key=lambda e: (e.name, e.key)):
+            if not entry.file.exists():
+                problems.append((entry, f"{entry.path} is gone"))
+            elif not _unchanged(entry):
+                problems.append((entry, f"{entry.path} changed since it was indexed"))
+            elif not _is_gguf(entry.file):
+                problems.append((entry, f"{entry.path} is not a GGUF file"))
+            elif deep and entry.layers is None and file_sha256(entry.file) != entry.id:
+                problems.append((entry, f"{entry.path} does not hash to its id {entry.short}"))
+        return len(indexed), problems
+
     def scan(self) -> list[LibraryEntry]:
         """Index the GGUFs of the configured folders and the library's own files (hashing new ones).
 

@@ -15,9 +15,11 @@ import json
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import httpx
 import openai
 import pytest
 from nodes import NodeProcess, running_nodes, wait_until
+from prometheus_client.parser import text_string_to_metric_families
 from tinymodels import TOOL_MODEL, TOOL_MODEL_REPLY, write_tiny_tool_model
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -171,3 +173,29 @@ def test_a_named_tool_choice_forces_a_call(servers: dict[str, NodeProcess], engi
     free = ask(servers[engine], lambda c: c.chat.completions.create(model=TOOL_MODEL, messages=DONE,  # type: ignore
                                                                     tools=[WEATHER]).choices[0].message.content)
     assert free == TOOL_MODEL_REPLY  # without the grammar the model would not have called
+
+
+def test_metrics_count_split_requests(servers: dict[str, NodeProcess]) -> None:
+    """The coordinator's ``/metrics`` counts a chain's requests under ``route="split"``, its tokens,
+    and the stage-lane bytes that carried them (parsed with prometheus_client's own parser)."""
+    coord = servers["split"]
+
+    def scrape() -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+        text = httpx.get(coord.api + "/metrics", headers=coord.admin_headers, timeout=10).text
+        return {(s.name, frozenset(s.labels.items())): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples}
+
+    def grew(name: str, **labels: str) -> float:
+        key = (name, frozenset(labels.items()))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    split = {"model": TOOL_MODEL, "route": "split"}
+    before = scrape()
+    reply = ask(coord, lambda c: c.chat.completions.create(model=TOOL_MODEL, messages=ASK, max_tokens=8))
+    after = scrape()
+    retries = grew("meshllm_request_errors_total", route="split")  # a 503 while the chain replans: asked again
+    assert grew("meshllm_requests_total", **split) == 1 + retries
+    assert reply.usage is not None
+    assert grew("meshllm_tokens_total", kind="completion", **split) == reply.usage.completion_tokens
+    assert grew("meshllm_time_to_first_token_seconds_count", **split) >= 1
+    assert grew("meshllm_stream_bytes_total", kind="stage-lane", direction="sent") > 0
