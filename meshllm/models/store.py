@@ -121,6 +121,8 @@ class ModelStore:
         self.bulk = BulkClient(signing_key)
         self.bulk_server = BulkServer(signing_key, self.offered, lambda peer: peer in endpoint.peers)
         self._quic_only: dict[str, float] = {}
+        self.channels: dict[str, str] = {}
+        """The channel the last piece from each holder came over: ``tcp`` (bulk) or ``quic``."""
 
     async def start_bulk(self, host: str, port: int = 0) -> int:
         """Open this node's bulk channel (TLS over TCP) on ``host:port``; returns the port to offer."""
@@ -139,11 +141,17 @@ class ModelStore:
             conn = await self.endpoint.connect(parse_addr(addr), node, timeout=CONNECT_S)
             if conn.path == "direct":
                 try:
-                    return await self.bulk.get_range(node, conn.remote_addr[0], port, model, offset, length)
+                    data = await self.bulk.get_range(node, conn.remote_addr[0], port, model, offset, length)
                 except (BulkUnavailable, PeerMismatch) as exc:
                     log.warning("bulk channel to %s failed, using QUIC for %.0f s: %s", short(node), QUIC_ONLY_S, exc)
                     self._quic_only[node] = time.monotonic() + QUIC_ONLY_S
-        return await get_range(self.endpoint, node, addr, model, offset, length)
+                    self.publish("transfer_channel_fallback", holder=node, reason=str(exc))
+                else:
+                    self.channels[node] = "tcp"
+                    return data
+        data = await get_range(self.endpoint, node, addr, model, offset, length)
+        self.channels[node] = "quic"
+        return data
 
     # -- what we offer ------------------------------------------------------------------------------
 
@@ -230,7 +238,7 @@ class ModelStore:
             for node, h in state.holders.items():
                 before = view.holders.get(node, {}).get("dropped")
                 view.holders[node] = {"node_id": node, "name": names.get(node, short(node)), "bytes": h.bytes,
-                                      "dropped": h.dropped, "bad": h.bad}
+                                      "dropped": h.dropped, "bad": h.bad, "channel": self.channels.get(node)}
                 if h.dropped and not before:
                     self.publish("transfer_holder_dropped", model=view.name, id=view.model, holder=node,
                                  reason=h.dropped, bad_bytes=h.bad)

@@ -87,7 +87,7 @@ def test_stage_fetch_rides_the_bulk_channel(model: Path, tmp_path: Path) -> None
             entry = await worker.stage_file(manifest, "tiny", 1, 4, [(hep.node_id, addr(hep))])
             moved = sum(manifest.spans[i].length for i in (3, 4, 5)) + manifest.spans[0].length
             assert entry.layers == (1, 4)
-            assert worker.bulk.received == {hep.node_id: moved}
+            assert worker.bulk.received == {hep.node_id: moved} and worker.channels == {hep.node_id: "tcp"}
             assert hstore.bulk_server.sent == {wep.node_id: moved}
         finally:
             await worker.close()
@@ -213,11 +213,15 @@ def test_a_dead_bulk_port_falls_back_to_quic(model: Path, tmp_path: Path) -> Non
         _, hep, hstore, _ = await _pair(tmp_path, model)
         wkey = SigningKey.generate()
         wep = await endpoint(wkey)
-        worker = ModelStore(Library(tmp_path / "w" / "models"), wep, wkey, list, lambda *a, **k: None,
+        events: list[tuple[str, dict]] = []
+        worker = ModelStore(Library(tmp_path / "w" / "models"), wep, wkey, list, lambda t, **f: events.append((t, f)),
                             bulk_ports=lambda _node: dead)
         try:
             entry = await worker.stage_file(manifest, "tiny", 0, 6, [(hep.node_id, addr(hep))])
             assert entry.layers == (0, 6) and worker.bulk.received == {}
+            assert worker.channels == {hep.node_id: "quic"}
+            (fallback,) = [f for t, f in events if t == "transfer_channel_fallback"]
+            assert fallback["holder"] == hep.node_id and "cannot reach" in fallback["reason"]
         finally:
             await worker.close()
             await hstore.close()

@@ -92,6 +92,7 @@ def test_three_stages_from_one_file_match_solo(gguf: Path, tmp_path: Path) -> No
             assert transfer["state"] == "done" and transfer["layers"] == layers
             assert transfer["bytes_done"] == transfer["bytes_total"] > 0
             assert [h["name"] for h in transfer["holders"]] == ["coord"]
+            assert [h["channel"] for h in transfer["holders"]] == ["tcp"]  # the bulk channel, not QUIC
             assert any(e["type"] == "transfer_progress" for e in worker.events)
 
 
