@@ -31,13 +31,14 @@ from meshllm.mesh.records import Capacity, PeerRecord
 from meshllm.models.gguf_file import GGUFFile
 from meshllm.models.refs import ModelRef
 from meshllm.split.audit import AUDIT_MEMORY, AUDIT_RATE
-from meshllm.split.control import Host, Hosted, Release, ask
+from meshllm.split.control import Host, Hosted, Release, Warm, ask
 from meshllm.split.coordinator import DEFAULT_BATCH, Deadlines, SplitCoordinator
 from meshllm.split.engine import NO_CHAIN, SplitEngine
 from meshllm.split.errors import SplitError, StageFailed
 from meshllm.split.frames import Hop
 from meshllm.split.planner import Candidate, ModelProfile, Plan, PlanOptions, plan
 from meshllm.split.stage import StageServer
+from meshllm.tasks import spawn
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,9 @@ UNTRUSTED_S = 24 * 3600.0
 """How long a node an audit caught forging stays out of this node's plans (at most for the process)."""
 RETRY_S = 1.0
 """Pause between placement attempts while no chain fits (workers missing, a host refused)."""
+SPARE_SLACK = 2
+"""Layers a warm range reaches below the planned one: a replan priced with the speeds the chain measured
+may move a boundary down a little, and a stage file must cover the whole range to be used."""
 
 
 @dataclass(frozen=True)
@@ -187,6 +191,31 @@ def describe(chosen: Plan, names: Mapping[str, str], model: str, profile: ModelP
     }
 
 
+def spare_ranges(profile: ModelProfile, nodes: list[Candidate], rtt: Mapping[str, Mapping[str, float]],
+                 chain: list[Hop], options: SplitOptions) -> dict[str, tuple[int, int]]:
+    """The layers each worker should keep on disk so that the chain rebuilt after any one worker's death
+    needs no transfer: for each worker of ``chain``, the degraded plan without it; every node that
+    plan gives layers it does not hold now gets them (a node's ranges over all deaths merged into one,
+    reaching :data:`SPARE_SLACK` layers lower). Deaths that leave no chain are skipped.
+    """
+    holds = {h.node_id: (h.layer_start, h.layer_end) for h in chain}
+    wanted: dict[str, tuple[int, int]] = {}
+    for dead in chain[1:]:
+        rest = [c for c in nodes if c.node_id != dead.node_id]
+        try:
+            degraded = plan(profile, rest, rtt, chain[0].node_id,
+                            plan_options(options, len(rest) - 1, placing=True, degraded=True))
+        except MeshllmError:
+            continue
+        for stage in degraded.stages[1:]:
+            held = holds.get(stage.node_id)
+            if held is not None and held[0] <= stage.layer_start and stage.layer_end <= held[1]:
+                continue
+            low, high = wanted.get(stage.node_id, (stage.layer_start, stage.layer_end))
+            wanted[stage.node_id] = (min(low, stage.layer_start), max(high, stage.layer_end))
+    return {node: (max(1, low - SPARE_SLACK), high) for node, (low, high) in wanted.items()}
+
+
 def plan_options(options: SplitOptions, workers: int, *, placing: bool = False, degraded: bool = False) -> PlanOptions:
     """Planner options for the mode: ``--stages`` fixes the stage count.
 
@@ -237,15 +266,17 @@ class SplitPlacement:
         self._audits = audits
         self._replan = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._spares: set[asyncio.Task[None]] = set()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"split-placement-{self.engine.model_id}")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in [self._task, *self._spares]:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         self.engine.detach("stopped")
         if self._first is not None:
             await asyncio.to_thread(self._first.close)
@@ -344,6 +375,10 @@ class SplitPlacement:
         self.publish("split_ready", model=self.engine.model_id,
                      stages=[[names.get(h.node_id, h.node_id[:8]), h.layer_start, h.layer_end] for h in chain],
                      predicted_ms=round(chosen.total_s * 1e3, 3), took_s=round(time.monotonic() - started, 3))
+        for task in self._spares:  # an older chain's spares are planned for deaths that no longer apply
+            task.cancel()
+        spares = spare_ranges(self.profile, nodes, self._rtt(), chain, self.options)
+        spawn(self._spares, self._warm(chain, spares, members), name=f"split-spares-{self.engine.model_id}")
 
     async def _host(self, chain: list[Hop], index: int) -> None:
         assert self.ref.sha256 is not None
@@ -356,6 +391,29 @@ class SplitPlacement:
             self.publish("split_stage_fetched", model=self.engine.model_id, node=hop.node_id,
                          layers=[hop.layer_start, hop.layer_end], bytes=hosted.fetched_bytes,
                          bad_holders=hosted.bad_holders)
+
+    async def _warm(self, chain: list[Hop], spares: dict[str, tuple[int, int]],
+                    members: Mapping[str, PeerRecord]) -> None:
+        """Have each spare keep its warm range on disk; publish what each now holds (or why it does not)."""
+        assert self.ref.sha256 is not None
+        names = self.names()
+        done: list[list[Any]] = []
+        failed: list[list[str]] = []
+
+        async def one(node: str, start: int, end: int) -> None:
+            try:
+                warmed = await ask(self.server.endpoint, node, members[node].addresses.listen[0], Warm(
+                    model=self.engine.model_id, model_id=self.ref.sha256, manifest=self.manifest,
+                    layer_start=start, layer_end=end))
+            except MeshllmError as exc:
+                failed.append([names.get(node, node[:8]), str(exc)])
+                return
+            done.append([names.get(node, node[:8]), start, end, getattr(warmed, "fetched_bytes", 0)])
+
+        await asyncio.gather(*(one(node, a, b) for node, (a, b) in spares.items()
+                               if node in members and members[node].addresses.listen))
+        self.publish("split_spares_ready", model=self.engine.model_id, spares=done, failed=failed,
+                     chain=[h.node_id for h in chain])
 
     async def _load_first(self, hop: Hop) -> None:
         held = self._first
