@@ -84,8 +84,10 @@ class Warm(msgspec.Struct, frozen=True, kw_only=True, tag="warm"):
     """Keep layers ``[layer_start, layer_end)`` of the model on disk, unloaded: a warm spare.
 
     A rebuilt chain that gives this node other layers after another stage's death then loads them from
-    its disk instead of fetching them. Accepted only from a coordinator this node hosts a stage of
-    ``model`` for; the file is an ordinary stage file of the library (its disk budget and eviction).
+    its disk instead of fetching them. Any member may ask (it is the coordinator of a chain this node
+    may be placed on), for at most :data:`MAX_STAGES_PER_MEMBER` models; the bytes come from it (at
+    ``addr``, dialled as the requester's node id) and other holders, checked against its signed
+    manifest, into an ordinary stage file of the library (its disk budget and eviction).
     """
 
     model: ModelName
@@ -94,6 +96,8 @@ class Warm(msgspec.Struct, frozen=True, kw_only=True, tag="warm"):
     """The model's manifest, signed by the coordinator."""
     layer_start: Annotated[int, Meta(ge=0, lt=1 << 16)]
     layer_end: Annotated[int, Meta(ge=1, le=1 << 16)]
+    addr: Annotated[str, Meta(max_length=300)]
+    """The requester's mesh address (``host:port``), where the bytes are fetched from."""
 
 
 class Release(msgspec.Struct, frozen=True, kw_only=True, tag="release"):
@@ -186,6 +190,8 @@ class StageHost:
         self.is_owner = is_owner or (lambda _node: False)
         self.hosted: dict[tuple[str, str], HostedStage] = {}
         """(owner node id, model) -> what is hosted for that coordinator."""
+        self.warm: dict[tuple[str, str], tuple[int, int]] = {}
+        """(coordinator node id, model) -> the layers kept on disk for it (:class:`Warm`)."""
         server.endpoint.on_stream(KIND, self._serve, max_frame=CONTROL_FRAME)
 
     async def _serve(self, stream: Stream, peer: PeerConnection) -> None:
@@ -218,13 +224,19 @@ class StageHost:
         return await self._host(stream, peer_id, request)
 
     async def _warm(self, stream: Stream, peer_id: str, request: Warm) -> Reply:
-        """Fetch (or find) a warm range onto disk for a coordinator whose stage this node hosts."""
-        held = self.hosted.get((peer_id, request.model))
-        if held is None or held.request.model_id != request.model_id:
-            return Refused(message=f"no stage of {request.model} is hosted here for node {short(peer_id)}")
+        """Fetch (or find) a warm range onto disk for a coordinator (:class:`Warm`)."""
+        key = (peer_id, request.model)
+        mine = [k for k in self.warm if k[0] == peer_id and k != key]
+        if len(mine) >= MAX_STAGES_PER_MEMBER:
+            return Refused(message=f"node {short(peer_id)} already has {len(mine)} warm ranges here "
+                                   f"(at most {MAX_STAGES_PER_MEMBER} per member)")
         start, end = request.layer_start, request.layer_end
         if end <= start:
             return Refused(message=f"empty layer range [{start}, {end})")
+        try:
+            parse_addr(request.addr)
+        except DecodeError:
+            return Refused(message=f"not a host:port address: {request.addr!r}")
         manifest = open_manifest(request.manifest, peer_id, request.model_id)
 
         def check(header: GGUFFile) -> None:
@@ -234,9 +246,9 @@ class StageHost:
         library = self.store.library
         had = library.whole(manifest.model) or library.stage(manifest.model, start, end)
         transfer = f"{manifest.model}:{start}-{end}"
-        coordinator = held.request.chain[0]
         await self._keep_alive(stream, asyncio.ensure_future(self.store.stage_file(
-            manifest, request.model, start, end, [(peer_id, coordinator.addr)], None, check)), transfer)
+            manifest, request.model, start, end, [(peer_id, request.addr)], None, check)), transfer)
+        self.warm[key] = (start, end)
         view = self.store.transfers.get(transfer) if had is None else None
         return Warmed(model=request.model, layer_start=start, layer_end=end,
                       fetched_bytes=view.bytes_done if view is not None else 0)

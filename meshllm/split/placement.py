@@ -31,7 +31,7 @@ from meshllm.mesh.records import Capacity, PeerRecord
 from meshllm.models.gguf_file import GGUFFile
 from meshllm.models.refs import ModelRef
 from meshllm.split.audit import AUDIT_MEMORY, AUDIT_RATE
-from meshllm.split.control import Host, Hosted, Release, Warm, ask
+from meshllm.split.control import Host, Hosted, Release, Warm, Warmed, ask
 from meshllm.split.coordinator import DEFAULT_BATCH, Deadlines, SplitCoordinator
 from meshllm.split.engine import NO_CHAIN, SplitEngine
 from meshllm.split.errors import SplitError, StageFailed
@@ -51,9 +51,11 @@ UNTRUSTED_S = 24 * 3600.0
 """How long a node an audit caught forging stays out of this node's plans (at most for the process)."""
 RETRY_S = 1.0
 """Pause between placement attempts while no chain fits (workers missing, a host refused)."""
+SPARE_CHECK_S = 2.0
+"""How often a serving chain's warm spares are re-planned (workers come and go)."""
 SPARE_SLACK = 2
-"""Layers a warm range reaches below the planned one: a replan priced with the speeds the chain measured
-may move a boundary down a little, and a stage file must cover the whole range to be used."""
+"""Layers a warm range reaches beyond the planned one on each side: a replan priced with the speeds the
+chain measured may move a boundary a little, and a stage file must cover the whole range to be used."""
 
 
 @dataclass(frozen=True)
@@ -196,7 +198,7 @@ def spare_ranges(profile: ModelProfile, nodes: list[Candidate], rtt: Mapping[str
     """The layers each worker should keep on disk so that the chain rebuilt after any one worker's death
     needs no transfer: for each worker of ``chain``, the degraded plan without it; every node that
     plan gives layers it does not hold now gets them (a node's ranges over all deaths merged into one,
-    reaching :data:`SPARE_SLACK` layers lower). Deaths that leave no chain are skipped.
+    widened by :data:`SPARE_SLACK` layers each way). Deaths that leave no chain are skipped.
     """
     holds = {h.node_id: (h.layer_start, h.layer_end) for h in chain}
     wanted: dict[str, tuple[int, int]] = {}
@@ -213,7 +215,8 @@ def spare_ranges(profile: ModelProfile, nodes: list[Candidate], rtt: Mapping[str
                 continue
             low, high = wanted.get(stage.node_id, (stage.layer_start, stage.layer_end))
             wanted[stage.node_id] = (min(low, stage.layer_start), max(high, stage.layer_end))
-    return {node: (max(1, low - SPARE_SLACK), high) for node, (low, high) in wanted.items()}
+    return {node: (max(1, low - SPARE_SLACK), min(profile.n_layers, high + SPARE_SLACK))
+            for node, (low, high) in wanted.items()}
 
 
 def plan_options(options: SplitOptions, workers: int, *, placing: bool = False, degraded: bool = False) -> PlanOptions:
@@ -377,8 +380,7 @@ class SplitPlacement:
                      predicted_ms=round(chosen.total_s * 1e3, 3), took_s=round(time.monotonic() - started, 3))
         for task in self._spares:  # an older chain's spares are planned for deaths that no longer apply
             task.cancel()
-        spares = spare_ranges(self.profile, nodes, self._rtt(), chain, self.options)
-        spawn(self._spares, self._warm(chain, spares, members), name=f"split-spares-{self.engine.model_id}")
+        spawn(self._spares, self._keep_spares(chain), name=f"split-spares-{self.engine.model_id}")
 
     async def _host(self, chain: list[Hop], index: int) -> None:
         assert self.ref.sha256 is not None
@@ -392,28 +394,49 @@ class SplitPlacement:
                          layers=[hop.layer_start, hop.layer_end], bytes=hosted.fetched_bytes,
                          bad_holders=hosted.bad_holders)
 
-    async def _warm(self, chain: list[Hop], spares: dict[str, tuple[int, int]],
-                    members: Mapping[str, PeerRecord]) -> None:
-        """Have each spare keep its warm range on disk; publish what each now holds (or why it does not)."""
+    async def _keep_spares(self, chain: list[Hop]) -> None:
+        """While ``chain`` serves, keep its warm spares (:func:`spare_ranges`) on the nodes' disks: checked
+        every :data:`SPARE_CHECK_S`, so a worker that joins later becomes a spare too. Each change is
+        published as ``split_spares_ready`` (what each spare holds, and who refused)."""
         assert self.ref.sha256 is not None
-        names = self.names()
-        done: list[list[Any]] = []
-        failed: list[list[str]] = []
+        asked: dict[str, tuple[int, int]] = {}
+        held: dict[str, list[Any]] = {}
+        failed: dict[str, str] = {}
+        first = True
+        while True:
+            own, members = self._own(), self._members()
+            nodes = candidates(own, self.budget, members, {*self._suspects, *self.untrusted})
+            wanted = spare_ranges(self.profile, nodes, self._rtt(), chain, self.options)
+            todo = {n: r for n, r in wanted.items()
+                    if asked.get(n) != r and n in members and members[n].addresses.listen}
+            if todo or first:
+                asked.update(todo)
+                names = self.names()
+                jobs = {node: self._warm(members[node].addresses.listen[0], own.addresses.listen[0], node, a, b)
+                        for node, (a, b) in todo.items()}
+                for node, outcome in zip(jobs, await asyncio.gather(*jobs.values()), strict=True):
+                    if isinstance(outcome, str):
+                        failed[node] = outcome
+                        held.pop(node, None)
+                    else:
+                        failed.pop(node, None)
+                        held[node] = [names.get(node, node[:8]), *todo[node], outcome]
+                self.publish("split_spares_ready", model=self.engine.model_id, spares=list(held.values()),
+                             failed=[[names.get(n, n[:8]), why] for n, why in failed.items()],
+                             chain=[h.node_id for h in chain])
+                first = False
+            await asyncio.sleep(SPARE_CHECK_S)
 
-        async def one(node: str, start: int, end: int) -> None:
-            try:
-                warmed = await ask(self.server.endpoint, node, members[node].addresses.listen[0], Warm(
-                    model=self.engine.model_id, model_id=self.ref.sha256, manifest=self.manifest,
-                    layer_start=start, layer_end=end))
-            except MeshllmError as exc:
-                failed.append([names.get(node, node[:8]), str(exc)])
-                return
-            done.append([names.get(node, node[:8]), start, end, getattr(warmed, "fetched_bytes", 0)])
-
-        await asyncio.gather(*(one(node, a, b) for node, (a, b) in spares.items()
-                               if node in members and members[node].addresses.listen))
-        self.publish("split_spares_ready", model=self.engine.model_id, spares=done, failed=failed,
-                     chain=[h.node_id for h in chain])
+    async def _warm(self, addr: str, own_addr: str, node: str, start: int, end: int) -> int | str:
+        """Ask ``node`` to keep layers ``[start, end)`` on disk: the bytes it fetched, or why it did not."""
+        assert self.ref.sha256 is not None
+        try:
+            warmed = await ask(self.server.endpoint, node, addr, Warm(
+                model=self.engine.model_id, model_id=self.ref.sha256, manifest=self.manifest,
+                layer_start=start, layer_end=end, addr=own_addr))
+        except MeshllmError as exc:
+            return str(exc)
+        return warmed.fetched_bytes if isinstance(warmed, Warmed) else 0
 
     async def _load_first(self, hop: Hop) -> None:
         held = self._first
