@@ -87,7 +87,6 @@ def one_round(http: httpx.Client, spec: str, tokens: int, kill_at: int) -> dict[
         serve_s = time.perf_counter() - started
         coord_ready_s = next(e["ts"] for e in coord.events if e["type"] == "ready") - wall
         split_ready_s = ready["ts"] - wall
-        last = next(w for w in workers if w.name == ready["stages"][-1][0])
         try:
             spare = coord.wait_event(lambda e: e["type"] == "split_spares_ready", 60)
         except AssertionError:
@@ -95,9 +94,18 @@ def one_round(http: httpx.Client, spec: str, tokens: int, kill_at: int) -> dict[
             raise
         reference, ref_gaps = stream(http, coord, model, tokens, None)
         fetched_before = sum(e["type"] == "split_stage_fetched" for e in coord.events)
-        text, gaps = stream(http, coord, model, tokens, (kill_at, last))
+        stages = coord.status()["splits"][0]["stages"]  # the chain now (a loaded host may have rebuilt it)
+        last = next(w for w in workers if w.name == stages[-1]["name"])
+        try:
+            text, gaps = stream(http, coord, model, tokens, (kill_at, last))
+        except RuntimeError as exc:  # the rebuild failed: reported as such, left out of the medians
+            return {"serve_s": serve_s, "error": str(exc), "spares": spare["spares"]}
         fetched_after = [e for e in coord.events if e["type"] == "split_stage_fetched"][fetched_before:]
-        rebuilt = coord.wait_event(lambda e: e["type"] == "split_replayed" and e["ts"] >= KILLED[-1], 30)
+        try:
+            rebuilt = coord.wait_event(lambda e: e["type"] == "split_replayed" and e["ts"] >= KILLED[-1], 30)
+        except AssertionError:
+            return {"serve_s": serve_s, "error": f"no replay after killing {last.name} (chain {stages})",
+                    "spares": spare["spares"]}
         return {"serve_s": serve_s, "coord_ready_s": coord_ready_s, "split_ready_s": split_ready_s,
                 "split_ready_took_s": ready["took_s"], "max_gap_s": max(gaps),
                 "failed_s": after_kill(coord, "split_stage_failed"), "rebuilt_s": after_kill(coord, "split_ready"),
@@ -119,7 +127,11 @@ def main() -> None:
         runs = [one_round(http, args.model, args.tokens, args.kill_at) for _ in range(args.rounds)]
     keys = ("serve_s", "coord_ready_s", "split_ready_s", "split_ready_took_s", "ref_median_gap_s", "ref_max_gap_s",
             "max_gap_s", "failed_s", "rebuilt_s", "replay_wait_ms", "rebuild_fetched_bytes")
-    med = {k: statistics.median(r[k] for r in runs) for k in keys}
+    good = [r for r in runs if "error" not in r]
+    for r in runs:
+        if "error" in r:
+            print(f"a round failed: {r['error']}")
+    med = {k: statistics.median(r[k] for r in good) for k in keys}
     print(f"model {args.model}, 3 stages (coordinator + 2 workers), {args.tokens} greedy tokens, last worker killed "
           f"after {args.kill_at} chunks; {args.rounds} round(s), medians; load average {os.getloadavg()[0]:.2f}")
     print("serve s = coordinator ready s + ... + split_ready s (placement took s) + first completion")

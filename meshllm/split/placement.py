@@ -270,6 +270,8 @@ class SplitPlacement:
         self._replan = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._spares: set[asyncio.Task[None]] = set()
+        self.spares: list[list[Any]] = []
+        """The serving chain's warm spares: ``[name, layer_start, layer_end, fetched_bytes]`` each."""
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"split-placement-{self.engine.model_id}")
@@ -301,6 +303,7 @@ class SplitPlacement:
             "audits": self._audits() if self._audits is not None else None,
             "untrusted": sorted(self.untrusted),
             "batching": coordinator.batching_status() if coordinator is not None else None,
+            "spares": [{"name": name, "layers": [start, end]} for name, start, end, _ in self.spares],
         }
 
     def names(self) -> dict[str, str]:
@@ -380,6 +383,7 @@ class SplitPlacement:
                      predicted_ms=round(chosen.total_s * 1e3, 3), took_s=round(time.monotonic() - started, 3))
         for task in self._spares:  # an older chain's spares are planned for deaths that no longer apply
             task.cancel()
+        self.spares = []
         spawn(self._spares, self._keep_spares(chain), name=f"split-spares-{self.engine.model_id}")
 
     async def _host(self, chain: list[Hop], index: int) -> None:
@@ -421,7 +425,8 @@ class SplitPlacement:
                     else:
                         failed.pop(node, None)
                         held[node] = [names.get(node, node[:8]), *todo[node], outcome]
-                self.publish("split_spares_ready", model=self.engine.model_id, spares=list(held.values()),
+                self.spares = list(held.values())
+                self.publish("split_spares_ready", model=self.engine.model_id, spares=self.spares,
                              failed=[[names.get(n, n[:8]), why] for n, why in failed.items()],
                              chain=[h.node_id for h in chain])
                 first = False

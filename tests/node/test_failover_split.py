@@ -44,6 +44,7 @@ def test_middle_stage_killed_mid_stream_the_stream_completes_on_the_rebuilt_chai
         warm = coord.wait_event(lambda e: e["type"] == "split_spares_ready"
                                 and spare.name in [name for name, *_ in e["spares"]], 60.0)
         assert not warm["failed"], warm
+        assert spare.name in [s["name"] for s in coord.status()["splits"][0]["spares"]]
 
         client = openai.OpenAI(base_url=coord.api + "/v1", api_key="x", max_retries=0, timeout=60)
 
