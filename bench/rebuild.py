@@ -142,7 +142,8 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|---:|---:|---|")
     print(f"| {med['ref_median_gap_s'] * 1e3:.1f} | {med['ref_max_gap_s']:.3f} | {med['max_gap_s']:.3f} | "
           f"{med['failed_s']:.3f} | {med['rebuilt_s']:.3f} | {med['replay_wait_ms']:.0f} | "
-          f"{med['rebuild_fetched_bytes'] / 1e6:.1f} | {'yes' if all(r['exact'] for r in runs) else 'NO'} |")
+          f"{med['rebuild_fetched_bytes'] / 1e6:.1f} | {'yes' if all(r['exact'] for r in good) else 'NO'} "
+          f"| ({len(good)} of {len(runs)} rounds rebuilt)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"date": datetime.date.today().isoformat(), "model": args.model,
                                     "tokens": args.tokens, "kill_at": args.kill_at, "medians": med, "runs": runs},

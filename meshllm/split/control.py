@@ -240,15 +240,19 @@ class StageHost:
         manifest = open_manifest(request.manifest, peer_id, request.model_id)
 
         def check(header: GGUFFile) -> None:
-            if end > read_hparams(header).n_layers:
-                raise HostRefused(f"layers [{start}, {end}) run past the model's {read_hparams(header).n_layers}")
+            if end > (layers := read_hparams(header).n_layers):
+                raise HostRefused(f"layers [{start}, {end}) run past the model's {layers}")
 
         library = self.store.library
         had = library.whole(manifest.model) or library.stage(manifest.model, start, end)
         transfer = f"{manifest.model}:{start}-{end}"
-        await self._keep_alive(stream, asyncio.ensure_future(self.store.stage_file(
-            manifest, request.model, start, end, [(peer_id, request.addr)], None, check)), transfer)
-        self.warm[key] = (start, end)
+        self.warm[key] = (start, end)  # counted while it fetches: concurrent requests cannot pass the quota
+        try:
+            await self._keep_alive(stream, asyncio.ensure_future(self.store.stage_file(
+                manifest, request.model, start, end, [(peer_id, request.addr)], None, check)), transfer)
+        except BaseException:
+            del self.warm[key]
+            raise
         view = self.store.transfers.get(transfer) if had is None else None
         return Warmed(model=request.model, layer_start=start, layer_end=end,
                       fetched_bytes=view.bytes_done if view is not None else 0)

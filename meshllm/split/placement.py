@@ -413,8 +413,13 @@ class SplitPlacement:
             wanted = spare_ranges(self.profile, nodes, self._rtt(), chain, self.options)
             todo = {n: r for n, r in wanted.items()
                     if asked.get(n) != r and n in members and members[n].addresses.listen}
-            if todo or first:
+            gone = {*held, *failed, *asked} - set(wanted)  # no longer a spare (it left, or the plan moved on)
+            if todo or gone or first:
                 asked.update(todo)
+                for node in gone:
+                    held.pop(node, None)
+                    failed.pop(node, None)
+                    asked.pop(node, None)
                 names = self.names()
                 jobs = {node: self._warm(members[node].addresses.listen[0], own.addresses.listen[0], node, a, b)
                         for node, (a, b) in todo.items()}
