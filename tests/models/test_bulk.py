@@ -21,6 +21,7 @@ from meshllm.models.manifest import build_manifest
 from meshllm.models.store import ModelStore, Offer
 from meshllm.models.transfer import Refused, TransferFailed, Want
 from meshllm.net.errors import PeerMismatch
+from meshllm.wire.addr import parse_addr
 from meshllm.wire.frames import encode_frame
 
 MODEL = "ab" * 32
@@ -222,6 +223,32 @@ def test_a_dead_bulk_port_falls_back_to_quic(model: Path, tmp_path: Path) -> Non
             assert worker.channels == {hep.node_id: "quic"}
             (fallback,) = [f for t, f in events if t == "transfer_channel_fallback"]
             assert fallback["holder"] == hep.node_id and "cannot reach" in fallback["reason"]
+        finally:
+            await worker.close()
+            await hstore.close()
+            await wep.close()
+            await hep.close()
+
+    asyncio.run(main())
+
+
+def test_a_path_that_is_not_direct_rides_quic(model: Path, tmp_path: Path) -> None:
+    """The bulk port is dialled only where the QUIC path to the holder is direct: over a punched (or
+    relayed) path the TCP port is likely unreachable or not the holder's, so pieces stay on QUIC."""
+    manifest = build_manifest(model, piece_size=PIECE)
+
+    async def main() -> None:
+        _, hep, hstore, port = await _pair(tmp_path, model)
+        wkey = SigningKey.generate()
+        wep = await endpoint(wkey)
+        worker = ModelStore(Library(tmp_path / "w" / "models"), wep, wkey, list, lambda *a, **k: None,
+                            bulk_ports={hep.node_id: port}.get)
+        try:
+            conn = await wep.connect(parse_addr(addr(hep)), hep.node_id)
+            conn.path = "punched"  # as traversal marks a connection that came through a hole punch
+            entry = await worker.stage_file(manifest, "tiny", 0, 3, [(hep.node_id, addr(hep))])
+            assert entry.layers == (0, 3) and worker.bulk.received == {} and worker.channels == {hep.node_id: "quic"}
+            assert hstore.bulk_server.sent == {}
         finally:
             await worker.close()
             await hstore.close()
