@@ -200,7 +200,9 @@ class Node:
         await self.mesh.start()
         assert self.mesh.endpoint is not None
         self.store = ModelStore(Library.for_home(self.home), self.mesh.endpoint, self.key.signing_key,
-                                self._model_offers, self.events.publish, on_change=self._advertise_models)
+                                self._model_offers, self.events.publish, on_change=self._advertise_models,
+                                bulk_ports=self._bulk_port)
+        await self._start_bulk()
         self._advertise_models()
         self._scan_task = asyncio.create_task(self._scan_library(), name="scan-model-library")
         self.serving = Serving(self.key.node_id, self.mesh, self.events, store=self.store,
@@ -248,6 +250,8 @@ class Node:
             await self.splits.stop()
         if self.serving is not None:
             await self.serving.close()
+        if self.store is not None:
+            await self.store.close()
         if self._server_task is not None:
             with contextlib.suppress(asyncio.CancelledError, TimeoutError):
                 await asyncio.wait_for(self._server_task, timeout=3.0)
@@ -316,6 +320,28 @@ class Node:
         own = self.mesh.gossip.own
         if available != own.models.available:
             self.mesh.update_own(models=msgspec.structs.replace(own.models, available=available))
+
+    async def _start_bulk(self) -> None:
+        """Open the bulk channel on the mesh's host (the UDP port's number over TCP when free) and offer it."""
+        assert self.mesh is not None and self.store is not None and self.mesh.endpoint is not None
+        host, port = self.options.mesh_host, self.mesh.endpoint.local_addr[1]
+        try:
+            bulk = await self.store.start_bulk(host, port)
+        except OSError:
+            try:
+                bulk = await self.store.start_bulk(host, 0)
+            except OSError as exc:
+                log.warning("no bulk channel (model bytes ride QUIC): %s", exc.strerror)
+                return
+        assert self.mesh.gossip is not None
+        own = self.mesh.gossip.own.addresses
+        self.mesh.update_own(addresses=msgspec.structs.replace(own, bulk_port=bulk))
+
+    def _bulk_port(self, node_id: str) -> int:
+        """A peer's bulk channel port from its record (0: none known)."""
+        assert self.mesh is not None and self.mesh.gossip is not None
+        record = self.mesh.gossip.members().get(node_id)
+        return record.addresses.bulk_port if record is not None else 0
 
     def _model_offers(self) -> list[Offer]:
         """Whole models peers offer, from their records; the closest holders (by RTT) first."""

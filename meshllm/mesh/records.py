@@ -69,6 +69,9 @@ class Addresses(msgspec.Struct, frozen=True, kw_only=True):
     """Addresses peers saw it coming from (its public side of a NAT)."""
     relay: list[str] = []
     """Relays that forward to it, as ``relay_node_id@host:port``."""
+    bulk_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    """TCP port of its bulk channel for model bytes (TLS on node keys; 0: none), dialled at the host
+    a direct QUIC connection to it reaches (``models/bulk.py``)."""
 
 
 class Capacity(msgspec.Struct, frozen=True, kw_only=True):

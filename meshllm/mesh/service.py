@@ -392,8 +392,8 @@ class MeshService:
             return
         self.traversal.tick(now, self.membership.bootstrap)
         own = self.gossip.own.addresses
-        addresses = Addresses(listen=own.listen, observed=self.traversal.observed(),
-                              relay=self.traversal.relay_entries())
+        addresses = msgspec.structs.replace(own, observed=self.traversal.observed(),
+                                            relay=self.traversal.relay_entries())
         if addresses != own:
             self.gossip.update_own(now, addresses=addresses)
 

@@ -24,12 +24,14 @@ from nacl.signing import SigningKey
 
 from meshllm.errors import DecodeError, MeshllmError
 from meshllm.identity.ids import short
+from meshllm.models.bulk import BulkClient, BulkServer, BulkUnavailable
 from meshllm.models.gguf_file import GGUFFile
 from meshllm.models.library import MIN_PREFIX, AmbiguousModel, Library, LibraryEntry
 from meshllm.models.manifest import Manifest, sign_manifest
 from meshllm.models.refs import SHORT_HASH, ModelNotFound, file_sha256
 from meshllm.models.stage_file import stage_layout, whole_layout
 from meshllm.models.transfer import (
+    CONNECT_S,
     TransferFailed,
     TransferServer,
     TransferState,
@@ -38,6 +40,8 @@ from meshllm.models.transfer import (
     get_range,
 )
 from meshllm.net import Endpoint, NetError
+from meshllm.net.errors import PeerMismatch
+from meshllm.wire.addr import parse_addr
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +61,10 @@ class Offer:
 
 
 Catalog = Callable[[], list[Offer]]
+BulkPorts = Callable[[str], int]
+"""``bulk_port(node_id)``: the TCP port of the peer's bulk channel from its record (0: it offers none)."""
+QUIC_ONLY_S = 60.0
+"""A peer whose bulk channel failed is fetched from over QUIC for this long before the channel is tried again."""
 """What the mesh offers now, best holders first (the node builds it from gossip)."""
 MESH_WAIT_S = 30.0
 """How long ``serve --model NAME`` waits for a peer offering the model to show up in gossip."""
@@ -96,8 +104,10 @@ class ModelStore:
     """The library, served to peers and filled from them."""
 
     def __init__(self, library: Library, endpoint: Endpoint, signing_key: SigningKey, catalog: Catalog,
-                 publish: Callable[..., Any], on_change: Callable[[], None] | None = None) -> None:
-        """``on_change()`` is called when the library's whole models change (the peer record lists them)."""
+                 publish: Callable[..., Any], on_change: Callable[[], None] | None = None,
+                 bulk_ports: BulkPorts | None = None) -> None:
+        """``on_change()`` is called when the library's whole models change (the peer record lists them);
+        ``bulk_ports`` names peers' bulk channels (None: every transfer rides QUIC)."""
         self.library = library
         self.endpoint = endpoint
         self.key = signing_key
@@ -107,6 +117,41 @@ class ModelStore:
         self.transfers: dict[str, TransferView] = {}
         self._running: dict[str, asyncio.Task[LibraryEntry]] = {}
         self.server = TransferServer(endpoint, self.offered, self.signed_manifest)
+        self.bulk_ports = bulk_ports
+        self.bulk = BulkClient(signing_key)
+        self.bulk_server = BulkServer(signing_key, self.offered, lambda peer: peer in endpoint.peers)
+        self._quic_only: dict[str, float] = {}
+        self.channels: dict[str, str] = {}
+        """The channel the last piece from each holder came over: ``tcp`` (bulk) or ``quic``."""
+
+    async def start_bulk(self, host: str, port: int = 0) -> int:
+        """Open this node's bulk channel (TLS over TCP) on ``host:port``; returns the port to offer."""
+        return await self.bulk_server.start(host, port)
+
+    async def close(self) -> None:
+        self.bulk.close()
+        await self.bulk_server.close()
+
+    async def get(self, node: str, addr: str, model: str, offset: int, length: int) -> bytes:
+        """Bytes of ``model`` from holder ``node``: over its bulk channel when it offers one and our QUIC
+        path to it is direct (dialled at the host that path reaches, once QUIC proved who it is), else
+        and whenever that channel fails, over QUIC."""
+        port = self.bulk_ports(node) if self.bulk_ports is not None else 0
+        if port and self._quic_only.get(node, 0.0) <= time.monotonic():
+            conn = await self.endpoint.connect(parse_addr(addr), node, timeout=CONNECT_S)
+            if conn.path == "direct":
+                try:
+                    data = await self.bulk.get_range(node, conn.remote_addr[0], port, model, offset, length)
+                except (BulkUnavailable, PeerMismatch) as exc:
+                    log.warning("bulk channel to %s failed, using QUIC for %.0f s: %s", short(node), QUIC_ONLY_S, exc)
+                    self._quic_only[node] = time.monotonic() + QUIC_ONLY_S
+                    self.publish("transfer_channel_fallback", holder=node, reason=str(exc))
+                else:
+                    self.channels[node] = "tcp"
+                    return data
+        data = await get_range(self.endpoint, node, addr, model, offset, length)
+        self.channels[node] = "quic"
+        return data
 
     # -- what we offer ------------------------------------------------------------------------------
 
@@ -193,7 +238,7 @@ class ModelStore:
             for node, h in state.holders.items():
                 before = view.holders.get(node, {}).get("dropped")
                 view.holders[node] = {"node_id": node, "name": names.get(node, short(node)), "bytes": h.bytes,
-                                      "dropped": h.dropped, "bad": h.bad}
+                                      "dropped": h.dropped, "bad": h.bad, "channel": self.channels.get(node)}
                 if h.dropped and not before:
                     self.publish("transfer_holder_dropped", model=view.name, id=view.model, holder=node,
                                  reason=h.dropped, bad_bytes=h.bad)
@@ -255,7 +300,7 @@ class ModelStore:
             layout = stage_layout(manifest, header, start, end, name)
             part = self.library.incoming(f"{manifest.model}.{start}-{end}.part")
             await asyncio.to_thread(self.library.reserve, layout.fetch_bytes + len(layout.header or b""))
-            state = await fetch(self.endpoint, manifest, layout, holders, part, progress=self._progress(view, names))
+            state = await fetch(self.get, manifest, layout, holders, part, progress=self._progress(view, names))
             entry = self.library.commit(part, model_id=manifest.model, name=name, source=_source(state),
                                         layers=(start, end))
         except (MeshllmError, OSError) as exc:
@@ -281,7 +326,7 @@ class ModelStore:
                     continue
                 have = part.stat().st_blocks * 512 if part.exists() else 0
                 await asyncio.to_thread(self.library.reserve, max(0, manifest.size - have))
-                state = await fetch(self.endpoint, manifest, whole_layout(manifest),
+                state = await fetch(self.get, manifest, whole_layout(manifest),
                                     [h for h in holders if h[0] not in liars], part,
                                     progress=self._progress(view, names))
                 view.state = "verifying"
@@ -305,7 +350,7 @@ class ModelStore:
             try:
                 parts = []
                 for piece in manifest.pieces(0):
-                    data = await get_range(self.endpoint, node, addr, manifest.model, piece.offset, piece.length)
+                    data = await self.get(node, addr, manifest.model, piece.offset, piece.length)
                     if not piece.check(data):
                         raise TransferFailed("its header does not match the manifest")
                     parts.append(data)

@@ -1,7 +1,8 @@
 """Stage control: a coordinator asks a worker to host a layer range (stream kind ``stage-control``).
 
 One short stream per request: ``Host`` -> ``Progress``* -> ``Hosted`` or ``Refused``; ``Release`` ->
-``Released`` or ``Refused``. A model is named by its id (the sha256 of its file), never by a path:
+``Released`` or ``Refused``; ``Warm`` -> ``Progress``* -> ``Warmed`` or ``Refused`` (layers kept on disk
+for a rebuild, see :class:`Warm`). A model is named by its id (the sha256 of its file), never by a path:
 ``Host`` carries the coordinator's **manifest** of the file, signed with its node key, and the worker
 finds the layers in its own library (the whole file, or a stage file it kept) or fetches just that
 range's tensors from the coordinator and every other holder, checking each piece against the
@@ -79,6 +80,26 @@ class Host(msgspec.Struct, frozen=True, kw_only=True, tag="host"):
         return self.chain[self.index]
 
 
+class Warm(msgspec.Struct, frozen=True, kw_only=True, tag="warm"):
+    """Keep layers ``[layer_start, layer_end)`` of the model on disk, unloaded: a warm spare.
+
+    A rebuilt chain that gives this node other layers after another stage's death then loads them from
+    its disk instead of fetching them. Any member may ask (it is the coordinator of a chain this node
+    may be placed on), for at most :data:`MAX_STAGES_PER_MEMBER` models; the bytes come from it (at
+    ``addr``, dialled as the requester's node id) and other holders, checked against its signed
+    manifest, into an ordinary stage file of the library (its disk budget and eviction).
+    """
+
+    model: ModelName
+    model_id: Annotated[str, Meta(pattern=MODEL_ID.pattern)]
+    manifest: Annotated[bytes, Meta(max_length=MAX_MANIFEST)]
+    """The model's manifest, signed by the coordinator."""
+    layer_start: Annotated[int, Meta(ge=0, lt=1 << 16)]
+    layer_end: Annotated[int, Meta(ge=1, le=1 << 16)]
+    addr: Annotated[str, Meta(max_length=300)]
+    """The requester's mesh address (``host:port``), where the bytes are fetched from."""
+
+
 class Release(msgspec.Struct, frozen=True, kw_only=True, tag="release"):
     """Stop serving the requester's stage of ``model`` (a replan moved its layers elsewhere)."""
 
@@ -106,12 +127,20 @@ class Released(msgspec.Struct, frozen=True, kw_only=True, tag="released"):
     model: str
 
 
+class Warmed(msgspec.Struct, frozen=True, kw_only=True, tag="warmed"):
+    model: str
+    layer_start: int
+    layer_end: int
+    fetched_bytes: int = 0
+    """Bytes fetched from peers for it (0 when the node already had them)."""
+
+
 class Refused(msgspec.Struct, frozen=True, kw_only=True, tag="refused"):
     message: str
 
 
-Request = Host | Release
-Reply = Progress | Hosted | Released | Refused
+Request = Host | Release | Warm
+Reply = Progress | Hosted | Released | Warmed | Refused
 
 
 class HostRefused(SplitError):
@@ -161,6 +190,8 @@ class StageHost:
         self.is_owner = is_owner or (lambda _node: False)
         self.hosted: dict[tuple[str, str], HostedStage] = {}
         """(owner node id, model) -> what is hosted for that coordinator."""
+        self.warm: dict[tuple[str, str], tuple[int, int]] = {}
+        """(coordinator node id, model) -> the layers kept on disk for it (:class:`Warm`)."""
         server.endpoint.on_stream(KIND, self._serve, max_frame=CONTROL_FRAME)
 
     async def _serve(self, stream: Stream, peer: PeerConnection) -> None:
@@ -188,7 +219,43 @@ class StageHost:
                 self.store.library.unpin(held.entry)
             self._changed(request.model)
             return Released(model=request.model)
+        if isinstance(request, Warm):
+            return await self._warm(stream, peer_id, request)
         return await self._host(stream, peer_id, request)
+
+    async def _warm(self, stream: Stream, peer_id: str, request: Warm) -> Reply:
+        """Fetch (or find) a warm range onto disk for a coordinator (:class:`Warm`)."""
+        key = (peer_id, request.model)
+        mine = [k for k in self.warm if k[0] == peer_id and k != key]
+        if len(mine) >= MAX_STAGES_PER_MEMBER:
+            return Refused(message=f"node {short(peer_id)} already has {len(mine)} warm ranges here "
+                                   f"(at most {MAX_STAGES_PER_MEMBER} per member)")
+        start, end = request.layer_start, request.layer_end
+        if end <= start:
+            return Refused(message=f"empty layer range [{start}, {end})")
+        try:
+            parse_addr(request.addr)
+        except DecodeError:
+            return Refused(message=f"not a host:port address: {request.addr!r}")
+        manifest = open_manifest(request.manifest, peer_id, request.model_id)
+
+        def check(header: GGUFFile) -> None:
+            if end > (layers := read_hparams(header).n_layers):
+                raise HostRefused(f"layers [{start}, {end}) run past the model's {layers}")
+
+        library = self.store.library
+        had = library.whole(manifest.model) or library.stage(manifest.model, start, end)
+        transfer = f"{manifest.model}:{start}-{end}"
+        self.warm[key] = (start, end)  # counted while it fetches: concurrent requests cannot pass the quota
+        try:
+            await self._keep_alive(stream, asyncio.ensure_future(self.store.stage_file(
+                manifest, request.model, start, end, [(peer_id, request.addr)], None, check)), transfer)
+        except BaseException:
+            del self.warm[key]
+            raise
+        view = self.store.transfers.get(transfer) if had is None else None
+        return Warmed(model=request.model, layer_start=start, layer_end=end,
+                      fetched_bytes=view.bytes_done if view is not None else 0)
 
     async def _host(self, stream: Stream, peer_id: str, request: Host) -> Reply:
         why = self._check_request(peer_id, request)
@@ -281,7 +348,7 @@ def stage_memory(reader: GGUFFile, start: int, end: int, context: int) -> int:
 
 
 async def ask(endpoint: Endpoint, node_id: str, addr: str, request: Request,
-              timeout: float = REPLY_TIMEOUT_S) -> Hosted | Released:
+              timeout: float = REPLY_TIMEOUT_S) -> Hosted | Released | Warmed:
     """Send one control request to ``node_id`` at ``addr``; :class:`HostRefused` unless it succeeds.
 
     ``timeout`` bounds each silence: a worker fetching a range sends Progress while it works.

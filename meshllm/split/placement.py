@@ -31,13 +31,14 @@ from meshllm.mesh.records import Capacity, PeerRecord
 from meshllm.models.gguf_file import GGUFFile
 from meshllm.models.refs import ModelRef
 from meshllm.split.audit import AUDIT_MEMORY, AUDIT_RATE
-from meshllm.split.control import Host, Hosted, Release, ask
+from meshllm.split.control import Host, Hosted, Release, Warm, Warmed, ask
 from meshllm.split.coordinator import DEFAULT_BATCH, Deadlines, SplitCoordinator
 from meshllm.split.engine import NO_CHAIN, SplitEngine
 from meshllm.split.errors import SplitError, StageFailed
 from meshllm.split.frames import Hop
 from meshllm.split.planner import Candidate, ModelProfile, Plan, PlanOptions, plan
 from meshllm.split.stage import StageServer
+from meshllm.tasks import spawn
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,11 @@ UNTRUSTED_S = 24 * 3600.0
 """How long a node an audit caught forging stays out of this node's plans (at most for the process)."""
 RETRY_S = 1.0
 """Pause between placement attempts while no chain fits (workers missing, a host refused)."""
+SPARE_CHECK_S = 2.0
+"""How often a serving chain's warm spares are re-planned (workers come and go)."""
+SPARE_SLACK = 2
+"""Layers a warm range reaches beyond the planned one on each side: a replan priced with the speeds the
+chain measured may move a boundary a little, and a stage file must cover the whole range to be used."""
 
 
 @dataclass(frozen=True)
@@ -187,6 +193,32 @@ def describe(chosen: Plan, names: Mapping[str, str], model: str, profile: ModelP
     }
 
 
+def spare_ranges(profile: ModelProfile, nodes: list[Candidate], rtt: Mapping[str, Mapping[str, float]],
+                 chain: list[Hop], options: SplitOptions) -> dict[str, tuple[int, int]]:
+    """The layers each worker should keep on disk so that the chain rebuilt after any one worker's death
+    needs no transfer: for each worker of ``chain``, the degraded plan without it; every node that
+    plan gives layers it does not hold now gets them (a node's ranges over all deaths merged into one,
+    widened by :data:`SPARE_SLACK` layers each way). Deaths that leave no chain are skipped.
+    """
+    holds = {h.node_id: (h.layer_start, h.layer_end) for h in chain}
+    wanted: dict[str, tuple[int, int]] = {}
+    for dead in chain[1:]:
+        rest = [c for c in nodes if c.node_id != dead.node_id]
+        try:
+            degraded = plan(profile, rest, rtt, chain[0].node_id,
+                            plan_options(options, len(rest) - 1, placing=True, degraded=True))
+        except MeshllmError:
+            continue
+        for stage in degraded.stages[1:]:
+            held = holds.get(stage.node_id)
+            if held is not None and held[0] <= stage.layer_start and stage.layer_end <= held[1]:
+                continue
+            low, high = wanted.get(stage.node_id, (stage.layer_start, stage.layer_end))
+            wanted[stage.node_id] = (min(low, stage.layer_start), max(high, stage.layer_end))
+    return {node: (max(1, low - SPARE_SLACK), min(profile.n_layers, high + SPARE_SLACK))
+            for node, (low, high) in wanted.items()}
+
+
 def plan_options(options: SplitOptions, workers: int, *, placing: bool = False, degraded: bool = False) -> PlanOptions:
     """Planner options for the mode: ``--stages`` fixes the stage count.
 
@@ -237,15 +269,19 @@ class SplitPlacement:
         self._audits = audits
         self._replan = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._spares: set[asyncio.Task[None]] = set()
+        self.spares: list[list[Any]] = []
+        """The serving chain's warm spares: ``[name, layer_start, layer_end, fetched_bytes]`` each."""
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"split-placement-{self.engine.model_id}")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in [self._task, *self._spares]:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         self.engine.detach("stopped")
         if self._first is not None:
             await asyncio.to_thread(self._first.close)
@@ -267,6 +303,7 @@ class SplitPlacement:
             "audits": self._audits() if self._audits is not None else None,
             "untrusted": sorted(self.untrusted),
             "batching": coordinator.batching_status() if coordinator is not None else None,
+            "spares": [{"name": name, "layers": [start, end]} for name, start, end, _ in self.spares],
         }
 
     def names(self) -> dict[str, str]:
@@ -344,6 +381,10 @@ class SplitPlacement:
         self.publish("split_ready", model=self.engine.model_id,
                      stages=[[names.get(h.node_id, h.node_id[:8]), h.layer_start, h.layer_end] for h in chain],
                      predicted_ms=round(chosen.total_s * 1e3, 3), took_s=round(time.monotonic() - started, 3))
+        for task in self._spares:  # an older chain's spares are planned for deaths that no longer apply
+            task.cancel()
+        self.spares = []
+        spawn(self._spares, self._keep_spares(chain), name=f"split-spares-{self.engine.model_id}")
 
     async def _host(self, chain: list[Hop], index: int) -> None:
         assert self.ref.sha256 is not None
@@ -356,6 +397,56 @@ class SplitPlacement:
             self.publish("split_stage_fetched", model=self.engine.model_id, node=hop.node_id,
                          layers=[hop.layer_start, hop.layer_end], bytes=hosted.fetched_bytes,
                          bad_holders=hosted.bad_holders)
+
+    async def _keep_spares(self, chain: list[Hop]) -> None:
+        """While ``chain`` serves, keep its warm spares (:func:`spare_ranges`) on the nodes' disks: checked
+        every :data:`SPARE_CHECK_S`, so a worker that joins later becomes a spare too. Each change is
+        published as ``split_spares_ready`` (what each spare holds, and who refused)."""
+        assert self.ref.sha256 is not None
+        asked: dict[str, tuple[int, int]] = {}
+        held: dict[str, list[Any]] = {}
+        failed: dict[str, str] = {}
+        first = True
+        while True:
+            own, members = self._own(), self._members()
+            nodes = candidates(own, self.budget, members, {*self._suspects, *self.untrusted})
+            wanted = spare_ranges(self.profile, nodes, self._rtt(), chain, self.options)
+            todo = {n: r for n, r in wanted.items()
+                    if asked.get(n) != r and n in members and members[n].addresses.listen}
+            gone = {*held, *failed, *asked} - set(wanted)  # no longer a spare (it left, or the plan moved on)
+            if todo or gone or first:
+                asked.update(todo)
+                for node in gone:
+                    held.pop(node, None)
+                    failed.pop(node, None)
+                    asked.pop(node, None)
+                names = self.names()
+                jobs = {node: self._warm(members[node].addresses.listen[0], own.addresses.listen[0], node, a, b)
+                        for node, (a, b) in todo.items()}
+                for node, outcome in zip(jobs, await asyncio.gather(*jobs.values()), strict=True):
+                    if isinstance(outcome, str):
+                        failed[node] = outcome
+                        held.pop(node, None)
+                    else:
+                        failed.pop(node, None)
+                        held[node] = [names.get(node, node[:8]), *todo[node], outcome]
+                self.spares = list(held.values())
+                self.publish("split_spares_ready", model=self.engine.model_id, spares=self.spares,
+                             failed=[[names.get(n, n[:8]), why] for n, why in failed.items()],
+                             chain=[h.node_id for h in chain])
+                first = False
+            await asyncio.sleep(SPARE_CHECK_S)
+
+    async def _warm(self, addr: str, own_addr: str, node: str, start: int, end: int) -> int | str:
+        """Ask ``node`` to keep layers ``[start, end)`` on disk: the bytes it fetched, or why it did not."""
+        assert self.ref.sha256 is not None
+        try:
+            warmed = await ask(self.server.endpoint, node, addr, Warm(
+                model=self.engine.model_id, model_id=self.ref.sha256, manifest=self.manifest,
+                layer_start=start, layer_end=end, addr=own_addr))
+        except MeshllmError as exc:
+            return str(exc)
+        return warmed.fetched_bytes if isinstance(warmed, Warmed) else 0
 
     async def _load_first(self, hop: Hop) -> None:
         held = self._first

@@ -3,7 +3,8 @@
 Real nodes through the CLI: a coordinator forcing a 3-stage split of a 6-layer tiny model and three
 ``--worker``s, so one worker is spare. The middle stage is killed (``kill -9``) while a stream runs;
 placement rebuilds a 3-stage chain with the spare, the request prefills prompt + the tokens it had
-generated into it and continues: the client gets exactly the uninterrupted text, with one usage.
+generated into it and continues: the client gets exactly the uninterrupted text, with one usage. The
+spare was warm (it kept the layers a rebuild would give it on disk), so the rebuild fetched nothing.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ def test_middle_stage_killed_mid_stream_the_stream_completes_on_the_rebuilt_chai
         middle = workers[split["stages"][1]["node_id"]]
         in_chain = {s["node_id"] for s in split["stages"]}
         spare = next(w for node_id, w in workers.items() if node_id not in in_chain)
+        # the spare joined after the chain formed: the coordinator's next spare check makes it warm
+        warm = coord.wait_event(lambda e: e["type"] == "split_spares_ready"
+                                and spare.name in [name for name, *_ in e["spares"]], 60.0)
+        assert not warm["failed"], warm
+        assert spare.name in [s["name"] for s in coord.status()["splits"][0]["spares"]]
 
         client = openai.OpenAI(base_url=coord.api + "/v1", api_key="x", max_retries=0, timeout=60)
 
@@ -58,6 +64,7 @@ def test_middle_stage_killed_mid_stream_the_stream_completes_on_the_rebuilt_chai
             return text, usage, longest
 
         reference, ref_usage, _ = stream(None)
+        fetched_before = len([e for e in coord.events if e["type"] == "split_stage_fetched"])
         text, usage, longest = stream(middle)
         replayed = coord.wait_event(lambda e: e["type"] == "split_replayed", 5.0)
         rebuilt = coord.wait_event(lambda e: e["type"] == "split_ready" and e is not ready
@@ -68,6 +75,7 @@ def test_middle_stage_killed_mid_stream_the_stream_completes_on_the_rebuilt_chai
         assert middle.proc.returncode is not None
         assert text == reference and usage == ref_usage == 300
         assert replayed["stages"] == 3 and 0 < replayed["tokens"] < 300
+        assert [e for e in coord.events if e["type"] == "split_stage_fetched"][fetched_before:] == []
         (after,) = coord.status()["splits"]
         assert after["replays"] == 1 and after["replays_failed"] == 0
         assert spare.node_id in {s["node_id"] for s in after["stages"]}
