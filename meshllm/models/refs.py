@@ -1,8 +1,9 @@
 """Model references: what the user names and how the mesh names it, resolved in one place.
 
 A reference is a GGUF path, a bundled model (``default``: SmolLM2-135M-Instruct, ``smollm2``,
-``gemma``: Gemma 3 270M; ``models/bundled.py``), a name or id from the model library (``models/library.py``), or ``hf:ORG/REPO/FILE.gguf`` / ``hf:ORG/REPO:QUANT`` (downloaded
-into the library, ``models/hub.py``). :func:`resolve_model` tries them in that order.
+``gemma``: Gemma 3 270M; ``models/bundled.py``), a name or id from the model library
+(``models/library.py``), or ``hf:ORG/REPO/FILE.gguf`` / ``hf:ORG/REPO:QUANT`` (downloaded into the
+library, ``models/hub.py``). :func:`resolve_model` tries them in that order.
 
 Two names matter. The **model id** is what API clients put in ``"model"``: the file stem, short
 and stable across machines that hold the same file under the same name. The **identity** adds a

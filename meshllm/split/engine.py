@@ -77,7 +77,7 @@ class ChainUnavailable(EngineNotLoaded):
 
 
 def chain_sampling(params: GenerationParams, generated: Sequence[int] = ()) -> Sampling:
-    """OpenAI semantics for the last stage's sampler (no min-p, no repetition penalty), as GgmlEngine,
+    """The request's sampling for the last stage's sampler (:func:`sampling_params`, as GgmlEngine),
     with the request's grammar (checked here: :class:`~meshllm.engine.gbnf.BadGrammar`), the tokens of
     its continuation the grammar has produced (``generated``), and the logprobs it asks for.
 
