@@ -54,8 +54,12 @@ def write_tiny_llama(
     rope_scaling: dict[str, object] | None = None,
     rope_freqs: bool = False,
     weight_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+    metadata: dict[str, float | int | str] | None = None,
 ) -> Path:
     """Write a llama-style model (``arch`` llama or qwen2; qwen2 gets q/k/v biases) and return its path.
+
+    ``metadata`` adds keys as they are (floats as float32, ints as uint32), e.g.
+    ``{"general.sampling.temp": 0.0}``.
 
     ``rope_scaling`` adds ``<arch>.rope.scaling.*`` keys, e.g. ``{"type": "linear", "factor": 2.0}``;
     ``rope_freqs`` adds llama 3's per-dimension rope frequency factors. ``weight_type`` quantizes the
@@ -76,8 +80,8 @@ def write_tiny_llama(
     w.add_rope_freq_base(10000.0)
     w.add_rope_dimension_count(head_dim)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    for key, value in (rope_scaling or {}).items():
-        full = f"{arch}.rope.scaling.{key}"
+    extra = {f"{arch}.rope.scaling.{key}": value for key, value in (rope_scaling or {}).items()}
+    for full, value in {**extra, **(metadata or {})}.items():
         if isinstance(value, str):
             w.add_string(full, value)
         elif isinstance(value, int):

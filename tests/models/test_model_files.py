@@ -15,8 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: shared h
 
 from tinymodels import write_tiny_llama
 
-from meshllm.models import ModelNotFound, NotGGUF, read_metadata, resolve_model
-from meshllm.models import bundled
+from meshllm.models import ModelNotFound, NotGGUF, bundled, read_metadata, resolve_model
 from meshllm.models.refs import file_sha256, model_id_for
 
 

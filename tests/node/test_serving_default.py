@@ -2,15 +2,15 @@
 
 ``./install.sh && meshllm serve`` then the README's chat through the ``openai`` package must get an
 answer from the bundled default model (SmolLM2-135M-Instruct): a greeting for "Hi", and a working
-Python function for a coding request, each ending by itself (finish ``stop``). ``meshllm serve --engine ggml`` must answer through the same API,
-with the same greedy text as llama.cpp on the same GGUF.
+Python function for a coding request, each ending by itself (finish ``stop``). ``meshllm serve
+--engine ggml`` must answer through the same API, with the same greedy text as llama.cpp on the
+same GGUF.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import re
+from pathlib import Path
 
 import openai
 import pytest
