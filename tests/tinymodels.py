@@ -251,7 +251,7 @@ _CALL_PIECES = ("<tool_call>\n", '{"name": "get_weather",', ' "arguments":', ' {
 """The call's tokens (llama-cpp-python detokenizes pieces of at most 32 bytes)."""
 
 
-def write_tiny_tool_model(path: str | Path, blocks: int = 1) -> Path:
+def write_tiny_tool_model(path: str | Path, blocks: int = 1, repeat_calls: bool = False) -> Path:
     """A llama-architecture model whose replies are fixed by construction, not by luck.
 
     Its layers compute: *next token = a fixed successor of the current one* (one-hot embeddings,
@@ -268,6 +268,10 @@ def write_tiny_tool_model(path: str | Path, blocks: int = 1) -> Path:
 
     ``blocks`` above 1 appends blocks whose attention output and FFN down matrices are zero: each
     passes the residual on unchanged, so the logits are the same and the model can be split.
+
+    ``repeat_calls``: a call is followed by a newline instead of the end of the turn, after which
+    the model decides again, and calls again: the small model that repeats its call until
+    ``max_tokens`` (where a grammar allows more calls).
     """
     path = Path(path)
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
@@ -288,6 +292,8 @@ def write_tiny_tool_model(path: str | Path, blocks: int = 1) -> Path:
     succ[byte[ord("O")]] = byte[ord("K")]
     for a, b in itertools.pairwise(calls):
         succ[a] = b
+    if repeat_calls:
+        succ[calls[-1]] = byte[ord("\n")]
 
     width, heads, ffn = 320, 4, 32
     bias, flag_tools, flag_response, decide = vocab, vocab + 1, vocab + 2, vocab + 3

@@ -349,7 +349,8 @@ def router(backend: Backend, admission: Admission) -> APIRouter:
             model=body.model, messages=tuple(body.conversation()), tools=tools.engine_tools(),
             params=params(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                           min_p=body.min_p, repeat_penalty=body.repeat_penalty,
-                          stop=tuple(body.stop_sequences or ()), grammar=grammar),
+                          stop=tuple(body.stop_sequences or ()), grammar=grammar,
+                          end_on_repeated_call=tools.repeats_end),
             user=body.user_key())
 
     @routes.post("/messages", responses=stream_doc("Anthropic message stream events (event: <type>, data: JSON)"))

@@ -381,7 +381,8 @@ def router(backend: Backend, admission: Admission) -> APIRouter:
             model=body.model, messages=tuple(conversation), tools=tools.engine_tools(),
             params=params(max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
                           top_k=body.top_k, min_p=body.min_p, repeat_penalty=body.repeat_penalty, seed=body.seed,
-                          grammar=build_grammar(tools, body.text_format(), "text.format")),
+                          grammar=build_grammar(tools, body.text_format(), "text.format"),
+                          end_on_repeated_call=tools.repeats_end),
             user=clean(key) if key else None)
         shape = ResponseShape(body, tools)
         generations = await start_all(backend, admission, [request], http)

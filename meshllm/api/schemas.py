@@ -77,7 +77,8 @@ def params(*, max_tokens: int | None, temperature: float | None, top_p: float | 
            top_k: int | None = None, min_p: float | None = None, repeat_penalty: float | None = None,
            seed: int | None = None, stop: tuple[str, ...] = (),
            presence_penalty: float | None = None, frequency_penalty: float | None = None,
-           grammar: str | None = None, logprobs: int | None = None) -> GenerationParams:
+           grammar: str | None = None, logprobs: int | None = None,
+           end_on_repeated_call: bool = False) -> GenerationParams:
     """Engine sampling parameters: what the client set, OpenAI's defaults (temperature 1, top_p 1)
     elsewhere, and the names of the sampling fields it left out, which the serving node fills with
     the model's recommendation (:mod:`meshllm.engine.recommended`)."""
@@ -89,7 +90,8 @@ def params(*, max_tokens: int | None, temperature: float | None, top_p: float | 
         min_p=0.0 if min_p is None else min_p, repeat_penalty=1.0 if repeat_penalty is None else repeat_penalty,
         left_out=tuple(name for name, value in given.items() if value is None),
         stop=tuple(clean(s) for s in stop if s), presence_penalty=presence_penalty or 0.0,
-        frequency_penalty=frequency_penalty or 0.0, grammar=grammar, logprobs=logprobs)
+        frequency_penalty=frequency_penalty or 0.0, grammar=grammar, logprobs=logprobs,
+        end_on_repeated_call=end_on_repeated_call)
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
@@ -346,7 +348,8 @@ class ChatCompletionRequest(_SamplingFields):
                           top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, repeat_penalty=self.repeat_penalty,
                           seed=choice_seed(self.seed, i), stop=self.stops(),
                           presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                          grammar=grammar, logprobs=(self.top_logprobs or 0) if self.logprobs else None),
+                          grammar=grammar, logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+                          end_on_repeated_call=tools.repeats_end),
             tools=tools.engine_tools(), user=self.client_key(),
         ) for i in range(self.choices)]
 

@@ -121,6 +121,10 @@ class GenerationParams(msgspec.Struct, frozen=True, kw_only=True):
     ``repeat_penalty``): the node that serves the request fills them with the model's recommended
     sampling (:mod:`meshllm.engine.recommended`) before its engine runs it; the values above are
     the fallbacks. ``max_tokens`` left out is ``None``."""
+    end_on_repeated_call: bool = False
+    """End the reply at a tool call (``<tool_call>`` block) identical to one it already made: set for a
+    forced ``tool_choice`` that allows parallel calls, whose grammar would let the model repeat its
+    call until ``max_tokens`` (``meshllm.engine.text.RepeatedCallStop``)."""
     grammar: str | None = None
     """A GBNF grammar (llama.cpp syntax, start rule ``root``) that every sampled token must keep the
     text inside; the API builds it from ``response_format`` and ``tool_choice``. ``None``: free text.
