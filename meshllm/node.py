@@ -42,6 +42,7 @@ from meshllm.config import (
     OWNER_KEYSTORE_FILE,
     REVOCATIONS_FILE,
     ensure_home,
+    load_config,
     load_or_create_admin_token,
     resolve_home,
 )
@@ -206,7 +207,8 @@ class Node:
         self._advertise_models()
         self._scan_task = asyncio.create_task(self._scan_library(), name="scan-model-library")
         self.serving = Serving(self.key.node_id, self.mesh, self.events, store=self.store,
-                               hash_cache=self.home / MODEL_HASHES_FILE, replay=ReplayPolicy(max_replays=opts.replays))
+                               hash_cache=self.home / MODEL_HASHES_FILE, replay=ReplayPolicy(max_replays=opts.replays),
+                               model_defaults=load_config(self.home).models)
         split = dataclasses.replace(opts.split, threads=opts.threads, gpu_layers=opts.gpu_layers, kernels=opts.kernels,
                                     speculate=opts.speculate)
         self.splits = SplitService(self.mesh, self.serving, self.events, opts.role, split, self.store,

@@ -54,8 +54,12 @@ def write_tiny_llama(
     rope_scaling: dict[str, object] | None = None,
     rope_freqs: bool = False,
     weight_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+    metadata: dict[str, float | int | str] | None = None,
 ) -> Path:
     """Write a llama-style model (``arch`` llama or qwen2; qwen2 gets q/k/v biases) and return its path.
+
+    ``metadata`` adds keys as they are (floats as float32, ints as uint32), e.g.
+    ``{"general.sampling.temp": 0.0}``.
 
     ``rope_scaling`` adds ``<arch>.rope.scaling.*`` keys, e.g. ``{"type": "linear", "factor": 2.0}``;
     ``rope_freqs`` adds llama 3's per-dimension rope frequency factors. ``weight_type`` quantizes the
@@ -76,8 +80,8 @@ def write_tiny_llama(
     w.add_rope_freq_base(10000.0)
     w.add_rope_dimension_count(head_dim)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    for key, value in (rope_scaling or {}).items():
-        full = f"{arch}.rope.scaling.{key}"
+    extra = {f"{arch}.rope.scaling.{key}": value for key, value in (rope_scaling or {}).items()}
+    for full, value in {**extra, **(metadata or {})}.items():
         if isinstance(value, str):
             w.add_string(full, value)
         elif isinstance(value, int):
@@ -247,7 +251,7 @@ _CALL_PIECES = ("<tool_call>\n", '{"name": "get_weather",', ' "arguments":', ' {
 """The call's tokens (llama-cpp-python detokenizes pieces of at most 32 bytes)."""
 
 
-def write_tiny_tool_model(path: str | Path, blocks: int = 1) -> Path:
+def write_tiny_tool_model(path: str | Path, blocks: int = 1, repeat_calls: bool = False) -> Path:
     """A llama-architecture model whose replies are fixed by construction, not by luck.
 
     Its layers compute: *next token = a fixed successor of the current one* (one-hot embeddings,
@@ -264,6 +268,10 @@ def write_tiny_tool_model(path: str | Path, blocks: int = 1) -> Path:
 
     ``blocks`` above 1 appends blocks whose attention output and FFN down matrices are zero: each
     passes the residual on unchanged, so the logits are the same and the model can be split.
+
+    ``repeat_calls``: a call is followed by a newline instead of the end of the turn, after which
+    the model decides again, and calls again: the small model that repeats its call until
+    ``max_tokens`` (where a grammar allows more calls).
     """
     path = Path(path)
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
@@ -284,6 +292,8 @@ def write_tiny_tool_model(path: str | Path, blocks: int = 1) -> Path:
     succ[byte[ord("O")]] = byte[ord("K")]
     for a, b in itertools.pairwise(calls):
         succ[a] = b
+    if repeat_calls:
+        succ[calls[-1]] = byte[ord("\n")]
 
     width, heads, ffn = 320, 4, 32
     bias, flag_tools, flag_response, decide = vocab, vocab + 1, vocab + 2, vocab + 3

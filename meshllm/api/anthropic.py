@@ -131,6 +131,9 @@ class MessagesRequest(RequestBody):
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0, le=1_000_000)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0, description="meshllm extension (llama.cpp's min-p)")
+    repeat_penalty: float | None = Field(default=None, gt=0.0, le=10.0,
+                                         description="meshllm extension (llama.cpp's repetition penalty; 1: off)")
     stream: bool = False
     tools: list[dict[str, Any]] | None = Field(default=None, max_length=128)
     tool_choice: dict[str, Any] | None = None
@@ -345,7 +348,9 @@ def router(backend: Backend, admission: Admission) -> APIRouter:
         return ChatRequest(
             model=body.model, messages=tuple(body.conversation()), tools=tools.engine_tools(),
             params=params(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                          stop=tuple(body.stop_sequences or ()), grammar=grammar),
+                          min_p=body.min_p, repeat_penalty=body.repeat_penalty,
+                          stop=tuple(body.stop_sequences or ()), grammar=grammar,
+                          end_on_repeated_call=tools.repeats_end),
             user=body.user_key())
 
     @routes.post("/messages", responses=stream_doc("Anthropic message stream events (event: <type>, data: JSON)"))

@@ -21,9 +21,9 @@ from meshllm.engine.base import (
     EngineError,
     GenerationEvent,
     GenerationRequest,
-    check_supported,
 )
 from meshllm.engine.embed import embed
+from meshllm.engine.recommended import admit
 
 
 @dataclass(frozen=True)
@@ -81,8 +81,7 @@ class LocalBackend:
         engine = self.engines.get(request.model)
         if engine is None:
             raise UnknownModel(f"model {request.model!r} is not served here")
-        check_supported(engine, request)
-        return engine.generate(request)
+        return engine.generate(admit(engine, request))
 
     async def embed(self, request: EmbedRequest) -> Embeddings:
         """The engine's embeddings for ``request.model``."""

@@ -206,7 +206,7 @@ async def reply(generation: Generation, tools: ToolSpec) -> AsyncIterator[ReplyE
             held += event.logprobs
             outs = parser.feed(event.text) if parser is not None else [TextOut(event.text)]
         else:
-            outs = parser.finish() if parser is not None else []
+            outs = parser.finish(truncated=event.reason == "length") if parser is not None else []
         for out in outs:
             if isinstance(out, CallOut):
                 yield ToolCallPiece(out.index, out.call)

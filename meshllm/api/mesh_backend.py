@@ -56,9 +56,9 @@ from meshllm.engine.base import (
     Finish,
     GenerationEvent,
     GenerationRequest,
-    check_supported,
 )
 from meshllm.engine.embed import embed_stream
+from meshllm.engine.recommended import admit
 from meshllm.errors import MeshllmError
 from meshllm.identity.ids import short
 from meshllm.mesh.records import PeerRecord, takes_requests
@@ -457,8 +457,7 @@ class MeshBackend:
         engine = self.engines[request.model]
         if isinstance(request, EmbedRequest):
             return embed_stream(engine, request)
-        check_supported(engine, request)
-        return engine.generate(request)
+        return engine.generate(admit(engine, request))
 
     def _name(self, target: Target) -> str:
         if target.local:

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ from meshllm.engine.base import DEFAULT_MAX_TOKENS, Engine
 from meshllm.engine.capacity import compute_devices
 from meshllm.engine.kernels import Kernels
 from meshllm.engine.llama import LlamaEngine
+from meshllm.engine.recommended import Recommended, for_model
 from meshllm.engine.speculate import SpeculateMode
 from meshllm.errors import ConfigError, MeshllmError
 from meshllm.mesh.records import Load, Models, ServedModel
@@ -70,15 +72,17 @@ class Serving:
 
     def __init__(self, node_id: str, mesh: MeshService, events: EventHub, limits: ApiLimits | None = None,
                  store: ModelStore | None = None, hash_cache: Path | None = None,
-                 replay: ReplayPolicy | None = None) -> None:
+                 replay: ReplayPolicy | None = None, model_defaults: Mapping[str, Recommended] | None = None) -> None:
         """``hash_cache``: JSON file remembering model sha256s (a replay only continues on the same file);
-        ``replay``: how routed generations broken mid-answer are continued elsewhere."""
+        ``replay``: how routed generations broken mid-answer are continued elsewhere; ``model_defaults``:
+        ``config.toml``'s ``[models.NAME]`` sampling, for what requests leave out."""
         self.node_id = node_id
         self.mesh = mesh
         self.events = events
         self.store = store
         """The node's models on disk (None: references are paths or ``default`` only)."""
         self.engines: dict[str, Engine] = {}
+        self.model_defaults = dict(model_defaults or {})
         self.hashes: dict[str, str] = {}
         """sha256 of each engine's model file, by model id (filled in the background after loading)."""
         self.hash_cache = hash_cache
@@ -195,6 +199,7 @@ class Serving:
     async def _start(self, ref: ModelRef) -> Engine:
         """Load one model with this node's engine settings and put it in the engine table."""
         engine = self._make_engine(self._engine, ref, *self._settings)
+        engine.recommended = for_model(ref.path, ref.model_id, self.model_defaults)
         self.events.publish("model_loading", model=ref.model_id, path=str(ref.path), engine=self._engine,
                             size_bytes=ref.path.stat().st_size)
         started = time.monotonic()
@@ -262,8 +267,10 @@ class Serving:
                 if entry.name == model_id:
                     self.store.library.unpin(entry)
 
-    def add_engine(self, engine: Engine, sha256: str | None = None) -> None:
-        """Serve an engine built elsewhere (a split model's chain) as a local model; its owner announces it."""
+    def add_engine(self, engine: Engine, path: Path, sha256: str | None = None) -> None:
+        """Serve an engine built elsewhere (a split model's chain, of the file at ``path``) as a local model;
+        its owner announces it."""
+        engine.recommended = for_model(path, engine.model_id, self.model_defaults)
         self.engines[engine.model_id] = engine
         if sha256:
             self.hashes[engine.model_id] = sha256

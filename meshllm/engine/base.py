@@ -15,11 +15,14 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
 from meshllm.errors import MeshllmError
+
+if TYPE_CHECKING:
+    from meshllm.engine.recommended import Recommended
 
 FinishReason = Literal["stop", "length"]
 """``stop``: end-of-sequence token or a stop string; ``length``: ``max_tokens`` or context full."""
@@ -108,6 +111,20 @@ class GenerationParams(msgspec.Struct, frozen=True, kw_only=True):
     """Generation ends *before* the first occurrence of any of these; the stop text is not returned."""
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    """Drop tokens less likely than ``min_p`` times the most likely one (llama.cpp's min-p); 0 keeps all."""
+    repeat_penalty: float = 1.0
+    """llama.cpp's repetition penalty over the recent tokens: positive logits divided by it, negative
+    ones multiplied; 1 is off."""
+    left_out: tuple[str, ...] = ()
+    """Sampling fields the client did not set (``temperature``, ``top_p``, ``top_k``, ``min_p``,
+    ``repeat_penalty``): the node that serves the request fills them with the model's recommended
+    sampling (:mod:`meshllm.engine.recommended`) before its engine runs it; the values above are
+    the fallbacks. ``max_tokens`` left out is ``None``."""
+    end_on_repeated_call: bool = False
+    """End the reply at a tool call (``<tool_call>`` block) identical to one it already made: set for a
+    forced ``tool_choice`` that allows parallel calls, whose grammar would let the model repeat its
+    call until ``max_tokens`` (``meshllm.engine.text.RepeatedCallStop``)."""
     grammar: str | None = None
     """A GBNF grammar (llama.cpp syntax, start rule ``root``) that every sampled token must keep the
     text inside; the API builds it from ``response_format`` and ``tool_choice``. ``None``: free text.
@@ -300,6 +317,9 @@ class Engine(ABC):
 
     model_id: str
     """The API id this engine serves (see ``meshllm.models.refs``)."""
+    recommended: Recommended | None = None
+    """The model's recommended sampling, filled into what a request leaves out (set by the node that
+    loads the engine; :func:`meshllm.engine.recommended.admit`)."""
     supports: frozenset[str] = frozenset()
     """Optional request features this engine honours (:data:`GRAMMAR`, :data:`LOGPROBS`,
     :data:`TOKEN_PROMPTS`); :func:`check_supported` refuses the others before ``generate``."""

@@ -348,7 +348,8 @@ class LlamaEngine(Engine):
         limit = token_budget(len(tokens), self._n_ctx_seq, request.params.max_tokens, self.model_id,
                              default=self.default_max_tokens)
         text = TextStream(is_end=model.is_eog, token_bytes=model.piece, stops=stops, limit=limit,
-                          prompt_tokens=len(tokens))
+                          prompt_tokens=len(tokens),
+                          end_on_repeated_call=request.params.end_on_repeated_call)
         text.replay(request.continuation)
         sampler = None
         if not text.done:

@@ -261,18 +261,24 @@ class NativeSampler:
 
     @classmethod
     def chain(cls, model: NativeModel, *, presence: float, frequency: float, top_k: int, top_p: float,
-              temperature: float | None, penalty_window: int) -> NativeSampler | None:
-        """Penalties, top-k, top-p and temperature in llama.cpp's order (``None`` when all are off)."""
-        for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency), ("top_p", top_p)):
+              temperature: float | None, penalty_window: int, min_p: float = 0.0,
+              repeat: float = 1.0) -> NativeSampler | None:
+        """Penalties, top-k, top-p, min-p and temperature in llama.cpp's order (``None`` when all are off)."""
+        for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency), ("top_p", top_p),
+                            ("min_p", min_p), ("repeat_penalty", repeat)):
             if not np.isfinite(value):
                 raise InvalidRequest(f"{name} must be a finite number")
+        if repeat <= 0.0:
+            raise InvalidRequest("repeat_penalty must be positive")  # llama.cpp divides by it
         parts = []
-        if presence or frequency:
-            parts.append(L.llama_sampler_init_penalties(model.n_vocab, penalty_window, 1.0, frequency, presence))
+        if presence or frequency or repeat != 1.0:
+            parts.append(L.llama_sampler_init_penalties(model.n_vocab, penalty_window, repeat, frequency, presence))
         if 0 < top_k < model.n_vocab:
             parts.append(L.llama_sampler_init_top_k(top_k))
         if temperature is not None and 0.0 < top_p < 1.0:
             parts.append(L.llama_sampler_init_top_p(top_p, 1))
+        if temperature is not None and 0.0 < min_p <= 1.0:
+            parts.append(L.llama_sampler_init_min_p(min_p, 1))
         if temperature is not None:
             if not (np.isfinite(temperature) and temperature > 0):
                 raise InvalidRequest("temperature must be a positive finite number for sampling")

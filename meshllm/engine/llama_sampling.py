@@ -1,6 +1,7 @@
 """Choosing a slot's next token: llama.cpp's samplers, and a random draw that depends on (seed, step) only.
 
-Penalties, top-k, top-p and temperature run as one llama.cpp sampler chain per slot; a GBNF grammar
+Penalties (repetition, presence, frequency), top-k, top-p, min-p and temperature run as one llama.cpp
+sampler chain per slot; a GBNF grammar
 is a second sampler of the same slot. The final random draw is ours: a uniform number computed
 from the request's seed and the step (the index of the token being generated), so the draw of
 step ``k`` does not depend on how many draws came before it. An engine that resumes a request
@@ -23,7 +24,7 @@ from meshllm.engine.llama_native import Candidates, NativeModel, NativeSampler
 from meshllm.engine.sampler import check_logprobs, logprob_entry, token_logprobs
 
 PENALTY_WINDOW = 64
-"""Tokens the presence/frequency penalties look back over (as the numpy sampler's ``repeat_last_n``)."""
+"""Tokens the repetition/presence/frequency penalties look back over (as the numpy sampler's ``repeat_last_n``)."""
 _MASK = (1 << 64) - 1
 
 
@@ -54,7 +55,7 @@ class SlotSampler:
         try:
             self.chain = NativeSampler.chain(
                 model, presence=params.presence_penalty, frequency=params.frequency_penalty,
-                top_k=params.top_k or 0, top_p=params.top_p,
+                top_k=params.top_k or 0, top_p=params.top_p, min_p=params.min_p, repeat=params.repeat_penalty,
                 temperature=None if self.greedy else params.temperature, penalty_window=PENALTY_WINDOW)
         except BaseException:
             self.close()

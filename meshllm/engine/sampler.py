@@ -13,6 +13,7 @@ the same uniform number. The log-probabilities an engine reports are the raw log
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -53,11 +54,20 @@ class SamplingParams:
 
 
 def sampling_params(params: GenerationParams) -> SamplingParams:
-    """OpenAI semantics for the API's parameters: no min-p and no repetition penalty unless asked."""
+    """The request's sampling (no min-p and no repetition penalty unless asked or recommended).
+
+    The API bounds every field; a request from a peer is checked again here, so a bad value is a
+    clear error rather than a division by zero in the penalties."""
+    if not (math.isfinite(params.min_p) and 0.0 <= params.min_p <= 1.0):
+        raise InvalidRequest(f"min_p must be between 0 and 1, not {params.min_p}")
+    if not (math.isfinite(params.repeat_penalty) and params.repeat_penalty > 0.0):
+        raise InvalidRequest(f"repeat_penalty must be a positive number, not {params.repeat_penalty}")
     return SamplingParams(
         temperature=params.temperature,
         top_k=params.top_k or 0,
         top_p=params.top_p,
+        min_p=params.min_p,
+        repeat_penalty=params.repeat_penalty,
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
         seed=params.seed,

@@ -3,7 +3,7 @@
 Loading only the vocabulary takes well under a second and no weight memory, and reusing llama.cpp's
 tokenizer guarantees the ggml stage runtime sees exactly the token ids llama.cpp would, which the
 comparison tests (and mixed llama.cpp / ggml-runtime meshes) depend on. Chat prompts come from the GGUF's
-template when it has one, else from the family's llama-cpp-python format (the default Gemma 3 270M has
+template when it has one, else from the family's llama-cpp-python format (the bundled Gemma 3 270M has
 no template): :func:`meshllm.engine.chat_format.chat_renderer`, as :class:`meshllm.engine.llama.LlamaEngine`.
 """
 

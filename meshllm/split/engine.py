@@ -77,7 +77,7 @@ class ChainUnavailable(EngineNotLoaded):
 
 
 def chain_sampling(params: GenerationParams, generated: Sequence[int] = ()) -> Sampling:
-    """OpenAI semantics for the last stage's sampler (no min-p, no repetition penalty), as GgmlEngine,
+    """The request's sampling for the last stage's sampler (:func:`sampling_params`, as GgmlEngine),
     with the request's grammar (checked here: :class:`~meshllm.engine.gbnf.BadGrammar`), the tokens of
     its continuation the grammar has produced (``generated``), and the logprobs it asks for.
 
@@ -218,7 +218,8 @@ class SplitEngine(Engine):
         prompt, stop_strings = await asyncio.to_thread(self.prompt_tokens, request)
         limit = token_budget(len(prompt), self.max_context, request.params.max_tokens, self.model_id)
         text = TextStream(is_end=tokenizer.is_end, token_bytes=tokenizer.token_bytes, stops=stop_strings,
-                          limit=limit, prompt_tokens=len(prompt))
+                          limit=limit, prompt_tokens=len(prompt),
+                          end_on_repeated_call=request.params.end_on_repeated_call)
         fed = replay(text, request, coordinator.first.hparams.vocab)
         if text.done:
             for event in text.finish():

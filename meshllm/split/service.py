@@ -140,7 +140,7 @@ class SplitService:
             engine = SplitEngine(ref.path, ref.model_id, self.options.context,
                                  max_replays=self.serving.backend.replay.max_replays, on_event=self.events.publish)
             await engine.load()
-            self.serving.add_engine(engine, ref.sha256)
+            self.serving.add_engine(engine, ref.path, ref.sha256)
             placement = SplitPlacement(
                 own=self._own, members=self._members, rtt=self._rtt, server=self.server, engine=engine, ref=ref,
                 manifest=manifest, options=self.options, budget=self.budget, publish=self.events.publish,

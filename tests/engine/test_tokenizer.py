@@ -13,8 +13,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def tokenizer(default_model: Path) -> Tokenizer:
-    return Tokenizer(default_model, "gemma3", chat_template=None)
+def tokenizer(gemma_model: Path) -> Tokenizer:
+    return Tokenizer(gemma_model, "gemma3", chat_template=None)
 
 
 def test_ids_and_round_trip(tokenizer: Tokenizer) -> None:

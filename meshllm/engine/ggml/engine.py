@@ -176,7 +176,8 @@ class GgmlEngine(Engine):
         prompt, stop_strings = await asyncio.to_thread(self.prompt_tokens, request)
         limit = token_budget(len(prompt), stage.max_context, params.max_tokens, self.model_id)
         text = TextStream(is_end=tokenizer.is_end, token_bytes=tokenizer.token_bytes, stops=stop_strings,
-                          limit=limit, prompt_tokens=len(prompt))
+                          limit=limit, prompt_tokens=len(prompt),
+                          end_on_repeated_call=request.params.end_on_repeated_call)
         fed = replay(text, request, stage.hparams.vocab)
         grammar = None
         if params.grammar and not text.done:

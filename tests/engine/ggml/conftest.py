@@ -24,8 +24,8 @@ def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def default_stage(default_model: Path) -> Iterator[StageModel]:
+def gemma_stage(gemma_model: Path) -> Iterator[StageModel]:
     """The default model as one stage, one thread (loaded once per module: mapping is cheap, graphs are not)."""
-    stage = StageModel.load(default_model, max_context=512, threads=1)
+    stage = StageModel.load(gemma_model, max_context=512, threads=1)
     yield stage
     stage.close()

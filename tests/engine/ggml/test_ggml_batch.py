@@ -105,10 +105,10 @@ def test_bad_batches_are_refused_and_change_nothing(tiny_llama: Path) -> None:
 
 
 @pytest.mark.slow
-def test_default_model_batches_exactly_without_padding(default_model: Path) -> None:
+def test_default_model_batches_exactly_without_padding(gemma_model: Path) -> None:
     """The default model's quantized matrices compute a lone row as in a batch: no padding, still exact."""
     for start, end in ((0, 9), (9, 18)):
-        stage = StageModel.load(default_model, start, end, max_context=256, threads=1)
+        stage = StageModel.load(gemma_model, start, end, max_context=256, threads=1)
         try:
             assert stage.batch_exact() is False
             alone, batched = _alone_and_batched(stage)

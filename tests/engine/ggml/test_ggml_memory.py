@@ -84,8 +84,8 @@ def test_rss_of_a_tiny_stage_is_within_the_bound(tiny_llama: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("start", "end"), [(0, 18), (0, 6), (6, 18)])
-def test_rss_of_default_model_stages_is_within_the_bound(default_model: Path, start: int, end: int) -> None:
+def test_rss_of_default_model_stages_is_within_the_bound(gemma_model: Path, start: int, end: int) -> None:
     """Quantized weights in place (the numpy runtime held 1.6 GB for [0, 6)): growth within 1.15x + 64 MB."""
-    r = probe(default_model, start, end, 1024, 200)
+    r = probe(gemma_model, start, end, 1024, 200)
     assert r["growth"] <= rss_bound(r["tensor_bytes"], r["kv_bytes"]), r
     assert r["estimate"] >= r["tensor_bytes"] + r["kv_bytes"]
