@@ -26,6 +26,7 @@ import uvicorn
 from meshllm import __version__
 from meshllm.api.app import create_app
 from meshllm.api.auth import ApiAccess, check_api_key
+from meshllm.api.blackboard import blackboard_router
 from meshllm.api.connections import ACCEPT_BACKLOG, guarded_protocol
 from meshllm.api.console import console_router
 from meshllm.api.edge import EdgePolicy, is_loopback_host
@@ -58,6 +59,7 @@ from meshllm.identity.keys import NodeKey
 from meshllm.identity.keystore import obtain_passphrase, read_keystore, unlock_keystore
 from meshllm.identity.trust import TrustStore
 from meshllm.mesh.admission import INVITE_ID_BYTES
+from meshllm.mesh.blackboard_service import BlackboardService
 from meshllm.mesh.membership import Membership, join_mesh, own_mesh
 from meshllm.mesh.records import MAX_AVAILABLE, DiskModel, PeerRecord
 from meshllm.mesh.service import MeshService
@@ -155,6 +157,7 @@ class Node:
         self.started_at = time.time()
         self.membership: Membership | None = None
         self.mesh: MeshService | None = None
+        self.blackboard: BlackboardService | None = None
         self.serving: Serving | None = None
         self.splits: SplitService | None = None
         self.store: ModelStore | None = None
@@ -196,6 +199,8 @@ class Node:
         )
         await self.mesh.start()
         assert self.mesh.endpoint is not None
+        self.blackboard = BlackboardService(self.mesh, self.events.publish)
+        self.blackboard.start()
         self.store = ModelStore(Library.for_home(self.home), self.mesh.endpoint, self.key.signing_key,
                                 self._model_offers, self.events.publish, on_change=self._advertise_models)
         self._advertise_models()
@@ -239,6 +244,8 @@ class Node:
             await self.discovery.stop()
         if self.owner is not None:
             await self.owner.stop()
+        if self.blackboard is not None:
+            await self.blackboard.stop()
         if self.mesh is not None:
             await self.mesh.stop(graceful=True)
         if self.splits is not None:
@@ -262,6 +269,8 @@ class Node:
             routers.append(owner_router(self.owner, self._node_names, self._unlock_owner))
         if self.discovery is not None:
             routers.append(discovery_router(self.discovery))
+        if self.blackboard is not None:
+            routers.append(blackboard_router(self.blackboard))
         edge = _fit_to_descriptors(self.options.edge)
         backend = self.owner.backend if self.owner is not None else self.serving.backend
         app = create_app(backend, routers=routers, access=self.access, edge=edge, policy=self.policy,

@@ -16,7 +16,21 @@ def cli() -> None:
 
 def _register() -> None:
     """Attach the subcommands (imported here so ``meshllm --version`` stays fast)."""
-    from meshllm.cli import auth, console, discover, invite, launch, mesh, models, owner, plan, publish, serve, status
+    from meshllm.cli import (
+        auth,
+        blackboard,
+        console,
+        discover,
+        invite,
+        launch,
+        mesh,
+        models,
+        owner,
+        plan,
+        publish,
+        serve,
+        status,
+    )
 
     cli.add_command(auth.auth)
     cli.add_command(mesh.mesh)
@@ -31,6 +45,7 @@ def _register() -> None:
     cli.add_command(discover.discover)
     cli.add_command(console.console)
     cli.add_command(launch.launch)
+    cli.add_command(blackboard.blackboard)
 
 
 def main() -> None:

@@ -103,15 +103,6 @@ class Notes(msgspec.Struct, frozen=True, tag="notes"):
 
 
 BoardMessage = NoteIds | NoteWant | Notes
-_decoder = msgspec.msgpack.Decoder(BoardMessage)
-
-
-def decode_board_message(data: bytes) -> BoardMessage:
-    """Parse one blackboard message; every failure is a :class:`DecodeError`."""
-    try:
-        return _decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, RecursionError) as exc:
-        raise DecodeError(f"malformed blackboard message: {exc}") from exc
 
 
 class BoardRefusal(MeshllmError):

@@ -278,6 +278,12 @@ class RecordVerifier:
         """Re-run the membership check alone (after a revocation, on records already stored)."""
         self._check_member(node_id, proof, now)
 
+    def check_credential(self, node_id: str, proof: bytes, owner_cert: bytes | None, now: float) -> None:
+        """The membership and trust checks a record's credential passes, for other signed objects
+        that carry one (blackboard notes)."""
+        self._check_member(node_id, proof, now)
+        self._check_trust(node_id, owner_cert, now)
+
     def forget(self, node_id: str) -> None:
         """``node_id`` left the table (see :data:`ForgetMember`)."""
         if self._forget_member is not None:

@@ -15,6 +15,7 @@ from meshllm.mesh.blackboard import (
     TEXT_MAX,
     Accepted,
     Blackboard,
+    BoardMessage,
     BoardRefusal,
     Note,
     Notes,
@@ -22,7 +23,6 @@ from meshllm.mesh.blackboard import (
     Query,
     Refused,
     Send,
-    decode_board_message,
     parse_words,
     sign_note,
 )
@@ -62,7 +62,7 @@ def pump(boards: dict[str, Blackboard], out: list[tuple[str, object]], now: floa
     while out:
         src, item = out.pop(0)
         if isinstance(item, Send):
-            message = decode_board_message(msgspec.msgpack.encode(item.message))
+            message = msgspec.msgpack.decode(msgspec.msgpack.encode(item.message), type=BoardMessage)
             out += [(item.to, o) for o in boards[item.to].receive(src, message, now)]
 
 
