@@ -33,6 +33,7 @@ from meshllm.api.edge import EdgePolicy, is_loopback_host
 from meshllm.api.events import EventHub
 from meshllm.api.health import Readiness
 from meshllm.api.limits import EdgeLimits
+from meshllm.api.mcp import McpEndpoint, build_server
 from meshllm.api.replay import DEFAULT_MAX_REPLAYS, ReplayPolicy
 from meshllm.api.serving import Serving
 from meshllm.api.status import mesh_links, status_router
@@ -167,6 +168,7 @@ class Node:
         self.api_url = ""
         self.invite: str | None = None
         """The invite printed at start (owner only)."""
+        self.mcp: McpEndpoint | None = None
         self._server: uvicorn.Server | None = None
         self._server_task: asyncio.Task[None] | None = None
 
@@ -238,6 +240,8 @@ class Node:
             self.events.publish("stopping", node_id=self.key.node_id)
         if self._server is not None:
             self._server.should_exit = True
+        if self.mcp is not None:
+            await self.mcp.stop()
         if self._scan_task is not None:
             self._scan_task.cancel()
         if self.discovery is not None:
@@ -275,6 +279,10 @@ class Node:
         backend = self.owner.backend if self.owner is not None else self.serving.backend
         app = create_app(backend, routers=routers, access=self.access, edge=edge, policy=self.policy,
                          readiness=self.readiness)
+        if self.blackboard is not None:
+            self.mcp = McpEndpoint(build_server(self.blackboard, self.status, backend, app.state.admission))
+            self.mcp.mount(app)
+            await self.mcp.start()
         sock = _bind_api_socket(self.options.api_host, self.options.api_port)
         config = uvicorn.Config(app, http=guarded_protocol(edge), backlog=ACCEPT_BACKLOG, log_level="warning",
                                 lifespan="off", access_log=False)
