@@ -278,7 +278,7 @@ class Node:
         edge = _fit_to_descriptors(self.options.edge)
         backend = self.owner.backend if self.owner is not None else self.serving.backend
         app = create_app(backend, routers=routers, access=self.access, edge=edge, policy=self.policy,
-                         readiness=self.readiness)
+                         readiness=self.readiness, on_event=self.events.publish)
         if self.blackboard is not None:
             self.mcp = McpEndpoint(build_server(self.blackboard, self.status, backend, app.state.admission))
             self.mcp.mount(app)

@@ -92,6 +92,8 @@ class ServedModel(msgspec.Struct, frozen=True, kw_only=True):
     engine: str = "llama.cpp"
     id: str = ""
     """The model id (sha256 of its GGUF, hex) when known; "" when the node has not hashed it."""
+    tools: bool = False
+    """Its chat template renders tools itself (what ``auto`` looks for in requests with tools)."""
 
 
 class DiskModel(msgspec.Struct, frozen=True, array_like=True):
