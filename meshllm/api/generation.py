@@ -28,7 +28,7 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from meshllm.api.auto import AUTO, choose, needs_of
+from meshllm.api.auto import AUTO, Choice, choose, needs_of
 from meshllm.api.backend import Backend
 from meshllm.api.errors import ApiError, UnknownModel, UpstreamError
 from meshllm.api.limits import Admission, client_key
@@ -143,22 +143,27 @@ ROUTED_HEADER = "x-meshllm-routed-model"
 
 
 def routed(backend: Backend, requests: list[GenerationRequest], http: Request) -> list[GenerationRequest]:
-    """``requests`` with the ``auto`` model replaced by the model :func:`meshllm.api.auto.choose` picks.
+    """``requests`` with the ``auto`` model replaced by the model :func:`route_auto` picks, which is kept
+    in the request's state for the response header and published with its reason (``app.state.on_event``)."""
+    requests, choice = route_auto(backend, requests, getattr(http.app.state, "on_event", None))
+    if choice is not None:
+        http.state.routed_model = choice.model
+    return requests
 
-    The choice and its reason are published as an ``auto_routed`` event (``app.state.on_event``), and
-    kept in the request's state for the response header.
-    """
+
+def route_auto(backend: Backend, requests: list[GenerationRequest],
+               on_event: Callable[..., None] | None) -> tuple[list[GenerationRequest], Choice | None]:
+    """The choices of one request for ``auto`` sent to the model :func:`meshllm.api.auto.choose` picks
+    (an ``auto_routed`` event says which and why); other requests as they are."""
     if not requests or requests[0].model != AUTO:
-        return requests
+        return requests, None
     choice = choose(needs_of(requests[0]), backend.models())
     if choice is None:
         raise UnknownModel("model 'auto' picks among the mesh's models, and it serves none yet",
                            hint="start a node with `meshllm serve --model REF`")
-    http.state.routed_model = choice.model
-    on_event = getattr(http.app.state, "on_event", None)
     if on_event is not None:
         on_event("auto_routed", model=choice.model, reason=choice.reason)
-    return [msgspec.structs.replace(r, model=choice.model) for r in requests]
+    return [msgspec.structs.replace(r, model=choice.model) for r in requests], choice
 
 
 async def _start_all(backend: Backend, admission: Admission, requests: Sequence[GenerationRequest]) -> list[Generation]:

@@ -32,7 +32,7 @@ from meshllm.api.auth import check_admin
 from meshllm.api.backend import Backend
 from meshllm.api.blackboard import Board, query_from
 from meshllm.api.errors import ApiError, error_for
-from meshllm.api.generation import collect, reply, start
+from meshllm.api.generation import collect, reply, route_auto, start
 from meshllm.api.limits import Admission
 from meshllm.api.schemas import ChatCompletionRequest
 from meshllm.mesh.blackboard import LIFETIME_S, BoardRefusal
@@ -46,9 +46,9 @@ INSTRUCTIONS = (
 )
 
 
-def build_server(board: Board, status: Callable[[], dict[str, Any]], backend: Backend,
-                 admission: Admission) -> MCPServer:
-    """The MCP server and its tools over the node's parts."""
+def build_server(board: Board, status: Callable[[], dict[str, Any]], backend: Backend, admission: Admission,
+                 on_event: Callable[..., None] | None = None) -> MCPServer:
+    """The MCP server and its tools over the node's parts (``on_event`` hears how ``ask`` routed ``auto``)."""
     server = MCPServer("meshllm", version=__version__, instructions=INSTRUCTIONS)
 
     @server.tool()
@@ -97,21 +97,25 @@ def build_server(board: Board, status: Callable[[], dict[str, Any]], backend: Ba
     @server.tool()
     async def ask(model: str, prompt: str, system: str | None = None, max_tokens: int = 512,
                   temperature: float = 0.7) -> dict[str, Any]:
-        """Run one chat completion on a model of the mesh (a sub-agent call) and return its answer."""
+        """Run one chat completion on a model of the mesh (a sub-agent call) and return its answer.
+
+        model "auto" lets the mesh pick the model that fits the prompt; the answer names the one it took.
+        """
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         try:
             body = ChatCompletionRequest.model_validate({
                 "model": model, "messages": messages, "max_tokens": max(1, min(max_tokens, ASK_MAX_TOKENS)),
                 "temperature": temperature})
             tools = body.tool_spec()
-            generation = await start(backend, admission, body.to_engine(tools)[0])
+            requests, _ = route_auto(backend, body.to_engine(tools), on_event)
+            generation = await start(backend, admission, requests[0])
         except ApiError as exc:
             raise ToolError(error_for(exc)[1]["error"]["message"]) from None
         try:
             out = await collect(reply(generation, tools))
         finally:
             await generation.close()
-        return {"model": model, "text": out.text, "finish_reason": out.reason,
+        return {"model": generation.model, "text": out.text, "finish_reason": out.reason,
                 "usage": {"prompt_tokens": out.usage.prompt_tokens, "completion_tokens": out.usage.completion_tokens}}
 
     return server

@@ -47,13 +47,14 @@ async def session(node: NodeProcess, token: str | None, calls: list[tuple[str, d
 
 
 def test_an_mcp_client_lists_the_tools_posts_searches_and_asks_a_mesh_model(node: NodeProcess) -> None:
-    names, (posted, found, feed, status, models, answer, refused) = asyncio.run(session(node, node.admin_token, [
+    names, (posted, found, feed, status, models, answer, auto, refused) = asyncio.run(session(node, node.admin_token, [
         ("blackboard_post", {"text": "TIP: mcp works; ping me at ops@example.net"}),
         ("blackboard_search", {"query": "TIP: mcp", "since_hours": 1}),
         ("blackboard_feed", {"limit": 5}),
         ("mesh_status", {}),
         ("mesh_models", {}),
         ("ask", {"model": "tiny", "prompt": "Say hello", "max_tokens": 8, "temperature": 0}),
+        ("ask", {"model": "auto", "prompt": "Say hello", "max_tokens": 2}),
         ("blackboard_post", {"text": "x" * 5000}),
     ]))
     assert names >= TOOLS
@@ -64,6 +65,8 @@ def test_an_mcp_client_lists_the_tools_posts_searches_and_asks_a_mesh_model(node
     assert [m["id"] for m in models["models"]] == ["tiny"]
     assert answer["model"] == "tiny" and answer["finish_reason"] == "length"
     assert answer["usage"]["completion_tokens"] == 8
+    assert auto["model"] == "tiny" and auto["usage"]["completion_tokens"] == 2  # the mesh's one model
+    assert node.wait_event(lambda e: e["type"] == "auto_routed", 5)["model"] == "tiny"
     assert "too-large" in refused["error"] and "4 KB" in refused["error"]
     # the note is on the blackboard for everyone else too
     listed = httpx.get(f"{node.api}/api/blackboard", params={"q": "mcp"}, timeout=5).json()["notes"]
