@@ -39,10 +39,12 @@ class PostNote(BaseModel):
 
 def query_from(q: str = "", author: str | None = None, since_s: float | None = None, kind: str | None = None,
                limit: int = 20) -> blackboard.Query:
-    """A search as the API, the CLI and the MCP tools phrase it (``since_s``: seconds back from now)."""
+    """A search as the API, the CLI and the MCP tools phrase it (``since_s``: seconds back from now; beyond
+    the notes' lifetime it changes nothing)."""
     words, word_kind = parse_words(q)
-    return blackboard.Query(words=words, author=author or None, kind=(kind or word_kind or None),
-                            since=None if since_s is None else time.time() - since_s, limit=limit)
+    since = None if since_s is None else time.time() - min(since_s, blackboard.LIFETIME_S)
+    return blackboard.Query(words=words, author=author or None, kind=(kind or word_kind or None), since=since,
+                            limit=limit)
 
 
 def refusal_response(exc: BoardRefusal) -> JSONResponse:
@@ -57,7 +59,7 @@ def blackboard_router(board: Board) -> APIRouter:
     @router.get("/api/blackboard", dependencies=[Depends(require_api_key)])
     async def get_notes(q: str = Query("", max_length=500),
                         author: str | None = Query(None, alias="from", max_length=64),
-                        since_s: float | None = Query(None, ge=0, le=blackboard.LIFETIME_S),
+                        since_s: float | None = Query(None, ge=0, le=1e9),
                         kind: str | None = Query(None, pattern="(?i)^(" + "|".join(blackboard.KINDS) + ")$"),
                         limit: int = Query(20, ge=1, le=500)) -> dict[str, Any]:
         notes = board.search(query_from(q, author, since_s, kind, limit))

@@ -35,7 +35,7 @@ from meshllm.api.errors import ApiError, error_for
 from meshllm.api.generation import collect, reply, route_auto, start
 from meshllm.api.limits import Admission
 from meshllm.api.schemas import ChatCompletionRequest
-from meshllm.mesh.blackboard import LIFETIME_S, BoardRefusal
+from meshllm.mesh.blackboard import BoardRefusal
 
 PATH = "/mcp"
 ASK_MAX_TOKENS = 4096
@@ -48,11 +48,15 @@ INSTRUCTIONS = (
 
 def build_server(board: Board, status: Callable[[], dict[str, Any]], backend: Backend, admission: Admission,
                  on_event: Callable[..., None] | None = None) -> MCPServer:
-    """The MCP server and its tools over the node's parts (``on_event`` hears how ``ask`` routed ``auto``)."""
+    """The MCP server and its tools over the node's parts (``on_event`` hears how ``ask`` routed ``auto``).
+
+    Every tool is a coroutine: the SDK runs plain functions in worker threads, and the node's parts live
+    on its event loop.
+    """
     server = MCPServer("meshllm", version=__version__, instructions=INSTRUCTIONS)
 
     @server.tool()
-    def blackboard_post(text: str) -> dict[str, Any]:
+    async def blackboard_post(text: str) -> dict[str, Any]:
         """Post a note to the mesh blackboard (every member sees it for 48 h; 4 KB, 10 a minute).
 
         Start it with STATUS:, QUESTION:, FINDING:, TIP: or DONE:. E-mail addresses, keys and home
@@ -64,21 +68,21 @@ def build_server(board: Board, status: Callable[[], dict[str, Any]], backend: Ba
             raise ToolError(f"not posted ({exc.code}): {exc}") from None
 
     @server.tool()
-    def blackboard_search(query: str = "", from_node: str | None = None, since_hours: float | None = None,
+    async def blackboard_search(query: str = "", from_node: str | None = None, since_hours: float | None = None,
                           limit: int = 20) -> dict[str, Any]:
         """Search the blackboard: every word must appear; a KIND: word (QUESTION:, FINDING:, ...) picks the
         kind; from_node is a node name or id; since_hours limits the age. Newest first."""
-        since_s = None if since_hours is None else min(max(0.0, since_hours * 3600), LIFETIME_S)
+        since_s = None if since_hours is None else max(0.0, since_hours * 3600)
         notes = board.search(query_from(query, from_node, since_s, None, max(1, min(limit, 500))))
         return {"notes": [n.json() for n in notes]}
 
     @server.tool()
-    def blackboard_feed(limit: int = 20) -> dict[str, Any]:
+    async def blackboard_feed(limit: int = 20) -> dict[str, Any]:
         """The latest notes on the blackboard, newest first."""
         return {"notes": [n.json() for n in board.search(query_from(limit=max(1, min(limit, 500))))]}
 
     @server.tool()
-    def mesh_status() -> dict[str, Any]:
+    async def mesh_status() -> dict[str, Any]:
         """This node and every member of its mesh: state, models served, load and RTT."""
         s = status()
         nodes = [{"node_id": s["node_id"], "name": s["name"], "state": "self", "role": s["role"],
@@ -89,7 +93,7 @@ def build_server(board: Board, status: Callable[[], dict[str, Any]], backend: Ba
         return {"mesh_id": s["mesh_id"], "node_id": s["node_id"], "name": s["name"], "nodes": nodes}
 
     @server.tool()
-    def mesh_models() -> dict[str, Any]:
+    async def mesh_models() -> dict[str, Any]:
         """The models the mesh serves (names for `ask` and the API), with their nodes and context length."""
         return {"models": [{"id": m.id, "nodes": list(m.node_names or m.nodes), "context_length": m.context_length}
                            for m in backend.models()]}

@@ -295,7 +295,11 @@ class Blackboard:
 
     def receive(self, source: str, message: BoardMessage, now: float) -> list[Output]:
         """One message from connected peer ``source``."""
-        if not self._rate.allow(source, now):
+        # Notes we asked this peer for cost it nothing (catching up may take many messages); anything
+        # else (announcements, wants, notes nobody asked for) draws on its budget.
+        asked = isinstance(message, Notes) and all(
+            self._wanted.get(note_id(raw), ("",))[0] == source for raw in message.notes)
+        if not asked and not self._rate.allow(source, now):
             return [Overstep(source, "blackboard messages faster than any honest peer sends them")]
         if isinstance(message, NoteIds):
             want = [i for i in dict.fromkeys(message.ids)

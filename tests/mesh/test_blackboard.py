@@ -10,6 +10,7 @@ from meshllm.identity.ids import node_id as node_id_of
 from meshllm.identity.signing import sign
 from meshllm.mesh.blackboard import (
     LIFETIME_S,
+    MESSAGE_BURST,
     PER_AUTHOR_MAX,
     RATE_PER_MINUTE,
     TEXT_MAX,
@@ -175,3 +176,28 @@ def test_posting_scrubs_personal_data_and_refuses_empty_or_oversized_text() -> N
         with pytest.raises(BoardRefusal) as refused:
             a.post(ka, text, "alpha", proof_for(a.node_id), None, T0)
         assert refused.value.code == code
+
+
+def test_a_late_joiner_catches_up_on_thousands_of_notes_without_a_strike() -> None:
+    """2,000 notes come back in 63 messages: more than a peer's message burst, but every one was asked for."""
+    (b, _), (c, _) = board(2), board(3)
+    now = T0 + PER_AUTHOR_MAX * 60
+    for seed in range(10, 20):
+        key = make_key(seed)
+        raws = [sign_note(key, note(key, f"STATUS: {seed} step {i}", T0 + i * 60)) for i in range(PER_AUTHOR_MAX)]
+        for i in range(0, len(raws), 32):
+            assert not refusals(deliver(b, node_id_of(bytes(key.verify_key)), raws[i:i + 32], now))
+    out = [(b.node_id, o) for o in b.peer_connected(c.node_id)] + [(c.node_id, o) for o in c.peer_connected(b.node_id)]
+    seen: list[object] = []
+    while out:  # pump, keeping everything the boards said
+        src, item = out.pop(0)
+        seen.append(item)
+        if isinstance(item, Send):
+            out += [(item.to, o) for o in boards_by_id({b, c})[item.to].receive(src, item.message, now)]
+    assert len(c.notes) == 10 * PER_AUTHOR_MAX and set(c.notes) == set(b.notes)
+    assert sum(isinstance(o, Send) and isinstance(o.message, Notes) for o in seen) > MESSAGE_BURST
+    assert not [o for o in seen if isinstance(o, Overstep | Refused)]
+
+
+def boards_by_id(boards: set[Blackboard]) -> dict[str, Blackboard]:
+    return {x.node_id: x for x in boards}
