@@ -69,3 +69,6 @@ def test_posting_needs_the_admin_token_and_the_eleventh_note_in_a_minute_is_refu
     assert done.returncode != 0 and "10 notes in the last minute" in done.stderr
     big = meshllm("blackboard", "x" * 5000, *beta.api_args)
     assert big.returncode != 0 and "4 KB" in big.stderr
+    mixed = meshllm("blackboard", "STATUS: hi", "--search", "x", *beta.api_args)
+    assert mixed.returncode == 2 and "cannot go with a MESSAGE" in mixed.stderr
+    assert "Traceback" not in done.stderr + big.stderr + mixed.stderr
