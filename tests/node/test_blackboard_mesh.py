@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
+import httpx2
 import pytest
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
 from nodes import NodeProcess, meshllm, meshllm_json, running_nodes, wait_until
 
 from meshllm.mesh.blackboard import RATE_PER_MINUTE
@@ -72,3 +77,18 @@ def test_posting_needs_the_admin_token_and_the_eleventh_note_in_a_minute_is_refu
     mixed = meshllm("blackboard", "STATUS: hi", "--search", "x", *beta.api_args)
     assert mixed.returncode == 2 and "cannot go with a MESSAGE" in mixed.stderr
     assert "Traceback" not in done.stderr + big.stderr + mixed.stderr
+
+
+async def mcp_post(node: NodeProcess, text: str) -> dict[str, Any]:
+    async with httpx2.AsyncClient(headers=node.admin_headers, timeout=30) as http, \
+            Client(streamable_http_client(f"{node.api}/mcp", http_client=http)) as client:
+        result = await client.call_tool("blackboard_post", {"text": text})
+        assert not result.is_error, result
+        return dict(result.structured_content or {})
+
+
+def test_a_note_posted_by_an_agent_over_mcp_reaches_every_member(trio: list[NodeProcess]) -> None:
+    alpha, beta, gamma = trio
+    posted = asyncio.run(mcp_post(gamma, "TIP: ask the mesh with the ask tool"))
+    wait_until(lambda: all(any(n["id"] == posted["id"] for n in search(node, q="ask tool")) for node in (alpha, beta)),
+               2.0)
