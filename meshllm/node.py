@@ -26,12 +26,14 @@ import uvicorn
 from meshllm import __version__
 from meshllm.api.app import create_app
 from meshllm.api.auth import ApiAccess, check_api_key
+from meshllm.api.blackboard import blackboard_router
 from meshllm.api.connections import ACCEPT_BACKLOG, guarded_protocol
 from meshllm.api.console import console_router
 from meshllm.api.edge import EdgePolicy, is_loopback_host
 from meshllm.api.events import EventHub
 from meshllm.api.health import Readiness
 from meshllm.api.limits import EdgeLimits
+from meshllm.api.mcp import McpEndpoint, build_server
 from meshllm.api.metrics import metrics_router
 from meshllm.api.replay import DEFAULT_MAX_REPLAYS, ReplayPolicy
 from meshllm.api.serving import Serving
@@ -60,6 +62,7 @@ from meshllm.identity.keys import NodeKey
 from meshllm.identity.keystore import obtain_passphrase, read_keystore, unlock_keystore
 from meshllm.identity.trust import TrustStore
 from meshllm.mesh.admission import INVITE_ID_BYTES
+from meshllm.mesh.blackboard_service import BlackboardService
 from meshllm.mesh.membership import Membership, join_mesh, own_mesh
 from meshllm.mesh.records import MAX_AVAILABLE, DiskModel, PeerRecord
 from meshllm.mesh.service import MeshService
@@ -159,6 +162,7 @@ class Node:
         self.started_at = time.time()
         self.membership: Membership | None = None
         self.mesh: MeshService | None = None
+        self.blackboard: BlackboardService | None = None
         self.serving: Serving | None = None
         self.splits: SplitService | None = None
         self.store: ModelStore | None = None
@@ -168,6 +172,7 @@ class Node:
         self.api_url = ""
         self.invite: str | None = None
         """The invite printed at start (owner only)."""
+        self.mcp: McpEndpoint | None = None
         self._server: uvicorn.Server | None = None
         self._server_task: asyncio.Task[None] | None = None
 
@@ -200,6 +205,8 @@ class Node:
         )
         await self.mesh.start()
         assert self.mesh.endpoint is not None
+        self.blackboard = BlackboardService(self.mesh, self.events.publish)
+        self.blackboard.start()
         self.store = ModelStore(Library.for_home(self.home), self.mesh.endpoint, self.key.signing_key,
                                 self._model_offers, self.events.publish, on_change=self._advertise_models,
                                 bulk_ports=self._bulk_port)
@@ -240,12 +247,16 @@ class Node:
             self.events.publish("stopping", node_id=self.key.node_id)
         if self._server is not None:
             self._server.should_exit = True
+        if self.mcp is not None:
+            await self.mcp.stop()
         if self._scan_task is not None:
             self._scan_task.cancel()
         if self.discovery is not None:
             await self.discovery.stop()
         if self.owner is not None:
             await self.owner.stop()
+        if self.blackboard is not None:
+            await self.blackboard.stop()
         if self.mesh is not None:
             await self.mesh.stop(graceful=True)
         if self.splits is not None:
@@ -272,10 +283,17 @@ class Node:
             routers.append(owner_router(self.owner, self._node_names, self._unlock_owner))
         if self.discovery is not None:
             routers.append(discovery_router(self.discovery))
+        if self.blackboard is not None:
+            routers.append(blackboard_router(self.blackboard))
         edge = _fit_to_descriptors(self.options.edge)
         backend = self.owner.backend if self.owner is not None else self.serving.backend
         app = create_app(backend, routers=routers, access=self.access, edge=edge, policy=self.policy,
-                         readiness=self.readiness)
+                         readiness=self.readiness, on_event=self.events.publish)
+        if self.blackboard is not None:
+            self.mcp = McpEndpoint(build_server(self.blackboard, self.status, backend, app.state.admission,
+                                               self.events.publish))
+            self.mcp.mount(app)
+            await self.mcp.start()
         sock = _bind_api_socket(self.options.api_host, self.options.api_port)
         config = uvicorn.Config(app, http=guarded_protocol(edge), backlog=ACCEPT_BACKLOG, log_level="warning",
                                 lifespan="off", access_log=False)

@@ -366,14 +366,15 @@ def router(backend: Backend, admission: Admission) -> APIRouter:
                 status, err = error_for(exc)
                 return sse(anthropic_error(status, err["error"]["message"]), "error")
 
-            return sse_response(generations, _events(message_id, body.model, generations[0], tools), error_event)
+            events = _events(message_id, generations[0].model, generations[0], tools)
+            return sse_response(generations, events, error_event)
         try:
             got = await unless_disconnected(http, collect(reply(generations[0], tools)))
         finally:
             await close_all(generations)
         if got is None:
             return Response(status_code=499)
-        return JSONResponse(_whole(message_id, body.model, got))
+        return JSONResponse(_whole(message_id, generations[0].model, got))
 
     @routes.post("/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest, http: Request) -> dict[str, int]:

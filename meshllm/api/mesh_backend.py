@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from meshllm.api.backend import ModelEntry, engine_context
+from meshllm.api.backend import ModelEntry, local_entry
 from meshllm.api.counters import RequestCounters
 from meshllm.api.errors import (
     ApiError,
@@ -139,20 +140,22 @@ class MeshBackend:
     # ---- what the mesh serves ---------------------------------------------------------------
 
     def models(self) -> Sequence[ModelEntry]:
-        """Local models, then those alive peers serve whole (layer ranges are not routable)."""
-        nodes: dict[str, list[str]] = {}
-        names: dict[str, list[str]] = {}
-        context: dict[str, int | None] = {}
-        for mid, engine in sorted(self.engines.items()):
-            nodes[mid], names[mid], context[mid] = [self.node_id], [self._own_name()], engine_context(engine)
+        """Local models, then those alive peers serve whole (layer ranges are not routable), each with the
+        load of its nodes now (a peer's load is its record's, for all the models it serves)."""
+        entries = {mid: local_entry(mid, engine, self.node_id, self._own_name(), self._created)
+                   for mid, engine in sorted(self.engines.items())}
         for node_id, record in sorted(self._alive_records().items()):
+            load = record.load
             for model in record.models.served:
-                if takes_requests(model):
-                    nodes.setdefault(model.name, []).append(node_id)
-                    names.setdefault(model.name, []).append(record.name or short(node_id))
-                    context.setdefault(model.name, model.context)
-        return [ModelEntry(id=mid, nodes=tuple(nodes[mid]), node_names=tuple(names[mid]),
-                           context_length=context[mid], created=self._created) for mid in sorted(nodes)]
+                if not takes_requests(model):
+                    continue
+                entry = entries.get(model.name) or ModelEntry(id=model.name, nodes=(), context_length=model.context,
+                                                              created=self._created, tools=model.tools)
+                entries[model.name] = dataclasses.replace(
+                    entry, nodes=(*entry.nodes, node_id), node_names=(*entry.node_names, record.name or short(node_id)),
+                    slots=entry.slots + load.slots, free_slots=entry.free_slots + load.free_slots,
+                    busy=entry.busy + load.in_flight + load.queue, tok_s=max(entry.tok_s, load.tok_s))
+        return [entries[mid] for mid in sorted(entries)]
 
     def _own_name(self) -> str:
         gossip = self.mesh.gossip

@@ -227,7 +227,9 @@ def _usage(usage: Usage) -> dict[str, Any]:
 class ResponseShape:
     """One response object as it is built, streamed or not."""
 
-    def __init__(self, body: ResponsesRequest, tools: ToolSpec) -> None:
+    def __init__(self, body: ResponsesRequest, tools: ToolSpec, model: str) -> None:
+        self.model = model
+        """The model it runs on (what ``auto`` stood for, when the request named ``auto``)."""
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.request = body
@@ -251,7 +253,7 @@ class ResponseShape:
             {"type": "function", "name": self.tools.choice}
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
-            "model": req.model, "output": list(self.output), "error": None,
+            "model": self.model, "output": list(self.output), "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "parallel_tool_calls": self.tools.parallel, "previous_response_id": req.previous_response_id,
@@ -384,8 +386,8 @@ def router(backend: Backend, admission: Admission) -> APIRouter:
                           grammar=build_grammar(tools, body.text_format(), "text.format"),
                           end_on_repeated_call=tools.repeats_end),
             user=clean(key) if key else None)
-        shape = ResponseShape(body, tools)
         generations = await start_all(backend, admission, [request], http)
+        shape = ResponseShape(body, tools, generations[0].model)
         if body.stream:
             events, done = _Events(), []
 

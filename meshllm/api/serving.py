@@ -222,7 +222,8 @@ class Serving:
         assert gossip is not None
         own = gossip.own.models
         served = [m for m in own.served if m.name not in self._announced]
-        served += [ServedModel(name=mid, context=self.engines[mid].context_length, engine=kind)
+        served += [ServedModel(name=mid, context=self.engines[mid].context_length, engine=kind,
+                               tools=self.engines[mid].native_tools)
                    for mid, kind in self.loaded.items()]
         self._announced = set(self.loaded)
         self.mesh.update_own(models=Models(served=served, available=own.available))

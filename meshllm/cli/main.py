@@ -18,6 +18,7 @@ def _register() -> None:
     """Attach the subcommands (imported here so ``meshllm --version`` stays fast)."""
     from meshllm.cli import (
         auth,
+        blackboard,
         chat,
         console,
         discover,
@@ -50,6 +51,7 @@ def _register() -> None:
     cli.add_command(chat.chat)
     cli.add_command(service.service)
     cli.add_command(doctor.doctor)
+    cli.add_command(blackboard.blackboard)
 
 
 def main() -> None:

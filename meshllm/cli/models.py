@@ -127,6 +127,8 @@ def _pull_through(api: NodeApi, ref: str) -> dict[str, Any]:
 
 
 def _list(api: NodeApi | None, as_json: bool, home: Path | None) -> None:
+    from meshllm.api.auto import AUTO  # the API's modules load slowly: only for this command
+
     node = api or NodeApi.for_cli(DEFAULT_API, None, home)
     served: list[dict[str, Any]] = []
     mesh: list[dict[str, Any]] = []
@@ -136,7 +138,7 @@ def _list(api: NodeApi | None, as_json: bool, home: Path | None) -> None:
         status = node.get_json("/api/status")
         own_id = status["node_id"]
         names = {p["node_id"]: p["name"] for p in status["peers"]}
-        served = [_row(entry, own_id) for entry in listing]
+        served = [_row(entry, own_id) for entry in listing if entry["id"] != AUTO]  # auto is a router, not a model
         library = node.get_json("/api/models")
         files, mesh = library["library"], library["mesh"]
     except NodeUnreachable:

@@ -348,6 +348,11 @@ class Engine(ABC):
         Closing the iterator early cancels the generation between two tokens.
         """
 
+    @property
+    def native_tools(self) -> bool:
+        """Whether the model's chat template renders tools itself (otherwise they are emulated)."""
+        return False
+
     def speculation_status(self) -> dict[str, object] | None:
         """Speculative decoding figures for ``/api/status`` (``None``: this engine does not speculate itself)."""
         return None

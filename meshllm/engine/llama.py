@@ -272,6 +272,10 @@ class LlamaEngine(Engine):
         self._thread = threading.Thread(target=self._worker, name=f"llama-{self.model_id}", daemon=True)
         self._thread.start()
 
+    @property
+    def native_tools(self) -> bool:
+        return self._render is not None and self._render.knows_tools
+
     async def close(self) -> None:
         """Refuse new work, end what is running with an error, free the model."""
         with self._cond:

@@ -210,3 +210,13 @@ def test_owner_control_gate_and_answers(page: Any) -> None:
     assert out["hidden"] and out["shown"] and out["decision"] == "promote"
     text = out["text"]
     assert "library tiny" in text and "qwen: queue for 1.5 s" in text and "promote tiny (queue)" in text
+
+
+def test_blackboard_search_query_and_note_age(page: Any) -> None:
+    out = run(page, """
+        const { boardQuery, age } = await import('/console/blackboard.js');
+        return [boardQuery('', '', ''), boardQuery(' QUESTION: gpu ', 'alpha', '6', 20),
+                age(1000, 1000 * 1000 + 59000), age(1000, 1000 * 1000 + 7200 * 1000)];
+    """)
+    assert out == ["/api/blackboard?limit=50", "/api/blackboard?limit=20&q=QUESTION%3A+gpu&from=alpha&since_s=21600",
+                   "59s ago", "2h ago"]

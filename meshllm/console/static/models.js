@@ -10,7 +10,8 @@ export function modelGroups(nodes, listed) {
     if (!groups.has(name)) groups.set(name, { name, context: null, servers: [], stages: [] });
     return groups.get(name);
   };
-  for (const entry of listed || []) group(entry.id).context = entry.context_length ?? null;
+  // `auto` routes each request to one of the others (docs/api.md): the chat offers it, this table does not
+  for (const entry of listed || []) if (entry.id !== "auto") group(entry.id).context = entry.context_length ?? null;
   for (const node of nodes) {
     for (const m of node.models) {
       const g = group(m.name);
