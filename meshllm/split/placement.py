@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -213,9 +213,12 @@ class SplitPlacement:
                  ref: ModelRef, manifest: bytes, options: SplitOptions, budget: int,
                  publish: Callable[..., Any], on_chain: Callable[[list[Hop] | None], None],
                  profile: ModelProfile | None = None,
-                 audits: Callable[[], dict[str, object]] | None = None) -> None:
+                 audits: Callable[[], dict[str, object]] | None = None,
+                 hub_source: Callable[[int, int], Awaitable[bytes]] | None = None) -> None:
         """``manifest``: the model's manifest signed by this node, sent with every stage request;
-        ``audits()``: the model's audit counters for ``/api/status``."""
+        ``audits()``: the model's audit counters for ``/api/status``; ``hub_source(start, end)``, for
+        a model taken straight from the hub: fetch this node's own layers, and return the signed
+        ``HubSource`` sent to workers in place of the manifest."""
         self._own, self._members, self._rtt = own, members, rtt
         self.server = server
         self.engine = engine
@@ -235,6 +238,7 @@ class SplitPlacement:
         self.untrusted: dict[str, float] = {}
         """Nodes an audit caught (node id -> until when, monotonic): never placed on again before then."""
         self._audits = audits
+        self.hub_source = hub_source
         self._replan = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -332,7 +336,8 @@ class SplitPlacement:
             raise SplitError("the plan does not start at this node with at least one worker")
         chain = hops(chosen, own, members)
         first = chain[0]
-        await asyncio.gather(*(self._host(chain, i) for i in range(1, len(chain))), self._load_first(first))
+        hub = b"" if self.hub_source is None else await self.hub_source(first.layer_start, first.layer_end)
+        await asyncio.gather(*(self._host(chain, i, hub) for i in range(1, len(chain))), self._load_first(first))
         assert self._first is not None
         coordinator = SplitCoordinator(self.server, self.engine.model_id, self._first, chain,
                                        on_stage_failed=self.stage_failed, speculate=self.options.speculate,
@@ -345,12 +350,12 @@ class SplitPlacement:
                      stages=[[names.get(h.node_id, h.node_id[:8]), h.layer_start, h.layer_end] for h in chain],
                      predicted_ms=round(chosen.total_s * 1e3, 3), took_s=round(time.monotonic() - started, 3))
 
-    async def _host(self, chain: list[Hop], index: int) -> None:
+    async def _host(self, chain: list[Hop], index: int, hub: bytes = b"") -> None:
         assert self.ref.sha256 is not None
         hop = chain[index]
         hosted = await ask(self.server.endpoint, hop.node_id, hop.addr, Host(
-            model=self.engine.model_id, model_id=self.ref.sha256, manifest=self.manifest, chain=chain, index=index,
-            max_context=self.engine.max_context,
+            model=self.engine.model_id, model_id=self.ref.sha256, manifest=b"" if hub else self.manifest, hub=hub,
+            chain=chain, index=index, max_context=self.engine.max_context,
         ))
         if isinstance(hosted, Hosted) and hosted.fetched_bytes:
             self.publish("split_stage_fetched", model=self.engine.model_id, node=hop.node_id,

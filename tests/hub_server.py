@@ -11,7 +11,7 @@
 Faults a test can arm: ``throttle`` (bytes per second) makes a download slow enough to interrupt;
 ``fail_gets`` answers those GET numbers (counting from 1) with a 500; ``swap_after`` replaces a
 file's bytes once that many GETs were answered (a new version: a new ETag); ``corrupt`` flips a
-byte of the n-th GET (1-based, as :meth:`Hub.corrupt_nth`) that covers a given offset. Every GET's
+byte of the n-th GET from then on that covers a given offset (:meth:`Hub.corrupt_nth`). Every GET's
 ``Range`` header is recorded in ``ranges`` and the bytes sent are counted in ``bytes_sent``.
 """
 
@@ -48,7 +48,10 @@ class Hub:
         self.repos.setdefault(repo, {})[name] = data
 
     def corrupt_nth(self, offset: int, n: int) -> None:
-        self.corrupt = (offset, n)
+        """Flip byte ``offset`` in the ``n``-th GET from now whose range covers it."""
+        with self.lock:
+            self.corrupt = (offset, n)
+            self._covering = 0
 
     def gets(self) -> int:
         return len(self.ranges)
