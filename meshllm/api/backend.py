@@ -74,7 +74,7 @@ class LocalBackend:
         """One entry per engine, served by this node."""
         return [ModelEntry(id=mid, nodes=(self.node_id,), node_names=(self.node_id,),
                            context_length=engine_context(engine), created=self._created)
-                for mid, engine in sorted(self.engines.items())]
+                for mid, engine in sorted(self.engines.items()) if engine.listed]
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         """The engine's stream for ``request.model``."""

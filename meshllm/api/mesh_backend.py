@@ -141,7 +141,8 @@ class MeshBackend:
         names: dict[str, list[str]] = {}
         context: dict[str, int | None] = {}
         for mid, engine in sorted(self.engines.items()):
-            nodes[mid], names[mid], context[mid] = [self.node_id], [self._own_name()], engine_context(engine)
+            if engine.listed:
+                nodes[mid], names[mid], context[mid] = [self.node_id], [self._own_name()], engine_context(engine)
         for node_id, record in sorted(self._alive_records().items()):
             for model in record.models.served:
                 if takes_requests(model):

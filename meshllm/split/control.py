@@ -295,17 +295,20 @@ def stage_memory(reader: GGUFFile, start: int, end: int, context: int) -> int:
 
 
 async def ask(endpoint: Endpoint, node_id: str, addr: str, request: Request,
-              timeout: float = REPLY_TIMEOUT_S) -> Hosted | Released:
+              timeout: float = REPLY_TIMEOUT_S,
+              on_progress: Callable[[Progress], None] | None = None) -> Hosted | Released:
     """Send one control request to ``node_id`` at ``addr``; :class:`HostRefused` unless it succeeds.
 
-    ``timeout`` bounds each silence: a worker fetching a range sends Progress while it works.
+    ``timeout`` bounds each silence: a worker fetching a range sends Progress while it works
+    (``on_progress`` sees each).
     """
     try:
         conn = await endpoint.connect(parse_addr(addr), node_id, timeout=3.0)
         stream = await conn.open_stream(KIND, max_frame=CONTROL_FRAME)
         await stream.send(request)
         while isinstance(reply := await stream.recv(Reply, timeout=timeout), Progress):
-            pass
+            if on_progress is not None:
+                on_progress(reply)
     except (NetError, OSError, DecodeError) as exc:
         raise HostRefused(f"node {short(node_id)} did not answer the stage request: {exc}") from None
     if reply is None or isinstance(reply, Refused):

@@ -156,13 +156,21 @@ class SplitService:
                             size=hub.hub.size, header_bytes=len(hub.header), fetched=hub.fetched)
         return hub
 
-    def _hub_source(self, hub: HubModel, model: str) -> Callable[[int, int], Awaitable[bytes]]:
+    def _hub_source(self, hub: HubModel, model: str
+                    ) -> Callable[[int, int, Callable[[int, int], None]], Awaitable[bytes]]:
         """Fetch this node's own layers of ``hub`` (progress in the status), then sign its source for workers."""
-        async def source(start: int, end: int) -> bytes:
+        async def source(start: int, end: int, progress: Callable[[int, int], None]) -> bytes:
             view = self.store.begin_view(f"{hub.model_id}:{start}-{end}", hub.model_id, model, "hub-stage",
                                          (start, end))
+            loop = asyncio.get_running_loop()
+            report = self.store.reporter(view)
+
+            def both(done: int, total: int) -> None:
+                report(done, total)
+                loop.call_soon_threadsafe(progress, done, total)
+
             try:
-                result = await asyncio.to_thread(hub.ensure, start, end, self.store.reporter(view))
+                result = await asyncio.to_thread(hub.ensure, start, end, both)
             except (MeshllmError, OSError) as exc:
                 self.store.end_view(view, error=str(exc))
                 raise

@@ -113,3 +113,12 @@ def test_a_wrong_repo_or_file_is_a_clear_error(gguf: bytes, tmp_path: Path) -> N
             assert done.returncode == 1, (ref, done.stdout, done.stderr)
             assert words in done.stderr and "Traceback" not in done.stderr, done.stderr
         assert not Library.for_home(tmp_path).entries()
+
+
+def test_a_pull_shows_plain_progress_lines_off_a_terminal(gguf: bytes, tmp_path: Path) -> None:
+    with hub_server() as hub:
+        hub.add(REPO, "tiny.gguf", gguf)
+        done = pull(tmp_path, hub.url, f"hf:{REPO}/tiny.gguf")
+        assert done.returncode == 0, done.stderr
+        lines = [ln for ln in done.stderr.splitlines() if ln.startswith(f"pulling hf:{REPO}/tiny.gguf: ")]
+        assert lines and lines[-1].split(": ")[1].startswith("100% (") and "\x1b" not in done.stderr, done.stderr
