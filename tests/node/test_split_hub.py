@@ -5,7 +5,8 @@ join; nobody has the file. The hub redirects to a CDN path, answers one range re
 (retried) and damages its first answer of the header to a worker (cross-checked with the
 coordinator's digest: refetched, the hub named). The chain serves the solo node's greedy text; each
 worker downloaded exactly its share (the header and its layers' tensors), the coordinator less than
-the whole file, and the bytes the nodes report add up to what the hub sent.
+the whole file, and the bytes the nodes report add up to what the hub sent. The model is listed in
+``/v1/models`` only once the chain serves.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ def complete(node: NodeProcess) -> str:
     return reply.json()["choices"][0]["text"]
 
 
+def listed(node: NodeProcess) -> list[str]:
+    return [m["id"] for m in httpx.get(node.api + "/v1/models", timeout=10).json()["data"]]
+
+
 def fetched(node: NodeProcess) -> dict[str, int]:
     """Bytes the node reports taking from the hub, by transfer kind."""
     out: dict[str, int] = {}
@@ -67,6 +72,10 @@ def test_each_stage_fetches_only_its_share_from_the_hub(tmp_path: Path, monkeypa
                                              "--stages", "3"], "coord")
         nodes += [solo, coord]
         token = coord.wait_ready()["invite"]
+        # no worker yet, so no chain: the model is not listed, and a request for it says why it waits
+        assert MODEL not in listed(coord)
+        waiting = httpx.post(coord.api + "/v1/completions", timeout=30, json={"model": MODEL, "prompt": PROMPT})
+        assert waiting.status_code == 503 and "worker" in waiting.text, waiting.text
         workers = [NodeProcess(tmp_path / f"w{i}", ["--worker", "--join", token], f"w{i}") for i in (1, 2)]
         nodes += workers
         ready = coord.wait_event(lambda e: e["type"] == "split_ready" and len(e["stages"]) == 3, 90.0)
@@ -74,12 +83,15 @@ def test_each_stage_fetches_only_its_share_from_the_hub(tmp_path: Path, monkeypa
         bounds = [r[0] for r in ranges] + [ranges[-1][1]]
         assert bounds[0] == 0 and bounds[-1] == 6 and all(a < b for a, b in itertools.pairwise(bounds))
         solo.wait_ready()
+        assert MODEL in listed(coord)
         assert complete(coord) == complete(solo)
 
         # bytes per node: each worker its header and layers (the damaged header twice), the coordinator < the file
         manifest = skeleton(model_id, len(data), header)
         by_name = {w.wait_ready()["name"]: w for w in workers}
         stage_events = {e["node"]: e for e in coord.events if e["type"] == "split_stage_fetched"}
+        (split,) = coord.status()["splits"]
+        fetches = {s["node_id"]: s["fetch"] for s in split["stages"]}
         report = {"coord": sum(fetched(coord).values())}
         refetched = []
         for name, start, end in ready["stages"][1:]:
@@ -87,7 +99,7 @@ def test_each_stage_fetches_only_its_share_from_the_hub(tmp_path: Path, monkeypa
             share = len(header) + stage_layout(manifest, header, start, end).fetch_bytes
             got = fetched(worker)["hub-stage"]
             event = stage_events[worker.node_id]
-            assert event["bytes"] == got
+            assert event["bytes"] == got == fetches[worker.node_id]["bytes_done"]
             if event["bad_holders"]:
                 assert event["bad_holders"] == [f"hub {hub.url.removeprefix('http://')}"]
                 assert got == share + len(header)
