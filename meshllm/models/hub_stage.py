@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, BinaryIO
 
 import msgspec
 from msgspec import Meta
@@ -67,7 +67,8 @@ if TYPE_CHECKING:
 HUB_SOURCE_DOMAIN = "hub-source"
 HEADER_PROBE = 64 << 10
 """First read of a header whose length is not known yet (doubled until the directory parses)."""
-MAX_HEADER = 1 << 30
+MAX_HEADER = 64 << 20
+"""Largest header accepted (a 150k-token vocabulary takes about 10 MB): a worker holds it in memory."""
 HUB_DIR = "hub"
 
 Digest = Annotated[bytes, Meta(min_length=32, max_length=32)]
@@ -221,13 +222,12 @@ class HubModel:
                          digests=dict(self.book.digests))
 
 
-def _header_from(fh: object, size: int) -> bytes:
+def _header_from(fh: BinaryIO, size: int) -> bytes:
     """The header of a kept partial copy (empty when it does not parse)."""
-    data = b""
     want = HEADER_PROBE
     while True:
-        fh.seek(0)  # type: ignore[attr-defined]
-        data = fh.read(min(want, size))  # type: ignore[attr-defined]
+        fh.seek(0)
+        data = fh.read(min(want, size))
         try:
             bounds = span_bounds(GGUFFile("kept copy", header=data, size=size))
         except NotGGUF:

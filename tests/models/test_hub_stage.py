@@ -4,7 +4,8 @@ A coordinator's :class:`HubModel` fetches the header and its own layers only; a 
 header and its own layers into a stage file whose bytes are the original's; every piece the two
 share is cross-checked, and a disagreement is refetched with the bad source named (the hub's
 answer, or the coordinator); a file that changes on the hub mid-fetch or since the plan is caught;
-a pull whose file changes mid-way starts over and ends with the new version only.
+an interrupted stage fetch resumes with the pieces still missing; a pull whose file changes mid-way
+starts over and ends with the new version only.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +28,7 @@ from tinymodels import write_tiny_llama
 from meshllm.engine.ggml import StageModel
 from meshllm.identity.ids import node_id
 from meshllm.models.gguf_file import GGUFFile
-from meshllm.models.hub_fetch import HubFileChanged
+from meshllm.models.hub_fetch import HubError, HubFileChanged
 from meshllm.models.hub_stage import HubModel, fetch_stage_blocking, open_source, sign_source
 from meshllm.models.library import Library
 from meshllm.models.stage_file import stage_range
@@ -110,6 +112,24 @@ def test_a_piece_that_disagrees_is_refetched_and_the_bad_source_named(model: Pat
     assert tensor_bytes(done.entry.file, held) == tensor_bytes(model, held)
 
 
+def test_an_interrupted_stage_fetch_resumes_with_the_missing_pieces(model: Path, hub: Hub, tmp_path: Path) -> None:
+    coordinator = HubModel.open(SPEC, Library(tmp_path / "c"))
+    library = Library(tmp_path / "w")
+    stop = threading.Event()
+    with pytest.raises(HubError, match="stopped"):  # stopped once the first piece is written
+        fetch_stage_blocking(library, coordinator.source(), "tiny", 0, 6, stop=stop,
+                             report=lambda done, _total: done and stop.set())
+    (book,) = (tmp_path / "w" / "incoming").glob("*.pieces")
+    kept = {int(k) for k in json.loads(book.read_text())["pieces"]}
+    asked = len(hub.ranges)
+    done = fetch_stage_blocking(library, coordinator.source(), "tiny", 0, 6)
+    again = {int(r.split("=")[1].split("-")[0]) for r in hub.ranges[asked:] if r}
+    assert kept and 0 in again and not (kept - {0}) & again  # the header is always read; kept layers are not
+    held = {t.name for t in GGUFFile(done.entry.file).tensors}
+    assert tensor_bytes(done.entry.file, held) == tensor_bytes(model, held)
+    assert not book.exists()
+
+
 def test_a_file_that_changes_on_the_hub_is_caught(model: Path, hub: Hub, tmp_path: Path) -> None:
     coordinator = HubModel.open(SPEC, Library(tmp_path / "c"))
     data = model.read_bytes()
@@ -123,7 +143,7 @@ def test_a_file_that_changes_on_the_hub_is_caught(model: Path, hub: Hub, tmp_pat
     hub.swap_after = (len(hub.ranges) + 2, REPO, "tiny.gguf", newer)
     with pytest.raises(HubFileChanged, match="changed on the hub mid-fetch"):
         fetch_stage_blocking(Library(tmp_path / "w2"), coordinator.source(), "tiny", 0, 6)
-    assert not list((tmp_path / "w2" / "models").glob("**/*.gguf"))
+    assert (tmp_path / "w2").is_dir() and not list((tmp_path / "w2").glob("stages/*.gguf"))
 
 
 def test_a_pull_whose_file_changes_midway_starts_over(hub: Hub, tmp_path: Path) -> None:
