@@ -17,9 +17,9 @@ must carry the same ETag (when it comes from the hub itself; from a CDN, the fir
 **Pieces.** A fetch is a list of :class:`Want` (a piece's offset and length in the hub's file, and
 where it goes in the output). Each piece arrives whole and is hashed; when another holder's digest
 of the same piece is known (``reference``), they are compared. A piece that disagrees is fetched
-again: if the second answer matches the other holder, the first answer was bad and the hub host
-that sent it is named; if both hub answers agree, the other holder is named. The piece kept is the
-one two sources agree on (:class:`Disagreement` records each case).
+again (up to three hub answers) until two sources agree; that version is kept, and every source
+that sent another is named: ``hub <host>`` for a wrong hub answer, the other holder when the hub's
+answers agree against it (:class:`Disagreement` records each).
 
 **Resume.** :class:`PieceBook` keeps the digests of the pieces written beside the output, with the
 version; a fetch that finds them re-hashes those pieces on disk and keeps the ones that match.
@@ -48,6 +48,8 @@ RETRY_WAIT_S = 0.25
 """First backoff after a 5xx or a dropped connection (doubling, at most :data:`RETRY_MAX_S`)."""
 RETRY_MAX_S = 4.0
 RETRIES = 5
+MAX_ANSWERS = 3
+"""Hub answers asked for one piece that disagrees with another holder, until two sources agree."""
 
 
 class HubError(MeshllmError):
@@ -232,13 +234,15 @@ Write = Callable[[int, bytes], None]
 
 
 def fetch_pieces(hub: HubFile, wants: list[Want], write: Write, *, reference: Mapping[int, bytes] | None = None,
-                 reference_name: str = "another holder", have: Mapping[int, bytes] | None = None,
+                 reference_name: str = "another holder", reference_names: Mapping[int, str] | None = None,
+                 have: Mapping[int, bytes] | None = None,
                  report: Report | None = None, on_piece: Callable[[int, bytes], None] | None = None,
                  stop: threading.Event | None = None, threads: int = THREADS) -> FetchResult:
     """Fetch ``wants`` from the hub in parallel, each hashed and cross-checked, into ``write`` (blocking).
 
     ``have`` holds digests of pieces already in the output (verified by the caller: skipped);
-    ``reference`` other holders' digests by offset; ``on_piece(offset, digest)`` is called after each
+    ``reference`` other holders' digests by offset (named ``reference_names[offset]``, else
+    ``reference_name``); ``on_piece(offset, digest)`` is called after each
     piece is written (the caller's :class:`PieceBook`); ``stop`` set ends the fetch early
     (:class:`HubError`).
     """
@@ -264,27 +268,33 @@ def fetch_pieces(hub: HubFile, wants: list[Want], write: Write, *, reference: Ma
         digest = hashlib.sha256(data).digest()
         fetched = want.length
         expected = reference.get(want.offset)
-        disagreement = None
+        disagreements = []
         if expected is not None and digest != expected:
-            again = get_range(hub, want.offset, want.length, pin)
-            fetched += want.length
-            second = hashlib.sha256(again).digest()
-            if second == expected:
-                disagreement = Disagreement(want.offset, want.length, f"hub {hub.host}")
-                data, digest = again, second
-            elif second == digest:
-                disagreement = Disagreement(want.offset, want.length, reference_name)
-            else:
-                raise HubError(f"{hub.host} sent two different versions of {hub.spec} bytes {want.offset}+"
-                               f"{want.length}, and {reference_name} a third")
+            holder = (reference_names or {}).get(want.offset, reference_name)
+            answers = [(digest, data)]
+            while True:  # ask again until two sources agree (at most three hub answers)
+                again = get_range(hub, want.offset, want.length, pin)
+                fetched += want.length
+                answers.append((hashlib.sha256(again).digest(), again))
+                votes = [d for d, _ in answers] + [expected]
+                winner = next((d for d in votes if votes.count(d) >= 2), None)
+                if winner is not None:
+                    break
+                if len(answers) == MAX_ANSWERS:
+                    raise HubError(f"{hub.host} sent {len(answers)} different versions of {hub.spec} bytes "
+                                   f"{want.offset}+{want.length}, none matching {holder}'s")
+            digest, data = next((d, b) for d, b in answers if d == winner)  # two votes: a hub answer has it
+            if any(d != winner for d, _ in answers):
+                disagreements.append(Disagreement(want.offset, want.length, f"hub {hub.host}"))
+            if expected != winner:
+                disagreements.append(Disagreement(want.offset, want.length, holder))
         write(want.dest, data)
         if on_piece is not None:
             on_piece(want.offset, digest)
         with lock:
             result.fetched += fetched
             result.digests[want.offset] = digest
-            if disagreement is not None:
-                result.disagreements.append(disagreement)
+            result.disagreements += disagreements
             done += want.length
             now = done
         if report is not None:

@@ -10,8 +10,9 @@ It then asks each worker to host its range with a :class:`HubSource` signed by i
 place of a manifest: the file's reference, the version (size and ETag, the file's sha256) and the
 sha256 of every piece the coordinator fetched. A **worker** (:func:`fetch_stage`) checks that the
 hub still has that version (:class:`HubFileChanged` refuses the stage otherwise), fetches the
-header and its own layers' pieces by range, cross-checks every piece the coordinator also holds
-(a piece that disagrees is refetched and the bad source named, ``models/hub_fetch.py``), and
+header and its own layers' pieces by range, cross-checks every piece the coordinator also holds,
+and every other piece against the signed manifest of a peer that offers the whole file, if one
+does (a piece that disagrees is refetched and the bad source named, ``models/hub_fetch.py``), and
 writes a stage file (``models/stage_file.py``) into its library, resumable from a book of the
 pieces written.
 
@@ -24,9 +25,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Annotated, BinaryIO
@@ -35,7 +37,7 @@ import msgspec
 from msgspec import Meta
 from nacl.signing import SigningKey
 
-from meshllm.errors import MeshllmError
+from meshllm.errors import DecodeError, MeshllmError
 from meshllm.identity.ids import node_public_key, short
 from meshllm.identity.signing import decode_signed, sign, verify
 from meshllm.models.gguf_file import GGUFFile
@@ -59,7 +61,10 @@ from meshllm.models.manifest import MAX_MANIFEST, MODEL_ID, PIECE, BadManifest, 
 from meshllm.models.metadata import NotGGUF
 from meshllm.models.refs import ModelRef, model_id_for
 from meshllm.models.stage_file import stage_layout, stage_tensors
-from meshllm.models.transfer import plan_pieces, prepare_output
+from meshllm.models.transfer import get_manifest, plan_pieces, prepare_output
+from meshllm.net import NetError
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from meshllm.models.store import ModelStore
@@ -70,6 +75,9 @@ HEADER_PROBE = 64 << 10
 MAX_HEADER = 64 << 20
 """Largest header accepted (a 150k-token vocabulary takes about 10 MB): a worker holds it in memory."""
 HUB_DIR = "hub"
+MANIFEST_HOLDERS = 2
+"""Peers offering the whole file that a worker asks for a manifest to cross-check against, in turn."""
+MANIFEST_WAIT_S = 10.0
 
 Digest = Annotated[bytes, Meta(min_length=32, max_length=32)]
 
@@ -265,8 +273,15 @@ Check = Callable[[GGUFFile], None]
 
 def fetch_stage_blocking(library: Library, source: HubSource, name: str, start: int, end: int, *,
                          check: Check | None = None, reference_name: str = "the coordinator",
+                         holders: Mapping[int, tuple[bytes, str]] | None = None,
                          report: Report | None = None, stop: threading.Event | None = None) -> StageFetch:
-    """Fetch layers ``[start, end)`` of ``source`` from the hub into a stage file of ``library`` (blocking)."""
+    """Fetch layers ``[start, end)`` of ``source`` from the hub into a stage file of ``library`` (blocking).
+
+    Every piece is cross-checked with the coordinator's digest (``source``) or, for the pieces it
+    lacks, another holder's (``holders``: offset -> digest and the holder's name).
+    """
+    reference = {offset: digest for offset, (digest, _) in (holders or {}).items()} | source.digests
+    names = {offset: holder for offset, (_, holder) in (holders or {}).items() if offset not in source.digests}
     ref = parse_hub_ref(source.spec)
     assert ref.file is not None
     hub = locate(ref.repo, ref.file)
@@ -278,8 +293,8 @@ def fetch_stage_blocking(library: Library, source: HubSource, name: str, start: 
     def into_header(at: int, data: bytes) -> None:
         header[at:at + len(data)] = data
 
-    first = fetch_pieces(hub, pieces_of(0, source.header_length, 0), into_header, reference=source.digests,
-                         reference_name=reference_name, stop=stop)
+    first = fetch_pieces(hub, pieces_of(0, source.header_length, 0), into_header, reference=reference,
+                         reference_name=reference_name, reference_names=names, stop=stop)
     head = bytes(header)
     if check is not None:
         check(GGUFFile(f"model {source.etag[:12]}", header=head, size=source.size))
@@ -293,14 +308,29 @@ def fetch_stage_blocking(library: Library, source: HubSource, name: str, start: 
     fd = os.open(part, os.O_RDWR)
     try:
         have = book.verified(wants, lambda at, n: os.pread(fd, n, at)) if existed else {}
-        rest = fetch_pieces(hub, wants, lambda at, data: _pwrite(fd, data, at), reference=source.digests,
-                            reference_name=reference_name, have=have, report=report, on_piece=book.add, stop=stop)
+        rest = fetch_pieces(hub, wants, lambda at, data: _pwrite(fd, data, at), reference=reference,
+                            reference_name=reference_name, reference_names=names, have=have, report=report,
+                            on_piece=book.add, stop=stop)
         os.fsync(fd)
     finally:
         os.close(fd)
     entry = library.commit(part, model_id=source.etag, name=name, source=source.spec, layers=(start, end))
     book.discard()
     return StageFetch(entry, first.fetched + rest.fetched, first.disagreements + rest.disagreements)
+
+
+async def holder_digests(store: ModelStore, model_id: str) -> dict[int, tuple[bytes, str]]:
+    """Piece digests of ``model_id`` from the manifest of the first peer that offers the whole file and
+    sends one (signed by it), with its name; empty when no peer holds the model."""
+    for node, addr in store.holders(model_id)[:MANIFEST_HOLDERS]:
+        try:
+            manifest, _ = await asyncio.wait_for(get_manifest(store.endpoint, node, addr, model_id), MANIFEST_WAIT_S)
+        except (MeshllmError, NetError, DecodeError, OSError, TimeoutError) as exc:
+            log.info("no manifest of %s from %s to cross-check against: %s", model_id[:12], short(node), exc)
+            continue
+        name = f"node {short(node)}"
+        return {p.offset: (p.digest, name) for i in range(len(manifest.spans)) for p in manifest.pieces(i)}
+    return {}
 
 
 async def fetch_stage(store: ModelStore, source: HubSource, name: str, start: int, end: int, *,
@@ -320,9 +350,10 @@ async def fetch_stage(store: ModelStore, source: HubSource, name: str, start: in
                   holders=[source.spec])
     stop = threading.Event()
     try:
+        holders = await holder_digests(store, source.etag)
         done = await asyncio.to_thread(fetch_stage_blocking, library, source, name, start, end, check=check,
-                                       reference_name=f"node {short(coordinator)}", report=store.reporter(view),
-                                       stop=stop)
+                                       reference_name=f"node {short(coordinator)}", holders=holders,
+                                       report=store.reporter(view), stop=stop)
     except (MeshllmError, OSError) as exc:
         store.end_view(view, error=str(exc))
         raise

@@ -31,6 +31,7 @@ from meshllm.models.gguf_file import GGUFFile
 from meshllm.models.hub_fetch import HubError, HubFileChanged
 from meshllm.models.hub_stage import HubModel, fetch_stage_blocking, open_source, sign_source
 from meshllm.models.library import Library
+from meshllm.models.manifest import build_manifest
 from meshllm.models.stage_file import stage_range
 
 pytestmark = pytest.mark.timeout(120)
@@ -109,6 +110,18 @@ def test_a_piece_that_disagrees_is_refetched_and_the_bad_source_named(model: Pat
     done = fetch_stage_blocking(Library(tmp_path / "w2"), opened, "tiny", 2, 4, reference_name="node c0ffee")
     assert [d.bad for d in done.disagreements or []] == ["node c0ffee"]
     held = {t.name for t in GGUFFile(done.entry.file).tensors} - {"token_embd.weight"}
+    assert tensor_bytes(done.entry.file, held) == tensor_bytes(model, held)
+    # pieces the coordinator lacks are checked against a whole-file holder's manifest: a forged digest names it
+    manifest = build_manifest(model)
+    holders = {p.offset: (p.digest, "node h0ld3r") for i in range(len(manifest.spans)) for p in manifest.pieces(i)}
+    layer = next(t.offset for t in GGUFFile(model).tensors if t.name == "blk.3.attn_q.weight")
+    (piece,) = [o for o in holders if o <= layer < o + next(p.length for i in range(len(manifest.spans))
+                                                               for p in manifest.pieces(i) if p.offset == o)]
+    holders[piece] = (hashlib.sha256(b"forged").digest(), "node h0ld3r")
+    hub.corrupt_nth(layer + 5, 1)  # and the hub's first answer of that piece is damaged too: still resolved
+    done = fetch_stage_blocking(Library(tmp_path / "w3"), source, "tiny", 2, 4, holders=holders)
+    named = sorted(d.bad for d in done.disagreements or [] if d.offset == piece)
+    assert named == [f"hub {hub.url.removeprefix('http://')}", "node h0ld3r"]  # the hub's 2nd and 3rd answers agree
     assert tensor_bytes(done.entry.file, held) == tensor_bytes(model, held)
 
 
