@@ -39,9 +39,8 @@ class Hub:
         self.redirect = False
         self.fail_gets: set[int] = set()
         self.swap_after: tuple[int, str, str, bytes] | None = None
-        self.corrupt: tuple[int, int] | None = None
-        """(offset, n): the n-th GET whose range covers ``offset`` gets that byte flipped."""
-        self._covering = 0
+        self.corrupt: dict[int, list[int]] = {}
+        """offset -> [n, seen]: the n-th GET (from arming) whose range covers ``offset`` gets that byte flipped."""
         self.lock = threading.Lock()
 
     def add(self, repo: str, name: str, data: bytes) -> None:
@@ -50,8 +49,7 @@ class Hub:
     def corrupt_nth(self, offset: int, n: int) -> None:
         """Flip byte ``offset`` in the ``n``-th GET from now whose range covers it."""
         with self.lock:
-            self.corrupt = (offset, n)
-            self._covering = 0
+            self.corrupt[offset] = [n, 0]
 
     def gets(self) -> int:
         return len(self.ranges)
@@ -149,11 +147,12 @@ def _handler(hub: Hub) -> type[BaseHTTPRequestHandler]:
             partial = bool(asked)
             body = data[start : end + 1]
             with hub.lock:
-                if self.command == "GET" and hub.corrupt is not None and start <= hub.corrupt[0] <= end:
-                    hub._covering += 1
-                    if hub._covering == hub.corrupt[1]:
-                        at = hub.corrupt[0] - start
-                        body = body[:at] + bytes([body[at] ^ 0xFF]) + body[at + 1:]
+                for offset, armed in hub.corrupt.items():
+                    if self.command == "GET" and start <= offset <= end:
+                        armed[1] += 1
+                        if armed[1] == armed[0]:
+                            at = offset - start
+                            body = body[:at] + bytes([body[at] ^ 0xFF]) + body[at + 1:]
             self.send_response(206 if partial else 200)
             self.send_header("X-Repo-Commit", COMMIT)
             self.send_header("ETag", f'"{hashlib.sha256(data).hexdigest()}"')
