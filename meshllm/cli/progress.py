@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
@@ -24,11 +24,11 @@ from rich.progress import (
 )
 
 from meshllm.cli.dashboard import fmt_bytes
+from meshllm.models.hub_fetch import Report
 
 LINE_STEP = 0.1
 """A plain line each time another tenth of the bytes arrived."""
 
-Report = Callable[[int, int], None]
 
 
 @contextmanager

@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -28,15 +27,17 @@ from meshllm.models.hub_fetch import (
     HubFile,
     HubFileChanged,
     PieceBook,
+    Report,
     fetch_pieces,
     hub_errors,
     locate,
     pieces_of,
+    pwrite_all,
 )
 from meshllm.models.library import Library, LibraryEntry
 from meshllm.models.refs import ModelNotFound, file_sha256, model_id_for
 
-__all__ = ["HubError", "HubRef", "cached", "is_hub_ref", "parse_hub_ref", "pull"]
+__all__ = ["HubError", "HubRef", "Report", "cached", "is_hub_ref", "parse_hub_ref", "pull"]
 
 HF_PREFIX = "hf:"
 _REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -100,11 +101,6 @@ def cached(ref: HubRef, library: Library) -> LibraryEntry | None:
                 ref.file is None and ref.quant is None):
             return entry
     return None
-
-
-Report = Callable[[int, int], None]
-"""``report(bytes_done, bytes_total)`` during a download, from its threads (the node turns it into
-transfer events; the CLI into a progress bar)."""
 
 
 def pull(spec: str, library: Library, *, report: Report | None = None) -> LibraryEntry:
@@ -175,7 +171,7 @@ def _download_version(ref: HubRef, file: str, hub: HubFile, part: Path, book: Pi
     fd = os.open(part, os.O_RDWR)
     try:
         have = book.verified(wants, lambda at, n: os.pread(fd, n, at)) if existed else {}
-        fetch_pieces(hub, wants, lambda at, data: _pwrite(fd, data, at), have=have, report=report,
+        fetch_pieces(hub, wants, lambda at, data: pwrite_all(fd, data, at), have=have, report=report,
                      on_piece=book.add)
         os.fsync(fd)
     finally:

@@ -224,6 +224,13 @@ def get_range(hub: HubFile, offset: int, length: int, pin: _Pin | None = None) -
     return data
 
 
+def pwrite_all(fd: int, data: bytes, at: int) -> None:
+    """Write all of ``data`` at offset ``at`` of ``fd`` (``os.pwrite`` may write less)."""
+    while data:
+        n = os.pwrite(fd, data, at)
+        data, at = data[n:], at + n
+
+
 def pieces_of(offset: int, length: int, dest: int, piece: int = PIECE) -> list[Want]:
     """A range cut into pieces of at most ``piece`` bytes (the last one shorter)."""
     return [Want(offset + k, min(piece, length - k), dest + k) for k in range(0, length, piece)]

@@ -28,10 +28,10 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Annotated, BinaryIO
+from typing import Annotated, BinaryIO
 
 import msgspec
 from msgspec import Meta
@@ -55,19 +55,19 @@ from meshllm.models.hub_fetch import (
     get_range,
     locate,
     pieces_of,
+    pwrite_all,
 )
 from meshllm.models.library import Library, LibraryEntry
 from meshllm.models.manifest import MAX_MANIFEST, MODEL_ID, PIECE, BadManifest, Manifest, Span, span_bounds
 from meshllm.models.metadata import NotGGUF
 from meshllm.models.refs import ModelRef, model_id_for
 from meshllm.models.stage_file import stage_layout, stage_tensors
+from meshllm.models.store import Check, ModelStore
 from meshllm.models.transfer import get_manifest, plan_pieces, prepare_output
 from meshllm.net import NetError
 
 log = logging.getLogger(__name__)
 
-if TYPE_CHECKING:
-    from meshllm.models.store import ModelStore
 
 HUB_SOURCE_DOMAIN = "hub-source"
 HEADER_PROBE = 64 << 10
@@ -216,7 +216,7 @@ class HubModel:
         try:
             have = self.book.verified(wants, lambda at, n: os.pread(fd, n, at))
             self.library.reserve(sum(w.length for w in wants if w.offset not in have))
-            result = fetch_pieces(self.hub, wants, lambda at, data: _pwrite(fd, data, at), have=have,
+            result = fetch_pieces(self.hub, wants, lambda at, data: pwrite_all(fd, data, at), have=have,
                                   report=report, on_piece=self.book.add)
             os.fsync(fd)
         finally:
@@ -250,12 +250,6 @@ def _header_from(fh: BinaryIO, size: int) -> bytes:
         return data[:length]
 
 
-def _pwrite(fd: int, data: bytes, at: int) -> None:
-    while data:
-        n = os.pwrite(fd, data, at)
-        data, at = data[n:], at + n
-
-
 # -- the worker side ----------------------------------------------------------------------------
 
 
@@ -266,9 +260,6 @@ class StageFetch:
     entry: LibraryEntry
     fetched: int = 0
     disagreements: list[Disagreement] | None = None
-
-
-Check = Callable[[GGUFFile], None]
 
 
 def fetch_stage_blocking(library: Library, source: HubSource, name: str, start: int, end: int, *,
@@ -308,7 +299,7 @@ def fetch_stage_blocking(library: Library, source: HubSource, name: str, start: 
     fd = os.open(part, os.O_RDWR)
     try:
         have = book.verified(wants, lambda at, n: os.pread(fd, n, at)) if existed else {}
-        rest = fetch_pieces(hub, wants, lambda at, data: _pwrite(fd, data, at), reference=reference,
+        rest = fetch_pieces(hub, wants, lambda at, data: pwrite_all(fd, data, at), reference=reference,
                             reference_name=reference_name, reference_names=names, have=have, report=report,
                             on_piece=book.add, stop=stop)
         os.fsync(fd)
