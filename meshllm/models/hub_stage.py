@@ -224,6 +224,11 @@ class HubModel:
         self.fetched += result.fetched
         return result
 
+    def discard(self) -> None:
+        """Delete the partial copy (the model is to be pulled whole instead)."""
+        self.path.unlink(missing_ok=True)
+        self.book.discard()
+
     def source(self) -> HubSource:
         """What a worker needs to fetch its own stage, with the digests of every piece here."""
         return HubSource(spec=self.hub.spec, size=self.hub.size, etag=self.model_id, header_length=len(self.header),

@@ -129,6 +129,8 @@ class SplitService:
             profile = await asyncio.to_thread(model_profile, ref.path, self.options.context)
             if not needs_split(self.options, profile, self.budget):
                 rest.append(spec)  # loaded whole (an hf: model is pulled whole then)
+                if hub is not None:
+                    await asyncio.to_thread(hub.discard)
             elif hub is not None:
                 self._pending.append((ref, profile, b"", hub))
             else:
