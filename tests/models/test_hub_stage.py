@@ -26,12 +26,13 @@ from nacl.signing import SigningKey
 from tinymodels import write_tiny_llama
 
 from meshllm.engine.ggml import StageModel
+from meshllm.errors import DecodeError, VerificationError
 from meshllm.identity.ids import node_id
 from meshllm.models.gguf_file import GGUFFile
 from meshllm.models.hub_fetch import HubError, HubFileChanged
-from meshllm.models.hub_stage import HubModel, fetch_stage_blocking, open_source, sign_source
+from meshllm.models.hub_stage import HubModel, HubSource, fetch_stage_blocking, open_source, sign_source
 from meshllm.models.library import Library
-from meshllm.models.manifest import build_manifest
+from meshllm.models.manifest import BadManifest, build_manifest
 from meshllm.models.stage_file import stage_range
 
 pytestmark = pytest.mark.timeout(120)
@@ -175,3 +176,20 @@ def test_a_pull_whose_file_changes_midway_starts_over(hub: Hub, tmp_path: Path) 
     incoming = tmp_path / "home" / "models" / "incoming"
     assert not list(incoming.glob("*")), "nothing of the old version is left behind"
     assert len(Library.for_home(tmp_path / "home").entries()) == 1
+
+
+def test_a_hub_source_opens_only_as_its_coordinator_signed_it() -> None:
+    key, other = SigningKey.generate(), SigningKey.generate()
+    signer = node_id(bytes(key.verify_key))
+    source = HubSource(spec=SPEC, size=1000, etag="ab" * 32, header_length=100)
+    assert open_source(sign_source(key, source), signer, "ab" * 32) == source
+    with pytest.raises(VerificationError):
+        open_source(sign_source(other, source), signer, "ab" * 32)  # not the coordinator's signature
+    with pytest.raises(BadManifest, match="not cd"):
+        open_source(sign_source(key, source), signer, "cd" * 32)  # another model
+    with pytest.raises(BadManifest, match="names no file"):
+        open_source(sign_source(key, msgspec.structs.replace(source, spec=f"hf:{REPO}:Q4_K_M")), signer, "ab" * 32)
+    with pytest.raises(BadManifest, match="header is longer"):
+        open_source(sign_source(key, msgspec.structs.replace(source, header_length=2000)), signer, "ab" * 32)
+    with pytest.raises(DecodeError):
+        open_source(b"\x93garbage", signer, "ab" * 32)
