@@ -41,7 +41,7 @@ from meshllm.errors import DecodeError, MeshllmError
 from meshllm.identity.ids import node_public_key, short
 from meshllm.identity.signing import decode_signed, sign, verify
 from meshllm.models.gguf_file import GGUFFile
-from meshllm.models.hub import hub_file, parse_hub_ref
+from meshllm.models.hub import RESTARTS, hub_file, parse_hub_ref
 from meshllm.models.hub_fetch import (
     Disagreement,
     FetchResult,
@@ -166,15 +166,25 @@ class HubModel:
 
     @classmethod
     def open(cls, spec: str, library: Library) -> HubModel:
-        """Locate ``spec`` on the hub and have its header here (blocking; resumes a kept copy)."""
+        """Locate ``spec`` on the hub and have its header here (blocking; resumes a kept copy).
+
+        A file that changes on the hub while its header arrives is opened again at the new version.
+        """
         ref = parse_hub_ref(spec)
-        hub = locate(ref.repo, hub_file(ref, spec))
-        if hub.model_id is None:
-            raise HubError(f"{hub.spec} has no sha256 on the hub (not an LFS file): its stages cannot be fetched "
-                           "by range", hint="pull it whole first: `meshllm models pull REF`, then split it")
-        model = cls(hub, library)
-        model._load_header()
-        return model
+        file = hub_file(ref, spec)
+        for _attempt in range(RESTARTS):
+            hub = locate(ref.repo, file)
+            if hub.model_id is None:
+                raise HubError(f"{hub.spec} has no sha256 on the hub (not an LFS file): its stages cannot be "
+                               "fetched by range", hint="pull it whole first: `meshllm models pull REF`, then split it")
+            model = cls(hub, library)
+            try:
+                model._load_header()
+            except HubFileChanged:
+                model.discard()
+                continue
+            return model
+        raise HubFileChanged(f"{ref.repo}/{file} kept changing on the hub ({RESTARTS} versions while opening it)")
 
     @property
     def ref(self) -> ModelRef:

@@ -148,6 +148,13 @@ def test_a_file_that_changes_on_the_hub_is_caught(model: Path, hub: Hub, tmp_pat
     coordinator = HubModel.open(SPEC, Library(tmp_path / "c"))
     data = model.read_bytes()
     newer = data[:-16] + bytes(16)
+    # changed while the coordinator reads the header: it opens the new version instead
+    asked = len(hub.ranges)
+    hub.swap_after = (asked, REPO, "tiny.gguf", newer)  # the next GET (its header probe) is of a new version
+    reopened = HubModel.open(SPEC, Library(tmp_path / "c2"))
+    assert reopened.model_id == hashlib.sha256(newer).hexdigest() != coordinator.model_id
+    assert len(hub.ranges) - asked == 2  # the old version's probe was refused, the new one's kept
+    hub.add(REPO, "tiny.gguf", data)
     # changed since the coordinator planned: the worker refuses before fetching a layer
     hub.add(REPO, "tiny.gguf", newer)
     with pytest.raises(HubFileChanged, match="changed on the hub since the coordinator planned"):
