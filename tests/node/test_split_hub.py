@@ -33,9 +33,15 @@ MODEL = "tiny"
 PROMPT = "Hello, world"
 
 
-def complete(node: NodeProcess) -> str:
-    reply = httpx.post(node.api + "/v1/completions", timeout=60,
-                       json={"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 0})
+def complete(node: NodeProcess, attempts: int = 4) -> str:
+    """Greedy text from ``node``. A chain on this shared 2-core host can miss a stage deadline (the first
+    request builds every stage's graphs) and replan: then wait for it and ask again."""
+    for _ in range(attempts):
+        reply = httpx.post(node.api + "/v1/completions", timeout=60,
+                           json={"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 0})
+        if reply.status_code != 503:
+            break
+        wait_until(lambda: all(s["state"] == "ready" for s in node.status()["splits"]), 60.0, interval=0.2)
     assert reply.status_code == 200, reply.text
     return reply.json()["choices"][0]["text"]
 
@@ -82,11 +88,8 @@ def test_each_stage_fetches_only_its_share_from_the_hub(tmp_path: Path, monkeypa
         ranges = [s[1:] for s in ready["stages"]]
         bounds = [r[0] for r in ranges] + [ranges[-1][1]]
         assert bounds[0] == 0 and bounds[-1] == 6 and all(a < b for a, b in itertools.pairwise(bounds))
-        solo.wait_ready()
-        assert MODEL in listed(coord)
-        assert complete(coord) == complete(solo)
-
-        # bytes per node: each worker its header and layers (the damaged header twice), the coordinator < the file
+        # bytes per node, counted before any request (a replan on a loaded host may move layers): each
+        # worker its header and layers (the damaged header twice), the coordinator less than the file
         manifest = skeleton(model_id, len(data), header)
         by_name = {w.wait_ready()["name"]: w for w in workers}
         stage_events = {e["node"]: e for e in coord.events if e["type"] == "split_stage_fetched"}
@@ -117,4 +120,6 @@ def test_each_stage_fetches_only_its_share_from_the_hub(tmp_path: Path, monkeypa
         partial = coord.home / "models" / "hub" / f"{model_id}.gguf"
         assert partial.stat().st_size == len(data) and partial.stat().st_blocks * 512 < len(data)
         print(f"file {len(data)} B; fetched from the hub per node: {report}; hub sent {hub.bytes_sent} B")
-        wait_until(lambda: all(s["state"] == "ready" for s in coord.status()["splits"]), 5.0)
+        solo.wait_ready()
+        assert MODEL in listed(coord)
+        assert complete(coord) == complete(solo)
