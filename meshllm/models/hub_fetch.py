@@ -173,7 +173,7 @@ def _etag(raw: str | None) -> str | None:
     return raw.removeprefix("W/").strip('"')
 
 
-class _Pin:
+class VersionPin:
     """The ETag every range answer of one fetch must carry."""
 
     def __init__(self, hub: HubFile) -> None:
@@ -193,7 +193,7 @@ class _Pin:
             raise HubFileChanged(f"{self.hub.spec} changed on the hub mid-fetch (ETag {self.etag[:12]} -> {etag[:12]})")
 
 
-def get_range(hub: HubFile, offset: int, length: int, pin: _Pin | None = None) -> bytes:
+def get_range(hub: HubFile, offset: int, length: int, pin: VersionPin | None = None) -> bytes:
     """Bytes ``[offset, offset + length)`` of ``hub``'s file (blocking).
 
     Raises :class:`HubFileChanged` when the answer is of another version, :class:`HubError` when
@@ -202,7 +202,7 @@ def get_range(hub: HubFile, offset: int, length: int, pin: _Pin | None = None) -
     from huggingface_hub import constants
     from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_backoff
 
-    pin = pin or _Pin(hub)
+    pin = pin or VersionPin(hub)
     headers = build_hf_headers()
     headers.update({"Range": f"bytes={offset}-{offset + length - 1}", "Accept-Encoding": "identity"})
     with hub_errors(hub.repo, hub.file):
@@ -254,7 +254,7 @@ def fetch_pieces(hub: HubFile, wants: list[Want], write: Write, *, reference: Ma
     (:class:`HubError`).
     """
     reference = reference or {}
-    pin = _Pin(hub)
+    pin = VersionPin(hub)
     result = FetchResult()
     lock = threading.Lock()
     todo = [w for w in wants if w.offset not in (have or {})]

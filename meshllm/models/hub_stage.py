@@ -23,15 +23,16 @@ hub served it under the pinned version, and that every other holder of the same 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Annotated, BinaryIO
+from typing import Annotated
 
 import msgspec
 from msgspec import Meta
@@ -50,6 +51,7 @@ from meshllm.models.hub_fetch import (
     HubFileChanged,
     PieceBook,
     Report,
+    VersionPin,
     Want,
     fetch_pieces,
     get_range,
@@ -125,28 +127,35 @@ def skeleton(model_id: str, size: int, header: bytes) -> Manifest:
     return manifest
 
 
-def read_header(hub: HubFile) -> tuple[bytes, int]:
-    """The file's header (every byte before its first tensor) and the bytes it took to find its end."""
-    at, data, fetched = 0, b"", 0
-    want = min(HEADER_PROBE, hub.size)
+def find_header(read: Callable[[int, int], bytes], size: int, name: str) -> tuple[bytes, int]:
+    """A GGUF's header (every byte before its first tensor) and the bytes read to find its end.
+
+    ``read(offset, length)`` gives bytes of the file; reads double from :data:`HEADER_PROBE` until
+    the tensor directory parses. :class:`NotGGUF` when it does not within :data:`MAX_HEADER`.
+    """
+    at, data = 0, b""
+    want = min(HEADER_PROBE, size)
     while True:
         if want > at:
-            data += get_range(hub, at, want - at)
-            fetched += want - at
+            data += read(at, want - at)
             at = want
         try:
-            reader = GGUFFile(hub.spec, header=data, size=hub.size)
-            bounds = span_bounds(reader)
+            bounds = span_bounds(GGUFFile(name, header=data, size=size))
         except NotGGUF:
-            if at >= min(hub.size, MAX_HEADER):
+            if at >= min(size, MAX_HEADER):
                 raise
-            want = min(at * 2, hub.size, MAX_HEADER)
+            want = min(at * 2, size, MAX_HEADER)
             continue
-        length = bounds[1] if len(bounds) > 1 else hub.size
-        if length > at:
-            want = length
-            continue
-        return data[:length], fetched
+        length = bounds[1] if len(bounds) > 1 else size
+        if length <= at:
+            return data[:length], at
+        want = length
+
+
+def read_header(hub: HubFile) -> tuple[bytes, int]:
+    """The header of ``hub``'s file by range requests (all of one version), and the bytes they took."""
+    pin = VersionPin(hub)
+    return find_header(lambda at, n: get_range(hub, at, n, pin), hub.size, hub.spec)
 
 
 class HubModel:
@@ -195,8 +204,9 @@ class HubModel:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = self.path.exists() and self.path.stat().st_size == self.hub.size
         if kept and 0 in self.book.digests:
-            with self.path.open("rb") as fh:
-                header = _header_from(fh, self.hub.size)
+            with self.path.open("rb") as fh, contextlib.suppress(NotGGUF):
+                header = b""
+                header, _ = find_header(lambda at, n: os.pread(fh.fileno(), n, at), self.hub.size, str(self.path))
             wants = pieces_of(0, len(header), 0) if header else []
             if header and len(self.book.verified(wants, lambda at, n: header[at:at + n])) == len(wants):
                 self.header, self.manifest = header, skeleton(self.model_id, self.hub.size, header)
@@ -243,26 +253,6 @@ class HubModel:
         """What a worker needs to fetch its own stage, with the digests of every piece here."""
         return HubSource(spec=self.hub.spec, size=self.hub.size, etag=self.model_id, header_length=len(self.header),
                          digests=dict(self.book.digests))
-
-
-def _header_from(fh: BinaryIO, size: int) -> bytes:
-    """The header of a kept partial copy (empty when it does not parse)."""
-    want = HEADER_PROBE
-    while True:
-        fh.seek(0)
-        data = fh.read(min(want, size))
-        try:
-            bounds = span_bounds(GGUFFile("kept copy", header=data, size=size))
-        except NotGGUF:
-            if want >= min(size, MAX_HEADER):
-                return b""
-            want *= 2
-            continue
-        length = bounds[1] if len(bounds) > 1 else size
-        if length > len(data):
-            want = length
-            continue
-        return data[:length]
 
 
 # -- the worker side ----------------------------------------------------------------------------

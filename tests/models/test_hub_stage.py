@@ -78,6 +78,10 @@ def test_each_node_fetches_only_its_own_ranges(model: Path, hub: Hub, tmp_path: 
     assert coordinator.path.stat().st_blocks * 512 < size  # sparse: only the header and its layers are there
     first = StageModel.load(coordinator.path, 0, 2, max_context=64)
     first.close()
+    # a restarted coordinator keeps its copy: no byte is asked again for the header or its layers
+    asked = len(hub.ranges)
+    again = HubModel.open(SPEC, Library(tmp_path / "c"))
+    assert again.ensure(0, 2).fetched == 0 and again.fetched == 0 and len(hub.ranges) == asked
 
     sent = hub.bytes_sent
     done = fetch_stage_blocking(Library(tmp_path / "w"), coordinator.source(), "tiny", 4, 6)
