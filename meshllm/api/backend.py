@@ -82,7 +82,7 @@ class LocalBackend:
     def models(self) -> Sequence[ModelEntry]:
         """One entry per engine, served by this node."""
         return [local_entry(mid, engine, self.node_id, self.node_id, self._created)
-                for mid, engine in sorted(self.engines.items())]
+                for mid, engine in sorted(self.engines.items()) if engine.listed]
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         """The engine's stream for ``request.model``."""

@@ -143,7 +143,7 @@ class MeshBackend:
         """Local models, then those alive peers serve whole (layer ranges are not routable), each with the
         load of its nodes now (a peer's load is its record's, for all the models it serves)."""
         entries = {mid: local_entry(mid, engine, self.node_id, self._own_name(), self._created)
-                   for mid, engine in sorted(self.engines.items())}
+                   for mid, engine in sorted(self.engines.items()) if engine.listed}
         for node_id, record in sorted(self._alive_records().items()):
             load = record.load
             for model in record.models.served:

@@ -357,6 +357,11 @@ class Engine(ABC):
         """Speculative decoding figures for ``/api/status`` (``None``: this engine does not speculate itself)."""
         return None
 
+    @property
+    def listed(self) -> bool:
+        """Whether ``/v1/models`` lists the model now (a split model only once its chain can serve)."""
+        return True
+
 
 def check_supported(engine: Engine, request: GenerationRequest) -> None:
     """Raise :class:`Unsupported` naming the first field of ``request`` that ``engine`` cannot honour.

@@ -90,13 +90,28 @@ class TransferView:
     holders: dict[str, dict[str, Any]] = field(default_factory=dict)
     error: str | None = None
     last_event: float = 0.0
+    fetched: int | None = None
+    """Bytes taken from the sources, when it differs from ``bytes_done`` (refetched pieces count twice)."""
+
+    def rate(self) -> int:
+        """Bytes per second since the transfer started."""
+        elapsed = (self.ended or time.monotonic()) - self.started
+        return round(self.bytes_done / elapsed) if elapsed > 0 else 0
+
+    def eta(self) -> float | None:
+        """Seconds left at the rate so far (None when done, or before any byte arrived)."""
+        rate = self.rate()
+        if self.ended is not None or not rate or not self.bytes_total:
+            return None
+        return round(max(0, self.bytes_total - self.bytes_done) / rate, 1)
 
     def json(self) -> dict[str, Any]:
         elapsed = (self.ended or time.monotonic()) - self.started
         return {"model": self.name, "id": self.model[:12], "kind": self.kind,
                 "layers": list(self.layers) if self.layers else None, "state": self.state,
                 "bytes_done": self.bytes_done, "bytes_total": self.bytes_total,
-                "rate_bytes_s": round(self.bytes_done / elapsed) if elapsed > 0 else 0,
+                "fetched": self.bytes_done if self.fetched is None else self.fetched,
+                "rate_bytes_s": self.rate(), "eta_s": self.eta(),
                 "elapsed_s": round(elapsed, 1), "holders": list(self.holders.values()), "error": self.error}
 
 
@@ -193,23 +208,45 @@ class ModelStore:
             await asyncio.sleep(0.5)
         return await self.whole_file(offer.model_id, offer.name)
 
-    def hub_reporter(self, spec: str) -> Callable[[int, int | None], None]:
-        """A progress callback for a Hugging Face download (called from its thread) that feeds the status."""
-        loop = asyncio.get_running_loop()
-        view = TransferView(spec, spec, "download", None)
-        self.transfers[spec] = view
+    def hub_reporter(self, spec: str) -> Callable[[int, int], None]:
+        """A progress callback for a Hugging Face download (called from its threads) that feeds the status."""
+        return self.reporter(self.begin_view(spec, spec, spec, "download", None))
 
-        def update(done: int, total: int | None) -> None:
+    def begin_view(self, key: str, model: str, name: str, kind: str, layers: tuple[int, int] | None) -> TransferView:
+        """A new transfer in the status (replacing an earlier one under ``key``)."""
+        view = TransferView(model, name, kind, layers)
+        self.transfers[key] = view
+        return view
+
+    def reporter(self, view: TransferView) -> Callable[[int, int], None]:
+        """``report(done, total)`` for a fetch running in threads: updates ``view`` and publishes
+        ``transfer_progress`` at most once a second, on the event loop."""
+        loop = asyncio.get_running_loop()
+
+        def update(done: int, total: int) -> None:
             def apply() -> None:
-                view.bytes_done, view.bytes_total = done, total or 0
+                view.bytes_done, view.bytes_total = done, total
                 now = time.monotonic()
-                if now - view.last_event >= PROGRESS_EVENT_S:
+                if now - view.last_event >= PROGRESS_EVENT_S or done == total:
                     view.last_event = now
-                    self.publish("transfer_progress", model=spec, kind="download", bytes_done=done,
-                                 bytes_total=total or 0)
+                    self.publish("transfer_progress", model=view.name, id=view.model, kind=view.kind,
+                                 layers=list(view.layers) if view.layers else None, bytes_done=done,
+                                 bytes_total=total, rate_bytes_s=view.rate())
             loop.call_soon_threadsafe(apply)
 
         return update
+
+    def end_view(self, view: TransferView, *, error: str | None = None, fetched: int | None = None) -> None:
+        """A transfer of ``view`` finished (``fetched``: bytes it took from its sources) or failed."""
+        view.state, view.ended, view.error = ("failed" if error else "done"), time.monotonic(), error
+        if fetched is not None:
+            view.fetched = fetched
+        if error:
+            self.publish("transfer_failed", model=view.name, id=view.model, kind=view.kind, reason=error)
+        else:
+            self.publish("transfer_done", model=view.name, id=view.model, kind=view.kind,
+                         layers=list(view.layers) if view.layers else None, bytes=view.bytes_done,
+                         fetched=view.fetched, took_s=round(view.ended - view.started, 3))
 
     def download_ended(self, spec: str, error: str | None = None) -> None:
         view = self.transfers.get(spec)

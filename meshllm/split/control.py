@@ -40,6 +40,7 @@ from meshllm.engine.ggml.weights import plan_stage
 from meshllm.errors import DecodeError, MeshllmError
 from meshllm.identity.ids import short
 from meshllm.models.gguf_file import GGUFFile
+from meshllm.models.hub_stage import fetch_stage, open_source
 from meshllm.models.library import LibraryEntry
 from meshllm.models.manifest import MAX_MANIFEST, MODEL_ID, open_manifest
 from meshllm.models.store import ModelStore
@@ -69,11 +70,14 @@ class Host(msgspec.Struct, frozen=True, kw_only=True, tag="host"):
 
     model: ModelName
     model_id: Annotated[str, Meta(pattern=MODEL_ID.pattern)]
-    manifest: Annotated[bytes, Meta(max_length=MAX_MANIFEST)]
-    """The model's manifest, signed by the coordinator (``chain[0]``)."""
     chain: Annotated[list[Hop], Meta(min_length=2, max_length=64)]
     index: Annotated[int, Meta(ge=1, le=63)]
     max_context: Annotated[int, Meta(ge=1, le=1 << 24)]
+    manifest: Annotated[bytes, Meta(max_length=MAX_MANIFEST)] = b""
+    """The model's manifest, signed by the coordinator (``chain[0]``); empty when ``hub`` is given."""
+    hub: Annotated[bytes, Meta(max_length=MAX_MANIFEST)] = b""
+    """For a model the coordinator takes straight from the hub: its signed ``HubSource``
+    (``models/hub_stage.py``); the worker fetches its range from the hub too."""
 
     @property
     def hop(self) -> Hop:
@@ -120,7 +124,8 @@ class Hosted(msgspec.Struct, frozen=True, kw_only=True, tag="hosted"):
     fetched_bytes: int = 0
     """Bytes the worker fetched from peers to host the range (0 when it had them)."""
     bad_holders: list[str] = []
-    """Holders dropped from that transfer for sending bytes that did not match the manifest."""
+    """Holders dropped from that transfer for sending bytes that did not match the manifest; for a
+    stage from the hub, the sources named for a piece that disagreed (``hub <host>`` or a node)."""
 
 
 class Released(msgspec.Struct, frozen=True, kw_only=True, tag="released"):
@@ -261,7 +266,8 @@ class StageHost:
         why = self._check_request(peer_id, request)
         if why:
             return Refused(message=why)
-        manifest = open_manifest(request.manifest, peer_id, request.model_id)
+        if not request.hub and not request.manifest:
+            return Refused(message="a stage request needs a manifest or a hub source")
         start, end = request.hop.layer_start, request.hop.layer_end
         key = (peer_id, request.model)
         held = self.hosted.get(key)
@@ -284,14 +290,22 @@ class StageHost:
             memory.append(need)
 
         names = {h.node_id: self.names().get(h.node_id, short(h.node_id)) for h in request.chain}
-        transfer = f"{manifest.model}:{start}-{end}"
+        transfer = f"{request.model_id}:{start}-{end}"
         library = self.store.library
-        had = library.whole(manifest.model) or library.stage(manifest.model, start, end)
-        entry = await self._keep_alive(stream, asyncio.ensure_future(self.store.stage_file(
-            manifest, request.model, start, end, [(peer_id, request.chain[0].addr)], names, check)), transfer)
-        view = self.store.transfers.get(transfer) if had is None else None
-        fetched = view.bytes_done if view is not None else 0
-        bad = [h["node_id"] for h in view.holders.values() if h["bad"]] if view is not None else []
+        if request.hub:
+            source = open_source(request.hub, peer_id, request.model_id)
+            got = await self._keep_alive(stream, asyncio.ensure_future(fetch_stage(
+                self.store, source, request.model, start, end, coordinator=peer_id, check=check)), transfer)
+            entry, fetched = got.entry, got.fetched
+            bad = sorted({d.bad for d in got.disagreements or []})
+        else:
+            manifest = open_manifest(request.manifest, peer_id, request.model_id)
+            had = library.whole(manifest.model) or library.stage(manifest.model, start, end)
+            entry = await self._keep_alive(stream, asyncio.ensure_future(self.store.stage_file(
+                manifest, request.model, start, end, [(peer_id, request.chain[0].addr)], names, check)), transfer)
+            view = self.store.transfers.get(transfer) if had is None else None
+            fetched = view.bytes_done if view is not None else 0
+            bad = [h["node_id"] for h in view.holders.values() if h["bad"]] if view is not None else []
         stage = await self._keep_alive(stream, asyncio.ensure_future(
             asyncio.to_thread(self.load, entry.file, start, end, request.max_context)), None)
         library.pin(entry)
@@ -348,17 +362,20 @@ def stage_memory(reader: GGUFFile, start: int, end: int, context: int) -> int:
 
 
 async def ask(endpoint: Endpoint, node_id: str, addr: str, request: Request,
-              timeout: float = REPLY_TIMEOUT_S) -> Hosted | Released | Warmed:
+              timeout: float = REPLY_TIMEOUT_S,
+              on_progress: Callable[[Progress], None] | None = None) -> Hosted | Released | Warmed:
     """Send one control request to ``node_id`` at ``addr``; :class:`HostRefused` unless it succeeds.
 
-    ``timeout`` bounds each silence: a worker fetching a range sends Progress while it works.
+    ``timeout`` bounds each silence: a worker fetching a range sends Progress while it works
+    (``on_progress`` sees each).
     """
     try:
         conn = await endpoint.connect(parse_addr(addr), node_id, timeout=3.0)
         stream = await conn.open_stream(KIND, max_frame=CONTROL_FRAME)
         await stream.send(request)
         while isinstance(reply := await stream.recv(Reply, timeout=timeout), Progress):
-            pass
+            if on_progress is not None:
+                on_progress(reply)
     except (NetError, OSError, DecodeError) as exc:
         raise HostRefused(f"node {short(node_id)} did not answer the stage request: {exc}") from None
     if reply is None or isinstance(reply, Refused):

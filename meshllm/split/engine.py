@@ -124,6 +124,8 @@ class SplitEngine(Engine):
         self._rate = TokenRate()
         self.on_finished: Callable[[SplitCoordinator, FinishedRequest], None] | None = None
         """Told about every request the chain served to its end (the node's audits)."""
+        self._served = False
+        """A chain was attached once: the model is listed from then on (a replan keeps it listed)."""
 
     async def load(self) -> None:
         """Load only the tokenizer (the layers are loaded by placement, per plan); cap the context at the model's."""
@@ -140,9 +142,16 @@ class SplitEngine(Engine):
         self.tokenizer = None
         self.detach("closed")
 
+    @property
+    def listed(self) -> bool:
+        """Listed in ``/v1/models`` once a chain first formed: while its stages are placed (and fetch
+        their layers) it cannot serve, and requests for it get a 503 that says so."""
+        return self._served
+
     def attach(self, coordinator: SplitCoordinator) -> None:
         """Serve new requests (and requests replaying after a failed stage) through ``coordinator``'s chain."""
         self.coordinator = coordinator
+        self._served = True
         self._announce()
 
     def detach(self, reason: str) -> None:

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -43,6 +44,27 @@ from meshllm.tasks import spawn
 log = logging.getLogger(__name__)
 
 SplitMode = Literal["auto", "force", "off"]
+
+
+@dataclass
+class FetchProgress:
+    """How far one stage of a chain being placed is with fetching its layers (``/api/status`` ``splits``)."""
+
+    bytes_done: int = 0
+    bytes_total: int = 0
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    updated: float = dataclasses.field(default_factory=time.monotonic)
+
+    def update(self, done: int, total: int) -> None:
+        self.bytes_done, self.bytes_total, self.updated = done, total, time.monotonic()
+
+    def json(self) -> dict[str, Any]:
+        elapsed = self.updated - self.started
+        rate = self.bytes_done / elapsed if elapsed > 0 else 0.0
+        left = max(0, self.bytes_total - self.bytes_done)
+        return {"bytes_done": self.bytes_done, "bytes_total": self.bytes_total, "rate_bytes_s": round(rate),
+                "eta_s": round(left / rate, 1) if rate > 0 and left else (0.0 if self.bytes_total and not left
+                                                                          else None)}
 RAM_SHARE = 0.75
 """Share of a node's RAM offered to models when ``--max-memory`` is not given."""
 SUSPECT_S = 30.0
@@ -245,9 +267,14 @@ class SplitPlacement:
                  ref: ModelRef, manifest: bytes, options: SplitOptions, budget: int,
                  publish: Callable[..., Any], on_chain: Callable[[list[Hop] | None], None],
                  profile: ModelProfile | None = None,
-                 audits: Callable[[], dict[str, object]] | None = None) -> None:
+                 audits: Callable[[], dict[str, object]] | None = None,
+                 hub_source: Callable[[int, int, Callable[[int, int], None]], Awaitable[bytes]] | None = None
+                 ) -> None:
         """``manifest``: the model's manifest signed by this node, sent with every stage request;
-        ``audits()``: the model's audit counters for ``/api/status``."""
+        ``audits()``: the model's audit counters for ``/api/status``; ``hub_source(start, end,
+        progress)``, for a model taken straight from the hub: fetch this node's own layers (telling
+        ``progress(done, total)`` on the loop), and return the signed ``HubSource`` sent to workers
+        in place of the manifest."""
         self._own, self._members, self._rtt = own, members, rtt
         self.server = server
         self.engine = engine
@@ -259,6 +286,10 @@ class SplitPlacement:
         self.on_chain = on_chain
         self.profile = profile or model_profile(ref.path, options.context)
         self.chain: list[Hop] = []
+        self.placing: list[Hop] = []
+        """The chain being placed now (its stages fetching and loading their layers)."""
+        self.fetching: dict[str, FetchProgress] = {}
+        """Node id -> its stage's fetch in the latest placement (kept once done: what it took)."""
         self.plan: Plan | None = None
         self.coordinator: SplitCoordinator | None = None
         """The latest chain's coordinator (kept after a failure: its measured stage speeds inform the replan)."""
@@ -267,6 +298,7 @@ class SplitPlacement:
         self.untrusted: dict[str, float] = {}
         """Nodes an audit caught (node id -> until when, monotonic): never placed on again before then."""
         self._audits = audits
+        self.hub_source = hub_source
         self._replan = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._spares: set[asyncio.Task[None]] = set()
@@ -290,12 +322,16 @@ class SplitPlacement:
     def status(self) -> dict[str, Any]:
         """The ``/api/status`` ``splits`` entry: the chain with names and ranges, and its state."""
         names = self.names()
+        ready = self.engine.coordinator is not None
+        chain = self.chain if ready or not self.placing else self.placing
         return {
             "model": self.engine.model_id,
-            "state": "ready" if self.engine.coordinator is not None else "placing",
-            "reason": None if self.engine.coordinator is not None else self.engine.unavailable,
+            "state": "ready" if ready else "placing",
+            "reason": None if ready else self.engine.unavailable,
             "stages": [{"node_id": h.node_id, "name": names.get(h.node_id, h.node_id[:8]),
-                        "layers": [h.layer_start, h.layer_end]} for h in self.chain],
+                        "layers": [h.layer_start, h.layer_end],
+                        "fetch": self.fetching[h.node_id].json() if h.node_id in self.fetching else None}
+                       for h in chain],
             "predicted_ms_per_token": round(self.plan.total_s * 1e3, 3) if self.plan else None,
             "replays": self.engine.replays,
             "replays_failed": self.engine.replays_failed,
@@ -369,12 +405,16 @@ class SplitPlacement:
             raise SplitError("the plan does not start at this node with at least one worker")
         chain = hops(chosen, own, members)
         first = chain[0]
-        await asyncio.gather(*(self._host(chain, i) for i in range(1, len(chain))), self._load_first(first))
+        self.placing, self.fetching = chain, {}
+        hub = b""
+        if self.hub_source is not None:
+            hub = await self.hub_source(first.layer_start, first.layer_end, self._progress(first.node_id).update)
+        await asyncio.gather(*(self._host(chain, i, hub) for i in range(1, len(chain))), self._load_first(first))
         assert self._first is not None
         coordinator = SplitCoordinator(self.server, self.engine.model_id, self._first, chain,
                                        on_stage_failed=self.stage_failed, speculate=self.options.speculate,
                                        batch=self.options.batch)
-        self.chain, self.plan, self.coordinator = chain, chosen, coordinator
+        self.chain, self.plan, self.coordinator, self.placing = chain, chosen, coordinator, []
         self.engine.attach(coordinator)
         self.on_chain(chain)
         names = self.names()
@@ -384,16 +424,18 @@ class SplitPlacement:
         for task in self._spares:  # an older chain's spares are planned for deaths that no longer apply
             task.cancel()
         self.spares = []
-        spawn(self._spares, self._keep_spares(chain), name=f"split-spares-{self.engine.model_id}")
+        if self.hub_source is None:  # a hub-direct model has no manifest a spare could fetch against
+            spawn(self._spares, self._keep_spares(chain), name=f"split-spares-{self.engine.model_id}")
 
-    async def _host(self, chain: list[Hop], index: int) -> None:
+    async def _host(self, chain: list[Hop], index: int, hub: bytes = b"") -> None:
         assert self.ref.sha256 is not None
         hop = chain[index]
         hosted = await ask(self.server.endpoint, hop.node_id, hop.addr, Host(
-            model=self.engine.model_id, model_id=self.ref.sha256, manifest=self.manifest, chain=chain, index=index,
-            max_context=self.engine.max_context,
-        ))
+            model=self.engine.model_id, model_id=self.ref.sha256, manifest=b"" if hub else self.manifest, hub=hub,
+            chain=chain, index=index, max_context=self.engine.max_context,
+        ), on_progress=lambda p: self._progress(hop.node_id).update(p.bytes_done, p.bytes_total))
         if isinstance(hosted, Hosted) and hosted.fetched_bytes:
+            self._progress(hop.node_id).update(hosted.fetched_bytes, hosted.fetched_bytes)  # what it took
             self.publish("split_stage_fetched", model=self.engine.model_id, node=hop.node_id,
                          layers=[hop.layer_start, hop.layer_end], bytes=hosted.fetched_bytes,
                          bad_holders=hosted.bad_holders)
@@ -447,6 +489,9 @@ class SplitPlacement:
         except MeshllmError as exc:
             return str(exc)
         return warmed.fetched_bytes if isinstance(warmed, Warmed) else 0
+
+    def _progress(self, node_id: str) -> FetchProgress:
+        return self.fetching.setdefault(node_id, FetchProgress())
 
     async def _load_first(self, hop: Hop) -> None:
         held = self._first

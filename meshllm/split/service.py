@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -25,6 +26,8 @@ from meshllm.api.serving import Serving
 from meshllm.errors import MeshllmError
 from meshllm.mesh.records import Capacity, Models, PeerRecord, ServedModel
 from meshllm.mesh.service import MeshService
+from meshllm.models.hub import cached, is_hub_ref, parse_hub_ref
+from meshllm.models.hub_stage import HubModel, sign_source
 from meshllm.models.manifest import sign_manifest
 from meshllm.models.refs import ModelRef, resolve_model
 from meshllm.models.store import ModelStore
@@ -81,7 +84,7 @@ class SplitService:
         self.auditor = Auditor(mesh.endpoint, rate=options.audit_rate, memory=options.audit_memory,
                                kernels=options.kernels, publish=events.publish)
         self.placements: dict[str, SplitPlacement] = {}
-        self._pending: list[tuple[ModelRef, ModelProfile, bytes]] = []
+        self._pending: list[tuple[ModelRef, ModelProfile, bytes, HubModel | None]] = []
         self._chains: dict[str, list[Hop]] = {}
 
     def _own(self) -> PeerRecord:
@@ -121,22 +124,65 @@ class SplitService:
             return specs
         rest = []
         for spec in specs:
-            ref = await self.serving.resolve(spec)
+            hub = await self._from_hub(spec)
+            ref = hub.ref if hub is not None else await self.serving.resolve(spec)
             profile = await asyncio.to_thread(model_profile, ref.path, self.options.context)
-            if needs_split(self.options, profile, self.budget):
+            if not needs_split(self.options, profile, self.budget):
+                rest.append(spec)  # loaded whole (an hf: model is pulled whole then)
+                if hub is not None:
+                    await asyncio.to_thread(hub.discard)
+            elif hub is not None:
+                self._pending.append((ref, profile, b"", hub))
+            else:
                 entry = await asyncio.to_thread(self.store.library.add, ref.path, source="file", owned=False,
                                                 name=ref.model_id, model_id=ref.sha256)
                 manifest = await asyncio.to_thread(self.store.library.manifest, entry)
                 self.store.library.pin(entry)
                 ref = dataclasses.replace(ref, sha256=entry.id)
-                self._pending.append((ref, profile, sign_manifest(self.key, manifest)))
-            else:
-                rest.append(spec)
+                self._pending.append((ref, profile, sign_manifest(self.key, manifest), None))
         return rest
+
+    async def _from_hub(self, spec: str) -> HubModel | None:
+        """An ``hf:`` model not in the library yet, opened for hub-direct stages (its header fetched by range)."""
+        if not is_hub_ref(spec) or cached(parse_hub_ref(spec), self.store.library) is not None:
+            return None
+        view = self.store.begin_view(spec, spec, spec, "hub-header", None)
+        try:
+            hub = await asyncio.to_thread(HubModel.open, spec, self.store.library)
+        except (MeshllmError, OSError) as exc:
+            self.store.end_view(view, error=str(exc))
+            raise
+        view.bytes_done = view.bytes_total = hub.fetched
+        self.store.end_view(view, fetched=hub.fetched)
+        self.events.publish("split_from_hub", model=hub.ref.model_id, id=hub.model_id, spec=hub.hub.spec,
+                            size=hub.hub.size, header_bytes=len(hub.header), fetched=hub.fetched)
+        return hub
+
+    def _hub_source(self, hub: HubModel, model: str
+                    ) -> Callable[[int, int, Callable[[int, int], None]], Awaitable[bytes]]:
+        """Fetch this node's own layers of ``hub`` (progress in the status), then sign its source for workers."""
+        async def source(start: int, end: int, progress: Callable[[int, int], None]) -> bytes:
+            view = self.store.begin_view(f"{hub.model_id}:{start}-{end}", hub.model_id, model, "hub-stage",
+                                         (start, end))
+            loop = asyncio.get_running_loop()
+            report = self.store.reporter(view)
+
+            def both(done: int, total: int) -> None:
+                report(done, total)
+                loop.call_soon_threadsafe(progress, done, total)
+
+            try:
+                result = await asyncio.to_thread(hub.ensure, start, end, both)
+            except (MeshllmError, OSError) as exc:
+                self.store.end_view(view, error=str(exc))
+                raise
+            self.store.end_view(view, fetched=result.fetched)
+            return sign_source(self.key, hub.source())
+        return source
 
     async def start(self) -> None:
         """Register a :class:`SplitEngine` per split model and start placing its chain."""
-        for ref, profile, manifest in self._pending:
+        for ref, profile, manifest, hub in self._pending:
             engine = SplitEngine(ref.path, ref.model_id, self.options.context,
                                  max_replays=self.serving.backend.replay.max_replays, on_event=self.events.publish)
             await engine.load()
@@ -146,8 +192,11 @@ class SplitService:
                 manifest=manifest, options=self.options, budget=self.budget, publish=self.events.publish,
                 on_chain=lambda chain, model=ref.model_id: self._chain_changed(model, chain), profile=profile,
                 audits=lambda model=ref.model_id: self.auditor.status(model),
+                hub_source=self._hub_source(hub, ref.model_id) if hub is not None else None,
             )
-            engine.on_finished = lambda coordinator, request, p=placement: self.auditor.submit(p, coordinator, request)
+            if hub is None:  # an audit recomputes every layer from this node's file: a hub model has only its own
+                engine.on_finished = lambda coordinator, request, p=placement: self.auditor.submit(
+                    p, coordinator, request)
             self.placements[ref.model_id] = placement
             self.events.publish("split_placing", model=ref.model_id, mode=self.options.mode,
                                 stages=self.options.stages)
