@@ -4,11 +4,10 @@ A :class:`Step` builds one forward graph of a stage for the tokens of one or mor
 session's ``n`` tokens at its positions ``pos .. pos+n-1``): its input tensors (token ids or the
 previous stage's activations, positions, and per session the KV rows to write and the attention
 masks; the output rows), the shared blocks, and the output (activations, or logits of the rows in
-``out_ids`` on the last stage). The family modules
-(:mod:`~meshllm.engine.ggml.llama`, :mod:`~meshllm.engine.ggml.gemma3`) only say how one layer is
-wired from these blocks, mirroring llama.cpp's ``src/models/*.cpp`` and ``llm_graph_context``
-(``build_norm``, ``build_attn``, ``build_ffn``) op for op, because the same ops in the same order are
-what make the logits bit-identical to llama.cpp's.
+``out_ids`` on the last stage). The family modules (:mod:`meshllm.engine.ggml.families`) only say
+how one layer is wired from these blocks, mirroring llama.cpp's ``src/models/*.cpp`` and
+``llm_graph_context`` (``build_norm``, ``build_attn``, ``build_ffn``, ``build_moe_ffn``) op for op,
+because the same ops in the same order are what make the logits bit-identical to llama.cpp's.
 
 Inputs are what a reused graph rewrites each step (:meth:`Step.set_inputs`); everything else in the
 graph, including the views of the KV cache, stays.
@@ -25,7 +24,7 @@ from meshllm.engine.ggml import lib
 from meshllm.engine.ggml.graph import Graph, T
 from meshllm.engine.ggml.hparams import HParams
 from meshllm.engine.ggml.kv_cache import KVCache
-from meshllm.engine.ggml.weights import StageWeights
+from meshllm.engine.ggml.weights import LayerWeights, StageWeights
 
 TENSORS_PER_LAYER = 64
 """Upper bound on ggml tensors one layer's graph creates (ops and views); sizes the graph context."""
@@ -213,15 +212,60 @@ class Step:
         if self.flash_attn:
             values = g.permute(g.view(v_cache, (hp.head_dim, hp.n_kv_heads, n_kv), (elt * hp.head_dim, elt * width)),
                                0, 2, 1, 3)
-            out = g.f32_accumulation(g.flash_attn(q, keys, values, mask, kq_scale))
+            out = g.f32_accumulation(g.flash_attn(q, keys, values, mask, kq_scale, hp.attn_softcap))
             return g.reshape(out, hp.head_dim * hp.n_heads, n)
         cap = cache.capacity  # the transposed V: [n_kv, kv_heads, head_dim] -> [n_kv, head_dim, kv_heads]
         strides = (elt * cap * hp.head_dim, elt * cap)
         values = g.permute(g.view(v_cache, (n_kv, hp.n_kv_heads, hp.head_dim), strides), 0, 2, 1, 3)
         kq = g.f32_accumulation(g.mul_mat(keys, q))
+        if hp.attn_softcap:  # Gemma 2: c * tanh(scores / c) before the softmax
+            kq = g.scale(g.tanh(g.scale(kq, 1.0 / hp.attn_softcap)), hp.attn_softcap)
         kq = g.soft_max(kq, mask, kq_scale)
         kqv = g.mul_mat(values, kq)
         return g.cont_2d(g.permute(kqv, 0, 2, 1, 3), hp.head_dim * hp.n_heads, n)
+
+    def ffn(self, x: T, lw: LayerWeights, act: str = "silu") -> T:
+        """A gated FFN, ``down(act(gate(x)) * up(x))`` with the layer's optional biases (``build_ffn``, parallel)."""
+        up = self.linear(x, lw["ffn_up.weight"], lw.get("ffn_up.bias"))
+        gate = self.linear(x, lw["ffn_gate.weight"], lw.get("ffn_gate.bias"))
+        return self.linear(self.g.glu(act, gate, up), lw["ffn_down.weight"], lw.get("ffn_down.bias"))
+
+    def moe(self, x: T, lw: LayerWeights) -> T:
+        """A mixture of gated (SwiGLU) experts on ``x`` [width, n], op for op llama.cpp's ``build_moe_ffn``.
+
+        The router scores every expert per token (softmax or sigmoid of ``ffn_gate_inp``), each token
+        takes its ``n_expert_used`` best, whose weights are optionally renormalised to sum to 1 (the
+        sum clamped below at f16's smallest normal, as llama.cpp does) and scaled; ``mul_mat_id`` runs
+        only the chosen experts' matrices from the stacks, and the weighted outputs are summed in
+        expert-rank order.
+        """
+        g, hp, n = self.g, self.hp, self.n
+        k, width = hp.n_expert_used, hp.width
+        logits = g.mul_mat(lw["ffn_gate_inp.weight"], x)  # [n_expert, n]
+        probs = g.soft_max_rows(logits) if hp.expert_gating == "softmax" else g.sigmoid(logits)
+        chosen = g.argsort_top_k(probs, k)  # [k, n]
+        weights = g.get_rows(g.reshape(probs, 1, hp.n_expert, n), chosen)  # [1, k, n]
+        if hp.expert_norm:
+            w2 = g.reshape(weights, k, n)
+            total = g.clamp(g.sum_rows(w2), 6.103515625e-5, float("inf"))
+            weights = g.reshape(g.div(w2, total), 1, k, n)
+        if hp.expert_scale not in (0.0, 1.0):
+            weights = g.scale(weights, hp.expert_scale)
+        g.expand(weights)
+        cur = g.reshape(x, width, 1, n)
+        up = g.mul_mat_id(lw["ffn_up_exps.weight"], cur, chosen)  # [expert_ffn, k, n]
+        gate = g.mul_mat_id(lw["ffn_gate_exps.weight"], cur, chosen)
+        experts = g.mul_mat_id(lw["ffn_down_exps.weight"], g.glu("silu", gate, up), chosen)  # [width, k, n]
+        experts = g.mul(experts, weights)
+        g.expand(experts)
+        views = [g.view(experts, (width, n), (experts.nb[2],), i * experts.nb[1]) for i in range(k)]
+        for v in views:
+            g.expand(v)
+        out = views[0]
+        for v in views[1:]:
+            out = g.add(out, v)
+            g.expand(out)
+        return g.cont(out) if k == 1 else out
 
     def output_rows(self, layer: int, *xs: T) -> tuple[T, ...]:
         """In the model's last layer, keep only the rows whose logits are wanted (llama.cpp's ``out_ids``)."""

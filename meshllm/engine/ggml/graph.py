@@ -143,6 +143,51 @@ class Graph:
             raise self._fail("mul_mat", "the first operand is transposed", a, b)
         return self._op(self.g.ggml_mul_mat, a.p, b.p)
 
+    def mul_mat_id(self, experts: T, b: T, ids: T) -> T:
+        """Per token, ``experts[ids[i, t]]`` [k, n] times ``b[:, i or 0, t]``: -> [n, n_used, tokens].
+
+        ``experts`` [k, n, n_expert] is a stack of matrices; ``b`` [k, 1 or n_used, tokens]; ``ids``
+        [n_used, tokens] i32 (which experts each token uses). ggml asserts all of this, so it is checked here.
+        """
+        A, B, ids_ne = experts.ne, b.ne, ids.ne
+        if (ids.type != lib.I32 or ids_ne[2:] != (1, 1) or ids_ne[1] != B[2] or A[0] != B[0]
+                or ids_ne[0] % B[1] or B[3] != 1 or A[3] != 1):
+            raise self._fail("mul_mat_id", "experts, input and expert ids do not line up", experts, b, ids)
+        if experts.nb[0] > experts.nb[1]:
+            raise self._fail("mul_mat_id", "the expert stack is transposed", experts)
+        return self._op(self.g.ggml_mul_mat_id, experts.p, b.p, ids.p)
+
+    def argsort_top_k(self, a: T, k: int) -> T:
+        """Indices (i32) of the ``k`` largest values of each row of ``a`` [n, rows], largest first."""
+        if a.type != lib.F32 or not 0 < k <= a.ne[0]:
+            raise self._fail("argsort_top_k", f"cannot take the top {k} of f32 rows", a)
+        return self._op(self.g.ggml_argsort_top_k, a.p, k)
+
+    def soft_max_rows(self, a: T) -> T:
+        """Softmax of each row of ``a`` (no mask, no scale)."""
+        if a.type != lib.F32 or not self.contiguous(a):
+            raise self._fail("soft_max", "needs contiguous f32 rows", a)
+        return self._op(self.g.ggml_soft_max, a.p)
+
+    def sigmoid(self, a: T) -> T:
+        return self._op(self.g.ggml_sigmoid, a.p)
+
+    def sum_rows(self, a: T) -> T:
+        """Each row's sum: [n, rows...] -> [1, rows...]."""
+        return self._op(self.g.ggml_sum_rows, a.p)
+
+    def clamp(self, a: T, lo: float, hi: float) -> T:
+        return self._op(self.g.ggml_clamp, a.p, lo, hi)
+
+    def div(self, a: T, b: T) -> T:
+        if not _can_repeat(b, a):
+            raise self._fail("div", "the second operand does not broadcast to the first", a, b)
+        return self._op(self.g.ggml_div, a.p, b.p)
+
+    def cont(self, a: T) -> T:
+        """A contiguous copy of ``a`` (same shape)."""
+        return self._op(self.g.ggml_cont, a.p)
+
     def f32_accumulation(self, t: T) -> T:
         """Ask the op behind ``t`` to accumulate in f32 (as llama.cpp does for attention scores)."""
         self.g.ggml_prec_set_acc(t.p, lib.PREC_F32)
@@ -244,7 +289,7 @@ class Graph:
             raise self._fail("soft_max_ext", "mask does not cover the scores", a, mask)
         return self._op(self.g.ggml_soft_max_ext, a.p, mask.p, scale, 0.0)
 
-    def flash_attn(self, q: T, k: T, v: T, mask: T, scale: float) -> T:
+    def flash_attn(self, q: T, k: T, v: T, mask: T, scale: float, softcap: float = 0.0) -> T:
         """Fused attention: q [d, n, heads], k/v [d, kv, kv_heads] (f16), mask [kv, >=n] f16."""
         Q, K, V, M = q.ne, k.ne, v.ne, mask.ne
         if Q[0] != K[0] or Q[2] % K[2] or Q[3] % K[3] or Q[3] != K[3] or Q[3] != V[3] or K[1] != V[1] or K[2] != V[2]:
@@ -253,7 +298,13 @@ class Graph:
             raise self._fail("flash_attn_ext", "needs a contiguous f16 mask covering [kv, n]", q, k, mask)
         if k.type != lib.F16 or v.type != lib.F16:
             raise self._fail("flash_attn_ext", "needs f16 keys and values", k, v)
-        return self._op(self.g.ggml_flash_attn_ext, q.p, k.p, v.p, mask.p, scale, 0.0, 0.0)
+        return self._op(self.g.ggml_flash_attn_ext, q.p, k.p, v.p, mask.p, scale, 0.0, softcap)
+
+    def swiglu_fused(self, a: T) -> T:
+        """``silu(first half) * second half`` of each row of ``a`` (a fused gate-and-up projection)."""
+        if a.ne[0] % 2 or not self.contiguous(a):
+            raise self._fail("swiglu", "needs contiguous rows of even length", a)
+        return self._op(self.g.ggml_swiglu, a.p)
 
     def glu(self, kind: str, gate: T, up: T) -> T:
         """``act(gate) * up`` fused: ``kind`` is ``"gelu"`` (GeGLU) or ``"silu"`` (SwiGLU)."""
