@@ -1,0 +1,100 @@
+"""Every family the runtime supports computes what llama.cpp computes, on its tiny model (tests/tinymodels.py).
+
+For each family of :data:`tinymodels.FAMILIES`: an 8-token prompt then a 32-step greedy run, on
+llama.cpp and on the ggml runtime with the same kernels (the node's default ``exact``: weights in
+their file layout) and attention (softmax or flash): the logits of every position must be equal bit
+for bit. The same run through two stages, ``[0, k)`` then ``[k, n)``, must equal the whole model's.
+Quantized variants cover the types real files of the families use, K-quants made by llama.cpp's
+own quantizer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from stage_helpers import PROMPT, llama_cpp
+from tinymodels import FAMILIES, write_tiny
+
+from meshllm.engine.ggml.stage import StageModel
+
+STEPS = 32
+PROMPT_8 = PROMPT[:8]
+
+
+def llama_cpp_greedy(path: Path, kernels: str = "exact", flash_attn: bool = False) -> np.ndarray:
+    """llama.cpp's logits [8 + STEPS, vocab]: the prompt's positions, then each greedy step's."""
+    llm = llama_cpp(path, kernels, logits_all=True, n_ctx=256, flash_attn=flash_attn)
+    try:
+        llm.eval(PROMPT_8)
+        for _ in range(STEPS):
+            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        return np.array(llm.scores[: llm.n_tokens], dtype=np.float32)
+    finally:
+        llm.close()
+
+
+def ggml_greedy(stages: list[StageModel]) -> np.ndarray:
+    """The same run through ``stages`` in a chain (one stage: the whole model)."""
+
+    def forward(inputs: np.ndarray, pos: int) -> np.ndarray:
+        for stage in stages:
+            inputs = stage.forward("s", inputs, pos)
+        return inputs
+
+    rows = [forward(np.array(PROMPT_8), 0)]
+    for step in range(STEPS):
+        rows.append(forward(np.array([int(np.argmax(rows[-1][-1]))]), len(PROMPT_8) + step))
+    return np.concatenate(rows)
+
+
+def _load(path: Path, start: int = 0, end: int | None = None, **kwargs: object) -> StageModel:
+    return StageModel.load(path, start, end, max_context=256, threads=1, **kwargs)  # type: ignore[arg-type]
+
+
+def _run(path: Path, kernels: str, flash_attn: bool) -> None:
+    ref = llama_cpp_greedy(path, kernels, flash_attn)
+    whole = _load(path, kernels=kernels, flash_attn=flash_attn)
+    try:
+        ours = ggml_greedy([whole])
+        n_layers = whole.hparams.n_layers
+    finally:
+        whole.close()
+    assert ours.shape == ref.shape
+    assert np.array_equal(ours, ref), f"max difference {np.abs(ours - ref).max()}"
+    k = n_layers // 2
+    stages = [_load(path, 0, k, kernels=kernels, flash_attn=flash_attn),
+              _load(path, k, n_layers, kernels=kernels, flash_attn=flash_attn)]
+    try:
+        split = ggml_greedy(stages)
+    finally:
+        for stage in stages:
+            stage.close()
+    assert np.array_equal(split, ours), f"[0,{k}) then [{k},{n_layers}) differs from the whole model"
+
+
+@pytest.mark.parametrize("flash_attn", [False, True], ids=["softmax", "flash"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_run_is_llama_cpps(family: str, flash_attn: bool, tmp_path: Path) -> None:
+    _run(write_tiny(family, tmp_path / f"{family}.gguf"), "exact", flash_attn)
+
+
+QUANTIZED = [
+    ("llama", "Q4_K_M", {"width": 256}),
+    ("qwen3", "Q6_K", {"width": 256}),
+    ("gemma3", "Q8_0", {}),
+    ("phi3", "F16", {}),
+    ("mistral3", "Q4_0", {}),
+    ("mixtral", "Q8_0", {}),
+    ("qwen3moe", "Q4_K_M", {"width": 256}),
+]
+"""Families in the quantizations their published files use (K-quants need a width of 256)."""
+
+
+@pytest.mark.parametrize("kernels", ["exact", "fast"])
+@pytest.mark.parametrize(("family", "weight_type", "shape"), QUANTIZED, ids=[f"{f}-{t}" for f, t, _ in QUANTIZED])
+def test_quantized_greedy_run_is_llama_cpps(family: str, weight_type: str, shape: dict[str, int], kernels: str,
+                                            tmp_path: Path) -> None:
+    path = write_tiny(family, tmp_path / f"{family}.gguf", weight_type=weight_type, **shape)
+    _run(path, kernels, False)
