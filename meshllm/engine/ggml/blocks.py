@@ -239,7 +239,7 @@ class Step:
         only the chosen experts' matrices from the stacks, and the weighted outputs are summed in
         expert-rank order.
         """
-        g, hp, n = self.g, self.hp, self.n
+        g, hp, n = self.g, self.hp, x.ne[1]  # the model's last layer runs only the rows whose logits are wanted
         k, width = hp.n_expert_used, hp.width
         logits = g.mul_mat(lw["ffn_gate_inp.weight"], x)  # [n_expert, n]
         probs = g.soft_max_rows(logits) if hp.expert_gating == "softmax" else g.sigmoid(logits)
