@@ -80,10 +80,11 @@ def write_tiny_gemma3(
                       head_dim=head_dim, ffn=ffn, sliding_window=sliding_window, final_softcap=softcap)
 
 
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral3", "olmo2", "mixtral", "qwen3moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral3", "olmo2", "mixtral", "qwen3moe",
+            "gpt-oss")
 """The families :func:`write_tiny` writes, one per model family the ggml runtime supports (``mixtral`` is
 the ``llama`` architecture with experts)."""
-MOE_FAMILIES = ("mixtral", "qwen3moe")
+MOE_FAMILIES = ("mixtral", "qwen3moe", "gpt-oss")
 
 _ARCH = {"mixtral": "llama"}
 _GEMMA = ("gemma2", "gemma3")
@@ -115,7 +116,8 @@ def write_tiny(
     llama.cpp loads the file. Sliding-window families get a window of ``sliding_window`` tokens (so
     it matters within a short prompt); MoE families ``n_expert`` experts of ``ffn`` hidden units,
     ``n_expert_used`` per token. ``weight_type`` is ``F32``, a type the ``gguf`` package quantizes to
-    (``F16``, ``Q8_0``, ``Q4_0``, ``Q4_1``, ``Q5_0``...), or a llama.cpp file type (``Q4_K_M``,
+    (``F16``, ``Q8_0``, ``Q4_0``, ``Q4_1``, ``Q5_0``...; ``MXFP4`` quantizes only the expert stacks,
+    as gpt-oss files do), or a llama.cpp file type (``Q4_K_M``,
     ``Q6_K``...): the model is then written in f32 and quantized by llama.cpp itself, as real
     files are (K-quants need a width that is a multiple of 256, else llama.cpp falls back).
     ``rope_scaling`` adds ``<arch>.rope.scaling.*`` keys, e.g. ``{"type": "linear", "factor": 2.0}``;
@@ -125,7 +127,7 @@ def write_tiny(
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r} (known: {', '.join(FAMILIES)})")
     path = Path(path)
-    native = weight_type in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+    native = weight_type in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4")
     target = path if native else path.with_suffix(".f32.gguf")
     rng = np.random.default_rng(seed)
     arch = _ARCH.get(family, family)
@@ -144,7 +146,7 @@ def write_tiny(
     w.add_rope_dimension_count(hd)
     w.add_layer_norm_rms_eps(1e-6 if family in _GEMMA else 1e-5)
     w.add_rope_freq_base(1_000_000.0 if family in ("qwen3", "qwen3moe", "mistral3", "gemma3") else 10000.0)
-    if family in _GEMMA:
+    if family in (*_GEMMA, "gpt-oss"):
         w.add_sliding_window(sliding_window)
     if family == "gemma2":
         w.add_attn_logit_softcapping(50.0)
@@ -163,7 +165,7 @@ def write_tiny(
     if moe:
         w.add_expert_count(n_expert)
         w.add_expert_used_count(n_expert_used)
-        if family == "qwen3moe":
+        if family in ("qwen3moe", "gpt-oss"):
             w.add_expert_feed_forward_length(ffn)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     extra = ("<|endoftext|>", "<|end|>") if family == "phi3" else ()  # llama.cpp's Phi-3 vocabulary needs them
@@ -172,7 +174,8 @@ def write_tiny(
     qtype = gguf.GGMLQuantizationType[weight_type] if native else gguf.GGMLQuantizationType.F32
 
     def matrix(name: str, array: np.ndarray) -> None:
-        if qtype == gguf.GGMLQuantizationType.F32:
+        mxfp4_dense = qtype == gguf.GGMLQuantizationType.MXFP4 and not name.endswith("_exps.weight")
+        if qtype == gguf.GGMLQuantizationType.F32 or mxfp4_dense:  # gpt-oss files: MXFP4 experts only
             w.add_tensor(name, array)
         else:
             w.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
@@ -194,7 +197,7 @@ def write_tiny(
             matrix(p + "attn_q.weight", _matrix(rng, q_width, width))
             matrix(p + "attn_k.weight", _matrix(rng, kv_width, width))
             matrix(p + "attn_v.weight", _matrix(rng, kv_width, width))
-        if family == "qwen2":
+        if family in ("qwen2", "gpt-oss"):
             for name, n in (("attn_q.bias", q_width), ("attn_k.bias", kv_width), ("attn_v.bias", kv_width)):
                 w.add_tensor(p + name, (0.1 * rng.standard_normal(n)).astype(np.float32))
         if family in ("qwen3", "qwen3moe", "gemma3"):
@@ -204,9 +207,14 @@ def write_tiny(
             vector(p + "attn_q_norm.weight", q_width)
             vector(p + "attn_k_norm.weight", kv_width)
         matrix(p + "attn_output.weight", _matrix(rng, width, q_width))
+        if family == "gpt-oss":
+            w.add_tensor(p + "attn_output.bias", (0.1 * rng.standard_normal(width)).astype(np.float32))
+            w.add_tensor(p + "attn_sinks.weight", rng.standard_normal(heads).astype(np.float32))
         if family in (*_GEMMA, "olmo2"):
             vector(p + "post_attention_norm.weight", width, 0.5)
-        if family != "olmo2":
+        if family == "gpt-oss":
+            vector(p + "post_attention_norm.weight", width)
+        elif family != "olmo2":
             vector(p + "ffn_norm.weight", width)
         if moe:
             matrix(p + "ffn_gate_inp.weight", _matrix(rng, n_expert, width, scale=1.0))
@@ -214,6 +222,10 @@ def write_tiny(
             matrix(p + "ffn_gate_exps.weight", np.stack(stack))
             matrix(p + "ffn_up_exps.weight", np.stack([_matrix(rng, ffn, width) for _ in range(n_expert)]))
             matrix(p + "ffn_down_exps.weight", np.stack([_matrix(rng, width, ffn) for _ in range(n_expert)]))
+            if family == "gpt-oss":  # biases on the router and on every expert projection
+                for name, shape in (("ffn_gate_inp.bias", (n_expert,)), ("ffn_gate_exps.bias", (n_expert, ffn)),
+                                    ("ffn_up_exps.bias", (n_expert, ffn)), ("ffn_down_exps.bias", (n_expert, width))):
+                    w.add_tensor(p + name, (0.1 * rng.standard_normal(shape)).astype(np.float32))
         elif family == "phi3":
             matrix(p + "ffn_up.weight", _matrix(rng, 2 * ffn, width))
             matrix(p + "ffn_down.weight", _matrix(rng, width, ffn))

@@ -163,25 +163,26 @@ class Step:
             beta_slow=cfg.beta_slow,
         )
 
-    def attention(self, slot: int, layer: int, q: T, k: T, v: T, kq_scale: float) -> T:
+    def attention(self, slot: int, layer: int, q: T, k: T, v: T, kq_scale: float, sinks: T | None = None) -> T:
         """Store this step's K/V rows in the caches, attend over ``n_kv`` rows; returns [heads*head_dim, n].
 
         ``q`` is [head_dim, heads, n], ``k``/``v`` [head_dim, kv_heads, n]; llama.cpp's ``build_attn``
         with its KV cache: the writes are expanded into the graph before the attention that reads them.
         In a batch each session's rows are views of the three, attend to that session's cache with
         exactly the ops (and shapes) they would have alone, and the outputs are concatenated in order.
+        ``sinks`` (gpt-oss): one learned logit per head that joins every softmax.
         """
         g = self.g
         g.expand(q)
         g.expand(v)
         g.expand(k)
         if len(self.segments) == 1:
-            out = self._attend(self.segments[0], slot, layer, q, k, v, kq_scale)
+            out = self._attend(self.segments[0], slot, layer, q, k, v, kq_scale, sinks)
         else:
             out = None
             for seg in self.segments:
                 rows = [self._rows(t, seg) for t in (q, k, v)]
-                part = self._attend(seg, slot, layer, *rows, kq_scale)
+                part = self._attend(seg, slot, layer, *rows, kq_scale, sinks)
                 out = part if out is None else g.concat(out, part, 1)
             assert out is not None
         g.expand(out)
@@ -193,7 +194,8 @@ class Step:
         nb = t.nb
         return self.g.view(t, (ne0, ne1, seg.shape.n), (nb[1], nb[2]), seg.offset * nb[2])
 
-    def _attend(self, seg: _Segment, slot: int, layer: int, q: T, k: T, v: T, kq_scale: float) -> T:
+    def _attend(self, seg: _Segment, slot: int, layer: int, q: T, k: T, v: T, kq_scale: float,
+                sinks: T | None) -> T:
         """One session's K/V writes and attention over its cache: [heads*head_dim, n] for its ``n`` rows."""
         g, hp, cache, n = self.g, self.hp, seg.cache, seg.shape.n
         width = hp.n_kv_heads * hp.head_dim
@@ -212,7 +214,10 @@ class Step:
         if self.flash_attn:
             values = g.permute(g.view(v_cache, (hp.head_dim, hp.n_kv_heads, n_kv), (elt * hp.head_dim, elt * width)),
                                0, 2, 1, 3)
-            out = g.f32_accumulation(g.flash_attn(q, keys, values, mask, kq_scale, hp.attn_softcap))
+            out = g.flash_attn(q, keys, values, mask, kq_scale, hp.attn_softcap)
+            if sinks is not None:
+                g.add_sinks(out, sinks, hp.n_heads, flash=True)
+            out = g.f32_accumulation(out)
             return g.reshape(out, hp.head_dim * hp.n_heads, n)
         cap = cache.capacity  # the transposed V: [n_kv, kv_heads, head_dim] -> [n_kv, head_dim, kv_heads]
         strides = (elt * cap * hp.head_dim, elt * cap)
@@ -221,6 +226,8 @@ class Step:
         if hp.attn_softcap:  # Gemma 2: c * tanh(scores / c) before the softmax
             kq = g.scale(g.tanh(g.scale(kq, 1.0 / hp.attn_softcap)), hp.attn_softcap)
         kq = g.soft_max(kq, mask, kq_scale)
+        if sinks is not None:
+            g.add_sinks(kq, sinks, hp.n_heads, flash=False)
         kqv = g.mul_mat(values, kq)
         return g.cont_2d(g.permute(kqv, 0, 2, 1, 3), hp.head_dim * hp.n_heads, n)
 
@@ -231,20 +238,25 @@ class Step:
         return self.linear(self.g.glu(act, gate, up), lw["ffn_down.weight"], lw.get("ffn_down.bias"))
 
     def moe(self, x: T, lw: LayerWeights) -> T:
-        """A mixture of gated (SwiGLU) experts on ``x`` [width, n], op for op llama.cpp's ``build_moe_ffn``.
+        """A mixture of gated experts on ``x`` [width, n], op for op llama.cpp's ``build_moe_ffn``.
 
-        The router scores every expert per token (softmax or sigmoid of ``ffn_gate_inp``), each token
-        takes its ``n_expert_used`` best, whose weights are optionally renormalised to sum to 1 (the
-        sum clamped below at f16's smallest normal, as llama.cpp does) and scaled; ``mul_mat_id`` runs
-        only the chosen experts' matrices from the stacks, and the weighted outputs are summed in
-        expert-rank order.
+        The router scores every expert per token (``ffn_gate_inp``, plus its bias when the layer has
+        one), and each token takes its ``n_expert_used`` best. Their weights are the scores' softmax or
+        sigmoid (``expert_gating``), or for ``softmax_weight`` (gpt-oss) a softmax over the chosen
+        logits alone; optionally renormalised to sum to 1 (the sum clamped below at f16's smallest
+        normal, as llama.cpp does) and scaled. ``mul_mat_id`` runs only the chosen experts' matrices
+        from the stacks (plus their per-expert biases, ``add_id``), then SwiGLU (gpt-oss: its clamped
+        variant), and the weighted outputs are summed in expert-rank order.
         """
         g, hp, n = self.g, self.hp, x.ne[1]  # the model's last layer runs only the rows whose logits are wanted
         k, width = hp.n_expert_used, hp.width
-        logits = g.mul_mat(lw["ffn_gate_inp.weight"], x)  # [n_expert, n]
-        probs = g.soft_max_rows(logits) if hp.expert_gating == "softmax" else g.sigmoid(logits)
+        logits = self.linear(x, lw["ffn_gate_inp.weight"], lw.get("ffn_gate_inp.bias"))  # [n_expert, n]
+        gating = hp.expert_gating
+        probs = {"softmax": g.soft_max_rows, "sigmoid": g.sigmoid}.get(gating, lambda t: t)(logits)
         chosen = g.argsort_top_k(probs, k)  # [k, n]
         weights = g.get_rows(g.reshape(probs, 1, hp.n_expert, n), chosen)  # [1, k, n]
+        if gating == "softmax_weight":
+            weights = g.reshape(g.soft_max_rows(g.reshape(weights, k, n)), 1, k, n)
         if hp.expert_norm:
             w2 = g.reshape(weights, k, n)
             total = g.clamp(g.sum_rows(w2), 6.103515625e-5, float("inf"))
@@ -253,10 +265,16 @@ class Step:
             weights = g.scale(weights, hp.expert_scale)
         g.expand(weights)
         cur = g.reshape(x, width, 1, n)
-        up = g.mul_mat_id(lw["ffn_up_exps.weight"], cur, chosen)  # [expert_ffn, k, n]
-        gate = g.mul_mat_id(lw["ffn_gate_exps.weight"], cur, chosen)
-        experts = g.mul_mat_id(lw["ffn_down_exps.weight"], g.glu("silu", gate, up), chosen)  # [width, k, n]
-        experts = g.mul(experts, weights)
+
+        def experts_of(name: str, inputs: T) -> T:
+            out = g.mul_mat_id(lw[f"{name}.weight"], inputs, chosen)
+            bias = lw.get(f"{name}.bias")
+            return g.add_id(out, bias, chosen) if bias is not None else out
+
+        up = experts_of("ffn_up_exps", cur)  # [expert_ffn, k, n]
+        gate = experts_of("ffn_gate_exps", cur)
+        act = g.swiglu_oai(gate, up, 1.702, 7.0) if hp.expert_act == "swiglu_oai" else g.glu("silu", gate, up)
+        experts = g.mul(experts_of("ffn_down_exps", act), weights)  # [width, k, n]
         g.expand(experts)
         views = [g.view(experts, (width, n), (experts.nb[2],), i * experts.nb[1]) for i in range(k)]
         for v in views:

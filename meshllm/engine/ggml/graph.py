@@ -281,6 +281,27 @@ class Graph:
         return self._op(self.g.ggml_rope_ext, a.p, pos.p, freqs.p if freqs is not None else None, n_dims, mode,
                         n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow)
 
+    def add_id(self, a: T, b: T, ids: T) -> T:
+        """``a[:, i, t] + b[:, ids[i, t]]``: per-expert biases for the experts each token uses."""
+        A, B, ids_ne = a.ne, b.ne, ids.ne
+        if (ids.type != lib.I32 or a.type != lib.F32 or b.type != lib.F32 or A[0] != B[0]
+                or ids_ne[0] != A[1] or ids_ne[1] != A[2] or ids_ne[2:] != (1, 1) or B[2:] != (1, 1)):
+            raise self._fail("add_id", "rows, biases and expert ids do not line up", a, b, ids)
+        return self._op(self.g.ggml_add_id, a.p, b.p, ids.p)
+
+    def swiglu_oai(self, gate: T, up: T, alpha: float, limit: float) -> T:
+        """gpt-oss's clamped SwiGLU (``gate`` clamped above at ``limit``, ``up`` to +-``limit``)."""
+        if not _same_shape(gate, up) or not self.contiguous(gate) or not self.contiguous(up):
+            raise self._fail("swiglu_oai", "gate and up must be contiguous and of the same shape", gate, up)
+        return self._op(self.g.ggml_swiglu_oai, gate.p, up.p, alpha, limit)
+
+    def add_sinks(self, attn: T, sinks: T, heads: int, *, flash: bool) -> T:
+        """Give ``attn`` (a ``soft_max``, or with ``flash`` a ``flash_attn``) one learned sink logit per head."""
+        if sinks.type != lib.F32 or sinks.ne != (heads, 1, 1, 1):
+            raise self._fail("add_sinks", f"sinks must be f32 [{heads}]", attn, sinks)
+        (self.g.ggml_flash_attn_ext_add_sinks if flash else self.g.ggml_soft_max_add_sinks)(attn.p, sinks.p)
+        return attn
+
     def soft_max(self, a: T, mask: T, scale: float) -> T:
         A, M = a.ne, mask.ne
         if not self.contiguous(a) or not self.contiguous(mask) or mask.type not in (lib.F16, lib.F32):

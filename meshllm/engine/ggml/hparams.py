@@ -84,7 +84,10 @@ class HParams:
     expert_ffn: int = 0
     """Hidden size of one expert's FFN."""
     expert_gating: str = "softmax"
-    """How router logits become expert probabilities: ``softmax`` or ``sigmoid``."""
+    """How router logits become expert weights: ``softmax`` or ``sigmoid`` of all, or ``softmax_weight``
+    (select on the logits, softmax over the chosen ones)."""
+    expert_act: str = "swiglu"
+    """The experts' activation: ``swiglu``, or gpt-oss's clamped ``swiglu_oai``."""
     expert_norm: bool = False
     """Renormalise the chosen experts' weights to sum to 1."""
     expert_scale: float = 1.0

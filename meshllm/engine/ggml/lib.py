@@ -31,7 +31,7 @@ MAX_NAME = 64
 # enum ggml_type (the values this runtime uses or names)
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1 = 0, 1, 2, 3, 6, 7, 8, 9
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K = 10, 11, 12, 13, 14, 15
-IQ4_NL, I32, I64, BF16 = 20, 26, 27, 30
+IQ4_NL, I32, I64, BF16, MXFP4 = 20, 26, 27, 30, 39
 
 ROPE_NORMAL, ROPE_NEOX = 0, 2
 PREC_F32 = 10
@@ -103,6 +103,10 @@ _PROTOTYPES: dict[str, tuple[Any, list[Any]]] = {
     "ggml_clamp": (_T, [_P, _T, _F, _F]),
     "ggml_div": (_T, [_P, _T, _T]),
     "ggml_cont": (_T, [_P, _T]),
+    "ggml_add_id": (_T, [_P, _T, _T, _T]),
+    "ggml_swiglu_oai": (_T, [_P, _T, _T, _F, _F]),
+    "ggml_soft_max_add_sinks": (None, [_T, _T]),
+    "ggml_flash_attn_ext_add_sinks": (None, [_T, _T]),
     "ggml_prec_set_acc": (c_bool, [_T, c_int]),
     "ggml_add": (_T, [_P, _T, _T]),
     "ggml_mul": (_T, [_P, _T, _T]),

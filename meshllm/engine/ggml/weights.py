@@ -34,17 +34,18 @@ from meshllm.models.gguf_file import GGUFFile, TensorInfo
 
 MATRIX_TYPES = frozenset({
     lib.F32, lib.F16, lib.BF16, lib.Q4_0, lib.Q4_1, lib.Q5_0, lib.Q5_1, lib.Q8_0,
-    lib.Q2_K, lib.Q3_K, lib.Q4_K, lib.Q5_K, lib.Q6_K, lib.IQ4_NL,
+    lib.Q2_K, lib.Q3_K, lib.Q4_K, lib.Q5_K, lib.Q6_K, lib.IQ4_NL, lib.MXFP4,
 })
-"""Tensor types accepted for matrices and embeddings: the common llama.cpp quantizations."""
+"""Tensor types accepted for matrices and embeddings: the common llama.cpp quantizations (MXFP4: gpt-oss experts)."""
 VECTOR_TYPES = frozenset({lib.F32})
-"""Norm weights, biases and rope factors are float32 in every GGUF llama.cpp writes."""
+"""Norm weights, biases, attention sinks and rope factors are float32 in every GGUF llama.cpp writes."""
+_VECTORS = ("norm.weight", ".bias", "sinks.weight")
 
 def weight_op(name: str) -> WeightOp:
     """How the runtime uses the tensor ``name`` (what decides its buffer type)."""
     if name == "token_embd.weight":
         return "rows"
-    if name.endswith(".bias"):
+    if name.endswith((".bias", "sinks.weight")):
         return "add"
     if name == "rope_freqs.weight":
         return "rope"
@@ -123,7 +124,7 @@ def plan_stage(reader: GGUFFile, hp: HParams, start: int, end: int) -> StagePlan
         if wrong:
             raise UnsupportedModel(f"layer {il}: {wrong}")
         for name, t in present.items():
-            _check(t, shapes[name], VECTOR_TYPES if name.endswith(("norm.weight", ".bias")) else MATRIX_TYPES)
+            _check(t, shapes[name], VECTOR_TYPES if name.endswith(_VECTORS) else MATRIX_TYPES)
         layers.append(present)
     first, last = start == 0, end == hp.n_layers
     embed_t = reader.tensor("token_embd.weight")

@@ -93,6 +93,7 @@ QUANTIZED = [
     ("mistral3", "Q4_0", {}),
     ("mixtral", "Q8_0", {}),
     ("qwen3moe", "Q4_K_M", {"width": 256}),
+    ("gpt-oss", "MXFP4", {}),
 ]
 """Families in the quantizations their published files use (K-quants need a width of 256)."""
 
