@@ -81,10 +81,10 @@ def write_tiny_gemma3(
 
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral3", "olmo2", "mixtral", "qwen3moe",
-            "gpt-oss")
+            "gpt-oss", "glm4moe")
 """The families :func:`write_tiny` writes, one per model family the ggml runtime supports (``mixtral`` is
 the ``llama`` architecture with experts)."""
-MOE_FAMILIES = ("mixtral", "qwen3moe", "gpt-oss")
+MOE_FAMILIES = ("mixtral", "qwen3moe", "gpt-oss", "glm4moe")
 
 _ARCH = {"mixtral": "llama"}
 _GEMMA = ("gemma2", "gemma3")
@@ -143,7 +143,8 @@ def write_tiny(
     w.add_head_count_kv(kv_heads)
     w.add_key_length(hd)
     w.add_value_length(hd)
-    w.add_rope_dimension_count(hd)
+    if family != "glm4moe":
+        w.add_rope_dimension_count(hd)
     w.add_layer_norm_rms_eps(1e-6 if family in _GEMMA else 1e-5)
     w.add_rope_freq_base(1_000_000.0 if family in ("qwen3", "qwen3moe", "mistral3", "gemma3") else 10000.0)
     if family in (*_GEMMA, "gpt-oss"):
@@ -165,8 +166,15 @@ def write_tiny(
     if moe:
         w.add_expert_count(n_expert)
         w.add_expert_used_count(n_expert_used)
-        if family in ("qwen3moe", "gpt-oss"):
+        if family in ("qwen3moe", "gpt-oss", "glm4moe"):
             w.add_expert_feed_forward_length(ffn)
+        if family == "glm4moe":  # GLM-4.5: layer 0 dense, then experts with a shared one, sigmoid router
+            w.add_expert_shared_count(1)
+            w.add_uint32(f"{arch}.leading_dense_block_count", 1)
+            w.add_expert_weights_norm(True)
+            w.add_expert_weights_scale(2.5)
+            w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+            w.add_rope_dimension_count(hd // 2)  # partial rotary
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     extra = ("<|endoftext|>", "<|end|>") if family == "phi3" else ()  # llama.cpp's Phi-3 vocabulary needs them
     vocab = VOCAB + len(extra)
@@ -197,7 +205,7 @@ def write_tiny(
             matrix(p + "attn_q.weight", _matrix(rng, q_width, width))
             matrix(p + "attn_k.weight", _matrix(rng, kv_width, width))
             matrix(p + "attn_v.weight", _matrix(rng, kv_width, width))
-        if family in ("qwen2", "gpt-oss"):
+        if family in ("qwen2", "gpt-oss", "glm4moe"):
             for name, n in (("attn_q.bias", q_width), ("attn_k.bias", kv_width), ("attn_v.bias", kv_width)):
                 w.add_tensor(p + name, (0.1 * rng.standard_normal(n)).astype(np.float32))
         if family in ("qwen3", "qwen3moe", "gemma3"):
@@ -212,11 +220,11 @@ def write_tiny(
             w.add_tensor(p + "attn_sinks.weight", rng.standard_normal(heads).astype(np.float32))
         if family in (*_GEMMA, "olmo2"):
             vector(p + "post_attention_norm.weight", width, 0.5)
-        if family == "gpt-oss":
+        if family in ("gpt-oss", "glm4moe"):
             vector(p + "post_attention_norm.weight", width)
         elif family != "olmo2":
             vector(p + "ffn_norm.weight", width)
-        if moe:
+        if moe and not (family == "glm4moe" and il == 0):
             matrix(p + "ffn_gate_inp.weight", _matrix(rng, n_expert, width, scale=1.0))
             stack = [_matrix(rng, ffn, width) for _ in range(n_expert)]
             matrix(p + "ffn_gate_exps.weight", np.stack(stack))
@@ -226,6 +234,11 @@ def write_tiny(
                 for name, shape in (("ffn_gate_inp.bias", (n_expert,)), ("ffn_gate_exps.bias", (n_expert, ffn)),
                                     ("ffn_up_exps.bias", (n_expert, ffn)), ("ffn_down_exps.bias", (n_expert, width))):
                     w.add_tensor(p + name, (0.1 * rng.standard_normal(shape)).astype(np.float32))
+            if family == "glm4moe":  # the selection bias, and one shared expert
+                w.add_tensor(p + "exp_probs_b.bias", (0.1 * rng.standard_normal(n_expert)).astype(np.float32))
+                matrix(p + "ffn_gate_shexp.weight", _matrix(rng, ffn, width))
+                matrix(p + "ffn_up_shexp.weight", _matrix(rng, ffn, width))
+                matrix(p + "ffn_down_shexp.weight", _matrix(rng, width, ffn))
         elif family == "phi3":
             matrix(p + "ffn_up.weight", _matrix(rng, 2 * ffn, width))
             matrix(p + "ffn_down.weight", _matrix(rng, width, ffn))

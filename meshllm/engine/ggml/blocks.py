@@ -231,11 +231,19 @@ class Step:
         kqv = g.mul_mat(values, kq)
         return g.cont_2d(g.permute(kqv, 0, 2, 1, 3), hp.head_dim * hp.n_heads, n)
 
-    def ffn(self, x: T, lw: LayerWeights, act: str = "silu") -> T:
-        """A gated FFN, ``down(act(gate(x)) * up(x))`` with the layer's optional biases (``build_ffn``, parallel)."""
-        up = self.linear(x, lw["ffn_up.weight"], lw.get("ffn_up.bias"))
-        gate = self.linear(x, lw["ffn_gate.weight"], lw.get("ffn_gate.bias"))
-        return self.linear(self.g.glu(act, gate, up), lw["ffn_down.weight"], lw.get("ffn_down.bias"))
+    def ffn(self, x: T, lw: LayerWeights, act: str = "silu", kind: str = "", f32_down: bool = False) -> T:
+        """A gated FFN, ``down(act(gate(x)) * up(x))`` with its optional biases (``build_ffn``, parallel gate).
+
+        ``kind`` ``_shexp`` picks a mixture of experts' shared expert; ``f32_down`` asks the down
+        projection for f32 accumulation (llama.cpp does for GLM 4).
+        """
+        up = self.linear(x, lw[f"ffn_up{kind}.weight"], lw.get(f"ffn_up{kind}.bias"))
+        gate = self.linear(x, lw[f"ffn_gate{kind}.weight"], lw.get(f"ffn_gate{kind}.bias"))
+        down = self.g.mul_mat(lw[f"ffn_down{kind}.weight"], self.g.glu(act, gate, up))
+        if f32_down:
+            self.g.f32_accumulation(down)
+        bias = lw.get(f"ffn_down{kind}.bias")
+        return self.g.add(down, bias) if bias is not None else down
 
     def moe(self, x: T, lw: LayerWeights) -> T:
         """A mixture of gated experts on ``x`` [width, n], op for op llama.cpp's ``build_moe_ffn``.
@@ -244,7 +252,8 @@ class Step:
         one), and each token takes its ``n_expert_used`` best. Their weights are the scores' softmax or
         sigmoid (``expert_gating``), or for ``softmax_weight`` (gpt-oss) a softmax over the chosen
         logits alone; optionally renormalised to sum to 1 (the sum clamped below at f16's smallest
-        normal, as llama.cpp does) and scaled. ``mul_mat_id`` runs only the chosen experts' matrices
+        normal, as llama.cpp does) and scaled. A selection bias (``exp_probs_b``, DeepSeek V3 / GLM)
+        shifts which experts are chosen, not their weights. ``mul_mat_id`` runs only the chosen experts' matrices
         from the stacks (plus their per-expert biases, ``add_id``), then SwiGLU (gpt-oss: its clamped
         variant), and the weighted outputs are summed in expert-rank order.
         """
@@ -253,7 +262,8 @@ class Step:
         logits = self.linear(x, lw["ffn_gate_inp.weight"], lw.get("ffn_gate_inp.bias"))  # [n_expert, n]
         gating = hp.expert_gating
         probs = {"softmax": g.soft_max_rows, "sigmoid": g.sigmoid}.get(gating, lambda t: t)(logits)
-        chosen = g.argsort_top_k(probs, k)  # [k, n]
+        bias = lw.get("exp_probs_b.bias")  # DeepSeek V3 / GLM: biases the choice, not the weights
+        chosen = g.argsort_top_k(g.add(probs, bias) if bias is not None else probs, k)  # [k, n]
         weights = g.get_rows(g.reshape(probs, 1, hp.n_expert, n), chosen)  # [1, k, n]
         if gating == "softmax_weight":
             weights = g.reshape(g.soft_max_rows(g.reshape(weights, k, n)), 1, k, n)

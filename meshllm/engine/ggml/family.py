@@ -40,7 +40,7 @@ BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias", "ffn_
 def standard_shapes(hp: HParams) -> dict[str, tuple[int, ...]]:
     """The shape (GGUF order) of every per-layer tensor name the families share, from the hyperparameters."""
     w, q, kv, f, hd = hp.width, hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim, hp.ffn, hp.head_dim
-    e, fe = hp.n_expert, hp.expert_ffn
+    e, fe, fs = hp.n_expert, hp.expert_ffn, hp.expert_ffn * hp.n_expert_shared
     return {
         "attn_norm.weight": (w,), "attn_q.weight": (w, q), "attn_k.weight": (w, kv), "attn_v.weight": (w, kv),
         "attn_output.weight": (q, w), "ffn_norm.weight": (w,), "ffn_gate.weight": (w, f), "ffn_up.weight": (w, f),
@@ -49,7 +49,8 @@ def standard_shapes(hp: HParams) -> dict[str, tuple[int, ...]]:
         "attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,),
         "post_attention_norm.weight": (w,), "post_ffw_norm.weight": (w,),
         "ffn_gate_inp.weight": (w, e), "ffn_gate_exps.weight": (w, fe, e), "ffn_up_exps.weight": (w, fe, e),
-        "ffn_down_exps.weight": (fe, w, e),
+        "ffn_down_exps.weight": (fe, w, e), "exp_probs_b.bias": (e,),
+        "ffn_gate_shexp.weight": (w, fs), "ffn_up_shexp.weight": (w, fs), "ffn_down_shexp.weight": (fs, w),
     }  # fmt: skip
 
 
@@ -70,8 +71,8 @@ class Family:
     examples: str
     """Models people run that carry this architecture (for the docs and ``meshllm plan``)."""
     block: Block
-    layer_tensors: Callable[[HParams], tuple[tuple[str, ...], tuple[str, ...]]]
-    """Required and optional tensor names of a layer (after ``blk.N.``), given the hyperparameters."""
+    layer_tensors: Callable[[HParams, int], tuple[tuple[str, ...], tuple[str, ...]]]
+    """Required and optional tensor names of layer ``il`` (after ``blk.N.``), given the hyperparameters."""
     neox_rope: bool = False
     """Rotate halves of a head (GPT-NeoX) rather than adjacent pairs: llama.cpp's ``llama_model_rope_type``."""
     hparams: Callable[[GGUFFile, HParams], HParams] = field(default=_same)

@@ -86,6 +86,10 @@ class HParams:
     expert_gating: str = "softmax"
     """How router logits become expert weights: ``softmax`` or ``sigmoid`` of all, or ``softmax_weight``
     (select on the logits, softmax over the chosen ones)."""
+    n_expert_shared: int = 0
+    """Shared experts (their FFN is ``expert_ffn * n_expert_shared`` wide) every token runs beside its chosen ones."""
+    n_dense_lead: int = 0
+    """Leading layers with a dense FFN before the mixture-of-experts layers (GLM-4.5, DeepSeek)."""
     expert_act: str = "swiglu"
     """The experts' activation: ``swiglu``, or gpt-oss's clamped ``swiglu_oai``."""
     expert_norm: bool = False

@@ -105,10 +105,10 @@ def plan_stage(reader: GGUFFile, hp: HParams, start: int, end: int) -> StagePlan
     if not 0 <= start < end <= hp.n_layers:
         raise UnsupportedModel(f"layer range [{start}, {end}) is outside the model's {hp.n_layers} layers")
     family = family_for(hp.arch)
-    required, optional = family.layer_tensors(hp)
     shapes = family.shapes(hp)
     layers = []
     for il in range(start, end):
+        required, optional = family.layer_tensors(hp, il)
         prefix = f"blk.{il}."
         present = {t.name.removeprefix(prefix): t for t in reader.tensors if t.name.startswith(prefix)}
         missing = [n for n in required if n not in present]

@@ -94,6 +94,7 @@ QUANTIZED = [
     ("mixtral", "Q8_0", {}),
     ("qwen3moe", "Q4_K_M", {"width": 256}),
     ("gpt-oss", "MXFP4", {}),
+    ("glm4moe", "Q4_K_M", {"width": 256}),
 ]
 """Families in the quantizations their published files use (K-quants need a width of 256)."""
 

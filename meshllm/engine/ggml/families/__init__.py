@@ -8,7 +8,19 @@ from the GGUF beyond the shared keys, its tensors per layer, and its block graph
 from __future__ import annotations
 
 from meshllm.engine.ggml.errors import UnsupportedModel
-from meshllm.engine.ggml.families import gemma2, gemma3, gpt_oss, llama, mistral3, olmo2, phi3, qwen2, qwen3, qwen3moe
+from meshllm.engine.ggml.families import (
+    gemma2,
+    gemma3,
+    glm4moe,
+    gpt_oss,
+    llama,
+    mistral3,
+    olmo2,
+    phi3,
+    qwen2,
+    qwen3,
+    qwen3moe,
+)
 from meshllm.engine.ggml.family import Family
 
 REGISTRY: dict[str, Family] = {f.arch: f for f in (
@@ -22,6 +34,7 @@ REGISTRY: dict[str, Family] = {f.arch: f for f in (
     mistral3.FAMILY,
     olmo2.FAMILY,
     gpt_oss.FAMILY,
+    glm4moe.FAMILY,
 )}
 """Architecture (``general.architecture``) -> its family."""
 

@@ -37,7 +37,7 @@ def block(s: Step, lw: LayerWeights, slot: int, x: T) -> T:
     return g.add(s.norm(cur, lw["post_ffw_norm.weight"]), sa_out)
 
 
-def tensors(_hp: HParams) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def tensors(_hp: HParams, _il: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return (*ATTENTION, *DENSE_FFN, *POST_NORMS), ()
 
 

@@ -38,7 +38,7 @@ def block(s: Step, lw: LayerWeights, slot: int, x: T) -> T:
     return g.add(s.moe(s.norm(ffn_in, lw["post_attention_norm.weight"]), lw), ffn_in)
 
 
-def tensors(_hp: HParams) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def tensors(_hp: HParams, _il: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
             "attn_sinks.weight", "post_attention_norm.weight", "ffn_gate_inp.weight", "ffn_gate_exps.weight",
             "ffn_up_exps.weight", "ffn_down_exps.weight"), (

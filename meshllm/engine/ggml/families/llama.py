@@ -51,7 +51,7 @@ def block(s: Step, lw: LayerWeights, slot: int, x: T) -> T:
     return residual_block(s, lw, x, attention(s, lw, slot, x, s.w.rope_freqs))
 
 
-def tensors(hp: HParams) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def tensors(hp: HParams, _il: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     if hp.n_expert:
         return (*ATTENTION, *EXPERT_FFN), ("attn_output.bias",)
     return (*ATTENTION, *DENSE_FFN), BIASES

@@ -34,7 +34,7 @@ def block(s: Step, lw: LayerWeights, slot: int, x: T) -> T:
     return g.add(s.norm(s.ffn(ffn_in, lw), lw["post_ffw_norm.weight"]), ffn_in)
 
 
-def tensors(_hp: HParams) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def tensors(_hp: HParams, _il: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "attn_q_norm.weight",
             "attn_k_norm.weight", "post_attention_norm.weight", "ffn_gate.weight", "ffn_up.weight",
             "ffn_down.weight", "post_ffw_norm.weight"), ()

@@ -44,7 +44,7 @@ def block(s: Step, lw: LayerWeights, slot: int, x: T) -> T:
     return g.add(residual, cur)
 
 
-def tensors(_hp: HParams) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def tensors(_hp: HParams, _il: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     # either the fused q/k/v matrix or the three; the block uses whichever the file has
     return ("attn_norm.weight", "attn_output.weight", "ffn_norm.weight", "ffn_up.weight", "ffn_down.weight"), (
         "attn_qkv.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.bias")

@@ -18,7 +18,7 @@ def block(s: Step, lw: LayerWeights, slot: int, x: T) -> T:
     return residual_block(s, lw, x, attention(s, lw, slot, x, None))  # llama 3's rope factors are llama's alone
 
 
-def tensors(_hp: HParams) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def tensors(_hp: HParams, _il: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return (*ATTENTION, *DENSE_FFN), BIASES
 
 

@@ -18,14 +18,15 @@ if TYPE_CHECKING:
 
 
 def attention(s: Step, lw: LayerWeights, slot: int, x: T) -> T:
-    """Norm, q/k/v, per-head q/k norms, rope, attention, output projection."""
+    """Norm, q/k/v (+ biases), per-head q/k norms (when the layer has them), rope, attention, output projection."""
     g, hp, n, il = s.g, s.hp, s.n, lw.index
     cur = s.norm(x, lw["attn_norm.weight"])
     q = g.reshape(s.linear(cur, lw["attn_q.weight"], lw.get("attn_q.bias")), hp.head_dim, hp.n_heads, n)
     k = g.reshape(s.linear(cur, lw["attn_k.weight"], lw.get("attn_k.bias")), hp.head_dim, hp.n_kv_heads, n)
     v = g.reshape(s.linear(cur, lw["attn_v.weight"], lw.get("attn_v.bias")), hp.head_dim, hp.n_kv_heads, n)
-    q = s.rope(s.norm(q, lw["attn_q_norm.weight"]), il, None)
-    k = s.rope(s.norm(k, lw["attn_k_norm.weight"]), il, None)
+    q_norm, k_norm = lw.get("attn_q_norm.weight"), lw.get("attn_k_norm.weight")  # optional for GLM-4.5
+    q = s.rope(s.norm(q, q_norm) if q_norm is not None else q, il, None)
+    k = s.rope(s.norm(k, k_norm) if k_norm is not None else k, il, None)
     cur = s.attention(slot, il, q, k, v, hp.attn_scale)
     return s.linear(cur, lw["attn_output.weight"], lw.get("attn_output.bias"))
 
@@ -34,7 +35,7 @@ def block(s: Step, lw: LayerWeights, slot: int, x: T) -> T:
     return residual_block(s, lw, x, attention(s, lw, slot, x))
 
 
-def tensors(_hp: HParams) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def tensors(_hp: HParams, _il: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return (*ATTENTION, *QK_NORM, *DENSE_FFN), ()
 
 

@@ -27,7 +27,7 @@ def block(s: Step, lw: LayerWeights, slot: int, x: T) -> T:
     return residual_block(s, lw, x, attention(s, lw, slot, x))
 
 
-def tensors(_hp: HParams) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def tensors(_hp: HParams, _il: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return (*ATTENTION, *QK_NORM, *EXPERT_FFN), ()
 
 
