@@ -80,11 +80,11 @@ def write_tiny_gemma3(
                       head_dim=head_dim, ffn=ffn, sliding_window=sliding_window, final_softcap=softcap)
 
 
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral3", "olmo2", "mixtral", "qwen3moe",
-            "gpt-oss", "glm4moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral3", "olmo2", "mixtral", "qwen2moe",
+            "qwen3moe", "gpt-oss", "glm4moe")
 """The families :func:`write_tiny` writes, one per model family the ggml runtime supports (``mixtral`` is
 the ``llama`` architecture with experts)."""
-MOE_FAMILIES = ("mixtral", "qwen3moe", "gpt-oss", "glm4moe")
+MOE_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "gpt-oss", "glm4moe")
 
 _ARCH = {"mixtral": "llama"}
 _GEMMA = ("gemma2", "gemma3")
@@ -166,8 +166,10 @@ def write_tiny(
     if moe:
         w.add_expert_count(n_expert)
         w.add_expert_used_count(n_expert_used)
-        if family in ("qwen3moe", "gpt-oss", "glm4moe"):
+        if family in ("qwen2moe", "qwen3moe", "gpt-oss", "glm4moe"):
             w.add_expert_feed_forward_length(ffn)
+        if family == "qwen2moe":
+            w.add_expert_shared_feed_forward_length(ffn)
         if family == "glm4moe":  # GLM-4.5: layer 0 dense, then experts with a shared one, sigmoid router
             w.add_expert_shared_count(1)
             w.add_uint32(f"{arch}.leading_dense_block_count", 1)
@@ -205,7 +207,7 @@ def write_tiny(
             matrix(p + "attn_q.weight", _matrix(rng, q_width, width))
             matrix(p + "attn_k.weight", _matrix(rng, kv_width, width))
             matrix(p + "attn_v.weight", _matrix(rng, kv_width, width))
-        if family in ("qwen2", "gpt-oss", "glm4moe"):
+        if family in ("qwen2", "qwen2moe", "gpt-oss", "glm4moe"):
             for name, n in (("attn_q.bias", q_width), ("attn_k.bias", kv_width), ("attn_v.bias", kv_width)):
                 w.add_tensor(p + name, (0.1 * rng.standard_normal(n)).astype(np.float32))
         if family in ("qwen3", "qwen3moe", "gemma3"):
@@ -234,8 +236,11 @@ def write_tiny(
                 for name, shape in (("ffn_gate_inp.bias", (n_expert,)), ("ffn_gate_exps.bias", (n_expert, ffn)),
                                     ("ffn_up_exps.bias", (n_expert, ffn)), ("ffn_down_exps.bias", (n_expert, width))):
                     w.add_tensor(p + name, (0.1 * rng.standard_normal(shape)).astype(np.float32))
-            if family == "glm4moe":  # the selection bias, and one shared expert
+            if family == "qwen2moe":  # the shared expert's gate
+                w.add_tensor(p + "ffn_gate_inp_shexp.weight", _matrix(rng, 1, width)[0])
+            if family == "glm4moe":
                 w.add_tensor(p + "exp_probs_b.bias", (0.1 * rng.standard_normal(n_expert)).astype(np.float32))
+            if family in ("qwen2moe", "glm4moe"):  # one shared expert
                 matrix(p + "ffn_gate_shexp.weight", _matrix(rng, ffn, width))
                 matrix(p + "ffn_up_shexp.weight", _matrix(rng, ffn, width))
                 matrix(p + "ffn_down_shexp.weight", _matrix(rng, width, ffn))

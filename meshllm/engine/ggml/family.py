@@ -31,6 +31,8 @@ DENSE_FFN = ("ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.we
 EXPERT_FFN = ("ffn_norm.weight", "ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight",
               "ffn_down_exps.weight")
 """A pre-normed mixture of gated experts: the router and the stacked expert matrices."""
+SHARED_EXPERT = ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
+"""The gated FFN of a mixture's shared expert."""
 QK_NORM = ("attn_q_norm.weight", "attn_k_norm.weight")
 POST_NORMS = ("post_attention_norm.weight", "post_ffw_norm.weight")
 BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias", "ffn_gate.bias", "ffn_up.bias",
@@ -40,7 +42,7 @@ BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias", "ffn_
 def standard_shapes(hp: HParams) -> dict[str, tuple[int, ...]]:
     """The shape (GGUF order) of every per-layer tensor name the families share, from the hyperparameters."""
     w, q, kv, f, hd = hp.width, hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim, hp.ffn, hp.head_dim
-    e, fe, fs = hp.n_expert, hp.expert_ffn, hp.expert_ffn * hp.n_expert_shared
+    e, fe, fs = hp.n_expert, hp.expert_ffn, hp.shared_ffn
     return {
         "attn_norm.weight": (w,), "attn_q.weight": (w, q), "attn_k.weight": (w, kv), "attn_v.weight": (w, kv),
         "attn_output.weight": (q, w), "ffn_norm.weight": (w,), "ffn_gate.weight": (w, f), "ffn_up.weight": (w, f),
@@ -51,6 +53,7 @@ def standard_shapes(hp: HParams) -> dict[str, tuple[int, ...]]:
         "ffn_gate_inp.weight": (w, e), "ffn_gate_exps.weight": (w, fe, e), "ffn_up_exps.weight": (w, fe, e),
         "ffn_down_exps.weight": (fe, w, e), "exp_probs_b.bias": (e,),
         "ffn_gate_shexp.weight": (w, fs), "ffn_up_shexp.weight": (w, fs), "ffn_down_shexp.weight": (fs, w),
+        "ffn_gate_inp_shexp.weight": (w,),
     }  # fmt: skip
 
 

@@ -172,6 +172,9 @@ class Graph:
     def sigmoid(self, a: T) -> T:
         return self._op(self.g.ggml_sigmoid, a.p)
 
+    def silu(self, a: T) -> T:
+        return self._op(self.g.ggml_silu, a.p)
+
     def sum_rows(self, a: T) -> T:
         """Each row's sum: [n, rows...] -> [1, rows...]."""
         return self._op(self.g.ggml_sum_rows, a.p)

@@ -86,8 +86,8 @@ class HParams:
     expert_gating: str = "softmax"
     """How router logits become expert weights: ``softmax`` or ``sigmoid`` of all, or ``softmax_weight``
     (select on the logits, softmax over the chosen ones)."""
-    n_expert_shared: int = 0
-    """Shared experts (their FFN is ``expert_ffn * n_expert_shared`` wide) every token runs beside its chosen ones."""
+    shared_ffn: int = 0
+    """Hidden size of the shared expert FFN every token runs beside its chosen experts; 0 for none."""
     n_dense_lead: int = 0
     """Leading layers with a dense FFN before the mixture-of-experts layers (GLM-4.5, DeepSeek)."""
     expert_act: str = "swiglu"

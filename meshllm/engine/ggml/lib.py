@@ -99,6 +99,7 @@ _PROTOTYPES: dict[str, tuple[Any, list[Any]]] = {
     "ggml_argsort_top_k": (_T, [_P, _T, c_int]),
     "ggml_soft_max": (_T, [_P, _T]),
     "ggml_sigmoid": (_T, [_P, _T]),
+    "ggml_silu": (_T, [_P, _T]),
     "ggml_sum_rows": (_T, [_P, _T]),
     "ggml_clamp": (_T, [_P, _T, _F, _F]),
     "ggml_div": (_T, [_P, _T, _T]),

@@ -18,6 +18,7 @@ from meshllm.engine.ggml.families import (
     olmo2,
     phi3,
     qwen2,
+    qwen2moe,
     qwen3,
     qwen3moe,
 )
@@ -26,6 +27,7 @@ from meshllm.engine.ggml.family import Family
 REGISTRY: dict[str, Family] = {f.arch: f for f in (
     llama.FAMILY,
     qwen2.FAMILY,
+    qwen2moe.FAMILY,
     qwen3.FAMILY,
     qwen3moe.FAMILY,
     gemma2.FAMILY,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from meshllm.engine.ggml.errors import UnsupportedModel
 from meshllm.engine.ggml.families.qwen3 import attention
-from meshllm.engine.ggml.family import ATTENTION, Family
+from meshllm.engine.ggml.family import ATTENTION, SHARED_EXPERT, Family
 from meshllm.engine.ggml.hparams import HParams, count, metadata
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ def block(s: Step, lw: LayerWeights, slot: int, x: T) -> T:
         cur = s.ffn(cur, lw, f32_down=True)
     else:
         routed = s.moe(cur, lw)
-        cur = g.add(routed, s.ffn(cur, lw, kind="_shexp", f32_down=True)) if s.hp.n_expert_shared else routed
+        cur = g.add(routed, s.ffn(cur, lw, kind="_shexp", f32_down=True)) if s.hp.shared_ffn else routed
     return g.add(cur, ffn_in)
 
 
@@ -48,7 +48,7 @@ def tensors(hp: HParams, il: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     if il < hp.n_dense_lead:
         return (*ATTENTION, "post_attention_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"), \
             optional
-    shared = ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight") if hp.n_expert_shared else ()
+    shared = SHARED_EXPERT if hp.shared_ffn else ()
     return (*ATTENTION, "post_attention_norm.weight", "ffn_gate_inp.weight", "exp_probs_b.bias",
             "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight", *shared), optional
 
@@ -67,11 +67,12 @@ def read(reader: GGUFFile, hp: HParams) -> HParams:
     if nextn >= hp.n_layers:
         raise UnsupportedModel(f"{nextn} prediction layers of {hp.n_layers} leave no model")
     n_layers = hp.n_layers - nextn
+    expert_ffn = count(reader, f"{a}.expert_feed_forward_length")
     return dataclasses.replace(
         hp, n_layers=n_layers, swa_layers=hp.swa_layers[:n_layers], expert_gating=_GATING[gating],
         expert_norm=bool(metadata(reader, f"{a}.expert_weights_norm", False)),
-        expert_ffn=count(reader, f"{a}.expert_feed_forward_length"),
-        n_expert_shared=count(reader, f"{a}.expert_shared_count", 0, minimum=0),
+        expert_ffn=expert_ffn,
+        shared_ffn=expert_ffn * count(reader, f"{a}.expert_shared_count", 0, minimum=0),
         n_dense_lead=count(reader, f"{a}.leading_dense_block_count", 0, minimum=0),
     )
 
