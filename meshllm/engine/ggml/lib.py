@@ -245,7 +245,7 @@ def check_layout(g: Ggml) -> None:
             raise UnsupportedModel(f"ggml {g.version}: tensor fields read back as {got}, expected {expected}")
     finally:
         g.ggml_free(ctx)
-    names = {Q4_K: b"q4_K", Q8_0: b"q8_0", BF16: b"bf16", F16: b"f16", I64: b"i64"}
+    names = {Q4_K: b"q4_K", Q8_0: b"q8_0", BF16: b"bf16", F16: b"f16", I64: b"i64", MXFP4: b"mxfp4"}
     for type_id, name in names.items():
         if g.ggml_type_name(type_id) != name:
             raise UnsupportedModel(f"ggml {g.version}: type {type_id} is {g.ggml_type_name(type_id)!r}, not {name!r}")

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from meshllm.engine.ggml import lib
 from meshllm.engine.ggml.backends import Backends, WeightOp
@@ -95,7 +96,9 @@ class StagePlan:
 def _check(t: TensorInfo, shape: tuple[int, ...], types: frozenset[int]) -> None:
     if t.type_id not in types:
         name = t.type_name or f"unknown type id {t.type_id}"
-        raise UnsupportedModel(f"tensor {t.name} has type {name}, which the ggml stage runtime does not run")
+        supported = ", ".join(sorted(GGMLQuantizationType(i).name for i in types))
+        raise UnsupportedModel(f"tensor {t.name} has type {name}, which the ggml stage runtime does not run "
+                               f"(supported here: {supported})")
     if t.shape != shape:
         raise UnsupportedModel(f"tensor {t.name} has shape {list(t.shape)}, expected {list(shape)}")
 

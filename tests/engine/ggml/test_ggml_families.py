@@ -96,12 +96,14 @@ QUANTIZED = [
     ("qwen3moe", "Q4_K_M", {"width": 256}),
     ("gpt-oss", "MXFP4", {}),
     ("glm4moe", "Q4_K_M", {"width": 256}),
+    ("qwen3moe", "Q8_0", {"n_expert": 16, "n_expert_used": 8}),  # Qwen3-30B-A3B routes to 8
 ]
 """Families in the quantizations their published files use (K-quants need a width of 256)."""
 
 
 @pytest.mark.parametrize("kernels", ["exact", "fast"])
-@pytest.mark.parametrize(("family", "weight_type", "shape"), QUANTIZED, ids=[f"{f}-{t}" for f, t, _ in QUANTIZED])
+@pytest.mark.parametrize(("family", "weight_type", "shape"), QUANTIZED,
+                         ids=[f"{f}-{t}{'-8of16' if s.get('n_expert') else ''}" for f, t, s in QUANTIZED])
 def test_quantized_greedy_run_is_llama_cpps(family: str, weight_type: str, shape: dict[str, int], kernels: str,
                                             tmp_path: Path) -> None:
     path = write_tiny(family, tmp_path / f"{family}.gguf", weight_type=weight_type, **shape)

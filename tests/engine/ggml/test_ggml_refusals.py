@@ -90,7 +90,8 @@ def test_unsupported_tensor_type_is_named(tmp_path: Path) -> None:
     # Q8_1 (type 9): 40-byte blocks of 32 values; ggml has it only as a dot-product intermediate
     tensors["blk.0.ffn_up.weight"] = np.zeros((128, 64 // 32 * 40), np.uint8)
     path = write_tiny_gguf(tmp_path / "q81.gguf", "llama", tensors, raw_types={"blk.0.ffn_up.weight": 9})
-    _refused(path, r"blk\.0\.ffn_up\.weight has type Q8_1")
+    error = _refused(path, r"blk\.0\.ffn_up\.weight has type Q8_1")
+    assert "supported here: " in str(error) and "Q4_K" in str(error) and "MXFP4" in str(error)
 
 
 def test_unknown_tensor_type_id_is_named(tmp_path: Path) -> None:
