@@ -45,7 +45,8 @@ def plan(model: str, api: NodeApi, stages: int | None, max_memory: float | None,
     if as_json:
         echo_json({**result, "split": verdict})
         return
-    click.echo(f"{model} can be split: family {verdict['family']} ({verdict['examples']})")
+    experts = f", {verdict['experts'][0]} of {verdict['experts'][1]} experts per token" if verdict["experts"] else ""
+    click.echo(f"{model} can be split: family {verdict['family']} ({verdict['examples']}){experts}")
     click.echo(_text(result, source))
 
 
@@ -69,7 +70,8 @@ def split_verdict(spec: str) -> dict[str, Any]:
     except UnsupportedModel as e:
         return {"splittable": False, "family": None, "reason": str(e)}
     family = family_for(hp.arch)
-    return {"splittable": True, "family": family.arch, "examples": family.examples, "reason": None}
+    return {"splittable": True, "family": family.arch, "examples": family.examples, "reason": None,
+            "experts": [hp.n_expert_used, hp.n_expert] if hp.n_expert else None}
 
 
 def _local_plan(spec: str, stages: int | None, max_memory_gb: float | None) -> dict[str, Any]:

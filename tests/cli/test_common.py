@@ -27,7 +27,8 @@ def test_plan_says_whether_a_file_can_be_split(tmp_path: Path) -> None:
     """A supported family is named; an unsupported one is refused with the runtime's reason, no traceback."""
     ok = meshllm("plan", str(write_tiny("qwen3moe", tmp_path / "moe.gguf")))
     assert ok.returncode == 0, ok.stderr
-    assert "can be split: family qwen3moe" in ok.stdout and "(4 layers): solo" in ok.stdout
+    assert "can be split: family qwen3moe" in ok.stdout and "2 of 4 experts per token" in ok.stdout
+    assert "(4 layers): solo" in ok.stdout
     bad = meshllm("plan", str(write_tiny_gguf(tmp_path / "mamba.gguf", "mamba", {})), "--json")
     assert bad.returncode == 0 and "Traceback" not in bad.stderr, bad.stderr
     verdict = json.loads(bad.stdout)["split"]

@@ -84,5 +84,3 @@ class Family:
     """Every per-layer tensor's expected shape."""
     check_layer: Callable[[set[str]], str | None] = field(default=_any)
     """Given a layer's tensor names, what is wrong with that combination (``None``: nothing)."""
-    moe: bool = False
-    """Whether its layers route tokens to experts (always, or when the GGUF has experts)."""

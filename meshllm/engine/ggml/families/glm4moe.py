@@ -78,4 +78,4 @@ def read(reader: GGUFFile, hp: HParams) -> HParams:
 
 
 FAMILY = Family(arch="glm4moe", examples="GLM-4.5, GLM-4.5-Air, GLM-4.6, GLM-4.7", block=block,
-                layer_tensors=tensors, neox_rope=True, hparams=read, moe=True)
+                layer_tensors=tensors, neox_rope=True, hparams=read)

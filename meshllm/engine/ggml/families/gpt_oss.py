@@ -61,4 +61,4 @@ def read(reader: GGUFFile, hp: HParams) -> HParams:
 
 
 FAMILY = Family(arch="gpt-oss", examples="gpt-oss-20b, gpt-oss-120b", block=block, layer_tensors=tensors,
-                neox_rope=True, hparams=read, shapes=shapes, moe=True)
+                neox_rope=True, hparams=read, shapes=shapes)

@@ -63,5 +63,5 @@ def read(_reader: GGUFFile, hp: HParams) -> HParams:
 
 FAMILY = Family(
     arch="llama", examples="Llama 2/3, Mistral 7B, SmolLM2, Mixtral 8x7B", block=block, layer_tensors=tensors,
-    hparams=read, moe=True,
+    hparams=read,
 )

@@ -31,4 +31,4 @@ def read(reader: GGUFFile, hp: HParams) -> HParams:
 
 
 FAMILY = Family(arch="mistral3", examples="Mistral Small 3.1/3.2, Ministral 3", block=block, layer_tensors=tensors,
-                hparams=read, moe=True)
+                hparams=read)

@@ -50,4 +50,4 @@ def read(reader: GGUFFile, hp: HParams) -> HParams:
 
 
 FAMILY = Family(arch="qwen2moe", examples="Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B", block=block, layer_tensors=tensors,
-                neox_rope=True, hparams=read, moe=True)
+                neox_rope=True, hparams=read)

@@ -39,4 +39,4 @@ def read(reader: GGUFFile, hp: HParams) -> HParams:
 
 
 FAMILY = Family(arch="qwen3moe", examples="Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder-30B-A3B", block=block,
-                layer_tensors=tensors, neox_rope=True, hparams=read, moe=True)
+                layer_tensors=tensors, neox_rope=True, hparams=read)
