@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -83,14 +83,14 @@ class HParams:
     """Experts each token is routed to."""
     expert_ffn: int = 0
     """Hidden size of one expert's FFN."""
-    expert_gating: str = "softmax"
+    expert_gating: Literal["softmax", "sigmoid", "softmax_weight"] = "softmax"
     """How router logits become expert weights: ``softmax`` or ``sigmoid`` of all, or ``softmax_weight``
     (select on the logits, softmax over the chosen ones)."""
     shared_ffn: int = 0
     """Hidden size of the shared expert FFN every token runs beside its chosen experts; 0 for none."""
     n_dense_lead: int = 0
     """Leading layers with a dense FFN before the mixture-of-experts layers (GLM-4.5, DeepSeek)."""
-    expert_act: str = "swiglu"
+    expert_act: Literal["swiglu", "swiglu_oai"] = "swiglu"
     """The experts' activation: ``swiglu``, or gpt-oss's clamped ``swiglu_oai``."""
     expert_norm: bool = False
     """Renormalise the chosen experts' weights to sum to 1."""

@@ -13,7 +13,7 @@ as in llama.cpp; M-RoPE (the vision variants) is refused.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from meshllm.engine.ggml.errors import UnsupportedModel
 from meshllm.engine.ggml.families.qwen3 import attention
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from meshllm.engine.ggml.weights import LayerWeights
     from meshllm.models.gguf_file import GGUFFile
 
-_GATING = {1: "softmax", 2: "sigmoid"}
+_GATING: dict[int, Literal["softmax", "sigmoid"]] = {1: "softmax", 2: "sigmoid"}
 """``expert_gating_func`` values (gguf's ExpertGatingFuncType) this runtime implements."""
 
 
