@@ -80,8 +80,8 @@ def write_tiny_gemma3(
                       head_dim=head_dim, ffn=ffn, sliding_window=sliding_window, final_softcap=softcap)
 
 
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral3", "olmo2", "mixtral", "qwen2moe",
-            "qwen3moe", "gpt-oss", "glm4moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral3", "olmo2", "smollm3", "mixtral",
+            "qwen2moe", "qwen3moe", "gpt-oss", "glm4moe")
 """The families :func:`write_tiny` writes, one per model family the ggml runtime supports (``mixtral`` is
 the ``llama`` architecture with experts)."""
 MOE_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "gpt-oss", "glm4moe")

@@ -21,6 +21,7 @@ from meshllm.engine.ggml.families import (
     qwen2moe,
     qwen3,
     qwen3moe,
+    smollm3,
 )
 from meshllm.engine.ggml.family import Family
 
@@ -35,6 +36,7 @@ REGISTRY: dict[str, Family] = {f.arch: f for f in (
     phi3.FAMILY,
     mistral3.FAMILY,
     olmo2.FAMILY,
+    smollm3.FAMILY,
     gpt_oss.FAMILY,
     glm4moe.FAMILY,
 )}

@@ -22,8 +22,9 @@ if TYPE_CHECKING:
     from meshllm.engine.ggml.weights import LayerWeights
 
 
-def attention(s: Step, lw: LayerWeights, slot: int, x: T, rope_factors: T | None) -> T:
-    """Norm, q/k/v (+ biases), rope, attention and output projection: the llama-style attention half."""
+def attention(s: Step, lw: LayerWeights, slot: int, x: T, rope_factors: T | None, *, rope: bool = True) -> T:
+    """Norm, q/k/v (+ biases), rope (unless not ``rope``), attention and output projection: the llama-style
+    attention half."""
     g, hp, n, il = s.g, s.hp, s.n, lw.index
     cur = s.norm(x, lw["attn_norm.weight"])
     q = s.linear(cur, lw["attn_q.weight"], lw.get("attn_q.bias"))
@@ -32,8 +33,9 @@ def attention(s: Step, lw: LayerWeights, slot: int, x: T, rope_factors: T | None
     q = g.reshape(q, hp.head_dim, hp.n_heads, n)
     k = g.reshape(k, hp.head_dim, hp.n_kv_heads, n)
     v = g.reshape(v, hp.head_dim, hp.n_kv_heads, n)
-    q = s.rope(q, il, rope_factors)
-    k = s.rope(k, il, rope_factors)
+    if rope:
+        q = s.rope(q, il, rope_factors)
+        k = s.rope(k, il, rope_factors)
     cur = s.attention(slot, il, q, k, v, hp.attn_scale)
     return s.linear(cur, lw["attn_output.weight"], lw.get("attn_output.bias"))
 
