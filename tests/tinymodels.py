@@ -80,8 +80,8 @@ def write_tiny_gemma3(
                       head_dim=head_dim, ffn=ffn, sliding_window=sliding_window, final_softcap=softcap)
 
 
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral3", "olmo2", "smollm3", "mixtral",
-            "qwen2moe", "qwen3moe", "gpt-oss", "glm4moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral3", "olmo2", "smollm3", "granite",
+            "mixtral", "qwen2moe", "qwen3moe", "gpt-oss", "glm4moe")
 """The families :func:`write_tiny` writes, one per model family the ggml runtime supports (``mixtral`` is
 the ``llama`` architecture with experts)."""
 MOE_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "gpt-oss", "glm4moe")
@@ -149,6 +149,11 @@ def write_tiny(
     w.add_rope_freq_base(1_000_000.0 if family in ("qwen3", "qwen3moe", "mistral3", "gemma3") else 10000.0)
     if family in (*_GEMMA, "gpt-oss"):
         w.add_sliding_window(sliding_window)
+    if family == "granite":  # Granite 3's multipliers (the 2B's values)
+        w.add_float32(f"{arch}.embedding_scale", 12.0)
+        w.add_float32(f"{arch}.residual_scale", 0.22)
+        w.add_float32(f"{arch}.attention.scale", 0.015625)
+        w.add_float32(f"{arch}.logit_scale", 8.0)
     if family == "gemma2":
         w.add_attn_logit_softcapping(50.0)
         final_softcap = final_softcap or 30.0

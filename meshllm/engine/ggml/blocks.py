@@ -22,7 +22,7 @@ import numpy as np
 
 from meshllm.engine.ggml import lib
 from meshllm.engine.ggml.graph import Graph, T
-from meshllm.engine.ggml.hparams import HParams
+from meshllm.engine.ggml.hparams import HParams, f32_div
 from meshllm.engine.ggml.kv_cache import KVCache
 from meshllm.engine.ggml.weights import LayerWeights, StageWeights
 
@@ -307,10 +307,12 @@ class Step:
         return self.g.get_rows(self.w.embed, self.tokens)
 
     def head(self, x: T) -> T:
-        """Output norm, head (+ bias) and optional final soft-capping: [width, n_out] -> logits [vocab, n_out]."""
+        """Output norm, head (+ bias), optional logit scale and final soft-capping: [width, n_out] -> [vocab, n_out]."""
         w, g = self.w, self.g
         assert w.output_norm is not None and w.head is not None
         logits = self.linear(self.norm(x, w.output_norm), w.head, w.head_bias)
+        if self.hp.logit_scale != 1.0:
+            logits = g.scale(logits, f32_div(1.0, self.hp.logit_scale))
         cap = self.hp.final_logit_softcap
         if cap:
             logits = g.scale(g.tanh(g.scale(logits, 1.0 / cap)), cap)

@@ -75,6 +75,10 @@ class HParams:
     """Window of sliding-window layers in tokens; 0 when the model has none."""
     swa_layers: tuple[bool, ...]
     """Per layer: does it attend only within the sliding window?"""
+    logit_scale: float = 1.0
+    """The logits are divided by it (Granite)."""
+    residual_scale: float = 0.0
+    """Multiplies each branch's output before its residual add when non-zero (Granite)."""
     attn_softcap: float = 0.0
     """``c * tanh(scores / c)`` on attention scores before the softmax when non-zero (Gemma 2)."""
     n_expert: int = 0

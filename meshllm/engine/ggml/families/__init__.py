@@ -13,6 +13,7 @@ from meshllm.engine.ggml.families import (
     gemma3,
     glm4moe,
     gpt_oss,
+    granite,
     llama,
     mistral3,
     olmo2,
@@ -37,6 +38,7 @@ REGISTRY: dict[str, Family] = {f.arch: f for f in (
     mistral3.FAMILY,
     olmo2.FAMILY,
     smollm3.FAMILY,
+    granite.FAMILY,
     gpt_oss.FAMILY,
     glm4moe.FAMILY,
 )}
