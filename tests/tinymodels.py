@@ -81,7 +81,7 @@ def write_tiny_gemma3(
 
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral3", "olmo2", "smollm3", "granite",
-            "mixtral", "qwen2moe", "qwen3moe", "gpt-oss", "glm4moe")
+            "ernie4_5", "mixtral", "qwen2moe", "qwen3moe", "gpt-oss", "glm4moe")
 """The families :func:`write_tiny` writes, one per model family the ggml runtime supports (``mixtral`` is
 the ``llama`` architecture with experts)."""
 MOE_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "gpt-oss", "glm4moe")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from meshllm.engine.ggml.errors import UnsupportedModel
 from meshllm.engine.ggml.families import (
+    ernie4_5,
     gemma2,
     gemma3,
     glm4moe,
@@ -39,6 +40,7 @@ REGISTRY: dict[str, Family] = {f.arch: f for f in (
     olmo2.FAMILY,
     smollm3.FAMILY,
     granite.FAMILY,
+    ernie4_5.FAMILY,
     gpt_oss.FAMILY,
     glm4moe.FAMILY,
 )}
