@@ -81,10 +81,10 @@ def write_tiny_gemma3(
 
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral3", "olmo2", "smollm3", "granite",
-            "ernie4_5", "mixtral", "qwen2moe", "qwen3moe", "gpt-oss", "glm4moe")
+            "ernie4_5", "mixtral", "qwen2moe", "qwen3moe", "gpt-oss", "glm4moe", "ernie4_5-moe")
 """The families :func:`write_tiny` writes, one per model family the ggml runtime supports (``mixtral`` is
 the ``llama`` architecture with experts)."""
-MOE_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "gpt-oss", "glm4moe")
+MOE_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "gpt-oss", "glm4moe", "ernie4_5-moe")
 
 _ARCH = {"mixtral": "llama"}
 _GEMMA = ("gemma2", "gemma3")
@@ -171,9 +171,13 @@ def write_tiny(
     if moe:
         w.add_expert_count(n_expert)
         w.add_expert_used_count(n_expert_used)
-        if family in ("qwen2moe", "qwen3moe", "gpt-oss", "glm4moe"):
+        if family in ("qwen2moe", "qwen3moe", "gpt-oss", "glm4moe", "ernie4_5-moe"):
             w.add_expert_feed_forward_length(ffn)
-        if family == "qwen2moe":
+        if family == "ernie4_5-moe":  # layer 0 dense, then experts every layer, one shared expert
+            w.add_expert_shared_count(1)
+            w.add_uint32(f"{arch}.leading_dense_block_count", 1)
+            w.add_uint32(f"{arch}.interleave_moe_layer_step", 1)
+        if family in ("qwen2moe", "ernie4_5-moe"):
             w.add_expert_shared_feed_forward_length(ffn)
         if family == "glm4moe":  # GLM-4.5: layer 0 dense, then experts with a shared one, sigmoid router
             w.add_expert_shared_count(1)
@@ -231,7 +235,7 @@ def write_tiny(
             vector(p + "post_attention_norm.weight", width)
         elif family != "olmo2":
             vector(p + "ffn_norm.weight", width)
-        if moe and not (family == "glm4moe" and il == 0):
+        if moe and not (family in ("glm4moe", "ernie4_5-moe") and il == 0):
             matrix(p + "ffn_gate_inp.weight", _matrix(rng, n_expert, width, scale=1.0))
             stack = [_matrix(rng, ffn, width) for _ in range(n_expert)]
             matrix(p + "ffn_gate_exps.weight", np.stack(stack))
@@ -243,9 +247,9 @@ def write_tiny(
                     w.add_tensor(p + name, (0.1 * rng.standard_normal(shape)).astype(np.float32))
             if family == "qwen2moe":  # the shared expert's gate
                 w.add_tensor(p + "ffn_gate_inp_shexp.weight", _matrix(rng, 1, width)[0])
-            if family == "glm4moe":
+            if family in ("glm4moe", "ernie4_5-moe"):
                 w.add_tensor(p + "exp_probs_b.bias", (0.1 * rng.standard_normal(n_expert)).astype(np.float32))
-            if family in ("qwen2moe", "glm4moe"):  # one shared expert
+            if family in ("qwen2moe", "glm4moe", "ernie4_5-moe"):  # one shared expert
                 matrix(p + "ffn_gate_shexp.weight", _matrix(rng, ffn, width))
                 matrix(p + "ffn_up_shexp.weight", _matrix(rng, ffn, width))
                 matrix(p + "ffn_down_shexp.weight", _matrix(rng, width, ffn))

@@ -94,12 +94,18 @@ class HParams:
     """Hidden size of the shared expert FFN every token runs beside its chosen experts; 0 for none."""
     n_dense_lead: int = 0
     """Leading layers with a dense FFN before the mixture-of-experts layers (GLM-4.5, DeepSeek)."""
+    moe_step: int = 1
+    """From ``n_dense_lead`` on, layer ``il`` has experts when ``(il + 1) % moe_step == 0`` (ERNIE 4.5)."""
     expert_act: Literal["swiglu", "swiglu_oai"] = "swiglu"
     """The experts' activation: ``swiglu``, or gpt-oss's clamped ``swiglu_oai``."""
     expert_norm: bool = False
     """Renormalise the chosen experts' weights to sum to 1."""
     expert_scale: float = 1.0
     """Multiplies the chosen experts' weights (after any renormalisation)."""
+
+    def has_experts(self, layer: int) -> bool:
+        """Whether ``layer`` routes to experts (a dense model: never)."""
+        return bool(self.n_expert) and layer >= self.n_dense_lead and (layer + 1) % self.moe_step == 0
 
     def rope_for(self, layer: int) -> RopeConfig:
         """The rotary embedding layer ``layer`` uses."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 from meshllm.engine.ggml.errors import UnsupportedModel
 from meshllm.engine.ggml.families import (
     ernie4_5,
+    ernie4_5_moe,
     gemma2,
     gemma3,
     glm4moe,
@@ -41,6 +42,7 @@ REGISTRY: dict[str, Family] = {f.arch: f for f in (
     smollm3.FAMILY,
     granite.FAMILY,
     ernie4_5.FAMILY,
+    ernie4_5_moe.FAMILY,
     gpt_oss.FAMILY,
     glm4moe.FAMILY,
 )}

@@ -1,7 +1,7 @@
 """ERNIE 4.5 dense (``general.architecture`` ``ernie4_5``; llama.cpp's ``src/models/ernie4-5.cpp``).
 
 The llama block as llama.cpp builds it for ERNIE: optional q/k/v biases, rope over adjacent pairs, no
-rope frequency factors, no output bias. The MoE variants (``ernie4_5-moe``) are not implemented.
+rope frequency factors, no output bias. The MoE variants are :mod:`.ernie4_5_moe`.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ def block(s: Step, lw: LayerWeights, slot: int, x: T) -> T:
     cur, x = s.output_rows(il, attention(s, lw, slot, x), x)
     ffn_in = g.add(cur, x)
     cur = s.norm(ffn_in, lw["post_attention_norm.weight"])
-    if il < s.hp.n_dense_lead:
+    if not s.hp.has_experts(il):
         cur = s.ffn(cur, lw, f32_down=True)
     else:
         routed = s.moe(cur, lw)
@@ -45,7 +45,7 @@ def block(s: Step, lw: LayerWeights, slot: int, x: T) -> T:
 
 def tensors(hp: HParams, il: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     optional = ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_q_norm.weight", "attn_k_norm.weight")
-    if il < hp.n_dense_lead:
+    if not hp.has_experts(il):
         return (*ATTENTION, "post_attention_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"), \
             optional
     shared = SHARED_EXPERT if hp.shared_ffn else ()
