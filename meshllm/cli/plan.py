@@ -1,7 +1,9 @@
 """``meshllm plan MODEL``: the chain the planner would choose, its memory per stage and predicted speed.
 
 With a node running it asks ``GET /api/plan`` (the node's view of the mesh: workers, capacities,
-RTT matrix); with none it plans this machine alone, which shows whether the model fits here.
+RTT matrix); with none it plans this machine alone, which shows whether the model fits here. Either
+way it first says whether the file can be split at all (the ggml stage runtime runs its family and
+every tensor of it) and, if not, why: such a model still serves whole on one node (``--engine llama``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,14 @@ from meshllm.cli.common import GIGABYTES, api_option, echo_json, json_option
 @json_option
 def plan(model: str, api: NodeApi, stages: int | None, max_memory: float | None, as_json: bool) -> None:
     """Show how MODEL (a GGUF path or 'default') would be placed: solo or a chain of stages."""
+    verdict = split_verdict(model)
+    if not verdict["splittable"]:
+        if as_json:
+            echo_json({"model": model, "split": verdict})
+        else:
+            click.echo(f"{model} cannot be split: {verdict['reason']}\n"
+                       "It can still be served whole by one node: meshllm serve --engine llama --model MODEL")
+        return
     query = {"model": model, **({"stages": stages} if stages else {}),
              **({"max_memory_gb": max_memory} if max_memory else {})}
     try:
@@ -33,9 +43,35 @@ def plan(model: str, api: NodeApi, stages: int | None, max_memory: float | None,
         result = _local_plan(model, stages, max_memory)
         source = "this machine alone (no node running)"
     if as_json:
-        echo_json(result)
+        echo_json({**result, "split": verdict})
         return
+    experts = f", {verdict['experts'][0]} of {verdict['experts'][1]} experts per token" if verdict["experts"] else ""
+    click.echo(f"{model} can be split: family {verdict['family']} ({verdict['examples']}){experts}")
     click.echo(_text(result, source))
+
+
+def split_verdict(spec: str) -> dict[str, Any]:
+    """Whether the model ``spec`` names can be split, from its header: its family, or why not.
+
+    A split needs the ggml stage runtime to run every layer, so this is that runtime's own check
+    (:func:`~meshllm.engine.ggml.weights.plan_stage` over all layers): the same refusal a split would meet.
+    """
+    from meshllm.engine.ggml.errors import UnsupportedModel
+    from meshllm.engine.ggml.families import family_for
+    from meshllm.engine.ggml.hparams import read_hparams
+    from meshllm.engine.ggml.weights import plan_stage
+    from meshllm.models.gguf_file import GGUFFile
+    from meshllm.models.refs import resolve_model
+
+    reader = GGUFFile(resolve_model(spec).path)
+    try:
+        hp = read_hparams(reader)
+        plan_stage(reader, hp, 0, hp.n_layers)
+    except UnsupportedModel as e:
+        return {"splittable": False, "family": None, "reason": str(e)}
+    family = family_for(hp.arch)
+    return {"splittable": True, "family": family.arch, "examples": family.examples, "reason": None,
+            "experts": [hp.n_expert_used, hp.n_expert] if hp.n_expert else None}
 
 
 def _local_plan(spec: str, stages: int | None, max_memory_gb: float | None) -> dict[str, Any]:

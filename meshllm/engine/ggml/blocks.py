@@ -4,11 +4,10 @@ A :class:`Step` builds one forward graph of a stage for the tokens of one or mor
 session's ``n`` tokens at its positions ``pos .. pos+n-1``): its input tensors (token ids or the
 previous stage's activations, positions, and per session the KV rows to write and the attention
 masks; the output rows), the shared blocks, and the output (activations, or logits of the rows in
-``out_ids`` on the last stage). The family modules
-(:mod:`~meshllm.engine.ggml.llama`, :mod:`~meshllm.engine.ggml.gemma3`) only say how one layer is
-wired from these blocks, mirroring llama.cpp's ``src/models/*.cpp`` and ``llm_graph_context``
-(``build_norm``, ``build_attn``, ``build_ffn``) op for op, because the same ops in the same order are
-what make the logits bit-identical to llama.cpp's.
+``out_ids`` on the last stage). The family modules (:mod:`meshllm.engine.ggml.families`) only say
+how one layer is wired from these blocks, mirroring llama.cpp's ``src/models/*.cpp`` and
+``llm_graph_context`` (``build_norm``, ``build_attn``, ``build_ffn``, ``build_moe_ffn``) op for op,
+because the same ops in the same order are what make the logits bit-identical to llama.cpp's.
 
 Inputs are what a reused graph rewrites each step (:meth:`Step.set_inputs`); everything else in the
 graph, including the views of the KV cache, stays.
@@ -23,9 +22,9 @@ import numpy as np
 
 from meshllm.engine.ggml import lib
 from meshllm.engine.ggml.graph import Graph, T
-from meshllm.engine.ggml.hparams import HParams
+from meshllm.engine.ggml.hparams import HParams, f32_div
 from meshllm.engine.ggml.kv_cache import KVCache
-from meshllm.engine.ggml.weights import StageWeights
+from meshllm.engine.ggml.weights import LayerWeights, StageWeights
 
 TENSORS_PER_LAYER = 64
 """Upper bound on ggml tensors one layer's graph creates (ops and views); sizes the graph context."""
@@ -164,25 +163,26 @@ class Step:
             beta_slow=cfg.beta_slow,
         )
 
-    def attention(self, slot: int, layer: int, q: T, k: T, v: T, kq_scale: float) -> T:
+    def attention(self, slot: int, layer: int, q: T, k: T, v: T, kq_scale: float, sinks: T | None = None) -> T:
         """Store this step's K/V rows in the caches, attend over ``n_kv`` rows; returns [heads*head_dim, n].
 
         ``q`` is [head_dim, heads, n], ``k``/``v`` [head_dim, kv_heads, n]; llama.cpp's ``build_attn``
         with its KV cache: the writes are expanded into the graph before the attention that reads them.
         In a batch each session's rows are views of the three, attend to that session's cache with
         exactly the ops (and shapes) they would have alone, and the outputs are concatenated in order.
+        ``sinks`` (gpt-oss): one learned logit per head that joins every softmax.
         """
         g = self.g
         g.expand(q)
         g.expand(v)
         g.expand(k)
         if len(self.segments) == 1:
-            out = self._attend(self.segments[0], slot, layer, q, k, v, kq_scale)
+            out = self._attend(self.segments[0], slot, layer, q, k, v, kq_scale, sinks)
         else:
             out = None
             for seg in self.segments:
                 rows = [self._rows(t, seg) for t in (q, k, v)]
-                part = self._attend(seg, slot, layer, *rows, kq_scale)
+                part = self._attend(seg, slot, layer, *rows, kq_scale, sinks)
                 out = part if out is None else g.concat(out, part, 1)
             assert out is not None
         g.expand(out)
@@ -194,7 +194,8 @@ class Step:
         nb = t.nb
         return self.g.view(t, (ne0, ne1, seg.shape.n), (nb[1], nb[2]), seg.offset * nb[2])
 
-    def _attend(self, seg: _Segment, slot: int, layer: int, q: T, k: T, v: T, kq_scale: float) -> T:
+    def _attend(self, seg: _Segment, slot: int, layer: int, q: T, k: T, v: T, kq_scale: float,
+                sinks: T | None) -> T:
         """One session's K/V writes and attention over its cache: [heads*head_dim, n] for its ``n`` rows."""
         g, hp, cache, n = self.g, self.hp, seg.cache, seg.shape.n
         width = hp.n_kv_heads * hp.head_dim
@@ -213,15 +214,86 @@ class Step:
         if self.flash_attn:
             values = g.permute(g.view(v_cache, (hp.head_dim, hp.n_kv_heads, n_kv), (elt * hp.head_dim, elt * width)),
                                0, 2, 1, 3)
-            out = g.f32_accumulation(g.flash_attn(q, keys, values, mask, kq_scale))
+            out = g.flash_attn(q, keys, values, mask, kq_scale, hp.attn_softcap)
+            if sinks is not None:
+                g.add_sinks(out, sinks, hp.n_heads, flash=True)
+            out = g.f32_accumulation(out)
             return g.reshape(out, hp.head_dim * hp.n_heads, n)
         cap = cache.capacity  # the transposed V: [n_kv, kv_heads, head_dim] -> [n_kv, head_dim, kv_heads]
         strides = (elt * cap * hp.head_dim, elt * cap)
         values = g.permute(g.view(v_cache, (n_kv, hp.n_kv_heads, hp.head_dim), strides), 0, 2, 1, 3)
         kq = g.f32_accumulation(g.mul_mat(keys, q))
+        if hp.attn_softcap:  # Gemma 2: c * tanh(scores / c) before the softmax
+            kq = g.scale(g.tanh(g.scale(kq, 1.0 / hp.attn_softcap)), hp.attn_softcap)
         kq = g.soft_max(kq, mask, kq_scale)
+        if sinks is not None:
+            g.add_sinks(kq, sinks, hp.n_heads, flash=False)
         kqv = g.mul_mat(values, kq)
         return g.cont_2d(g.permute(kqv, 0, 2, 1, 3), hp.head_dim * hp.n_heads, n)
+
+    def ffn(self, x: T, lw: LayerWeights, act: str = "silu", kind: str = "", f32_down: bool = False) -> T:
+        """A gated FFN, ``down(act(gate(x)) * up(x))`` with its optional biases (``build_ffn``, parallel gate).
+
+        ``kind`` ``_shexp`` picks a mixture of experts' shared expert; ``f32_down`` asks the down
+        projection for f32 accumulation (llama.cpp does for GLM 4).
+        """
+        up = self.linear(x, lw[f"ffn_up{kind}.weight"], lw.get(f"ffn_up{kind}.bias"))
+        gate = self.linear(x, lw[f"ffn_gate{kind}.weight"], lw.get(f"ffn_gate{kind}.bias"))
+        down = self.g.mul_mat(lw[f"ffn_down{kind}.weight"], self.g.glu(act, gate, up))
+        if f32_down:
+            self.g.f32_accumulation(down)
+        bias = lw.get(f"ffn_down{kind}.bias")
+        return self.g.add(down, bias) if bias is not None else down
+
+    def moe(self, x: T, lw: LayerWeights) -> T:
+        """A mixture of gated experts on ``x`` [width, n], op for op llama.cpp's ``build_moe_ffn``.
+
+        The router scores every expert per token (``ffn_gate_inp``, plus its bias when the layer has
+        one), and each token takes its ``n_expert_used`` best. Their weights are the scores' softmax or
+        sigmoid (``expert_gating``), or for ``softmax_weight`` (gpt-oss) a softmax over the chosen
+        logits alone; optionally renormalised to sum to 1 (the sum clamped below at f16's smallest
+        normal, as llama.cpp does) and scaled. A selection bias (``exp_probs_b``, DeepSeek V3 / GLM)
+        shifts which experts are chosen, not their weights. ``mul_mat_id`` runs only the chosen experts' matrices
+        from the stacks (plus their per-expert biases, ``add_id``), then SwiGLU (gpt-oss: its clamped
+        variant), and the weighted outputs are summed in expert-rank order.
+        """
+        g, hp, n = self.g, self.hp, x.ne[1]  # the model's last layer runs only the rows whose logits are wanted
+        k, width = hp.n_expert_used, hp.width
+        logits = self.linear(x, lw["ffn_gate_inp.weight"], lw.get("ffn_gate_inp.bias"))  # [n_expert, n]
+        gating = hp.expert_gating
+        probs = {"softmax": g.soft_max_rows, "sigmoid": g.sigmoid}.get(gating, lambda t: t)(logits)
+        bias = lw.get("exp_probs_b.bias")  # DeepSeek V3 / GLM: biases the choice, not the weights
+        chosen = g.argsort_top_k(g.add(probs, bias) if bias is not None else probs, k)  # [k, n]
+        weights = g.get_rows(g.reshape(probs, 1, hp.n_expert, n), chosen)  # [1, k, n]
+        if gating == "softmax_weight":
+            weights = g.reshape(g.soft_max_rows(g.reshape(weights, k, n)), 1, k, n)
+        if hp.expert_norm:
+            w2 = g.reshape(weights, k, n)
+            total = g.clamp(g.sum_rows(w2), 6.103515625e-5, float("inf"))
+            weights = g.reshape(g.div(w2, total), 1, k, n)
+        if hp.expert_scale not in (0.0, 1.0):
+            weights = g.scale(weights, hp.expert_scale)
+        g.expand(weights)
+        cur = g.reshape(x, width, 1, n)
+
+        def experts_of(name: str, inputs: T) -> T:
+            out = g.mul_mat_id(lw[f"{name}.weight"], inputs, chosen)
+            bias = lw.get(f"{name}.bias")
+            return g.add_id(out, bias, chosen) if bias is not None else out
+
+        up = experts_of("ffn_up_exps", cur)  # [expert_ffn, k, n]
+        gate = experts_of("ffn_gate_exps", cur)
+        act = g.swiglu_oai(gate, up, 1.702, 7.0) if hp.expert_act == "swiglu_oai" else g.glu("silu", gate, up)
+        experts = g.mul(experts_of("ffn_down_exps", act), weights)  # [width, k, n]
+        g.expand(experts)
+        views = [g.view(experts, (width, n), (experts.nb[2],), i * experts.nb[1]) for i in range(k)]
+        for v in views:
+            g.expand(v)
+        out = views[0]
+        for v in views[1:]:
+            out = g.add(out, v)
+            g.expand(out)
+        return g.cont(out) if k == 1 else out
 
     def output_rows(self, layer: int, *xs: T) -> tuple[T, ...]:
         """In the model's last layer, keep only the rows whose logits are wanted (llama.cpp's ``out_ids``)."""
@@ -235,10 +307,12 @@ class Step:
         return self.g.get_rows(self.w.embed, self.tokens)
 
     def head(self, x: T) -> T:
-        """Output norm, head (+ bias) and optional final soft-capping: [width, n_out] -> logits [vocab, n_out]."""
+        """Output norm, head (+ bias), optional logit scale and final soft-capping: [width, n_out] -> [vocab, n_out]."""
         w, g = self.w, self.g
         assert w.output_norm is not None and w.head is not None
         logits = self.linear(self.norm(x, w.output_norm), w.head, w.head_bias)
+        if self.hp.logit_scale != 1.0:
+            logits = g.scale(logits, f32_div(1.0, self.hp.logit_scale))
         cap = self.hp.final_logit_softcap
         if cap:
             logits = g.scale(g.tanh(g.scale(logits, 1.0 / cap)), cap)

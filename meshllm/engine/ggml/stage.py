@@ -23,20 +23,21 @@ import contextlib
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from meshllm.engine.ggml import gemma3, lib, llama
+from meshllm.engine.ggml import lib
 from meshllm.engine.ggml.backends import Backends, Device, choose_accelerator, devices, layers_that_fit
 from meshllm.engine.ggml.blocks import TENSORS_PER_LAYER, TENSORS_PER_SEGMENT, Shape, Step, read
 from meshllm.engine.ggml.errors import StageInputError, UnsupportedModel
-from meshllm.engine.ggml.graph import Graph, T
+from meshllm.engine.ggml.families import family_for
+from meshllm.engine.ggml.graph import Graph
 from meshllm.engine.ggml.hparams import HParams, read_hparams
 from meshllm.engine.ggml.kv_cache import KV_TYPES, KVCache, kv_bytes_per_token
-from meshllm.engine.ggml.weights import LayerWeights, StagePlan, StageWeights, load_weights, plan_stage
+from meshllm.engine.ggml.weights import StagePlan, StageWeights, load_weights, plan_stage
 from meshllm.engine.kernels import Kernels, use_kernels
 from meshllm.engine.slots import CallCosts
 from meshllm.models.gguf_file import GGUFFile
@@ -50,7 +51,6 @@ REUSE_MAX_TOKENS = 16
 
 _FLOAT_TYPES = frozenset({lib.F32, lib.F16, lib.BF16})
 """Matrix types whose one-row product rounds differently from the same row in a batch."""
-_BLOCKS: dict[str, Callable[[Step, LayerWeights, int, T], T]] = {"llama": llama.block, "gemma3": gemma3.block}
 
 
 @dataclass
@@ -85,7 +85,7 @@ class StageModel:
         self.max_context = max_context
         self.kv_type = kv_type
         self.flash_attn = flash_attn
-        self._block = _BLOCKS[hp.family]
+        self._block = family_for(hp.arch).block
         self._sessions: dict[str, KVCache] = {}
         self._graphs: OrderedDict[tuple[object, ...], _Compiled] = OrderedDict()
         self._lock = threading.Lock()
@@ -352,7 +352,8 @@ class StageModel:
 
     def _compile(self, key: tuple[object, ...], caches: list[KVCache], shapes: list[Shape]) -> _Compiled:
         g, b = self.backends.g, self.backends
-        per_layer = TENSORS_PER_LAYER + (TENSORS_PER_SEGMENT * len(shapes) if len(shapes) > 1 else 0)
+        per_layer = TENSORS_PER_LAYER + 4 * self.hparams.n_expert_used + (
+            TENSORS_PER_SEGMENT * len(shapes) if len(shapes) > 1 else 0)
         graph = Graph(g, max_tensors=64 + 8 * len(shapes) + per_layer * len(self.weights.layers))
         n = sum(s.n for s in shapes)
         try:

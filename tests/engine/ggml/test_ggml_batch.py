@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tinymodels import write_tiny
 
 from meshllm.engine.ggml import StageModel
 from meshllm.engine.ggml.errors import StageInputError
@@ -134,5 +135,18 @@ def test_a_batch_measured_slower_runs_as_lone_rows_with_the_same_results(tiny_ll
         split = stage.forward_batch([("a", x[3:], 3), ("b", x[3:], 3)])
         assert all(np.array_equal(p, q) for p, q in zip(alone, split, strict=True))
         assert (stage.session_length("a"), stage.session_length("b")) == (4, 4)
+    finally:
+        stage.close()
+
+
+@pytest.mark.parametrize("weight_type", ["F32", "Q8_0"])
+def test_mixture_of_experts_rows_are_the_rows_alone(weight_type: str, tmp_path: Path) -> None:
+    """Tokens of different sessions routed to different experts in one ``mul_mat_id``: each row still alone."""
+    path = write_tiny("qwen3moe", tmp_path / "moe.gguf", weight_type=weight_type)
+    stage = StageModel.load(path, max_context=256, threads=1)
+    try:
+        stage.batch_exact()
+        alone, batched = _alone_and_batched(stage)
+        assert _same(alone, batched)
     finally:
         stage.close()
