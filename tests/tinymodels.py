@@ -1,6 +1,6 @@
 """Tiny GGUF models with random weights, written in milliseconds, that llama.cpp loads and runs.
 
-Every writer is deterministic in its seed. The vocabulary is the one FACTS.md describes: tokenizer
+Every writer is deterministic in its seed. The vocabulary is the smallest that llama.cpp serves: tokenizer
 model ``llama`` with 259 tokens (``<unk>``, ``<s>``, ``</s>``, then the 256 byte tokens), so any text
 tokenizes (as bytes) and llama-cpp-python can serve the model. Weights are float32 (``ALL_F32``)
 unless a test asks for another tensor type.
@@ -57,7 +57,7 @@ def write_tiny_llama(
     weight_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
     metadata: dict[str, float | int | str] | None = None,
 ) -> Path:
-    """The FACTS.md llama (``arch`` llama or qwen2; qwen2 gets q/k/v biases): :func:`write_tiny` with 2 layers."""
+    """The original tiny llama (``arch`` llama or qwen2; qwen2 gets q/k/v biases): :func:`write_tiny` with 2 layers."""
     return write_tiny(arch, path, seed=seed, n_layers=n_layers, width=width, heads=heads, kv_heads=kv_heads, ffn=ffn,
                       context=context, rope_scaling=rope_scaling, rope_freqs=rope_freqs, weight_type=weight_type.name,
                       metadata=metadata)

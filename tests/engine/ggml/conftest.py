@@ -13,7 +13,7 @@ from meshllm.engine.ggml.stage import StageModel
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The FACTS.md tiny llama, but with 4 layers so there are several split points."""
+    """The tiny llama of tests/tinymodels.py, but with 4 layers so there are several split points."""
     return write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama.gguf", n_layers=4)
 
 
