@@ -203,7 +203,7 @@ class SplitEngine(Engine):
         """The tokens fed for ``request`` and its stop strings (the client's plus the chat format's)."""
         if self.tokenizer is None:
             raise EngineNotLoaded(f"model {self.model_id} is not loaded")
-        return self.tokenizer.request_prompt(request, self.model_id)
+        return self.tokenizer.request_prompt(request, self.model_id, self.max_context)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         """Stream ``request`` through the chain, riding out up to ``max_replays`` chain rebuilds; a failed

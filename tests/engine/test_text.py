@@ -107,3 +107,24 @@ def test_token_budget() -> None:
     assert token_budget(10, 100, 500, "m") == 90
     with pytest.raises(PromptTooLong):
         token_budget(100, 100, 5, "m")
+
+
+def test_tokenize_bounded_refuses_before_tokenizing_and_stops_counting_at_the_context() -> None:
+    from meshllm.engine.text import PRECOUNT_CHUNK, tokenize_bounded
+
+    counted: list[int] = []
+
+    def count(data: bytes) -> int:
+        counted.append(len(data))
+        return len(data)  # one token a byte
+
+    def whole(data: bytes) -> list[int]:
+        raise AssertionError("the whole prompt must not be tokenized")
+
+    with pytest.raises(PromptTooLong, match="cannot fit"):
+        tokenize_bounded(whole, count, b"x" * 100_001, 1000, 100, "m")
+    assert counted == []
+    with pytest.raises(PromptTooLong, match="over"):
+        tokenize_bounded(whole, count, ("word " * 20_000).encode(), 1000, 100, "m")
+    assert len(counted) == 1 and counted[0] <= PRECOUNT_CHUNK  # stopped after the first chunk
+    assert tokenize_bounded(lambda b: [1] * len(b), count, b"ok", 1000, 100, "m") == [1, 1]
