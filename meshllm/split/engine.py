@@ -230,9 +230,10 @@ class SplitEngine(Engine):
         session = uuid.uuid4().hex  # the last attempt's session: the one an audit replays
         produced = list(fed)  # every token id fed to ``text``: what a rebuilt chain prefills after the prompt
         replays = 0
+        opened = len(fed)  # tokens the last chain was prefilled with after the prompt (its session's prompt)
         try:
             while True:
-                session = uuid.uuid4().hex
+                session, opened = uuid.uuid4().hex, len(produced)
                 if replays and sampling.grammar is not None:  # the new last stage's grammar starts after them
                     sampling = msgspec.structs.replace(sampling, generated=list(produced))
                 tokens = coordinator.generate(prompt + produced, max_tokens=max(limit - len(produced), 1),
@@ -257,9 +258,11 @@ class SplitEngine(Engine):
         finally:
             self._running -= 1
             self._rate.observe(text.generated - len(fed), started, time.monotonic())
-        # an audit replays one chain's session, and recomputes plain draws (not a grammar's)
-        if self.on_finished is not None and not replays and sampling.grammar is None:
-            self.on_finished(coordinator, FinishedRequest(session, prompt + fed, produced[len(fed):], sampling))
+        # an audit replays one chain's session, the last (after a rebuild, the new chain's: its prompt is the
+        # request's and what the failed chain produced), and recomputes plain draws (not a grammar's)
+        if self.on_finished is not None and sampling.grammar is None:
+            self.on_finished(coordinator, FinishedRequest(session, prompt + produced[:opened], produced[opened:],
+                                                          sampling))
         for event in text.finish():
             yield event
 
