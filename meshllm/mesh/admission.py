@@ -404,6 +404,21 @@ def grant_admitter(grant: bytes) -> str:
     return decode_struct(decode_signed(grant, "grant").body, Grant, what="grant").admitter
 
 
+def vouching_member(credential: bytes) -> str | None:
+    """The member that admitted a credential's node first-hand, unless that is the owner's node (None
+    then, and for the owner's own credential or one that does not parse). Structure only: for a
+    credential already checked, to charge what its node costs to the member that vouched for it."""
+    try:
+        cred = decode_credential(credential)
+        if not cred.grant:
+            return None
+        grant = decode_struct(decode_signed(cred.grant, "grant").body, Grant, what="grant")
+        admitter = decode_signed(decode_credential(grant.admitter_credential).proof, "membership proof")
+    except DecodeError:
+        return None
+    return None if admitter.domain == OWNER_DOMAIN else grant.admitter
+
+
 def credential_invite_id(credential: bytes) -> str | None:
     """The invite id a credential was issued on (None for the owner's, or if it does not parse)."""
     try:

@@ -34,7 +34,7 @@ from meshllm.identity.signing import Signed, decode_signed, sign
 from meshllm.mesh.admission import INVITE_DOMAIN, inspect_token, make_grant, verify_invite, with_grant
 from meshllm.mesh.membership import join_mesh
 from meshllm.mesh.messages import Digest, DownNotice, MeshMessage, Notices, sign_notice
-from meshllm.mesh.records import RECORD_DOMAIN, SEQ_LIMIT, Models, PeerRecord, ServedModel
+from meshllm.mesh.records import RECORD_DOMAIN, SEQ_LIMIT, Models, PeerRecord, ServedModel, sign_record
 from meshllm.mesh.service import GOSSIP_STREAM, MeshService
 from meshllm.net import EndpointOptions, PeerConnection, Stream
 from meshllm.split.frames import KIND as LANE_KIND
@@ -153,6 +153,30 @@ class Attacker:
         stream = await conn.open_stream(GOSSIP_STREAM)
         await stream.send(message, timeout=5.0)
         stream.close()
+
+
+class Vouched:
+    """A node identity a hostile member made and admitted itself (its grant), whose record it re-signs at will."""
+
+    def __init__(self, member: Attacker, token: str, name: str) -> None:
+        self.key = SigningKey.generate()
+        self.node_id = node_id_of(bytes(self.key.verify_key))
+        self.name = name
+        now = time.time()
+        membership = join_mesh(self.key, token, now)
+        self.mesh_id = membership.mesh_id
+        grant = make_grant(member.key.signing_key, member.service.membership.proof, membership.mesh_id,
+                           self.node_id, inspect_token(token).invite_id, now)
+        self.credential = with_grant(membership.proof, grant)
+        self.seq = int(now * 1000)
+
+    def record(self, padding: int = 0) -> bytes:
+        """A newly signed record (the next sequence, signed now), its name padded to ``padding`` bytes."""
+        self.seq += 1
+        record = PeerRecord(node_id=self.node_id, mesh_id=self.mesh_id, seq=self.seq,
+                            membership_proof=self.credential, name=self.name + "x" * padding, role="client",
+                            signed_at=time.time())
+        return sign_record(self.key, record)
 
 
 def invites_in(data: bytes) -> list[Signed]:
