@@ -79,6 +79,23 @@ def measure_layer_seconds(path: Path, layers: int = MEASURE_LAYERS, steps: int =
     return best / min(layers, n_layers)
 
 
+def release_freed_memory() -> None:
+    """Hand memory freed by an unloaded model back to the system (glibc's ``malloc_trim``).
+
+    llama.cpp frees a model's and context's buffers on close, but glibc keeps freed heap in its arenas
+    for reuse: measured on the default model, 20 load/unload cycles left the process at 264-269 MB
+    (a plateau from the third cycle, not a leak), and ``malloc_trim(0)`` took it back to 85 MB. Other
+    C libraries (or none found) leave it as it is.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    if trim is not None:
+        trim(0)
+
+
 def compute_devices() -> list[Device]:
     """ggml's devices, or an empty list when its libraries cannot be checked (reported, never fatal)."""
     try:
