@@ -42,6 +42,7 @@ from meshllm.api.replay import Progress, ReplayPolicy, seeded
 from meshllm.api.router import Attempt, PeerView, Router, Target, affinity_key
 from meshllm.api.tunnel import (
     STREAM_KIND,
+    PeerOverran,
     RemoteError,
     Routable,
     ServerFrame,
@@ -60,7 +61,7 @@ from meshllm.engine.base import (
 )
 from meshllm.engine.embed import embed_stream
 from meshllm.engine.recommended import admit
-from meshllm.errors import MeshllmError
+from meshllm.errors import DecodeError, MeshllmError
 from meshllm.identity.ids import short
 from meshllm.mesh.records import PeerRecord, takes_requests
 from meshllm.mesh.service import MeshService
@@ -479,12 +480,14 @@ class MeshBackend:
         call = _Call(node_id)
         self._calls.setdefault(node_id, set()).add(call)
         client = TunnelClient()
+        conn: PeerConnection | None = None
         try:
             conn = await self._connection(node_id, name)
             call.stream = await conn.open_stream(STREAM_KIND)
             pin = progress.model_sha256 if progress is not None else None  # known once a first node spoke
-            await call.stream.send(client.start(uuid.uuid4().hex, request, int(dl.total_s * 1000), pin or ""),
-                                   timeout=dl.connect_s)
+            opening = client.start(uuid.uuid4().hex, request, int(dl.total_s * 1000), pin or "",
+                                   self._context(node_id, request.model))
+            await call.stream.send(opening, timeout=dl.connect_s)
             end = self.clock() + dl.total_s
             wait = dl.first_byte_s
             while not client.done:
@@ -505,12 +508,27 @@ class MeshBackend:
                 wait = dl.idle_s
         except StreamClosed as exc:
             raise UpstreamError(f"{name} {call.lost or f'dropped the request ({exc})'}; retry the request") from None
+        except (PeerOverran, DecodeError) as exc:  # a peer that oversteps its answer is cut off and struck
+            log.warning("%s sent a bad answer, cut off: %s", name, exc)
+            if call.stream is not None:
+                call.stream.reset()
+            if conn is not None:
+                conn.strike(f"request tunnel: {exc}")
+            if isinstance(exc, PeerOverran):
+                raise PeerOverran(f"{name} {exc}") from None
+            raise UpstreamError(f"{name} sent a malformed answer: {exc}") from None
         finally:
             self._calls[node_id].discard(call)
             if not self._calls[node_id]:
                 del self._calls[node_id]
             if call.stream is not None:
                 _hang_up(call.stream, client)
+
+    def _context(self, node_id: str, model: str) -> int | None:
+        """The context ``node_id``'s record announces for ``model`` (None: not known)."""
+        record = self._alive_records().get(node_id)
+        contexts = [m.context for m in record.models.served if m.name == model] if record is not None else []
+        return max(contexts, default=None)
 
     async def _connection(self, node_id: str, name: str) -> PeerConnection:
         """The open connection to ``node_id``, dialing its gossiped addresses if there is none."""

@@ -40,7 +40,7 @@ from meshllm.api.replay import ReplayPolicy
 from meshllm.api.tunnel import STREAM_KIND
 from meshllm.api.tunnel_serve import TunnelService
 from meshllm.engine.base import DEFAULT_MAX_TOKENS, Engine
-from meshllm.engine.capacity import compute_devices
+from meshllm.engine.capacity import compute_devices, release_freed_memory
 from meshllm.engine.kernels import Kernels
 from meshllm.engine.llama import LlamaEngine
 from meshllm.engine.recommended import Recommended, for_model
@@ -190,6 +190,7 @@ class Serving:
         drained = not cancelled
         with contextlib.suppress(Exception):
             await engine.close()
+        await asyncio.to_thread(release_freed_memory)
         self.draining.pop(model_id, None)
         self._unpin(model_id)
         waited = round(time.monotonic() - started, 2)

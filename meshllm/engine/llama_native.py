@@ -55,6 +55,14 @@ def _init_backend() -> None:
             _backend_ready = True
 
 
+def longest_token(vocab: ctypes.c_void_p | int) -> int:
+    """Most bytes any one token of ``vocab`` stands for in a prompt, read from its stored text (which
+    spells a space or a byte in more bytes than it stands for, so this bounds from above). A prompt of
+    ``n`` bytes has at least ``n / longest_token`` tokens (:func:`meshllm.engine.text.tokenize_bounded`)."""
+    get = L.llama_vocab_get_text
+    return max((len(get(vocab, t) or b"") for t in range(int(L.llama_vocab_n_tokens(vocab)))), default=1) or 1
+
+
 class NativeModel:
     """Weights and vocabulary of one GGUF."""
 
@@ -78,6 +86,7 @@ class NativeModel:
         self.n_ctx_train = int(L.llama_model_n_ctx_train(ptr))
         self.bos = int(L.llama_vocab_bos(self.vocab))
         self.eos = int(L.llama_vocab_eos(self.vocab))
+        self.longest_token = longest_token(self.vocab)
         self._pieces: dict[int, bytes] = {}
         self._eog: dict[int, bool] = {}
 

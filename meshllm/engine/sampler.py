@@ -84,7 +84,9 @@ class Sampler:
     def __init__(self, params: SamplingParams, grammar: Grammar | None = None) -> None:
         self.params = params
         self.grammar = grammar
-        self._rng = np.random.default_rng(params.seed)
+        # any 64-bit seed, negative ones included (-1 is a seed like any other, as in the llama engine's
+        # draws), as its two's-complement bits: numpy refuses negative seeds
+        self._rng = np.random.default_rng(None if params.seed is None else params.seed & 0xFFFF_FFFF_FFFF_FFFF)
 
     def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int | None:
         """The next token given ``logits`` [vocab] and the tokens so far (for the penalties).

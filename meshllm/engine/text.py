@@ -31,6 +31,53 @@ def token_budget(prompt_tokens: int, context: int, max_tokens: int | None, model
     return min(max_tokens if max_tokens is not None else default, context - prompt_tokens)
 
 
+PRECOUNT_CHUNK = 16 * 1024
+"""Prompts longer than two of these are counted chunk by chunk before the whole is tokenized."""
+
+
+def tokenize_bounded(tokenize: Callable[[bytes], list[int]], count: Callable[[bytes], int], data: bytes,
+                     context: int, longest_token: int, model_id: str) -> list[int]:
+    """``tokenize(data)``, with work bounded by the context rather than by the prompt.
+
+    A prompt of ``n`` bytes has at least ``n / longest_token`` tokens, so one that cannot fit is refused
+    before any tokenizing; a long one is first counted in chunks (``count``, cut at whitespace or a
+    character boundary), stopping as soon as the context is exceeded. llama.cpp's tokenizers slow down
+    sharply on long runs without spaces: 3.6 MB of rare Unicode took minutes (issue 29). A chunk
+    boundary moves the count by about a token, which the stop allows for; the exact count is the
+    whole prompt's, checked by :func:`token_budget`.
+    """
+    if len(data) > context * longest_token:
+        raise PromptTooLong(f"prompt is {len(data)} bytes; at most {longest_token} bytes a token, it cannot fit "
+                            f"model {model_id}'s {context}-token context")
+    if len(data) > 2 * PRECOUNT_CHUNK:
+        counted = chunks = 0
+        start = 0
+        while start < len(data):
+            end = _chunk_end(data, start)
+            counted += count(data[start:end])
+            chunks += 1
+            start = end
+            if counted > context + chunks:
+                raise PromptTooLong(f"prompt is over {counted - chunks} tokens after {start} of its {len(data)} "
+                                    f"bytes; model {model_id} has a {context}-token context")
+    return tokenize(data)
+
+
+def _chunk_end(data: bytes, start: int) -> int:
+    """End of the chunk from ``start``: after the last whitespace of the next :data:`PRECOUNT_CHUNK`
+    bytes, else at the last UTF-8 character start, else at the chunk's size."""
+    end = start + PRECOUNT_CHUNK
+    if end >= len(data):
+        return len(data)
+    space = max(data.rfind(b" ", start, end), data.rfind(b"\n", start, end))
+    if space > start:
+        return space + 1
+    cut = end
+    while cut > start and data[cut] & 0xC0 == 0x80:
+        cut -= 1
+    return cut if cut > start else end
+
+
 class StopMatcher:
     """Cuts streamed text at the first stop string, holding back what might begin one.
 

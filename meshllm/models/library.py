@@ -30,7 +30,7 @@ from typing import Literal
 
 import msgspec
 
-from meshllm.config import MODEL_HASHES_FILE, load_config
+from meshllm.config import MODEL_HASHES_FILE, load_config, write_private
 from meshllm.errors import ConfigError, MeshllmError
 from meshllm.models.gguf_file import GGUFFile
 from meshllm.models.manifest import MODEL_ID, Manifest, build_manifest, decode_manifest, encode_manifest
@@ -160,10 +160,7 @@ class Library:
             return {}  # a damaged index is rebuilt by the next scan; no file is lost
 
     def _write(self, entries: dict[str, LibraryEntry]) -> None:
-        path = self.root / INDEX_FILE
-        tmp = path.with_name(f".{INDEX_FILE}.{os.getpid()}.tmp")
-        tmp.write_bytes(msgspec.json.encode(entries))
-        os.replace(tmp, path)
+        write_private(self.root / INDEX_FILE, msgspec.json.encode(entries))
 
     def entries(self) -> list[LibraryEntry]:
         """Every entry whose file is still there as indexed (others are dropped from the index)."""
@@ -358,9 +355,7 @@ class Library:
             raise NotGGUF(f"{entry.path} changed since it was indexed (sha256 {manifest.model[:12]}, "
                           f"not {entry.short})")
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(encode_manifest(manifest))
-        os.replace(tmp, path)
+        write_private(path, encode_manifest(manifest))
         return manifest
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from meshllm.config import write_private
 from meshllm.errors import MeshllmError
 from meshllm.models.bundled import BUNDLED, DEFAULT_REF, bundled_model_path, bundled_model_sha256
 from meshllm.models.metadata import GGUF_MAGIC, NotGGUF
@@ -130,9 +131,7 @@ def file_sha256(path: Path, cache_file: Path | None = None) -> str:
     value = digest.hexdigest()
     if cache_file is not None:
         cache[key] = value
-        tmp = cache_file.with_name(f".{cache_file.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache, indent=0, sort_keys=True))
-        os.replace(tmp, cache_file)
+        write_private(cache_file, json.dumps(cache, indent=0, sort_keys=True).encode())
     return value
 
 

@@ -212,7 +212,7 @@ class SplitEngine(Engine):
         """The tokens fed for ``request`` and its stop strings (the client's plus the chat format's)."""
         if self.tokenizer is None:
             raise EngineNotLoaded(f"model {self.model_id} is not loaded")
-        return self.tokenizer.request_prompt(request, self.model_id)
+        return self.tokenizer.request_prompt(request, self.model_id, self.max_context)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         """Stream ``request`` through the chain, riding out up to ``max_replays`` chain rebuilds; a failed
@@ -240,9 +240,10 @@ class SplitEngine(Engine):
         session = uuid.uuid4().hex  # the last attempt's session: the one an audit replays
         produced = list(fed)  # every token id fed to ``text``: what a rebuilt chain prefills after the prompt
         replays = 0
+        opened = len(fed)  # tokens the last chain was prefilled with after the prompt (its session's prompt)
         try:
             while True:
-                session = uuid.uuid4().hex
+                session, opened = uuid.uuid4().hex, len(produced)
                 if replays and sampling.grammar is not None:  # the new last stage's grammar starts after them
                     sampling = msgspec.structs.replace(sampling, generated=list(produced))
                 tokens = coordinator.generate(prompt + produced, max_tokens=max(limit - len(produced), 1),
@@ -267,9 +268,11 @@ class SplitEngine(Engine):
         finally:
             self._running -= 1
             self._rate.observe(text.generated - len(fed), started, time.monotonic())
-        # an audit replays one chain's session, and recomputes plain draws (not a grammar's)
-        if self.on_finished is not None and not replays and sampling.grammar is None:
-            self.on_finished(coordinator, FinishedRequest(session, prompt + fed, produced[len(fed):], sampling))
+        # an audit replays one chain's session, the last (after a rebuild, the new chain's: its prompt is the
+        # request's and what the failed chain produced), and recomputes plain draws (not a grammar's)
+        if self.on_finished is not None and sampling.grammar is None:
+            self.on_finished(coordinator, FinishedRequest(session, prompt + produced[:opened], produced[opened:],
+                                                          sampling))
         for event in text.finish():
             yield event
 

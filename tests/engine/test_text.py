@@ -134,3 +134,24 @@ def test_a_repeated_tool_call_ends_the_reply_before_it(cut: int) -> None:
 def test_a_held_unfinished_call_is_released_at_the_length_limit() -> None:
     text, finish = calls_stream(f"{CALL}\n{CALL[:30]}", 1, limit=len(CALL) + 31)
     assert text == f"{CALL}\n{CALL[:30]}" and finish.reason == "length"
+
+
+def test_tokenize_bounded_refuses_before_tokenizing_and_stops_counting_at_the_context() -> None:
+    from meshllm.engine.text import PRECOUNT_CHUNK, tokenize_bounded
+
+    counted: list[int] = []
+
+    def count(data: bytes) -> int:
+        counted.append(len(data))
+        return len(data)  # one token a byte
+
+    def whole(data: bytes) -> list[int]:
+        raise AssertionError("the whole prompt must not be tokenized")
+
+    with pytest.raises(PromptTooLong, match="cannot fit"):
+        tokenize_bounded(whole, count, b"x" * 100_001, 1000, 100, "m")
+    assert counted == []
+    with pytest.raises(PromptTooLong, match="over"):
+        tokenize_bounded(whole, count, ("word " * 20_000).encode(), 1000, 100, "m")
+    assert len(counted) == 1 and counted[0] <= PRECOUNT_CHUNK  # stopped after the first chunk
+    assert tokenize_bounded(lambda b: [1] * len(b), count, b"ok", 1000, 100, "m") == [1, 1]

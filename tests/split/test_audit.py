@@ -209,3 +209,23 @@ def test_recorder_is_bounded_in_time_and_bytes() -> None:
     assert rec.get("a", "c") is None and rec.get("b", "c") is not None and rec.nbytes <= 1500
     clock.now = 11.0
     assert rec.get("b", "c") is None and rec.get("d", "c") is None and rec.nbytes == 0
+
+
+def test_audit_policy_audits_every_request_until_probation_then_decays_to_the_rate() -> None:
+    from meshllm.split.audit import PROBATION, AuditPolicy
+
+    policy = AuditPolicy(0.05)
+    assert policy.probability(["new"]) == 1.0
+    for _ in range(PROBATION):
+        policy.record_pass(["old", "new"])
+    assert policy.probability(["old"]) == 1.0  # 8 / 8
+    for _ in range(PROBATION):
+        policy.record_pass(["old"])
+    assert policy.probability(["old"]) == 0.5
+    assert policy.probability(["old", "stranger"]) == 1.0  # the least-known worker decides
+    for _ in range(1000):
+        policy.record_pass(["old"])
+    assert policy.probability(["old"]) == 0.05
+    policy.forget(["old"])
+    assert policy.probability(["old"]) == 1.0
+    assert AuditPolicy(0.0).probability(["new"]) == 0.0

@@ -144,7 +144,8 @@ class GgmlEngine(Engine):
 
     def prompt_tokens(self, request: GenerationRequest) -> tuple[list[int], tuple[str, ...]]:
         """The tokens fed for ``request`` and its stop strings (the client's plus the chat format's)."""
-        return self._require()[1].request_prompt(request, self.model_id)
+        stage, tokenizer = self._require()
+        return tokenizer.request_prompt(request, self.model_id, stage.max_context)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         """Wait for a turn, then stream ``request``'s text and one :class:`Finish`."""
