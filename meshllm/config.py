@@ -16,10 +16,12 @@ import stat
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from meshllm.engine.recommended import Recommended, from_config
 from meshllm.errors import ConfigError
+
+if TYPE_CHECKING:  # config sits below the engines: models/ writes through write_private at import
+    from meshllm.engine.recommended import Recommended
 
 DEFAULT_API_PORT = 9337
 DEFAULT_MESH_PORT = 9338
@@ -235,6 +237,8 @@ def load_config(home: Path) -> Config:
 def _models(value: Any) -> dict[str, Recommended]:
     if not isinstance(value, dict):
         raise ValueError("models must be a table of [models.NAME] sections")
+    from meshllm.engine.recommended import from_config  # not at import: see the TYPE_CHECKING import above
+
     return {str(name): from_config(section, str(name)) for name, section in value.items()}
 
 
