@@ -15,9 +15,10 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
+from msgspec import Meta
 
 from meshllm.errors import MeshllmError
 
@@ -92,30 +93,42 @@ class EngineNotLoaded(EngineError):
     """``generate`` was called before ``load`` finished, or after ``close``."""
 
 
-class GenerationParams(msgspec.Struct, frozen=True, kw_only=True):
-    """Sampling and stopping controls shared by chat and text completion."""
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """How the next token is chosen: the one declaration of the sampling fields, shared by the API's
+    :class:`GenerationParams`, the split wire (:class:`meshllm.split.frames.Sampling`) and both
+    samplers (``engine/sampler.py``, ``engine/llama_sampling.py``), which apply them in llama.cpp's
+    order (penalties, top-k, top-p, min-p, temperature, draw)."""
 
-    max_tokens: int | None = None
-    """Most tokens to generate; ``None``: the serving engine's default cap (:data:`DEFAULT_MAX_TOKENS`
-    unless configured). Always clamped to the context left after the prompt."""
     temperature: float = 1.0
-    """0 means greedy (deterministic without a seed)."""
+    """0 (or below) is greedy: always the most likely token (deterministic without a seed)."""
     top_p: float = 1.0
-    top_k: int | None = None
-    """``None`` or 0: no top-k cut."""
-    seed: int | None = None
-    """Same seed, prompt and parameters on the same engine give the same text. The random draw of
-    step ``k`` (the ``k``-th generated token) depends only on ``(seed, k)``, so an engine resuming
-    from a :attr:`ChatRequest.continuation` of ``k`` tokens draws what the first engine would have."""
-    stop: tuple[str, ...] = ()
-    """Generation ends *before* the first occurrence of any of these; the stop text is not returned."""
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    """Keep the smallest set of most likely tokens whose probability reaches top_p; 1 keeps all."""
+    top_k: Annotated[int, Meta(ge=0)] | None = None
+    """Keep only the k most likely tokens; ``None`` or 0: no top-k cut."""
     min_p: float = 0.0
     """Drop tokens less likely than ``min_p`` times the most likely one (llama.cpp's min-p); 0 keeps all."""
     repeat_penalty: float = 1.0
     """llama.cpp's repetition penalty over the recent tokens: positive logits divided by it, negative
     ones multiplied; 1 is off."""
+    presence_penalty: float = 0.0
+    """OpenAI: subtract this from the logit of every token seen in the penalty window."""
+    frequency_penalty: float = 0.0
+    """OpenAI: subtract this times the token's count in the penalty window."""
+    seed: int | None = None
+    """Same seed, prompt and parameters give the same text on any engine and any chain. The random
+    draw of step ``k`` (the ``k``-th generated token) is ``step_uniform(seed, k)``
+    (:func:`meshllm.engine.sampler.step_uniform`), so an engine resuming from a
+    :attr:`ChatRequest.continuation` of ``k`` tokens draws what the first engine would have."""
+
+
+class GenerationParams(SamplingParams, frozen=True, kw_only=True):
+    """Sampling (:class:`SamplingParams`) and stopping controls shared by chat and text completion."""
+
+    max_tokens: int | None = None
+    """Most tokens to generate; ``None``: the serving engine's default cap (:data:`DEFAULT_MAX_TOKENS`
+    unless configured). Always clamped to the context left after the prompt."""
+    stop: tuple[str, ...] = ()
+    """Generation ends *before* the first occurrence of any of these; the stop text is not returned."""
     left_out: tuple[str, ...] = ()
     """Sampling fields the client did not set (``temperature``, ``top_p``, ``top_k``, ``min_p``,
     ``repeat_penalty``): the node that serves the request fills them with the model's recommended

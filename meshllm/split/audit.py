@@ -108,9 +108,8 @@ class TokenChecker:
     """
 
     def __init__(self, sampling: Sampling, prompt: Sequence[int], eps: float = LOGIT_EPS) -> None:
-        params = sampling.params()
-        penalties = params.repeat_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
-        self.sampler = Sampler(params)
+        penalties = sampling.repeat_penalty != 1.0 or sampling.presence_penalty or sampling.frequency_penalty
+        self.sampler = Sampler(sampling, step=sampling.step)
         self.history = list(prompt) if penalties else []
         self.eps = eps
         self.judged = 0

@@ -26,7 +26,6 @@ before the chain sees it), with the continuation it has already produced, and ea
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import secrets
 import time
@@ -44,6 +43,7 @@ from meshllm.engine.base import (
     GenerationParams,
     GenerationRequest,
     LoadReport,
+    SamplingParams,
     TokenLogprob,
     TokenRate,
     check_supported,
@@ -51,7 +51,7 @@ from meshllm.engine.base import (
 )
 from meshllm.engine.gbnf import check_grammar
 from meshllm.engine.ggml.engine import SUPPORTS, replay
-from meshllm.engine.sampler import check_logprobs, logprob_entry, sampling_params
+from meshllm.engine.sampler import check_logprobs, check_sampling, logprob_entry
 from meshllm.engine.text import TextStream, token_budget
 from meshllm.engine.tokenizer import Tokenizer
 from meshllm.models.metadata import read_metadata
@@ -77,22 +77,25 @@ class ChainUnavailable(EngineNotLoaded):
 
 
 def chain_sampling(params: GenerationParams, generated: Sequence[int] = ()) -> Sampling:
-    """The request's sampling for the last stage's sampler (:func:`sampling_params`, as GgmlEngine),
-    with the request's grammar (checked here: :class:`~meshllm.engine.gbnf.BadGrammar`), the tokens of
-    its continuation the grammar has produced (``generated``), and the logprobs it asks for.
+    """The request's sampling fields (:class:`SamplingParams`) for the last stage's sampler, with the
+    request's grammar (checked here: :class:`~meshllm.engine.gbnf.BadGrammar`), the tokens of its
+    continuation the grammar has produced (``generated``), the step its draws start at (one per
+    token of ``generated``), and the logprobs it asks for.
 
     A sampled request without a seed gets a fresh random one here rather than on the last stage, so
     the coordinator can recompute its draws in an audit (the text is as random either way).
     """
     check_logprobs(params)
+    check_sampling(params)
     grammar = params.grammar or None
     if grammar is not None:
         check_grammar(grammar)
-    sampling = sampling_params(params)
-    if sampling.temperature > 0 and sampling.seed is None:
-        sampling = dataclasses.replace(sampling, seed=secrets.randbits(63))
-    return Sampling(**dataclasses.asdict(sampling), grammar=grammar, logprobs=params.logprobs,
-                    generated=list(generated) if grammar else [])
+    seed = params.seed
+    if params.temperature > 0 and seed is None:
+        seed = secrets.randbits(63)
+    fields = {name: getattr(params, name) for name in SamplingParams.__struct_fields__}
+    return Sampling(**{**fields, "seed": seed}, grammar=grammar,
+                    logprobs=params.logprobs, generated=list(generated) if grammar else [], step=len(generated))
 
 
 class SplitEngine(Engine):
@@ -244,8 +247,9 @@ class SplitEngine(Engine):
         try:
             while True:
                 session, opened = uuid.uuid4().hex, len(produced)
-                if replays and sampling.grammar is not None:  # the new last stage's grammar starts after them
-                    sampling = msgspec.structs.replace(sampling, generated=list(produced))
+                if replays:  # the new last stage's draws (and grammar) start after them
+                    sampling = msgspec.structs.replace(
+                        sampling, step=len(produced), generated=list(produced) if sampling.grammar else [])
                 tokens = coordinator.generate(prompt + produced, max_tokens=max(limit - len(produced), 1),
                                               sampling=sampling, session=session)
                 try:

@@ -404,9 +404,8 @@ class StageServer:
     def _sampler(self, held: _Hosted, sampling: Sampling) -> Sampler:
         """Worker thread: a last stage's sampler for a session, its grammar (checked first: a peer can
         send anything) compiled over the stage file's vocabulary and advanced over the continuation."""
-        params = sampling.params()
         if sampling.grammar is None:
-            return Sampler(params)
+            return Sampler(sampling, step=sampling.step)
         check_grammar(sampling.grammar)
         if held.vocab is None:
             raise InvalidRequest("this stage has no vocabulary file to constrain sampling with")
@@ -418,7 +417,7 @@ class StageServer:
             raise InvalidRequest("the model has no end token, so a grammar could not end its text")
         grammar = Grammar(vocab, sampling.grammar)
         grammar.replay(sampling.generated)
-        return Sampler(params, grammar)
+        return Sampler(sampling, grammar, step=sampling.step)
 
     async def _pass(self, items: list[tuple[_Session, Decode | Verify]]) -> None:
         """One decode pass of one or more sessions (a :class:`Decode`/:class:`Verify`, or a :class:`Batch`).

@@ -12,8 +12,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tinymode
 
 from net.net_helpers import endpoint
 
+from meshllm.engine.base import SamplingParams
 from meshllm.engine.ggml import StageModel
-from meshllm.engine.sampler import Sampler, SamplingParams
+from meshllm.engine.sampler import Sampler
 from meshllm.net import Endpoint
 from meshllm.split import Hop, SplitCoordinator, StageServer
 

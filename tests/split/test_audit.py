@@ -51,7 +51,7 @@ def test_sampled_tokens_must_be_the_seeded_draw() -> None:
     sampling = Sampling(temperature=0.9, top_k=30, seed=42)
     rng = np.random.default_rng(0)
     rows = [rng.standard_normal(300).astype(np.float32) * 3 for _ in range(40)]
-    sampler, history, drawn = Sampler(sampling.params()), [], []
+    sampler, history, drawn = Sampler(sampling, step=sampling.step), [], []
     for row in rows:
         drawn.append(sampler(row, history))
         history.append(drawn[-1])

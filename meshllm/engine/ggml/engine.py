@@ -44,7 +44,7 @@ from meshllm.engine.gbnf import check_grammar
 from meshllm.engine.ggml.errors import StageInputError
 from meshllm.engine.ggml.stage import StageModel
 from meshllm.engine.kernels import Kernels
-from meshllm.engine.sampler import Sampler, check_logprobs, logprob_entry, sampling_params, token_logprobs
+from meshllm.engine.sampler import Sampler, check_logprobs, logprob_entry, token_logprobs
 from meshllm.engine.text import TextStream, token_budget
 from meshllm.engine.tokenizer import Tokenizer
 from meshllm.models.metadata import read_metadata
@@ -183,7 +183,7 @@ class GgmlEngine(Engine):
         grammar = None
         if params.grammar and not text.done:
             grammar = await asyncio.to_thread(self._grammar, params.grammar, fed)
-        sampler = Sampler(sampling_params(params), grammar)
+        sampler = Sampler(params, grammar, step=len(fed))
         history = prompt + fed
         session = uuid.uuid4().hex
         started = time.monotonic()
