@@ -86,7 +86,7 @@ class Step:
             self.tokens = None
             self.x_in = graph.new(lib.F32, hp.width, n, name="inp_embd", input=True)
         self.pos = graph.new(lib.I32, n, name="inp_pos", input=True)
-        width = hp.n_kv_heads * hp.head_dim
+        width = hp.v_width
         mask_type = lib.F16 if flash_attn else lib.F32
         windows = sorted({hp.window_for(lw.index) for lw in weights.layers})
         self.segments: list[_Segment] = []
@@ -124,7 +124,7 @@ class Step:
         per_session = [np.arange(p, p + seg.shape.n, dtype=np.int32) for p, seg in zip(starts, self.segments,
                                                                                      strict=True)]
         _set(g, self.pos, np.concatenate(per_session))
-        width = self.hp.n_kv_heads * self.hp.head_dim
+        width = self.hp.v_width
         out_ids = []
         for seg, positions in zip(self.segments, per_session, strict=True):
             _set(g, seg.kv_rows, positions.astype(np.int64))
@@ -153,14 +153,14 @@ class Step:
         y = self.g.mul_mat(weight, x)
         return self.g.add(y, bias) if bias is not None else y
 
-    def rope(self, x: T, layer: int, factors: T | None) -> T:
-        """Rotary embedding of ``x`` [head_dim, heads, n] as layer ``layer`` uses it."""
+    def rope(self, x: T, layer: int, factors: T | None, offset: int = 0) -> T:
+        """Rotary embedding of ``x`` [head_dim, heads, n] as layer ``layer`` uses it (from dimension ``offset``)."""
         cfg = self.hp.rope_for(layer)
         return self.g.rope(
             x, self.pos, factors, n_dims=cfg.n_rot, mode=lib.ROPE_NEOX if cfg.neox else lib.ROPE_NORMAL,
             n_ctx_orig=cfg.n_ctx_orig, freq_base=cfg.freq_base, freq_scale=cfg.freq_scale,
             ext_factor=cfg.ext_factor, attn_factor=cfg.attn_factor, beta_fast=cfg.beta_fast,
-            beta_slow=cfg.beta_slow,
+            beta_slow=cfg.beta_slow, offset=offset,
         )
 
     def attention(self, slot: int, layer: int, q: T, k: T, v: T, kq_scale: float, sinks: T | None = None) -> T:
@@ -198,30 +198,28 @@ class Step:
                 sinks: T | None) -> T:
         """One session's K/V writes and attention over its cache: [heads*head_dim, n] for its ``n`` rows."""
         g, hp, cache, n = self.g, self.hp, seg.cache, seg.shape.n
-        width = hp.n_kv_heads * hp.head_dim
+        width, v_width, hd, hd_v = hp.k_width, hp.v_width, hp.head_dim, hp.head_dim_v
         k_cache, v_cache = cache.k[slot], cache.v[slot]
         g.expand(g.set_rows(k_cache, g.view(k, (width, n), (k.nb[2],)), seg.kv_rows))
         if cache.v_trans:  # one "row" per element: (token, dim) -> dim * capacity + position
-            g.expand(g.set_rows(g.reshape(v_cache, 1, v_cache.n_elements), g.reshape(v, 1, width * n), seg.v_rows))
+            g.expand(g.set_rows(g.reshape(v_cache, 1, v_cache.n_elements), g.reshape(v, 1, v_width * n), seg.v_rows))
         else:
-            g.expand(g.set_rows(v_cache, g.view(v, (width, n), (v.nb[2],)), seg.kv_rows))
+            g.expand(g.set_rows(v_cache, g.view(v, (v_width, n), (v.nb[2],)), seg.kv_rows))
         elt = int(g.g.ggml_row_size(k_cache.type, 1))
         n_kv = seg.shape.n_kv
-        keys = g.permute(g.view(k_cache, (hp.head_dim, hp.n_kv_heads, n_kv), (elt * hp.head_dim, elt * width)),
-                         0, 2, 1, 3)
+        keys = g.permute(g.view(k_cache, (hd, hp.n_kv_heads, n_kv), (elt * hd, elt * width)), 0, 2, 1, 3)
         q = g.permute(q, 0, 2, 1, 3)
         mask = seg.masks[hp.window_for(layer)]
         if self.flash_attn:
-            values = g.permute(g.view(v_cache, (hp.head_dim, hp.n_kv_heads, n_kv), (elt * hp.head_dim, elt * width)),
-                               0, 2, 1, 3)
+            values = g.permute(g.view(v_cache, (hd_v, hp.n_kv_heads, n_kv), (elt * hd_v, elt * v_width)), 0, 2, 1, 3)
             out = g.flash_attn(q, keys, values, mask, kq_scale, hp.attn_softcap)
             if sinks is not None:
                 g.add_sinks(out, sinks, hp.n_heads, flash=True)
             out = g.f32_accumulation(out)
-            return g.reshape(out, hp.head_dim * hp.n_heads, n)
+            return g.reshape(out, hd_v * hp.n_heads, n)
         cap = cache.capacity  # the transposed V: [n_kv, kv_heads, head_dim] -> [n_kv, head_dim, kv_heads]
-        strides = (elt * cap * hp.head_dim, elt * cap)
-        values = g.permute(g.view(v_cache, (n_kv, hp.n_kv_heads, hp.head_dim), strides), 0, 2, 1, 3)
+        strides = (elt * cap * hd_v, elt * cap)
+        values = g.permute(g.view(v_cache, (n_kv, hp.n_kv_heads, hd_v), strides), 0, 2, 1, 3)
         kq = g.f32_accumulation(g.mul_mat(keys, q))
         if hp.attn_softcap:  # Gemma 2: c * tanh(scores / c) before the softmax
             kq = g.scale(g.tanh(g.scale(kq, 1.0 / hp.attn_softcap)), hp.attn_softcap)
@@ -229,7 +227,7 @@ class Step:
         if sinks is not None:
             g.add_sinks(kq, sinks, hp.n_heads, flash=False)
         kqv = g.mul_mat(values, kq)
-        return g.cont_2d(g.permute(kqv, 0, 2, 1, 3), hp.head_dim * hp.n_heads, n)
+        return g.cont_2d(g.permute(kqv, 0, 2, 1, 3), hd_v * hp.n_heads, n)
 
     def ffn(self, x: T, lw: LayerWeights, act: str = "silu", kind: str = "", f32_down: bool = False) -> T:
         """A gated FFN, ``down(act(gate(x)) * up(x))`` with its optional biases (``build_ffn``, parallel gate).

@@ -103,6 +103,30 @@ class HParams:
     expert_scale: float = 1.0
     """Multiplies the chosen experts' weights (after any renormalisation)."""
 
+    v_head_dim: int = 0
+    """Width of a value head when it differs from ``head_dim`` (DeepSeek); 0: the same."""
+    q_lora: int = 0
+    """DeepSeek: rank of the low-rank query projection; 0 for a direct ``attn_q``."""
+    kv_lora: int = 0
+    """DeepSeek: rank of the compressed KV (the latent ``attn_kv_a_mqa`` projects to)."""
+    mixed_kv_widths: bool = False
+    """Whether the family reads key and value heads of different widths (else they are refused)."""
+
+    @property
+    def head_dim_v(self) -> int:
+        """Width of one value head."""
+        return self.v_head_dim or self.head_dim
+
+    @property
+    def k_width(self) -> int:
+        """Elements of one token's keys in a layer's cache."""
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def v_width(self) -> int:
+        """Elements of one token's values in a layer's cache."""
+        return self.n_kv_heads * self.head_dim_v
+
     def has_experts(self, layer: int) -> bool:
         """Whether ``layer`` routes to experts (a dense model: never)."""
         return bool(self.n_expert) and layer >= self.n_dense_lead and (layer + 1) % self.moe_step == 0
@@ -223,8 +247,6 @@ def read_hparams(reader: GGUFFile) -> HParams:
     ffn = count(reader, f"{a}.feed_forward_length")
     head_dim = count(reader, f"{a}.attention.key_length", max(1, width // n_heads))
     v_head_dim = count(reader, f"{a}.attention.value_length", max(1, width // n_heads))
-    if v_head_dim != head_dim:
-        raise UnsupportedModel(f"key length {head_dim} != value length {v_head_dim}; not implemented")
     if n_heads % n_kv_heads:
         raise UnsupportedModel(f"{n_heads} query heads cannot be grouped over {n_kv_heads} KV heads")
     n_rot = count(reader, f"{a}.rope.dimension_count", head_dim)
@@ -261,5 +283,9 @@ def read_hparams(reader: GGUFFile) -> HParams:
         n_expert_used=n_expert_used if n_expert else 0,
         expert_ffn=count(reader, f"{a}.expert_feed_forward_length", ffn) if n_expert else 0,
         expert_scale=number(reader, f"{a}.expert_weights_scale", float, 1.0) or 1.0,
+        v_head_dim=v_head_dim if v_head_dim != head_dim else 0,
     )
-    return family.hparams(reader, hp)
+    hp = family.hparams(reader, hp)
+    if hp.head_dim_v != hp.head_dim and not hp.mixed_kv_widths:
+        raise UnsupportedModel(f"key length {hp.head_dim} != value length {hp.head_dim_v}; not implemented")
+    return hp

@@ -115,6 +115,8 @@ _PROTOTYPES: dict[str, tuple[Any, list[Any]]] = {
     "ggml_tanh": (_T, [_P, _T]),
     "ggml_rms_norm": (_T, [_P, _T, _F]),
     "ggml_rope_ext": (_T, [_P, _T, _T, _T, c_int, c_int, c_int, _F, _F, _F, _F, _F, _F]),
+    "ggml_rope_set_offset": (_T, [_T, c_int]),
+    "ggml_repeat_4d": (_T, [_P, _T, _I64, _I64, _I64, _I64]),
     "ggml_reshape_2d": (_T, [_P, _T, _I64, _I64]),
     "ggml_reshape_3d": (_T, [_P, _T, _I64, _I64, _I64]),
     "ggml_view_2d": (_T, [_P, _T, _I64, _I64, c_size_t, c_size_t]),

@@ -96,6 +96,8 @@ QUANTIZED = [
     ("qwen3moe", "Q4_K_M", {"width": 256}),
     ("gpt-oss", "MXFP4", {}),
     ("glm4moe", "Q4_K_M", {"width": 256}),
+    ("deepseek2", "Q8_0", {}),
+    ("deepseek2", "Q4_K_M", {"width": 256}),
     ("qwen3moe", "Q8_0", {"n_expert": 16, "n_expert_used": 8}),  # Qwen3-30B-A3B routes to 8
 ]
 """Families in the quantizations their published files use (K-quants need a width of 256)."""

@@ -1,0 +1,125 @@
+"""DeepSeek V2 / V2-Lite / V2.5 and the files that carry their architecture (``deepseek2``; llama.cpp's
+``src/models/deepseek2.cpp``), in llama.cpp's uncompressed ("MHA") form.
+
+Attention is multi-head latent attention: the query comes from ``attn_q`` (Lite) or a low-rank pair
+``attn_q_a`` -> RMS norm -> ``attn_q_b``; keys and values from one compressed latent per token
+(``attn_kv_a_mqa``: ``kv_lora`` latent values plus a shared rotary key part), RMS-normed and expanded
+per head by ``attn_kv_b`` into a key part without rope and the value. Each key head is that part
+followed by the shared rotary part (tiled over the heads), each query head its own part with the
+trailing ``n_rot`` dimensions rotated (adjacent pairs). Key heads (``key_length``) are wider than
+value heads (``value_length``), so the KV cache holds K and V rows of different widths. The FFN is
+dense in the ``leading_dense_block_count`` first layers, then a mixture of experts (softmax or
+sigmoid router, optional selection bias ``exp_probs_b``, weights optionally renormalised and scaled)
+plus ``expert_shared_count`` shared experts, summed.
+
+Refused, each naming itself: files in the absorbed MLA layout (``key_length_mla``, ``attn_k_b`` /
+``attn_v_b``: recent conversions of V3 / R1 / Kimi K2), expert-group routing (``expert_group_count``
+> 1), rope scaling (DeepSeek's YaRN) and attention temperature scaling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Literal
+
+from meshllm.engine.ggml.errors import UnsupportedModel
+from meshllm.engine.ggml.family import Family, standard_shapes
+from meshllm.engine.ggml.hparams import HParams, count, metadata, number
+
+if TYPE_CHECKING:
+    from meshllm.engine.ggml.blocks import Step
+    from meshllm.engine.ggml.graph import T
+    from meshllm.engine.ggml.weights import LayerWeights
+    from meshllm.models.gguf_file import GGUFFile
+
+_GATING: dict[int, Literal["softmax", "sigmoid"]] = {1: "softmax", 2: "sigmoid"}
+
+
+def attention(s: Step, lw: LayerWeights, slot: int, x: T) -> T:
+    """Norm, latent attention (llama.cpp's non-absorbed path) and the output projection."""
+    g, hp, n, il = s.g, s.hp, s.n, lw.index
+    hd, hd_v, rot, rank = hp.head_dim, hp.head_dim_v, hp.rope.n_rot, hp.kv_lora
+    nope = hd - rot
+    cur = s.norm(x, lw["attn_norm.weight"])
+    if hp.q_lora:
+        q = s.norm(g.mul_mat(lw["attn_q_a.weight"], cur), lw["attn_q_a_norm.weight"])
+        q = g.mul_mat(lw["attn_q_b.weight"], q)
+    else:
+        q = g.mul_mat(lw["attn_q.weight"], cur)
+    q = g.reshape(q, hd, hp.n_heads, n)
+    latent = g.mul_mat(lw["attn_kv_a_mqa.weight"], cur)  # [kv_lora + rot, n]
+    row = latent.nb[1]
+    compressed = g.view(latent, (rank, n), (row,))
+    k_pe = g.view(latent, (rot, 1, n), (row, row), latent.nb[0] * rank)
+    k_pe = s.rope(k_pe, il, None)
+    compressed = s.norm(compressed, lw["attn_kv_a_norm.weight"])
+    kv = g.mul_mat(lw["attn_kv_b.weight"], compressed)  # [heads * (nope + hd_v), n]
+    elt, head = kv.nb[0], kv.nb[0] * (nope + hd_v)
+    k_nope = g.view(kv, (nope, hp.n_heads, n), (head, head * hp.n_heads))
+    v = g.cont(g.view(kv, (hd_v, hp.n_heads, n), (head, head * hp.n_heads), elt * nope))
+    q = s.rope(q, il, None, offset=nope)
+    k = g.concat(k_nope, g.repeat_4d(k_pe, rot, hp.n_heads, n, 1), 0)
+    cur = s.attention(slot, il, q, k, v, hp.attn_scale)
+    return g.mul_mat(lw["attn_output.weight"], cur)
+
+
+def block(s: Step, lw: LayerWeights, slot: int, x: T) -> T:
+    g, il = s.g, lw.index
+    cur, x = s.output_rows(il, attention(s, lw, slot, x), x)
+    ffn_in = g.add(cur, x)
+    cur = s.norm(ffn_in, lw["ffn_norm.weight"])
+    # the experts' graph is built before the shared expert's, as llama.cpp builds them
+    cur = g.add(s.moe(cur, lw), s.ffn(cur, lw, kind="_shexp")) if s.hp.has_experts(il) else s.ffn(cur, lw)
+    return g.add(cur, ffn_in)
+
+
+def tensors(hp: HParams, il: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    q = ("attn_q_a.weight", "attn_q_a_norm.weight", "attn_q_b.weight") if hp.q_lora else ("attn_q.weight",)
+    attn = ("attn_norm.weight", *q, "attn_kv_a_mqa.weight", "attn_kv_a_norm.weight", "attn_kv_b.weight",
+            "attn_output.weight", "ffn_norm.weight")
+    if not hp.has_experts(il):
+        return (*attn, "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"), ()
+    return (*attn, "ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight",
+            "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight"), ("exp_probs_b.bias",)
+
+
+def shapes(hp: HParams) -> dict[str, tuple[int, ...]]:
+    w, h, hd, rot = hp.width, hp.n_heads, hp.head_dim, hp.rope.n_rot
+    return {
+        **standard_shapes(hp),
+        "attn_q_a.weight": (w, hp.q_lora), "attn_q_a_norm.weight": (hp.q_lora,),
+        "attn_q_b.weight": (hp.q_lora, h * hd), "attn_kv_a_mqa.weight": (w, hp.kv_lora + rot),
+        "attn_kv_a_norm.weight": (hp.kv_lora,), "attn_kv_b.weight": (hp.kv_lora, h * (hd - rot + hp.head_dim_v)),
+        "attn_output.weight": (h * hp.head_dim_v, w),
+    }  # fmt: skip
+
+
+def read(reader: GGUFFile, hp: HParams) -> HParams:
+    a = hp.arch
+    if metadata(reader, f"{a}.attention.key_length_mla", 0) or reader.tensor("blk.0.attn_k_b.weight") is not None:
+        raise UnsupportedModel("DeepSeek files in the absorbed MLA layout (attn_k_b / attn_v_b) are not implemented")
+    if hp.rope.freq_scale != 1.0 or hp.rope.ext_factor:
+        raise UnsupportedModel("DeepSeek with rope scaling (its YaRN) is not implemented")
+    if number(reader, f"{a}.attention.temperature_scale", float, 0.0):
+        raise UnsupportedModel("attention temperature scaling is not implemented")
+    if count(reader, f"{a}.expert_group_count", 0, minimum=0) > 1:
+        raise UnsupportedModel("expert-group routing (expert_group_count > 1) is not implemented")
+    if hp.n_kv_heads != hp.n_heads or hp.rope.n_rot >= hp.head_dim:
+        raise UnsupportedModel(f"{a} needs as many KV heads as heads and a rotary part narrower than the key head")
+    if not hp.n_expert:
+        raise UnsupportedModel(f"{a} needs {a}.expert_count and expert_used_count > 0")
+    gating = count(reader, f"{a}.expert_gating_func", 0, minimum=0) or 1
+    if gating not in _GATING:
+        raise UnsupportedModel(f"expert gating function {gating} is not implemented (softmax 1, sigmoid 2 are)")
+    expert_ffn = count(reader, f"{a}.expert_feed_forward_length")
+    return dataclasses.replace(
+        hp, mixed_kv_widths=True, q_lora=count(reader, f"{a}.attention.q_lora_rank", 0, minimum=0),
+        kv_lora=count(reader, f"{a}.attention.kv_lora_rank"), expert_gating=_GATING[gating],
+        expert_norm=bool(metadata(reader, f"{a}.expert_weights_norm", False)), expert_ffn=expert_ffn,
+        shared_ffn=expert_ffn * count(reader, f"{a}.expert_shared_count"),
+        n_dense_lead=count(reader, f"{a}.leading_dense_block_count", 0, minimum=0),
+    )
+
+
+FAMILY = Family(arch="deepseek2", examples="DeepSeek V2, V2-Lite, V2.5 (non-absorbed GGUFs)", block=block,
+                layer_tensors=tensors, hparams=read, shapes=shapes)
