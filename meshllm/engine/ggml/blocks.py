@@ -96,7 +96,7 @@ class Step:
             kv_rows = graph.new(lib.I64, shape.n, name=f"inp_kv_rows{tag}", input=True)
             # where V goes: the token rows, or for a transposed V one index per (token, dimension) element
             v_rows = graph.new(lib.I64, shape.n * width, name=f"inp_v_rows{tag}", input=True) \
-                if cache.v_trans else kv_rows
+                if cache.v_trans and width else kv_rows
             masks = {w: graph.new(mask_type, shape.n_kv, shape.n, name=f"inp_kq_mask_w{w}{tag}", input=True)
                      for w in windows}
             self.segments.append(_Segment(cache, shape, offset, kv_rows, v_rows, masks))
@@ -163,26 +163,29 @@ class Step:
             beta_slow=cfg.beta_slow, offset=offset,
         )
 
-    def attention(self, slot: int, layer: int, q: T, k: T, v: T, kq_scale: float, sinks: T | None = None) -> T:
+    def attention(self, slot: int, layer: int, q: T, k: T, v: T, kq_scale: float, sinks: T | None = None,
+                  v_mla: T | None = None) -> T:
         """Store this step's K/V rows in the caches, attend over ``n_kv`` rows; returns [heads*head_dim, n].
 
         ``q`` is [head_dim, heads, n], ``k``/``v`` [head_dim, kv_heads, n]; llama.cpp's ``build_attn``
         with its KV cache: the writes are expanded into the graph before the attention that reads them.
         In a batch each session's rows are views of the three, attend to that session's cache with
         exactly the ops (and shapes) they would have alone, and the outputs are concatenated in order.
-        ``sinks`` (gpt-oss): one learned logit per head that joins every softmax.
+        ``sinks`` (gpt-oss): one learned logit per head that joins every softmax. ``v_mla`` (DeepSeek's
+        absorbed latent attention, whose cache keeps no V: ``v`` is the leading part of ``k``): per
+        head, the matrix that expands the attended latent values to the value head.
         """
         g = self.g
         g.expand(q)
         g.expand(v)
         g.expand(k)
         if len(self.segments) == 1:
-            out = self._attend(self.segments[0], slot, layer, q, k, v, kq_scale, sinks)
+            out = self._attend(self.segments[0], slot, layer, q, k, v, kq_scale, sinks, v_mla)
         else:
             out = None
             for seg in self.segments:
                 rows = [self._rows(t, seg) for t in (q, k, v)]
-                part = self._attend(seg, slot, layer, *rows, kq_scale, sinks)
+                part = self._attend(seg, slot, layer, *rows, kq_scale, sinks, v_mla)
                 out = part if out is None else g.concat(out, part, 1)
             assert out is not None
         g.expand(out)
@@ -195,12 +198,15 @@ class Step:
         return self.g.view(t, (ne0, ne1, seg.shape.n), (nb[1], nb[2]), seg.offset * nb[2])
 
     def _attend(self, seg: _Segment, slot: int, layer: int, q: T, k: T, v: T, kq_scale: float,
-                sinks: T | None) -> T:
+                sinks: T | None, v_mla: T | None = None) -> T:
         """One session's K/V writes and attention over its cache: [heads*head_dim, n] for its ``n`` rows."""
         g, hp, cache, n = self.g, self.hp, seg.cache, seg.shape.n
         width, v_width, hd, hd_v = hp.k_width, hp.v_width, hp.head_dim, hp.head_dim_v
-        k_cache, v_cache = cache.k[slot], cache.v[slot]
+        k_cache = cache.k[slot]
         g.expand(g.set_rows(k_cache, g.view(k, (width, n), (k.nb[2],)), seg.kv_rows))
+        if not v_width:
+            return self._attend_latent(seg, slot, layer, q, v_mla, kq_scale)
+        v_cache = cache.v[slot]
         if cache.v_trans:  # one "row" per element: (token, dim) -> dim * capacity + position
             g.expand(g.set_rows(g.reshape(v_cache, 1, v_cache.n_elements), g.reshape(v, 1, v_width * n), seg.v_rows))
         else:
@@ -228,6 +234,27 @@ class Step:
             g.add_sinks(kq, sinks, hp.n_heads, flash=False)
         kqv = g.mul_mat(values, kq)
         return g.cont_2d(g.permute(kqv, 0, 2, 1, 3), hd_v * hp.n_heads, n)
+
+    def _attend_latent(self, seg: _Segment, slot: int, layer: int, q: T, v_mla: T | None, kq_scale: float) -> T:
+        """Attention over a K-only cache whose values are each key's leading ``head_dim_v`` dimensions,
+        expanded per head by ``v_mla`` afterwards (llama.cpp's ``build_attn`` with ``v_mla``)."""
+        assert v_mla is not None, "a cache without V needs the per-head value expansion"
+        g, hp, n = self.g, self.hp, seg.shape.n
+        k_cache = seg.cache.k[slot]
+        elt = int(g.g.ggml_row_size(k_cache.type, 1))
+        hd, width, n_kv = hp.head_dim, hp.k_width, seg.shape.n_kv
+        keys = g.permute(g.view(k_cache, (hd, hp.n_kv_heads, n_kv), (elt * hd, elt * width)), 0, 2, 1, 3)
+        values = g.permute(g.view(k_cache, (hp.head_dim_v, hp.n_kv_heads, n_kv), (elt * hd, elt * width)),
+                           0, 2, 1, 3)
+        q = g.permute(q, 0, 2, 1, 3)
+        mask = seg.masks[hp.window_for(layer)]
+        if self.flash_attn:
+            out = g.f32_accumulation(g.flash_attn(q, keys, values, mask, kq_scale))  # [latent, heads, n]
+            out = g.permute(g.mul_mat(v_mla, g.permute(out, 0, 2, 1, 3)), 0, 2, 1, 3)
+            return g.reshape(g.cont(out), v_mla.ne[1] * hp.n_heads, n)
+        kq = g.soft_max(g.f32_accumulation(g.mul_mat(keys, q)), mask, kq_scale)
+        kqv = g.mul_mat(v_mla, g.mul_mat(g.cont(g.transpose(values)), kq))  # [v_head, n, heads]
+        return g.cont_2d(g.permute(kqv, 0, 2, 1, 3), v_mla.ne[1] * hp.n_heads, n)
 
     def ffn(self, x: T, lw: LayerWeights, act: str = "silu", kind: str = "", f32_down: bool = False) -> T:
         """A gated FFN, ``down(act(gate(x)) * up(x))`` with its optional biases (``build_ffn``, parallel gate).

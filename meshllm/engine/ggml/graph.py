@@ -255,6 +255,10 @@ class Graph:
             return self._op(self.g.ggml_view_2d, a.p, ne[0], ne[1], nb[0], offset)
         return self._op(self.g.ggml_view_3d, a.p, ne[0], ne[1], ne[2], nb[0], nb[1], offset)
 
+    def transpose(self, a: T) -> T:
+        """A view of ``a`` with its first two dimensions swapped."""
+        return self._op(self.g.ggml_transpose, a.p)
+
     def permute(self, a: T, *axes: int) -> T:
         if sorted(axes) != [0, 1, 2, 3]:
             raise self._fail("permute", f"axes {axes} are not a permutation of 0..3", a)

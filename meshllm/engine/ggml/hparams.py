@@ -111,6 +111,22 @@ class HParams:
     """DeepSeek: rank of the compressed KV (the latent ``attn_kv_a_mqa`` projects to)."""
     mixed_kv_widths: bool = False
     """Whether the family reads key and value heads of different widths (else they are refused)."""
+    v_in_k: bool = False
+    """Values are the leading ``head_dim_v`` dimensions of the cached keys (DeepSeek's absorbed MLA):
+    the cache keeps no V."""
+
+    mla_head_dims: tuple[int, int] = (0, 0)
+    """DeepSeek's absorbed layout: the query head and value head widths before absorption."""
+
+    @property
+    def q_head_dim(self) -> int:
+        """Width of one query head as the projections give it (DeepSeek absorbed: before absorption)."""
+        return self.mla_head_dims[0] or self.head_dim
+
+    @property
+    def out_head_dim(self) -> int:
+        """Width of one head of the attention's output."""
+        return self.mla_head_dims[1] or self.head_dim_v
 
     @property
     def head_dim_v(self) -> int:
@@ -124,8 +140,8 @@ class HParams:
 
     @property
     def v_width(self) -> int:
-        """Elements of one token's values in a layer's cache."""
-        return self.n_kv_heads * self.head_dim_v
+        """Elements of one token's values in a layer's cache (0: none kept, they are read from K)."""
+        return 0 if self.v_in_k else self.n_kv_heads * self.head_dim_v
 
     def has_experts(self, layer: int) -> bool:
         """Whether ``layer`` routes to experts (a dense model: never)."""

@@ -50,7 +50,8 @@ class KVCache:
         self.width = width
         """Elements per K row: kv_heads x head_dim."""
         self.v_width = width if v_width is None else v_width
-        """Elements per V row: kv_heads x value head_dim."""
+        """Elements per V row: kv_heads x value head_dim; 0 when V is read from K's leading dimensions
+        (DeepSeek's absorbed latent attention keeps only K, as llama.cpp does)."""
         self.kv_type = kv_type
         self.max_tokens = max_tokens
         self.length = 0
@@ -94,12 +95,13 @@ class KVCache:
         graph = Graph(g, max_tensors=2 * len(self.bufts))
         k = [graph.new(self.kv_type, self.width, capacity, name=f"cache_k_l{i}") for i in range(len(self.bufts))]
         v_shape = (capacity, self.v_width) if self.v_trans else (self.v_width, capacity)
-        v = [graph.new(self.kv_type, *v_shape, name=f"cache_v_l{i}") for i in range(len(self.bufts))]
+        v = [graph.new(self.kv_type, *v_shape, name=f"cache_v_l{i}") for i in range(len(self.bufts))] \
+            if self.v_width else []
         buffers = []
         try:
             for buft in dict.fromkeys(self.bufts):
                 mine = [t for i, t in enumerate(k) if self.bufts[i] == buft]
-                mine += [t for i, t in enumerate(v) if self.bufts[i] == buft]
+                mine += [t for i, t in enumerate(v) if self.bufts[i] == buft]  # no V: none
                 buffers.append(b.allocate(buft, mine))
         except BaseException:
             for buf in buffers:

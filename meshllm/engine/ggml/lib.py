@@ -122,6 +122,7 @@ _PROTOTYPES: dict[str, tuple[Any, list[Any]]] = {
     "ggml_view_2d": (_T, [_P, _T, _I64, _I64, c_size_t, c_size_t]),
     "ggml_view_3d": (_T, [_P, _T, _I64, _I64, _I64, c_size_t, c_size_t, c_size_t]),
     "ggml_permute": (_T, [_P, _T, c_int, c_int, c_int, c_int]),
+    "ggml_transpose": (_T, [_P, _T]),
     "ggml_cont_2d": (_T, [_P, _T, _I64, _I64]),
     "ggml_concat": (_T, [_P, _T, _T, c_int]),
     "ggml_set_rows": (_T, [_P, _T, _T, _T]),

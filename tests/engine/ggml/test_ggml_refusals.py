@@ -175,9 +175,9 @@ def test_flash_attention_needs_an_f16_cache(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("extra", "match"), [
-    ({"metadata": {"deepseek2.attention.key_length_mla": 24}}, "absorbed MLA layout"),
+    ({"metadata": {"deepseek2.attention.key_length_mla": 24}}, "must be given together"),
     ({"metadata": {"deepseek2.expert_group_count": 2}}, "expert-group routing"),
     ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope scaling"),
-], ids=["mla", "expert-groups", "yarn"])
+], ids=["half-mla", "expert-groups", "yarn"])
 def test_deepseek2_features_not_implemented_are_named(extra: dict[str, object], match: str, tmp_path: Path) -> None:
     _refused(write_tiny("deepseek2", tmp_path / "ds.gguf", **extra), match)  # type: ignore[arg-type]

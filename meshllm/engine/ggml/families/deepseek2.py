@@ -1,5 +1,5 @@
-"""DeepSeek V2 / V2-Lite / V2.5 and the files that carry their architecture (``deepseek2``; llama.cpp's
-``src/models/deepseek2.cpp``), in llama.cpp's uncompressed ("MHA") form.
+"""DeepSeek V2 / V2.5 / V3 / R1, Kimi K2 and the files that carry their architecture (``deepseek2``;
+llama.cpp's ``src/models/deepseek2.cpp``), in both of llama.cpp's forms.
 
 Attention is multi-head latent attention: the query comes from ``attn_q`` (Lite) or a low-rank pair
 ``attn_q_a`` -> RMS norm -> ``attn_q_b``; keys and values from one compressed latent per token
@@ -7,14 +7,18 @@ Attention is multi-head latent attention: the query comes from ``attn_q`` (Lite)
 per head by ``attn_kv_b`` into a key part without rope and the value. Each key head is that part
 followed by the shared rotary part (tiled over the heads), each query head its own part with the
 trailing ``n_rot`` dimensions rotated (adjacent pairs). Key heads (``key_length``) are wider than
-value heads (``value_length``), so the KV cache holds K and V rows of different widths. The FFN is
+value heads (``value_length``), so the KV cache holds K and V rows of different widths. Files in
+the absorbed layout (``key_length_mla``; ``attn_k_b`` and ``attn_v_b`` instead of ``attn_kv_b``,
+what current conversions write) run llama.cpp's absorbed form instead: ``attn_k_b`` folds into each
+query head, keys are the latent plus the rotary part (one KV head), the cache keeps only K, values
+are each key's leading ``kv_lora`` dimensions, and ``attn_v_b`` expands the attended latent per
+head. The FFN is
 dense in the ``leading_dense_block_count`` first layers, then a mixture of experts (softmax or
 sigmoid router, optional selection bias ``exp_probs_b``, weights optionally renormalised and scaled)
 plus ``expert_shared_count`` shared experts, summed.
 
-Refused, each naming itself: files in the absorbed MLA layout (``key_length_mla``, ``attn_k_b`` /
-``attn_v_b``: recent conversions of V3 / R1 / Kimi K2), expert-group routing (``expert_group_count``
-> 1), rope scaling (DeepSeek's YaRN) and attention temperature scaling.
+Refused, each naming itself: expert-group routing (``expert_group_count`` > 1), rope scaling
+(DeepSeek's YaRN) and attention temperature scaling.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import TYPE_CHECKING, Literal
 
 from meshllm.engine.ggml.errors import UnsupportedModel
 from meshllm.engine.ggml.family import Family, standard_shapes
-from meshllm.engine.ggml.hparams import HParams, count, metadata, number
+from meshllm.engine.ggml.hparams import HParams, count, f32_div, f32_sqrt, metadata, number
 
 if TYPE_CHECKING:
     from meshllm.engine.ggml.blocks import Step
@@ -36,9 +40,9 @@ _GATING: dict[int, Literal["softmax", "sigmoid"]] = {1: "softmax", 2: "sigmoid"}
 
 
 def attention(s: Step, lw: LayerWeights, slot: int, x: T) -> T:
-    """Norm, latent attention (llama.cpp's non-absorbed path) and the output projection."""
+    """Norm, latent attention (llama.cpp's absorbed or non-absorbed path) and the output projection."""
     g, hp, n, il = s.g, s.hp, s.n, lw.index
-    hd, hd_v, rot, rank = hp.head_dim, hp.head_dim_v, hp.rope.n_rot, hp.kv_lora
+    hd, hd_v, rot, rank = hp.q_head_dim, hp.head_dim_v, hp.rope.n_rot, hp.kv_lora
     nope = hd - rot
     cur = s.norm(x, lw["attn_norm.weight"])
     if hp.q_lora:
@@ -53,6 +57,15 @@ def attention(s: Step, lw: LayerWeights, slot: int, x: T) -> T:
     k_pe = g.view(latent, (rot, 1, n), (row, row), latent.nb[0] * rank)
     k_pe = s.rope(k_pe, il, None)
     compressed = s.norm(compressed, lw["attn_kv_a_norm.weight"])
+    if hp.v_in_k:
+        q_nope = g.view(q, (nope, hp.n_heads, n), (q.nb[1], q.nb[2]))
+        q_pe = s.rope(g.view(q, (rot, hp.n_heads, n), (q.nb[1], q.nb[2]), q.nb[0] * nope), il, None)
+        absorbed = g.permute(g.mul_mat(lw["attn_k_b.weight"], g.permute(q_nope, 0, 2, 1, 3)), 0, 2, 1, 3)
+        q = g.concat(absorbed, q_pe, 0)  # [kv_lora + rot, heads, n]
+        latent_v = g.reshape(compressed, rank, 1, n)
+        k = g.concat(latent_v, k_pe, 0)  # [kv_lora + rot, 1, n]
+        cur = s.attention(slot, il, q, k, latent_v, hp.attn_scale, v_mla=lw["attn_v_b.weight"])
+        return g.mul_mat(lw["attn_output.weight"], cur)
     kv = g.mul_mat(lw["attn_kv_b.weight"], compressed)  # [heads * (nope + hd_v), n]
     elt, head = kv.nb[0], kv.nb[0] * (nope + hd_v)
     k_nope = g.view(kv, (nope, hp.n_heads, n), (head, head * hp.n_heads))
@@ -75,8 +88,9 @@ def block(s: Step, lw: LayerWeights, slot: int, x: T) -> T:
 
 def tensors(hp: HParams, il: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     q = ("attn_q_a.weight", "attn_q_a_norm.weight", "attn_q_b.weight") if hp.q_lora else ("attn_q.weight",)
-    attn = ("attn_norm.weight", *q, "attn_kv_a_mqa.weight", "attn_kv_a_norm.weight", "attn_kv_b.weight",
-            "attn_output.weight", "ffn_norm.weight")
+    kv = ("attn_k_b.weight", "attn_v_b.weight") if hp.v_in_k else ("attn_kv_b.weight",)
+    attn = ("attn_norm.weight", *q, "attn_kv_a_mqa.weight", "attn_kv_a_norm.weight", *kv, "attn_output.weight",
+            "ffn_norm.weight")
     if not hp.has_experts(il):
         return (*attn, "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"), ()
     return (*attn, "ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight",
@@ -84,28 +98,39 @@ def tensors(hp: HParams, il: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def shapes(hp: HParams) -> dict[str, tuple[int, ...]]:
-    w, h, hd, rot = hp.width, hp.n_heads, hp.head_dim, hp.rope.n_rot
+    w, h, hd, rot, rank, v = hp.width, hp.n_heads, hp.q_head_dim, hp.rope.n_rot, hp.kv_lora, hp.out_head_dim
     return {
         **standard_shapes(hp),
-        "attn_q_a.weight": (w, hp.q_lora), "attn_q_a_norm.weight": (hp.q_lora,),
-        "attn_q_b.weight": (hp.q_lora, h * hd), "attn_kv_a_mqa.weight": (w, hp.kv_lora + rot),
-        "attn_kv_a_norm.weight": (hp.kv_lora,), "attn_kv_b.weight": (hp.kv_lora, h * (hd - rot + hp.head_dim_v)),
-        "attn_output.weight": (h * hp.head_dim_v, w),
+        "attn_q.weight": (w, h * hd), "attn_q_a.weight": (w, hp.q_lora), "attn_q_a_norm.weight": (hp.q_lora,),
+        "attn_q_b.weight": (hp.q_lora, h * hd), "attn_kv_a_mqa.weight": (w, rank + rot),
+        "attn_kv_a_norm.weight": (rank,), "attn_kv_b.weight": (rank, h * (hd - rot + v)),
+        "attn_k_b.weight": (hd - rot, rank, h), "attn_v_b.weight": (rank, v, h), "attn_output.weight": (h * v, w),
     }  # fmt: skip
 
 
 def read(reader: GGUFFile, hp: HParams) -> HParams:
     a = hp.arch
-    if metadata(reader, f"{a}.attention.key_length_mla", 0) or reader.tensor("blk.0.attn_k_b.weight") is not None:
-        raise UnsupportedModel("DeepSeek files in the absorbed MLA layout (attn_k_b / attn_v_b) are not implemented")
+    k_mla = count(reader, f"{a}.attention.key_length_mla", 0, minimum=0)
+    v_mla = count(reader, f"{a}.attention.value_length_mla", 0, minimum=0)
+    if bool(k_mla) != bool(v_mla):
+        raise UnsupportedModel("key_length_mla and value_length_mla must be given together")
+    kv_lora = count(reader, f"{a}.attention.kv_lora_rank")
+    if k_mla:  # absorbed: one KV head of the latent plus the rotary part; V read from K
+        if hp.n_kv_heads != 1 or hp.head_dim != kv_lora + hp.rope.n_rot or hp.head_dim_v != kv_lora:
+            raise UnsupportedModel(f"{a} in the absorbed layout needs one KV head of kv_lora_rank + rope "
+                                   f"dimensions and values of kv_lora_rank")
+        hp = dataclasses.replace(hp, v_in_k=True, mla_head_dims=(k_mla, v_mla),
+                                 attn_scale=f32_div(1.0, f32_sqrt(k_mla)))
+    elif hp.n_kv_heads != hp.n_heads:
+        raise UnsupportedModel(f"{a} needs as many KV heads as heads")
+    if hp.rope.n_rot >= hp.q_head_dim:
+        raise UnsupportedModel(f"{a}'s rotary part must be narrower than its key head")
     if hp.rope.freq_scale != 1.0 or hp.rope.ext_factor:
         raise UnsupportedModel("DeepSeek with rope scaling (its YaRN) is not implemented")
     if number(reader, f"{a}.attention.temperature_scale", float, 0.0):
         raise UnsupportedModel("attention temperature scaling is not implemented")
     if count(reader, f"{a}.expert_group_count", 0, minimum=0) > 1:
         raise UnsupportedModel("expert-group routing (expert_group_count > 1) is not implemented")
-    if hp.n_kv_heads != hp.n_heads or hp.rope.n_rot >= hp.head_dim:
-        raise UnsupportedModel(f"{a} needs as many KV heads as heads and a rotary part narrower than the key head")
     if not hp.n_expert:
         raise UnsupportedModel(f"{a} needs {a}.expert_count and expert_used_count > 0")
     gating = count(reader, f"{a}.expert_gating_func", 0, minimum=0) or 1
@@ -114,12 +139,12 @@ def read(reader: GGUFFile, hp: HParams) -> HParams:
     expert_ffn = count(reader, f"{a}.expert_feed_forward_length")
     return dataclasses.replace(
         hp, mixed_kv_widths=True, q_lora=count(reader, f"{a}.attention.q_lora_rank", 0, minimum=0),
-        kv_lora=count(reader, f"{a}.attention.kv_lora_rank"), expert_gating=_GATING[gating],
+        kv_lora=kv_lora, expert_gating=_GATING[gating],
         expert_norm=bool(metadata(reader, f"{a}.expert_weights_norm", False)), expert_ffn=expert_ffn,
         shared_ffn=expert_ffn * count(reader, f"{a}.expert_shared_count"),
         n_dense_lead=count(reader, f"{a}.leading_dense_block_count", 0, minimum=0),
     )
 
 
-FAMILY = Family(arch="deepseek2", examples="DeepSeek V2, V2-Lite, V2.5 (non-absorbed GGUFs)", block=block,
+FAMILY = Family(arch="deepseek2", examples="DeepSeek V2, V2-Lite, V2.5, V3, R1, Kimi K2", block=block,
                 layer_tensors=tensors, hparams=read, shapes=shapes)
