@@ -214,6 +214,9 @@ def write_tiny(
             w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
             if family == "glm4moe":
                 w.add_rope_dimension_count(hd // 2)  # partial rotary
+            if family == "deepseek2-mla" and n_expert % 2 == 0 and n_expert >= 4:  # V3's expert groups
+                w.add_uint32(f"{arch}.expert_group_count", 2)
+                w.add_uint32(f"{arch}.expert_group_used_count", 1)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     extra = ("<|endoftext|>", "<|end|>") if family == "phi3" else ()  # llama.cpp's Phi-3 vocabulary needs them
     vocab = VOCAB + len(extra)

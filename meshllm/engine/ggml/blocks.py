@@ -288,7 +288,10 @@ class Step:
         gating = hp.expert_gating
         probs = {"softmax": g.soft_max_rows, "sigmoid": g.sigmoid}.get(gating, lambda t: t)(logits)
         bias = lw.get("exp_probs_b.bias")  # DeepSeek V3 / GLM: biases the choice, not the weights
-        chosen = g.argsort_top_k(g.add(probs, bias) if bias is not None else probs, k)  # [k, n]
+        selection = g.add(probs, bias) if bias is not None else probs
+        if hp.expert_groups[0] > 1:
+            selection = self._best_groups(selection)
+        chosen = g.argsort_top_k(selection, k)  # [k, n]
         weights = g.get_rows(g.reshape(probs, 1, hp.n_expert, n), chosen)  # [1, k, n]
         if gating == "softmax_weight":
             weights = g.reshape(g.soft_max_rows(g.reshape(weights, k, n)), 1, k, n)
@@ -319,6 +322,22 @@ class Step:
             out = g.add(out, v)
             g.expand(out)
         return g.cont(out) if k == 1 else out
+
+    def _best_groups(self, selection: T) -> T:
+        """``selection`` [n_expert, n] with every expert outside each token's best groups at -inf.
+
+        A group's score is the sum of its two best experts' scores; llama.cpp's ``build_moe_ffn``
+        (DeepSeek V3) with its ops.
+        """
+        g, hp, n = self.g, self.hp, selection.ne[1]
+        groups, used = hp.expert_groups
+        per = hp.n_expert // groups
+        by_group = g.reshape(selection, per, groups, n)
+        best_two = g.get_rows(g.reshape(by_group, 1, per, groups, n), g.argsort_top_k(by_group, 2))  # [1, 2, groups, n]
+        scores = g.reshape(g.sum_rows(g.reshape(best_two, 2, groups, n)), groups, n)
+        kept = g.argsort_top_k(scores, used)  # [used, n]
+        masked = g.set_rows(g.fill(by_group, float("-inf")), g.get_rows(by_group, kept), kept)
+        return g.reshape(masked, hp.n_expert, n)
 
     def output_rows(self, layer: int, *xs: T) -> tuple[T, ...]:
         """In the model's last layer, keep only the rows whose logits are wanted (llama.cpp's ``out_ids``)."""

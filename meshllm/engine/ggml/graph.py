@@ -236,11 +236,16 @@ class Graph:
         return self._op(self.g.ggml_set_rows, dst.p, src.p, rows.p)
 
     def reshape(self, a: T, *ne: int) -> T:
-        if math.prod(ne) != a.n_elements or not self.contiguous(a) or len(ne) not in (2, 3):
+        if math.prod(ne) != a.n_elements or not self.contiguous(a) or len(ne) not in (2, 3, 4):
             raise self._fail("reshape", f"cannot reshape to {ne}", a)
-        if len(ne) == 2:
-            return self._op(self.g.ggml_reshape_2d, a.p, *ne)
-        return self._op(self.g.ggml_reshape_3d, a.p, *ne)
+        fn = {2: self.g.ggml_reshape_2d, 3: self.g.ggml_reshape_3d, 4: self.g.ggml_reshape_4d}[len(ne)]
+        return self._op(fn, a.p, *ne)
+
+    def fill(self, a: T, value: float) -> T:
+        """A new tensor of ``a``'s shape, every element ``value``."""
+        if a.type != lib.F32:
+            raise self._fail("fill", "needs f32", a)
+        return self._op(self.g.ggml_fill, a.p, value)
 
     def view(self, a: T, ne: Sequence[int], nb: Sequence[int], offset: int = 0) -> T:
         """A view of ``a``: shape ``ne`` (2 or 3 dims), strides ``nb[1:]`` in bytes, at byte ``offset``."""

@@ -98,6 +98,9 @@ class HParams:
     """From ``n_dense_lead`` on, layer ``il`` has experts when ``(il + 1) % moe_step == 0`` (ERNIE 4.5)."""
     expert_act: Literal["swiglu", "swiglu_oai"] = "swiglu"
     """The experts' activation: ``swiglu``, or gpt-oss's clamped ``swiglu_oai``."""
+    expert_groups: tuple[int, int] = (0, 0)
+    """Expert-group routing (DeepSeek V3): experts in ``[0]`` groups, each token choosing among the
+    experts of its ``[1]`` best groups (a group scored by its two best experts); (0, 0) for none."""
     expert_norm: bool = False
     """Renormalise the chosen experts' weights to sum to 1."""
     expert_scale: float = 1.0

@@ -119,6 +119,8 @@ _PROTOTYPES: dict[str, tuple[Any, list[Any]]] = {
     "ggml_repeat_4d": (_T, [_P, _T, _I64, _I64, _I64, _I64]),
     "ggml_reshape_2d": (_T, [_P, _T, _I64, _I64]),
     "ggml_reshape_3d": (_T, [_P, _T, _I64, _I64, _I64]),
+    "ggml_reshape_4d": (_T, [_P, _T, _I64, _I64, _I64, _I64]),
+    "ggml_fill": (_T, [_P, _T, _F]),
     "ggml_view_2d": (_T, [_P, _T, _I64, _I64, c_size_t, c_size_t]),
     "ggml_view_3d": (_T, [_P, _T, _I64, _I64, _I64, c_size_t, c_size_t, c_size_t]),
     "ggml_permute": (_T, [_P, _T, c_int, c_int, c_int, c_int]),

@@ -17,8 +17,9 @@ dense in the ``leading_dense_block_count`` first layers, then a mixture of exper
 sigmoid router, optional selection bias ``exp_probs_b``, weights optionally renormalised and scaled)
 plus ``expert_shared_count`` shared experts, summed.
 
-Refused, each naming itself: expert-group routing (``expert_group_count`` > 1), rope scaling
-(DeepSeek's YaRN) and attention temperature scaling.
+With ``expert_group_count`` > 1 (DeepSeek V3) a token chooses only among the experts of its
+``expert_group_used_count`` best groups. Refused, each naming itself: rope scaling (DeepSeek's
+YaRN) and attention temperature scaling.
 """
 
 from __future__ import annotations
@@ -129,8 +130,10 @@ def read(reader: GGUFFile, hp: HParams) -> HParams:
         raise UnsupportedModel("DeepSeek with rope scaling (its YaRN) is not implemented")
     if number(reader, f"{a}.attention.temperature_scale", float, 0.0):
         raise UnsupportedModel("attention temperature scaling is not implemented")
-    if count(reader, f"{a}.expert_group_count", 0, minimum=0) > 1:
-        raise UnsupportedModel("expert-group routing (expert_group_count > 1) is not implemented")
+    groups = count(reader, f"{a}.expert_group_count", 0, minimum=0)
+    used = count(reader, f"{a}.expert_group_used_count", 0, minimum=0)
+    if groups > 1 and (hp.n_expert % groups or hp.n_expert // groups < 2 or not 0 < used < groups):
+        raise UnsupportedModel(f"{hp.n_expert} experts in {groups} groups, {used} used: not a valid grouping")
     if not hp.n_expert:
         raise UnsupportedModel(f"{a} needs {a}.expert_count and expert_used_count > 0")
     gating = count(reader, f"{a}.expert_gating_func", 0, minimum=0) or 1
@@ -143,6 +146,7 @@ def read(reader: GGUFFile, hp: HParams) -> HParams:
         expert_norm=bool(metadata(reader, f"{a}.expert_weights_norm", False)), expert_ffn=expert_ffn,
         shared_ffn=expert_ffn * count(reader, f"{a}.expert_shared_count"),
         n_dense_lead=count(reader, f"{a}.leading_dense_block_count", 0, minimum=0),
+        expert_groups=(groups, used) if groups > 1 else (0, 0),
     )
 
 
