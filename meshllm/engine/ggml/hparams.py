@@ -45,6 +45,8 @@ class RopeConfig:
     """YaRN: rotations at which that ramp ends."""
     n_ctx_orig: int = 0
     """YaRN: the context length the model was trained on."""
+    yarn_log_mul: float = 0.0
+    """DeepSeek's YaRN: ``mscale_all_dim`` (the GGUF's ``yarn_log_multiplier`` / 0.1, as llama.cpp reads it)."""
 
 
 @dataclass(frozen=True)
@@ -211,14 +213,20 @@ def rope_config(reader: GGUFFile, arch: str, n_rot: int, context: int, *, neox: 
     freq_scale = 1.0 if scaling == "none" or factor == 0.0 else f32_div(1.0, factor)
     attn_factor = number(reader, f"{a}.rope.scaling.attn_factor", float, 1.0)
     ext_factor = 0.0
+    log_mul = number(reader, f"{a}.rope.scaling.yarn_log_multiplier", float, 0.0)
+    if log_mul and arch != "deepseek2":
+        raise UnsupportedModel(f"YaRN with a log multiplier is implemented for deepseek2 only, not {arch}")
+    log_mul = float(np.float32(log_mul) / np.float32(0.1))  # the converter's factor, cancelled as llama.cpp does
     if scaling == "yarn":
-        if number(reader, f"{a}.rope.scaling.yarn_log_multiplier", float, 0.0) != 0.0:
-            raise UnsupportedModel("YaRN with a log multiplier (DeepSeek style) is not implemented")
         ext_factor = 1.0
         f = 1.0 / freq_scale
         mscale = 1.0 if f <= 1.0 else 0.1 * math.log(f) + 1.0
-        # llama.cpp cancels the magnitude factor its rope kernel applies again for YaRN.
-        attn_factor *= mscale / (1.0 + 0.1 * math.log(f))
+        if log_mul:  # DeepSeek: llama.cpp takes mscale = mscale_all_dim, so their ratio is 1; in float32
+            one = np.float32(1.0)
+            cancel = one / (one + np.float32(0.1) * np.log(one / np.float32(freq_scale)))
+            attn_factor = float(one * cancel * np.float32(attn_factor))
+        else:  # llama.cpp cancels the magnitude factor its rope kernel applies again for YaRN.
+            attn_factor *= mscale / (1.0 + 0.1 * math.log(f))
     base = number(reader, f"{a}.rope.freq_base", float, 10000.0)
     if base <= 0:
         raise UnsupportedModel(f"rope freq_base {base} is not positive")
@@ -226,7 +234,7 @@ def rope_config(reader: GGUFFile, arch: str, n_rot: int, context: int, *, neox: 
         neox=neox, n_rot=n_rot, freq_base=base, freq_scale=freq_scale, ext_factor=ext_factor,
         attn_factor=attn_factor, beta_fast=number(reader, f"{a}.rope.scaling.yarn_beta_fast", float, 32.0),
         beta_slow=number(reader, f"{a}.rope.scaling.yarn_beta_slow", float, 1.0),
-        n_ctx_orig=count(reader, f"{a}.rope.scaling.original_context_length", context),
+        n_ctx_orig=count(reader, f"{a}.rope.scaling.original_context_length", context), yarn_log_mul=log_mul,
     )
 
 

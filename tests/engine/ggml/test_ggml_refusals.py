@@ -177,7 +177,7 @@ def test_flash_attention_needs_an_f16_cache(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("extra", "match"), [
     ({"metadata": {"deepseek2.attention.key_length_mla": 24}}, "must be given together"),
     ({"metadata": {"deepseek2.expert_group_count": 2}}, "not a valid grouping"),
-    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope scaling"),
-], ids=["half-mla", "expert-groups", "yarn"])
+    ({"rope_scaling": {"type": "linear", "factor": 4.0}}, "linear rope scaling"),
+], ids=["half-mla", "expert-groups", "linear-rope"])
 def test_deepseek2_features_not_implemented_are_named(extra: dict[str, object], match: str, tmp_path: Path) -> None:
     _refused(write_tiny("deepseek2", tmp_path / "ds.gguf", **extra), match)  # type: ignore[arg-type]

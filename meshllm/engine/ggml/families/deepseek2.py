@@ -18,8 +18,9 @@ sigmoid router, optional selection bias ``exp_probs_b``, weights optionally reno
 plus ``expert_shared_count`` shared experts, summed.
 
 With ``expert_group_count`` > 1 (DeepSeek V3) a token chooses only among the experts of its
-``expert_group_used_count`` best groups. Refused, each naming itself: rope scaling (DeepSeek's
-YaRN) and attention temperature scaling.
+``expert_group_used_count`` best groups. DeepSeek's YaRN (``yarn_log_multiplier``) scales the rope
+magnitude and, squared, the attention scores as llama.cpp does. Refused, each naming itself: linear
+rope scaling and attention temperature scaling.
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Literal
 
+import numpy as np
+
 from meshllm.engine.ggml.errors import UnsupportedModel
 from meshllm.engine.ggml.family import Family, standard_shapes
-from meshllm.engine.ggml.hparams import HParams, count, f32_div, f32_sqrt, metadata, number
+from meshllm.engine.ggml.hparams import HParams, count, metadata, number
 
 if TYPE_CHECKING:
     from meshllm.engine.ggml.blocks import Step
@@ -120,14 +123,14 @@ def read(reader: GGUFFile, hp: HParams) -> HParams:
         if hp.n_kv_heads != 1 or hp.head_dim != kv_lora + hp.rope.n_rot or hp.head_dim_v != kv_lora:
             raise UnsupportedModel(f"{a} in the absorbed layout needs one KV head of kv_lora_rank + rope "
                                    f"dimensions and values of kv_lora_rank")
-        hp = dataclasses.replace(hp, v_in_k=True, mla_head_dims=(k_mla, v_mla),
-                                 attn_scale=f32_div(1.0, f32_sqrt(k_mla)))
+        hp = dataclasses.replace(hp, v_in_k=True, mla_head_dims=(k_mla, v_mla))
     elif hp.n_kv_heads != hp.n_heads:
         raise UnsupportedModel(f"{a} needs as many KV heads as heads")
     if hp.rope.n_rot >= hp.q_head_dim:
         raise UnsupportedModel(f"{a}'s rotary part must be narrower than its key head")
-    if hp.rope.freq_scale != 1.0 or hp.rope.ext_factor:
-        raise UnsupportedModel("DeepSeek with rope scaling (its YaRN) is not implemented")
+    rope = hp.rope
+    if rope.freq_scale != 1.0 and not rope.ext_factor:
+        raise UnsupportedModel("DeepSeek with linear rope scaling is not implemented (its YaRN is)")
     if number(reader, f"{a}.attention.temperature_scale", float, 0.0):
         raise UnsupportedModel("attention temperature scaling is not implemented")
     groups = count(reader, f"{a}.expert_group_count", 0, minimum=0)
@@ -146,8 +149,18 @@ def read(reader: GGUFFile, hp: HParams) -> HParams:
         expert_norm=bool(metadata(reader, f"{a}.expert_weights_norm", False)), expert_ffn=expert_ffn,
         shared_ffn=expert_ffn * count(reader, f"{a}.expert_shared_count"),
         n_dense_lead=count(reader, f"{a}.leading_dense_block_count", 0, minimum=0),
-        expert_groups=(groups, used) if groups > 1 else (0, 0),
+        expert_groups=(groups, used) if groups > 1 else (0, 0), attn_scale=_kq_scale(hp),
     )
+
+
+def _kq_scale(hp: HParams) -> float:
+    """llama.cpp's DeepSeek score scale in float32: YaRN's magnitude (undone from the rope's, then with
+    ``mscale_all_dim``) squared, over the square root of the query head width."""
+    one, tenth = np.float32(1.0), np.float32(0.1)
+    log_inv = np.log(one / np.float32(hp.rope.freq_scale))
+    original = np.float32(hp.rope.attn_factor) * (one + tenth * log_inv)
+    mscale = original * (one + tenth * np.float32(hp.rope.yarn_log_mul) * log_inv)
+    return float(one * mscale * mscale / np.sqrt(np.float32(hp.q_head_dim)))
 
 
 FAMILY = Family(arch="deepseek2", examples="DeepSeek V2, V2-Lite, V2.5, V3, R1, Kimi K2", block=block,
