@@ -83,12 +83,17 @@ def write_tiny_gemma3(
 
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral3", "olmo2", "smollm3", "granite",
-            "ernie4_5", "mixtral", "qwen2moe", "qwen3moe", "gpt-oss", "glm4moe", "ernie4_5-moe")
+            "ernie4_5", "mixtral", "qwen2moe", "qwen3moe", "gpt-oss", "glm4moe", "ernie4_5-moe", "deepseek2",
+            "deepseek2-mla")
 """The families :func:`write_tiny` writes, one per model family the ggml runtime supports (``mixtral`` is
-the ``llama`` architecture with experts)."""
-MOE_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "gpt-oss", "glm4moe", "ernie4_5-moe")
+the ``llama`` architecture with experts, ``deepseek2-mla`` the ``deepseek2`` architecture in the absorbed
+layout current DeepSeek V3 / R1 / Kimi K2 conversions use)."""
+MOE_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "gpt-oss", "glm4moe", "ernie4_5-moe", "deepseek2",
+                "deepseek2-mla")
+_DEEPSEEK = {"nope": 16, "rot": 8, "v": 16, "q_lora": 32, "kv_lora": 32}
+"""The tiny DeepSeek's latent attention: key heads of 16 + 8 rotary dimensions, value heads of 16, ranks 32."""
 
-_ARCH = {"mixtral": "llama"}
+_ARCH = {"mixtral": "llama", "deepseek2-mla": "deepseek2"}
 _GEMMA = ("gemma2", "gemma3")
 
 
@@ -136,6 +141,8 @@ def write_tiny(
     rng = np.random.default_rng(seed)
     arch = _ARCH.get(family, family)
     hd = head_dim or width // heads
+    if arch == "deepseek2":  # non-absorbed: a KV head per head; absorbed: one latent KV head
+        kv_heads = heads if family == "deepseek2" else 1
     q_width, kv_width = heads * hd, kv_heads * hd
     w = gguf.GGUFWriter(str(target), arch)
     w.add_name(f"tiny-{family}")
@@ -145,9 +152,24 @@ def write_tiny(
     w.add_feed_forward_length(ffn)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_key_length(hd)
-    w.add_value_length(hd)
-    if family != "glm4moe":
+    ds = _DEEPSEEK if arch == "deepseek2" else None
+    mla = family == "deepseek2-mla"
+    if ds is not None:  # keys wider than values; absorbed: the cache's widths, and the heads' before absorption
+        if mla:
+            w.add_key_length(ds["kv_lora"] + ds["rot"])
+            w.add_value_length(ds["kv_lora"])
+            w.add_key_length_mla(ds["nope"] + ds["rot"])
+            w.add_value_length_mla(ds["v"])
+        else:
+            w.add_key_length(ds["nope"] + ds["rot"])
+            w.add_value_length(ds["v"])
+        w.add_rope_dimension_count(ds["rot"])
+        w.add_q_lora_rank(ds["q_lora"])
+        w.add_kv_lora_rank(ds["kv_lora"])
+    else:
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+    if family not in ("glm4moe", "deepseek2", "deepseek2-mla"):
         w.add_rope_dimension_count(hd)
     w.add_layer_norm_rms_eps(1e-6 if family in _GEMMA else 1e-5)
     w.add_rope_freq_base(1_000_000.0 if family in ("qwen3", "qwen3moe", "mistral3", "gemma3") else 10000.0)
@@ -175,7 +197,7 @@ def write_tiny(
     if moe:
         w.add_expert_count(n_expert)
         w.add_expert_used_count(n_expert_used)
-        if family in ("qwen2moe", "qwen3moe", "gpt-oss", "glm4moe", "ernie4_5-moe"):
+        if family in ("qwen2moe", "qwen3moe", "gpt-oss", "glm4moe", "ernie4_5-moe", "deepseek2", "deepseek2-mla"):
             w.add_expert_feed_forward_length(ffn)
         if family == "ernie4_5-moe":  # layer 0 dense, then experts every layer, one shared expert
             w.add_expert_shared_count(1)
@@ -183,13 +205,18 @@ def write_tiny(
             w.add_uint32(f"{arch}.interleave_moe_layer_step", 1)
         if family in ("qwen2moe", "ernie4_5-moe"):
             w.add_expert_shared_feed_forward_length(ffn)
-        if family == "glm4moe":  # GLM-4.5: layer 0 dense, then experts with a shared one, sigmoid router
+        if family in ("glm4moe", "deepseek2", "deepseek2-mla"):  # GLM-4.5, DeepSeek V3: layer 0 dense, shared
+            # expert, sigmoid router with a selection bias, renormalised and scaled weights
             w.add_expert_shared_count(1)
             w.add_uint32(f"{arch}.leading_dense_block_count", 1)
             w.add_expert_weights_norm(True)
             w.add_expert_weights_scale(2.5)
             w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-            w.add_rope_dimension_count(hd // 2)  # partial rotary
+            if family == "glm4moe":
+                w.add_rope_dimension_count(hd // 2)  # partial rotary
+            if family == "deepseek2-mla" and n_expert % 2 == 0 and n_expert >= 4:  # V3's expert groups
+                w.add_uint32(f"{arch}.expert_group_count", 2)
+                w.add_uint32(f"{arch}.expert_group_used_count", 1)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     extra = ("<|endoftext|>", "<|end|>") if family == "phi3" else ()  # llama.cpp's Phi-3 vocabulary needs them
     vocab = VOCAB + len(extra)
@@ -214,7 +241,21 @@ def write_tiny(
         p = f"blk.{il}."
         if family != "olmo2":
             vector(p + "attn_norm.weight", width)
-        if family == "phi3":
+        if ds is not None:  # latent attention: low-rank query, compressed KV expanded per head
+            k_head = ds["nope"] + ds["rot"]
+            matrix(p + "attn_q_a.weight", _matrix(rng, ds["q_lora"], width))
+            vector(p + "attn_q_a_norm.weight", ds["q_lora"])
+            matrix(p + "attn_q_b.weight", _matrix(rng, heads * k_head, ds["q_lora"]))
+            matrix(p + "attn_kv_a_mqa.weight", _matrix(rng, ds["kv_lora"] + ds["rot"], width))
+            vector(p + "attn_kv_a_norm.weight", ds["kv_lora"])
+            if mla:  # attn_kv_b split: K's part per head (transposed) and V's
+                matrix(p + "attn_k_b.weight", np.stack([_matrix(rng, ds["nope"], ds["kv_lora"]).T
+                                                        for _ in range(heads)]).copy())
+                matrix(p + "attn_v_b.weight", np.stack([_matrix(rng, ds["v"], ds["kv_lora"]) for _ in range(heads)]))
+            else:
+                matrix(p + "attn_kv_b.weight", _matrix(rng, heads * (ds["nope"] + ds["v"]), ds["kv_lora"]))
+            q_width = heads * ds["v"]  # what attn_output takes
+        elif family == "phi3":
             matrix(p + "attn_qkv.weight", _matrix(rng, q_width + 2 * kv_width, width))
         else:
             matrix(p + "attn_q.weight", _matrix(rng, q_width, width))
@@ -239,7 +280,7 @@ def write_tiny(
             vector(p + "post_attention_norm.weight", width)
         elif family != "olmo2":
             vector(p + "ffn_norm.weight", width)
-        if moe and not (family in ("glm4moe", "ernie4_5-moe") and il == 0):
+        if moe and not (family in ("glm4moe", "ernie4_5-moe", "deepseek2", "deepseek2-mla") and il == 0):
             matrix(p + "ffn_gate_inp.weight", _matrix(rng, n_expert, width, scale=1.0))
             stack = [_matrix(rng, ffn, width) for _ in range(n_expert)]
             matrix(p + "ffn_gate_exps.weight", np.stack(stack))
@@ -251,9 +292,9 @@ def write_tiny(
                     w.add_tensor(p + name, (0.1 * rng.standard_normal(shape)).astype(np.float32))
             if family == "qwen2moe":  # the shared expert's gate
                 w.add_tensor(p + "ffn_gate_inp_shexp.weight", _matrix(rng, 1, width)[0])
-            if family in ("glm4moe", "ernie4_5-moe"):
+            if family in ("glm4moe", "ernie4_5-moe", "deepseek2", "deepseek2-mla"):
                 w.add_tensor(p + "exp_probs_b.bias", (0.1 * rng.standard_normal(n_expert)).astype(np.float32))
-            if family in ("qwen2moe", "glm4moe", "ernie4_5-moe"):  # one shared expert
+            if family in ("qwen2moe", "glm4moe", "ernie4_5-moe", "deepseek2", "deepseek2-mla"):  # one shared expert
                 matrix(p + "ffn_gate_shexp.weight", _matrix(rng, ffn, width))
                 matrix(p + "ffn_up_shexp.weight", _matrix(rng, ffn, width))
                 matrix(p + "ffn_down_shexp.weight", _matrix(rng, width, ffn))

@@ -356,7 +356,7 @@ def stage_memory(reader: GGUFFile, start: int, end: int, context: int) -> int:
     """
     hp = read_hparams(reader)
     plan = plan_stage(reader, hp, start, end)
-    kv = kv_bytes_per_token(end - start, hp.n_kv_heads * hp.head_dim) * padded(min(context, hp.context_length))
+    kv = kv_bytes_per_token(end - start, hp.k_width, v_width=hp.v_width) * padded(min(context, hp.context_length))
     logits = hp.vocab * 4 if end == hp.n_layers else 0
     return plan.nbytes + kv + compute_bytes(hp, min(context, hp.context_length), Deadlines().prefill_chunk) + logits
 

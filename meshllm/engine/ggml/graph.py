@@ -236,11 +236,16 @@ class Graph:
         return self._op(self.g.ggml_set_rows, dst.p, src.p, rows.p)
 
     def reshape(self, a: T, *ne: int) -> T:
-        if math.prod(ne) != a.n_elements or not self.contiguous(a) or len(ne) not in (2, 3):
+        if math.prod(ne) != a.n_elements or not self.contiguous(a) or len(ne) not in (2, 3, 4):
             raise self._fail("reshape", f"cannot reshape to {ne}", a)
-        if len(ne) == 2:
-            return self._op(self.g.ggml_reshape_2d, a.p, *ne)
-        return self._op(self.g.ggml_reshape_3d, a.p, *ne)
+        fn = {2: self.g.ggml_reshape_2d, 3: self.g.ggml_reshape_3d, 4: self.g.ggml_reshape_4d}[len(ne)]
+        return self._op(fn, a.p, *ne)
+
+    def fill(self, a: T, value: float) -> T:
+        """A new tensor of ``a``'s shape, every element ``value``."""
+        if a.type != lib.F32:
+            raise self._fail("fill", "needs f32", a)
+        return self._op(self.g.ggml_fill, a.p, value)
 
     def view(self, a: T, ne: Sequence[int], nb: Sequence[int], offset: int = 0) -> T:
         """A view of ``a``: shape ``ne`` (2 or 3 dims), strides ``nb[1:]`` in bytes, at byte ``offset``."""
@@ -254,6 +259,10 @@ class Graph:
         if len(ne) == 2:
             return self._op(self.g.ggml_view_2d, a.p, ne[0], ne[1], nb[0], offset)
         return self._op(self.g.ggml_view_3d, a.p, ne[0], ne[1], ne[2], nb[0], nb[1], offset)
+
+    def transpose(self, a: T) -> T:
+        """A view of ``a`` with its first two dimensions swapped."""
+        return self._op(self.g.ggml_transpose, a.p)
 
     def permute(self, a: T, *axes: int) -> T:
         if sorted(axes) != [0, 1, 2, 3]:
@@ -273,16 +282,27 @@ class Graph:
         return self._op(self.g.ggml_concat, a.p, b.p, dim)
 
     def rope(self, a: T, pos: T, freqs: T | None, *, n_dims: int, mode: int, n_ctx_orig: int, freq_base: float,
-             freq_scale: float, ext_factor: float, attn_factor: float, beta_fast: float, beta_slow: float) -> T:
-        """ggml_rope_ext over [head_dim, heads, n] with positions ``pos`` [n] (i32)."""
+             freq_scale: float, ext_factor: float, attn_factor: float, beta_fast: float, beta_slow: float,
+             offset: int = 0) -> T:
+        """ggml_rope_ext over [head_dim, heads, n] with positions ``pos`` [n] (i32); ``offset``: the rotated
+        dimensions start there (DeepSeek rotates each head's trailing ``n_dims``)."""
         if pos.type != lib.I32 or pos.ne[1:] != (1, 1, 1) or a.ne[2] != pos.ne[0] or mode & 1:
             raise self._fail("rope", "positions must be an i32 vector with one entry per token", a, pos)
-        if n_dims > a.ne[0] or n_dims % 2:
-            raise self._fail("rope", f"cannot rotate {n_dims} dimensions", a)
+        if offset < 0 or offset + n_dims > a.ne[0] or n_dims % 2:
+            raise self._fail("rope", f"cannot rotate {n_dims} dimensions from {offset}", a)
         if freqs is not None and (freqs.type != lib.F32 or freqs.ne[0] < n_dims // 2):
             raise self._fail("rope", "frequency factors must be f32 with n_dims/2 entries", a, freqs)
-        return self._op(self.g.ggml_rope_ext, a.p, pos.p, freqs.p if freqs is not None else None, n_dims, mode,
-                        n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow)
+        out = self._op(self.g.ggml_rope_ext, a.p, pos.p, freqs.p if freqs is not None else None, n_dims, mode,
+                       n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow)
+        if offset:
+            self.g.ggml_rope_set_offset(out.p, offset)
+        return out
+
+    def repeat_4d(self, a: T, *ne: int) -> T:
+        """``a`` tiled to shape ``ne`` (each dimension a multiple of ``a``'s)."""
+        if len(ne) != 4 or any(d < 1 or d % s for d, s in zip(ne, a.ne, strict=True)):
+            raise self._fail("repeat_4d", f"cannot tile to {ne}", a)
+        return self._op(self.g.ggml_repeat_4d, a.p, *ne)
 
     def add_id(self, a: T, b: T, ids: T) -> T:
         """``a[:, i, t] + b[:, ids[i, t]]``: per-expert biases for the experts each token uses."""

@@ -45,6 +45,8 @@ class RopeConfig:
     """YaRN: rotations at which that ramp ends."""
     n_ctx_orig: int = 0
     """YaRN: the context length the model was trained on."""
+    yarn_log_mul: float = 0.0
+    """DeepSeek's YaRN: ``mscale_all_dim`` (the GGUF's ``yarn_log_multiplier`` / 0.1, as llama.cpp reads it)."""
 
 
 @dataclass(frozen=True)
@@ -98,10 +100,53 @@ class HParams:
     """From ``n_dense_lead`` on, layer ``il`` has experts when ``(il + 1) % moe_step == 0`` (ERNIE 4.5)."""
     expert_act: Literal["swiglu", "swiglu_oai"] = "swiglu"
     """The experts' activation: ``swiglu``, or gpt-oss's clamped ``swiglu_oai``."""
+    expert_groups: tuple[int, int] = (0, 0)
+    """Expert-group routing (DeepSeek V3): experts in ``[0]`` groups, each token choosing among the
+    experts of its ``[1]`` best groups (a group scored by its two best experts); (0, 0) for none."""
     expert_norm: bool = False
     """Renormalise the chosen experts' weights to sum to 1."""
     expert_scale: float = 1.0
     """Multiplies the chosen experts' weights (after any renormalisation)."""
+
+    v_head_dim: int = 0
+    """Width of a value head when it differs from ``head_dim`` (DeepSeek); 0: the same."""
+    q_lora: int = 0
+    """DeepSeek: rank of the low-rank query projection; 0 for a direct ``attn_q``."""
+    kv_lora: int = 0
+    """DeepSeek: rank of the compressed KV (the latent ``attn_kv_a_mqa`` projects to)."""
+    mixed_kv_widths: bool = False
+    """Whether the family reads key and value heads of different widths (else they are refused)."""
+    v_in_k: bool = False
+    """Values are the leading ``head_dim_v`` dimensions of the cached keys (DeepSeek's absorbed MLA):
+    the cache keeps no V."""
+
+    mla_head_dims: tuple[int, int] = (0, 0)
+    """DeepSeek's absorbed layout: the query head and value head widths before absorption."""
+
+    @property
+    def q_head_dim(self) -> int:
+        """Width of one query head as the projections give it (DeepSeek absorbed: before absorption)."""
+        return self.mla_head_dims[0] or self.head_dim
+
+    @property
+    def out_head_dim(self) -> int:
+        """Width of one head of the attention's output."""
+        return self.mla_head_dims[1] or self.head_dim_v
+
+    @property
+    def head_dim_v(self) -> int:
+        """Width of one value head."""
+        return self.v_head_dim or self.head_dim
+
+    @property
+    def k_width(self) -> int:
+        """Elements of one token's keys in a layer's cache."""
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def v_width(self) -> int:
+        """Elements of one token's values in a layer's cache (0: none kept, they are read from K)."""
+        return 0 if self.v_in_k else self.n_kv_heads * self.head_dim_v
 
     def has_experts(self, layer: int) -> bool:
         """Whether ``layer`` routes to experts (a dense model: never)."""
@@ -168,14 +213,20 @@ def rope_config(reader: GGUFFile, arch: str, n_rot: int, context: int, *, neox: 
     freq_scale = 1.0 if scaling == "none" or factor == 0.0 else f32_div(1.0, factor)
     attn_factor = number(reader, f"{a}.rope.scaling.attn_factor", float, 1.0)
     ext_factor = 0.0
+    log_mul = number(reader, f"{a}.rope.scaling.yarn_log_multiplier", float, 0.0)
+    if log_mul and arch != "deepseek2":
+        raise UnsupportedModel(f"YaRN with a log multiplier is implemented for deepseek2 only, not {arch}")
+    log_mul = float(np.float32(log_mul) / np.float32(0.1))  # the converter's factor, cancelled as llama.cpp does
     if scaling == "yarn":
-        if number(reader, f"{a}.rope.scaling.yarn_log_multiplier", float, 0.0) != 0.0:
-            raise UnsupportedModel("YaRN with a log multiplier (DeepSeek style) is not implemented")
         ext_factor = 1.0
         f = 1.0 / freq_scale
         mscale = 1.0 if f <= 1.0 else 0.1 * math.log(f) + 1.0
-        # llama.cpp cancels the magnitude factor its rope kernel applies again for YaRN.
-        attn_factor *= mscale / (1.0 + 0.1 * math.log(f))
+        if log_mul:  # DeepSeek: llama.cpp takes mscale = mscale_all_dim, so their ratio is 1; in float32
+            one = np.float32(1.0)
+            cancel = one / (one + np.float32(0.1) * np.log(one / np.float32(freq_scale)))
+            attn_factor = float(one * cancel * np.float32(attn_factor))
+        else:  # llama.cpp cancels the magnitude factor its rope kernel applies again for YaRN.
+            attn_factor *= mscale / (1.0 + 0.1 * math.log(f))
     base = number(reader, f"{a}.rope.freq_base", float, 10000.0)
     if base <= 0:
         raise UnsupportedModel(f"rope freq_base {base} is not positive")
@@ -183,7 +234,7 @@ def rope_config(reader: GGUFFile, arch: str, n_rot: int, context: int, *, neox: 
         neox=neox, n_rot=n_rot, freq_base=base, freq_scale=freq_scale, ext_factor=ext_factor,
         attn_factor=attn_factor, beta_fast=number(reader, f"{a}.rope.scaling.yarn_beta_fast", float, 32.0),
         beta_slow=number(reader, f"{a}.rope.scaling.yarn_beta_slow", float, 1.0),
-        n_ctx_orig=count(reader, f"{a}.rope.scaling.original_context_length", context),
+        n_ctx_orig=count(reader, f"{a}.rope.scaling.original_context_length", context), yarn_log_mul=log_mul,
     )
 
 
@@ -223,8 +274,6 @@ def read_hparams(reader: GGUFFile) -> HParams:
     ffn = count(reader, f"{a}.feed_forward_length")
     head_dim = count(reader, f"{a}.attention.key_length", max(1, width // n_heads))
     v_head_dim = count(reader, f"{a}.attention.value_length", max(1, width // n_heads))
-    if v_head_dim != head_dim:
-        raise UnsupportedModel(f"key length {head_dim} != value length {v_head_dim}; not implemented")
     if n_heads % n_kv_heads:
         raise UnsupportedModel(f"{n_heads} query heads cannot be grouped over {n_kv_heads} KV heads")
     n_rot = count(reader, f"{a}.rope.dimension_count", head_dim)
@@ -261,5 +310,9 @@ def read_hparams(reader: GGUFFile) -> HParams:
         n_expert_used=n_expert_used if n_expert else 0,
         expert_ffn=count(reader, f"{a}.expert_feed_forward_length", ffn) if n_expert else 0,
         expert_scale=number(reader, f"{a}.expert_weights_scale", float, 1.0) or 1.0,
+        v_head_dim=v_head_dim if v_head_dim != head_dim else 0,
     )
-    return family.hparams(reader, hp)
+    hp = family.hparams(reader, hp)
+    if hp.head_dim_v != hp.head_dim and not hp.mixed_kv_widths:
+        raise UnsupportedModel(f"key length {hp.head_dim} != value length {hp.head_dim_v}; not implemented")
+    return hp

@@ -106,7 +106,7 @@ def memory_profile(reader: GGUFFile, hp: HParams, context: int, chunk: int = CHU
     return MemoryProfile(
         layer_bytes=tuple(sum(t.nbytes for t in layer.values()) for layer in plan.layers),
         layer_params=tuple(sum(_active(hp, name, t.n_elements) for name, t in layer.items()) for layer in plan.layers),
-        kv_bytes_per_layer=kv_bytes_per_token(1, hp.n_kv_heads * hp.head_dim) * padded(context),
+        kv_bytes_per_layer=kv_bytes_per_token(1, hp.k_width, v_width=hp.v_width) * padded(context),
         embed_bytes=plan.embed.nbytes,
         head_bytes=sum(t.nbytes for t in head),
         head_params=plan.head.n_elements,

@@ -202,8 +202,8 @@ class StageModel:
             self._check_open()
             if self._pad is None:
                 self.pad_lone_rows = any(t.type_id in _FLOAT_TYPES and len(t.shape) > 1 for t in self.plan.tensors())
-                self._pad = KVCache(self.backends, self._kv_bufts, self.hparams.n_kv_heads * self.hparams.head_dim,
-                                    KV_TYPES[self.kv_type], 1, v_trans=not self.flash_attn)
+                self._pad = KVCache(self.backends, self._kv_bufts, self.hparams.k_width, KV_TYPES[self.kv_type], 1,
+                                    v_trans=not self.flash_attn, v_width=self.hparams.v_width)
             return self.pad_lone_rows
 
     # -- compute ------------------------------------------------------------------------------
@@ -282,8 +282,8 @@ class StageModel:
         self._check_open()
         cache = self._sessions.get(session)
         if cache is None:
-            cache = KVCache(self.backends, self._kv_bufts, self.hparams.n_kv_heads * self.hparams.head_dim,
-                            KV_TYPES[self.kv_type], self.max_context, v_trans=not self.flash_attn)
+            cache = KVCache(self.backends, self._kv_bufts, self.hparams.k_width, KV_TYPES[self.kv_type],
+                            self.max_context, v_trans=not self.flash_attn, v_width=self.hparams.v_width)
         if pos != cache.length:
             raise StageInputError(
                 f"session {session!r} is at position {cache.length} on layers "
@@ -424,6 +424,6 @@ def _gpu_layers(plan: StagePlan, hp: HParams, context: int, kv_type: str, accel:
     if requested is not None:
         return n if requested < 0 else min(requested, n)
     per_layer = max(sum(t.nbytes for t in layer.values()) for layer in plan.layers)
-    per_layer += kv_bytes_per_token(1, hp.n_kv_heads * hp.head_dim, kv_type) * context
+    per_layer += kv_bytes_per_token(1, hp.k_width, kv_type, hp.v_width) * context
     head = plan.head.nbytes if plan.head is not None else 0
     return layers_that_fit(accel.memory_free, per_layer, n, fixed_bytes=head)

@@ -150,3 +150,15 @@ def test_mixture_of_experts_rows_are_the_rows_alone(weight_type: str, tmp_path: 
         assert _same(alone, batched)
     finally:
         stage.close()
+
+
+@pytest.mark.parametrize("family", ["deepseek2", "deepseek2-mla"])
+def test_latent_attention_rows_are_the_rows_alone(family: str, tmp_path: Path) -> None:
+    """DeepSeek's caches (V narrower than K, or no V at all) attended per session in one batch."""
+    stage = StageModel.load(write_tiny(family, tmp_path / "ds.gguf"), max_context=256, threads=1)
+    try:
+        stage.batch_exact()
+        alone, batched = _alone_and_batched(stage)
+        assert _same(alone, batched)
+    finally:
+        stage.close()

@@ -86,6 +86,13 @@ def test_greedy_run_is_llama_cpps(family: str, flash_attn: bool, tmp_path: Path)
     _run(write_tiny(family, tmp_path / f"{family}.gguf"), "exact", flash_attn)
 
 
+@pytest.mark.parametrize("log_mul", [0.1, 0.0707], ids=["v3", "v2-lite"])
+def test_deepseek_yarn_is_llama_cpps(log_mul: float, tmp_path: Path) -> None:
+    """DeepSeek's YaRN (V3's ``mscale_all_dim`` 1, V2-Lite's 0.707): rope magnitude and score scale."""
+    yarn = {"type": "yarn", "factor": 4.0, "original_context_length": 64, "yarn_log_multiplier": log_mul}
+    _run(write_tiny("deepseek2-mla", tmp_path / "ds.gguf", rope_scaling=yarn), "exact", False)
+
+
 QUANTIZED = [
     ("llama", "Q4_K_M", {"width": 256}),
     ("qwen3", "Q6_K", {"width": 256}),
@@ -96,6 +103,8 @@ QUANTIZED = [
     ("qwen3moe", "Q4_K_M", {"width": 256}),
     ("gpt-oss", "MXFP4", {}),
     ("glm4moe", "Q4_K_M", {"width": 256}),
+    ("deepseek2", "Q8_0", {}),
+    ("deepseek2", "Q4_K_M", {"width": 256}),
     ("qwen3moe", "Q8_0", {"n_expert": 16, "n_expert_used": 8}),  # Qwen3-30B-A3B routes to 8
 ]
 """Families in the quantizations their published files use (K-quants need a width of 256)."""

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tinymodels import write_tiny_gguf, write_tiny_llama
+from tinymodels import write_tiny, write_tiny_gguf, write_tiny_llama
 
 from meshllm.engine.ggml import lib, weights
 from meshllm.engine.ggml.errors import UnsupportedModel
@@ -172,3 +172,12 @@ def test_flash_attention_needs_an_f16_cache(tmp_path: Path) -> None:
         StageModel.load(path, flash_attn=True, kv_type="f32")
     with pytest.raises(UnsupportedModel, match="KV cache type"):
         StageModel.load(path, kv_type="q8")
+
+
+@pytest.mark.parametrize(("extra", "match"), [
+    ({"metadata": {"deepseek2.attention.key_length_mla": 24}}, "must be given together"),
+    ({"metadata": {"deepseek2.expert_group_count": 2}}, "not a valid grouping"),
+    ({"rope_scaling": {"type": "linear", "factor": 4.0}}, "linear rope scaling"),
+], ids=["half-mla", "expert-groups", "linear-rope"])
+def test_deepseek2_features_not_implemented_are_named(extra: dict[str, object], match: str, tmp_path: Path) -> None:
+    _refused(write_tiny("deepseek2", tmp_path / "ds.gguf", **extra), match)  # type: ignore[arg-type]

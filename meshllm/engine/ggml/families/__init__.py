@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from meshllm.engine.ggml.errors import UnsupportedModel
 from meshllm.engine.ggml.families import (
+    deepseek2,
     ernie4_5,
     ernie4_5_moe,
     gemma2,
@@ -45,6 +46,7 @@ REGISTRY: dict[str, Family] = {f.arch: f for f in (
     ernie4_5_moe.FAMILY,
     gpt_oss.FAMILY,
     glm4moe.FAMILY,
+    deepseek2.FAMILY,
 )}
 """Architecture (``general.architecture``) -> its family."""
 
