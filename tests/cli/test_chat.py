@@ -69,7 +69,8 @@ def chat_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]
         node = NodeProcess(tmp / "home", ["--model", str(tool), "--model", str(llama), "--threads", "1"], "chat")
         nodes.append(node)
         node.wait_ready()
-        wait_until(lambda: len(httpx.get(node.api + "/v1/models", timeout=5).json()["data"]) == 2, 30.0)
+        wait_until(lambda: len([m for m in httpx.get(node.api + "/v1/models", timeout=5).json()["data"]
+                                if m["id"] != "auto"]) == 2, 30.0)
         yield node
 
 
