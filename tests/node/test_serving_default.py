@@ -45,7 +45,7 @@ def test_meshllm_serve_with_no_model_chats_with_the_default_model(tmp_path: Path
         ready = next(e for e in node.events if e["type"] == "model_ready")
         assert ready["model"] == DEFAULT_MODEL and ready["engine"] == "llama" and ready["context"] > 0
         client = client_of(node)
-        assert [m.id for m in client.models.list().data] == [DEFAULT_MODEL, "auto"]  # data[0]: the README snippet's pick
+        assert [m.id for m in client.models.list().data] == [DEFAULT_MODEL, "auto"]  # README takes data[0]
 
         hi = client.chat.completions.create(model=DEFAULT_MODEL, temperature=0,
                                             messages=[{"role": "user", "content": "Hi"}])
