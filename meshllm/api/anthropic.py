@@ -36,7 +36,7 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
 
 from meshllm.api.backend import Backend
-from meshllm.api.errors import BadRequest, error_for
+from meshllm.api.errors import BadRequest, error_for, error_headers
 from meshllm.api.generation import (
     Collected,
     Ended,
@@ -117,7 +117,7 @@ async def _app_error_response(request: Request, exc: Exception) -> JSONResponse:
     if isinstance(exc, HTTPException):
         return JSONResponse({"error": {"message": str(exc.detail)}}, status_code=exc.status_code)
     status, body = error_for(exc)
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=error_headers(exc, status))
 
 
 class MessagesRequest(RequestBody):

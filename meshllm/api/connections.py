@@ -41,15 +41,13 @@ from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from meshllm.api.errors import ApiError, NoCapacity, RequestTimeout, error_for
+from meshllm.api.errors import BUSY_RETRY_AFTER_S, ApiError, NoCapacity, RequestTimeout, error_for
 from meshllm.api.limits import EdgeLimits
 
 ACCEPT_BACKLOG = 64
 """Listen backlog, and so the most sockets asyncio accepts at one wake-up before protocols see them."""
 LINGER_S = 1.0
 """How long a refused connection is drained after its answer before the socket is closed."""
-RETRY_AFTER_S = 1
-"""``Retry-After`` of a connection refused at the cap."""
 
 
 class ConnectionTable:
@@ -168,7 +166,7 @@ class GuardedH11Protocol(H11Protocol):
         """Answer outside h11 (no request was parsed), then close lingering (see the module's docstring)."""
         _, body = error_for(exc)
         payload = json.dumps(body).encode()
-        retry = f"retry-after: {RETRY_AFTER_S}\r\n" if status == 503 else ""
+        retry = f"retry-after: {BUSY_RETRY_AFTER_S}\r\n" if status == 503 else ""
         head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n{retry}"
                 f"content-length: {len(payload)}\r\nconnection: close\r\n\r\n")
         self._refused = True
