@@ -186,7 +186,8 @@ class BulkServer:
             try:
                 first = await self._first(reader)
                 if isinstance(first, OpenLane):
-                    if self.on_lane is not None:
+                    if self.on_lane is not None:  # the dialer waits for this echo before it sends lane frames
+                        writer.write(encode_frame(OpenLane(), FRAME_MAX))
                         await self.on_lane(reader, writer, peer)
                     return
                 if first is not None:

@@ -12,8 +12,9 @@ steps keep their order.
 
 **Protocol**: the dialer connects to the peer's bulk port (``models/bulk.py``: the listener serves
 only admitted peers, the dialer checks the listener's certificate against the node id it dialled),
-sends one :class:`~meshllm.models.bulk.OpenLane` frame, then lane frames flow both ways in the wire
-framing (4-byte length, msgpack body) exactly as on a QUIC stream.
+sends one :class:`~meshllm.models.bulk.OpenLane` frame and waits for the listener to echo it (a
+listener that refuses the peer closes the connection instead: the lane then rides QUIC), then lane
+frames flow both ways in the wire framing (4-byte length, msgpack body) exactly as on a QUIC stream.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from meshllm.models.bulk import CONNECT_S, FRAME_MAX, HANDSHAKE_S, OpenLane
 from meshllm.net import tcp_tls
 from meshllm.net.errors import NetTimeout, StreamClosed
 from meshllm.split.frames import LANE_FRAME_MAX
-from meshllm.wire.frames import FrameDecoder, encode_frame
+from meshllm.wire.frames import FrameDecoder, decode_frame, encode_frame
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,11 @@ class LaneDialer:
                 CONNECT_S + HANDSHAKE_S)
             tcp_tls.check_peer(writer.get_extra_info("ssl_object"), node_id)
             writer.write(encode_frame(OpenLane(), FRAME_MAX))
-        except (OSError, TimeoutError, MeshllmError) as exc:
+            # the listener checks admission and its connection limits after the handshake: its echo says
+            # it took the lane (a refusal is a closed connection, and then the lane rides QUIC)
+            echo = await asyncio.wait_for(reader.readexactly(len(encode_frame(OpenLane(), FRAME_MAX))), HANDSHAKE_S)
+            decode_frame(echo, OpenLane, FRAME_MAX)
+        except (OSError, TimeoutError, MeshllmError, asyncio.IncompleteReadError) as exc:
             if writer is not None:
                 writer.transport.abort()
             log.warning("stage lane to %s over its bulk channel failed, using QUIC for %.0f s: %s",
