@@ -50,6 +50,7 @@ from meshllm.split import (
     ModelProfile,
     PlanOptions,
     SplitCoordinator,
+    StageFailed,
     StageServer,
     codec,
     plan,
@@ -142,6 +143,7 @@ async def prefill(path: Path, n_layers: int, vocab: int, n_prompt: int, repeats:
     configs = [f"{lane} {dtype}" for lane in ("quic", "tcp") for dtype in ("f32", "f16")]
     chains = {c: await _chain_parts(path, n_layers, 2, context, tcp=c.startswith("tcp")) for c in configs}
     times: dict[str, list[float]] = {"solo": [], **{c: [] for c in configs}}
+    failures: dict[str, list[str]] = {}
     try:
         for i in range(repeats):
             started = time.perf_counter()
@@ -150,8 +152,11 @@ async def prefill(path: Path, n_layers: int, vocab: int, n_prompt: int, repeats:
             whole.reset(f"s{i}")
             for config, (_, _, _, coord) in chains.items():
                 started = time.perf_counter()
-                async for _ in coord.generate(prompt, max_tokens=1, dtype=config.split()[1]):  # type: ignore[arg-type]
-                    times[config].append(time.perf_counter() - started)
+                try:
+                    async for _ in coord.generate(prompt, max_tokens=1, dtype=config.split()[1]):  # type: ignore[arg-type]
+                        times[config].append(time.perf_counter() - started)
+                except StageFailed as exc:  # (reported, not fatal: the other configurations still run)
+                    failures.setdefault(config, []).append(str(exc))
     finally:
         whole.close()
         for eps, servers, first, _ in chains.values():
@@ -159,9 +164,12 @@ async def prefill(path: Path, n_layers: int, vocab: int, n_prompt: int, repeats:
     solo_s = statistics.median(times["solo"])
     rows: list[dict[str, object]] = [{"config": f"prefill {n_prompt} solo", "prefill_s": solo_s, "runs": times["solo"]}]
     for config in configs:
-        t = statistics.median(times[config])
-        rows.append({"config": f"prefill {n_prompt} 2 stages, {config}", "prefill_s": t, "vs_solo": t / solo_s,
-                     "runs": times[config]})
+        row: dict[str, object] = {"config": f"prefill {n_prompt} 2 stages, {config}", "runs": times[config],
+                                  "failed": failures.get(config, [])}
+        if times[config]:
+            row["prefill_s"] = statistics.median(times[config])
+            row["vs_solo"] = statistics.median(times[config]) / solo_s
+        rows.append(row)
     for bulk in _BULK:
         await bulk.close()
     _BULK.clear()
@@ -259,7 +267,8 @@ def table(results: list[dict[str, object]]) -> str:
             cells = [_cell(row, k) for k in ("ms_per_token", "P_ms", "predicted_ms", "rtt_ms")]
             cells.append(_cell(row, "bytes_per_token_per_hop", "{:,}"))
             cells += [_cell(row, "prefill_s", "{:.3f}"), _cell(row, "vs_solo", "{:.3f}x")]
-            lines.append(f"| {res['model']} | {row['config']} | " + " | ".join(cells) + " |")
+            failed = f" ({len(row['failed'])} runs failed)" if row.get("failed") else ""
+            lines.append(f"| {res['model']} | {row['config']}{failed} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
