@@ -1,12 +1,14 @@
 """Which activation dtype each model family may use on the wire: f16/i8 against f32, per family.
 
-For each model, the layers are split in three (two hops) and run in-process exactly as a chain does
+For each model, every layer is its own stage (a hop after each layer: the worst case, and the peak
+activation over every split point a planner could choose), run in-process exactly as a chain does
 (``StageModel.forward`` per stage, the activations through ``codec.encode``/``codec.decode`` at each
 hop). Measured per wire dtype, against f32 on the wire (which is what the solo runtime computes):
 greedy tokens on a few prompts (identical or not, and where they first differ), the largest relative
 difference of the prompt's logits, top-1 agreement over every prompt position, and the largest
 activation magnitude seen at a hop against float16's range (65,504). ``meshllm/split/codec.py``'s
-``WIRE_DTYPE`` takes f16 for a family only where every row here says identical.
+A family may default to f16 only where every row here says identical and the peak stays well inside
+float16's range (docs/splits.md: none of the bundled models does, so chains default to f32).
 
     .venv/bin/python bench/wire_dtype.py [--tokens 32] [--out bench/results/wire_dtype.json]
 """
@@ -81,7 +83,7 @@ def measure(name: str, path: Path, tokens: int) -> list[dict[str, object]]:
     meta = StageModel.load(path, 0, 1, max_context=8, threads=1)
     n, vocab, family = meta.hparams.n_layers, meta.hparams.vocab, meta.hparams.arch
     meta.close()
-    bounds = [0, n // 3, 2 * n // 3, n]
+    bounds = list(range(n + 1))
     stages = [StageModel.load(path, a, b, max_context=512, threads=1) for a, b in itertools.pairwise(bounds)]
     rows = []
     try:

@@ -18,18 +18,6 @@ from meshllm.split.errors import BadFrame
 Dtype = Literal["f32", "f16", "i8"]
 DTYPES: tuple[Dtype, ...] = ("f32", "f16", "i8")
 
-WIRE_DTYPE: dict[str, Dtype] = {"llama": "f16", "qwen2": "f16", "gemma3": "f32"}
-"""Default wire dtype per architecture: f16 where ``bench/wire_dtype.py`` measured the family's greedy
-tokens identical to f32 on the wire (tiny models and the bundled ones; docs/benchmarks.md), with its
-hop activations far inside float16's range. Gemma 3 270M's residual stream reaches ~98,000 at a hop,
-past float16's 65,504 (the codec refuses the infinities), so gemma3 stays f32; so does any other
-architecture."""
-
-
-def wire_dtype(arch: str) -> Dtype:
-    """The activations a chain of an ``arch`` model sends by default (f32 unless measured exact in f16)."""
-    return WIRE_DTYPE.get(arch, "f32")
-
 
 def encoded_size(dtype: str, n_tokens: int, width: int) -> int:
     """Exact payload bytes of ``n_tokens`` rows of ``width`` activations in ``dtype``."""

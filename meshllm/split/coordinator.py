@@ -173,14 +173,11 @@ class SplitCoordinator:
         *,
         max_tokens: int,
         sampling: Sampling | None = None,
-        dtype: codec.Dtype | None = None,
+        dtype: codec.Dtype = "f32",
         session: str | None = None,
     ) -> AsyncIterator[SplitToken]:
-        """Stream the tokens generated after ``prompt``; raises :class:`StageFailed` naming a failed stage.
-
-        ``dtype``: the activations on the wire; by default the model family's (:func:`codec.wire_dtype`).
-        """
-        run = _Run(self, session or uuid.uuid4().hex, dtype or codec.wire_dtype(self.first.hparams.arch))
+        """Stream the tokens generated after ``prompt``; raises :class:`StageFailed` naming a failed stage."""
+        run = _Run(self, session or uuid.uuid4().hex, dtype)
         policy = WindowPolicy(self.speculate, prior=self.acceptance.rate)
         drafter = NgramDrafter(prompt) if self.speculate != "off" else None
         try:
