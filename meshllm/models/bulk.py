@@ -64,7 +64,9 @@ IDLE_S = 30.0
 """A listener closes a connection that asks for nothing for this long."""
 KEEP_S = IDLE_S / 2
 """A dialer reuses an idle connection only this long, well before the listener would close it."""
-PER_PEER = 4
+PER_PEER = 6
+"""Connections one peer may hold: two fetches' request windows (2 each) and its stage lanes (one per
+direction of a hop, ``split/tcp_lane.py``), with room for one more."""
 TOTAL = 32
 KEEP_PER_PEER = 2
 
