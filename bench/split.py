@@ -14,7 +14,9 @@ a ``--split force`` coordinator with one or two ``--worker``s): the median gap b
 
 ``--prefill N`` (default 2,048) adds time to first token of an N-token prompt: solo (one thread) against
 2 stages (one thread each) with f32 and f16 activations on the wire, lanes on QUIC streams and on TLS over
-TCP (the bulk channel, which nodes use where the path is direct).
+TCP (the bulk channel, which nodes use where the path is direct). Beside the wall-clock medians, the
+process's CPU seconds per prefill: on a shared host a chain's two threads get more of the CPU than solo's
+one, so the wall-clock ratio flatters chains there; the CPU ratio is the cost (transfer and hop overhead).
 
     .venv/bin/python bench/split.py [--gemma] [--nodes] [--tokens 48] [--prefill 2048] [--prefill-only]
         [--out bench/results/split.json]
@@ -143,32 +145,38 @@ async def prefill(path: Path, n_layers: int, vocab: int, n_prompt: int, repeats:
     configs = [f"{lane} {dtype}" for lane in ("quic", "tcp") for dtype in ("f32", "f16")]
     chains = {c: await _chain_parts(path, n_layers, 2, context, tcp=c.startswith("tcp")) for c in configs}
     times: dict[str, list[float]] = {"solo": [], **{c: [] for c in configs}}
+    cpu: dict[str, list[float]] = {k: [] for k in times}
     failures: dict[str, list[str]] = {}
     try:
         for i in range(repeats):
-            started = time.perf_counter()
+            started, cpu_at = time.perf_counter(), time.process_time()
             await asyncio.to_thread(whole.forward, f"s{i}", np.asarray(prompt), 0, last_only=True)
             times["solo"].append(time.perf_counter() - started)
+            cpu["solo"].append(time.process_time() - cpu_at)
             whole.reset(f"s{i}")
             for config, (_, _, _, coord) in chains.items():
-                started = time.perf_counter()
+                started, cpu_at = time.perf_counter(), time.process_time()
                 try:
                     async for _ in coord.generate(prompt, max_tokens=1, dtype=config.split()[1]):  # type: ignore[arg-type]
                         times[config].append(time.perf_counter() - started)
+                        cpu[config].append(time.process_time() - cpu_at)
                 except StageFailed as exc:  # (reported, not fatal: the other configurations still run)
                     failures.setdefault(config, []).append(str(exc))
     finally:
         whole.close()
         for eps, servers, first, _ in chains.values():
             await _chain_close(eps, servers, first)
-    solo_s = statistics.median(times["solo"])
-    rows: list[dict[str, object]] = [{"config": f"prefill {n_prompt} solo", "prefill_s": solo_s, "runs": times["solo"]}]
+    solo_s, solo_cpu = statistics.median(times["solo"]), statistics.median(cpu["solo"])
+    rows: list[dict[str, object]] = [{"config": f"prefill {n_prompt} solo", "prefill_s": solo_s, "cpu_s": solo_cpu,
+                                      "runs": times["solo"]}]
     for config in configs:
         row: dict[str, object] = {"config": f"prefill {n_prompt} 2 stages, {config}", "runs": times[config],
                                   "failed": failures.get(config, [])}
         if times[config]:
             row["prefill_s"] = statistics.median(times[config])
             row["vs_solo"] = statistics.median(times[config]) / solo_s
+            row["cpu_s"] = statistics.median(cpu[config])
+            row["cpu_vs_solo"] = statistics.median(cpu[config]) / solo_cpu
         rows.append(row)
     for bulk in _BULK:
         await bulk.close()
@@ -261,12 +269,13 @@ def through_nodes(path: Path, tokens: int, tmp: Path) -> list[dict[str, object]]
 
 def table(results: list[dict[str, object]]) -> str:
     lines = ["| model | config | ms/token | P per hop (ms) | predicted (ms) | loopback RTT (ms) | bytes/token/hop "
-             "| prefill s | vs solo |", "|---|---|---|---|---|---|---|---|---|"]
+             "| prefill s | vs solo | prefill CPU s | CPU vs solo |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         for row in res["rows"]:  # type: ignore[attr-defined]
             cells = [_cell(row, k) for k in ("ms_per_token", "P_ms", "predicted_ms", "rtt_ms")]
             cells.append(_cell(row, "bytes_per_token_per_hop", "{:,}"))
-            cells += [_cell(row, "prefill_s", "{:.3f}"), _cell(row, "vs_solo", "{:.3f}x")]
+            cells += [_cell(row, "prefill_s", "{:.3f}"), _cell(row, "vs_solo", "{:.3f}x"),
+                      _cell(row, "cpu_s", "{:.3f}"), _cell(row, "cpu_vs_solo", "{:.3f}x")]
             failed = f" ({len(row['failed'])} runs failed)" if row.get("failed") else ""
             lines.append(f"| {res['model']} | {row['config']}{failed} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
