@@ -35,6 +35,8 @@ class Chain:
     coordinator: SplitCoordinator
     bulk: list[BulkServer] = field(default_factory=list)
     """Each node's bulk channel, when its lanes may ride TLS over TCP."""
+    keys: list[SigningKey] = field(default_factory=list)
+    """The nodes' signing keys, in chain order."""
 
     async def close(self) -> None:
         for server in self.servers:
@@ -76,7 +78,7 @@ async def make_chain(path: Path, bounds: list[int], *, max_context: int = 256,
         server.host(MODEL, StageModel.load(path, hop.layer_start, hop.layer_end, max_context=max_context, threads=1))
     first = StageModel.load(path, 0, bounds[1], max_context=max_context, threads=1)
     coord = SplitCoordinator(servers[0], MODEL, first, hops, **coord_kwargs)  # type: ignore[arg-type]
-    return Chain(eps, servers, hops, coord, bulk)
+    return Chain(eps, servers, hops, coord, bulk, keys)
 
 
 def solo_greedy(path: Path, prompt: list[int], n: int, max_context: int = 256) -> list[int]:
