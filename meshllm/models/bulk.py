@@ -28,7 +28,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Annotated
 
 import msgspec
@@ -64,7 +64,9 @@ IDLE_S = 30.0
 """A listener closes a connection that asks for nothing for this long."""
 KEEP_S = IDLE_S / 2
 """A dialer reuses an idle connection only this long, well before the listener would close it."""
-PER_PEER = 4
+PER_PEER = 6
+"""Connections one peer may hold: two fetches' request windows (2 each) and its stage lanes (one per
+direction of a hop, ``split/tcp_lane.py``), with room for one more."""
 TOTAL = 32
 KEEP_PER_PEER = 2
 
@@ -75,6 +77,15 @@ class Sending(msgspec.Struct, frozen=True, kw_only=True, tag="sending"):
 
 
 Reply = Sending | Refused
+
+
+class OpenLane(msgspec.Struct, frozen=True, kw_only=True, tag="open-lane"):
+    """First frame of a connection that carries a stage lane instead of requests (``split/tcp_lane.py``)."""
+
+
+First = Want | OpenLane
+LaneHandler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, str], Awaitable[None]]
+"""``handler(reader, writer, peer_id)``: serves a stage lane on an accepted connection until it ends."""
 
 
 class BulkUnavailable(NetError):
@@ -147,6 +158,8 @@ class BulkServer:
         self._open = 0
         self.sent: dict[str, int] = {}
         """Bytes served per peer (node id), for status and tests."""
+        self.on_lane: LaneHandler | None = None
+        """Who serves stage lanes opened on this channel (None: such connections are closed)."""
 
     async def start(self, host: str, port: int = 0) -> int:
         """Listen on ``host:port`` (0: any free port); returns the port."""
@@ -173,18 +186,40 @@ class BulkServer:
             self._open += 1
             self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
             try:
+                first = await self._first(reader)
+                if isinstance(first, OpenLane):
+                    if self.on_lane is not None:  # the dialer waits for this echo before it sends lane frames
+                        writer.write(encode_frame(OpenLane(), FRAME_MAX))
+                        await self.on_lane(reader, writer, peer)
+                    return
+                if first is not None:
+                    await self._answer(writer, peer, first)
                 decoder: FrameDecoder[Want] = FrameDecoder(Want, FRAME_MAX)
-                while (want := await self._request(reader, decoder)) is not None:
+                while first is not None and (want := await self._request(reader, decoder)) is not None:
                     await self._answer(writer, peer, want)
             finally:
                 self._open -= 1
                 self._per_peer[peer] -= 1
                 if not self._per_peer[peer]:
                     del self._per_peer[peer]
-        except (OSError, TimeoutError, DecodeError, MeshllmError, ValueError) as exc:
+        except (OSError, TimeoutError, DecodeError, MeshllmError, ValueError, asyncio.IncompleteReadError) as exc:
             log.info("bulk channel to %s ended: %s", short(peer) if peer else "a peer", exc)
         finally:
             writer.close()
+
+    async def _first(self, reader: asyncio.StreamReader) -> First | None:
+        """The connection's first frame, read exactly (a lane's frames may follow it at once), or None
+        when the peer hung up or sent nothing within ``IDLE_S``."""
+        try:
+            head = await asyncio.wait_for(reader.readexactly(HEADER.size), IDLE_S)
+        except (TimeoutError, asyncio.IncompleteReadError):
+            return None
+        (length,) = HEADER.unpack(head)
+        if length > FRAME_MAX:
+            raise DecodeError(f"a {length}-byte first frame; cap is {FRAME_MAX}")
+        body = await asyncio.wait_for(reader.readexactly(length), STALL_S)
+        first: First = decode_frame(head + body, First, FRAME_MAX)
+        return first
 
     async def _request(self, reader: asyncio.StreamReader, decoder: FrameDecoder[Want]) -> Want | None:
         """The next ``Want``, or None when the peer hung up or went idle between requests."""

@@ -49,6 +49,7 @@ from meshllm.split.placement import (
 )
 from meshllm.split.planner import ModelProfile, Speculation, plan
 from meshllm.split.stage import StageServer
+from meshllm.split.tcp_lane import LaneDialer, TcpStream
 
 SPLIT_ENGINE = "split"
 """``ServedModel.engine`` of a coordinator: serves the whole model through its chain (routable)."""
@@ -75,7 +76,10 @@ class SplitService:
         self.options = options
         self.store = store
         self.key = signing_key
-        self.server = StageServer(mesh.endpoint)
+        dial = LaneDialer(signing_key, store.bulk_ports) if store.bulk_ports is not None else None
+        self.server = StageServer(mesh.endpoint, dial=dial)
+        store.bulk_server.on_lane = lambda reader, writer, peer: self.server.serve_lane(TcpStream(reader, writer),
+                                                                                        peer)
         self.host = StageHost(self.server, store, self.budget, self._hosted_changed, options.load_stage,
                               names=self._names, is_owner=self._is_mesh_owner) if role == "worker" else None
         if role == "worker":  # keep what our stages compute, so a coordinator's audit can say who lied
