@@ -9,6 +9,7 @@ unless a test asks for another tensor type.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -84,12 +85,16 @@ def write_tiny_gemma3(
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral3", "olmo2", "smollm3", "granite",
             "ernie4_5", "mixtral", "qwen2moe", "qwen3moe", "gpt-oss", "glm4moe", "ernie4_5-moe", "deepseek2",
-            "deepseek2-mla")
+            "deepseek2-mla", "qwen35", "qwen35moe")
 """The families :func:`write_tiny` writes, one per model family the ggml runtime supports (``mixtral`` is
 the ``llama`` architecture with experts, ``deepseek2-mla`` the ``deepseek2`` architecture in the absorbed
 layout current DeepSeek V3 / R1 / Kimi K2 conversions use)."""
 MOE_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "gpt-oss", "glm4moe", "ernie4_5-moe", "deepseek2",
-                "deepseek2-mla")
+                "deepseek2-mla", "qwen35moe")
+HYBRID_FAMILIES = ("qwen35", "qwen35moe")
+"""Families with recurrent (gated delta-net) layers between attention layers."""
+_SSM = {"d_conv": 4, "group_count": 2, "time_step_rank": 4}
+"""The tiny Qwen 3.5's delta-net: a 4-wide convolution, 2 key heads and 4 value heads of the head size."""
 _DEEPSEEK = {"nope": 16, "rot": 8, "v": 16, "q_lora": 32, "kv_lora": 32}
 """The tiny DeepSeek's latent attention: key heads of 16 + 8 rotary dimensions, value heads of 16, ranks 32."""
 
@@ -169,7 +174,17 @@ def write_tiny(
     else:
         w.add_key_length(hd)
         w.add_value_length(hd)
-    if family not in ("glm4moe", "deepseek2", "deepseek2-mla"):
+    hybrid = family in HYBRID_FAMILIES
+    if hybrid:  # Qwen 3.5: partial rotary in interleaved sections, every other layer attention here
+        w.add_rope_dimension_count(hd // 2)
+        w.add_rope_dimension_sections([hd // 8, hd // 16, hd // 16, 0])
+        w.add_full_attention_interval(2)
+        w.add_ssm_conv_kernel(_SSM["d_conv"])
+        w.add_ssm_state_size(hd)
+        w.add_ssm_group_count(_SSM["group_count"])
+        w.add_ssm_time_step_rank(_SSM["time_step_rank"])
+        w.add_ssm_inner_size(hd * _SSM["time_step_rank"])
+    elif family not in ("glm4moe", "deepseek2", "deepseek2-mla"):
         w.add_rope_dimension_count(hd)
     w.add_layer_norm_rms_eps(1e-6 if family in _GEMMA else 1e-5)
     w.add_rope_freq_base(1_000_000.0 if family in ("qwen3", "qwen3moe", "mistral3", "gemma3") else 10000.0)
@@ -197,13 +212,14 @@ def write_tiny(
     if moe:
         w.add_expert_count(n_expert)
         w.add_expert_used_count(n_expert_used)
-        if family in ("qwen2moe", "qwen3moe", "gpt-oss", "glm4moe", "ernie4_5-moe", "deepseek2", "deepseek2-mla"):
+        if family in ("qwen2moe", "qwen3moe", "gpt-oss", "glm4moe", "ernie4_5-moe", "deepseek2", "deepseek2-mla",
+                      "qwen35moe"):
             w.add_expert_feed_forward_length(ffn)
         if family == "ernie4_5-moe":  # layer 0 dense, then experts every layer, one shared expert
             w.add_expert_shared_count(1)
             w.add_uint32(f"{arch}.leading_dense_block_count", 1)
             w.add_uint32(f"{arch}.interleave_moe_layer_step", 1)
-        if family in ("qwen2moe", "ernie4_5-moe"):
+        if family in ("qwen2moe", "ernie4_5-moe", "qwen35moe"):
             w.add_expert_shared_feed_forward_length(ffn)
         if family in ("glm4moe", "deepseek2", "deepseek2-mla"):  # GLM-4.5, DeepSeek V3: layer 0 dense, shared
             # expert, sigmoid router with a selection bias, renormalised and scaled weights
@@ -225,7 +241,8 @@ def write_tiny(
 
     def matrix(name: str, array: np.ndarray) -> None:
         mxfp4_dense = qtype == gguf.GGMLQuantizationType.MXFP4 and not name.endswith("_exps.weight")
-        if qtype == gguf.GGMLQuantizationType.F32 or mxfp4_dense:  # gpt-oss files: MXFP4 experts only
+        if qtype == gguf.GGMLQuantizationType.F32 or mxfp4_dense or name.endswith("ssm_conv1d.weight"):
+            # gpt-oss files: MXFP4 experts only; llama.cpp never quantizes a convolution
             w.add_tensor(name, array)
         else:
             w.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
@@ -239,6 +256,10 @@ def write_tiny(
         w.add_tensor("rope_freqs.weight", np.linspace(1.0, 8.0, hd // 2).astype(np.float32))
     for il in range(n_layers):
         p = f"blk.{il}."
+        if hybrid:
+            _qwen35_layer(matrix, vector, rng, p, il % 2 == 0, width=width, heads=heads, kv_heads=kv_heads, hd=hd,
+                          ffn=ffn, n_expert=n_expert if moe else 0)
+            continue
         if family != "olmo2":
             vector(p + "attn_norm.weight", width)
         if ds is not None:  # latent attention: low-rank query, compressed KV expanded per head
@@ -315,6 +336,46 @@ def write_tiny(
         _quantize(target, path, weight_type)
         target.unlink()
     return path
+
+
+def _qwen35_layer(matrix: Callable[[str, np.ndarray], None], vector: Callable[..., None], rng: np.random.Generator,
+                  p: str, recurrent: bool, *, width: int, heads: int, kv_heads: int, hd: int, ffn: int,
+                  n_expert: int) -> None:
+    """One Qwen 3.5 layer (``p``: its ``blk.N.`` prefix): a gated delta-net or a gated attention, then the FFN
+    (experts and a gated shared expert with ``n_expert``), with llama.cpp's tensor names."""
+    vector(p + "attn_norm.weight", width)
+    if recurrent:
+        v_heads, k_heads = _SSM["time_step_rank"], _SSM["group_count"]
+        inner, channels = hd * v_heads, hd * (v_heads + 2 * k_heads)
+        matrix(p + "attn_qkv.weight", _matrix(rng, channels, width))
+        matrix(p + "attn_gate.weight", _matrix(rng, inner, width))
+        matrix(p + "ssm_conv1d.weight", (0.5 * rng.standard_normal((channels, _SSM["d_conv"]))).astype(np.float32))
+        vector(p + "ssm_dt.bias", v_heads, 0.0)
+        vector(p + "ssm_a", v_heads, -1.0)  # -exp(A_log): a decay per value head
+        matrix(p + "ssm_beta.weight", _matrix(rng, v_heads, width))
+        matrix(p + "ssm_alpha.weight", _matrix(rng, v_heads, width))
+        vector(p + "ssm_norm.weight", hd)
+        matrix(p + "ssm_out.weight", _matrix(rng, width, inner))
+    else:
+        matrix(p + "attn_q.weight", _matrix(rng, 2 * heads * hd, width))  # a query and a gate per head
+        matrix(p + "attn_k.weight", _matrix(rng, kv_heads * hd, width))
+        matrix(p + "attn_v.weight", _matrix(rng, kv_heads * hd, width))
+        vector(p + "attn_q_norm.weight", hd)
+        vector(p + "attn_k_norm.weight", hd)
+        matrix(p + "attn_output.weight", _matrix(rng, width, heads * hd))
+    vector(p + "post_attention_norm.weight", width)
+    if n_expert:
+        matrix(p + "ffn_gate_inp.weight", _matrix(rng, n_expert, width, scale=1.0))
+        matrix(p + "ffn_gate_exps.weight", np.stack([_matrix(rng, ffn, width) for _ in range(n_expert)]))
+        matrix(p + "ffn_up_exps.weight", np.stack([_matrix(rng, ffn, width) for _ in range(n_expert)]))
+        matrix(p + "ffn_down_exps.weight", np.stack([_matrix(rng, width, ffn) for _ in range(n_expert)]))
+        matrix(p + "ffn_gate_inp_shexp.weight", _matrix(rng, 1, width)[0])
+        kind = "_shexp"
+    else:
+        kind = ""
+    matrix(p + f"ffn_gate{kind}.weight", _matrix(rng, ffn, width))
+    matrix(p + f"ffn_up{kind}.weight", _matrix(rng, ffn, width))
+    matrix(p + f"ffn_down{kind}.weight", _matrix(rng, width, ffn))
 
 
 def _quantize(src: Path, dst: Path, file_type: str) -> None:

@@ -24,10 +24,13 @@ from meshllm.engine.ggml import lib
 from meshllm.engine.ggml.graph import Graph, T
 from meshllm.engine.ggml.hparams import HParams, f32_div
 from meshllm.engine.ggml.kv_cache import KVCache
+from meshllm.engine.ggml.recurrent import RecurrentState
 from meshllm.engine.ggml.weights import LayerWeights, StageWeights
 
 TENSORS_PER_LAYER = 64
 """Upper bound on ggml tensors one layer's graph creates (ops and views); sizes the graph context."""
+TENSORS_PER_RECURRENT_LAYER = 48
+"""More per layer on a stage with recurrent layers (a gated delta-net's projections, convolution, views)."""
 TENSORS_PER_SEGMENT = 32
 """More per layer for each session of a batch (its views, KV writes, attention, the concatenation)."""
 
@@ -52,8 +55,9 @@ class _Segment:
     shape: Shape
     offset: int
     """Index of the session's first row among the step's rows."""
-    kv_rows: T
-    v_rows: T
+    kv_rows: T | None
+    v_rows: T | None
+    """Where the rows' keys and values go (``None``: the stage has no attention layer)."""
     masks: dict[int, T]
     """Attention window (0: unlimited) -> its mask [n_kv, n]."""
 
@@ -68,9 +72,14 @@ class Step:
     """
 
     def __init__(self, graph: Graph, hp: HParams, weights: StageWeights, caches: list[KVCache], shapes: list[Shape],
-                 *, first: bool, last: bool, flash_attn: bool) -> None:
+                 *, first: bool, last: bool, flash_attn: bool, state: RecurrentState | None = None) -> None:
         if not shapes or len(caches) != len(shapes):
             raise ValueError("a step has one KV cache per session")
+        if (state is None) != (hp.ssm is None or all(not hp.is_recurrent(lw.index) for lw in weights.layers)) or (
+                state is not None and len(shapes) != 1):
+            raise ValueError("a step over recurrent layers holds one session and its recurrent state")
+        self.state = state
+        """The session's recurrent state (a stage with recurrent layers; one session per step)."""
         self.g = graph
         self.hp = hp
         self.w = weights
@@ -85,18 +94,21 @@ class Step:
         else:
             self.tokens = None
             self.x_in = graph.new(lib.F32, hp.width, n, name="inp_embd", input=True)
-        self.pos = graph.new(lib.I32, n, name="inp_pos", input=True)
+        attending = [lw for lw in weights.layers if not hp.is_recurrent(lw.index)]
+        # multi-section rope takes four positions per token; a stage of recurrent layers only takes none
+        per_token = 4 if hp.rope.sections else 1
+        self.pos = graph.new(lib.I32, n * per_token, name="inp_pos", input=True) if attending else None
         width = hp.v_width
         mask_type = lib.F16 if flash_attn else lib.F32
-        windows = sorted({hp.window_for(lw.index) for lw in weights.layers})
+        windows = sorted({hp.window_for(lw.index) for lw in attending})
         self.segments: list[_Segment] = []
         offset = 0
         for i, (cache, shape) in enumerate(zip(caches, shapes, strict=True)):
             tag = f"_s{i}" if len(shapes) > 1 else ""
-            kv_rows = graph.new(lib.I64, shape.n, name=f"inp_kv_rows{tag}", input=True)
+            kv_rows = graph.new(lib.I64, shape.n, name=f"inp_kv_rows{tag}", input=True) if attending else None
             # where V goes: the token rows, or for a transposed V one index per (token, dimension) element
             v_rows = graph.new(lib.I64, shape.n * width, name=f"inp_v_rows{tag}", input=True) \
-                if cache.v_trans and width else kv_rows
+                if cache.v_trans and width and attending else kv_rows
             masks = {w: graph.new(mask_type, shape.n_kv, shape.n, name=f"inp_kq_mask_w{w}{tag}", input=True)
                      for w in windows}
             self.segments.append(_Segment(cache, shape, offset, kv_rows, v_rows, masks))
@@ -104,6 +116,8 @@ class Step:
         self.n_out = sum(s.n_out for s in shapes)
         self.out_ids = graph.new(lib.I32, self.n_out, name="inp_out_ids", input=True) if last else None
         self.out: T | None = None
+        self._rows_taken = False
+        """Whether the final layer took the output rows (else the head takes them after the output norm)."""
 
     # -- inputs -------------------------------------------------------------------------------
 
@@ -123,10 +137,18 @@ class Step:
             _set(g, self.x_in, np.ascontiguousarray(inputs, dtype=np.float32))
         per_session = [np.arange(p, p + seg.shape.n, dtype=np.int32) for p, seg in zip(starts, self.segments,
                                                                                      strict=True)]
-        _set(g, self.pos, np.concatenate(per_session))
+        if self.pos is not None:
+            positions = np.concatenate(per_session)
+            if self.hp.rope.sections:  # text positions for multi-section rope: (p, p, p, 0), section-major
+                positions = np.concatenate([positions, positions, positions, np.zeros_like(positions)])
+            _set(g, self.pos, positions)
         width = self.hp.v_width
         out_ids = []
         for seg, positions in zip(self.segments, per_session, strict=True):
+            end = seg.offset + seg.shape.n
+            out_ids.append(np.arange(end - seg.shape.n_out, end, dtype=np.int32))
+            if seg.kv_rows is None:
+                continue
             _set(g, seg.kv_rows, positions.astype(np.int64))
             if seg.v_rows is not seg.kv_rows:  # element (token i, dim j) of a transposed V: j * capacity + pos_i
                 dims = np.arange(width, dtype=np.int64) * seg.cache.capacity
@@ -138,8 +160,6 @@ class Step:
                 seen = visible & (q - cells < window) if window else visible
                 dtype = np.float16 if mask.type == lib.F16 else np.float32
                 _set(g, mask, np.where(seen, 0.0, -np.inf).astype(dtype))
-            end = seg.offset + seg.shape.n
-            out_ids.append(np.arange(end - seg.shape.n_out, end, dtype=np.int32))
         if self.out_ids is not None:
             _set(g, self.out_ids, np.concatenate(out_ids))
 
@@ -156,6 +176,14 @@ class Step:
     def rope(self, x: T, layer: int, factors: T | None, offset: int = 0) -> T:
         """Rotary embedding of ``x`` [head_dim, heads, n] as layer ``layer`` uses it (from dimension ``offset``)."""
         cfg = self.hp.rope_for(layer)
+        assert self.pos is not None
+        if cfg.sections:
+            return self.g.rope_multi(
+                x, self.pos, n_dims=cfg.n_rot, sections=cfg.sections, mode=lib.ROPE_IMROPE,
+                n_ctx_orig=cfg.n_ctx_orig, freq_base=cfg.freq_base, freq_scale=cfg.freq_scale,
+                ext_factor=cfg.ext_factor, attn_factor=cfg.attn_factor, beta_fast=cfg.beta_fast,
+                beta_slow=cfg.beta_slow,
+            )
         return self.g.rope(
             x, self.pos, factors, n_dims=cfg.n_rot, mode=lib.ROPE_NEOX if cfg.neox else lib.ROPE_NORMAL,
             n_ctx_orig=cfg.n_ctx_orig, freq_base=cfg.freq_base, freq_scale=cfg.freq_scale,
@@ -203,6 +231,7 @@ class Step:
         g, hp, cache, n = self.g, self.hp, seg.cache, seg.shape.n
         width, v_width, hd, hd_v = hp.k_width, hp.v_width, hp.head_dim, hp.head_dim_v
         k_cache = cache.k[slot]
+        assert seg.kv_rows is not None and seg.v_rows is not None
         g.expand(g.set_rows(k_cache, g.view(k, (width, n), (k.nb[2],)), seg.kv_rows))
         if not v_width:
             return self._attend_latent(seg, slot, layer, q, v_mla, kq_scale)
@@ -339,10 +368,44 @@ class Step:
         masked = g.set_rows(g.fill(by_group, float("-inf")), g.get_rows(by_group, kept), kept)
         return g.reshape(masked, hp.n_expert, n)
 
+    def conv(self, slot: int, x: T, kernel: T) -> T:
+        """The causal convolution of a recurrent layer over ``x`` [channels, n]: -> [channels, n, 1].
+
+        llama.cpp's ``build_conv_state`` then ``ggml_ssm_conv``: the kept columns of the session's
+        state (slot ``slot``) are joined before the step's, the last ``d_conv - 1`` of them become the
+        new state, and each output column is the kernel applied to the ``d_conv`` columns ending at it.
+        """
+        g, ssm, n = self.g, self.hp.ssm, x.ne[1]
+        assert ssm is not None and self.state is not None
+        state = self.state.conv[slot]
+        d = kernel.ne[0]
+        kept = g.reshape(state, d - 1, ssm.channels, 1)
+        joined = g.concat(kept, g.transpose(g.reshape(x, ssm.channels, n, 1)), 0)  # [d - 1 + n, channels, 1]
+        last = g.view(joined, (d - 1, ssm.channels, 1), (joined.nb[1], joined.nb[2]), 4 * n)
+        g.expand(g.cpy(last, state))
+        return g.ssm_conv(joined, kernel)
+
+    def delta_rule(self, slot: int, q: T, k: T, v: T, gate: T, beta: T) -> T:
+        """The gated delta rule over the step's tokens from the session's state (slot ``slot``), which it
+        advances: ggml's fused op, as llama.cpp's ``build_recurrent_attn`` runs it on a CPU. ``q``/``k``
+        [head, k_heads, n, 1], ``v`` [head, v_heads, n, 1], ``gate``/``beta`` [1, v_heads, n, 1];
+        returns the outputs [head, v_heads, n, 1]."""
+        g, ssm, n = self.g, self.hp.ssm, q.ne[2]
+        assert ssm is not None and self.state is not None
+        state = self.state.delta[slot]
+        hd, heads = ssm.head_v_dim, ssm.n_v_heads
+        out = g.gated_delta_net(q, k, v, gate, beta, g.reshape(state, hd, hd, heads, 1))
+        f = 4  # bytes per f32
+        outputs = g.view_4d(out, (hd, heads, n, 1), (f * hd, f * hd * heads, f * hd * heads * n))
+        new = g.view_4d(out, (hd, hd, heads, 1), (f * hd, f * hd * hd, f * hd * hd * heads), f * hd * heads * n)
+        g.expand(g.cpy(new, state))
+        return outputs
+
     def output_rows(self, layer: int, *xs: T) -> tuple[T, ...]:
         """In the model's last layer, keep only the rows whose logits are wanted (llama.cpp's ``out_ids``)."""
         if layer != self.hp.n_layers - 1 or self.out_ids is None:
             return xs
+        self._rows_taken = True
         return tuple(self.g.get_rows(x, self.out_ids) for x in xs)
 
     def embed(self) -> T:
@@ -354,7 +417,10 @@ class Step:
         """Output norm, head (+ bias), optional logit scale and final soft-capping: [width, n_out] -> [vocab, n_out]."""
         w, g = self.w, self.g
         assert w.output_norm is not None and w.head is not None
-        logits = self.linear(self.norm(x, w.output_norm), w.head, w.head_bias)
+        x = self.norm(x, w.output_norm)
+        if not self._rows_taken and self.out_ids is not None:  # the last layer ran every row (Qwen 3.5)
+            x = g.get_rows(x, self.out_ids)
+        logits = self.linear(x, w.head, w.head_bias)
         if self.hp.logit_scale != 1.0:
             logits = g.scale(logits, f32_div(1.0, self.hp.logit_scale))
         cap = self.hp.final_logit_softcap

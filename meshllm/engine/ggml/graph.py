@@ -298,6 +298,61 @@ class Graph:
             self.g.ggml_rope_set_offset(out.p, offset)
         return out
 
+    def rope_multi(self, a: T, pos: T, *, n_dims: int, sections: Sequence[int], mode: int, n_ctx_orig: int,
+                   freq_base: float, freq_scale: float, ext_factor: float, attn_factor: float, beta_fast: float,
+                   beta_slow: float) -> T:
+        """ggml_rope_multi over [head_dim, heads, n]: multi-section rope, ``pos`` [4 n] i32 (section-major)."""
+        if pos.type != lib.I32 or pos.ne[1:] != (1, 1, 1) or pos.ne[0] != 4 * a.ne[2] or not mode & 8 or mode & 1:
+            raise self._fail("rope_multi", "positions must be an i32 vector with four entries per token", a, pos)
+        if len(sections) != 4 or any(x < 0 for x in sections) or n_dims % 2 or n_dims > a.ne[0]:
+            raise self._fail("rope_multi", f"cannot rotate {n_dims} dimensions in sections {list(sections)}", a)
+        secs = (ctypes.c_int * 4)(*sections)
+        return self._op(self.g.ggml_rope_multi, a.p, pos.p, None, n_dims, secs, mode, n_ctx_orig, freq_base,
+                        freq_scale, ext_factor, attn_factor, beta_fast, beta_slow)
+
+    def softplus(self, a: T) -> T:
+        return self._op(self.g.ggml_softplus, a.p)
+
+    def ssm_conv(self, sx: T, kernel: T) -> T:
+        """Causal depthwise convolution: ``sx`` [d_conv - 1 + n, channels, 1] (the kept columns, then the step's),
+        ``kernel`` [d_conv, channels] f32 -> [channels, n, 1]."""
+        S, C = sx.ne, kernel.ne
+        if (sx.type != lib.F32 or kernel.type != lib.F32 or S[3] != 1 or C[2:] != (1, 1) or S[1] != C[1]
+                or S[0] < C[0] - 1 or S[2] != 1):
+            raise self._fail("ssm_conv", "input [d_conv - 1 + n, channels, 1] and kernel [d_conv, channels] f32", sx,
+                             kernel)
+        return self._op(self.g.ggml_ssm_conv, sx.p, kernel.p)
+
+    def gated_delta_net(self, q: T, k: T, v: T, gate: T, beta: T, state: T) -> T:
+        """ggml's fused gated delta rule (one snapshot): q/k [S, H_k, n, 1], v [S, H_v, n, 1], gate and beta
+        [1, H_v, n, 1], state [S, S, H_v, 1] -> [S * H_v, n + S]: the outputs, then the new state."""
+        Q, K, V, G, B, St = q.ne, k.ne, v.ne, gate.ne, beta.ne, state.ne
+        if any(t.type != lib.F32 for t in (q, k, v, gate, beta, state)):
+            raise self._fail("gated_delta_net", "needs f32 tensors", q, k, v, gate, beta, state)
+        if (Q != K or Q[0] != V[0] or V[1] % Q[1] or Q[2] != V[2] or Q[3] != 1 or V[3] != 1
+                or G != (1, V[1], V[2], 1) or B != G or St != (V[0], V[0], V[1], 1)):
+            raise self._fail("gated_delta_net", "q, k, v, gate, beta and state do not line up", q, k, v, gate, beta,
+                             state)
+        if not all(self.contiguous(t) for t in (gate, beta, state)) or any(t.nb[0] != 4 for t in (q, k, v)):
+            raise self._fail("gated_delta_net", "needs contiguous rows, gates and state", q, k, v, gate, beta, state)
+        return self._op(self.g.ggml_gated_delta_net, q.p, k.p, v.p, gate.p, beta.p, state.p, 1)
+
+    def cpy(self, src: T, dst: T) -> T:
+        """Copy ``src`` into ``dst`` (same number of elements; f32): expand the result into the graph."""
+        if src.n_elements != dst.n_elements or src.type != lib.F32 or dst.type != lib.F32:
+            raise self._fail("cpy", "needs f32 tensors of the same size", src, dst)
+        return self._op(self.g.ggml_cpy, src.p, dst.p)
+
+    def view_4d(self, a: T, ne: Sequence[int], nb: Sequence[int], offset: int = 0) -> T:
+        """A 4-dimensional view of ``a``: shape ``ne``, strides ``nb[1:]`` in bytes, at byte ``offset``."""
+        if len(ne) != 4 or len(nb) != 3 or any(d < 1 for d in ne) or offset < 0:
+            raise self._fail("view", f"bad view {ne} {nb} @{offset}", a)
+        row = int(self.g.ggml_row_size(a.type, ne[0]))
+        extent = offset + row + sum((d - 1) * s for d, s in zip(ne[1:], nb, strict=True))
+        if extent > self.nbytes(a):
+            raise self._fail("view", f"view {ne} strides {nb} at {offset} overruns the tensor", a)
+        return self._op(self.g.ggml_view_4d, a.p, *ne, *nb, offset)
+
     def repeat_4d(self, a: T, *ne: int) -> T:
         """``a`` tiled to shape ``ne`` (each dimension a multiple of ``a``'s)."""
         if len(ne) != 4 or any(d < 1 or d % s for d, s in zip(ne, a.ne, strict=True)):

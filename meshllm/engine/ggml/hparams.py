@@ -47,6 +47,48 @@ class RopeConfig:
     """YaRN: the context length the model was trained on."""
     yarn_log_mul: float = 0.0
     """DeepSeek's YaRN: ``mscale_all_dim`` (the GGUF's ``yarn_log_multiplier`` / 0.1, as llama.cpp reads it)."""
+    sections: tuple[int, ...] = ()
+    """Interleaved multi-section rope (Qwen 3.5's ``rope.dimension_sections``): four section sizes, each
+    token at position p rotated by (p, p, p, 0) as llama.cpp does for text; empty: plain rope."""
+
+
+@dataclass(frozen=True)
+class SsmShape:
+    """The gated delta-net (linear attention) of a hybrid model's recurrent layers, llama.cpp's ``ssm_*`` keys."""
+
+    d_conv: int
+    """Width of the causal convolution over q/k/v (``ssm.conv_kernel``)."""
+    d_inner: int
+    """Width of all value heads together (``ssm.inner_size``)."""
+    d_state: int
+    """Width of one key head (``ssm.state_size``), also the value heads' (the state is square)."""
+    n_k_heads: int
+    """Key (and query) heads (``ssm.group_count``)."""
+    n_v_heads: int
+    """Value heads (``ssm.time_step_rank``), a multiple of the key heads."""
+
+    @property
+    def head_v_dim(self) -> int:
+        return self.d_inner // self.n_v_heads
+
+    @property
+    def key_dim(self) -> int:
+        return self.d_state * self.n_k_heads
+
+    @property
+    def channels(self) -> int:
+        """Channels of the convolution: q, k and v side by side."""
+        return self.d_inner + 2 * self.key_dim
+
+    @property
+    def conv_elements(self) -> int:
+        """f32 values of one layer's convolution state: the last ``d_conv - 1`` columns it saw."""
+        return (self.d_conv - 1) * self.channels
+
+    @property
+    def state_elements(self) -> int:
+        """f32 values of one layer's delta-rule state: a [head, head] matrix per value head."""
+        return self.head_v_dim * self.head_v_dim * self.n_v_heads
 
 
 @dataclass(frozen=True)
@@ -122,6 +164,15 @@ class HParams:
 
     mla_head_dims: tuple[int, int] = (0, 0)
     """DeepSeek's absorbed layout: the query head and value head widths before absorption."""
+
+    recurrent_layers: tuple[bool, ...] = ()
+    """Per layer: a recurrent (gated delta-net) layer rather than attention (Qwen 3.5); empty: none."""
+    ssm: SsmShape | None = None
+    """The recurrent layers' shape (hybrid models only)."""
+
+    def is_recurrent(self, layer: int) -> bool:
+        """Whether ``layer`` keeps a recurrent state instead of keys and values."""
+        return bool(self.recurrent_layers) and self.recurrent_layers[layer]
 
     @property
     def q_head_dim(self) -> int:

@@ -90,6 +90,10 @@ class KVCache:
         self._reallocate(min(cap, self.limit))
 
     def _reallocate(self, capacity: int) -> None:
+        if not self.bufts:  # a stage of recurrent layers only: positions are counted, nothing is cached
+            self.capacity = capacity
+            self.generation += 1
+            return
         b = self.backends
         g = b.g
         graph = Graph(g, max_tensors=2 * len(self.bufts))

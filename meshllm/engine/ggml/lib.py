@@ -33,7 +33,8 @@ F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1 = 0, 1, 2, 3, 6, 7, 8, 9
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K = 10, 11, 12, 13, 14, 15
 IQ4_NL, I32, I64, BF16, MXFP4 = 20, 26, 27, 30, 39
 
-ROPE_NORMAL, ROPE_NEOX = 0, 2
+ROPE_NORMAL, ROPE_NEOX, ROPE_IMROPE = 0, 2, 40
+"""ggml's rope modes; ``ROPE_IMROPE`` is interleaved multi-section rope (Qwen 3.5), four positions per token."""
 PREC_F32 = 10
 STATUS_SUCCESS = 0
 
@@ -116,6 +117,12 @@ _PROTOTYPES: dict[str, tuple[Any, list[Any]]] = {
     "ggml_rms_norm": (_T, [_P, _T, _F]),
     "ggml_rope_ext": (_T, [_P, _T, _T, _T, c_int, c_int, c_int, _F, _F, _F, _F, _F, _F]),
     "ggml_rope_set_offset": (_T, [_T, c_int]),
+    "ggml_rope_multi": (_T, [_P, _T, _T, _T, c_int, POINTER(c_int), c_int, c_int, _F, _F, _F, _F, _F, _F]),
+    "ggml_softplus": (_T, [_P, _T]),
+    "ggml_ssm_conv": (_T, [_P, _T, _T]),
+    "ggml_gated_delta_net": (_T, [_P, _T, _T, _T, _T, _T, _T, _I64]),
+    "ggml_cpy": (_T, [_P, _T, _T]),
+    "ggml_view_4d": (_T, [_P, _T, _I64, _I64, _I64, _I64, c_size_t, c_size_t, c_size_t, c_size_t]),
     "ggml_repeat_4d": (_T, [_P, _T, _I64, _I64, _I64, _I64]),
     "ggml_reshape_2d": (_T, [_P, _T, _I64, _I64]),
     "ggml_reshape_3d": (_T, [_P, _T, _I64, _I64, _I64]),

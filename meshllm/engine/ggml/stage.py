@@ -31,12 +31,14 @@ import numpy as np
 
 from meshllm.engine.ggml import lib
 from meshllm.engine.ggml.backends import Backends, Device, choose_accelerator, devices, layers_that_fit
-from meshllm.engine.ggml.blocks import TENSORS_PER_LAYER, TENSORS_PER_SEGMENT, Shape, Step, read
+from meshllm.engine.ggml.blocks import TENSORS_PER_LAYER, TENSORS_PER_RECURRENT_LAYER, TENSORS_PER_SEGMENT, Shape, \
+    Step, read
 from meshllm.engine.ggml.errors import StageInputError, UnsupportedModel
 from meshllm.engine.ggml.families import family_for
 from meshllm.engine.ggml.graph import Graph
 from meshllm.engine.ggml.hparams import HParams, read_hparams
 from meshllm.engine.ggml.kv_cache import KV_TYPES, KVCache, kv_bytes_per_token
+from meshllm.engine.ggml.recurrent import RecurrentState
 from meshllm.engine.ggml.weights import StagePlan, StageWeights, load_weights, plan_stage
 from meshllm.engine.kernels import Kernels, use_kernels
 from meshllm.engine.slots import CallCosts
@@ -86,11 +88,24 @@ class StageModel:
         self.kv_type = kv_type
         self.flash_attn = flash_attn
         self._block = family_for(hp.arch).block
+        recurrent = [hp.is_recurrent(lw.index) for lw in weights.layers]
+        self.recurrent = any(recurrent)
+        """Whether the stage has recurrent layers (a hybrid model): sessions then keep a recurrent state."""
+        kinds = {False: 0, True: 0}
+        self._slots = []
+        """Per layer of the stage, its place in the session's KV cache (attention) or recurrent state."""
+        for r in recurrent:
+            self._slots.append(kinds[r])
+            kinds[r] += 1
         self._sessions: dict[str, KVCache] = {}
+        self._states: dict[str, RecurrentState] = {}
+        """Per session, the recurrent state of the stage's recurrent layers (hybrid models only)."""
         self._graphs: OrderedDict[tuple[object, ...], _Compiled] = OrderedDict()
         self._lock = threading.Lock()
         self._closed = False
-        self._kv_bufts = [backends.gpu_buft if lw.on_accelerator else backends.cpu_buft for lw in weights.layers]
+        bufts = [backends.gpu_buft if lw.on_accelerator else backends.cpu_buft for lw in weights.layers]
+        self._kv_bufts = [b for b, r in zip(bufts, recurrent, strict=True) if not r]
+        self._rs_bufts = [b for b, r in zip(bufts, recurrent, strict=True) if r]
         self.compute_bytes = 0
         """Largest compute buffer a graph of this stage has needed so far (all backends)."""
         self.pad_lone_rows = False
@@ -160,7 +175,8 @@ class StageModel:
         """Bytes held now: weights (in place from the file, copied, on the device), KV caches, compute."""
         w = self.weights
         return {"weights_mapped": w.mapped_bytes, "weights_copied": w.copied_bytes, "weights_device": w.device_bytes,
-                "kv": sum(c.nbytes for c in self._sessions.values()), "compute": self.compute_bytes}
+                "kv": sum(c.nbytes for c in self._sessions.values()),
+                "recurrent": sum(r.nbytes for r in self._states.values()), "compute": self.compute_bytes}
 
     # -- sessions ------------------------------------------------------------------------------
 
@@ -170,15 +186,22 @@ class StageModel:
         return cache.length if cache else 0
 
     def reset(self, session: str) -> None:
-        """Forget ``session`` and free its cache and graphs."""
+        """Forget ``session`` and free its cache, recurrent state and graphs."""
         with self._lock:
             cache = self._sessions.pop(session, None)
+            state = self._states.pop(session, None)
             if cache is not None:
                 self._drop_graphs(session)
                 cache.close()
+            if state is not None:
+                state.close()
 
     def trim(self, session: str, n: int) -> None:
-        """Keep only the first ``n`` cached tokens of ``session`` (rejected draft tokens, a shared prefix)."""
+        """Keep only the first ``n`` cached tokens of ``session`` (rejected draft tokens, a shared prefix).
+
+        On recurrent layers this is a rewind: the state is rebuilt to position ``n`` from a checkpoint
+        and the kept inputs when the session next runs (:mod:`~meshllm.engine.ggml.recurrent`).
+        """
         with self._lock:
             self._check_open()
             cache = self._sessions.get(session)
@@ -187,6 +210,9 @@ class StageModel:
                     raise StageInputError(f"cannot trim unknown session {session!r} to {n} tokens")
                 return
             cache.trim(n)
+            state = self._states.get(session)
+            if state is not None:
+                state.truncate(n)
 
     def batch_exact(self) -> bool:
         """Make every row's result independent of the rows beside it; whether lone rows get padded.
@@ -200,8 +226,9 @@ class StageModel:
         """
         with self._lock:
             self._check_open()
-            if self._pad is None:
-                self.pad_lone_rows = any(t.type_id in _FLOAT_TYPES and len(t.shape) > 1 for t in self.plan.tensors())
+            if self._pad is None:  # (a stage with recurrent layers never batches sessions: nothing to pad)
+                self.pad_lone_rows = not self.recurrent and any(
+                    t.type_id in _FLOAT_TYPES and len(t.shape) > 1 for t in self.plan.tensors())
                 self._pad = KVCache(self.backends, self._kv_bufts, self.hparams.k_width, KV_TYPES[self.kv_type], 1,
                                     v_trans=not self.flash_attn, v_width=self.hparams.v_width)
             return self.pad_lone_rows
@@ -219,19 +246,54 @@ class StageModel:
         n = inputs.shape[0]
         with self._lock:
             cache = self._cache_at(session, pos, n)
+            state = self._state_at(session, cache, pos) if self.recurrent else None
+            if state is not None and n > 1:
+                state.save()  # a prompt chunk or verify window: the step a later trim cuts back into
             outs = []
-            for start in range(0, n, CHUNK):
-                chunk = inputs[start : start + CHUNK]
-                final = start + CHUNK >= n
-                n_out = (1 if last_only else len(chunk)) if self.last else 0
-                started = time.perf_counter()
-                out = self._run([(session, cache, pos + start, len(chunk), n_out)], chunk)[: n_out or len(chunk)]
-                if n == 1:
-                    self._costs.observe(1, time.perf_counter() - started)
-                if not self.last or not last_only or final:
-                    outs.append(out)
+            try:
+                for start in range(0, n, CHUNK):
+                    chunk = inputs[start : start + CHUNK]
+                    final = start + CHUNK >= n
+                    n_out = (1 if last_only else len(chunk)) if self.last else 0
+                    started = time.perf_counter()
+                    out = self._run([(session, cache, pos + start, len(chunk), n_out)], chunk)[: n_out or len(chunk)]
+                    if n == 1:
+                        self._costs.observe(1, time.perf_counter() - started)
+                    if not self.last or not last_only or final:
+                        outs.append(out)
+            except BaseException:
+                if state is not None:
+                    state.at = None  # part of the step may have been folded in: rebuilt on the next call
+                raise
+            if state is not None:
+                state.record(pos, inputs)
             cache.length += n
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
+
+    def _state_at(self, session: str, cache: KVCache, pos: int) -> RecurrentState:
+        """``session``'s recurrent state standing at ``pos``: a new one, or one rebuilt after a trim or failure.
+
+        A rebuild restores the state's checkpoint (or zeros) and runs the kept inputs from there to
+        ``pos`` again through this stage, rewriting their KV rows with the same values.
+        """
+        state = self._states.get(session)
+        if state is None:
+            assert self.hparams.ssm is not None
+            state = self._states[session] = RecurrentState(self.backends, self._rs_bufts, self.hparams.ssm)
+        if state.at == pos:
+            return state
+        if state.kept < pos:
+            raise StageInputError(f"session {session!r} keeps {state.kept} inputs here, cannot rebuild to {pos}")
+        start = state.restore(pos)
+        try:
+            for at in range(start, pos, CHUNK):
+                rows = state.inputs(at, min(at + CHUNK, pos))
+                self._run([(session, cache, at, len(rows), 1 if self.last else 0)], rows)
+        except BaseException:
+            state.at = None
+            raise
+        state.at = pos
+        return state
 
     def forward_batch(self, steps: Sequence[tuple[str, np.ndarray, int]], *,
                       last_only: bool = False) -> list[np.ndarray]:
@@ -247,9 +309,8 @@ class StageModel:
         (:class:`~meshllm.engine.slots.CallCosts`, as the llama.cpp engine does: on a CPU a lone row
         streams the weights, a few rows are compute-bound); the rows' results are the same either way.
         """
-        if len(steps) == 1:
-            session, inputs, pos = steps[0]
-            return [self.forward(session, inputs, pos, last_only=last_only)]
+        if len(steps) == 1 or self.recurrent:
+            return self._forward_each(steps, last_only)
         if not steps or len({s for s, _, _ in steps}) != len(steps):
             raise StageInputError("a batch holds one step for each of several distinct sessions")
         checked = [self._checked(x) for _, x, _ in steps]
@@ -275,6 +336,21 @@ class StageModel:
                 outs = np.split(out, np.cumsum(n_outs if self.last else [len(x) for x in checked])[:-1])
             for cache, x in zip(caches, checked, strict=True):
                 cache.length += len(x)
+        return outs
+
+    def _forward_each(self, steps: Sequence[tuple[str, np.ndarray, int]], last_only: bool) -> list[np.ndarray]:
+        """:meth:`forward` for each step in turn (one step, or a stage with recurrent layers, whose steps hold
+        one session each); a failure takes the sessions already advanced back to where they were."""
+        if len({s for s, _, _ in steps}) != len(steps):
+            raise StageInputError("a batch holds one step for each of several distinct sessions")
+        outs: list[np.ndarray] = []
+        try:
+            for session, inputs, pos in steps:
+                outs.append(self.forward(session, inputs, pos, last_only=last_only))
+        except BaseException:
+            for session, _, pos in steps[: len(outs)]:
+                self.trim(session, pos)
+            raise
         return outs
 
     def _cache_at(self, session: str, pos: int, n: int) -> KVCache:
@@ -334,7 +410,8 @@ class StageModel:
         key = tuple((seg[0], seg[1].generation, shape) for seg, shape in zip(segments, shapes, strict=True))
         compiled = self._graphs.get(key)
         if compiled is None:
-            compiled = self._compile(key, [seg[1] for seg in segments], shapes)
+            state = self._states[segments[0][0]] if self.recurrent else None
+            compiled = self._compile(key, [seg[1] for seg in segments], shapes, state)
         else:
             self._graphs.move_to_end(key)
         g = self.backends.g
@@ -350,20 +427,22 @@ class StageModel:
             if key not in self._graphs:
                 compiled.close(g)
 
-    def _compile(self, key: tuple[object, ...], caches: list[KVCache], shapes: list[Shape]) -> _Compiled:
+    def _compile(self, key: tuple[object, ...], caches: list[KVCache], shapes: list[Shape],
+                 state: RecurrentState | None) -> _Compiled:
         g, b = self.backends.g, self.backends
         per_layer = TENSORS_PER_LAYER + 4 * self.hparams.n_expert_used + (
-            TENSORS_PER_SEGMENT * len(shapes) if len(shapes) > 1 else 0)
+            TENSORS_PER_SEGMENT * len(shapes) if len(shapes) > 1 else 0) + (
+            TENSORS_PER_RECURRENT_LAYER if state is not None else 0)
         graph = Graph(g, max_tensors=64 + 8 * len(shapes) + per_layer * len(self.weights.layers))
         n = sum(s.n for s in shapes)
         try:
             step = Step(graph, self.hparams, self.weights, caches, shapes, first=self.first, last=self.last,
-                        flash_attn=self.flash_attn)
+                        flash_attn=self.flash_attn, state=state)
             x = step.embed() if self.first else step.x_in
             assert x is not None
             if self.first and self.hparams.embed_scale != 1.0:
                 x = graph.scale(x, self.hparams.embed_scale)
-            for slot, lw in enumerate(self.weights.layers):
+            for slot, lw in zip(self._slots, self.weights.layers, strict=True):
                 x = self._block(step, lw, slot, x)
             step.finish(step.head(x) if self.last else x)
         except BaseException:
@@ -405,6 +484,9 @@ class StageModel:
             for cache in self._sessions.values():
                 cache.close()
             self._sessions.clear()
+            for state in self._states.values():
+                state.close()
+            self._states.clear()
             if self._pad is not None:
                 self._pad.close()
             self.weights.close()

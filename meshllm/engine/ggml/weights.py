@@ -39,8 +39,9 @@ MATRIX_TYPES = frozenset({
 })
 """Tensor types accepted for matrices and embeddings: the common llama.cpp quantizations (MXFP4: gpt-oss experts)."""
 VECTOR_TYPES = frozenset({lib.F32})
-"""Norm weights, biases, attention sinks and rope factors are float32 in every GGUF llama.cpp writes."""
-_VECTORS = ("norm.weight", ".bias", "sinks.weight")
+"""Norm weights, biases, attention sinks, rope factors and a delta-net's decay and convolution are float32
+in every GGUF llama.cpp writes (its quantizer leaves ``ssm_conv1d`` alone; ggml convolves f32 only)."""
+_VECTORS = ("norm.weight", ".bias", "sinks.weight", "ssm_a", "ssm_conv1d.weight")
 
 def weight_op(name: str) -> WeightOp:
     """How the runtime uses the tensor ``name`` (what decides its buffer type)."""
@@ -50,7 +51,7 @@ def weight_op(name: str) -> WeightOp:
         return "add"
     if name == "rope_freqs.weight":
         return "rope"
-    if name.endswith("norm.weight"):
+    if name.endswith(("norm.weight", "ssm_a", "ssm_conv1d.weight")):
         return "mul"
     if name.endswith("_exps.weight"):
         return "matmul_id"

@@ -25,6 +25,8 @@ from meshllm.engine.ggml.families import (
     qwen2moe,
     qwen3,
     qwen3moe,
+    qwen35,
+    qwen35moe,
     smollm3,
 )
 from meshllm.engine.ggml.family import Family
@@ -47,6 +49,8 @@ REGISTRY: dict[str, Family] = {f.arch: f for f in (
     gpt_oss.FAMILY,
     glm4moe.FAMILY,
     deepseek2.FAMILY,
+    qwen35.FAMILY,
+    qwen35moe.FAMILY,
 )}
 """Architecture (``general.architecture``) -> its family."""
 
