@@ -106,6 +106,8 @@ QUANTIZED = [
     ("deepseek2", "Q8_0", {}),
     ("deepseek2", "Q4_K_M", {"width": 256}),
     ("qwen3moe", "Q8_0", {"n_expert": 16, "n_expert_used": 8}),  # Qwen3-30B-A3B routes to 8
+    ("qwen35", "Q8_0", {}),
+    ("qwen35moe", "Q4_K_M", {"width": 256}),
 ]
 """Families in the quantizations their published files use (K-quants need a width of 256)."""
 

@@ -1,0 +1,106 @@
+"""Sessions on hybrid stages (Qwen 3.5): the recurrent state is kept, rewound and freed like the KV cache.
+
+A trim cannot cut a recurrent state back, so the stage rebuilds it from its checkpoint or from
+position 0 with the session's kept inputs; these tests check that a trimmed session then computes
+exactly what a session that never went past the trim point computes, through a chain of stages
+(a first stage of recurrent layers only, a middle one, the last) as a split runs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from stage_helpers import PROMPT
+from tinymodels import HYBRID_FAMILIES, write_tiny
+
+from meshllm.engine.ggml.errors import StageInputError
+from meshllm.engine.ggml.stage import StageModel
+
+RANGES = [(0, 1), (1, 3), (3, 4)]
+"""Layers recurrent, attention, recurrent, attention: a first stage with no attention layer at all."""
+
+
+@pytest.fixture(params=HYBRID_FAMILIES)
+def chain(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[list[StageModel]]:
+    path = write_tiny(request.param, tmp_path / f"{request.param}.gguf")
+    stages = [StageModel.load(path, a, b, max_context=256, threads=1) for a, b in RANGES]
+    yield stages
+    for stage in stages:
+        stage.close()
+
+
+def run(stages: list[StageModel], session: str, tokens: list[int], pos: int) -> np.ndarray:
+    x: np.ndarray = np.array(tokens)
+    for stage in stages:
+        x = stage.forward(session, x, pos)
+    return x
+
+
+def trim(stages: list[StageModel], session: str, n: int) -> None:
+    for stage in stages:
+        stage.trim(session, n)
+
+
+def greedy(stages: list[StageModel], session: str, logits: np.ndarray, pos: int, steps: int) -> np.ndarray:
+    rows = []
+    for step in range(steps):
+        logits = run(stages, session, [int(np.argmax(logits[-1]))], pos + step)
+        rows.append(logits)
+    return np.concatenate(rows)
+
+
+def test_rejected_window_then_continue_equals_a_run_without_it(chain: list[StageModel]) -> None:
+    """Speculation: a 4-token verify window of which 2 are kept, then 16 greedy steps."""
+    prompt, window = PROMPT[:8], PROMPT[8:12]
+    run(chain, "a", prompt, 0)
+    ahead = run(chain, "a", window, 8)
+    trim(chain, "a", 10)
+    assert all(s.session_length("a") == 10 for s in chain)
+    continued = greedy(chain, "a", ahead[:2], 10, 16)
+
+    run(chain, "b", prompt, 0)
+    kept = run(chain, "b", window[:2], 8)
+    assert np.array_equal(ahead[:2], kept)
+    assert np.array_equal(continued, greedy(chain, "b", kept, 10, 16))
+
+
+def test_trim_before_the_checkpoint_reprefills_from_the_kept_inputs(chain: list[StageModel]) -> None:
+    """A rewind past every checkpoint (decode steps keep none) rebuilds from position 0."""
+    logits = run(chain, "a", PROMPT[:8], 0)
+    greedy(chain, "a", logits, 8, 4)
+    trim(chain, "a", 5)
+    continued = run(chain, "a", PROMPT[5:9], 5)
+
+    run(chain, "b", PROMPT[:5], 0)
+    assert np.array_equal(continued, run(chain, "b", PROMPT[5:9], 5))
+    trim(chain, "a", 0)  # back to nothing: the state is zeros again
+    assert np.array_equal(run(chain, "a", PROMPT[:8], 0), logits)
+
+
+def test_reset_frees_the_state_and_a_new_session_starts_clean(chain: list[StageModel]) -> None:
+    first = run(chain, "a", PROMPT[:8], 0)
+    assert all(s.memory()["recurrent"] > 0 for s in chain if s.recurrent)
+    for stage in chain:
+        stage.reset("a")
+    assert all(s.memory()["recurrent"] == 0 for s in chain)
+    assert np.array_equal(run(chain, "a", PROMPT[:8], 0), first)
+
+
+def test_batch_of_sessions_equals_each_alone(chain: list[StageModel]) -> None:
+    """A hybrid stage runs a batch's sessions one after another; each gets what it gets alone."""
+    last = chain[-1]
+    x0 = chain[0].forward_batch([("a", np.array(PROMPT[:8]), 0), ("b", np.array(PROMPT[8:14]), 0)])
+    x1 = chain[1].forward_batch([("a", x0[0], 0), ("b", x0[1], 0)])
+    out = last.forward_batch([("a", x1[0], 0), ("b", x1[1], 0)], last_only=True)
+    assert np.array_equal(out[0], run(chain, "c", PROMPT[:8], 0)[-1:])
+    assert np.array_equal(out[1], run(chain, "d", PROMPT[8:14], 0)[-1:])
+
+
+def test_a_step_at_the_wrong_position_changes_nothing(chain: list[StageModel]) -> None:
+    run(chain, "a", PROMPT[:8], 0)
+    with pytest.raises(StageInputError, match="position 8"):
+        chain[0].forward("a", np.array(PROMPT[8:10]), 6)
+    assert np.array_equal(run(chain, "a", PROMPT[8:10], 8), run(chain, "b", PROMPT[:10], 0)[8:])
