@@ -34,8 +34,7 @@ from msgspec import Meta
 
 from meshllm.engine.ggml import StageModel
 from meshllm.engine.ggml.hparams import read_hparams
-from meshllm.engine.ggml.kv_cache import kv_bytes_per_token, padded
-from meshllm.engine.ggml.memory import compute_bytes
+from meshllm.engine.ggml.memory import compute_bytes, session_bytes
 from meshllm.engine.ggml.weights import plan_stage
 from meshllm.errors import DecodeError, MeshllmError
 from meshllm.identity.ids import short
@@ -356,7 +355,7 @@ def stage_memory(reader: GGUFFile, start: int, end: int, context: int) -> int:
     """
     hp = read_hparams(reader)
     plan = plan_stage(reader, hp, start, end)
-    kv = kv_bytes_per_token(end - start, hp.k_width, v_width=hp.v_width) * padded(min(context, hp.context_length))
+    kv = session_bytes(hp, start, end, min(context, hp.context_length), first=start == 0)
     logits = hp.vocab * 4 if end == hp.n_layers else 0
     return plan.nbytes + kv + compute_bytes(hp, min(context, hp.context_length), Deadlines().prefill_chunk) + logits
 

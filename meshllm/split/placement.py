@@ -143,7 +143,8 @@ def model_profile(path: Path, context: int) -> ModelProfile:
         n_layers=hp.n_layers, layer_bytes=max(mem.layer_bytes) + mem.kv_bytes_per_layer,
         first_bytes=mem.embed_bytes, last_bytes=mem.head_bytes + mem.logits_bytes,
         layer_flops=2.0 * max(mem.layer_params), head_flops=2.0 * mem.head_params,
-        stage_bytes=mem.compute_bytes + mem.rope_bytes, shared_bytes=mem.embed_bytes if mem.tied else 0,
+        stage_bytes=mem.compute_bytes + mem.rope_bytes + mem.input_bytes[1],  # (a hybrid's kept inputs)
+        shared_bytes=mem.embed_bytes if mem.tied else 0,
     )
 
 

@@ -330,7 +330,7 @@ class Graph:
         if any(t.type != lib.F32 for t in (q, k, v, gate, beta, state)):
             raise self._fail("gated_delta_net", "needs f32 tensors", q, k, v, gate, beta, state)
         if (Q != K or Q[0] != V[0] or V[1] % Q[1] or Q[2] != V[2] or Q[3] != 1 or V[3] != 1
-                or G != (1, V[1], V[2], 1) or B != G or St != (V[0], V[0], V[1], 1)):
+                or (1, V[1], V[2], 1) != G or B != G or St != (V[0], V[0], V[1], 1)):
             raise self._fail("gated_delta_net", "q, k, v, gate, beta and state do not line up", q, k, v, gate, beta,
                              state)
         if not all(self.contiguous(t) for t in (gate, beta, state)) or any(t.nb[0] != 4 for t in (q, k, v)):

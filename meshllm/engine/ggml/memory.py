@@ -5,7 +5,9 @@ A loaded stage holds (``StageModel.memory()`` reports the same parts):
 - its tensors as stored in the file: quantized bytes, used in place from the file map or copied
   once into a repacked or device buffer (a tied embedding/head table counted once);
 - per session, a KV cache of ``layers x 2 x kv_heads x head_dim`` f16 values per token, for the
-  context rounded up to 256 tokens (:func:`~meshllm.engine.ggml.kv_cache.padded`);
+  context rounded up to 256 tokens (:func:`~meshllm.engine.ggml.kv_cache.padded`); a hybrid model's
+  recurrent layers hold no KV but a fixed-size f32 state, twice (live and checkpoint), and a stage with
+  any of them keeps the session's inputs (:func:`session_bytes`);
 - compute buffers, largest for a full prompt chunk (:data:`~meshllm.engine.ggml.stage.CHUNK` tokens
   attending to the whole context): :func:`compute_bytes` bounds them from the shapes.
 
@@ -21,6 +23,7 @@ from pathlib import Path
 
 from meshllm.engine.ggml.hparams import HParams, read_hparams
 from meshllm.engine.ggml.kv_cache import kv_bytes_per_token, padded
+from meshllm.engine.ggml.recurrent import state_bytes
 from meshllm.engine.ggml.stage import CHUNK
 from meshllm.engine.ggml.weights import plan_stage
 from meshllm.models.gguf_file import GGUFFile
@@ -60,7 +63,13 @@ class MemoryProfile:
     """Values of each layer's tensors one token computes with (about half its floating-point operations):
     of a mixture of experts, only its ``n_expert_used`` experts' share (its bytes count every expert)."""
     kv_bytes_per_layer: int
-    """One layer's KV cache for one session at the profiled context (f16, rounded up to 256 tokens)."""
+    """The largest of :attr:`session_layer_bytes`: what the planner prices every layer's session memory at."""
+    session_layer_bytes: tuple[int, ...]
+    """Per layer, one session's memory at the profiled context: its KV cache (f16, rounded up to 256
+    tokens), or for a recurrent layer its state and the state's checkpoint."""
+    input_bytes: tuple[int, int]
+    """The inputs a stage with recurrent layers keeps per session: as first stage (token ids), as a later one
+    (f32 activations); 0 for a model without recurrent layers."""
     embed_bytes: int
     """Token embeddings (first stage)."""
     head_bytes: int
@@ -75,10 +84,13 @@ class MemoryProfile:
 
     tied: bool = False
     """The head is the embedding table."""
+    recurrent: tuple[bool, ...] = ()
+    """Per layer: recurrent (a hybrid model)."""
 
     def stage(self, start: int, end: int, first: bool, last: bool) -> int:
         """Bytes of a stage holding layers [start, end), with embeddings and/or head."""
-        total = sum(self.layer_bytes[start:end]) + (end - start) * self.kv_bytes_per_layer
+        total = sum(self.layer_bytes[start:end]) + sum(self.session_layer_bytes[start:end])
+        total += self.input_bytes[0 if first else 1] if any(self.recurrent[start:end]) else 0
         total += self.rope_bytes + self.compute_bytes
         if first:
             total += self.embed_bytes
@@ -103,10 +115,16 @@ def memory_profile(reader: GGUFFile, hp: HParams, context: int, chunk: int = CHU
     plan = plan_stage(reader, hp, 0, hp.n_layers)
     assert plan.embed is not None and plan.head is not None and plan.output_norm is not None
     head = [plan.head, plan.output_norm] + ([plan.head_bias] if plan.head_bias is not None else [])
+    recurrent = tuple(hp.is_recurrent(il) for il in range(hp.n_layers))
+    inputs = (_input_bytes(context, None), _input_bytes(context, hp.width)) if any(recurrent) else (0, 0)
+    per_layer = tuple(session_bytes(hp, il, il + 1, context, first=True) - (inputs[0] if r else 0)
+                      for il, r in enumerate(recurrent))
     return MemoryProfile(
         layer_bytes=tuple(sum(t.nbytes for t in layer.values()) for layer in plan.layers),
         layer_params=tuple(sum(_active(hp, name, t.n_elements) for name, t in layer.items()) for layer in plan.layers),
-        kv_bytes_per_layer=kv_bytes_per_token(1, hp.k_width, v_width=hp.v_width) * padded(context),
+        kv_bytes_per_layer=max(per_layer),
+        session_layer_bytes=per_layer,
+        input_bytes=inputs,
         embed_bytes=plan.embed.nbytes,
         head_bytes=sum(t.nbytes for t in head),
         head_params=plan.head.n_elements,
@@ -114,7 +132,26 @@ def memory_profile(reader: GGUFFile, hp: HParams, context: int, chunk: int = CHU
         compute_bytes=compute_bytes(hp, context, chunk),
         logits_bytes=hp.vocab * _F32,
         tied=plan.tied,
+        recurrent=recurrent,
     )
+
+
+def session_bytes(hp: HParams, start: int, end: int, context: int, *, first: bool) -> int:
+    """One session's memory on layers [start, end) at ``context`` tokens: the attention layers' f16 KV cache
+    (rounded up to 256 tokens); for recurrent layers their state twice (live and checkpoint) and the
+    session's kept inputs (token ids on a first stage, f32 activation rows on a later one)."""
+    attending = sum(not hp.is_recurrent(il) for il in range(start, end))
+    total = kv_bytes_per_token(attending, hp.k_width, v_width=hp.v_width) * padded(context)
+    recurrent = end - start - attending
+    if recurrent:
+        assert hp.ssm is not None
+        total += 2 * state_bytes(hp.ssm, recurrent) + _input_bytes(context, None if first else hp.width)
+    return total
+
+
+def _input_bytes(context: int, width: int | None) -> int:
+    """A hybrid stage's kept inputs of ``context`` tokens: int64 token ids (``width`` None) or f32 rows."""
+    return context * (8 if width is None else 4 * width)
 
 
 def estimate_memory(

@@ -31,8 +31,14 @@ import numpy as np
 
 from meshllm.engine.ggml import lib
 from meshllm.engine.ggml.backends import Backends, Device, choose_accelerator, devices, layers_that_fit
-from meshllm.engine.ggml.blocks import TENSORS_PER_LAYER, TENSORS_PER_RECURRENT_LAYER, TENSORS_PER_SEGMENT, Shape, \
-    Step, read
+from meshllm.engine.ggml.blocks import (
+    TENSORS_PER_LAYER,
+    TENSORS_PER_RECURRENT_LAYER,
+    TENSORS_PER_SEGMENT,
+    Shape,
+    Step,
+    read,
+)
 from meshllm.engine.ggml.errors import StageInputError, UnsupportedModel
 from meshllm.engine.ggml.families import family_for
 from meshllm.engine.ggml.graph import Graph

@@ -17,7 +17,7 @@ from tinymodels import write_tiny
 
 from meshllm.engine.ggml.hparams import read_hparams
 from meshllm.engine.ggml.kv_cache import kv_bytes_per_token, padded
-from meshllm.engine.ggml.memory import compute_bytes, estimate_memory, memory_profile
+from meshllm.engine.ggml.memory import compute_bytes, estimate_memory, memory_profile, session_bytes
 from meshllm.engine.ggml.stage import StageModel
 from meshllm.engine.ggml.weights import plan_stage
 from meshllm.models.gguf_file import GGUFFile
@@ -108,5 +108,28 @@ def test_moe_estimate_counts_every_experts_bytes(tmp_path: Path) -> None:
     stage = StageModel.load(path, 0, 2, max_context=64, threads=1)
     try:
         assert stage.weights.mapped_bytes + stage.weights.copied_bytes == sum(mem.layer_bytes[:2]) + mem.embed_bytes
+    finally:
+        stage.close()
+
+
+@pytest.mark.parametrize(("start", "end"), [(0, 1), (1, 3), (0, 4)])
+def test_hybrid_estimate_is_what_a_session_holds(tmp_path: Path, start: int, end: int) -> None:
+    """Qwen 3.5: KV on attention layers only; recurrent layers' state twice (live, checkpoint) and kept inputs."""
+    path = write_tiny("qwen35", tmp_path / "qwen35.gguf")
+    reader = GGUFFile(path)
+    hp = read_hparams(reader)
+    context = 300
+    session = session_bytes(hp, start, end, context, first=start == 0)
+    logits = hp.vocab * 4 if end == hp.n_layers else 0
+    expected = plan_stage(reader, hp, start, end).nbytes + session + compute_bytes(hp, context) + logits
+    assert estimate_memory(path, start, end, context) == expected
+    stage = StageModel.load(path, start, end, max_context=context, threads=1)
+    try:
+        inputs = np.arange(context) % 256 + 3 if stage.first else np.zeros((context, 64), np.float32)
+        stage.forward("s", inputs, 0)
+        held = stage.memory()
+        attending = sum(not hp.is_recurrent(il) for il in range(start, end))
+        assert held["kv"] == kv_bytes_per_token(attending, hp.k_width) * padded(context)
+        assert held["kv"] + held["recurrent"] == session
     finally:
         stage.close()

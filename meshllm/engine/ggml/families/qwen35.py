@@ -147,8 +147,7 @@ def read(reader: GGUFFile, hp: HParams) -> HParams:
     if not isinstance(sections, list) or not 1 <= len(sections) <= 4 or not all(
             isinstance(x, int) and x >= 0 for x in sections):
         raise UnsupportedModel(f"{a}.rope.dimension_sections is {sections!r}, expected up to four counts")
-    sections = (list(sections) + [0, 0, 0])[:4]
-    rope = dataclasses.replace(hp.rope, sections=tuple(sections))
+    rope = dataclasses.replace(hp.rope, sections=(*sections, 0, 0, 0)[:4])
     return dataclasses.replace(
         hp, n_layers=n_layers, recurrent_layers=recurrent, ssm=ssm, rope=rope, rope_swa=rope,
         swa_layers=(False,) * n_layers,
