@@ -49,7 +49,9 @@ def plan(model: str, api: NodeApi, stages: int | None, max_memory: float | None,
         echo_json({**result, "split": verdict})
         return
     experts = f", {verdict['experts'][0]} of {verdict['experts'][1]} experts per token" if verdict["experts"] else ""
-    click.echo(f"{model} can be split: family {verdict['family']} ({verdict['examples']}){experts}")
+    recurrent = verdict["recurrent"]
+    hybrid = f", {recurrent[0]} of {recurrent[1]} layers recurrent (gated delta-net)" if recurrent else ""
+    click.echo(f"{model} can be split: family {verdict['family']} ({verdict['examples']}){experts}{hybrid}")
     click.echo(_text(result, source))
 
 
@@ -74,7 +76,8 @@ def split_verdict(spec: str) -> dict[str, Any]:
         return {"splittable": False, "family": None, "reason": str(e)}
     family = family_for(hp.arch)
     return {"splittable": True, "family": family.arch, "examples": family.examples, "reason": None,
-            "experts": [hp.n_expert_used, hp.n_expert] if hp.n_expert else None}
+            "experts": [hp.n_expert_used, hp.n_expert] if hp.n_expert else None,
+            "recurrent": [sum(hp.recurrent_layers), hp.n_layers] if any(hp.recurrent_layers) else None}
 
 
 def _local_plan(spec: str, stages: int | None, max_memory_gb: float | None) -> dict[str, Any]:

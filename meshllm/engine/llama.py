@@ -246,7 +246,12 @@ class LlamaEngine(Engine):
         try:
             n_ctx_seq = context_cap(meta.context_length, self._n_ctx)
             parallel = self._parallel or default_parallel(meta, n_ctx_seq)
-            probe = probe_windows(model, self.threads, self.window + 1, self.pad_lone_rows)
+            if model.recurrent:  # no window, padding row or reused prefix can be taken back out of its state
+                self.pad_lone_rows = False
+                probe = WindowProbe(False, "the model has recurrent layers, whose state llama.cpp cannot rewind "
+                                           "past rejected drafts", {})
+            else:
+                probe = probe_windows(model, self.threads, self.window + 1, self.pad_lone_rows)
             self.unavailable = probe.differs
             if self.pad_lone_rows is None:
                 self.pad_lone_rows = probe.pad_lone_rows
@@ -268,7 +273,7 @@ class LlamaEngine(Engine):
             self.speculate = self.spec.mode = "off"
         for rows, seconds in probe.call_s.items():  # the window pricing starts from the probe's timings
             self._costs.observe(rows, seconds)
-        self._sched = Scheduler(parallel, chunk=self.prefill_chunk, max_queue=self.max_queue)
+        self._sched = Scheduler(parallel, chunk=self.prefill_chunk, max_queue=self.max_queue, reuse=not model.recurrent)
         self._thread = threading.Thread(target=self._worker, name=f"llama-{self.model_id}", daemon=True)
         self._thread.start()
 
@@ -676,7 +681,7 @@ class LlamaEngine(Engine):
     def _pad_row(self, seq: int, token: int) -> tuple[int, int, int] | None:
         """A throwaway row ``(token, pos, seq)`` at sequence ``seq``'s next position (the caller removes it
         after the call); ``None`` when that sequence does not exist or is full."""
-        if seq >= self._ctx.n_seq:
+        if seq >= self._ctx.n_seq or self._model.recurrent:  # a row folded into a recurrent state stays there
             return None
         at = self._ctx.length(seq)
         return (token, at, seq) if at < self._ctx.n_ctx_seq else None

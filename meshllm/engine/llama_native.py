@@ -87,6 +87,8 @@ class NativeModel:
         self.bos = int(L.llama_vocab_bos(self.vocab))
         self.eos = int(L.llama_vocab_eos(self.vocab))
         self.longest_token = longest_token(self.vocab)
+        self.recurrent = bool(L.llama_model_is_recurrent(ptr) or L.llama_model_is_hybrid(ptr))
+        """Whether layers keep a recurrent state (Mamba, Qwen 3.5): llama.cpp then cannot cut a sequence back."""
         self._pieces: dict[int, bytes] = {}
         self._eog: dict[int, bool] = {}
 

@@ -107,9 +107,12 @@ class _Waiting(Generic[J]):
 class Scheduler(Generic[J]):
     """Slots, the fair waiting queue and the step plan of one engine."""
 
-    def __init__(self, n_slots: int, *, chunk: int, max_queue: int) -> None:
+    def __init__(self, n_slots: int, *, chunk: int, max_queue: int, reuse: bool = True) -> None:
+        """``reuse``: a request may keep a slot's cached prefix (not for a model whose state cannot be cut
+        back to a prefix: recurrent layers)."""
         if n_slots < 1 or chunk < 1 or max_queue < 0:
             raise ValueError("need at least one slot, a positive chunk and a queue bound")
+        self.reuse = reuse
         self.slots: list[Slot[J]] = [Slot(i) for i in range(n_slots)]
         self.chunk = chunk
         self.max_queue = max_queue
@@ -181,7 +184,7 @@ class Scheduler(Generic[J]):
 
     def _assign(self, w: _Waiting[J]) -> Assignment[J]:
         free = [s for s in self.slots if s.job is None]
-        reuse = {s.index: reusable(s.cached, s.exact, w.tokens, self.chunk) for s in free}
+        reuse = {s.index: reusable(s.cached, s.exact, w.tokens, self.chunk) if self.reuse else 0 for s in free}
         best = max(reuse.values())
         if best > 0:
             slot = next(s for s in free if reuse[s.index] == best)

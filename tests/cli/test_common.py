@@ -29,6 +29,9 @@ def test_plan_says_whether_a_file_can_be_split(tmp_path: Path) -> None:
     assert ok.returncode == 0, ok.stderr
     assert "can be split: family qwen3moe" in ok.stdout and "2 of 4 experts per token" in ok.stdout
     assert "(4 layers): solo" in ok.stdout
+    hybrid = meshllm("plan", str(write_tiny("qwen35moe", tmp_path / "hybrid.gguf")))
+    assert hybrid.returncode == 0, hybrid.stderr
+    assert "can be split: family qwen35moe" in hybrid.stdout and "2 of 4 layers recurrent" in hybrid.stdout
     bad = meshllm("plan", str(write_tiny_gguf(tmp_path / "mamba.gguf", "mamba", {})), "--json")
     assert bad.returncode == 0 and "Traceback" not in bad.stderr, bad.stderr
     verdict = json.loads(bad.stdout)["split"]

@@ -173,3 +173,24 @@ def test_clients_take_turns_for_a_single_slot(tmp_path: Path) -> None:
     finally:
         asyncio.run(eng.close())
     assert order.index("polite") <= 2  # served after at most one more of the flood, not after all of it
+
+
+def test_hybrid_model_serves_without_rewinds(tmp_path: Path) -> None:
+    """Qwen 3.5 (recurrent layers): llama.cpp cannot cut a recurrent state back, so the engine reuses no
+    cached prefix, pads no row into another sequence and does not speculate; the text is the same alone,
+    after itself and among others."""
+    from tinymodels import write_tiny
+
+    eng = LlamaEngine(write_tiny("qwen35", tmp_path / "q35.gguf", weight_type="Q8_0", seed=2), n_ctx=512,
+                      n_threads=1, parallel=4, speculate="on")
+    asyncio.run(eng.load())
+    try:
+        assert eng.speculate == "off" and "recurrent" in str(eng.unavailable)
+        request = req(PROMPT)
+        alone = one(eng, request)
+        after_itself = one(eng, request)
+        among = asyncio.run(alongside(eng, request, 3))
+        assert alone[1] and alone[:2] == after_itself[:2] == among[:2]
+        assert after_itself[2].usage.cached_tokens == 0
+    finally:
+        asyncio.run(eng.close())

@@ -1,7 +1,8 @@
 """A dense and a mixture-of-experts family split over three real nodes give llama.cpp's greedy text.
 
 For Qwen 3 (dense, q/k norms), Qwen 3 MoE (experts), gpt-oss (sinks, sliding window, biased
-experts) and DeepSeek (latent attention: K and V of different widths, or a K-only cache): a coordinator with
+experts), DeepSeek (latent attention: K and V of different widths, or a K-only cache) and Qwen 3.5 MoE
+(recurrent gated delta-net layers between attention layers: every stage keeps a recurrent state): a coordinator with
 ``--split force --stages 3`` and two ``--worker`` nodes, all started through the CLI, answer a
 greedy completion (streamed and not) with exactly the text of a solo ``--engine llama`` node
 (llama.cpp) on the same tiny model.
@@ -20,7 +21,7 @@ from tinymodels import write_tiny
 pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3moe", "gpt-oss", "deepseek2", "deepseek2-mla"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3moe", "gpt-oss", "deepseek2", "deepseek2-mla", "qwen35moe"])
 def test_three_stage_split_gives_llama_cpps_text(family: str, tmp_path: Path) -> None:
     gguf = write_tiny(family, tmp_path / "tiny.gguf", n_layers=6, seed=3)
     model = "tiny"

@@ -154,5 +154,5 @@ def read(reader: GGUFFile, hp: HParams) -> HParams:
     )
 
 
-FAMILY = Family(arch="qwen35", examples="Qwen3.5 0.8B to 27B (hybrid: gated delta-net + attention)",
+FAMILY = Family(arch="qwen35", examples="Qwen3.5 0.8B to 27B",
                 block=hybrid_block(_dense), layer_tensors=tensors, neox_rope=True, hparams=read, shapes=shapes)

@@ -48,6 +48,6 @@ def read(reader: GGUFFile, hp: HParams) -> HParams:
     return qwen35.read(reader, hp)
 
 
-FAMILY = Family(arch="qwen35moe", examples="Qwen3.5-35B-A3B, -122B-A10B, -397B-A17B (hybrid MoE)",
+FAMILY = Family(arch="qwen35moe", examples="Qwen3.5-35B-A3B, Qwen3.5-122B-A10B, Qwen3.5-397B-A17B",
                 block=qwen35.hybrid_block(experts), layer_tensors=tensors, neox_rope=True, hparams=read,
                 shapes=qwen35.shapes)
