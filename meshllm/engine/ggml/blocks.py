@@ -72,14 +72,14 @@ class Step:
     """
 
     def __init__(self, graph: Graph, hp: HParams, weights: StageWeights, caches: list[KVCache], shapes: list[Shape],
-                 *, first: bool, last: bool, flash_attn: bool, state: RecurrentState | None = None) -> None:
+                 *, first: bool, last: bool, flash_attn: bool, states: list[RecurrentState] | None = None) -> None:
         if not shapes or len(caches) != len(shapes):
             raise ValueError("a step has one KV cache per session")
-        if (state is None) != (hp.ssm is None or all(not hp.is_recurrent(lw.index) for lw in weights.layers)) or (
-                state is not None and len(shapes) != 1):
-            raise ValueError("a step over recurrent layers holds one session and its recurrent state")
-        self.state = state
-        """The session's recurrent state (a stage with recurrent layers; one session per step)."""
+        if (states is None) != (hp.ssm is None or all(not hp.is_recurrent(lw.index) for lw in weights.layers)) or (
+                states is not None and len(states) != len(shapes)):
+            raise ValueError("a step over recurrent layers has one recurrent state per session")
+        self.states = states
+        """Each session's recurrent state (a stage with recurrent layers)."""
         self.g = graph
         self.hp = hp
         self.w = weights
@@ -369,37 +369,58 @@ class Step:
         return g.reshape(masked, hp.n_expert, n)
 
     def conv(self, slot: int, x: T, kernel: T) -> T:
-        """The causal convolution of a recurrent layer over ``x`` [channels, n]: -> [channels, n, 1].
+        """The causal convolution of a recurrent layer over ``x`` [channels, n, 1]: -> [channels, n, 1].
 
-        llama.cpp's ``build_conv_state`` then ``ggml_ssm_conv``: the kept columns of the session's
-        state (slot ``slot``) are joined before the step's, the last ``d_conv - 1`` of them become the
-        new state, and each output column is the kernel applied to the ``d_conv`` columns ending at it.
+        llama.cpp's ``build_conv_state`` then ``ggml_ssm_conv``, per session: the kept columns of its
+        state (slot ``slot``) are joined before its rows, the last ``d_conv - 1`` of them become the new
+        state, and each output column is the kernel applied to the ``d_conv`` columns ending at it. In a
+        batch each session's rows are a view, and the outputs are joined in order.
         """
-        g, ssm, n = self.g, self.hp.ssm, x.ne[1]
-        assert ssm is not None and self.state is not None
-        state = self.state.conv[slot]
-        d = kernel.ne[0]
-        kept = g.reshape(state, d - 1, ssm.channels, 1)
-        joined = g.concat(kept, g.transpose(g.reshape(x, ssm.channels, n, 1)), 0)  # [d - 1 + n, channels, 1]
-        last = g.view(joined, (d - 1, ssm.channels, 1), (joined.nb[1], joined.nb[2]), 4 * n)
-        g.expand(g.cpy(last, state))
-        return g.ssm_conv(joined, kernel)
+        g, ssm = self.g, self.hp.ssm
+        assert ssm is not None and self.states is not None
+        d, out = kernel.ne[0], None
+        for seg, rows in self._per_session(x, 1):
+            state, n = self.states[self.segments.index(seg)].conv[slot], seg.shape.n
+            kept = g.reshape(state, d - 1, ssm.channels, 1)
+            joined = g.concat(kept, g.transpose(rows), 0)  # [d - 1 + n, channels, 1]
+            last = g.view(joined, (d - 1, ssm.channels, 1), (joined.nb[1], joined.nb[2]), 4 * n)
+            g.expand(g.cpy(last, state))
+            part = g.ssm_conv(joined, kernel)
+            out = part if out is None else g.concat(out, part, 1)
+        assert out is not None
+        return out
 
     def delta_rule(self, slot: int, q: T, k: T, v: T, gate: T, beta: T) -> T:
-        """The gated delta rule over the step's tokens from the session's state (slot ``slot``), which it
-        advances: ggml's fused op, as llama.cpp's ``build_recurrent_attn`` runs it on a CPU. ``q``/``k``
+        """The gated delta rule over each session's rows from its state (slot ``slot``), which it advances:
+        ggml's fused op, as llama.cpp's ``build_recurrent_attn`` runs it on a CPU. ``q``/``k``
         [head, k_heads, n, 1], ``v`` [head, v_heads, n, 1], ``gate``/``beta`` [1, v_heads, n, 1];
-        returns the outputs [head, v_heads, n, 1]."""
-        g, ssm, n = self.g, self.hp.ssm, q.ne[2]
-        assert ssm is not None and self.state is not None
-        state = self.state.delta[slot]
-        hd, heads = ssm.head_v_dim, ssm.n_v_heads
-        out = g.gated_delta_net(q, k, v, gate, beta, g.reshape(state, hd, hd, heads, 1))
-        f = 4  # bytes per f32
-        outputs = g.view_4d(out, (hd, heads, n, 1), (f * hd, f * hd * heads, f * hd * heads * n))
-        new = g.view_4d(out, (hd, hd, heads, 1), (f * hd, f * hd * hd, f * hd * hd * heads), f * hd * heads * n)
-        g.expand(g.cpy(new, state))
-        return outputs
+        returns the outputs [head, v_heads, n, 1] (a batch's sessions joined in order)."""
+        g, ssm = self.g, self.hp.ssm
+        assert ssm is not None and self.states is not None
+        hd, heads, f = ssm.head_v_dim, ssm.n_v_heads, 4  # (f: bytes per f32)
+        out = None
+        parts = zip(*(self._per_session(t, 2) for t in (q, k, v, gate, beta)), strict=True)
+        for (seg, q_s), (_, k_s), (_, v_s), (_, gate_s), (_, beta_s) in parts:
+            state, n = self.states[self.segments.index(seg)].delta[slot], seg.shape.n
+            result = g.gated_delta_net(q_s, k_s, v_s, gate_s, beta_s, g.reshape(state, hd, hd, heads, 1))
+            outputs = g.view_4d(result, (hd, heads, n, 1), (f * hd, f * hd * heads, f * hd * heads * n))
+            new = g.view_4d(result, (hd, hd, heads, 1), (f * hd, f * hd * hd, f * hd * hd * heads),
+                            f * hd * heads * n)
+            g.expand(g.cpy(new, state))
+            out = outputs if out is None else g.concat(out, outputs, 2)
+        assert out is not None
+        return out
+
+    def _per_session(self, t: T, dim: int) -> list[tuple[_Segment, T]]:
+        """Each session's rows of ``t`` (tokens along dimension ``dim``): ``t`` itself for one session."""
+        if len(self.segments) == 1:
+            return [(self.segments[0], t)]
+        views = []
+        for seg in self.segments:
+            ne = list(t.ne)
+            ne[dim] = seg.shape.n
+            views.append((seg, self.g.view_4d(t, ne, t.nb[1:], seg.offset * t.nb[dim])))
+        return views
 
     def output_rows(self, layer: int, *xs: T) -> tuple[T, ...]:
         """In the model's last layer, keep only the rows whose logits are wanted (llama.cpp's ``out_ids``)."""

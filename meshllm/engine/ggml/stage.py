@@ -118,6 +118,7 @@ class StageModel:
         """Give a step of one row a second (scratch) row, so that it computes as it would in a batch
         (:meth:`batch_exact`: float matrices take another kernel for one row than for several)."""
         self._pad: KVCache | None = None
+        self._pad_state: RecurrentState | None = None
         self._costs = CallCosts()
         """Seconds per decode call by rows: whether a batch of lone rows runs faster as one-row calls."""
         self.path: Path | None = None
@@ -232,9 +233,11 @@ class StageModel:
         """
         with self._lock:
             self._check_open()
-            if self._pad is None:  # (a stage with recurrent layers never batches sessions: nothing to pad)
-                self.pad_lone_rows = not self.recurrent and any(
-                    t.type_id in _FLOAT_TYPES and len(t.shape) > 1 for t in self.plan.tensors())
+            if self._pad is None:
+                self.pad_lone_rows = any(t.type_id in _FLOAT_TYPES and len(t.shape) > 1 for t in self.plan.tensors())
+                if self.recurrent:  # the scratch row's own state (never read back: whatever it holds does)
+                    assert self.hparams.ssm is not None
+                    self._pad_state = RecurrentState(self.backends, self._rs_bufts, self.hparams.ssm)
                 self._pad = KVCache(self.backends, self._kv_bufts, self.hparams.k_width, KV_TYPES[self.kv_type], 1,
                                     v_trans=not self.flash_attn, v_width=self.hparams.v_width)
             return self.pad_lone_rows
@@ -315,8 +318,9 @@ class StageModel:
         (:class:`~meshllm.engine.slots.CallCosts`, as the llama.cpp engine does: on a CPU a lone row
         streams the weights, a few rows are compute-bound); the rows' results are the same either way.
         """
-        if len(steps) == 1 or self.recurrent:
-            return self._forward_each(steps, last_only)
+        if len(steps) == 1:
+            session, inputs, pos = steps[0]
+            return [self.forward(session, inputs, pos, last_only=last_only)]
         if not steps or len({s for s, _, _ in steps}) != len(steps):
             raise StageInputError("a batch holds one step for each of several distinct sessions")
         checked = [self._checked(x) for _, x, _ in steps]
@@ -325,38 +329,37 @@ class StageModel:
         n_outs = [(1 if last_only else len(x)) if self.last else 0 for x in checked]
         with self._lock:
             caches = [self._cache_at(s, pos, len(x)) for (s, _, pos), x in zip(steps, checked, strict=True)]
+            states = [self._state_at(s, cache, pos) for (s, _, pos), cache in zip(steps, caches, strict=True)] \
+                if self.recurrent else [None] * len(steps)
+            for state, x in zip(states, checked, strict=True):
+                if state is not None and len(x) > 1:
+                    state.save()
             segments = [(s, cache, pos, len(x), n_out)
                         for (s, _, pos), x, cache, n_out in zip(steps, checked, caches, n_outs, strict=True)]
             rows = len(checked) if all(len(x) == 1 for x in checked) else 0
             started = time.perf_counter()
-            if rows and not self.pad_lone_rows and self._costs.split(rows):
-                outs = []
-                for seg, x in zip(segments, checked, strict=True):
-                    outs.append(self._run([seg], x))
-                    self._costs.observe(1, time.perf_counter() - started)
-                    started = time.perf_counter()
-            else:
-                out = self._run(segments, np.concatenate(checked))
-                if rows:
-                    self._costs.observe(rows, time.perf_counter() - started)
-                outs = np.split(out, np.cumsum(n_outs if self.last else [len(x) for x in checked])[:-1])
+            try:
+                if rows and not self.pad_lone_rows and self._costs.split(rows):
+                    outs = []
+                    for seg, x in zip(segments, checked, strict=True):
+                        outs.append(self._run([seg], x))
+                        self._costs.observe(1, time.perf_counter() - started)
+                        started = time.perf_counter()
+                else:
+                    out = self._run(segments, np.concatenate(checked))
+                    if rows:
+                        self._costs.observe(rows, time.perf_counter() - started)
+                    outs = np.split(out, np.cumsum(n_outs if self.last else [len(x) for x in checked])[:-1])
+            except BaseException:
+                for state in states:
+                    if state is not None:
+                        state.at = None  # rebuilt from the kept inputs on the session's next call
+                raise
+            for (_, _, pos), state, x in zip(steps, states, checked, strict=True):
+                if state is not None:
+                    state.record(pos, x)
             for cache, x in zip(caches, checked, strict=True):
                 cache.length += len(x)
-        return outs
-
-    def _forward_each(self, steps: Sequence[tuple[str, np.ndarray, int]], last_only: bool) -> list[np.ndarray]:
-        """:meth:`forward` for each step in turn (one step, or a stage with recurrent layers, whose steps hold
-        one session each); a failure takes the sessions already advanced back to where they were."""
-        if len({s for s, _, _ in steps}) != len(steps):
-            raise StageInputError("a batch holds one step for each of several distinct sessions")
-        outs: list[np.ndarray] = []
-        try:
-            for session, inputs, pos in steps:
-                outs.append(self.forward(session, inputs, pos, last_only=last_only))
-        except BaseException:
-            for session, _, pos in steps[: len(outs)]:
-                self.trim(session, pos)
-            raise
         return outs
 
     def _cache_at(self, session: str, pos: int, n: int) -> KVCache:
@@ -416,8 +419,9 @@ class StageModel:
         key = tuple((seg[0], seg[1].generation, shape) for seg, shape in zip(segments, shapes, strict=True))
         compiled = self._graphs.get(key)
         if compiled is None:
-            state = self._states[segments[0][0]] if self.recurrent else None
-            compiled = self._compile(key, [seg[1] for seg in segments], shapes, state)
+            states = [self._pad_state if seg[1] is self._pad else self._states[seg[0]] for seg in segments] \
+                if self.recurrent else None
+            compiled = self._compile(key, [seg[1] for seg in segments], shapes, states)
         else:
             self._graphs.move_to_end(key)
         g = self.backends.g
@@ -434,16 +438,16 @@ class StageModel:
                 compiled.close(g)
 
     def _compile(self, key: tuple[object, ...], caches: list[KVCache], shapes: list[Shape],
-                 state: RecurrentState | None) -> _Compiled:
+                 states: list[RecurrentState] | None) -> _Compiled:
         g, b = self.backends.g, self.backends
         per_layer = TENSORS_PER_LAYER + 4 * self.hparams.n_expert_used + (
             TENSORS_PER_SEGMENT * len(shapes) if len(shapes) > 1 else 0) + (
-            TENSORS_PER_RECURRENT_LAYER if state is not None else 0)
+            TENSORS_PER_RECURRENT_LAYER * len(shapes) if states is not None else 0)
         graph = Graph(g, max_tensors=64 + 8 * len(shapes) + per_layer * len(self.weights.layers))
         n = sum(s.n for s in shapes)
         try:
             step = Step(graph, self.hparams, self.weights, caches, shapes, first=self.first, last=self.last,
-                        flash_attn=self.flash_attn, state=state)
+                        flash_attn=self.flash_attn, states=states)
             x = step.embed() if self.first else step.x_in
             assert x is not None
             if self.first and self.hparams.embed_scale != 1.0:
@@ -495,6 +499,8 @@ class StageModel:
             self._states.clear()
             if self._pad is not None:
                 self._pad.close()
+            if self._pad_state is not None:
+                self._pad_state.close()
             self.weights.close()
             self.backends.close()
 
