@@ -13,15 +13,18 @@ from pathlib import Path
 import openai
 import pytest
 from nodes import NodeProcess, meshllm, running_nodes
-from tinymodels import write_tiny_llama
+from tinymodels import write_tiny, write_tiny_llama
 
 pytestmark = pytest.mark.timeout(120)
 
 PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat sat on the mat. the cat"
 
 
-def test_speculative_split_gives_the_solo_text(tmp_path: Path) -> None:
-    gguf = write_tiny_llama(tmp_path / "tiny.gguf", n_layers=6, seed=3)
+@pytest.mark.parametrize("family", ["llama", pytest.param("qwen35", marks=pytest.mark.slow)])
+def test_speculative_split_gives_the_solo_text(family: str, tmp_path: Path) -> None:
+    """Qwen 3.5's recurrent layers cannot be cut back: every stage rewinds its state past rejected drafts."""
+    gguf = write_tiny_llama(tmp_path / "tiny.gguf", n_layers=6, seed=3) if family == "llama" else \
+        write_tiny(family, tmp_path / "tiny.gguf", n_layers=6, seed=3)
     (tmp_path / "c").mkdir(mode=0o700)
     (tmp_path / "c" / "config.toml").write_text('speculate = "on"\n')
     with running_nodes() as nodes:
@@ -42,6 +45,9 @@ def test_speculative_split_gives_the_solo_text(tmp_path: Path) -> None:
         assert streamed == expected
 
         spec = coord.status()["splits"][0]["speculation"]
+        if family == "qwen35":  # its random text repeats little: few windows, but drafts were rejected
+            assert spec["mode"] == "on" and spec["verify_passes"] > 0 and spec["accepted"] < spec["drafted"]
+            return
         assert spec["mode"] == "on" and spec["verify_passes"] > 5
         assert 0 < spec["accepted"] < spec["drafted"] and spec["tokens_per_pass"] > 1.0
         assert spec["pass_costs"]["per_token_ms"] > 0
