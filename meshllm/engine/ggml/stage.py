@@ -6,7 +6,9 @@ stage spanning every layer is the whole model (what :class:`~meshllm.engine.ggml
 serves). ``[0, k)`` then ``[k, n)`` runs exactly the ops of ``[0, n)`` on the same numbers (the hand-over
 is the f32 residual stream), so a split model's logits are bit-identical to the whole model's.
 
-Each session (a conversation, a request) has its own :class:`KVCache`; a forward call continues at
+Each session (a conversation, a request) has its own :class:`KVCache` (and on a stage with recurrent
+layers, a hybrid model's, its :class:`RecurrentState`, which a trim rewinds by replaying the session's
+kept inputs: :mod:`meshllm.engine.ggml.recurrent`); a forward call continues at
 the session's cached length, which the caller states as ``pos`` so that a stage out of step with its
 coordinator fails loudly instead of attending to the wrong history. Prompts are run in chunks of
 :data:`CHUNK` tokens (llama.cpp's default micro-batch, so chunking matches its arithmetic too).
@@ -310,9 +312,10 @@ class StageModel:
 
         ``steps`` are ``(session, inputs, pos)`` of distinct sessions, at most :data:`CHUNK` rows in
         all. Every row-wise op (projections, FFN, head) runs once for the batch; each session's rows
-        write and attend to its own KV cache. Under exact kernels a row's result does not depend on
-        the other rows, so each session gets what :meth:`forward` would give it alone. Returns each
-        session's output in order; a failed call leaves every session as it was.
+        write and attend to its own KV cache, and go through its own recurrent state. Under exact
+        kernels a row's result does not depend on the other rows, so each session gets what
+        :meth:`forward` would give it alone. Returns each session's output in order; a failed call
+        leaves every session as it was.
 
         A batch of one-row steps runs as one-row graphs instead while they are measured cheaper
         (:class:`~meshllm.engine.slots.CallCosts`, as the llama.cpp engine does: on a CPU a lone row
