@@ -181,3 +181,38 @@ def test_flash_attention_needs_an_f16_cache(tmp_path: Path) -> None:
 ], ids=["half-mla", "expert-groups", "linear-rope"])
 def test_deepseek2_features_not_implemented_are_named(extra: dict[str, object], match: str, tmp_path: Path) -> None:
     _refused(write_tiny("deepseek2", tmp_path / "ds.gguf", **extra), match)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("key", "value", "why"), [
+    ("qwen35.rope.dimension_sections", [0, 0, 0, 0], "not all 0"),
+    ("qwen35.rope.dimension_sections", "mrope", "dimension_sections"),
+    ("qwen35.ssm.time_step_rank", 3, "3 value heads over 2 key heads"),
+    ("qwen35.ssm.state_size", 8, "state size 8"),
+    ("qwen35.ssm.conv_kernel", 1, "conv_kernel"),
+    ("qwen35.attention.recurrent_layers", [True], "1 entries for 4 layers"),
+])
+def test_hybrid_shapes_ggml_cannot_run_are_refused(key: str, value: object, why: str, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Qwen 3.5 header whose delta-net or rope sections ggml would divide by zero or assert on."""
+    from meshllm.engine.ggml.hparams import read_hparams
+    from meshllm.models.gguf_file import GGUFFile
+
+    reader = GGUFFile(write_tiny("qwen35", tmp_path / "q35.gguf"))
+    monkeypatch.setitem(reader.fields, key, value)
+    with pytest.raises(UnsupportedModel, match=why):
+        read_hparams(reader)
+
+
+def test_a_quantized_convolution_is_refused(tmp_path: Path) -> None:
+    """ggml convolves f32 only (llama.cpp's quantizer never touches ``ssm_conv1d``)."""
+    path = write_tiny("qwen35", tmp_path / "q35.gguf")
+    reader = weights.GGUFFile(path)
+    conv = next(t for t in reader.tensors if t.name == "blk.0.ssm_conv1d.weight")
+    raw = bytearray(path.read_bytes())
+    # the tensor directory stores the type as a u32 right after the dims: rewrite F32 (0) to F16 (1)
+    entry = raw.index(conv.name.encode()) + len(conv.name) + 4 + 8 * len(conv.shape)
+    assert struct.unpack_from("<I", raw, entry)[0] == 0
+    struct.pack_into("<I", raw, entry, 1)
+    path.write_bytes(bytes(raw))
+    with pytest.raises(UnsupportedModel, match=r"ssm_conv1d\.weight has type F16"):
+        StageModel.load(path, max_context=64)

@@ -145,8 +145,9 @@ def read(reader: GGUFFile, hp: HParams) -> HParams:
         recurrent = tuple((il + 1) % interval != 0 for il in range(n_layers))
     sections = metadata(reader, f"{a}.rope.dimension_sections")
     if not isinstance(sections, list) or not 1 <= len(sections) <= 4 or not all(
-            isinstance(x, int) and x >= 0 for x in sections):
-        raise UnsupportedModel(f"{a}.rope.dimension_sections is {sections!r}, expected up to four counts")
+            isinstance(x, int) and 0 <= x <= 1 << 16 for x in sections) or not sum(sections):
+        # (ggml's rope takes each dimension's section modulo their sum: all zeros would divide by zero)
+        raise UnsupportedModel(f"{a}.rope.dimension_sections is {sections!r}, expected up to four counts, not all 0")
     rope = dataclasses.replace(hp.rope, sections=(*sections, 0, 0, 0)[:4])
     return dataclasses.replace(
         hp, n_layers=n_layers, recurrent_layers=recurrent, ssm=ssm, rope=rope, rope_swa=rope,
