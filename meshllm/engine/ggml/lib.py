@@ -156,6 +156,8 @@ _PROTOTYPES: dict[str, tuple[Any, list[Any]]] = {
     "ggml_backend_tensor_alloc": (c_int, [_P, _T, c_void_p]),
     "ggml_backend_tensor_set": (None, [_T, c_void_p, c_size_t, c_size_t]),
     "ggml_backend_tensor_get": (None, [_T, c_void_p, c_size_t, c_size_t]),
+    "ggml_backend_tensor_copy": (None, [_T, _T]),
+    "ggml_backend_tensor_memset": (None, [_T, ctypes.c_uint8, c_size_t, c_size_t]),
     # backends, devices and the registry
     "ggml_backend_free": (None, [_P]),
     "ggml_backend_reg_count": (c_size_t, []),

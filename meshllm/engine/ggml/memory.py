@@ -6,8 +6,8 @@ A loaded stage holds (``StageModel.memory()`` reports the same parts):
   once into a repacked or device buffer (a tied embedding/head table counted once);
 - per session, a KV cache of ``layers x 2 x kv_heads x head_dim`` f16 values per token, for the
   context rounded up to 256 tokens (:func:`~meshllm.engine.ggml.kv_cache.padded`); a hybrid model's
-  recurrent layers hold no KV but a fixed-size f32 state, twice (live and checkpoint), and a stage with
-  any of them keeps the session's inputs (:func:`session_bytes`);
+  recurrent layers hold no KV but a fixed-size f32 state and up to ``SNAPSHOTS`` copies of it, and a
+  stage with any of them keeps the session's inputs (:func:`session_bytes`);
 - compute buffers, largest for a full prompt chunk (:data:`~meshllm.engine.ggml.stage.CHUNK` tokens
   attending to the whole context): :func:`compute_bytes` bounds them from the shapes.
 
@@ -66,7 +66,7 @@ class MemoryProfile:
     """The largest of :attr:`session_layer_bytes`: what the planner prices every layer's session memory at."""
     session_layer_bytes: tuple[int, ...]
     """Per layer, one session's memory at the profiled context: its KV cache (f16, rounded up to 256
-    tokens), or for a recurrent layer its state and the state's checkpoint."""
+    tokens), or for a recurrent layer its state and its snapshots."""
     input_bytes: tuple[int, int]
     """The inputs a stage with recurrent layers keeps per session: as first stage (token ids), as a later one
     (f32 activations); 0 for a model without recurrent layers."""
@@ -138,14 +138,14 @@ def memory_profile(reader: GGUFFile, hp: HParams, context: int, chunk: int = CHU
 
 def session_bytes(hp: HParams, start: int, end: int, context: int, *, first: bool) -> int:
     """One session's memory on layers [start, end) at ``context`` tokens: the attention layers' f16 KV cache
-    (rounded up to 256 tokens); for recurrent layers their state twice (live and checkpoint) and the
+    (rounded up to 256 tokens); for recurrent layers their state with all its snapshots and the
     session's kept inputs (token ids on a first stage, f32 activation rows on a later one)."""
     attending = sum(not hp.is_recurrent(il) for il in range(start, end))
     total = kv_bytes_per_token(attending, hp.k_width, v_width=hp.v_width) * padded(context)
     recurrent = end - start - attending
     if recurrent:
         assert hp.ssm is not None
-        total += 2 * state_bytes(hp.ssm, recurrent) + _input_bytes(context, None if first else hp.width)
+        total += state_bytes(hp.ssm, recurrent) + _input_bytes(context, None if first else hp.width)
     return total
 
 

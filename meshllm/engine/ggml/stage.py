@@ -208,8 +208,8 @@ class StageModel:
     def trim(self, session: str, n: int) -> None:
         """Keep only the first ``n`` cached tokens of ``session`` (rejected draft tokens, a shared prefix).
 
-        On recurrent layers this is a rewind: the state is rebuilt to position ``n`` from a checkpoint
-        and the kept inputs when the session next runs (:mod:`~meshllm.engine.ggml.recurrent`).
+        On recurrent layers this is a rewind: the state is rebuilt to position ``n`` from a snapshot
+        and the kept steps when the session next runs (:mod:`~meshllm.engine.ggml.recurrent`).
         """
         with self._lock:
             self._check_open()
@@ -258,8 +258,8 @@ class StageModel:
         with self._lock:
             cache = self._cache_at(session, pos, n)
             state = self._state_at(session, cache, pos) if self.recurrent else None
-            if state is not None and n > 1:
-                state.save()  # a prompt chunk or verify window: the step a later trim cuts back into
+            if state is not None:
+                state.before_step()  # where a later trim may come back to
             outs = []
             try:
                 for start in range(0, n, CHUNK):
@@ -284,8 +284,10 @@ class StageModel:
     def _state_at(self, session: str, cache: KVCache, pos: int) -> RecurrentState:
         """``session``'s recurrent state standing at ``pos``: a new one, or one rebuilt after a trim or failure.
 
-        A rebuild restores the state's checkpoint (or zeros) and runs the kept inputs from there to
-        ``pos`` again through this stage, rewriting their KV rows with the same values.
+        A rebuild copies back the latest snapshot at or before ``pos`` (or zeros) and runs the kept
+        steps from there to ``pos`` again through this stage, each as the call it first ran as (its
+        rows, chunked alike), which rewrites their KV rows with the same values; the state at ``pos``
+        then becomes the anchor snapshot (the next window starts there).
         """
         state = self._states.get(session)
         if state is None:
@@ -295,15 +297,18 @@ class StageModel:
             return state
         if state.kept < pos:
             raise StageInputError(f"session {session!r} keeps {state.kept} inputs here, cannot rebuild to {pos}")
-        start = state.restore(pos)
+        at = state.restore(pos)
         try:
-            for at in range(start, pos, CHUNK):
-                rows = state.inputs(at, min(at + CHUNK, pos))
-                self._run([(session, cache, at, len(rows), 1 if self.last else 0)], rows)
+            for step in list(state.steps(at, pos)):
+                for start in range(0, len(step), CHUNK):
+                    rows = step[start : start + CHUNK]
+                    self._run([(session, cache, at, len(rows), 1 if self.last else 0)], rows)
+                    at += len(rows)
         except BaseException:
             state.at = None
             raise
         state.at = pos
+        state.snapshot(anchor=True)
         return state
 
     def forward_batch(self, steps: Sequence[tuple[str, np.ndarray, int]], *,
@@ -334,9 +339,9 @@ class StageModel:
             caches = [self._cache_at(s, pos, len(x)) for (s, _, pos), x in zip(steps, checked, strict=True)]
             states = [self._state_at(s, cache, pos) for (s, _, pos), cache in zip(steps, caches, strict=True)] \
                 if self.recurrent else [None] * len(steps)
-            for state, x in zip(states, checked, strict=True):
-                if state is not None and len(x) > 1:
-                    state.save()
+            for state in states:
+                if state is not None:
+                    state.before_step()
             segments = [(s, cache, pos, len(x), n_out)
                         for (s, _, pos), x, cache, n_out in zip(steps, checked, caches, n_outs, strict=True)]
             rows = len(checked) if all(len(x) == 1 for x in checked) else 0

@@ -114,7 +114,7 @@ def test_moe_estimate_counts_every_experts_bytes(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("start", "end"), [(0, 1), (1, 3), (0, 4)])
 def test_hybrid_estimate_is_what_a_session_holds(tmp_path: Path, start: int, end: int) -> None:
-    """Qwen 3.5: KV on attention layers only; recurrent layers' state twice (live, checkpoint) and kept inputs."""
+    """Qwen 3.5: KV on attention layers only; recurrent layers' state with its snapshots, and kept inputs."""
     path = write_tiny("qwen35", tmp_path / "qwen35.gguf")
     reader = GGUFFile(path)
     hp = read_hparams(reader)
@@ -126,7 +126,10 @@ def test_hybrid_estimate_is_what_a_session_holds(tmp_path: Path, start: int, end
     stage = StageModel.load(path, start, end, max_context=context, threads=1)
     try:
         inputs = np.arange(context) % 256 + 3 if stage.first else np.zeros((context, 64), np.float32)
-        stage.forward("s", inputs, 0)
+        stage.forward("s", inputs[:-9], 0)
+        stage.trim("s", context - 10)  # a speculating session: a snapshot at every step, up to the most
+        for pos in range(context - 10, context):
+            stage.forward("s", inputs[pos : pos + 1], pos)
         held = stage.memory()
         attending = sum(not hp.is_recurrent(il) for il in range(start, end))
         assert held["kv"] == kv_bytes_per_token(attending, hp.k_width) * padded(context)

@@ -17,6 +17,7 @@ from stage_helpers import PROMPT
 from tinymodels import HYBRID_FAMILIES, write_tiny
 
 from meshllm.engine.ggml.errors import StageInputError
+from meshllm.engine.ggml.recurrent import SNAPSHOTS
 from meshllm.engine.ggml.stage import StageModel
 
 RANGES = [(0, 1), (1, 3), (3, 4)]
@@ -65,6 +66,50 @@ def test_rejected_window_then_continue_equals_a_run_without_it(chain: list[Stage
     kept = run(chain, "b", window[:2], 8)
     assert np.array_equal(ahead[:2], kept)
     assert np.array_equal(continued, greedy(chain, "b", kept, 10, 16))
+
+
+@pytest.mark.parametrize("windows", [[(3, 1), (4, 0), (2, 2), (9, 2), (5, 4)]], ids=["windows"])
+def test_windows_in_rounds_then_rewinds_equal_plain_decoding(chain: list[StageModel],
+                                                              windows: list[tuple[int, int]]) -> None:
+    """A split runs a verify window one row per call; each rejection rewinds to the kept length. The
+    kept rows and everything after are bit for bit those of a session that only ever decoded them;
+    a short rejection copies a snapshot back (no replay), a window longer than the snapshots replays
+    from its anchor."""
+    calls: list[int] = []  # rows of each call session "a" makes on the first stage (recurrent layers only)
+    first = chain[0]
+    real_run = first._run
+
+    def counted(segments: list[tuple[str, object, int, int, int]], inputs: np.ndarray) -> np.ndarray:
+        calls.extend(len(inputs) for s, *_ in segments if s == "a")
+        return real_run(segments, inputs)  # type: ignore[arg-type]
+
+    first._run = counted  # type: ignore[assignment]
+    logits = run(chain, "a", PROMPT[:8], 0)
+    plain = [run(chain, "b", PROMPT[:8], 0)]
+    pos, rng = 8, np.random.default_rng(5)
+    speculating = False
+    for size, keep in windows:
+        token = int(np.argmax(logits[-1]))
+        window = [token, *rng.integers(3, 259, size - 1).tolist()]
+        rows = [run(chain, "a", [t], pos + i) for i, t in enumerate(window)]
+        kept = window[: keep + 1]
+        trim(chain, "a", pos + len(kept))
+        for i, t in enumerate(kept):
+            plain.append(run(chain, "b", [t], pos + i))
+            assert np.array_equal(rows[i], plain[-1]), (size, keep, i)
+        pos += len(kept)
+        logits = rows[len(kept) - 1]
+        calls.clear()
+        nxt = int(np.argmax(logits[-1]))
+        assert np.array_equal(run(chain, "a", [nxt], pos), run(chain, "b", [nxt], pos))
+        # replayed (each kept row as the call it ran as) when not speculating yet (from the anchor the
+        # prompt left) or when the rejected rows outnumber the snapshots (from the last rewind's anchor);
+        # else a snapshot is copied back and only the step itself runs
+        replayed = not speculating or size - len(kept) >= SNAPSHOTS
+        assert calls == [1] * (len(kept) + 1 if replayed else 1), (size, keep, calls)
+        speculating = True
+        trim(chain, "a", pos)
+        trim(chain, "b", pos)
 
 
 def test_trim_before_the_checkpoint_reprefills_from_the_kept_inputs(chain: list[StageModel]) -> None:
