@@ -4,12 +4,23 @@
 :class:`~meshllm.mesh.view.ViewState`). The driver feeds it time, transport events and received
 messages; it returns :class:`Send` instructions and events, and never touches a socket or a clock.
 
-Two paths spread information. *Anti-entropy*: every round (1 s, times log10 of the mesh size) we
-send our digest ``{node_id: seq}`` to k=3 random connected peers, who answer with the records we lack
-and ask for those they lack; this converges in O(log N) rounds whatever was lost. *Flooding*:
-membership changes (a down notice, a leaving record, a record that revives a peer) are pushed at once
-to every connected peer, once per change, because waiting for anti-entropy rounds would miss the
-5-second removal target on large meshes.
+Three paths spread information, each sending a record to a peer at most once per change.
+*Pushing*: a record we store because it is newer is forwarded at once to :attr:`GossipConfig.push_fanout`
+random connected peers (our own changes to every connected peer), so a change crosses the mesh in a
+few network hops. *Flooding*: membership changes (a down notice, a leaving record, a record that
+revives a peer) go to every connected peer at once, because missing the 5-second removal target on a
+large mesh is not an option. *Anti-entropy* repairs whatever pushing missed: every round (1 s, the
+same at any mesh size) we send k=3 random connected peers a :class:`Summary` of our table, one 8-byte
+sum per bucket of node ids (:class:`~meshllm.mesh.view.Table`); a peer answers with a digest
+``{node_id: seq}`` of only the buckets whose sums differ, and the usual exchange follows. A converged
+mesh trades summaries and nothing else: no record is resent because a timer fired.
+
+*Heartbeats* (re-signing an unchanged record so that silence means death) cost every member one
+record per peer per heartbeat, so the heartbeat stretches with the mesh: at most
+:attr:`GossipConfig.refresh_rate` re-signed records per second mesh-wide. The record says how long
+its node may wait (``refresh``), and every member stretches that record's silence and age limits by
+as much (``view.deadline``, ``records.max_age``). Failure detection stays local (the SWIM detector
+probes connected peers): the heartbeat is only the backstop for a node nobody is connected to.
 
 *Revocations* (records signed by the mesh key, verified by an injected callback) are kept for the
 life of the node, flooded once when new and sent to every newly connected peer, so a late joiner
@@ -34,6 +45,7 @@ from __future__ import annotations
 
 import math
 import random
+import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -62,10 +74,20 @@ from meshllm.mesh.messages import (
     MeshMessage,
     Notices,
     Revocations,
+    Summary,
     sign_notice,
     verify_notice,
 )
-from meshllm.mesh.records import PathKind, PeerRecord, RecordVerifier, StaleRecord, decode_record, sign_record
+from meshllm.mesh.records import (
+    HEARTBEAT_S,
+    REFRESH_MAX_S,
+    PathKind,
+    PeerRecord,
+    RecordVerifier,
+    StaleRecord,
+    decode_record,
+    sign_record,
+)
 from meshllm.net.limits import CoolDowns, RateLimit, Strikes
 
 EXCHANGE_BUDGET = 1024 * 1024
@@ -154,10 +176,15 @@ class GossipConfig:
     """Timings; defaults aim at a 5 s removal of a killed node and modest traffic."""
 
     interval: float = 1.0
-    """Base anti-entropy period; multiplied by max(1, log10(N))."""
+    """Anti-entropy period, whatever the mesh size (a round costs a summary, not a table)."""
     fanout: int = 3
+    """Peers sent a summary each round."""
+    push_fanout: int = 4
+    """Random connected peers a newly stored record is forwarded to (anti-entropy fills the gaps)."""
     heartbeat: float = 30.0
-    """Re-sign our record this often even without change, so silence means death."""
+    """Re-sign our record this often even without change, so silence means death ..."""
+    refresh_rate: float = 10.0
+    """... unless the mesh is large: then every N / refresh_rate seconds (see :meth:`heartbeat_for`)."""
     stale_after: float = 120.0
     """A peer whose sequence has not advanced for this long is dropped (the backstop to SWIM)."""
     forget_after: float = 300.0
@@ -167,6 +194,12 @@ class GossipConfig:
     rotate_every: float = 30.0
     """Swap one random partial-view peer this often."""
     rtt_max_age: float = 30.0
+
+    def heartbeat_for(self, members: int) -> float:
+        """Heartbeat period in a mesh of ``members``: heartbeats of the whole mesh cost each member
+        at most ``refresh_rate`` records a second, so it stretches beyond ``heartbeat`` past
+        ``heartbeat * refresh_rate`` members (300 by default), up to :data:`REFRESH_MAX_S`."""
+        return max(self.heartbeat, min(REFRESH_MAX_S, members / self.refresh_rate))
 
 
 Output = Send | Rejected | RevocationApplied | AccuserBanned | Overstep | view.ViewEvent
@@ -197,13 +230,16 @@ class Gossip:
         self.revoked_nodes: set[str] = set()
         record = msgspec.structs.replace(record, signed_at=now)
         self.own, self.own_raw = record, sign_record(key, record)
-        self.state = view.empty(record.node_id)
+        self._state = view.empty(record.node_id)
+        self._own_pending = False
+        """Our record changed since we last sent it to our connected peers (the next tick does)."""
         self.connected: set[str] = set()
         self.pinned: set[str] = set()
         self._partial: frozenset[str] = frozenset()
         self._rtt: rtt.RttTable = {}
         self._next_round = self._next_rotate = now
         self._next_expire = now + 1.0
+        """When an entry may next expire (a lower bound: sweeping the table is a pass over it)."""
         self._pulls: RateLimit[str] = RateLimit(PULLS_PER_S, PULL_BURST)
         self._notice_rate: RateLimit[str] = RateLimit(NOTICES_PER_S, NOTICE_BURST)
         self._refutations: Strikes[str] = Strikes(REFUTED_TO_BAN, REFUTE_WINDOW_S)
@@ -212,11 +248,21 @@ class Gossip:
         self._accused: dict[str, tuple[str, float]] = {}
         """subject -> (accuser, notice time) of the notice that took it down (refutation tracking)."""
         # A random first phase: nodes started together must not heartbeat in lockstep.
-        self._next_heartbeat = now + rng.uniform(0.1, 1.0) * self.config.heartbeat
+        self._heartbeat_from, self._heartbeat_phase = now, rng.uniform(0.0, 1.0)
 
     @property
     def node_id(self) -> str:
         return self.own.node_id
+
+    @property
+    def state(self) -> view.ViewState:
+        """The peer table (a value: every change replaces it)."""
+        return self._state
+
+    @state.setter
+    def state(self, state: view.ViewState) -> None:
+        """Replace the table wholesale (a simulation that starts converged); it is swept next tick."""
+        self._state, self._next_expire = state, -math.inf
 
     # --- queries ---
 
@@ -229,8 +275,12 @@ class Gossip:
         return rtt.rtt_matrix([self.own, *self.members().values()])
 
     def interval(self) -> float:
-        """Current round period: grows with log10 of the mesh size to bound per-node traffic."""
-        return self.config.interval * max(1.0, math.log10(len(self.members()) + 1))
+        """Round period: the same at any mesh size (a round's cost does not grow with it either)."""
+        return self.config.interval
+
+    def heartbeat_period(self) -> float:
+        """How often we re-sign an unchanged record in a mesh of the size we see now."""
+        return self.config.heartbeat_for(self._state.peers.active + 1)
 
     def desired_connections(self, now: float) -> set[str]:
         """Peers the driver should hold connections to: pinned peers plus a random partial view.
@@ -238,21 +288,31 @@ class Gossip:
         Until we know any member (just joined) we keep whatever we are connected to: the bootstrap
         links are our only way into the mesh.
         """
-        live = self.members()
-        if not live:
+        peers = self._state.peers
+        if not peers.active:
             return set(self.connected)
-        size = view.view_size(len(live) + 1, self.config.view_extra)
+
+        def live(node: str) -> bool:
+            entry = peers.get(node)
+            return entry is not None and entry.status in view.ACTIVE
+
+        size = view.view_size(peers.active + 1, self.config.view_extra)
         rotate = now >= self._next_rotate
         if rotate:
             self._next_rotate = now + self.config.rotate_every
-        candidates = [n for n in live if n not in self.pinned]
-        if rotate or not self._partial <= live.keys() or len(self._partial) < min(size, len(candidates)):
+        pinned = {p for p in self.pinned if live(p)}
+        # The candidate list is a pass over the table: built only when the view must change.
+        if (rotate or not all(live(p) for p in self._partial)
+                or len(self._partial) < min(size, peers.active - len(pinned))):
+            candidates = [n for n, e in peers.items() if e.status in view.ACTIVE and n not in self.pinned]
             self._partial = view.refresh_partial_view(self._partial, candidates, size, self._rng, rotate)
-        return {p for p in self.pinned if p in live} | set(self._partial)
+        return pinned | set(self._partial)
 
     def next_timer(self) -> float:
         """When :meth:`tick` next has work."""
-        return min(self._next_round, self._next_heartbeat, self._next_expire)
+        if self._own_pending:
+            return self.own.signed_at
+        return min(self._next_round, self._heartbeat_due(), self._next_expire)
 
     # --- inputs from the driver ---
 
@@ -266,10 +326,11 @@ class Gossip:
     def greet(self, peer: str) -> list[Output]:
         """A peer just connected: trade digests with it now rather than at the next round.
 
-        Both ends greet, so each pulls what it lacks; a joiner learns the whole mesh in one round trip.
-        The revocations we know go with the digest, so a late joiner learns them too.
+        Both ends greet with a summary, so each pulls what it lacks (a joiner's summary differs in
+        every bucket: it learns the whole mesh in one exchange). The revocations we know go with it,
+        so a late joiner learns them too.
         """
-        out: list[Output] = [Send(peer, Digest(self._digest()))]
+        out: list[Output] = [Send(peer, self._summary())]
         known = list(self.revocations)
         for i in range(0, len(known), REVOCATIONS_PER_MESSAGE):
             out.append(Send(peer, Revocations(known[i:i + REVOCATIONS_PER_MESSAGE])))
@@ -287,27 +348,34 @@ class Gossip:
         """Heartbeat, housekeeping and, when due, one anti-entropy round."""
         out: list[Output] = []
         row = rtt.current_row(self._rtt, now, self.config.rtt_max_age)
-        if now >= self._next_heartbeat or rtt.row_changed(self.own.rtt, row):
+        if now >= self._heartbeat_due() or rtt.row_changed(self.own.rtt, row):
             self._resign(now, rtt=row)
+        if self._own_pending:
+            out += self._flood_own()
         if now >= self._next_expire:
-            self._next_expire = now + 1.0
             cfg = self.config
-            before = self.state
+            before = self._state
             out += self._apply(view.Expire(now, cfg.stale_after, cfg.forget_after), None)
-            for gone in before.peers.keys() - self.state.peers.keys():
+            for gone in before.peers.keys() - self._state.peers.keys():
                 self._verifier.forget(gone)
             self._accused = {n: a for n, a in self._accused.items()
-                             if (e := self.state.peers.get(n)) is not None and e.status == "down"}
+                             if (e := self._state.peers.get(n)) is not None and e.status == "down"}
+            soonest = min((self._deadline(e) for e in self._state.peers.values()), default=math.inf)
+            self._next_expire = max(now + 1.0, soonest)
         if now >= self._next_round:
             self._next_round = now + self.interval()
             reachable = sorted(self.connected)
-            digest = Digest(self._digest())
+            summary = self._summary()
             for peer in self._rng.sample(reachable, min(self.config.fanout, len(reachable))):
-                out.append(Send(peer, digest))
+                out.append(Send(peer, summary))
         return out
 
     def receive(self, source: str, message: MeshMessage, now: float) -> list[Output]:
         """Handle one gossip message from connected peer ``source``."""
+        if isinstance(message, Summary):
+            if not self._pulls.allow(source, now):
+                return [Overstep(source, "summaries faster than gossip answers them")]
+            return self._on_summary(source, message)
         if isinstance(message, Digest):
             if not self._pulls.allow(source, now):
                 return [Overstep(source, "digests faster than gossip answers them")]
@@ -377,7 +445,7 @@ class Gossip:
     def leave(self, now: float) -> list[Output]:
         """Graceful leave: a signed ``leaving`` record, pushed to every connected peer at once."""
         self._resign(now, state="leaving")
-        return self._flood(Exchange([self.own_raw]), exclude=None)
+        return self._flood_own()
 
     # --- internals ---
 
@@ -418,25 +486,75 @@ class Gossip:
         The new record is built and signed before anything is assigned, so a signing failure leaves
         our state exactly as it was.
         """
-        record = msgspec.structs.replace(self.own, seq=max(self.own.seq, above) + 1, signed_at=now, **changes)
+        # The record promises its next heartbeat within ``refresh``: members stretch our silence
+        # limit by as much, so it never promises less than the period we will keep.
+        refresh = max(HEARTBEAT_S, self.heartbeat_period())
+        record = msgspec.structs.replace(self.own, seq=max(self.own.seq, above) + 1, signed_at=now,
+                                         refresh=refresh, **changes)
         raw = sign_record(self._key, record)
         self.own, self.own_raw = record, raw
-        self._next_heartbeat = now + self.config.heartbeat
+        self._heartbeat_from, self._heartbeat_phase = now, 1.0
+        self._own_pending = True
 
-    def _digest(self) -> dict[str, int]:
-        seqs = {n: e.record.seq for n, e in self.state.peers.items()}
-        seqs[self.node_id] = self.own.seq
-        return seqs
+    def _heartbeat_due(self) -> float:
+        """When we next re-sign: one period after the last, never later than our record promised."""
+        period = min(self.heartbeat_period(), max(self.config.heartbeat, self.own.refresh))
+        return self._heartbeat_from + self._heartbeat_phase * period
+
+    def _flood_own(self) -> list[Output]:
+        """Our current record to every connected peer (each change once)."""
+        self._own_pending = False
+        return self._flood(Exchange([self.own_raw]), exclude=None)
+
+    def _deadline(self, entry: view.PeerEntry) -> float:
+        return view.deadline(entry, self.config.stale_after, self.config.forget_after)
+
+    def _summary_level(self) -> int:
+        """The level whose summary plus a typical answer (two buckets' digests) costs least."""
+        n = len(self._state.peers) + 1
+        return min(range(1, view.LEVELS + 1), key=lambda level: 8 * 16**level + 120 * n / 16**level)
+
+    def _sums(self, level: int) -> list[int]:
+        """Our table's bucket sums at ``level``, our own record included."""
+        sums = self._state.peers.sums(level)
+        sums[view.bucket_of(self.node_id, level)] ^= view.entry_hash(self.node_id, self.own.seq, True)
+        return sums
+
+    def _summary(self) -> Summary:
+        level = self._summary_level()
+        sums = self._sums(level)
+        return Summary(level, struct.pack(f"<{len(sums)}Q", *sums))
+
+    def _on_summary(self, source: str, message: Summary) -> list[Output]:
+        """Answer a summary with a digest of the buckets whose sums differ from ours (if any)."""
+        count = 16**message.level
+        if len(message.sums) != 8 * count:
+            return [Rejected(source, DecodeError(f"a level-{message.level} summary has {count} sums"))]
+        theirs = struct.unpack(f"<{count}Q", message.sums)
+        differ = [i for i, ours in enumerate(self._sums(message.level)) if ours != theirs[i]]
+        if not differ:
+            return []
+        seqs = {node: entry.record.seq for node, entry in self._state.peers.in_buckets(message.level, differ)}
+        if view.bucket_of(self.node_id, message.level) in differ:
+            seqs[self.node_id] = self.own.seq
+        return [Send(source, Digest(seqs, message.level, differ))]
 
     def _on_digest(self, source: str, message: Digest, now: float) -> list[Output]:
         theirs = message.seqs
+        # A digest may cover only some buckets (the answer to our summary): we give only from those.
+        if message.level:
+            scope: Iterable[tuple[str, view.PeerEntry]] = self._state.peers.in_buckets(
+                message.level, sorted(set(message.buckets)))
+            mine = view.bucket_of(self.node_id, message.level) in message.buckets
+        else:
+            scope, mine = self._state.peers.items(), True
         # A digest's sequences are unsigned claims: never re-sign on one. If the peer claims a copy
         # of us newer than ours, ask for it; _ingest verifies our signature and outranks it then.
         their_own = theirs.get(self.node_id, -1)
-        give = [self.node_id] if their_own < self.own.seq else []
+        give = [self.node_id] if mine and their_own < self.own.seq else []
         want_own = [self.node_id] if their_own > self.own.seq else []
         notices: list[bytes] = []
-        for node, entry in self.state.peers.items():
+        for node, entry in scope:
             seq = theirs.get(node)
             if entry.notice is not None and entry.status == "down":
                 accused = self._accused.get(node)
@@ -501,6 +619,8 @@ class Gossip:
         events += self._apply(view.RecordStored(record, raw, now), record.node_id)
         if any(isinstance(e, view.PeerAdded | view.PeerRemoved) for e in events):
             events += self._flood(Exchange([raw]), exclude=source)
+        elif any(isinstance(e, view.RecordUpdated) for e in events):
+            events += self._push(Exchange([raw]), exclude=source)
         return events
 
     def _held_or_none(self, node: str) -> int:
@@ -540,7 +660,7 @@ class Gossip:
                 return self._refute(reporter, now)
             if notice.subject_seq == self.own.seq:  # refute: our new record outranks the notice
                 self._resign(now)
-            return self._refute(reporter, now) + self._flood(Exchange([self.own_raw]), exclude=None)
+            return self._refute(reporter, now) + self._flood_own()
         subject = self.state.peers.get(notice.subject)
         if notice.subject in self.connected and subject is not None and subject.status == "alive":
             return self._refute(reporter, now)  # we hear it ourselves: the notice is wrong
@@ -571,8 +691,15 @@ class Gossip:
             return None
 
     def _apply(self, update: view.Update, node: str | None) -> list[Output]:
-        old, self.state = self.state, view.apply(self.state, update)
-        return list(view.diff(old, self.state, None if node is None else [node]))
+        old, self._state = self._state, view.apply(self._state, update)
+        if node is not None and (entry := self._state.peers.get(node)) is not None:
+            self._next_expire = min(self._next_expire, self._deadline(entry))
+        return list(view.diff(old, self._state, None if node is None else [node]))
 
     def _flood(self, message: MeshMessage, exclude: str | None) -> list[Output]:
         return [Send(p, message) for p in sorted(self.connected) if p != exclude]
+
+    def _push(self, message: MeshMessage, exclude: str | None) -> list[Output]:
+        """``message`` to a few random connected peers: they push it on, anti-entropy fills gaps."""
+        peers = sorted(p for p in self.connected if p != exclude)
+        return [Send(p, message) for p in self._rng.sample(peers, min(self.config.push_fanout, len(peers)))]

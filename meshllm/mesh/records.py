@@ -41,7 +41,12 @@ Seq = Annotated[int, msgspec.Meta(ge=0, lt=SEQ_LIMIT)]
 RECORD_MAX_AGE_S = 180.0
 """A record signed longer ago than this is refused. Live nodes re-sign every 30 s (the heartbeat)
 and a silent one is dropped after 120 s, so only replays are ever this old: an old signed record
-can never bring a node back once its tombstone (300 s) is gone."""
+can never bring a node back once its tombstone (300 s) is gone. A record whose ``refresh`` promises
+a longer heartbeat (large meshes) is accepted for that much longer: see :func:`max_age`."""
+HEARTBEAT_S = 30.0
+"""The heartbeat the age and silence limits are written for (a record's default ``refresh``)."""
+REFRESH_MAX_S = 3600.0
+"""Longest re-sign period a record may promise: bounds how long any copy of it circulates."""
 
 
 class StaleRecord(VerificationError):
@@ -190,6 +195,14 @@ class PeerRecord(msgspec.Struct, frozen=True, kw_only=True):
     """The node's own demand map: what its clients asked for that it does not serve itself."""
     standby: Annotated[list[ModelName], msgspec.Meta(max_length=MAX_DEMAND)] = []
     """Models this node would start serving on demand (``serve --standby``); empty: not a standby."""
+    refresh: Annotated[float, msgspec.Meta(ge=0, le=REFRESH_MAX_S)] = HEARTBEAT_S
+    """Seconds the node may wait before re-signing an unchanged record (its heartbeat): large meshes
+    re-sign less often so that heartbeats cost each member a bounded rate, not one per peer."""
+
+
+def max_age(record: PeerRecord, base: float = RECORD_MAX_AGE_S) -> float:
+    """Oldest signature accepted on ``record``: ``base`` plus however much its heartbeat exceeds 30 s."""
+    return base + max(0.0, record.refresh - HEARTBEAT_S)
 
 
 def sign_record(key: SigningKey, record: PeerRecord) -> bytes:
@@ -291,7 +304,7 @@ class RecordVerifier:
             raise WrongDomain(f"expected a {RECORD_DOMAIN!r} signature, got {signed.domain!r}")
         if held_seq is not None and record.seq <= held_seq:
             raise StaleRecord(f"record {record.node_id[:8]} seq {record.seq} is not newer than {held_seq}")
-        if not now - self.max_age_s <= record.signed_at <= now + CLOCK_SKEW_S:
+        if not now - max_age(record, self.max_age_s) <= record.signed_at <= now + CLOCK_SKEW_S:
             raise ExpiredRecord(f"record {record.node_id[:8]} was signed {now - record.signed_at:.0f} s ago")
         if signed.signer != node_public_key(record.node_id):
             raise WrongSigner(f"record for {record.node_id[:8]} is signed by another key")
