@@ -10,7 +10,7 @@ random connected peers (our own changes to every connected peer), so a change cr
 few network hops. *Flooding*: membership changes (a down notice, a leaving record, a record that
 revives a peer) go to every connected peer at once, because missing the 5-second removal target on a
 large mesh is not an option. *Anti-entropy* repairs whatever pushing missed: every round (1 s, the
-same at any mesh size) we send k=3 random connected peers a :class:`Summary` of our table, one 8-byte
+same at any mesh size) we send k=2 random connected peers a :class:`Summary` of our table, one 8-byte
 sum per bucket of node ids (:class:`~meshllm.mesh.view.Table`); a peer answers with a digest
 ``{node_id: seq}`` of only the buckets whose sums differ, and the usual exchange follows. A converged
 mesh trades summaries and nothing else: no record is resent because a timer fired.
@@ -177,13 +177,13 @@ class GossipConfig:
 
     interval: float = 1.0
     """Anti-entropy period, whatever the mesh size (a round costs a summary, not a table)."""
-    fanout: int = 3
+    fanout: int = 2
     """Peers sent a summary each round."""
-    push_fanout: int = 4
+    push_fanout: int = 2
     """Random connected peers a newly stored record is forwarded to (anti-entropy fills the gaps)."""
     heartbeat: float = 30.0
     """Re-sign our record this often even without change, so silence means death ..."""
-    refresh_rate: float = 10.0
+    refresh_rate: float = 4.0
     """... unless the mesh is large: then every N / refresh_rate seconds (see :meth:`heartbeat_for`)."""
     stale_after: float = 120.0
     """A peer whose sequence has not advanced for this long is dropped (the backstop to SWIM)."""
@@ -198,7 +198,7 @@ class GossipConfig:
     def heartbeat_for(self, members: int) -> float:
         """Heartbeat period in a mesh of ``members``: heartbeats of the whole mesh cost each member
         at most ``refresh_rate`` records a second, so it stretches beyond ``heartbeat`` past
-        ``heartbeat * refresh_rate`` members (300 by default), up to :data:`REFRESH_MAX_S`."""
+        ``heartbeat * refresh_rate`` members (120 by default), up to :data:`REFRESH_MAX_S`."""
         return max(self.heartbeat, min(REFRESH_MAX_S, members / self.refresh_rate))
 
 
@@ -326,11 +326,12 @@ class Gossip:
     def greet(self, peer: str) -> list[Output]:
         """A peer just connected: trade digests with it now rather than at the next round.
 
-        Both ends greet with a summary, so each pulls what it lacks (a joiner's summary differs in
+        Both ends greet with a coarse summary (16 sums: connections come and go, and two converged
+        peers then trade 300 bytes), so each pulls what it lacks (a joiner's summary differs in
         every bucket: it learns the whole mesh in one exchange). The revocations we know go with it,
         so a late joiner learns them too.
         """
-        out: list[Output] = [Send(peer, self._summary())]
+        out: list[Output] = [Send(peer, self._summary(level=1))]
         known = list(self.revocations)
         for i in range(0, len(known), REVOCATIONS_PER_MESSAGE):
             out.append(Send(peer, Revocations(known[i:i + REVOCATIONS_PER_MESSAGE])))
@@ -353,14 +354,16 @@ class Gossip:
         if self._own_pending:
             out += self._flood_own()
         if now >= self._next_expire:
-            cfg = self.config
-            before = self._state
-            out += self._apply(view.Expire(now, cfg.stale_after, cfg.forget_after), None)
-            for gone in before.peers.keys() - self._state.peers.keys():
-                self._verifier.forget(gone)
-            self._accused = {n: a for n, a in self._accused.items()
-                             if (e := self._state.peers.get(n)) is not None and e.status == "down"}
-            soonest = min((self._deadline(e) for e in self._state.peers.values()), default=math.inf)
+            soonest = self._soonest_deadline()
+            if now > soonest:
+                cfg = self.config
+                before = self._state
+                out += self._apply(view.Expire(now, cfg.stale_after, cfg.forget_after), None)
+                for gone in set(before.peers) - set(self._state.peers):
+                    self._verifier.forget(gone)
+                self._accused = {n: a for n, a in self._accused.items()
+                                 if (e := self._state.peers.get(n)) is not None and e.status == "down"}
+                soonest = self._soonest_deadline()
             self._next_expire = max(now + 1.0, soonest)
         if now >= self._next_round:
             self._next_round = now + self.interval()
@@ -509,6 +512,10 @@ class Gossip:
     def _deadline(self, entry: view.PeerEntry) -> float:
         return view.deadline(entry, self.config.stale_after, self.config.forget_after)
 
+    def _soonest_deadline(self) -> float:
+        """When the first entry expires (a pass over the table: run only when a bound is due)."""
+        return min(map(self._deadline, self._state.peers.values()), default=math.inf)
+
     def _summary_level(self) -> int:
         """The level whose summary plus a typical answer (two buckets' digests) costs least."""
         n = len(self._state.peers) + 1
@@ -520,8 +527,8 @@ class Gossip:
         sums[view.bucket_of(self.node_id, level)] ^= view.entry_hash(self.node_id, self.own.seq, True)
         return sums
 
-    def _summary(self) -> Summary:
-        level = self._summary_level()
+    def _summary(self, level: int = 0) -> Summary:
+        level = level or self._summary_level()
         sums = self._sums(level)
         return Summary(level, struct.pack(f"<{len(sums)}Q", *sums))
 

@@ -13,6 +13,7 @@ here too, by :func:`refresh_partial_view`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import random
@@ -53,6 +54,7 @@ _ALPHABET = "abcdefghijklmnopqrstuvwxyz234567"
 _NIBBLE = {c: i & 15 for i, c in enumerate(_ALPHABET)}
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def bucket_path(node_id: str) -> tuple[int, ...]:
     """The node's bucket at each level: the low 4 bits of the first characters of its base32 id.
 
@@ -120,6 +122,15 @@ class Table(Mapping[str, "PeerEntry"]):
     def __iter__(self) -> Iterator[str]:
         for leaf in self._leaves(self._root, LEVELS):
             yield from leaf[1]
+
+    def items(self) -> Iterator[tuple[str, PeerEntry]]:  # type: ignore[override]
+        """Every (node id, entry), bucket by bucket (no lookup per key)."""
+        for leaf in self._leaves(self._root, LEVELS):
+            yield from leaf[1].items()
+
+    def values(self) -> Iterator[PeerEntry]:  # type: ignore[override]
+        for leaf in self._leaves(self._root, LEVELS):
+            yield from leaf[1].values()
 
     def _leaves(self, trie: tuple, depth: int) -> Iterator[tuple]:
         if depth == 0:
