@@ -259,10 +259,13 @@ class Gossip:
         """The peer table (a value: every change replaces it)."""
         return self._state
 
-    @state.setter
-    def state(self, state: view.ViewState) -> None:
-        """Replace the table wholesale (a simulation that starts converged); it is swept next tick."""
-        self._state, self._next_expire = state, -math.inf
+    def adopt(self, state: view.ViewState, first_deadline: float) -> None:
+        """Start from a table built elsewhere (a simulation that starts converged).
+
+        ``first_deadline`` is when its first entry may expire (``view.deadline``): the caller that
+        built the table knows it, and 10,000 simulated nodes need not each pass over 10,000 entries.
+        """
+        self._state, self._next_expire = state, first_deadline
 
     # --- queries ---
 
@@ -301,11 +304,15 @@ class Gossip:
         if rotate:
             self._next_rotate = now + self.config.rotate_every
         pinned = {p for p in self.pinned if live(p)}
-        # The candidate list is a pass over the table: built only when the view must change.
+        # Drawn from the table without listing it (10,000 members: a few walks, not a pass).
         if (rotate or not all(live(p) for p in self._partial)
                 or len(self._partial) < min(size, peers.active - len(pinned))):
-            candidates = [n for n, e in peers.items() if e.status in view.ACTIVE and n not in self.pinned]
-            self._partial = view.refresh_partial_view(self._partial, candidates, size, self._rng, rotate)
+            def draw(k: int, taken: set[str]) -> list[str]:
+                return peers.sample(self._rng, k, lambda n, e: e.status in view.ACTIVE
+                                    and n not in self.pinned and n not in taken)
+
+            self._partial = view.refresh_partial_view(
+                self._partial, lambda p: live(p) and p not in self.pinned, draw, size, self._rng, rotate)
         return pinned | set(self._partial)
 
     def next_timer(self) -> float:
@@ -326,12 +333,13 @@ class Gossip:
     def greet(self, peer: str) -> list[Output]:
         """A peer just connected: trade digests with it now rather than at the next round.
 
-        Both ends greet with a coarse summary (16 sums: connections come and go, and two converged
-        peers then trade 300 bytes), so each pulls what it lacks (a joiner's summary differs in
-        every bucket: it learns the whole mesh in one exchange). The revocations we know go with it,
-        so a late joiner learns them too.
+        While we know no member (we are joining), we send a coarse summary (16 sums): it differs
+        from the peer's in every bucket it fills, so the peer answers with its digest and we learn
+        the whole mesh in one exchange. A member sends none: connections come and go (rotations,
+        indirect probes) and the next round's summary repairs any difference anyway. The
+        revocations we know go to every new peer, so a late joiner learns them too.
         """
-        out: list[Output] = [Send(peer, self._summary(level=1))]
+        out: list[Output] = [] if self._state.peers.active else [Send(peer, self._summary(level=1))]
         known = list(self.revocations)
         for i in range(0, len(known), REVOCATIONS_PER_MESSAGE):
             out.append(Send(peer, Revocations(known[i:i + REVOCATIONS_PER_MESSAGE])))

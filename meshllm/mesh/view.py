@@ -17,7 +17,7 @@ import functools
 import hashlib
 import math
 import random
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -79,14 +79,16 @@ def entry_hash(node_id: str, seq: int, active: bool) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
-_EMPTY_LEAF: tuple[int, Mapping[str, PeerEntry]] = (0, {})
+_EMPTY_LEAF: tuple[int, int, Mapping[str, PeerEntry]] = (0, 0, {})
+_EMPTY_INNER: tuple[int, int, tuple] = (0, 0, (None,) * 16)
 
 
 class Table(Mapping[str, "PeerEntry"]):
     """The peer table: an immutable map from node id to entry, copied by path, summed per bucket.
 
     A 16-ary trie of depth :data:`LEVELS` over :func:`bucket_path`; each trie node carries the XOR
-    of :func:`entry_hash` over everything under it. Storing one entry copies one path (three small
+    of :func:`entry_hash` over everything under it, and how many entries it holds (for
+    :meth:`sample`). Storing one entry copies one path (three small
     tuples and one bucket of about N/4096 entries) instead of the whole table, and keeps every
     level's sums current, so a summary of 10,000 peers costs a walk over 256 integers, not a pass
     over 10,000 records. Tables that share history share structure.
@@ -94,7 +96,7 @@ class Table(Mapping[str, "PeerEntry"]):
 
     __slots__ = ("_len", "_root", "active")
 
-    def __init__(self, root: tuple = (0, (None,) * 16), length: int = 0, active: int = 0) -> None:
+    def __init__(self, root: tuple = _EMPTY_INNER, length: int = 0, active: int = 0) -> None:
         self._root, self._len = root, length
         self.active = active
         """How many entries are alive or suspect (members), without a pass over the table."""
@@ -111,32 +113,32 @@ class Table(Mapping[str, "PeerEntry"]):
     def __getitem__(self, node: str) -> PeerEntry:
         trie: Any = self._root
         for nibble in bucket_path(node):
-            trie = trie[1][nibble]
+            trie = trie[2][nibble]
             if trie is None:
                 raise KeyError(node)
-        return trie[1][node]
+        return trie[2][node]
 
     def __len__(self) -> int:
         return self._len
 
     def __iter__(self) -> Iterator[str]:
         for leaf in self._leaves(self._root, LEVELS):
-            yield from leaf[1]
+            yield from leaf[2]
 
     def items(self) -> Iterator[tuple[str, PeerEntry]]:  # type: ignore[override]
         """Every (node id, entry), bucket by bucket (no lookup per key)."""
         for leaf in self._leaves(self._root, LEVELS):
-            yield from leaf[1].items()
+            yield from leaf[2].items()
 
     def values(self) -> Iterator[PeerEntry]:  # type: ignore[override]
         for leaf in self._leaves(self._root, LEVELS):
-            yield from leaf[1].values()
+            yield from leaf[2].values()
 
     def _leaves(self, trie: tuple, depth: int) -> Iterator[tuple]:
         if depth == 0:
             yield trie
             return
-        for child in trie[1]:
+        for child in trie[2]:
             if child is not None:
                 yield from self._leaves(child, depth - 1)
 
@@ -152,9 +154,9 @@ class Table(Mapping[str, "PeerEntry"]):
         path = bucket_path(node)
         spine: list[tuple] = [self._root]
         for nibble in path:
-            child = spine[-1][1][nibble]
-            spine.append(child if child is not None else _EMPTY_LEAF if len(spine) == LEVELS else (0, (None,) * 16))
-        leaf_sum, leaf = spine[-1]
+            child = spine[-1][2][nibble]
+            spine.append(child if child is not None else _EMPTY_LEAF if len(spine) == LEVELS else _EMPTY_INNER)
+        leaf_sum, leaf_count, leaf = spine[-1]
         old = leaf.get(node)
         delta = 0 if old is None else _hash(node, old)
         length, active = self._len - (old is not None), self.active - (old is not None and old.status in ACTIVE)
@@ -163,19 +165,56 @@ class Table(Mapping[str, "PeerEntry"]):
             entries[node] = entry
             delta ^= _hash(node, entry)
             length, active = length + 1, active + (entry.status in ACTIVE)
-        trie: tuple = (leaf_sum ^ delta, entries)
+        grown = length - self._len
+        trie: tuple = (leaf_sum ^ delta, leaf_count + grown, entries)
         for depth in range(LEVELS - 1, -1, -1):
-            parent_sum, children = spine[depth]
+            parent_sum, parent_count, children = spine[depth]
             kids = list(children)
             kids[path[depth]] = trie
-            trie = (parent_sum ^ delta, tuple(kids))
+            trie = (parent_sum ^ delta, parent_count + grown, tuple(kids))
         return Table(trie, length, active)
+
+    def sample(self, rng: random.Random, k: int, accept: Callable[[str, PeerEntry], bool]) -> list[str]:
+        """Up to ``k`` distinct ids drawn uniformly from the entries ``accept`` takes.
+
+        Draws by position (the trie knows every subtree's size), so picking a few peers out of
+        10,000 costs a few walks down the trie, not a list of the table; when ``accept`` refuses
+        most draws it falls back to one pass over the table.
+        """
+        chosen: list[str] = []
+        seen: set[str] = set()
+        for _ in range(4 * k + 16):
+            if len(chosen) >= k or len(seen) >= self._len:
+                break
+            node, entry = self._nth(rng.randrange(self._len))
+            if node not in seen:
+                seen.add(node)
+                if accept(node, entry):
+                    chosen.append(node)
+        if len(chosen) < k:
+            rest = [n for n, e in self.items() if n not in seen and accept(n, e)]
+            chosen += rng.sample(rest, min(k - len(chosen), len(rest)))
+        return chosen
+
+    def _nth(self, index: int) -> tuple[str, PeerEntry]:
+        trie: Any = self._root
+        for _ in range(LEVELS):
+            for child in trie[2]:
+                if child is not None:
+                    if index < child[1]:
+                        trie = child
+                        break
+                    index -= child[1]
+        for i, item in enumerate(trie[2].items()):
+            if i == index:
+                return item
+        raise IndexError(index)
 
     def sums(self, level: int) -> list[int]:
         """The ``16 ** level`` bucket sums of ``level`` (1 to :data:`LEVELS`), in bucket order."""
         nodes: list[tuple | None] = [self._root]
         for _ in range(level):
-            nodes = [child for n in nodes for child in (n[1] if n is not None else (None,) * 16)]
+            nodes = [child for n in nodes for child in (n[2] if n is not None else (None,) * 16)]
         return [0 if n is None else n[0] for n in nodes]
 
     def in_buckets(self, level: int, buckets: Iterable[int]) -> Iterator[tuple[str, PeerEntry]]:
@@ -183,12 +222,12 @@ class Table(Mapping[str, "PeerEntry"]):
         for bucket in buckets:
             trie: Any = self._root
             for shift in range(level - 1, -1, -1):
-                trie = trie[1][(bucket >> (4 * shift)) & 15]
+                trie = trie[2][(bucket >> (4 * shift)) & 15]
                 if trie is None:
                     break
             if trie is not None:
                 for leaf in self._leaves(trie, LEVELS - level):
-                    yield from leaf[1].items()
+                    yield from leaf[2].items()
 
 
 def _hash(node: str, entry: PeerEntry) -> int:
@@ -410,8 +449,18 @@ def view_size(n_members: int, extra: int = 3) -> int:
     return math.ceil(math.log2(max(n_members, 1) + 1)) + extra
 
 
+Draw = Callable[[int, set[str]], list[str]]
+"""``draw(k, taken)``: up to ``k`` distinct candidates chosen uniformly at random, none in ``taken``."""
+
+
+def draw_from(pool: Iterable[str], rng: random.Random) -> Draw:
+    """A :data:`Draw` over a plain collection of candidates."""
+    ordered = sorted(pool)
+    return lambda k, taken: rng.sample(fresh := [p for p in ordered if p not in taken], max(0, min(k, len(fresh))))
+
+
 def refresh_partial_view(
-    current: frozenset[str], candidates: Iterable[str], size: int, rng: random.Random, rotate: bool
+    current: frozenset[str], valid: Callable[[str], bool], draw: Draw, size: int, rng: random.Random, rotate: bool
 ) -> frozenset[str]:
     """Keep still-valid entries, optionally swap one out (Cyclon-style churn), fill up at random.
 
@@ -419,12 +468,9 @@ def refresh_partial_view(
     Cyclon's shuffles approximate, without the shuffle protocol. The rotation keeps the overlay from
     freezing into one graph, so a partition in it heals.
     """
-    pool = sorted(candidates)
-    valid = set(pool)
-    keep = sorted(p for p in current if p in valid)
+    keep = sorted(p for p in current if valid(p))
     if rotate and keep:
         keep.remove(rng.choice(keep))
-    kept = set(keep)
-    fresh = [p for p in pool if p not in kept]
-    keep += rng.sample(fresh, max(0, min(size - len(keep), len(fresh))))
+    if len(keep) < size:
+        keep += draw(size - len(keep), set(keep))
     return frozenset(keep[:size] if len(keep) > size else keep)

@@ -154,8 +154,10 @@ class SimNet:
             nid: view.PeerEntry(node.gossip.own, node.gossip.own_raw, "alive", 0.0, 0.0)
             for nid, node in self.nodes.items()
         })
+        cfg = next(iter(self.nodes.values())).gossip.config
+        first = min(view.deadline(e, cfg.stale_after, cfg.forget_after) for e in full.values())
         for nid, node in self.nodes.items():
-            node.gossip.state = view.ViewState(nid, full.remove(nid))
+            node.gossip.adopt(view.ViewState(nid, full.remove(nid)), first)
         self._greet = False  # the connections below are already established: no greeting on them
         for nid in self.ids:
             self._refresh_connections(nid)

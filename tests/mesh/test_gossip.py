@@ -233,7 +233,7 @@ def test_records_per_exchange_are_capped() -> None:
     assert len(g.members()) == 40  # held 16: up to 32 verified, all 24 new ones fit
     assert g._items_cap() == 40 + ITEMS_SLACK
     entry = next(iter(g.state.peers.values()))
-    g.state = view.ViewState(g.node_id, {f"n{i}": entry for i in range(1000)})
+    g.adopt(view.ViewState(g.node_id, {f"n{i}": entry for i in range(1000)}), first_deadline=0.0)
     assert g._items_cap() == ITEMS_MAX  # a big table still verifies at most 256 per message
 
 
