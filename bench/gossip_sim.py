@@ -79,7 +79,7 @@ def run(n: int, seed: int, loss: float) -> dict[str, float]:
     live = {node.id for node in net.live()}
     net.run_until(kill_at + 60.0, stop=lambda: live <= removed.keys())
     detect_s = max(removed.values()) - kill_at if live <= removed.keys() else float("inf")
-    net.run_until(net.now + 5.0)
+    net.run_until(net.now + 2.0)
 
     sim_s = net.now
     view_b = view_bytes(net)

@@ -115,6 +115,9 @@ REFUTED_TO_BAN = 3
 ACCUSER_BAN_S = 300.0
 REFUSED_MEMO_S = 60.0
 """A node whose genuine record was refused (its membership) is not asked for for this long."""
+REFINE_AT = 16
+"""Records per bucket above which differing buckets are answered with their sub-buckets' sums (16 x 8
+bytes) rather than a digest of every record in them (about 60 bytes each)."""
 FORGED = (BadSignature, WrongSigner, WrongDomain, DecodeError)
 """Verification failures no honest peer forwards (every member checks these the same way)."""
 
@@ -529,30 +532,40 @@ class Gossip:
         n = len(self._state.peers) + 1
         return min(range(1, view.LEVELS + 1), key=lambda level: 8 * 16**level + 120 * n / 16**level)
 
-    def _sums(self, level: int) -> list[int]:
-        """Our table's bucket sums at ``level``, our own record included."""
-        sums = self._state.peers.sums(level)
-        sums[view.bucket_of(self.node_id, level)] ^= view.entry_hash(self.node_id, self.own.seq, True)
+    def _sums(self, level: int, buckets: list[int] | None = None) -> list[int]:
+        """Our table's sums of ``buckets`` of ``level`` (default: all of them), our own record included."""
+        peers = self._state.peers
+        sums = peers.sums(level) if buckets is None else [peers.bucket_sum(level, b) for b in buckets]
+        mine = view.bucket_of(self.node_id, level)
+        for i, bucket in enumerate(range(len(sums)) if buckets is None else buckets):
+            if bucket == mine:
+                sums[i] ^= view.entry_hash(self.node_id, self.own.seq, True)
         return sums
 
-    def _summary(self, level: int = 0) -> Summary:
+    def _summary(self, level: int = 0, buckets: list[int] | None = None) -> Summary:
         level = level or self._summary_level()
-        sums = self._sums(level)
-        return Summary(level, struct.pack(f"<{len(sums)}Q", *sums))
+        sums = self._sums(level, buckets)
+        return Summary(level, struct.pack(f"<{len(sums)}Q", *sums), buckets or [])
 
     def _on_summary(self, source: str, message: Summary) -> list[Output]:
-        """Answer a summary with a digest of the buckets whose sums differ from ours (if any)."""
-        count = 16**message.level
-        if len(message.sums) != 8 * count:
-            return [Rejected(source, DecodeError(f"a level-{message.level} summary has {count} sums"))]
+        """Answer a summary: where sums differ, finer sums while buckets are big, then a digest."""
+        level, buckets = message.level, list(dict.fromkeys(message.buckets)) or None
+        count = 16**level if buckets is None else len(buckets)
+        if len(message.sums) != 8 * count or len(message.buckets) != len(buckets or []) \
+                or any(b >= 16**level for b in buckets or []):
+            return [Rejected(source, DecodeError(f"a level-{level} summary needs one sum per bucket it names"))]
         theirs = struct.unpack(f"<{count}Q", message.sums)
-        differ = [i for i, ours in enumerate(self._sums(message.level)) if ours != theirs[i]]
+        named = range(count) if buckets is None else buckets
+        differ = [b for b, ours, their in zip(named, self._sums(level, buckets), theirs, strict=True) if ours != their]
         if not differ:
             return []
-        seqs = {node: entry.record.seq for node, entry in self._state.peers.in_buckets(message.level, differ)}
-        if view.bucket_of(self.node_id, message.level) in differ:
+        if level < view.LEVELS and len(self._state.peers) > REFINE_AT * 16**level:
+            # Buckets this full would cost a long digest each: trade their sixteen sub-buckets first.
+            return [Send(source, self._summary(level + 1, [b * 16 + i for b in differ for i in range(16)]))]
+        seqs = {node: entry.record.seq for node, entry in self._state.peers.in_buckets(level, differ)}
+        if view.bucket_of(self.node_id, level) in differ:
             seqs[self.node_id] = self.own.seq
-        return [Send(source, Digest(seqs, message.level, differ))]
+        return [Send(source, Digest(seqs, level, differ))]
 
     def _on_digest(self, source: str, message: Digest, now: float) -> list[Output]:
         theirs = message.seqs

@@ -48,7 +48,11 @@ class Summary(msgspec.Struct, frozen=True, tag="summary"):
 
     level: Annotated[int, msgspec.Meta(ge=1, le=SUMMARY_LEVELS)]
     sums: Annotated[bytes, msgspec.Meta(max_length=8 * BUCKETS_MAX)]
-    """``16 ** level`` little-endian unsigned 64-bit sums, in bucket order."""
+    """Little-endian unsigned 64-bit sums: of every bucket of ``level`` in order, or of ``buckets``."""
+    buckets: Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=BUCKETS_MAX)]],
+                       msgspec.Meta(max_length=BUCKETS_MAX)] = []
+    """Empty: all buckets. Otherwise only these (the sub-buckets of those a coarser summary showed
+    differ): the answer to a summary is a finer summary while buckets hold many records."""
 
 
 class Digest(msgspec.Struct, frozen=True, tag="digest"):

@@ -217,6 +217,15 @@ class Table(Mapping[str, "PeerEntry"]):
             nodes = [child for n in nodes for child in (n[2] if n is not None else (None,) * 16)]
         return [0 if n is None else n[0] for n in nodes]
 
+    def bucket_sum(self, level: int, bucket: int) -> int:
+        """The sum of one bucket of ``level`` (0 when empty)."""
+        trie: Any = self._root
+        for shift in range(level - 1, -1, -1):
+            trie = trie[2][(bucket >> (4 * shift)) & 15]
+            if trie is None:
+                return 0
+        return trie[0]
+
     def in_buckets(self, level: int, buckets: Iterable[int]) -> Iterator[tuple[str, PeerEntry]]:
         """Entries filed under the given buckets of ``level``."""
         for bucket in buckets:
