@@ -1,4 +1,4 @@
-"""Gossip and failure detection at 10, 100 and 1,000 nodes on a simulated network.
+"""Gossip and failure detection at 10 to 10,000 nodes on a simulated network.
 
 Runs the real ``meshllm.mesh`` cores (real Ed25519 records; verification of identical bytes is
 cached across simulated nodes) on the discrete-event network of ``tests/mesh/sim.py``: simulated
