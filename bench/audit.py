@@ -195,9 +195,9 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         if args.gemma:
-            from meshllm.models.default import default_model_path
+            from meshllm.models.bundled import gemma_model_path
 
-            path, name = default_model_path(), "gemma3 270M Q4_K_M"
+            path, name = gemma_model_path(), "gemma3 270M Q4_K_M"
         else:
             path = write_tiny_llama(Path(tmp) / "tiny.gguf", n_layers=6, width=256, ffn=512, seed=1)
             name = "tiny llama (6 x 256)"

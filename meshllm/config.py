@@ -14,11 +14,14 @@ import os
 import secrets
 import stat
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshllm.errors import ConfigError
+
+if TYPE_CHECKING:  # config sits below the engines: models/ writes through write_private at import
+    from meshllm.engine.recommended import Recommended
 
 DEFAULT_API_PORT = 9337
 DEFAULT_MESH_PORT = 9338
@@ -190,6 +193,9 @@ class Config:
     """Speculative decoding: ``auto``, ``on`` or ``off`` (``meshllm serve --speculate``)."""
     split_audit: float | None = None
     """Share of split requests a coordinator audits (``meshllm serve --split-audit``); None: the default."""
+    models: dict[str, Recommended] = field(default_factory=dict)
+    """``[models.NAME]`` sections: a model's recommended sampling by model id or bundled reference
+    (``meshllm.engine.recommended``), for what requests leave out."""
 
 
 SPECULATE_MODES = ("auto", "on", "off")
@@ -205,7 +211,7 @@ def load_config(home: Path) -> Config:
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"cannot read {path}: {exc}", hint="fix or delete the file") from exc
     known = {"api_port", "mesh_port", "name", "dht_bootstrap", "model_dirs", "models_disk_budget_gb", "speculate",
-             "split_audit"}
+             "split_audit", "models"}
     unknown = set(raw) - known
     if unknown:
         raise ConfigError(f"{path}: unknown settings {sorted(unknown)}", hint=f"known settings: {sorted(known)}")
@@ -222,9 +228,18 @@ def load_config(home: Path) -> Config:
             models_disk_budget_gb=_budget(raw.get("models_disk_budget_gb")),
             speculate=speculate,
             split_audit=_rate(raw.get("split_audit")),
+            models=_models(raw.get("models", {})),
         )
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{path}: {exc}") from exc
+
+
+def _models(value: Any) -> dict[str, Recommended]:
+    if not isinstance(value, dict):
+        raise ValueError("models must be a table of [models.NAME] sections")
+    from meshllm.engine.recommended import from_config  # not at import: see the TYPE_CHECKING import above
+
+    return {str(name): from_config(section, str(name)) for name, section in value.items()}
 
 
 def _rate(value: Any) -> float | None:

@@ -14,6 +14,15 @@ from typing import Any
 
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 
 Event = dict[str, Any]
 SUMMARISED = frozenset({"ready"})
@@ -48,16 +57,61 @@ def configure(log_format: str, verbose: bool = False) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def event_sink(log_format: str) -> Any:
-    """A hub sink that prints events: JSON lines, or one readable line each on stderr."""
+def event_sink(log_format: str, console: Console | None = None) -> Any:
+    """A hub sink that prints events: JSON lines, or one readable line each on stderr.
+
+    On a terminal, model transfers (a stage fetching its layers, a download) are drawn as progress
+    bars (bytes, rate, time left) while they run, instead of a ``transfer_progress`` line a second;
+    elsewhere (a pipe, a log file) those stay plain lines.
+    """
     if log_format == "json":
         return emit_json
-    console = Console(stderr=True, highlight=False)
+    console = console or Console(stderr=True, highlight=False)
+    bars = TransferBars(console) if console.is_terminal else None
 
     def pretty(event: Event) -> None:
         if event["type"] in SUMMARISED:
+            return
+        if bars is not None and bars.handle(event):
             return
         fields = " ".join(f"{k}={v}" for k, v in event.items() if k not in ("type", "ts"))
         console.print(f"[dim]{time.strftime('%H:%M:%S')}[/] [bold]{event['type']}[/] {fields}")
 
     return pretty
+
+
+class TransferBars:
+    """Progress bars of the transfers running now, shown only while there are some."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.progress: Progress | None = None
+        self.tasks: dict[tuple[str, str], TaskID] = {}
+
+    def handle(self, event: Event) -> bool:
+        """Draw a ``transfer_*`` event as a bar; True when it needs no line of its own."""
+        kind = event["type"]
+        if kind not in ("transfer_started", "transfer_progress", "transfer_done", "transfer_failed"):
+            return False
+        layers = event.get("layers")
+        key = (str(event.get("id") or event.get("model")), f"{layers[0]}-{layers[1]}" if layers else "")
+        if kind in ("transfer_done", "transfer_failed"):
+            task = self.tasks.pop(key, None)
+            if task is not None and self.progress is not None:
+                self.progress.remove_task(task)
+            if not self.tasks and self.progress is not None:
+                self.progress.stop()
+                self.progress = None
+            return False  # the outcome gets its line
+        if self.progress is None:
+            self.progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                                     TransferSpeedColumn(), TimeRemainingColumn(), console=self.console,
+                                     transient=True)
+            self.progress.start()
+        task = self.tasks.get(key)
+        if task is None:
+            what = f"layers {layers[0]}-{layers[1]}" if layers else str(event.get("kind", ""))
+            task = self.tasks[key] = self.progress.add_task(f"{event.get('model', '?')} {what}", total=None)
+        if kind == "transfer_progress":
+            self.progress.update(task, completed=event.get("bytes_done") or 0, total=event.get("bytes_total") or None)
+        return kind == "transfer_progress"

@@ -26,12 +26,15 @@ import uvicorn
 from meshllm import __version__
 from meshllm.api.app import create_app
 from meshllm.api.auth import ApiAccess, check_api_key
+from meshllm.api.blackboard import blackboard_router
 from meshllm.api.connections import ACCEPT_BACKLOG, guarded_protocol
 from meshllm.api.console import console_router
 from meshllm.api.edge import EdgePolicy, is_loopback_host
 from meshllm.api.events import EventHub
 from meshllm.api.health import Readiness
 from meshllm.api.limits import EdgeLimits
+from meshllm.api.mcp import McpEndpoint, build_server
+from meshllm.api.metrics import metrics_router
 from meshllm.api.replay import DEFAULT_MAX_REPLAYS, ReplayPolicy
 from meshllm.api.serving import Serving
 from meshllm.api.status import mesh_links, status_router
@@ -41,6 +44,7 @@ from meshllm.config import (
     OWNER_KEYSTORE_FILE,
     REVOCATIONS_FILE,
     ensure_home,
+    load_config,
     load_or_create_admin_token,
     resolve_home,
 )
@@ -58,6 +62,7 @@ from meshllm.identity.keys import NodeKey
 from meshllm.identity.keystore import obtain_passphrase, read_keystore, unlock_keystore
 from meshllm.identity.trust import TrustStore
 from meshllm.mesh.admission import INVITE_ID_BYTES
+from meshllm.mesh.blackboard_service import BlackboardService
 from meshllm.mesh.membership import Membership, join_mesh, own_mesh
 from meshllm.mesh.records import MAX_AVAILABLE, DiskModel, PeerRecord
 from meshllm.mesh.service import MeshService
@@ -126,6 +131,8 @@ class NodeOptions:
     """``--api-key``: secrets clients on other machines send; required when the API binds beyond loopback."""
     cors_origins: list[str] = field(default_factory=list)
     """``--cors-origin``: web origins whose pages may use the API, besides loopback pages (``*``: any)."""
+    metrics_public: bool = False
+    """``--metrics-public``: ``GET /metrics`` answers without a secret (for a scraper on a trusted network)."""
     allowed_hosts: list[str] = field(default_factory=list)
     """``--allowed-host``: host names requests may carry besides localhost and IP literals (``*``: any)."""
     edge: EdgeLimits = field(default_factory=EdgeLimits)
@@ -155,6 +162,7 @@ class Node:
         self.started_at = time.time()
         self.membership: Membership | None = None
         self.mesh: MeshService | None = None
+        self.blackboard: BlackboardService | None = None
         self.serving: Serving | None = None
         self.splits: SplitService | None = None
         self.store: ModelStore | None = None
@@ -164,6 +172,7 @@ class Node:
         self.api_url = ""
         self.invite: str | None = None
         """The invite printed at start (owner only)."""
+        self.mcp: McpEndpoint | None = None
         self._server: uvicorn.Server | None = None
         self._server_task: asyncio.Task[None] | None = None
 
@@ -196,12 +205,17 @@ class Node:
         )
         await self.mesh.start()
         assert self.mesh.endpoint is not None
+        self.blackboard = BlackboardService(self.mesh, self.events.publish)
+        self.blackboard.start()
         self.store = ModelStore(Library.for_home(self.home), self.mesh.endpoint, self.key.signing_key,
-                                self._model_offers, self.events.publish, on_change=self._advertise_models)
+                                self._model_offers, self.events.publish, on_change=self._advertise_models,
+                                bulk_ports=self._bulk_port)
+        await self._start_bulk()
         self._advertise_models()
         self._scan_task = asyncio.create_task(self._scan_library(), name="scan-model-library")
         self.serving = Serving(self.key.node_id, self.mesh, self.events, store=self.store,
-                               hash_cache=self.home / MODEL_HASHES_FILE, replay=ReplayPolicy(max_replays=opts.replays))
+                               hash_cache=self.home / MODEL_HASHES_FILE, replay=ReplayPolicy(max_replays=opts.replays),
+                               model_defaults=load_config(self.home).models)
         split = dataclasses.replace(opts.split, threads=opts.threads, gpu_layers=opts.gpu_layers, kernels=opts.kernels,
                                     speculate=opts.speculate)
         self.splits = SplitService(self.mesh, self.serving, self.events, opts.role, split, self.store,
@@ -233,18 +247,24 @@ class Node:
             self.events.publish("stopping", node_id=self.key.node_id)
         if self._server is not None:
             self._server.should_exit = True
+        if self.mcp is not None:
+            await self.mcp.stop()
         if self._scan_task is not None:
             self._scan_task.cancel()
         if self.discovery is not None:
             await self.discovery.stop()
         if self.owner is not None:
             await self.owner.stop()
+        if self.blackboard is not None:
+            await self.blackboard.stop()
         if self.mesh is not None:
             await self.mesh.stop(graceful=True)
         if self.splits is not None:
             await self.splits.stop()
         if self.serving is not None:
             await self.serving.close()
+        if self.store is not None:
+            await self.store.close()
         if self._server_task is not None:
             with contextlib.suppress(asyncio.CancelledError, TimeoutError):
                 await asyncio.wait_for(self._server_task, timeout=3.0)
@@ -253,7 +273,8 @@ class Node:
 
     async def _start_api(self) -> None:
         assert self.serving is not None
-        routers = [status_router(self), console_router()]
+        routers = [status_router(self), console_router(),
+                   metrics_router(self.serving.metrics, public=self.options.metrics_public)]
         if self.splits is not None:
             routers.append(plan_router(self.splits))
         if self.store is not None:
@@ -262,10 +283,17 @@ class Node:
             routers.append(owner_router(self.owner, self._node_names, self._unlock_owner))
         if self.discovery is not None:
             routers.append(discovery_router(self.discovery))
+        if self.blackboard is not None:
+            routers.append(blackboard_router(self.blackboard))
         edge = _fit_to_descriptors(self.options.edge)
         backend = self.owner.backend if self.owner is not None else self.serving.backend
         app = create_app(backend, routers=routers, access=self.access, edge=edge, policy=self.policy,
-                         readiness=self.readiness)
+                         readiness=self.readiness, on_event=self.events.publish)
+        if self.blackboard is not None:
+            self.mcp = McpEndpoint(build_server(self.blackboard, self.status, backend, app.state.admission,
+                                               self.events.publish))
+            self.mcp.mount(app)
+            await self.mcp.start()
         sock = _bind_api_socket(self.options.api_host, self.options.api_port)
         config = uvicorn.Config(app, http=guarded_protocol(edge), backlog=ACCEPT_BACKLOG, log_level="warning",
                                 lifespan="off", access_log=False)
@@ -312,6 +340,28 @@ class Node:
         own = self.mesh.gossip.own
         if available != own.models.available:
             self.mesh.update_own(models=msgspec.structs.replace(own.models, available=available))
+
+    async def _start_bulk(self) -> None:
+        """Open the bulk channel on the mesh's host (the UDP port's number over TCP when free) and offer it."""
+        assert self.mesh is not None and self.store is not None and self.mesh.endpoint is not None
+        host, port = self.options.mesh_host, self.mesh.endpoint.local_addr[1]
+        try:
+            bulk = await self.store.start_bulk(host, port)
+        except OSError:
+            try:
+                bulk = await self.store.start_bulk(host, 0)
+            except OSError as exc:
+                log.warning("no bulk channel (model bytes ride QUIC): %s", exc.strerror)
+                return
+        assert self.mesh.gossip is not None
+        own = self.mesh.gossip.own.addresses
+        self.mesh.update_own(addresses=msgspec.structs.replace(own, bulk_port=bulk))
+
+    def _bulk_port(self, node_id: str) -> int:
+        """A peer's bulk channel port from its record (0: none known)."""
+        assert self.mesh is not None and self.mesh.gossip is not None
+        record = self.mesh.gossip.members().get(node_id)
+        return record.addresses.bulk_port if record is not None else 0
 
     def _model_offers(self) -> list[Offer]:
         """Whole models peers offer, from their records; the closest holders (by RTT) first."""
@@ -443,7 +493,8 @@ class Node:
                              "cpu_cores": rec.capacity.cpu_cores, "gflops": rec.capacity.gflops},
                 "load": {"in_flight": rec.load.in_flight, "queue": rec.load.queue, "tok_s": rec.load.tok_s,
                          "slots": rec.load.slots, "free_slots": rec.load.free_slots},
-                "addr": (rec.addresses.listen or [""])[0], "seq": rec.seq, "standby": list(rec.standby),
+                "addr": (rec.addresses.listen or [""])[0], "seq": rec.seq, "signed_at": rec.signed_at,
+                "standby": list(rec.standby),
                 "available": [{"id": m.id, "name": m.name, "size": m.size} for m in rec.models.available],
             })
         own = gossip.own
@@ -463,10 +514,18 @@ class Node:
             "transfers": self.store.status() if self.store is not None else [],
             **(self.owner.status(time.time()) if self.owner is not None else {}),
             "requests": self.serving.request_counters(),
+            "nat": self._nat_status(),
             "devices": [{"name": d.name, "description": d.description, "kind": d.kind,
                          "memory_free": d.memory_free, "memory_total": d.memory_total} for d in compute_devices()],
         }
 
+
+    def _nat_status(self) -> dict[str, Any]:
+        """``nat``: whether peers reach this node at its own address, and where they see it."""
+        traversal = self.mesh.traversal if self.mesh is not None else None
+        if traversal is None:
+            return {"reachability": "unknown", "observed": []}
+        return {"reachability": traversal.reachability.value, "observed": traversal.observed()}
 
 
 def _model_json(model: Any) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""``config.toml``: defaults, the ``speculate`` and ``split_audit`` keys, and clear errors for bad settings."""
+"""``config.toml``: defaults, the ``speculate``, ``split_audit`` and ``[models.NAME]`` keys, clear errors for
+bad settings."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from meshllm.config import Config, load_config
+from meshllm.engine.recommended import Recommended
 from meshllm.errors import ConfigError
 
 
@@ -40,4 +42,26 @@ def test_split_audit_key(tmp_path: Path, text: str, rate: float | None) -> None:
 def test_bad_split_audit_is_refused_by_name(tmp_path: Path, text: str) -> None:
     (tmp_path / "config.toml").write_text(text)
     with pytest.raises(ConfigError, match="split_audit"):
+        load_config(tmp_path)
+
+
+def test_models_sections_give_recommended_sampling(tmp_path: Path) -> None:
+    (tmp_path / "config.toml").write_text('[models.default]\ntemperature = 0.3\ntop_k = 40\nmin_p = 0.05\n'
+                                          'repeat_penalty = 1.1\nmax_tokens = 256\nsystem_prompt = "Be brief."\n'
+                                          '[models."Other.Q4_0"]\ntop_p = 0.5\n')
+    models = load_config(tmp_path).models
+    assert models["default"] == Recommended(temperature=0.3, top_k=40, min_p=0.05, repeat_penalty=1.1,
+                                            max_tokens=256, system_prompt="Be brief.")
+    assert models["Other.Q4_0"] == Recommended(top_p=0.5)
+
+
+@pytest.mark.parametrize(("text", "name"), [
+    ("[models.x]\ntemperature = 3\n", "temperature"), ("[models.x]\nmin_p = 1.5\n", "min_p"),
+    ("[models.x]\nrepeat_penalty = 0\n", "repeat_penalty"), ("[models.x]\ntop_k = 1.5\n", "top_k"),
+    ("[models.x]\nmax_tokens = 0\n", "max_tokens"), ('[models.x]\nsystem_prompt = ""\n', "system_prompt"),
+    ("[models.x]\nseed = 1\n", "seed"), ("models = 1\n", "models"), ("[models]\nx = 1\n", "models.x"),
+])
+def test_bad_model_sections_are_refused_by_name(tmp_path: Path, text: str, name: str) -> None:
+    (tmp_path / "config.toml").write_text(text)
+    with pytest.raises(ConfigError, match=name):
         load_config(tmp_path)

@@ -1,6 +1,6 @@
 """Tiny GGUF models with random weights, written in milliseconds, that llama.cpp loads and runs.
 
-Every writer is deterministic in its seed. The vocabulary is the one FACTS.md describes: tokenizer
+Every writer is deterministic in its seed. The vocabulary is the smallest that llama.cpp serves: tokenizer
 model ``llama`` with 259 tokens (``<unk>``, ``<s>``, ``</s>``, then the 256 byte tokens), so any text
 tokenizes (as bytes) and llama-cpp-python can serve the model. Weights are float32 (``ALL_F32``)
 unless a test asks for another tensor type.
@@ -19,12 +19,13 @@ VOCAB = 259
 BOS, EOS, UNK = 1, 2, 0
 
 
-def _add_vocab(w: gguf.GGUFWriter) -> None:
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+def _add_vocab(w: gguf.GGUFWriter, extra: tuple[str, ...] = ()) -> None:
+    """The byte vocabulary, then ``extra`` control tokens (llama.cpp looks some up by text for some families)."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + list(extra)
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
-    w.add_token_scores([0.0] * VOCAB)
-    w.add_token_types([2, 3, 3] + [6] * 256)
+    w.add_token_scores([0.0] * len(tokens))
+    w.add_token_types([2, 3, 3] + [6] * 256 + [3] * len(extra))
     w.add_bos_token_id(BOS)
     w.add_eos_token_id(EOS)
     w.add_unk_token_id(UNK)
@@ -54,66 +55,12 @@ def write_tiny_llama(
     rope_scaling: dict[str, object] | None = None,
     rope_freqs: bool = False,
     weight_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+    metadata: dict[str, float | int | str] | None = None,
 ) -> Path:
-    """Write a llama-style model (``arch`` llama or qwen2; qwen2 gets q/k/v biases) and return its path.
-
-    ``rope_scaling`` adds ``<arch>.rope.scaling.*`` keys, e.g. ``{"type": "linear", "factor": 2.0}``;
-    ``rope_freqs`` adds llama 3's per-dimension rope frequency factors. ``weight_type`` quantizes the
-    matrices (embeddings, projections, head) with the ``gguf`` package (Q4_0, Q5_0, Q8_0...).
-    """
-    path = Path(path)
-    rng = np.random.default_rng(seed)
-    head_dim = width // heads
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name(f"tiny-{arch}")
-    w.add_context_length(context)
-    w.add_embedding_length(width)
-    w.add_block_count(n_layers)
-    w.add_feed_forward_length(ffn)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
-    w.add_rope_dimension_count(head_dim)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    for key, value in (rope_scaling or {}).items():
-        full = f"{arch}.rope.scaling.{key}"
-        if isinstance(value, str):
-            w.add_string(full, value)
-        elif isinstance(value, int):
-            w.add_uint32(full, value)
-        else:
-            w.add_float32(full, float(value))
-    _add_vocab(w)
-
-    def matrix(name: str, array: np.ndarray) -> None:
-        if weight_type == gguf.GGMLQuantizationType.F32:
-            w.add_tensor(name, array)
-        else:
-            w.add_tensor(name, gguf.quants.quantize(array, weight_type), raw_dtype=weight_type)
-
-    matrix("token_embd.weight", (rng.standard_normal((VOCAB, width)) * 0.5).astype(np.float32))
-    if rope_freqs:
-        w.add_tensor("rope_freqs.weight", np.linspace(1.0, 8.0, head_dim // 2).astype(np.float32))
-    for il in range(n_layers):
-        p = f"blk.{il}."
-        w.add_tensor(p + "attn_norm.weight", _norm(rng, width))
-        matrix(p + "attn_q.weight", _matrix(rng, heads * head_dim, width))
-        matrix(p + "attn_k.weight", _matrix(rng, kv_heads * head_dim, width))
-        matrix(p + "attn_v.weight", _matrix(rng, kv_heads * head_dim, width))
-        if arch == "qwen2":
-            w.add_tensor(p + "attn_q.bias", (0.1 * rng.standard_normal(heads * head_dim)).astype(np.float32))
-            w.add_tensor(p + "attn_k.bias", (0.1 * rng.standard_normal(kv_heads * head_dim)).astype(np.float32))
-            w.add_tensor(p + "attn_v.bias", (0.1 * rng.standard_normal(kv_heads * head_dim)).astype(np.float32))
-        matrix(p + "attn_output.weight", _matrix(rng, width, heads * head_dim))
-        w.add_tensor(p + "ffn_norm.weight", _norm(rng, width))
-        matrix(p + "ffn_gate.weight", _matrix(rng, ffn, width))
-        matrix(p + "ffn_up.weight", _matrix(rng, ffn, width))
-        matrix(p + "ffn_down.weight", _matrix(rng, width, ffn))
-    w.add_tensor("output_norm.weight", _norm(rng, width))
-    matrix("output.weight", _matrix(rng, VOCAB, width, scale=2.0 / np.sqrt(width)))
-    _finish(w)
-    return path
+    """The original tiny llama (``arch`` llama or qwen2; qwen2 gets q/k/v biases): :func:`write_tiny` with 2 layers."""
+    return write_tiny(arch, path, seed=seed, n_layers=n_layers, width=width, heads=heads, kv_heads=kv_heads, ffn=ffn,
+                      context=context, rope_scaling=rope_scaling, rope_freqs=rope_freqs, weight_type=weight_type.name,
+                      metadata=metadata)
 
 
 def write_tiny_gemma3(
@@ -129,50 +76,256 @@ def write_tiny_gemma3(
     sliding_window: int = 8,
     softcap: float | None = None,
 ) -> Path:
-    """Write a Gemma 3 model with tied embeddings and return its path.
+    """A Gemma 3 with tied embeddings: seven layers with the default pattern give local layers 0-4 and 6
+    and global layer 5. ``softcap`` adds final logit soft-capping, which Gemma 3 itself does not use."""
+    return write_tiny("gemma3", path, seed=seed, n_layers=n_layers, width=width, heads=heads, kv_heads=kv_heads,
+                      head_dim=head_dim, ffn=ffn, sliding_window=sliding_window, final_softcap=softcap)
 
-    Seven layers with the default pattern give local layers 0-4 and 6 and global layer 5; the small
-    window makes sliding-window masking matter within a short prompt. ``softcap`` adds final logit
-    soft-capping, which Gemma 3 itself does not use.
+
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral3", "olmo2", "smollm3", "granite",
+            "ernie4_5", "mixtral", "qwen2moe", "qwen3moe", "gpt-oss", "glm4moe", "ernie4_5-moe", "deepseek2",
+            "deepseek2-mla")
+"""The families :func:`write_tiny` writes, one per model family the ggml runtime supports (``mixtral`` is
+the ``llama`` architecture with experts, ``deepseek2-mla`` the ``deepseek2`` architecture in the absorbed
+layout current DeepSeek V3 / R1 / Kimi K2 conversions use)."""
+MOE_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "gpt-oss", "glm4moe", "ernie4_5-moe", "deepseek2",
+                "deepseek2-mla")
+_DEEPSEEK = {"nope": 16, "rot": 8, "v": 16, "q_lora": 32, "kv_lora": 32}
+"""The tiny DeepSeek's latent attention: key heads of 16 + 8 rotary dimensions, value heads of 16, ranks 32."""
+
+_ARCH = {"mixtral": "llama", "deepseek2-mla": "deepseek2"}
+_GEMMA = ("gemma2", "gemma3")
+
+
+def write_tiny(
+    family: str,
+    path: str | Path,
+    *,
+    seed: int = 0,
+    n_layers: int = 4,
+    width: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int | None = None,
+    ffn: int = 128,
+    n_expert: int = 4,
+    n_expert_used: int = 2,
+    sliding_window: int = 8,
+    context: int = 2048,
+    rope_scaling: dict[str, object] | None = None,
+    rope_freqs: bool = False,
+    final_softcap: float | None = None,
+    weight_type: str = "F32",
+    metadata: dict[str, float | int | str] | None = None,
+) -> Path:
+    """Write a random-weight model of ``family`` (one of :data:`FAMILIES`) and return its path.
+
+    The metadata keys and tensor names are the ones llama.cpp's converter writes for the family, so
+    llama.cpp loads the file. Sliding-window families get a window of ``sliding_window`` tokens (so
+    it matters within a short prompt); MoE families ``n_expert`` experts of ``ffn`` hidden units,
+    ``n_expert_used`` per token. ``weight_type`` is ``F32``, a type the ``gguf`` package quantizes to
+    (``F16``, ``Q8_0``, ``Q4_0``, ``Q4_1``, ``Q5_0``...; ``MXFP4`` quantizes only the expert stacks,
+    as gpt-oss files do), or a llama.cpp file type (``Q4_K_M``,
+    ``Q6_K``...): the model is then written in f32 and quantized by llama.cpp itself, as real
+    files are (K-quants need a width that is a multiple of 256, else llama.cpp falls back).
+    ``rope_scaling`` adds ``<arch>.rope.scaling.*`` keys, e.g. ``{"type": "linear", "factor": 2.0}``;
+    ``rope_freqs`` adds llama 3's per-dimension rope frequency factors; ``final_softcap`` final logit
+    soft-capping (Gemma 2 always has it, with attention soft-capping). ``metadata`` adds keys as they
+    are (floats as float32, ints as uint32), e.g. ``{"general.sampling.temp": 0.0}``.
     """
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r} (known: {', '.join(FAMILIES)})")
     path = Path(path)
+    native = weight_type in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4")
+    target = path if native else path.with_suffix(".f32.gguf")
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(str(path), "gemma3")
-    w.add_name("tiny-gemma3")
-    w.add_context_length(2048)
+    arch = _ARCH.get(family, family)
+    hd = head_dim or width // heads
+    if arch == "deepseek2":  # non-absorbed: a KV head per head; absorbed: one latent KV head
+        kv_heads = heads if family == "deepseek2" else 1
+    q_width, kv_width = heads * hd, kv_heads * hd
+    w = gguf.GGUFWriter(str(target), arch)
+    w.add_name(f"tiny-{family}")
+    w.add_context_length(context)
     w.add_embedding_length(width)
     w.add_block_count(n_layers)
     w.add_feed_forward_length(ffn)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(1_000_000.0)
-    w.add_sliding_window(sliding_window)
-    if softcap is not None:
-        w.add_final_logit_softcapping(softcap)
+    ds = _DEEPSEEK if arch == "deepseek2" else None
+    mla = family == "deepseek2-mla"
+    if ds is not None:  # keys wider than values; absorbed: the cache's widths, and the heads' before absorption
+        if mla:
+            w.add_key_length(ds["kv_lora"] + ds["rot"])
+            w.add_value_length(ds["kv_lora"])
+            w.add_key_length_mla(ds["nope"] + ds["rot"])
+            w.add_value_length_mla(ds["v"])
+        else:
+            w.add_key_length(ds["nope"] + ds["rot"])
+            w.add_value_length(ds["v"])
+        w.add_rope_dimension_count(ds["rot"])
+        w.add_q_lora_rank(ds["q_lora"])
+        w.add_kv_lora_rank(ds["kv_lora"])
+    else:
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+    if family not in ("glm4moe", "deepseek2", "deepseek2-mla"):
+        w.add_rope_dimension_count(hd)
+    w.add_layer_norm_rms_eps(1e-6 if family in _GEMMA else 1e-5)
+    w.add_rope_freq_base(1_000_000.0 if family in ("qwen3", "qwen3moe", "mistral3", "gemma3") else 10000.0)
+    if family in (*_GEMMA, "gpt-oss"):
+        w.add_sliding_window(sliding_window)
+    if family == "granite":  # Granite 3's multipliers (the 2B's values)
+        w.add_float32(f"{arch}.embedding_scale", 12.0)
+        w.add_float32(f"{arch}.residual_scale", 0.22)
+        w.add_float32(f"{arch}.attention.scale", 0.015625)
+        w.add_float32(f"{arch}.logit_scale", 8.0)
+    if family == "gemma2":
+        w.add_attn_logit_softcapping(50.0)
+        final_softcap = final_softcap or 30.0
+    if final_softcap is not None:
+        w.add_final_logit_softcapping(final_softcap)
+    extra_keys = {f"{arch}.rope.scaling.{key}": value for key, value in (rope_scaling or {}).items()}
+    for full, value in {**extra_keys, **(metadata or {})}.items():
+        if isinstance(value, str):
+            w.add_string(full, value)
+        elif isinstance(value, int):
+            w.add_uint32(full, value)
+        else:
+            w.add_float32(full, float(value))
+    moe = family in MOE_FAMILIES
+    if moe:
+        w.add_expert_count(n_expert)
+        w.add_expert_used_count(n_expert_used)
+        if family in ("qwen2moe", "qwen3moe", "gpt-oss", "glm4moe", "ernie4_5-moe", "deepseek2", "deepseek2-mla"):
+            w.add_expert_feed_forward_length(ffn)
+        if family == "ernie4_5-moe":  # layer 0 dense, then experts every layer, one shared expert
+            w.add_expert_shared_count(1)
+            w.add_uint32(f"{arch}.leading_dense_block_count", 1)
+            w.add_uint32(f"{arch}.interleave_moe_layer_step", 1)
+        if family in ("qwen2moe", "ernie4_5-moe"):
+            w.add_expert_shared_feed_forward_length(ffn)
+        if family in ("glm4moe", "deepseek2", "deepseek2-mla"):  # GLM-4.5, DeepSeek V3: layer 0 dense, shared
+            # expert, sigmoid router with a selection bias, renormalised and scaled weights
+            w.add_expert_shared_count(1)
+            w.add_uint32(f"{arch}.leading_dense_block_count", 1)
+            w.add_expert_weights_norm(True)
+            w.add_expert_weights_scale(2.5)
+            w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+            if family == "glm4moe":
+                w.add_rope_dimension_count(hd // 2)  # partial rotary
+            if family == "deepseek2-mla" and n_expert % 2 == 0 and n_expert >= 4:  # V3's expert groups
+                w.add_uint32(f"{arch}.expert_group_count", 2)
+                w.add_uint32(f"{arch}.expert_group_used_count", 1)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    _add_vocab(w)
-    w.add_tensor("token_embd.weight", (rng.standard_normal((VOCAB, width)) / np.sqrt(width)).astype(np.float32))
+    extra = ("<|endoftext|>", "<|end|>") if family == "phi3" else ()  # llama.cpp's Phi-3 vocabulary needs them
+    vocab = VOCAB + len(extra)
+    _add_vocab(w, extra)
+    qtype = gguf.GGMLQuantizationType[weight_type] if native else gguf.GGMLQuantizationType.F32
+
+    def matrix(name: str, array: np.ndarray) -> None:
+        mxfp4_dense = qtype == gguf.GGMLQuantizationType.MXFP4 and not name.endswith("_exps.weight")
+        if qtype == gguf.GGMLQuantizationType.F32 or mxfp4_dense:  # gpt-oss files: MXFP4 experts only
+            w.add_tensor(name, array)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+
+    def vector(name: str, n: int, center: float = 1.0) -> None:
+        w.add_tensor(name, _norm(rng, n, center))
+
+    embed_scale = 1.0 / np.sqrt(width) if family in _GEMMA else 0.5
+    matrix("token_embd.weight", (rng.standard_normal((vocab, width)) * embed_scale).astype(np.float32))
+    if rope_freqs:
+        w.add_tensor("rope_freqs.weight", np.linspace(1.0, 8.0, hd // 2).astype(np.float32))
     for il in range(n_layers):
         p = f"blk.{il}."
-        w.add_tensor(p + "attn_norm.weight", _norm(rng, width))
-        w.add_tensor(p + "attn_q.weight", _matrix(rng, heads * head_dim, width))
-        w.add_tensor(p + "attn_k.weight", _matrix(rng, kv_heads * head_dim, width))
-        w.add_tensor(p + "attn_v.weight", _matrix(rng, kv_heads * head_dim, width))
-        w.add_tensor(p + "attn_q_norm.weight", _norm(rng, head_dim))
-        w.add_tensor(p + "attn_k_norm.weight", _norm(rng, head_dim))
-        w.add_tensor(p + "attn_output.weight", _matrix(rng, width, heads * head_dim))
-        w.add_tensor(p + "post_attention_norm.weight", _norm(rng, width, 0.5))
-        w.add_tensor(p + "ffn_norm.weight", _norm(rng, width))
-        w.add_tensor(p + "ffn_gate.weight", _matrix(rng, ffn, width))
-        w.add_tensor(p + "ffn_up.weight", _matrix(rng, ffn, width))
-        w.add_tensor(p + "ffn_down.weight", _matrix(rng, width, ffn))
-        w.add_tensor(p + "post_ffw_norm.weight", _norm(rng, width, 0.5))
-    w.add_tensor("output_norm.weight", _norm(rng, width))
+        if family != "olmo2":
+            vector(p + "attn_norm.weight", width)
+        if ds is not None:  # latent attention: low-rank query, compressed KV expanded per head
+            k_head = ds["nope"] + ds["rot"]
+            matrix(p + "attn_q_a.weight", _matrix(rng, ds["q_lora"], width))
+            vector(p + "attn_q_a_norm.weight", ds["q_lora"])
+            matrix(p + "attn_q_b.weight", _matrix(rng, heads * k_head, ds["q_lora"]))
+            matrix(p + "attn_kv_a_mqa.weight", _matrix(rng, ds["kv_lora"] + ds["rot"], width))
+            vector(p + "attn_kv_a_norm.weight", ds["kv_lora"])
+            if mla:  # attn_kv_b split: K's part per head (transposed) and V's
+                matrix(p + "attn_k_b.weight", np.stack([_matrix(rng, ds["nope"], ds["kv_lora"]).T
+                                                        for _ in range(heads)]).copy())
+                matrix(p + "attn_v_b.weight", np.stack([_matrix(rng, ds["v"], ds["kv_lora"]) for _ in range(heads)]))
+            else:
+                matrix(p + "attn_kv_b.weight", _matrix(rng, heads * (ds["nope"] + ds["v"]), ds["kv_lora"]))
+            q_width = heads * ds["v"]  # what attn_output takes
+        elif family == "phi3":
+            matrix(p + "attn_qkv.weight", _matrix(rng, q_width + 2 * kv_width, width))
+        else:
+            matrix(p + "attn_q.weight", _matrix(rng, q_width, width))
+            matrix(p + "attn_k.weight", _matrix(rng, kv_width, width))
+            matrix(p + "attn_v.weight", _matrix(rng, kv_width, width))
+        if family in ("qwen2", "qwen2moe", "gpt-oss", "glm4moe"):
+            for name, n in (("attn_q.bias", q_width), ("attn_k.bias", kv_width), ("attn_v.bias", kv_width)):
+                w.add_tensor(p + name, (0.1 * rng.standard_normal(n)).astype(np.float32))
+        if family in ("qwen3", "qwen3moe", "gemma3"):
+            vector(p + "attn_q_norm.weight", hd)
+            vector(p + "attn_k_norm.weight", hd)
+        if family == "olmo2":
+            vector(p + "attn_q_norm.weight", q_width)
+            vector(p + "attn_k_norm.weight", kv_width)
+        matrix(p + "attn_output.weight", _matrix(rng, width, q_width))
+        if family == "gpt-oss":
+            w.add_tensor(p + "attn_output.bias", (0.1 * rng.standard_normal(width)).astype(np.float32))
+            w.add_tensor(p + "attn_sinks.weight", rng.standard_normal(heads).astype(np.float32))
+        if family in (*_GEMMA, "olmo2"):
+            vector(p + "post_attention_norm.weight", width, 0.5)
+        if family in ("gpt-oss", "glm4moe"):
+            vector(p + "post_attention_norm.weight", width)
+        elif family != "olmo2":
+            vector(p + "ffn_norm.weight", width)
+        if moe and not (family in ("glm4moe", "ernie4_5-moe", "deepseek2", "deepseek2-mla") and il == 0):
+            matrix(p + "ffn_gate_inp.weight", _matrix(rng, n_expert, width, scale=1.0))
+            stack = [_matrix(rng, ffn, width) for _ in range(n_expert)]
+            matrix(p + "ffn_gate_exps.weight", np.stack(stack))
+            matrix(p + "ffn_up_exps.weight", np.stack([_matrix(rng, ffn, width) for _ in range(n_expert)]))
+            matrix(p + "ffn_down_exps.weight", np.stack([_matrix(rng, width, ffn) for _ in range(n_expert)]))
+            if family == "gpt-oss":  # biases on the router and on every expert projection
+                for name, shape in (("ffn_gate_inp.bias", (n_expert,)), ("ffn_gate_exps.bias", (n_expert, ffn)),
+                                    ("ffn_up_exps.bias", (n_expert, ffn)), ("ffn_down_exps.bias", (n_expert, width))):
+                    w.add_tensor(p + name, (0.1 * rng.standard_normal(shape)).astype(np.float32))
+            if family == "qwen2moe":  # the shared expert's gate
+                w.add_tensor(p + "ffn_gate_inp_shexp.weight", _matrix(rng, 1, width)[0])
+            if family in ("glm4moe", "ernie4_5-moe", "deepseek2", "deepseek2-mla"):
+                w.add_tensor(p + "exp_probs_b.bias", (0.1 * rng.standard_normal(n_expert)).astype(np.float32))
+            if family in ("qwen2moe", "glm4moe", "ernie4_5-moe", "deepseek2", "deepseek2-mla"):  # one shared expert
+                matrix(p + "ffn_gate_shexp.weight", _matrix(rng, ffn, width))
+                matrix(p + "ffn_up_shexp.weight", _matrix(rng, ffn, width))
+                matrix(p + "ffn_down_shexp.weight", _matrix(rng, width, ffn))
+        elif family == "phi3":
+            matrix(p + "ffn_up.weight", _matrix(rng, 2 * ffn, width))
+            matrix(p + "ffn_down.weight", _matrix(rng, width, ffn))
+        else:
+            matrix(p + "ffn_gate.weight", _matrix(rng, ffn, width))
+            matrix(p + "ffn_up.weight", _matrix(rng, ffn, width))
+            matrix(p + "ffn_down.weight", _matrix(rng, width, ffn))
+        if family in (*_GEMMA, "olmo2"):
+            vector(p + "post_ffw_norm.weight", width, 0.5)
+    vector("output_norm.weight", width)
+    if family not in _GEMMA:  # Gemma ties its head to the embeddings
+        matrix("output.weight", _matrix(rng, vocab, width, scale=2.0 / np.sqrt(width)))
     _finish(w)
+    if not native:
+        _quantize(target, path, weight_type)
+        target.unlink()
     return path
+
+
+def _quantize(src: Path, dst: Path, file_type: str) -> None:
+    """Quantize ``src`` to ``dst`` with llama.cpp's own quantizer (file type ``Q4_K_M``, ``Q6_K``, ...)."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{file_type}")
+    params.nthread = 1
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {src} to {file_type}")
 
 
 def write_tiny_gguf(
@@ -247,7 +400,7 @@ _CALL_PIECES = ("<tool_call>\n", '{"name": "get_weather",', ' "arguments":', ' {
 """The call's tokens (llama-cpp-python detokenizes pieces of at most 32 bytes)."""
 
 
-def write_tiny_tool_model(path: str | Path, blocks: int = 1) -> Path:
+def write_tiny_tool_model(path: str | Path, blocks: int = 1, repeat_calls: bool = False) -> Path:
     """A llama-architecture model whose replies are fixed by construction, not by luck.
 
     Its layers compute: *next token = a fixed successor of the current one* (one-hot embeddings,
@@ -264,6 +417,10 @@ def write_tiny_tool_model(path: str | Path, blocks: int = 1) -> Path:
 
     ``blocks`` above 1 appends blocks whose attention output and FFN down matrices are zero: each
     passes the residual on unchanged, so the logits are the same and the model can be split.
+
+    ``repeat_calls``: a call is followed by a newline instead of the end of the turn, after which
+    the model decides again, and calls again: the small model that repeats its call until
+    ``max_tokens`` (where a grammar allows more calls).
     """
     path = Path(path)
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
@@ -284,6 +441,8 @@ def write_tiny_tool_model(path: str | Path, blocks: int = 1) -> Path:
     succ[byte[ord("O")]] = byte[ord("K")]
     for a, b in itertools.pairwise(calls):
         succ[a] = b
+    if repeat_calls:
+        succ[calls[-1]] = byte[ord("\n")]
 
     width, heads, ffn = 320, 4, 32
     bias, flag_tools, flag_response, decide = vocab, vocab + 1, vocab + 2, vocab + 3

@@ -36,7 +36,7 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
 
 from meshllm.api.backend import Backend
-from meshllm.api.errors import BadRequest, error_for
+from meshllm.api.errors import BadRequest, error_for, error_headers
 from meshllm.api.generation import (
     Collected,
     Ended,
@@ -117,7 +117,7 @@ async def _app_error_response(request: Request, exc: Exception) -> JSONResponse:
     if isinstance(exc, HTTPException):
         return JSONResponse({"error": {"message": str(exc.detail)}}, status_code=exc.status_code)
     status, body = error_for(exc)
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=error_headers(exc, status))
 
 
 class MessagesRequest(RequestBody):
@@ -131,6 +131,9 @@ class MessagesRequest(RequestBody):
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0, le=1_000_000)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0, description="meshllm extension (llama.cpp's min-p)")
+    repeat_penalty: float | None = Field(default=None, gt=0.0, le=10.0,
+                                         description="meshllm extension (llama.cpp's repetition penalty; 1: off)")
     stream: bool = False
     tools: list[dict[str, Any]] | None = Field(default=None, max_length=128)
     tool_choice: dict[str, Any] | None = None
@@ -345,7 +348,9 @@ def router(backend: Backend, admission: Admission) -> APIRouter:
         return ChatRequest(
             model=body.model, messages=tuple(body.conversation()), tools=tools.engine_tools(),
             params=params(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                          stop=tuple(body.stop_sequences or ()), grammar=grammar),
+                          min_p=body.min_p, repeat_penalty=body.repeat_penalty,
+                          stop=tuple(body.stop_sequences or ()), grammar=grammar,
+                          end_on_repeated_call=tools.repeats_end),
             user=body.user_key())
 
     @routes.post("/messages", responses=stream_doc("Anthropic message stream events (event: <type>, data: JSON)"))
@@ -361,14 +366,15 @@ def router(backend: Backend, admission: Admission) -> APIRouter:
                 status, err = error_for(exc)
                 return sse(anthropic_error(status, err["error"]["message"]), "error")
 
-            return sse_response(generations, _events(message_id, body.model, generations[0], tools), error_event)
+            events = _events(message_id, generations[0].model, generations[0], tools)
+            return sse_response(generations, events, error_event)
         try:
             got = await unless_disconnected(http, collect(reply(generations[0], tools)))
         finally:
             await close_all(generations)
         if got is None:
             return Response(status_code=499)
-        return JSONResponse(_whole(message_id, body.model, got))
+        return JSONResponse(_whole(message_id, generations[0].model, got))
 
     @routes.post("/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest, http: Request) -> dict[str, int]:

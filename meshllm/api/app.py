@@ -8,9 +8,11 @@ header deadlines sit below all of these, in the HTTP protocol (:mod:`meshllm.api
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from meshllm import __version__
 from meshllm.api import anthropic, embeddings, model_list, openai_chat, openai_completions, responses
@@ -18,6 +20,7 @@ from meshllm.api.auth import ApiAccess, audit_routes, document_access, require_a
 from meshllm.api.backend import Backend, LocalBackend, ModelEntry
 from meshllm.api.edge import EdgePolicy, add_edge
 from meshllm.api.errors import install_error_handlers
+from meshllm.api.generation import ROUTED_HEADER
 from meshllm.api.health import Readiness, health_router
 from meshllm.api.limits import Admission, ApiLimits, BodyLimit, EdgeLimits
 
@@ -27,13 +30,14 @@ __all__ = ["ApiAccess", "ApiLimits", "Backend", "EdgeLimits", "EdgePolicy", "Loc
 
 def create_app(backend: Backend, limits: ApiLimits | None = None, routers: Sequence[APIRouter] = (), *,
                access: ApiAccess | None = None, edge: EdgeLimits | None = None, policy: EdgePolicy | None = None,
-               readiness: Readiness | None = None) -> FastAPI:
+               readiness: Readiness | None = None, on_event: Callable[..., None] | None = None) -> FastAPI:
     """The node's HTTP API around ``backend``; ``routers`` adds the node's own routes (status, events, ...).
 
     Every ``/api/`` and ``/v1/`` route must carry a guard from :mod:`meshllm.api.auth` (checked here:
     an unguarded one is a :class:`~meshllm.errors.ConfigError`). Defaults suit tests: no API key,
     no admin token (management routes then refuse everyone), loopback host names only, and every
-    model of ``backend`` counted as ready.
+    model of ``backend`` counted as ready. ``on_event(type, **fields)`` hears what the routes decide
+    (``auto_routed``).
     """
     limits = limits or ApiLimits()
     edge = edge or EdgeLimits()
@@ -42,6 +46,7 @@ def create_app(backend: Backend, limits: ApiLimits | None = None, routers: Seque
     admission = Admission(limits.max_concurrent, limits.queue_timeout_s)
     app.state.admission = admission
     app.state.backend = backend
+    app.state.on_event = on_event
     app.state.access = access = access or ApiAccess()
     document_access(app, access)
     install_error_handlers(app)
@@ -60,5 +65,27 @@ def create_app(backend: Backend, limits: ApiLimits | None = None, routers: Seque
     audit_routes(app)
     app.add_middleware(BodyLimit, limit=limits.max_body_bytes, drain_limit=edge.max_drain_bytes,
                        timeout_s=edge.body_timeout_s)
+    app.add_middleware(RoutedModelHeader)
     add_edge(app, policy or EdgePolicy())
     return app
+
+
+class RoutedModelHeader:
+    """Adds ``x-meshllm-routed-model`` to the response of a request the ``auto`` model routed (streamed or not)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_header(message: Message) -> None:
+            state: dict[str, Any] = scope.get("state") or {}
+            if message["type"] == "http.response.start" and state.get("routed_model"):
+                headers = [*message.get("headers", []), (ROUTED_HEADER.encode(), str(state["routed_model"]).encode())]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)

@@ -127,6 +127,12 @@ async def require_admin(request: Request, _bearer: object = Security(_ADMIN_BEAR
                                       "or an API key")
 
 
+def check_admin(request: Request) -> None:
+    """:func:`require_admin` for a route that is not a FastAPI endpoint (``/mcp``, an ASGI app)."""
+    _check(_access(request), request, "this endpoint speaks for the node: it needs the node's admin token "
+                                      "or an API key")
+
+
 def _check(access: ApiAccess, request: Request, need: str) -> None:
     presented = presented_secrets(request)
     if not presented:

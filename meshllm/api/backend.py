@@ -21,9 +21,9 @@ from meshllm.engine.base import (
     EngineError,
     GenerationEvent,
     GenerationRequest,
-    check_supported,
 )
 from meshllm.engine.embed import embed
+from meshllm.engine.recommended import admit
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,15 @@ class ModelEntry:
     context_length: int | None = None
     created: int = 0
     """Unix time the model became available (OpenAI's ``created``)."""
+    tools: bool = False
+    """Its chat template renders tools itself (others get them emulated)."""
+    slots: int = 0
+    """Requests its nodes can generate at once (0: not reported)."""
+    free_slots: int = 0
+    busy: int = 0
+    """Requests running or queued on its nodes."""
+    tok_s: float = 0.0
+    """The fastest recent decode speed of its nodes (0: not measured yet)."""
 
 
 class Backend(Protocol):
@@ -72,17 +81,15 @@ class LocalBackend:
 
     def models(self) -> Sequence[ModelEntry]:
         """One entry per engine, served by this node."""
-        return [ModelEntry(id=mid, nodes=(self.node_id,), node_names=(self.node_id,),
-                           context_length=engine_context(engine), created=self._created)
-                for mid, engine in sorted(self.engines.items())]
+        return [local_entry(mid, engine, self.node_id, self.node_id, self._created)
+                for mid, engine in sorted(self.engines.items()) if engine.listed]
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         """The engine's stream for ``request.model``."""
         engine = self.engines.get(request.model)
         if engine is None:
             raise UnknownModel(f"model {request.model!r} is not served here")
-        check_supported(engine, request)
-        return engine.generate(request)
+        return engine.generate(admit(engine, request))
 
     async def embed(self, request: EmbedRequest) -> Embeddings:
         """The engine's embeddings for ``request.model``."""
@@ -90,6 +97,15 @@ class LocalBackend:
         if engine is None:
             raise UnknownModel(f"model {request.model!r} is not served here")
         return await embed(engine, request)
+
+
+def local_entry(model_id: str, engine: Engine, node_id: str, name: str, created: int) -> ModelEntry:
+    """The listing entry of a model this node's ``engine`` serves, with its load now."""
+    report = engine.load_report()
+    return ModelEntry(id=model_id, nodes=(node_id,), node_names=(name,), context_length=engine_context(engine),
+                      created=created, tools=engine.native_tools, slots=report.slots,
+                      free_slots=max(0, report.slots - report.running - report.queued),
+                      busy=report.running + report.queued, tok_s=report.tokens_per_s)
 
 
 def engine_context(engine: Engine) -> int | None:

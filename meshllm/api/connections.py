@@ -9,11 +9,19 @@ peers see it go quiet. The protocol here is uvicorn's h11 protocol with two addi
 - a :class:`ConnectionTable` caps open connections. At the cap, a new connection closes the
   oldest connection that has no request in progress (idle, or still sending its headers), since
   a real client sends its request at once and an attacker's half-open connections are exactly the
-  ones that wait; only when every connection is serving a request is the newcomer refused (503);
+  ones that wait; only when every connection is serving a request is the newcomer refused;
 - a header deadline: from the moment a connection is ready for a request (accepted, or its last
   response sent), the request line and headers must be complete within ``header_timeout_s``.
   Bytes that trickle in do not restart the clock. A connection that misses it is closed (with a
-  408 when it had sent part of a request).
+  408 when it had not been answered before; an idle keep-alive connection is simply closed).
+
+**No accepted connection is closed without an answer** (issue 29: a burst of 2,000 chats lost
+1,489 of them to silent closes). In a burst, the oldest waiting connections are real clients
+whose request the loop has not read yet, so an evicted or refused connection gets a ``503`` with
+``Retry-After``, and every refusal is a *lingering* close: the answer is written, our side is
+shut for writing, and what the client still sends is read and dropped for up to
+:data:`LINGER_S`, because closing a socket with unread bytes makes the kernel send a reset that
+destroys the answer before the client reads it.
 
 The body has its own deadline in :class:`~meshllm.api.limits.BodyLimit`.
 
@@ -33,11 +41,13 @@ from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from meshllm.api.errors import ApiError, NoCapacity, RequestTimeout, error_for
+from meshllm.api.errors import BUSY_RETRY_AFTER_S, ApiError, NoCapacity, RequestTimeout, error_for
 from meshllm.api.limits import EdgeLimits
 
 ACCEPT_BACKLOG = 64
 """Listen backlog, and so the most sockets asyncio accepts at one wake-up before protocols see them."""
+LINGER_S = 1.0
+"""How long a refused connection is drained after its answer before the socket is closed."""
 
 
 class ConnectionTable:
@@ -89,25 +99,32 @@ class GuardedH11Protocol(H11Protocol):
         self._table = table
         self._limits = limits
         self._deadline: asyncio.TimerHandle | None = None
+        self._answered = False
+        """A response went out on this connection (an idle keep-alive one may be closed plainly)."""
+        self._refused = False
+        """Refused and lingering: whatever arrives is dropped until the socket closes."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
         super().connection_made(transport)  # type: ignore[arg-type]
         admitted, victim = self._table.open(self)
         if isinstance(victim, GuardedH11Protocol):
-            victim.expire()
+            victim.expire(evicted=True)
         if not admitted:
-            self._close_with(NoCapacity(f"all {self._table.limit} HTTP connections of this node are serving "
-                                        "requests"), 503, "Service Unavailable")
+            self._refuse(NoCapacity(f"all {self._table.limit} HTTP connections of this node are serving "
+                                    "requests"), 503, "Service Unavailable")
             return
         self._arm()
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # answered and lingering: drained, never parsed
         super().data_received(data)
         if self._in_request():
             self._table.busy(self)
             self._disarm()
 
     def on_response_complete(self) -> None:
+        self._answered = True
         super().on_response_complete()
         if not self.transport.is_closing() and not self._in_request():
             self._table.idle(self)
@@ -118,14 +135,18 @@ class GuardedH11Protocol(H11Protocol):
         self._table.closed(self)
         super().connection_lost(exc)
 
-    def expire(self) -> None:
-        """Close this connection, which has no request in progress (a 408 if it had begun one)."""
+    def expire(self, evicted: bool = False) -> None:
+        """Close this connection, which has no request in progress: ``evicted`` for a newcomer (a 503 with
+        ``Retry-After``), else past its header deadline (a 408, or a plain close of an idle keep-alive one)."""
         self._disarm()
-        if self.transport.is_closing():
+        if self.transport.is_closing() or self._refused:
             return
-        if self.conn.trailing_data[0]:
-            self._close_with(RequestTimeout(f"the request headers did not arrive within "
-                                            f"{self._limits.header_timeout_s:g} s"), 408, "Request Timeout")
+        if evicted:
+            self._refuse(NoCapacity(f"all {self._table.limit} HTTP connections of this node are taken; "
+                                    "this one waited longest for its request"), 503, "Service Unavailable")
+        elif self.conn.trailing_data[0] or not self._answered:
+            self._refuse(RequestTimeout(f"the request headers did not arrive within "
+                                        f"{self._limits.header_timeout_s:g} s"), 408, "Request Timeout")
         else:
             self.transport.close()
 
@@ -141,14 +162,20 @@ class GuardedH11Protocol(H11Protocol):
             self._deadline.cancel()
             self._deadline = None
 
-    def _close_with(self, exc: ApiError, status: int, reason: str) -> None:
-        """Answer outside h11 (no request was parsed) and close."""
+    def _refuse(self, exc: ApiError, status: int, reason: str) -> None:
+        """Answer outside h11 (no request was parsed), then close lingering (see the module's docstring)."""
         _, body = error_for(exc)
         payload = json.dumps(body).encode()
-        head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+        retry = f"retry-after: {BUSY_RETRY_AFTER_S}\r\n" if status == 503 else ""
+        head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n{retry}"
                 f"content-length: {len(payload)}\r\nconnection: close\r\n\r\n")
-        self.transport.write(head.encode() + payload)
-        self.transport.close()
+        self._refused = True
+        self._table.closed(self)
+        transport = self.transport
+        transport.write(head.encode() + payload)
+        if transport.can_write_eof():
+            transport.write_eof()
+        self.loop.call_later(LINGER_S, transport.close)
 
 
 def guarded_protocol(limits: EdgeLimits) -> Callable[..., GuardedH11Protocol]:

@@ -27,6 +27,8 @@ class RequestCounters:
     """Generations that broke mid-answer with no other node serving their model."""
     replays_dropped: int = 0
     """Hedges (replays started on a stall) dropped because the first node answered first."""
+    failovers: int = 0
+    """Targets skipped because they failed before their first byte (the request went on to the next)."""
     _recent: deque[float] = field(default_factory=deque)
 
     def started(self, now: float, *, remote: bool = False) -> None:
@@ -50,7 +52,8 @@ class RequestCounters:
         return {"total": self.total, "failed": self.failed, "per_min": self.per_minute(now),
                 "remote": self.remote, "served_for_peers": self.served_for_peers,
                 "replays": self.replays, "replays_failed": self.replays_failed,
-                "replays_impossible": self.replays_impossible, "replays_dropped": self.replays_dropped}
+                "replays_impossible": self.replays_impossible, "replays_dropped": self.replays_dropped,
+                "failovers": self.failovers}
 
     def _trim(self, now: float) -> None:
         while self._recent and self._recent[0] <= now - WINDOW_S:

@@ -154,10 +154,23 @@ def error_for(exc: BaseException) -> tuple[int, dict[str, Any]]:
     return status, error_body(message, type_, code, getattr(exc, "param", None))
 
 
+BUSY_RETRY_AFTER_S = 1
+"""``Retry-After`` of a 503 that names no wait of its own: no capacity now, or a model still loading."""
+
+
+def error_headers(exc: BaseException, status: int) -> Mapping[str, str] | None:
+    """The headers an error answer carries: those ``exc`` names, else ``Retry-After`` on a 503, so a
+    client (OpenAI's and Anthropic's retry 503s) comes back after a second rather than at once."""
+    headers = getattr(exc, "headers", None)
+    if headers is None and status == 503:
+        return {"retry-after": str(BUSY_RETRY_AFTER_S)}
+    return headers
+
+
 def error_response(exc: BaseException) -> JSONResponse:
-    """A JSONResponse for ``exc`` (with the headers it names, e.g. ``Retry-After``)."""
+    """A JSONResponse for ``exc`` (with the headers :func:`error_headers` gives it)."""
     status, body = error_for(exc)
-    return JSONResponse(body, status_code=status, headers=getattr(exc, "headers", None))
+    return JSONResponse(body, status_code=status, headers=error_headers(exc, status))
 
 
 def _validation_response(exc: RequestValidationError) -> JSONResponse:

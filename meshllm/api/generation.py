@@ -28,8 +28,9 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from meshllm.api.auto import AUTO, Choice, choose, needs_of
 from meshllm.api.backend import Backend
-from meshllm.api.errors import ApiError, UpstreamError
+from meshllm.api.errors import ApiError, UnknownModel, UpstreamError
 from meshllm.api.limits import Admission, client_key
 from meshllm.api.schemas import ErrorResponse
 from meshllm.api.tools import CallOut, ParsedCall, TextOut, ToolSpec
@@ -68,7 +69,10 @@ def sse(obj: dict[str, Any], event: str | None = None) -> str:
 class Generation:
     """One generation in flight: its admission slot and the backend's stream, first event already read."""
 
-    def __init__(self, admission: Admission, events: AsyncIterator[GenerationEvent], first: GenerationEvent) -> None:
+    def __init__(self, admission: Admission, events: AsyncIterator[GenerationEvent], first: GenerationEvent,
+                 model: str) -> None:
+        self.model = model
+        """The model it runs on: the one the request named, or the one ``auto`` stood for."""
         self._admission = admission
         self._events = events
         self._first: GenerationEvent | None = first
@@ -105,7 +109,7 @@ async def start(backend: Backend, admission: Admission, request: GenerationReque
     events: AsyncIterator[GenerationEvent] | None = None
     try:
         events = backend.generate(request)
-        return Generation(admission, events, await next_event(events))
+        return Generation(admission, events, await next_event(events), request.model)
     except BaseException:
         if events is not None:
             await aclose(events)
@@ -127,11 +131,39 @@ async def start_all(backend: Backend, admission: Admission, requests: Sequence[G
     event) cancels them all and raises :class:`ClientGone`. Each request is tagged with its client
     (``user``, else the HTTP connection) so that this node and the peers it is routed to queue it fairly.
     """
-    requests = [msgspec.structs.replace(r, client=client_key(r.user, http)) for r in requests]
+    requests = routed(backend, [msgspec.structs.replace(r, client=client_key(r.user, http)) for r in requests], http)
     started = await unless_disconnected(http, _start_all(backend, admission, requests))
     if started is None:
         raise ClientGone("the client disconnected before the first token")
     return started
+
+
+ROUTED_HEADER = "x-meshllm-routed-model"
+"""Response header naming the model a request for ``auto`` ran on (:class:`RoutedModelHeader` sets it)."""
+
+
+def routed(backend: Backend, requests: list[GenerationRequest], http: Request) -> list[GenerationRequest]:
+    """``requests`` with the ``auto`` model replaced by the model :func:`route_auto` picks, which is kept
+    in the request's state for the response header and published with its reason (``app.state.on_event``)."""
+    requests, choice = route_auto(backend, requests, getattr(http.app.state, "on_event", None))
+    if choice is not None:
+        http.state.routed_model = choice.model
+    return requests
+
+
+def route_auto(backend: Backend, requests: list[GenerationRequest],
+               on_event: Callable[..., None] | None) -> tuple[list[GenerationRequest], Choice | None]:
+    """The choices of one request for ``auto`` sent to the model :func:`meshllm.api.auto.choose` picks
+    (an ``auto_routed`` event says which and why); other requests as they are."""
+    if not requests or requests[0].model != AUTO:
+        return requests, None
+    choice = choose(needs_of(requests[0]), backend.models())
+    if choice is None:
+        raise UnknownModel("model 'auto' picks among the mesh's models, and it serves none yet",
+                           hint="start a node with `meshllm serve --model REF`")
+    if on_event is not None:
+        on_event("auto_routed", model=choice.model, reason=choice.reason)
+    return [msgspec.structs.replace(r, model=choice.model) for r in requests], choice
 
 
 async def _start_all(backend: Backend, admission: Admission, requests: Sequence[GenerationRequest]) -> list[Generation]:
@@ -206,7 +238,7 @@ async def reply(generation: Generation, tools: ToolSpec) -> AsyncIterator[ReplyE
             held += event.logprobs
             outs = parser.feed(event.text) if parser is not None else [TextOut(event.text)]
         else:
-            outs = parser.finish() if parser is not None else []
+            outs = parser.finish(truncated=event.reason == "length") if parser is not None else []
         for out in outs:
             if isinstance(out, CallOut):
                 yield ToolCallPiece(out.index, out.call)

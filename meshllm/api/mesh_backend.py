@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from meshllm.api.backend import ModelEntry, engine_context
+from meshllm.api.backend import ModelEntry, local_entry
 from meshllm.api.counters import RequestCounters
 from meshllm.api.errors import (
     ApiError,
@@ -36,10 +37,12 @@ from meshllm.api.errors import (
     UpstreamTimeout,
     classify,
 )
+from meshllm.api.metrics import GenerationWatch, NodeMetrics, Route
 from meshllm.api.replay import Progress, ReplayPolicy, seeded
 from meshllm.api.router import Attempt, PeerView, Router, Target, affinity_key
 from meshllm.api.tunnel import (
     STREAM_KIND,
+    PeerOverran,
     RemoteError,
     Routable,
     ServerFrame,
@@ -55,10 +58,10 @@ from meshllm.engine.base import (
     Finish,
     GenerationEvent,
     GenerationRequest,
-    check_supported,
 )
 from meshllm.engine.embed import embed_stream
-from meshllm.errors import MeshllmError
+from meshllm.engine.recommended import admit
+from meshllm.errors import DecodeError, MeshllmError
 from meshllm.identity.ids import short
 from meshllm.mesh.records import PeerRecord, takes_requests
 from meshllm.mesh.service import MeshService
@@ -125,6 +128,8 @@ class MeshBackend:
     clock: Callable[[], float] = time.monotonic
     on_event: Callable[..., None] = field(default=lambda *_a, **_k: None)
     """``on_event(type, **fields)``: the node's event hub (failovers show in ``/api/events``)."""
+    metrics: NodeMetrics | None = None
+    """The node's ``/metrics`` registry (None: nothing observed)."""
     _calls: dict[str, set[_Call]] = field(default_factory=dict, init=False)
     _created: int = field(default_factory=lambda: int(time.time()), init=False)
 
@@ -136,20 +141,22 @@ class MeshBackend:
     # ---- what the mesh serves ---------------------------------------------------------------
 
     def models(self) -> Sequence[ModelEntry]:
-        """Local models, then those alive peers serve whole (layer ranges are not routable)."""
-        nodes: dict[str, list[str]] = {}
-        names: dict[str, list[str]] = {}
-        context: dict[str, int | None] = {}
-        for mid, engine in sorted(self.engines.items()):
-            nodes[mid], names[mid], context[mid] = [self.node_id], [self._own_name()], engine_context(engine)
+        """Local models, then those alive peers serve whole (layer ranges are not routable), each with the
+        load of its nodes now (a peer's load is its record's, for all the models it serves)."""
+        entries = {mid: local_entry(mid, engine, self.node_id, self._own_name(), self._created)
+                   for mid, engine in sorted(self.engines.items()) if engine.listed}
         for node_id, record in sorted(self._alive_records().items()):
+            load = record.load
             for model in record.models.served:
-                if takes_requests(model):
-                    nodes.setdefault(model.name, []).append(node_id)
-                    names.setdefault(model.name, []).append(record.name or short(node_id))
-                    context.setdefault(model.name, model.context)
-        return [ModelEntry(id=mid, nodes=tuple(nodes[mid]), node_names=tuple(names[mid]),
-                           context_length=context[mid], created=self._created) for mid in sorted(nodes)]
+                if not takes_requests(model):
+                    continue
+                entry = entries.get(model.name) or ModelEntry(id=model.name, nodes=(), context_length=model.context,
+                                                              created=self._created, tools=model.tools)
+                entries[model.name] = dataclasses.replace(
+                    entry, nodes=(*entry.nodes, node_id), node_names=(*entry.node_names, record.name or short(node_id)),
+                    slots=entry.slots + load.slots, free_slots=entry.free_slots + load.free_slots,
+                    busy=entry.busy + load.in_flight + load.queue, tok_s=max(entry.tok_s, load.tok_s))
+        return [entries[mid] for mid in sorted(entries)]
 
     def _own_name(self) -> str:
         gossip = self.mesh.gossip
@@ -198,34 +205,57 @@ class MeshBackend:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         """Stream ``request`` from the best target, failing over until the first event."""
         self.counters.started(time.time(), remote=request.model not in self.engines)
+        watch = self._watch(request)
         try:
-            async for event in self._route(request):
+            async for event in self._route(request, watch):
+                if watch is not None:
+                    watch.event(event, self.clock())
                 yield event
         except Exception:
             self.counters.failed_one()
+            if watch is not None:
+                watch.failed()
             raise
 
     async def embed(self, request: EmbedRequest) -> Embeddings:
         """Embeddings from the best target, failing over like a generation (the answer is one event)."""
         self.counters.started(time.time(), remote=request.model not in self.engines)
-        events = self._route(request)
+        watch = self._watch(request)
+        events = self._route(request, watch)
         try:
             answer = await _first(events, "the serving node")
+            if not isinstance(answer, Embeddings):
+                raise UpstreamError("the serving node answered an embeddings request with text")
         except Exception:
             self.counters.failed_one()
+            if watch is not None:
+                watch.failed()
             raise
         finally:
             await _aclose(events)
-        if not isinstance(answer, Embeddings):
-            self.counters.failed_one()
-            raise UpstreamError("the serving node answered an embeddings request with text")
+        if watch is not None:
+            watch.prompt_tokens(answer.prompt_tokens)
         return answer
 
-    async def _route(self, request: Routable) -> AsyncIterator[TunnelEvent]:
+    def _watch(self, request: Routable) -> GenerationWatch | None:
+        return None if self.metrics is None else self.metrics.watch(request.model, self.clock())
+
+    def _route_of(self, target: Target, model: str) -> Route:
+        """``/metrics``' route label: a peer, this node's split chain (announced as engine "split"), or local."""
+        if not target.local:
+            return "routed"
+        gossip = self.mesh.gossip
+        if gossip is not None and any(m.name == model and m.engine == "split" for m in gossip.own.models.served):
+            return "split"
+        return "local"
+
+    async def _route(self, request: Routable, watch: GenerationWatch | None = None) -> AsyncIterator[TunnelEvent]:
         """The events of ``request``: fail over until the first event, then replay a generation whose
         serving node fails (or stalls) mid-answer on another node (:mod:`meshllm.api.replay`)."""
         if isinstance(request, EmbedRequest):
             target, first, events = await self._start(request, self._targets(request))
+            if watch is not None:
+                watch.routed(self._route_of(target, request.model))
             try:
                 yield first
                 async for event in events:
@@ -239,6 +269,8 @@ class MeshBackend:
             return
         progress = Progress(seeded(request), self.replay)
         target, event, events = await self._start(progress.request, self._targets(request), progress)
+        if watch is not None:
+            watch.routed(self._route_of(target, request.model))
         leg = _Leg(target, events)
         try:
             while True:
@@ -351,6 +383,7 @@ class MeshBackend:
                     raise
                 attempt.failed(self.clock())
                 failures.append((target, exc))
+                self.counters.failovers += 1
                 self.on_event("request_failover", model=request.model, node_id=target.node_id,
                               error=str(exc), status=classify(exc)[0])
                 continue
@@ -428,8 +461,7 @@ class MeshBackend:
         engine = self.engines[request.model]
         if isinstance(request, EmbedRequest):
             return embed_stream(engine, request)
-        check_supported(engine, request)
-        return engine.generate(request)
+        return engine.generate(admit(engine, request))
 
     def _name(self, target: Target) -> str:
         if target.local:
@@ -448,12 +480,14 @@ class MeshBackend:
         call = _Call(node_id)
         self._calls.setdefault(node_id, set()).add(call)
         client = TunnelClient()
+        conn: PeerConnection | None = None
         try:
             conn = await self._connection(node_id, name)
             call.stream = await conn.open_stream(STREAM_KIND)
             pin = progress.model_sha256 if progress is not None else None  # known once a first node spoke
-            await call.stream.send(client.start(uuid.uuid4().hex, request, int(dl.total_s * 1000), pin or ""),
-                                   timeout=dl.connect_s)
+            opening = client.start(uuid.uuid4().hex, request, int(dl.total_s * 1000), pin or "",
+                                   self._context(node_id, request.model))
+            await call.stream.send(opening, timeout=dl.connect_s)
             end = self.clock() + dl.total_s
             wait = dl.first_byte_s
             while not client.done:
@@ -474,12 +508,27 @@ class MeshBackend:
                 wait = dl.idle_s
         except StreamClosed as exc:
             raise UpstreamError(f"{name} {call.lost or f'dropped the request ({exc})'}; retry the request") from None
+        except (PeerOverran, DecodeError) as exc:  # a peer that oversteps its answer is cut off and struck
+            log.warning("%s sent a bad answer, cut off: %s", name, exc)
+            if call.stream is not None:
+                call.stream.reset()
+            if conn is not None:
+                conn.strike(f"request tunnel: {exc}")
+            if isinstance(exc, PeerOverran):
+                raise PeerOverran(f"{name} {exc}") from None
+            raise UpstreamError(f"{name} sent a malformed answer: {exc}") from None
         finally:
             self._calls[node_id].discard(call)
             if not self._calls[node_id]:
                 del self._calls[node_id]
             if call.stream is not None:
                 _hang_up(call.stream, client)
+
+    def _context(self, node_id: str, model: str) -> int | None:
+        """The context ``node_id``'s record announces for ``model`` (None: not known)."""
+        record = self._alive_records().get(node_id)
+        contexts = [m.context for m in record.models.served if m.name == model] if record is not None else []
+        return max(contexts, default=None)
 
     async def _connection(self, node_id: str, name: str) -> PeerConnection:
         """The open connection to ``node_id``, dialing its gossiped addresses if there is none."""

@@ -1,9 +1,10 @@
-"""``/v1/models``: every model the mesh serves, with the nodes serving it."""
+"""``/v1/models``: every model the mesh serves, with the nodes serving it, and ``auto``."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter
 
+from meshllm.api.auto import AUTO
 from meshllm.api.backend import Backend
 from meshllm.api.errors import UnknownModel
 from meshllm.api.generation import ERROR_RESPONSES
@@ -15,9 +16,15 @@ def router(backend: Backend) -> APIRouter:
     routes = APIRouter(prefix="/v1", tags=["openai"], responses=ERROR_RESPONSES)
 
     def model_list() -> list[ModelOut]:
-        return [ModelOut(id=m.id, created=m.created, nodes=list(m.nodes), node_names=list(m.node_names),
-                         context_length=m.context_length)
-                for m in backend.models()]
+        models = backend.models()
+        listed = [ModelOut(id=m.id, created=m.created, nodes=list(m.nodes), node_names=list(m.node_names),
+                           context_length=m.context_length)
+                  for m in models]
+        if not models:
+            return listed
+        # ``auto`` stands for whichever model fits a request (meshllm.api.auto); it holds the longest context
+        longest = max((m.context_length for m in models if m.context_length), default=None)
+        return [*listed, ModelOut(id=AUTO, created=min(m.created for m in models), context_length=longest)]
 
     @routes.get("/models", response_model=ModelList)
     async def list_models() -> ModelList:

@@ -125,8 +125,8 @@ def router(backend: Backend, admission: Admission) -> APIRouter:
         """Chat completion; ``stream=true`` for SSE."""
         tools = body.tool_spec()
         requests = body.to_engine(tools)
-        shape = ChatShape(body.model, logprobs=bool(body.logprobs))
         generations = await start_all(backend, admission, requests, http)
+        shape = ChatShape(generations[0].model, logprobs=bool(body.logprobs))
         if body.stream:
             return sse_response(generations, _chunks(shape, generations, tools, body.include_usage),
                                 lambda exc: sse(error_for(exc)[1]))

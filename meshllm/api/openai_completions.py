@@ -111,9 +111,9 @@ def router(backend: Backend, admission: Admission) -> APIRouter:
         """Text completion; ``stream=true`` for SSE."""
         requests = body.to_engine()
         echoes = [r.prompt if body.echo and isinstance(r.prompt, str) else "" for r in requests]
-        shape = CompletionShape(body.model, echoes, logprobs=body.logprobs is not None,
-                                prompts=len(body.prompts()))
         generations = await start_all(backend, admission, requests, http)
+        shape = CompletionShape(generations[0].model, echoes, logprobs=body.logprobs is not None,
+                                prompts=len(body.prompts()))
         if body.stream:
             return sse_response(generations, _chunks(shape, generations, body.include_usage),
                                 lambda exc: sse(error_for(exc)[1]))

@@ -77,6 +77,9 @@ class ResponsesRequest(RequestBody):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0, le=1_000_000, description="meshllm extension")
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0, description="meshllm extension (llama.cpp's min-p)")
+    repeat_penalty: float | None = Field(default=None, gt=0.0, le=10.0,
+                                         description="meshllm extension (llama.cpp's repetition penalty; 1: off)")
     seed: int | None = Field(default=None, ge=I64_MIN, le=I64_MAX, description="meshllm extension")
     stream: bool = False
     text: dict[str, Any] | None = None
@@ -224,7 +227,9 @@ def _usage(usage: Usage) -> dict[str, Any]:
 class ResponseShape:
     """One response object as it is built, streamed or not."""
 
-    def __init__(self, body: ResponsesRequest, tools: ToolSpec) -> None:
+    def __init__(self, body: ResponsesRequest, tools: ToolSpec, model: str) -> None:
+        self.model = model
+        """The model it runs on (what ``auto`` stood for, when the request named ``auto``)."""
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.request = body
@@ -248,7 +253,7 @@ class ResponseShape:
             {"type": "function", "name": self.tools.choice}
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
-            "model": req.model, "output": list(self.output), "error": None,
+            "model": self.model, "output": list(self.output), "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "parallel_tool_calls": self.tools.parallel, "previous_response_id": req.previous_response_id,
@@ -377,11 +382,12 @@ def router(backend: Backend, admission: Admission) -> APIRouter:
         request = ChatRequest(
             model=body.model, messages=tuple(conversation), tools=tools.engine_tools(),
             params=params(max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
-                          top_k=body.top_k, seed=body.seed,
-                          grammar=build_grammar(tools, body.text_format(), "text.format")),
+                          top_k=body.top_k, min_p=body.min_p, repeat_penalty=body.repeat_penalty, seed=body.seed,
+                          grammar=build_grammar(tools, body.text_format(), "text.format"),
+                          end_on_repeated_call=tools.repeats_end),
             user=clean(key) if key else None)
-        shape = ResponseShape(body, tools)
         generations = await start_all(backend, admission, [request], http)
+        shape = ResponseShape(body, tools, generations[0].model)
         if body.stream:
             events, done = _Events(), []
 

@@ -74,15 +74,24 @@ def travels(value: Any, what: str, param: str | None = None) -> None:
 
 
 def params(*, max_tokens: int | None, temperature: float | None, top_p: float | None = None,
-           top_k: int | None = None, seed: int | None = None, stop: tuple[str, ...] = (),
+           top_k: int | None = None, min_p: float | None = None, repeat_penalty: float | None = None,
+           seed: int | None = None, stop: tuple[str, ...] = (),
            presence_penalty: float | None = None, frequency_penalty: float | None = None,
-           grammar: str | None = None, logprobs: int | None = None) -> GenerationParams:
-    """Engine sampling parameters with OpenAI's defaults (temperature 1, top_p 1)."""
+           grammar: str | None = None, logprobs: int | None = None,
+           end_on_repeated_call: bool = False) -> GenerationParams:
+    """Engine sampling parameters: what the client set, OpenAI's defaults (temperature 1, top_p 1)
+    elsewhere, and the names of the sampling fields it left out, which the serving node fills with
+    the model's recommendation (:mod:`meshllm.engine.recommended`)."""
+    given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
+             "repeat_penalty": repeat_penalty}
     return GenerationParams(
         max_tokens=max_tokens, temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p, top_k=top_k, seed=seed,
+        min_p=0.0 if min_p is None else min_p, repeat_penalty=1.0 if repeat_penalty is None else repeat_penalty,
+        left_out=tuple(name for name, value in given.items() if value is None),
         stop=tuple(clean(s) for s in stop if s), presence_penalty=presence_penalty or 0.0,
-        frequency_penalty=frequency_penalty or 0.0, grammar=grammar, logprobs=logprobs)
+        frequency_penalty=frequency_penalty or 0.0, grammar=grammar, logprobs=logprobs,
+        end_on_repeated_call=end_on_repeated_call)
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
@@ -189,6 +198,9 @@ class _SamplingFields(RequestBody):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0, le=1_000_000, description="meshllm extension: top-k cut")
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0, description="meshllm extension (llama.cpp's min-p)")
+    repeat_penalty: float | None = Field(default=None, gt=0.0, le=10.0,
+                                         description="meshllm extension (llama.cpp's repetition penalty; 1: off)")
     seed: int | None = Field(default=None, ge=I64_MIN, le=I64_MAX)
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = Field(
         default=None, description=f"a stop string or up to {MAX_STOP}")
@@ -333,9 +345,11 @@ class ChatCompletionRequest(_SamplingFields):
         return [ChatRequest(
             model=self.model, messages=messages,
             params=params(max_tokens=self.max_completion_tokens or self.max_tokens, temperature=self.temperature,
-                          top_p=self.top_p, top_k=self.top_k, seed=choice_seed(self.seed, i), stop=self.stops(),
+                          top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, repeat_penalty=self.repeat_penalty,
+                          seed=choice_seed(self.seed, i), stop=self.stops(),
                           presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                          grammar=grammar, logprobs=(self.top_logprobs or 0) if self.logprobs else None),
+                          grammar=grammar, logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+                          end_on_repeated_call=tools.repeats_end),
             tools=tools.engine_tools(), user=self.client_key(),
         ) for i in range(self.choices)]
 
@@ -399,7 +413,8 @@ class CompletionRequestIn(_SamplingFields):
         return [CompletionRequest(
             model=self.model, prompt=prompt,
             params=params(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                          top_k=self.top_k, seed=choice_seed(self.seed, j), stop=self.stops(),
+                          top_k=self.top_k, min_p=self.min_p, repeat_penalty=self.repeat_penalty,
+                          seed=choice_seed(self.seed, j), stop=self.stops(),
                           presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                           logprobs=self.logprobs),
             user=self.client_key(),

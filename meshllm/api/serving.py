@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +35,15 @@ from meshllm.api.counters import RequestCounters
 from meshllm.api.events import EventHub
 from meshllm.api.limits import ApiLimits, Slots
 from meshllm.api.mesh_backend import MeshBackend
+from meshllm.api.metrics import NodeMetrics, NodeState, PeerState
 from meshllm.api.replay import ReplayPolicy
 from meshllm.api.tunnel import STREAM_KIND
 from meshllm.api.tunnel_serve import TunnelService
 from meshllm.engine.base import DEFAULT_MAX_TOKENS, Engine
-from meshllm.engine.capacity import compute_devices
+from meshllm.engine.capacity import compute_devices, release_freed_memory
 from meshllm.engine.kernels import Kernels
 from meshllm.engine.llama import LlamaEngine
+from meshllm.engine.recommended import Recommended, for_model
 from meshllm.engine.speculate import SpeculateMode
 from meshllm.errors import ConfigError, MeshllmError
 from meshllm.mesh.records import Load, Models, ServedModel
@@ -69,24 +72,29 @@ class Serving:
 
     def __init__(self, node_id: str, mesh: MeshService, events: EventHub, limits: ApiLimits | None = None,
                  store: ModelStore | None = None, hash_cache: Path | None = None,
-                 replay: ReplayPolicy | None = None) -> None:
+                 replay: ReplayPolicy | None = None, model_defaults: Mapping[str, Recommended] | None = None) -> None:
         """``hash_cache``: JSON file remembering model sha256s (a replay only continues on the same file);
-        ``replay``: how routed generations broken mid-answer are continued elsewhere."""
+        ``replay``: how routed generations broken mid-answer are continued elsewhere; ``model_defaults``:
+        ``config.toml``'s ``[models.NAME]`` sampling, for what requests leave out."""
         self.node_id = node_id
         self.mesh = mesh
         self.events = events
         self.store = store
         """The node's models on disk (None: references are paths or ``default`` only)."""
         self.engines: dict[str, Engine] = {}
+        self.model_defaults = dict(model_defaults or {})
         self.hashes: dict[str, str] = {}
         """sha256 of each engine's model file, by model id (filled in the background after loading)."""
         self.hash_cache = hash_cache
         self.counters = RequestCounters()
+        assert mesh.endpoint is not None
+        self.metrics = NodeMetrics(NodeState(engines=self.engines, peers=self._peer_states,
+                                             traffic=mesh.endpoint.traffic, counters=self.counters))
+        """The node's ``/metrics`` registry (requests observed by the backend, state read at scrape time)."""
         self.backend = MeshBackend(node_id, self.engines, mesh, counters=self.counters, on_event=events.publish,
-                                   replay=replay or ReplayPolicy(), hashes=self.hashes)
+                                   replay=replay or ReplayPolicy(), hashes=self.hashes, metrics=self.metrics)
         self.tunnel = TunnelService(self.engines, Slots((limits or ApiLimits()).max_concurrent), self.counters,
                                     self.hashes)
-        assert mesh.endpoint is not None
         mesh.endpoint.on_stream(STREAM_KIND, self.tunnel.handle)
         self._load_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -182,6 +190,7 @@ class Serving:
         drained = not cancelled
         with contextlib.suppress(Exception):
             await engine.close()
+        await asyncio.to_thread(release_freed_memory)
         self.draining.pop(model_id, None)
         self._unpin(model_id)
         waited = round(time.monotonic() - started, 2)
@@ -191,6 +200,7 @@ class Serving:
     async def _start(self, ref: ModelRef) -> Engine:
         """Load one model with this node's engine settings and put it in the engine table."""
         engine = self._make_engine(self._engine, ref, *self._settings)
+        engine.recommended = for_model(ref.path, ref.model_id, self.model_defaults)
         self.events.publish("model_loading", model=ref.model_id, path=str(ref.path), engine=self._engine,
                             size_bytes=ref.path.stat().st_size)
         started = time.monotonic()
@@ -213,7 +223,8 @@ class Serving:
         assert gossip is not None
         own = gossip.own.models
         served = [m for m in own.served if m.name not in self._announced]
-        served += [ServedModel(name=mid, context=self.engines[mid].context_length, engine=kind)
+        served += [ServedModel(name=mid, context=self.engines[mid].context_length, engine=kind,
+                               tools=self.engines[mid].native_tools)
                    for mid, kind in self.loaded.items()]
         self._announced = set(self.loaded)
         self.mesh.update_own(models=Models(served=served, available=own.available))
@@ -258,8 +269,10 @@ class Serving:
                 if entry.name == model_id:
                     self.store.library.unpin(entry)
 
-    def add_engine(self, engine: Engine, sha256: str | None = None) -> None:
-        """Serve an engine built elsewhere (a split model's chain) as a local model; its owner announces it."""
+    def add_engine(self, engine: Engine, path: Path, sha256: str | None = None) -> None:
+        """Serve an engine built elsewhere (a split model's chain, of the file at ``path``) as a local model;
+        its owner announces it."""
+        engine.recommended = for_model(path, engine.model_id, self.model_defaults)
         self.engines[engine.model_id] = engine
         if sha256:
             self.hashes[engine.model_id] = sha256
@@ -299,6 +312,20 @@ class Serving:
                 self._last_load = load
                 self.mesh.update_own(load=load)
             await asyncio.sleep(LOAD_PUBLISH_S)
+
+    def _peer_states(self) -> list[PeerState]:
+        """Every peer gossip knows, its state and the RTT this node measured (its record's when not connected)."""
+        gossip, endpoint = self.mesh.gossip, self.mesh.endpoint
+        if gossip is None or endpoint is None:
+            return []
+        peers = []
+        for node_id, entry in gossip.state.peers.items():
+            conn = endpoint.peers.get(node_id)
+            rtt = conn.rtt_ms if conn is not None else None
+            if rtt is None and node_id in gossip.own.rtt:
+                rtt = gossip.own.rtt[node_id].rtt_ms
+            peers.append(PeerState(node_id, entry.record.name, entry.status, rtt))
+        return peers
 
     def request_counters(self) -> dict[str, Any]:
         """The ``requests`` object of ``/api/status``: totals and requests in the last minute."""

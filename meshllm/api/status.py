@@ -135,13 +135,16 @@ def _text(exc: MeshllmError) -> str:
 
 async def _sse(hub: EventHub) -> AsyncIterator[str]:
     """Recent history first, then live events; a comment line every 15 s keeps proxies from timing out."""
-    for event in hub.recent():
-        yield _frame(event)
+    # Subscribe before reading the history, in one step of the loop: an event published while the
+    # history is being sent is then in the live stream, not lost between the two.
     events = hub.subscribe()
+    history = hub.recent()
     pending: asyncio.Future[dict[str, Any]] | None = None
     try:
+        for event in history:
+            yield _frame(event)
         while True:
-            # Wait on one pending read without cancelling it: cancelling would close the subscription.
+            # Wait on one pending read across keep-alives rather than starting a new one each time.
             pending = pending or asyncio.ensure_future(anext(events))
             done, _ = await asyncio.wait({pending}, timeout=KEEPALIVE_S)
             if not done:

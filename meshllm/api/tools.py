@@ -85,6 +85,12 @@ class ToolSpec:
         """The model must call a tool: sampling is constrained to calls."""
         return self.active and self.choice != "auto"
 
+    @property
+    def repeats_end(self) -> bool:
+        """A repeated call ends the reply: calls are forced and more than one is allowed (the grammar
+        would let a model that repeats itself go on to ``max_tokens``)."""
+        return self.forced and self.parallel
+
     def engine_tools(self) -> tuple[dict[str, Any], ...]:
         """Tools for the engine's template; none when the model may not call them."""
         return tuple(f.engine_tool() for f in self.functions) if self.active else ()
@@ -244,14 +250,24 @@ class ToolCallParser:
         """How much of the buffer holds no ``</tool_call>`` (``hermes`` mode searches only past it)."""
         self._started = False
         """Some non-blank text went out: a bare JSON object can no longer be a call."""
+        self._marked = False
+        """The call being read began with a marker (not a bare JSON value, which may be a plain answer)."""
 
     def feed(self, text: str) -> list[ParseEvent]:
         """Take the next piece of the reply; return what can be passed on now."""
         self._buf += text
         return self._drain(final=False)
 
-    def finish(self) -> list[ParseEvent]:
-        """The reply ended: everything still held, as calls or text."""
+    def finish(self, truncated: bool = False) -> list[ParseEvent]:
+        """The reply ended: everything still held, as calls or text.
+
+        ``truncated``: it was cut by the length limit. A call it was still writing after a marker,
+        or a marker's beginning, is then dropped: half a call is no text for the client.
+        """
+        if truncated and self._mode != "text" and self._marked:
+            self._mode, self._buf = "text", ""
+        elif truncated and self._mode == "text":
+            self._buf = self._buf[: len(self._buf) - _held_suffix(self._buf, MARKERS)]
         return self._drain(final=True)
 
     def _drain(self, final: bool) -> list[ParseEvent]:
@@ -284,7 +300,7 @@ class ToolCallParser:
             if stripped and not final and not at_marker and any(m.startswith(stripped[:len(m)]) for m in MARKERS):
                 return []  # "[TOOL" could still become [TOOL_CALLS]
             if stripped[:1] in ("{", "[") and not at_marker:
-                self._enter("json")
+                self._enter("json", marked=False)
                 return []
             if not stripped and not final:
                 return []
@@ -292,7 +308,8 @@ class ToolCallParser:
         if hits:
             at, marker = min(hits)
             self._buf = buf[at + len(marker):]
-            self._enter("hermes" if marker == HERMES_OPEN else "mistral" if marker == MISTRAL_OPEN else "json")
+            self._enter("hermes" if marker == HERMES_OPEN else "mistral" if marker == MISTRAL_OPEN else "json",
+                        marked=True)
             before = buf[:at]
             self._started = self._started or bool(before.strip())
             return [] if self.calls and not before.strip() else self._text(before)
@@ -365,8 +382,8 @@ class ToolCallParser:
         self._mode, self._buf = "text", buf[end:]
         return self._emit(calls)
 
-    def _enter(self, mode: Literal["hermes", "mistral", "json"]) -> None:
-        self._mode, self._scan, self._searched = mode, JsonEnd(), 0
+    def _enter(self, mode: Literal["hermes", "mistral", "json"], marked: bool) -> None:
+        self._mode, self._scan, self._searched, self._marked = mode, JsonEnd(), 0, marked
 
     def _text(self, text: str) -> list[ParseEvent]:
         if not text:

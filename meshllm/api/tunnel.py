@@ -6,6 +6,14 @@ a generation with :class:`DeltaFrame` s and ends with exactly one :class:`Finish
 :class:`ErrorFrame`; an embedding request is answered by one :class:`EmbeddingsFrame` (or an
 error). Fields added since version 1 have defaults, so older peers' frames still decode.
 
+The caller holds a peer's answer to what its request allows (:class:`OutputBudget`): at most the
+request's ``max_tokens`` (else the context the peer announced), :data:`BYTES_PER_TOKEN` bytes of
+text per token, and no more token-less deltas than tokens. A peer that sends more is cut off with
+:class:`PeerOverran` (a 502, so the request fails over or replays elsewhere, and the driver strikes
+the peer); a peer can no longer stream without end into the node that routed to it. An error frame
+whose status is not an HTTP error status, or whose code is not a plain identifier, is a malformed
+answer: the client gets a clean 502, never the peer's status or bytes.
+
 The net layer's streams already frame and decode typed messages (``Stream.send(struct)`` /
 ``Stream.recv(type)``), so this core works on messages, not bytes: :class:`TunnelClient` and
 :class:`TunnelServer` are sans-IO state machines that turn engine events into frames and frames
@@ -16,6 +24,7 @@ response. The asyncio driver (``meshllm.api.mesh_backend``) only moves their fra
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 import msgspec
@@ -37,6 +46,14 @@ from meshllm.engine.base import (
 from meshllm.errors import DecodeError
 
 TUNNEL_VERSION = 1
+BYTES_PER_TOKEN = 256
+"""Most bytes of text (and of each logprob entry) one token may bring: the longest tokens of common
+vocabularies are 16-128 bytes, and a tail delta may flush a few held-back characters."""
+CONTEXT_CAP = 131072
+"""Tokens a peer may send for a request without ``max_tokens``: the context its record announces, at most this."""
+_CODE = re.compile(r"[a-z0-9_]{1,64}")
+MESSAGE_MAX = 2000
+"""Characters of a peer's error message passed on (the rest is cut)."""
 STREAM_KIND = "request"
 """The stream kind the tunnel is registered under on the QUIC endpoint."""
 
@@ -117,6 +134,55 @@ class RemoteError(ApiError):
         self.type = "invalid_request_error" if frame.status < 500 else "server_error"
 
 
+class PeerOverran(UpstreamError):
+    """The serving peer sent more than the request allows (tokens, bytes or empty deltas): it is cut off."""
+
+
+class OutputBudget:
+    """What a peer may send for one generation, counted as its deltas arrive (sans-IO)."""
+
+    def __init__(self, max_tokens: int, logprobs: int | None = None) -> None:
+        self.max_tokens = max_tokens
+        self.per_token = BYTES_PER_TOKEN * (1 if logprobs is None else 2 + logprobs)
+        """Bytes per token: its text, and with logprobs its own piece and ``logprobs`` alternatives."""
+        self.tokens = 0
+        self.bytes = 0
+        self.bare = 0
+        """Deltas that carried no token ids (a tail flushing held text; an engine that reports none)."""
+
+    @classmethod
+    def of(cls, request: GenerationRequest, context: int | None) -> OutputBudget:
+        """The budget of ``request`` on a peer announcing ``context`` tokens (0 or None: unknown). A
+        replay's engine sends only what follows its continuation, which counts against ``max_tokens``."""
+        params = request.params
+        limit = params.max_tokens or min(context or CONTEXT_CAP, CONTEXT_CAP)
+        return cls(max(0, limit - len(request.continuation)), params.logprobs)
+
+    def take(self, frame: DeltaFrame) -> None:
+        """Count ``frame``; :class:`PeerOverran` once the peer has sent more than the request allows."""
+        self.tokens += len(frame.tokens)
+        self.bare += not frame.tokens
+        self.bytes += len(frame.text.encode()) + sum(
+            len(lp.piece) + 16 + sum(len(t.piece) + 16 for t in lp.top) for lp in frame.logprobs)
+        if self.tokens > self.max_tokens:
+            raise PeerOverran(f"sent {self.tokens} tokens for a request of at most {self.max_tokens}")
+        if self.bare > self.tokens + 2:
+            raise PeerOverran(f"sent {self.bare} deltas without tokens for {self.tokens} tokens")
+        if self.bytes > self.per_token * (self.tokens + 1):
+            raise PeerOverran(f"sent {self.bytes} bytes for {self.tokens} tokens "
+                              f"(at most {self.per_token} per token)")
+
+
+def checked_error(frame: ErrorFrame) -> ApiError:
+    """The client's error for a peer's error frame: the peer's own when well-formed, else a 502."""
+    if not (400 <= frame.status <= 599) or not _CODE.fullmatch(frame.code):
+        return UpstreamError(f"the serving peer sent a malformed error (status {frame.status!r}, "
+                             f"code {frame.code[:64]!r})")
+    message, param = (None if text is None else "".join(c if c.isprintable() else " " for c in text[:MESSAGE_MAX])
+                      for text in (frame.message, frame.param))
+    return RemoteError(ErrorFrame(frame.status, frame.code, message or "", param))
+
+
 class ModelMismatch(ApiError):
     """A replay asked for a model file (sha256) this node does not serve under that model id."""
 
@@ -133,14 +199,20 @@ class TunnelClient:
 
     def __init__(self) -> None:
         self.state: Literal["idle", "open", "done"] = "idle"
+        self.budget: OutputBudget | None = None
+        """What the peer may send for a generation (None: an embeddings request, answered by one frame)."""
         self.model_sha256 = ""
         """The serving model file's sha256, from the first delta (empty until then, or if the peer did not say)."""
 
-    def start(self, request_id: str, request: Routable, deadline_ms: int, model_sha256: str = "") -> RequestFrame:
-        """The frame to send first (``model_sha256``: only that model file may serve it)."""
+    def start(self, request_id: str, request: Routable, deadline_ms: int, model_sha256: str = "",
+              context: int | None = None) -> RequestFrame:
+        """The frame to send first (``model_sha256``: only that model file may serve it; ``context``: the
+        context the peer announces for the model, which bounds a request without ``max_tokens``)."""
         if self.state != "idle":
             raise RuntimeError("tunnel already started")
         self.state = "open"
+        if not isinstance(request, EmbedRequest):
+            self.budget = OutputBudget.of(request, context)
         return RequestFrame(request_id=request_id, request=request, deadline_ms=deadline_ms,
                             model_sha256=model_sha256)
 
@@ -150,10 +222,14 @@ class TunnelClient:
         return CancelFrame(reason=reason)
 
     def receive(self, frame: ServerFrame) -> TunnelEvent:
-        """The engine event a frame carries; raises the peer's error as :class:`RemoteError`."""
+        """The engine event a frame carries; raises the peer's error as :class:`RemoteError` (a malformed
+        one as :class:`UpstreamError`), and :class:`PeerOverran` past the budget."""
         if self.state != "open":
             raise DecodeError(f"tunnel peer sent {type(frame).__name__} after the response ended")
         if isinstance(frame, DeltaFrame):
+            if self.budget is None:
+                raise DecodeError("tunnel peer sent a delta for an embeddings request")
+            self.budget.take(frame)
             self.model_sha256 = self.model_sha256 or frame.model_sha256
             return TextDelta(frame.text, frame.tokens, frame.logprobs, frame.final)
         self.state = "done"
@@ -162,7 +238,7 @@ class TunnelClient:
                                                            frame.cached_tokens), stop_sequence=frame.stop_sequence)
         if isinstance(frame, EmbeddingsFrame):
             return Embeddings(frame.vectors, frame.prompt_tokens)
-        raise RemoteError(frame)
+        raise checked_error(frame)
 
     def stream_ended(self) -> None:
         """The peer closed the stream; an error if the response was not complete."""

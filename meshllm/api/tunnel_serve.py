@@ -19,8 +19,9 @@ from meshllm.api.counters import RequestCounters
 from meshllm.api.errors import NoCapacity, UpstreamTimeout
 from meshllm.api.limits import Slots
 from meshllm.api.tunnel import CallerFrame, ModelMismatch, Routable, TunnelEvent, TunnelServer
-from meshllm.engine.base import EmbedRequest, Engine, Unsupported, check_supported
+from meshllm.engine.base import EmbedRequest, Engine, Unsupported
 from meshllm.engine.embed import embed_stream
+from meshllm.engine.recommended import admit
 from meshllm.identity.ids import short
 from meshllm.net.connection import PeerConnection
 from meshllm.net.errors import NetTimeout, StreamClosed
@@ -91,7 +92,7 @@ class TunnelService:
             events: AsyncIterator[TunnelEvent] = embed_stream(engine, request)
         else:
             try:
-                check_supported(engine, request)
+                request = admit(engine, request)
             except Unsupported as exc:
                 await stream.send(server.error(exc), timeout=SEND_TIMEOUT_S)
                 return

@@ -105,15 +105,27 @@ class NodeApi:
         answer). The iterator ends, without an error, when the stream closes, breaks, or stays silent
         for ``idle_timeout`` seconds; the caller decides whether to reconnect.
         """
+        with self.stream("GET", "/api/events", connect_timeout=connect_timeout, idle_timeout=idle_timeout) as events:
+            yield _until_broken(events)
+
+    @contextmanager
+    def stream(self, method: str, path: str, body: Any = None, *, connect_timeout: float = 5.0,
+               idle_timeout: float = 30.0) -> Iterator[Iterator[Event]]:
+        """One request whose answer is a server-sent-event stream; gives an iterator over its events.
+
+        Connecting fails as :meth:`request_json` does. The iterator raises :class:`NodeApiError` when
+        the stream breaks or stays silent for ``idle_timeout`` seconds (:meth:`events` turns that into
+        a quiet end). Leaving the block closes the connection, which tells the node to stop.
+        """
         timeout = httpx.Timeout(connect_timeout, read=idle_timeout)
+        headers = {"Accept": "text/event-stream", **self._headers()}
         try:
-            with _client(timeout) as client, client.stream(
-                "GET", self.url + "/api/events", headers={"Accept": "text/event-stream", **self._headers()}
-            ) as response:
+            with _client(timeout) as client, client.stream(method, self.url + path, json=body,
+                                                           headers=headers) as response:
                 if response.is_error:
                     response.read()  # a streamed response's error body must be read before it is reported
-                self._check("/api/events", response)
-                yield _until_broken(parse_sse(response.iter_lines()))
+                self._check(path, response)
+                yield _broken_as_error(self.url, parse_sse(response.iter_lines()), idle_timeout)
         except (httpx.ConnectError, httpx.ConnectTimeout):
             raise unreachable(self.url) from None
         except httpx.HTTPError as exc:
@@ -188,9 +200,20 @@ def _decode(kind: str, text: str) -> Event | None:
     return event
 
 
+def _broken_as_error(url: str, events: Iterator[Event], idle_timeout: float) -> Iterator[Event]:
+    """Yield from ``events``; a transport failure or silence becomes one :class:`NodeApiError`."""
+    try:
+        yield from events
+    except httpx.ReadTimeout:
+        raise NodeApiError(f"the node at {url} sent nothing for {idle_timeout:g} s",
+                           hint="it may be overloaded or stuck; check its log") from None
+    except httpx.TransportError as exc:
+        raise NodeApiError(f"the connection to {url} broke: {exc or type(exc).__name__}") from None
+
+
 def _until_broken(events: Iterator[Event]) -> Iterator[Event]:
     """Yield from ``events`` and end quietly when the transport fails or goes silent."""
     try:
         yield from events
-    except httpx.TransportError:
+    except NodeApiError:
         return

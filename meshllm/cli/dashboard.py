@@ -309,19 +309,40 @@ def active_transfers(snapshot: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return [t for t in snapshot.get("transfers") or [] if t.get("state") in ("fetching", "verifying")]
 
 
+def progress_text(progress: Mapping[str, Any]) -> str:
+    """``42%  10.5/25.0 MB  3.1 MB/s  ETA 5s`` of a transfer or a stage's fetch."""
+    done, total = int(progress.get("bytes_done") or 0), int(progress.get("bytes_total") or 0)
+    text = f"{100 * done / total:3.0f}%  " if total else "  ?%  "
+    text += f"{fmt_bytes(done)}/{fmt_bytes(total)}  {fmt_bytes(progress.get('rate_bytes_s') or 0)}/s"
+    eta = progress.get("eta_s")
+    if eta is not None and done < total:
+        text += f"  ETA {fmt_duration(float(eta))}"
+    return text
+
+
 def transfer_line(transfer: Mapping[str, Any], width: int) -> Text:
-    """``<- model layers a-b  42%  10.5/25.0 MB  3.1 MB/s  from coord, h1``: one model transfer in flight."""
-    done, total = int(transfer.get("bytes_done") or 0), int(transfer.get("bytes_total") or 0)
+    """``<- model layers a-b  42%  10.5/25.0 MB  3.1 MB/s  ETA 5s  from coord, h1``: one model transfer in flight."""
     layers = transfer.get("layers")
     what = f"layers {layers[0]}-{layers[1]}" if layers else str(transfer.get("kind", "whole"))
     holders = [h.get("name", "?") for h in transfer.get("holders") or [] if not h.get("dropped")]
     line = Text(no_wrap=True, overflow="ellipsis")
     line.append("  <- ", style="cyan")
     line.append(f"{transfer.get('model', '?')} {what}  ", style="bold")
-    line.append(f"{100 * done / total:3.0f}%  " if total else "  ?%  ")
-    line.append(f"{fmt_bytes(done)}/{fmt_bytes(total)}  {fmt_bytes(transfer.get('rate_bytes_s') or 0)}/s")
+    line.append(progress_text(transfer))
     if holders:
         line.append(f"  from {', '.join(holders)}", style="dim")
+    line.truncate(width)
+    return line
+
+
+def stage_fetch_line(stage: Mapping[str, Any], names: Mapping[str, str], width: int) -> Text:
+    """``stage w1 2-3  42%  10.5/25.0 MB  3.1 MB/s  ETA 5s``: a stage of a chain being placed, fetching its layers."""
+    node = str(stage.get("node_id", ""))
+    layers = stage.get("layers") or [0, 0]
+    line = Text(no_wrap=True, overflow="ellipsis")
+    line.append("   stage ", style="dim")
+    line.append(f"{names.get(node, stage.get('name') or short(node))} {layers[0]}-{layers[1] - 1}  ", style="bold")
+    line.append(progress_text(stage["fetch"]))
     line.truncate(width)
     return line
 
@@ -344,6 +365,8 @@ def render_splits(snapshot: Mapping[str, Any], width: int, max_rows: int | None)
         line.append(f"{str(split.get('model', '?'))[:label_w]:<{label_w}} ", style="bold")
         line.append_text(split_bar(split, names, colours, width - label_w - 1))
         rows.append(line)
+        if split.get("state") == "placing":
+            rows += [stage_fetch_line(stage, names, width) for stage in split.get("stages") or [] if stage.get("fetch")]
     rows += [transfer_line(t, width) for t in transfers]
     shown = rows if max_rows is None or len(rows) <= max_rows else rows[: max(0, max_rows - 1)]
     out += shown
@@ -443,7 +466,9 @@ def render_events(events: Sequence[Mapping[str, Any]], snapshot: Mapping[str, An
 def _table_rows(snapshot: Mapping[str, Any]) -> tuple[int, int, int]:
     peers = len(snapshot.get("peers") or [])
     nodes = len(matrix_nodes(snapshot))
-    return peers, nodes if nodes >= 2 else 0, len(snapshot.get("splits") or []) + len(active_transfers(snapshot))
+    splits = snapshot.get("splits") or []
+    fetching = sum(1 for s in splits if s.get("state") == "placing" for st in s.get("stages") or [] if st.get("fetch"))
+    return peers, nodes if nodes >= 2 else 0, len(splits) + fetching + len(active_transfers(snapshot))
 
 
 def fit(height: int | None, snapshot: Mapping[str, Any], n_events: int) -> tuple[int | None, ...]:

@@ -14,6 +14,13 @@ with the agent (``exec``), so the agent owns the terminal, its signals and its e
   user's config by opencode), the model as default and small model.
 - **goose**: its OpenAI provider pointed at the node (``OPENAI_HOST``, ``OPENAI_BASE_PATH``).
 
+Claude Code, codex and opencode also get the node's MCP server (``/mcp``: the blackboard, the
+mesh's status and models, ``ask``) as a streamable-HTTP server named ``meshllm``: ``--mcp-config``
+for Claude Code, an ``mcp_servers.meshllm`` override for codex (its bearer token in
+``MESHLLM_MCP_TOKEN``), an ``mcp`` entry in opencode's config. ``/mcp`` needs the node's admin token
+or an API key, so the agent gets the secret this command holds for the node (the API key when one
+is given, else the admin token from the home); goose takes no MCP headers and gets none.
+
 The API key (``--api-key`` / ``$MESHLLM_API_KEY``) is what the agent sends; without one a
 placeholder is sent (agents insist on a key), and it replaces any real provider key in the
 environment so that one never travels to the mesh. ``--print`` shows what would be set and run.
@@ -55,13 +62,24 @@ class Launch:
         return "\n".join([*lines, shlex.join(self.argv)])
 
 
+MCP_NAME = "meshllm"
+
+
 def plan(agent: str, api: str, model: str, *, api_key: str | None = None, context: int | None = None,
-         args: Sequence[str] = ()) -> Launch:
-    """The launch of ``agent`` against the node API ``api`` (no ``/v1``) serving ``model``."""
+         args: Sequence[str] = (), mcp_secret: str | None = None) -> Launch:
+    """The launch of ``agent`` against the node API ``api`` (no ``/v1``) serving ``model``.
+
+    ``mcp_secret``: the secret ``/mcp`` accepts (None: the agent gets no MCP server).
+    """
     key = api_key or PLACEHOLDER_KEY
+    mcp_url = api + "/mcp"
+    bearer = {"Authorization": f"Bearer {mcp_secret}"}
     if agent == "claude":
         tiers = {f"ANTHROPIC_DEFAULT_{tier}_MODEL": model for tier in ("OPUS", "SONNET", "HAIKU")}
-        return Launch(["claude", *args], {
+        servers = {"mcpServers": {MCP_NAME: {"type": "http", "url": mcp_url, "headers": bearer}}}
+        # last: --mcp-config takes several values, and would swallow a prompt that followed it
+        mcp = ["--mcp-config", json.dumps(servers)] if mcp_secret else []
+        return Launch(["claude", *args, *mcp], {
             "ANTHROPIC_BASE_URL": api, "ANTHROPIC_AUTH_TOKEN": key, "ANTHROPIC_API_KEY": key,
             "ANTHROPIC_MODEL": model, "ANTHROPIC_SMALL_FAST_MODEL": model, **tiers,
             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"})
@@ -69,8 +87,10 @@ def plan(agent: str, api: str, model: str, *, api_key: str | None = None, contex
         provider = (f"model_providers.meshllm={{ name = \"meshllm\", base_url = {json.dumps(api + '/v1')}, "
                     f"env_key = \"MESHLLM_API_KEY\", wire_api = \"responses\" }}")
         window = ["-c", f"model_context_window={context}"] if context else []
-        return Launch(["codex", "-c", provider, "-c", "model_provider=meshllm", *window, "-m", model, *args],
-                      {"MESHLLM_API_KEY": key})
+        mcp = ["-c", f"mcp_servers.{MCP_NAME}={{ url = {json.dumps(mcp_url)}, "
+                     f"bearer_token_env_var = \"MESHLLM_MCP_TOKEN\" }}"] if mcp_secret else []
+        return Launch(["codex", "-c", provider, "-c", "model_provider=meshllm", *window, *mcp, "-m", model, *args],
+                      {"MESHLLM_API_KEY": key, **({"MESHLLM_MCP_TOKEN": mcp_secret} if mcp_secret else {})})
     if agent == "opencode":
         # opencode compacts the conversation whenever input + output could overflow context - output:
         # an output limit equal to the context compacted after every turn, forever (seen with a 4K model).
@@ -80,6 +100,8 @@ def plan(agent: str, api: str, model: str, *, api_key: str | None = None, contex
                                            "options": {"baseURL": api + "/v1", "apiKey": key},
                                            "models": {model: {"name": model, **limits}}}},
                   "model": f"meshllm/{model}", "small_model": f"meshllm/{model}"}
+        if mcp_secret:
+            config["mcp"] = {MCP_NAME: {"type": "remote", "url": mcp_url, "headers": bearer, "enabled": True}}
         return Launch(["opencode", *args], {"OPENCODE_CONFIG_CONTENT": json.dumps(config)})
     if agent == "goose":
         return Launch(["goose", *(args or ["session"])], {
@@ -114,9 +136,10 @@ def launch(agent: str, agent_args: tuple[str, ...], api: NodeApi, model: str | N
     launch's own options, e.g. meshllm launch claude --model m -- -p "hello".
     """
     chosen, context = mesh_model(api, model)
-    # The agent gets the node's API key when one was given, never the admin token read from the home.
+    # The agent's model calls get the node's API key when one was given, never the admin token read from the
+    # home; its MCP server needs a secret that /mcp accepts, which is whichever this command holds.
     api_key = api.secret if api.source == "--api-key" else None
-    job = plan(agent, api.url, chosen, api_key=api_key, context=context, args=agent_args)
+    job = plan(agent, api.url, chosen, api_key=api_key, context=context, args=agent_args, mcp_secret=api.secret)
     if print_only:
         click.echo(job.shell())
         return

@@ -16,7 +16,24 @@ def cli() -> None:
 
 def _register() -> None:
     """Attach the subcommands (imported here so ``meshllm --version`` stays fast)."""
-    from meshllm.cli import auth, console, discover, invite, launch, mesh, models, owner, plan, publish, serve, status
+    from meshllm.cli import (
+        auth,
+        blackboard,
+        chat,
+        console,
+        discover,
+        doctor,
+        invite,
+        launch,
+        mesh,
+        models,
+        owner,
+        plan,
+        publish,
+        serve,
+        service,
+        status,
+    )
 
     cli.add_command(auth.auth)
     cli.add_command(mesh.mesh)
@@ -31,6 +48,10 @@ def _register() -> None:
     cli.add_command(discover.discover)
     cli.add_command(console.console)
     cli.add_command(launch.launch)
+    cli.add_command(chat.chat)
+    cli.add_command(service.service)
+    cli.add_command(doctor.doctor)
+    cli.add_command(blackboard.blackboard)
 
 
 def main() -> None:

@@ -3,7 +3,8 @@
 ``list`` (also plain ``meshllm models``) shows the models the mesh serves (from the running node at
 ``--api``) and the model files: this node's library (its home's ``models/`` and the folders in
 ``config.toml``) and what peers offer. ``pull REF`` puts a model into the library: ``hf:...`` is
-downloaded from Hugging Face (resuming an interrupted download); a name or id a peer offers is
+downloaded from Hugging Face (resuming an interrupted download; a progress bar on a terminal, a
+line per tenth otherwise, on stderr); a name or id a peer offers is
 fetched from the mesh by the running node. ``rm ID`` forgets a model and deletes the files the
 library made (never a file in your own folders). With ``--api`` the running node does the work;
 without it, ``pull hf:...``, ``list`` and ``rm`` work on the home's library directly.
@@ -25,6 +26,7 @@ from rich.table import Table
 from meshllm.cli.api_client import DEFAULT_API, NodeApi, NodeUnreachable
 from meshllm.cli.common import MeshllmGroup, api_option, echo_json, home_dir, json_option
 from meshllm.cli.dashboard import fmt_bytes
+from meshllm.cli.progress import progress_report
 from meshllm.models.hub import is_hub_ref
 
 
@@ -60,7 +62,8 @@ def pull(ref: str, api: NodeApi | None, as_json: bool, home: Path | None) -> Non
         from meshllm.models.library import Library
         from meshllm.models.routes import entry_json
 
-        entry = entry_json(hub_pull(ref, Library.for_home(home_dir(home))))
+        with progress_report(f"pulling {ref}") as report:
+            entry = entry_json(hub_pull(ref, Library.for_home(home_dir(home)), report=report))
     else:
         raise click.UsageError(f"{ref!r} is not an hf: reference; to fetch a model from the mesh, pass --api URL "
                                "of a running node")
@@ -106,11 +109,7 @@ def _pull_through(api: NodeApi, ref: str) -> dict[str, Any]:
 
     worker = threading.Thread(target=work, daemon=True)
     worker.start()
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
-
-    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task(f"pulling {ref}", total=None)
+    with progress_report(f"pulling {ref}") as report:
         while worker.is_alive():
             worker.join(0.5)
             try:
@@ -119,7 +118,7 @@ def _pull_through(api: NodeApi, ref: str) -> dict[str, Any]:
                 continue
             running = [t for t in transfers if t["state"] in ("fetching", "verifying")]
             if running:
-                bar.update(task, completed=running[0]["bytes_done"], total=running[0]["bytes_total"] or None)
+                report(running[0]["bytes_done"], running[0]["bytes_total"])
     if errors:
         raise errors[0]
     return result.get("entry") or {"id": result["id"], "name": result["name"], "path": result["path"],
@@ -127,6 +126,8 @@ def _pull_through(api: NodeApi, ref: str) -> dict[str, Any]:
 
 
 def _list(api: NodeApi | None, as_json: bool, home: Path | None) -> None:
+    from meshllm.api.auto import AUTO  # the API's modules load slowly: only for this command
+
     node = api or NodeApi.for_cli(DEFAULT_API, None, home)
     served: list[dict[str, Any]] = []
     mesh: list[dict[str, Any]] = []
@@ -136,7 +137,7 @@ def _list(api: NodeApi | None, as_json: bool, home: Path | None) -> None:
         status = node.get_json("/api/status")
         own_id = status["node_id"]
         names = {p["node_id"]: p["name"] for p in status["peers"]}
-        served = [_row(entry, own_id) for entry in listing]
+        served = [_row(entry, own_id) for entry in listing if entry["id"] != AUTO]  # auto is a router, not a model
         library = node.get_json("/api/models")
         files, mesh = library["library"], library["mesh"]
     except NodeUnreachable:

@@ -50,6 +50,8 @@ def node_options(func: Any) -> Any:
         click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
                      help="Web origin whose pages may use the API, e.g. https://app.example.com (repeatable; "
                           "pages served from localhost are always allowed; '*': any)."),
+        click.option("--metrics-public", is_flag=True,
+                     help="Serve GET /metrics without the admin token or an API key (for a scraper)."),
         click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
                      help="Host name clients may use in URLs besides localhost and IP addresses (repeatable; "
                           "guards against DNS rebinding; '*': any, behind a proxy that checks it)."),
@@ -154,6 +156,7 @@ def _run(join_token: str | None, *, home: Path | None, name: str, api_port: int,
          stages: int | None, split_batch: int, max_memory: float | None, speculate: str | None,
          split_audit: float | None, split_audit_memory: float | None, api_keys: tuple[str, ...],
          api_key_file: Path | None, cors_origins: tuple[str, ...], allowed_hosts: tuple[str, ...], standby: bool,
+         metrics_public: bool,
          standby_idle_s: float, lookup_timeout: float = 15.0) -> None:
     from meshllm.node import Node, NodeOptions
 
@@ -177,7 +180,8 @@ def _run(join_token: str | None, *, home: Path | None, name: str, api_port: int,
         speculate=speculate or config.speculate,  # type: ignore[arg-type]
         dht_bootstrap=dht_peers, dht_port=dht_port, listing_ttl_s=listing_ttl, relay=relay,  # type: ignore[arg-type]
         api_keys=[*api_keys, *_key_file(api_key_file)], cors_origins=list(cors_origins),
-        allowed_hosts=list(allowed_hosts), standby=standby, standby_idle_s=standby_idle_s,
+        allowed_hosts=list(allowed_hosts), metrics_public=metrics_public, standby=standby,
+        standby_idle_s=standby_idle_s,
     )
     asyncio.run(_serve(Node(options, hub), log_format))
 

@@ -11,7 +11,7 @@ through :class:`DhtNode`, whose every method has a deadline. What is stored wher
   asks each provider for its listings over the ``/meshllm/listings/1.0.0`` protocol (Kademlia
   provider records name peers, not meshes).
 
-Security choices (see /work/shared/FACTS.md): Noise is the only security transport (py-libp2p's
+Security choices: Noise is the only security transport (py-libp2p's
 default list also admits plaintext and secio), ``max_connections_per_peer=1`` (else each dial
 waits 250 ms), and the DHT runs in strict validation mode (keys outside our validators are refused).
 """

@@ -144,7 +144,7 @@ def verify_listing(raw: bytes, now: float, expected_mesh_id: str | None = None) 
 
 def open_invite_of(listing: MeshListing) -> Invite:
     """The listing's open invite, decoded (call only on a listing :func:`verify_listing` returned)."""
-    return verify_invite(decode_token(listing.open_invite))
+    return verify_invite(decode_token(listing.open_invite).invite)
 
 
 def _open_invite(listing: MeshListing, mesh_pub: bytes) -> Invite:

@@ -37,7 +37,7 @@ from meshllm.discovery.listing import (
 from meshllm.discovery.mdns import MdnsAdvertiser
 from meshllm.discovery.quic_listing import ListingServer
 from meshllm.errors import ConfigError, MeshllmError
-from meshllm.mesh.admission import MeshKey, decode_token, verify_invite
+from meshllm.mesh.admission import MeshKey, inspect_token
 from meshllm.mesh.demand import record_demand, wanted_models
 from meshllm.mesh.records import PeerRecord
 from meshllm.net.endpoint import Endpoint
@@ -188,7 +188,7 @@ class Publisher:
 
     def _open_invite(self, bootstrap: list[str], now: float) -> str:
         """The open invite, reused until half its life is gone (older listings' invites stay valid)."""
-        if self._invite is None or verify_invite(decode_token(self._invite)).expires - now < OPEN_INVITE_TTL_S / 2:
+        if self._invite is None or inspect_token(self._invite).expires - now < OPEN_INVITE_TTL_S / 2:
             self._invite = new_open_invite(self.mesh_key, bootstrap, now)
         return self._invite
 

@@ -15,11 +15,15 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
+from msgspec import Meta
 
 from meshllm.errors import MeshllmError
+
+if TYPE_CHECKING:
+    from meshllm.engine.recommended import Recommended
 
 FinishReason = Literal["stop", "length"]
 """``stop``: end-of-sequence token or a stop string; ``length``: ``max_tokens`` or context full."""
@@ -89,25 +93,51 @@ class EngineNotLoaded(EngineError):
     """``generate`` was called before ``load`` finished, or after ``close``."""
 
 
-class GenerationParams(msgspec.Struct, frozen=True, kw_only=True):
-    """Sampling and stopping controls shared by chat and text completion."""
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """How the next token is chosen: the one declaration of the sampling fields, shared by the API's
+    :class:`GenerationParams`, the split wire (:class:`meshllm.split.frames.Sampling`) and both
+    samplers (``engine/sampler.py``, ``engine/llama_sampling.py``), which apply them in llama.cpp's
+    order (penalties, top-k, top-p, min-p, temperature, draw)."""
+
+    temperature: float = 1.0
+    """0 (or below) is greedy: always the most likely token (deterministic without a seed)."""
+    top_p: float = 1.0
+    """Keep the smallest set of most likely tokens whose probability reaches top_p; 1 keeps all."""
+    top_k: Annotated[int, Meta(ge=0)] | None = None
+    """Keep only the k most likely tokens; ``None`` or 0: no top-k cut."""
+    min_p: float = 0.0
+    """Drop tokens less likely than ``min_p`` times the most likely one (llama.cpp's min-p); 0 keeps all."""
+    repeat_penalty: float = 1.0
+    """llama.cpp's repetition penalty over the recent tokens: positive logits divided by it, negative
+    ones multiplied; 1 is off."""
+    presence_penalty: float = 0.0
+    """OpenAI: subtract this from the logit of every token seen in the penalty window."""
+    frequency_penalty: float = 0.0
+    """OpenAI: subtract this times the token's count in the penalty window."""
+    seed: int | None = None
+    """Same seed, prompt and parameters give the same text on any engine and any chain. The random
+    draw of step ``k`` (the ``k``-th generated token) is ``step_uniform(seed, k)``
+    (:func:`meshllm.engine.sampler.step_uniform`), so an engine resuming from a
+    :attr:`ChatRequest.continuation` of ``k`` tokens draws what the first engine would have."""
+
+
+class GenerationParams(SamplingParams, frozen=True, kw_only=True):
+    """Sampling (:class:`SamplingParams`) and stopping controls shared by chat and text completion."""
 
     max_tokens: int | None = None
     """Most tokens to generate; ``None``: the serving engine's default cap (:data:`DEFAULT_MAX_TOKENS`
     unless configured). Always clamped to the context left after the prompt."""
-    temperature: float = 1.0
-    """0 means greedy (deterministic without a seed)."""
-    top_p: float = 1.0
-    top_k: int | None = None
-    """``None`` or 0: no top-k cut."""
-    seed: int | None = None
-    """Same seed, prompt and parameters on the same engine give the same text. The random draw of
-    step ``k`` (the ``k``-th generated token) depends only on ``(seed, k)``, so an engine resuming
-    from a :attr:`ChatRequest.continuation` of ``k`` tokens draws what the first engine would have."""
     stop: tuple[str, ...] = ()
     """Generation ends *before* the first occurrence of any of these; the stop text is not returned."""
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    left_out: tuple[str, ...] = ()
+    """Sampling fields the client did not set (``temperature``, ``top_p``, ``top_k``, ``min_p``,
+    ``repeat_penalty``): the node that serves the request fills them with the model's recommended
+    sampling (:mod:`meshllm.engine.recommended`) before its engine runs it; the values above are
+    the fallbacks. ``max_tokens`` left out is ``None``."""
+    end_on_repeated_call: bool = False
+    """End the reply at a tool call (``<tool_call>`` block) identical to one it already made: set for a
+    forced ``tool_choice`` that allows parallel calls, whose grammar would let the model repeat its
+    call until ``max_tokens`` (``meshllm.engine.text.RepeatedCallStop``)."""
     grammar: str | None = None
     """A GBNF grammar (llama.cpp syntax, start rule ``root``) that every sampled token must keep the
     text inside; the API builds it from ``response_format`` and ``tool_choice``. ``None``: free text.
@@ -300,6 +330,9 @@ class Engine(ABC):
 
     model_id: str
     """The API id this engine serves (see ``meshllm.models.refs``)."""
+    recommended: Recommended | None = None
+    """The model's recommended sampling, filled into what a request leaves out (set by the node that
+    loads the engine; :func:`meshllm.engine.recommended.admit`)."""
     supports: frozenset[str] = frozenset()
     """Optional request features this engine honours (:data:`GRAMMAR`, :data:`LOGPROBS`,
     :data:`TOKEN_PROMPTS`); :func:`check_supported` refuses the others before ``generate``."""
@@ -328,9 +361,19 @@ class Engine(ABC):
         Closing the iterator early cancels the generation between two tokens.
         """
 
+    @property
+    def native_tools(self) -> bool:
+        """Whether the model's chat template renders tools itself (otherwise they are emulated)."""
+        return False
+
     def speculation_status(self) -> dict[str, object] | None:
         """Speculative decoding figures for ``/api/status`` (``None``: this engine does not speculate itself)."""
         return None
+
+    @property
+    def listed(self) -> bool:
+        """Whether ``/v1/models`` lists the model now (a split model only once its chain can serve)."""
+        return True
 
 
 def check_supported(engine: Engine, request: GenerationRequest) -> None:

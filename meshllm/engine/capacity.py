@@ -48,6 +48,54 @@ def measure_gflops(n: int = BENCH_N, repeats: int = BENCH_REPEATS) -> float:
     return round(2 * n**3 / max(best, 1e-9) / 1e9, 2)
 
 
+MEASURE_LAYERS = 2
+"""Blocks of the model :func:`measure_layer_seconds` loads and times."""
+MEASURE_STEPS = 8
+
+
+def measure_layer_seconds(path: Path, layers: int = MEASURE_LAYERS, steps: int = MEASURE_STEPS) -> float:
+    """Seconds one block of the model at ``path`` takes for one decode step on this machine's CPU.
+
+    The first ``layers`` blocks are loaded with the ggml stage runtime (the split runtime, with the
+    node's default threads and kernels) and decoded ``steps`` times; the best step counts, as in
+    :func:`measure_gflops` (another process taking the cores only ever makes a step slower). Decode
+    is bound by memory bandwidth, not by matmul speed, so this is what a chain's compute costs; a
+    GFLOP/s figure predicted the default model 10-20x too slow (issue 29). Raises :class:`MeshllmError`
+    when the runtime cannot load the model."""
+    from meshllm.engine.ggml import StageModel
+    from meshllm.engine.ggml.hparams import read_hparams
+    from meshllm.models.gguf_file import GGUFFile
+
+    n_layers = read_hparams(GGUFFile(path)).n_layers
+    stage = StageModel.load(path, 0, min(layers, n_layers), max_context=steps + 1, gpu_layers=0)
+    try:
+        best = float("inf")
+        for step in range(steps):
+            start = time.perf_counter()
+            stage.forward("measure", np.array([step + 1], dtype=np.int64), step, last_only=True)
+            best = min(best, time.perf_counter() - start)
+    finally:
+        stage.close()
+    return best / min(layers, n_layers)
+
+
+def release_freed_memory() -> None:
+    """Hand memory freed by an unloaded model back to the system (glibc's ``malloc_trim``).
+
+    llama.cpp frees a model's and context's buffers on close, but glibc keeps freed heap in its arenas
+    for reuse: measured on the default model, 20 load/unload cycles left the process at 264-269 MB
+    (a plateau from the third cycle, not a leak), and ``malloc_trim(0)`` took it back to 85 MB. Other
+    C libraries (or none found) leave it as it is.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    if trim is not None:
+        trim(0)
+
+
 def compute_devices() -> list[Device]:
     """ggml's devices, or an empty list when its libraries cannot be checked (reported, never fatal)."""
     try:

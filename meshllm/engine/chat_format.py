@@ -1,7 +1,7 @@
 """How a conversation becomes a prompt, shared by every engine (llama.cpp, numpy, split).
 
 An explicit format wins; else the GGUF's own template (Jinja, rendered as llama.cpp and
-transformers render it); else our format for the model's architecture family (the default Gemma 3
+transformers render it); else our format for the model's architecture family (the bundled Gemma 3
 270M has no template). Keying by family keeps every engine on the same format for the same file.
 
 Nothing the client sent is dropped on the way:

@@ -89,7 +89,7 @@ from meshllm.engine.speculate import (
     expected_tokens,
     verify_window,
 )
-from meshllm.engine.text import TextStream, token_budget
+from meshllm.engine.text import TextStream, token_budget, tokenize_bounded
 from meshllm.models.metadata import ArrayInfo, GGUFMetadata, read_metadata
 from meshllm.models.refs import ModelRef
 
@@ -272,6 +272,10 @@ class LlamaEngine(Engine):
         self._thread = threading.Thread(target=self._worker, name=f"llama-{self.model_id}", daemon=True)
         self._thread.start()
 
+    @property
+    def native_tools(self) -> bool:
+        return self._render is not None and self._render.knows_tools
+
     async def close(self) -> None:
         """Refuse new work, end what is running with an error, free the model."""
         with self._cond:
@@ -326,17 +330,24 @@ class LlamaEngine(Engine):
                 rendered = self._render.render(request)
             except Exception as exc:  # templates raise for conversations they cannot express
                 raise BadChat(f"model {self.model_id} cannot render this conversation: {exc}") from exc
-            tokens = model.tokenize(rendered.prompt.encode("utf-8"), add_special=not rendered.added_special,
-                                    parse_special=True)
+            tokens = self._text_tokens(rendered.prompt, add_special=not rendered.added_special, parse_special=True)
             stops += rendered.stop
         elif isinstance(request.prompt, str):
-            tokens = model.tokenize(request.prompt.encode("utf-8"), add_special=True, parse_special=False)
+            tokens = self._text_tokens(request.prompt, add_special=True, parse_special=False)
         else:
             tokens = list(request.prompt)
             model.check_tokens(tokens, "the prompt")
         if not tokens:
             raise InvalidRequest("the prompt is empty: this model adds no start token, so give it some text")
         return tokens, tuple(s for s in stops if s)
+
+    def _text_tokens(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        """Tokens of a text prompt, the work bounded by the context (:func:`tokenize_bounded`)."""
+        model = self._require()
+        return tokenize_bounded(
+            lambda b: model.tokenize(b, add_special=add_special, parse_special=parse_special),
+            lambda b: len(model.tokenize(b, add_special=False, parse_special=parse_special)),
+            text.encode("utf-8"), self._n_ctx_seq, model.longest_token, self.model_id)
 
     def _prepare(self, request: GenerationRequest) -> _Job:
         """Tokens, text stream and samplers of ``request``, the continuation replayed (a worker thread)."""
@@ -348,7 +359,8 @@ class LlamaEngine(Engine):
         limit = token_budget(len(tokens), self._n_ctx_seq, request.params.max_tokens, self.model_id,
                              default=self.default_max_tokens)
         text = TextStream(is_end=model.is_eog, token_bytes=model.piece, stops=stops, limit=limit,
-                          prompt_tokens=len(tokens))
+                          prompt_tokens=len(tokens),
+                          end_on_repeated_call=request.params.end_on_repeated_call)
         text.replay(request.continuation)
         sampler = None
         if not text.done:

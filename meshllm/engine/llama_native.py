@@ -55,6 +55,14 @@ def _init_backend() -> None:
             _backend_ready = True
 
 
+def longest_token(vocab: ctypes.c_void_p | int) -> int:
+    """Most bytes any one token of ``vocab`` stands for in a prompt, read from its stored text (which
+    spells a space or a byte in more bytes than it stands for, so this bounds from above). A prompt of
+    ``n`` bytes has at least ``n / longest_token`` tokens (:func:`meshllm.engine.text.tokenize_bounded`)."""
+    get = L.llama_vocab_get_text
+    return max((len(get(vocab, t) or b"") for t in range(int(L.llama_vocab_n_tokens(vocab)))), default=1) or 1
+
+
 class NativeModel:
     """Weights and vocabulary of one GGUF."""
 
@@ -78,6 +86,7 @@ class NativeModel:
         self.n_ctx_train = int(L.llama_model_n_ctx_train(ptr))
         self.bos = int(L.llama_vocab_bos(self.vocab))
         self.eos = int(L.llama_vocab_eos(self.vocab))
+        self.longest_token = longest_token(self.vocab)
         self._pieces: dict[int, bytes] = {}
         self._eog: dict[int, bool] = {}
 
@@ -261,18 +270,24 @@ class NativeSampler:
 
     @classmethod
     def chain(cls, model: NativeModel, *, presence: float, frequency: float, top_k: int, top_p: float,
-              temperature: float | None, penalty_window: int) -> NativeSampler | None:
-        """Penalties, top-k, top-p and temperature in llama.cpp's order (``None`` when all are off)."""
-        for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency), ("top_p", top_p)):
+              temperature: float | None, penalty_window: int, min_p: float = 0.0,
+              repeat: float = 1.0) -> NativeSampler | None:
+        """Penalties, top-k, top-p, min-p and temperature in llama.cpp's order (``None`` when all are off)."""
+        for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency), ("top_p", top_p),
+                            ("min_p", min_p), ("repeat_penalty", repeat)):
             if not np.isfinite(value):
                 raise InvalidRequest(f"{name} must be a finite number")
+        if repeat <= 0.0:
+            raise InvalidRequest("repeat_penalty must be positive")  # llama.cpp divides by it
         parts = []
-        if presence or frequency:
-            parts.append(L.llama_sampler_init_penalties(model.n_vocab, penalty_window, 1.0, frequency, presence))
+        if presence or frequency or repeat != 1.0:
+            parts.append(L.llama_sampler_init_penalties(model.n_vocab, penalty_window, repeat, frequency, presence))
         if 0 < top_k < model.n_vocab:
             parts.append(L.llama_sampler_init_top_k(top_k))
         if temperature is not None and 0.0 < top_p < 1.0:
             parts.append(L.llama_sampler_init_top_p(top_p, 1))
+        if temperature is not None and 0.0 < min_p <= 1.0:
+            parts.append(L.llama_sampler_init_min_p(min_p, 1))
         if temperature is not None:
             if not (np.isfinite(temperature) and temperature > 0):
                 raise InvalidRequest("temperature must be a positive finite number for sampling")

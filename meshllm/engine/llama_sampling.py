@@ -1,9 +1,12 @@
 """Choosing a slot's next token: llama.cpp's samplers, and a random draw that depends on (seed, step) only.
 
-Penalties, top-k, top-p and temperature run as one llama.cpp sampler chain per slot; a GBNF grammar
+Penalties (repetition, presence, frequency), top-k, top-p, min-p and temperature run as one llama.cpp
+sampler chain per slot; a GBNF grammar
 is a second sampler of the same slot. The final random draw is ours: a uniform number computed
-from the request's seed and the step (the index of the token being generated), so the draw of
-step ``k`` does not depend on how many draws came before it. An engine that resumes a request
+from the request's seed and the step (the index of the token being generated,
+:func:`meshllm.engine.sampler.step_uniform`), inverted over the candidates in token-id order as the
+numpy sampler does, so the draw of step ``k`` does not depend on how many draws came before it, nor
+on the engine. An engine that resumes a request
 from ``k`` tokens generated elsewhere (``continuation``) feeds them to the samplers' histories and
 then draws what the first engine would have drawn at step ``k``.
 
@@ -14,31 +17,18 @@ vocabulary constrained and the choice made again, with the same uniform number.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from meshllm.engine.base import GenerationParams, InvalidRequest, TokenLogprob
 from meshllm.engine.llama_native import Candidates, NativeModel, NativeSampler
-from meshllm.engine.sampler import check_logprobs, logprob_entry, token_logprobs
-
-PENALTY_WINDOW = 64
-"""Tokens the presence/frequency penalties look back over (as the numpy sampler's ``repeat_last_n``)."""
-_MASK = (1 << 64) - 1
-
-
-def step_uniform(seed: int, step: int) -> float:
-    """A uniform number in [0, 1) that is a function of ``(seed, step)`` alone (SplitMix64 of both)."""
-    x = ((seed & _MASK) * 0x9E3779B97F4A7C15 + (step & _MASK) * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) & _MASK
-    for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
-        x = ((x ^ (x >> shift)) * mult) & _MASK
-    x ^= x >> 31
-    return (x >> 11) / float(1 << 53)
-
-
-def request_seed(params: GenerationParams) -> int:
-    """The request's seed, or a fresh random one when it has none."""
-    return params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+from meshllm.engine.sampler import (
+    PENALTY_WINDOW,
+    check_logprobs,
+    logprob_entry,
+    request_seed,
+    step_uniform,
+    token_logprobs,
+)
 
 
 class SlotSampler:
@@ -54,7 +44,7 @@ class SlotSampler:
         try:
             self.chain = NativeSampler.chain(
                 model, presence=params.presence_penalty, frequency=params.frequency_penalty,
-                top_k=params.top_k or 0, top_p=params.top_p,
+                top_k=params.top_k or 0, top_p=params.top_p, min_p=params.min_p, repeat=params.repeat_penalty,
                 temperature=None if self.greedy else params.temperature, penalty_window=PENALTY_WINDOW)
         except BaseException:
             self.close()
@@ -88,7 +78,9 @@ class SlotSampler:
             return None
         if self.greedy:
             return int(ids[int(np.argmax(z))])
-        w = np.exp(z.astype(np.float64) - z[finite].max())
+        order = np.argsort(ids, kind="stable")  # token-id order, as the numpy sampler draws
+        ids, z = ids[order], z[order]
+        w = np.exp(z.astype(np.float64) - z[np.isfinite(z)].max())
         cum = np.cumsum(w)
         return int(ids[min(int(np.searchsorted(cum, u * cum[-1], side="right")), len(ids) - 1)])
 

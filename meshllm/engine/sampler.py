@@ -1,8 +1,10 @@
 """Choosing the next token from logits: penalties, grammar, greedy, temperature, top-k, top-p, min-p.
 
 The order follows llama.cpp's default chain (penalties, top-k, top-p, min-p, temperature, draw), so
-the same parameters mean the same thing on either engine. Randomness comes from a numpy ``Generator``
-seeded per request: the same seed, prompt and parameters give the same tokens.
+the same parameters mean the same thing on either engine. The draw of the ``k``-th generated token is
+the uniform number :func:`step_uniform` ``(seed, k)``, inverted over the surviving candidates' weights
+in token-id order, exactly as :mod:`meshllm.engine.llama_sampling` draws: a seeded request resumed on
+another engine or a rebuilt split chain at step ``k`` continues with the tokens the first would have drawn.
 
 A grammar (:class:`meshllm.engine.constrained.Grammar`) is checked the way llama.cpp's server and
 our llama.cpp engine check it: the token drawn without it is kept when the grammar allows it (one
@@ -13,13 +15,14 @@ the same uniform number. The log-probabilities an engine reports are the raw log
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from meshllm.engine.base import GenerationParams, InvalidRequest, TokenLogprob, TopLogprob
+from meshllm.engine.base import GenerationParams, InvalidRequest, SamplingParams, TokenLogprob, TopLogprob
 
 if TYPE_CHECKING:
     from meshllm.engine.constrained import Grammar
@@ -28,40 +31,33 @@ MAX_LOGPROBS = 20
 """Most alternatives per token a request may ask for (OpenAI's ``top_logprobs`` limit)."""
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """OpenAI-like sampling controls plus llama.cpp's min-p and repetition penalty."""
-
-    temperature: float = 1.0
-    """0 (or below) is greedy: always the most likely token."""
-    top_k: int = 0
-    """Keep only the k most likely tokens; 0 keeps all."""
-    top_p: float = 1.0
-    """Keep the smallest set of most likely tokens whose probability reaches top_p; 1 keeps all."""
-    min_p: float = 0.0
-    """Drop tokens less likely than min_p times the most likely one; 0 keeps all."""
-    repeat_penalty: float = 1.0
-    """Divide positive (multiply negative) logits of recently seen tokens by this; 1 is off."""
-    repeat_last_n: int = 64
-    """How many of the latest tokens the penalties look at."""
-    presence_penalty: float = 0.0
-    """OpenAI: subtract this from the logit of every token seen in the window."""
-    frequency_penalty: float = 0.0
-    """OpenAI: subtract this times the token's count in the window."""
-    seed: int | None = None
-    """Seed of the random draw; None draws a fresh one."""
+PENALTY_WINDOW = 64
+"""Tokens the repetition/presence/frequency penalties look back over (both engines)."""
+_MASK = (1 << 64) - 1
 
 
-def sampling_params(params: GenerationParams) -> SamplingParams:
-    """OpenAI semantics for the API's parameters: no min-p and no repetition penalty unless asked."""
-    return SamplingParams(
-        temperature=params.temperature,
-        top_k=params.top_k or 0,
-        top_p=params.top_p,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        seed=params.seed,
-    )
+def step_uniform(seed: int, step: int) -> float:
+    """The uniform number in [0, 1) of draw ``step`` (SplitMix64 of ``(seed, step)``): a function of
+    both alone, so whichever engine or chain draws step ``k`` of a seeded request draws the same."""
+    x = ((seed & _MASK) * 0x9E3779B97F4A7C15 + (step & _MASK) * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) & _MASK
+    for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+        x = ((x ^ (x >> shift)) * mult) & _MASK
+    x ^= x >> 31
+    return (x >> 11) / float(1 << 53)
+
+
+def request_seed(params: SamplingParams) -> int:
+    """The request's seed, or a fresh random one when it has none."""
+    return params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+
+
+def check_sampling(params: SamplingParams) -> None:
+    """Refuse values the penalties cannot use (the API bounds every field; a peer's request is
+    checked again here, so a bad value is a clear error rather than a division by zero)."""
+    if not (math.isfinite(params.min_p) and 0.0 <= params.min_p <= 1.0):
+        raise InvalidRequest(f"min_p must be between 0 and 1, not {params.min_p}")
+    if not (math.isfinite(params.repeat_penalty) and params.repeat_penalty > 0.0):
+        raise InvalidRequest(f"repeat_penalty must be a positive number, not {params.repeat_penalty}")
 
 
 class Sampler:
@@ -71,10 +67,21 @@ class Sampler:
     (so a caller never feeds the grammar itself, and a rejected draft never reaches it).
     """
 
-    def __init__(self, params: SamplingParams, grammar: Grammar | None = None) -> None:
+    def __init__(self, params: SamplingParams, grammar: Grammar | None = None, *, step: int = 0) -> None:
+        """``step``: the index of the first token this sampler draws (the tokens a request already
+        generated elsewhere), so its draws continue that request's stream."""
+        check_sampling(params)
         self.params = params
         self.grammar = grammar
-        self._rng = np.random.default_rng(params.seed)
+        self.seed = request_seed(params)
+        self.step = step
+        """The index of the next draw: every call (and :meth:`judge`) takes draw ``step`` and moves on."""
+        self._top_k = params.top_k or 0
+
+    def _uniform(self) -> float:
+        u = step_uniform(self.seed, self.step)
+        self.step += 1
+        return u
 
     def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int | None:
         """The next token given ``logits`` [vocab] and the tokens so far (for the penalties).
@@ -85,7 +92,9 @@ class Sampler:
         top-p sorts only the tokens that can be in its set, and the draw inverts block sums.
         """
         logits = self._penalized(np.asarray(logits, dtype=np.float32), history)
-        u = self._rng.random() if self.params.temperature > 0.0 else 0.0
+        u = self._uniform()
+        if self.params.temperature <= 0.0:
+            u = 0.0
         token: int | None = self._pick(logits, u)
         grammar = self.grammar
         if grammar is not None:
@@ -116,11 +125,11 @@ class Sampler:
         logits = self._penalized(np.asarray(logits, dtype=np.float32), history)
         if not 0 <= token < logits.size:
             return False, self(logits)
+        u = self._uniform()
         if self.params.temperature <= 0.0:
             best = int(np.argmax(logits))
             return bool(logits[token] >= logits[best] - eps), best
         ids, w = self._weights(logits)
-        u = self._rng.random()
         pick = _draw(w, u)
         expected = pick if ids is None else int(ids[pick])
         if token == expected:
@@ -137,7 +146,7 @@ class Sampler:
     def _weights(self, logits: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
         """Candidate ids (None: all) and their unnormalised weights after top-k, min-p, top-p, temperature."""
         p = self.params
-        ids = _candidates(logits, p.top_k)
+        ids = _candidates(logits, self._top_k)
         z = logits if ids is None else logits[ids]
         z = z - z.max()
         w = np.exp(z / np.float32(p.temperature))
@@ -155,7 +164,7 @@ class Sampler:
         p = self.params
         if not history or (p.repeat_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0):
             return logits
-        recent = np.asarray(history[-p.repeat_last_n :] if p.repeat_last_n > 0 else history, dtype=np.int64)
+        recent = np.asarray(history[-PENALTY_WINDOW:], dtype=np.int64)
         seen, counts = np.unique(recent, return_counts=True)
         out = logits.copy()
         vals = out[seen]
@@ -240,7 +249,8 @@ _STRIDE = 64
 
 
 def _candidates(logits: np.ndarray, top_k: int) -> np.ndarray | None:
-    """Token ids still in play after top-k; ``None`` for all of them (top_k 0 or not below the vocabulary).
+    """Token ids still in play after top-k, ascending (the draw walks candidates in id order, as
+    :mod:`meshllm.engine.llama_sampling` does); ``None`` for all of them (top_k 0 or not below the vocabulary).
 
     The k-th largest of every 64th logit is a lower bound for the k-th largest of all (those k are
     among all), so one comparison leaves a short list to partition instead of the whole vocabulary.
@@ -250,5 +260,5 @@ def _candidates(logits: np.ndarray, top_k: int) -> np.ndarray | None:
     if logits.size // _STRIDE > top_k:
         bound = np.partition(logits[::_STRIDE], -top_k)[-top_k]
         shortlist = np.flatnonzero(logits >= bound)
-        return shortlist[np.argpartition(-logits[shortlist], top_k - 1)[:top_k]]
-    return np.argpartition(-logits, top_k - 1)[:top_k]
+        return np.sort(shortlist[np.argpartition(-logits[shortlist], top_k - 1)[:top_k]])
+    return np.sort(np.argpartition(-logits, top_k - 1)[:top_k])

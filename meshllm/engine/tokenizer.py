@@ -3,7 +3,7 @@
 Loading only the vocabulary takes well under a second and no weight memory, and reusing llama.cpp's
 tokenizer guarantees the ggml stage runtime sees exactly the token ids llama.cpp would, which the
 comparison tests (and mixed llama.cpp / ggml-runtime meshes) depend on. Chat prompts come from the GGUF's
-template when it has one, else from the family's llama-cpp-python format (the default Gemma 3 270M has
+template when it has one, else from the family's llama-cpp-python format (the bundled Gemma 3 270M has
 no template): :func:`meshllm.engine.chat_format.chat_renderer`, as :class:`meshllm.engine.llama.LlamaEngine`.
 """
 
@@ -17,6 +17,8 @@ from llama_cpp import Llama
 
 from meshllm.engine.base import BadChat, ChatRequest, GenerationRequest, Unsupported
 from meshllm.engine.chat_format import ChatTemplate, chat_renderer, family_of
+from meshllm.engine.llama_native import longest_token
+from meshllm.engine.text import tokenize_bounded
 
 
 class Tokenizer:
@@ -25,6 +27,7 @@ class Tokenizer:
     def __init__(self, path: str | Path, architecture: str, chat_template: str | None) -> None:
         self._llama = Llama(model_path=str(path), vocab_only=True, verbose=False)
         self._vocab = self._llama._model.vocab
+        self.longest_token = longest_token(self._vocab)
         self._render: ChatTemplate
         self._render, self.chat_format = chat_renderer(self._llama, family_of(architecture), chat_template)
 
@@ -44,10 +47,12 @@ class Tokenizer:
         """Whether ``token`` ends generation (EOS, end of turn and the model's other end markers)."""
         return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
 
-    def request_prompt(self, request: GenerationRequest, model_id: str) -> tuple[list[int], tuple[str, ...]]:
+    def request_prompt(self, request: GenerationRequest, model_id: str, context: int
+                       ) -> tuple[list[int], tuple[str, ...]]:
         """The tokens to feed for an API request and its stop strings (the client's plus the chat format's).
 
-        Raises :class:`BadChat` when the chat format cannot express the conversation.
+        Raises :class:`BadChat` when the chat format cannot express the conversation, and
+        :class:`PromptTooLong` as soon as a text prompt is seen not to fit ``context`` (:func:`tokenize_bounded`).
         """
         stops = list(request.params.stop)
         if isinstance(request, ChatRequest):
@@ -55,11 +60,19 @@ class Tokenizer:
                 rendered = self._render.render(request)
             except BadChat as exc:
                 raise BadChat(f"model {model_id}: {exc}") from exc
-            tokens = self.encode(rendered.prompt, add_bos=not rendered.added_special, special=True)
+            tokens = self._bounded(rendered.prompt, model_id, context, add_bos=not rendered.added_special, special=True)
             stops += rendered.stop
+        elif isinstance(request.prompt, str):
+            tokens = self._bounded(request.prompt, model_id, context, add_bos=True, special=False)
         else:
-            tokens = self.encode(request.prompt) if isinstance(request.prompt, str) else self.ids(request.prompt)
+            tokens = self.ids(request.prompt)
         return tokens, tuple(s for s in stops if s)
+
+    def _bounded(self, text: str, model_id: str, context: int, *, add_bos: bool, special: bool) -> list[int]:
+        return tokenize_bounded(
+            lambda b: list(self._llama.tokenize(b, add_bos=add_bos, special=special)),
+            lambda b: len(self._llama.tokenize(b, add_bos=False, special=special)),
+            text.encode("utf-8"), context, self.longest_token, model_id)
 
     def ids(self, tokens: Sequence[int]) -> list[int]:
         """A token-id prompt as given, refused (naming ``prompt``) when an id is outside the vocabulary."""

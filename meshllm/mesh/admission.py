@@ -11,6 +11,13 @@ the mesh key signs **invites** and **revocations**. Every record in a mesh carri
   made when that member checked the invite *live* under the direct-join rules, and carrying the
   admitter's own credential, so the whole chain of admissions back to the owner can be checked.
 
+An invite token is more than the signed invite: it carries the seed of the invite's own **joiner
+key**, whose public half the mesh key signs into the invite. A joiner signs its node id with that key
+(:attr:`MembershipProof.possession`), and a member admits first-hand only on that signature. Members'
+credentials carry the signed invite (so anyone can check them) but never the seed, and a possession
+signature names its one node id: nothing a member reads in gossip, or in a joiner's admission
+exchange, lets another key join (issue 29: a revoked node re-keyed with an invite read from a record).
+
 So a record enters a view only if its node was admitted, first-hand, by a member in good standing
 who can be named. A malicious member can still admit nodes of its own (its grants are valid), but
 every one of them is attributable to it, at most :data:`ADMISSIONS_PER_MEMBER` of them count at
@@ -54,6 +61,7 @@ from meshllm.identity.signing import (
     decode_struct,
     encode_signed,
     sign,
+    sign_bytes,
     verify,
     verify_bytes,
 )
@@ -73,6 +81,8 @@ MEMBERSHIP_DOMAIN = "membership"
 OWNER_DOMAIN = "owner-membership"
 GRANT_DOMAIN = "grant"
 REVOCATION_DOMAIN = "revocation"
+INVITE_USE_DOMAIN = "invite-use"
+"""What a joiner signs with the invite's joiner key: the mesh id and its node id."""
 CREDENTIAL_MAX = 16 * 1024
 """Bytes of one credential (a chain of grants); a record is capped at 64 KiB in all."""
 CHAIN_MAX = 8
@@ -119,6 +129,16 @@ class Invite(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields
     """How many distinct nodes may join with it (0: unlimited, for published meshes)."""
     bootstrap: list[str]
     """``host:port`` UDP addresses of members to dial."""
+    joiner_key: bytes = b""
+    """Public half of the invite's joiner key, whose seed only the token holds (empty: an invite made
+    before issue 29, which no member admits first-hand any more)."""
+
+
+class Invitation(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    """What an invite token holds: the signed invite and the seed of its joiner key (the secret part)."""
+
+    invite: Signed
+    seed: bytes = b""
 
 
 class MembershipProof(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
@@ -130,6 +150,9 @@ class MembershipProof(msgspec.Struct, array_like=True, frozen=True, forbid_unkno
     """The invite, exactly as the mesh key signed it."""
     joined: float
     """Unix time the node signed this claim."""
+    possession: bytes = b""
+    """The invite's joiner key's signature over ``[mesh_id, node_id]``: the joiner held the token, not
+    just the signed invite; it is good for this node id only."""
 
 
 class OwnerMembership(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
@@ -249,13 +272,14 @@ class MeshKey:
         return path
 
     def invite(self, now: float, ttl_s: float = DEFAULT_INVITE_TTL_S, max_uses: int = 1,
-               bootstrap: list[str] | None = None) -> Signed:
-        """Sign a new invite valid from ``now`` for ``ttl_s`` seconds."""
+               bootstrap: list[str] | None = None) -> Invitation:
+        """Sign a new invite valid from ``now`` for ``ttl_s`` seconds, with a fresh joiner key."""
         if ttl_s <= 0 or max_uses < 0:
             raise ValueError("an invite needs a positive lifetime and a non-negative use count")
+        joiner = SigningKey.generate()
         invite = Invite(self.mesh_id, self.public, b32(os.urandom(INVITE_ID_BYTES)), now, now + ttl_s, max_uses,
-                        list(bootstrap or []))
-        return sign(self.signing_key, INVITE_DOMAIN, invite)
+                        list(bootstrap or []), bytes(joiner.verify_key))
+        return Invitation(sign(self.signing_key, INVITE_DOMAIN, invite), bytes(joiner))
 
     def revoke(self, target_kind: RevocationTarget, target: str, now: float, closes: str = "") -> Signed:
         """Sign a revocation of an invite id or a node id (``closes``: that node's invite)."""
@@ -283,13 +307,14 @@ def _read_mesh_key(path: Path) -> bytes | KeystoreFile | None:
                           hint="restore it from a backup; without it this mesh can no longer invite") from None
 
 
-def encode_token(invite: Signed) -> str:
-    """The invite as URL-safe text (base64url, no padding)."""
-    return base64.urlsafe_b64encode(encode_signed(invite)).decode("ascii").rstrip("=")
+def encode_token(invitation: Invitation) -> str:
+    """The invitation as URL-safe text (base64url, no padding)."""
+    return base64.urlsafe_b64encode(msgspec.msgpack.encode(invitation)).decode("ascii").rstrip("=")
 
 
-def decode_token(token: str) -> Signed:
-    """Parse an invite token (structure only); :func:`verify_invite` checks it."""
+def decode_token(token: str) -> Invitation:
+    """Parse an invite token (structure only); :func:`verify_invite` checks its invite. A token made
+    before issue 29 (the bare signed invite) decodes with no seed."""
     text = token.strip()
     if not text or len(text) > MAX_TOKEN_CHARS or not text.isascii():
         raise DecodeError("not an invite token", hint="copy the whole token printed by `meshllm invite create`")
@@ -299,7 +324,11 @@ def decode_token(token: str) -> Signed:
         raise DecodeError("not an invite token (bad base64url)",
                           hint="copy the whole token printed by `meshllm invite create`") from exc
     try:
-        return decode_signed(raw, "invite token")
+        return decode_struct(raw, Invitation, "invite token")
+    except DecodeError:
+        pass
+    try:
+        return Invitation(decode_signed(raw, "invite token"))
     except DecodeError:
         raise DecodeError("not an invite token (it does not decode)",
                           hint="copy the whole token printed by `meshllm invite create`") from None
@@ -322,19 +351,28 @@ def verify_invite(signed: Signed) -> Invite:
 
 def inspect_token(token: str) -> Invite:
     """Decode and signature-check a token (no time or mesh checks): for ``meshllm invite inspect``."""
-    return verify_invite(decode_token(token))
+    return verify_invite(decode_token(token).invite)
 
 
-def make_membership_proof(node_key: SigningKey, invite: Signed, now: float) -> bytes:
-    """The joiner's proof: its node key's signature binding its id to ``invite``."""
-    inv = verify_invite(invite)
-    proof = MembershipProof(inv.mesh_id, node_id(bytes(node_key.verify_key)), invite, now)
+def _possession_body(mesh_id: str, node: str) -> bytes:
+    return msgspec.msgpack.encode([mesh_id, node])
+
+
+def make_membership_proof(node_key: SigningKey, invitation: Invitation, now: float) -> bytes:
+    """The joiner's proof: its node key's signature binding its id to the invite, with the invite's
+    joiner key's signature over its node id (when the token holds the seed)."""
+    inv = verify_invite(invitation.invite)
+    node = node_id(bytes(node_key.verify_key))
+    possession = b""
+    if len(invitation.seed) == 32:
+        possession = sign_bytes(SigningKey(invitation.seed), INVITE_USE_DOMAIN, _possession_body(inv.mesh_id, node))
+    proof = MembershipProof(inv.mesh_id, node, invitation.invite, now, possession)
     return encode_signed(sign(node_key, MEMBERSHIP_DOMAIN, proof))
 
 
-def joining_credential(node_key: SigningKey, invite: Signed, now: float) -> bytes:
-    """The credential a joiner presents: its proof on ``invite``, no grant yet."""
-    return encode_credential(Credential(make_membership_proof(node_key, invite, now)))
+def joining_credential(node_key: SigningKey, invitation: Invitation, now: float) -> bytes:
+    """The credential a joiner presents: its proof on the invitation, no grant yet."""
+    return encode_credential(Credential(make_membership_proof(node_key, invitation, now)))
 
 
 def make_grant(admitter_key: SigningKey, admitter_credential: bytes, mesh_id: str, joiner: str,
@@ -364,6 +402,21 @@ def with_grant(credential: bytes, grant: bytes) -> bytes:
 def grant_admitter(grant: bytes) -> str:
     """The admitter a signed grant names (structure only; :meth:`AdmissionState.standing` checks it)."""
     return decode_struct(decode_signed(grant, "grant").body, Grant, what="grant").admitter
+
+
+def vouching_member(credential: bytes) -> str | None:
+    """The member that admitted a credential's node first-hand, unless that is the owner's node (None
+    then, and for the owner's own credential or one that does not parse). Structure only: for a
+    credential already checked, to charge what its node costs to the member that vouched for it."""
+    try:
+        cred = decode_credential(credential)
+        if not cred.grant:
+            return None
+        grant = decode_struct(decode_signed(cred.grant, "grant").body, Grant, what="grant")
+        admitter = decode_signed(decode_credential(grant.admitter_credential).proof, "membership proof")
+    except DecodeError:
+        return None
+    return None if admitter.domain == OWNER_DOMAIN else grant.admitter
 
 
 def credential_invite_id(credential: bytes) -> str | None:
@@ -508,6 +561,7 @@ class AdmissionState:
             raise WrongDomain(f"expected a {MEMBERSHIP_DOMAIN!r} proof to join with, got {signed.domain!r}")
         claimed = self._open_proof(node_id_text, signed)
         invite = self.check_invite(claimed.invite, now, joiner=node_id_text)
+        self._check_possession(invite, claimed)
         if quota_for is not None:
             held = self._charged.get(quota_for, set())
             if node_id_text not in held and len(held) >= ADMISSIONS_PER_MEMBER:
@@ -541,6 +595,19 @@ class AdmissionState:
             raise InviteRevoked(f"invite {invite.invite_id} was revoked by the mesh owner",
                                 hint="ask for a new invite")
         return invite
+
+    def _check_possession(self, invite: Invite, claimed: MembershipProof) -> None:
+        """The joiner held the token itself: the invite's joiner key signed its node id."""
+        if not invite.joiner_key:
+            raise NotAdmitted(f"invite {invite.invite_id} was made by an older version, without a joiner key",
+                              hint="ask the mesh owner for a new invite")
+        try:
+            verify_bytes(invite.joiner_key, INVITE_USE_DOMAIN, _possession_body(self.mesh_id, claimed.node_id),
+                         claimed.possession)
+        except VerificationError:
+            raise NotAdmitted(f"node {claimed.node_id[:8]} does not hold invite {invite.invite_id}'s token "
+                              "(a signed invite read from the mesh admits nobody)",
+                              hint="join with the whole token the mesh owner gave you") from None
 
     def _check_uses(self, invite_id: str, max_uses: int, joiner: str | None) -> None:
         used_by = self._uses.get(invite_id, set())

@@ -64,6 +64,7 @@ from meshllm.errors import (
 )
 from meshllm.identity.signing import CLOCK_SKEW_S
 from meshllm.mesh import rtt, view
+from meshllm.mesh.admission import vouching_member
 from meshllm.mesh.failure import Failed, Overstep, Recovered, Suspected
 from meshllm.mesh.messages import (
     REVOCATION_MAX,
@@ -109,6 +110,16 @@ NOTICES_PER_S = 1.0
 """Down notices accepted per accuser per second, on average ..."""
 NOTICE_BURST = 16.0
 """... in bursts of at most this many (an honest accuser reports each failure it sees, once)."""
+RECORD_UPDATES_PER_S = 2.0
+"""New records accepted per node id per second, on average (an honest node re-signs on a load change at
+most every 2 s, on an RTT change at most every :data:`OWN_RESIGN_MIN_S`, and every 30 s anyway) ..."""
+RECORD_UPDATE_BURST = 20.0
+ADMITTER_UPDATES_PER_S = 4.0
+"""... and for all the nodes one member (not the owner) vouched for, together: what a member's own
+identities cost is charged to it, so 32 of them re-signing at once cannot flood a node (issue 29) ..."""
+ADMITTER_UPDATE_BURST = 40.0
+OWN_RESIGN_MIN_S = 1.0
+"""Our own record is re-signed for an RTT change at most this often (other peers' limits above)."""
 REFUTE_WINDOW_S = 60.0
 """A peer accused and heard alive again within this long refutes the notice."""
 REFUTED_TO_BAN = 3
@@ -245,6 +256,8 @@ class Gossip:
         """When an entry may next expire (a lower bound: sweeping the table is a pass over it)."""
         self._pulls: RateLimit[str] = RateLimit(PULLS_PER_S, PULL_BURST)
         self._notice_rate: RateLimit[str] = RateLimit(NOTICES_PER_S, NOTICE_BURST)
+        self._updates: RateLimit[str] = RateLimit(RECORD_UPDATES_PER_S, RECORD_UPDATE_BURST)
+        self._vouched_updates: RateLimit[str] = RateLimit(ADMITTER_UPDATES_PER_S, ADMITTER_UPDATE_BURST)
         self._refutations: Strikes[str] = Strikes(REFUTED_TO_BAN, REFUTE_WINDOW_S)
         self._banned: CoolDowns[str] = CoolDowns()
         self._refused: CoolDowns[str] = CoolDowns()
@@ -360,7 +373,8 @@ class Gossip:
         """Heartbeat, housekeeping and, when due, one anti-entropy round."""
         out: list[Output] = []
         row = rtt.current_row(self._rtt, now, self.config.rtt_max_age)
-        if now >= self._heartbeat_due() or rtt.row_changed(self.own.rtt, row):
+        if now >= self._heartbeat_due() or (rtt.row_changed(self.own.rtt, row)
+                                            and now - self.own.signed_at >= OWN_RESIGN_MIN_S):
             self._resign(now, rtt=row)
         if self._own_pending:
             out += self._flood_own()
@@ -400,6 +414,8 @@ class Gossip:
                 result = self._ingest(raw, source, now)
                 if result and isinstance(result[0], Rejected):
                     return out + result[:1] + self._forged(result[0])  # drop the rest unread
+                if result and isinstance(result[0], Overstep) and any(isinstance(o, Overstep) for o in out):
+                    continue  # one strike a message for records over the rate
                 out += result
             if message.want and not self._pulls.allow(source, now):
                 return [*out, Overstep(source, "want lists faster than gossip answers them")]
@@ -641,6 +657,10 @@ class Gossip:
             if record.seq >= self.own.seq:
                 self._resign(now, above=record.seq)
             return []
+        if (over := self._over_rate(record, now)) is not None:
+            # not stored, so not passed on: only its signer, or the member that vouched for it, sent it here
+            return [Overstep(source, over)] if source in (record.node_id, vouching_member(record.membership_proof)) \
+                else []
         accused = self._accused.pop(record.node_id, None)
         recent = accused is not None and now - accused[1] <= REFUTE_WINDOW_S
         events = self._refute(accused[0], now) if accused is not None and recent else []
@@ -650,6 +670,16 @@ class Gossip:
         elif any(isinstance(e, view.RecordUpdated) for e in events):
             events += self._push(Exchange([raw]), exclude=source)
         return events
+
+    def _over_rate(self, record: PeerRecord, now: float) -> str | None:
+        """Why a new, verified record is one update too many (None: within the limits, now counted)."""
+        if not self._updates.allow(record.node_id, now):
+            return f"records of {record.node_id[:8]} re-signed faster than {RECORD_UPDATES_PER_S:g} a second"
+        voucher = vouching_member(record.membership_proof)
+        if voucher is not None and not self._vouched_updates.allow(voucher, now):
+            return (f"records of the nodes {voucher[:8]} vouched for re-signed faster than "
+                    f"{ADMITTER_UPDATES_PER_S:g} a second together")
+        return None
 
     def _held_or_none(self, node: str) -> int:
         held = view.held_seq(self.state, node)

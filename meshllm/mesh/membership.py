@@ -105,9 +105,9 @@ def join_mesh(node_key: SigningKey, token: str, now: float, home: Path | None = 
 
     With ``home``, a credential an earlier run was granted on the same invite is reused.
     """
-    signed = decode_token(token)
-    invite = verify_invite(signed)
-    credential = joining_credential(node_key, signed, now)
+    invitation = decode_token(token)
+    invite = verify_invite(invitation.invite)
+    credential = joining_credential(node_key, invitation, now)
     path = None if home is None else home / CREDENTIAL_FILE
     saved = _saved_credential(path, node_id(bytes(node_key.verify_key)), invite, now)
     return Membership(invite.mesh_id, invite.mesh_pub, saved or credential, bootstrap=list(invite.bootstrap),

@@ -74,6 +74,9 @@ class Addresses(msgspec.Struct, frozen=True, kw_only=True):
     """Addresses peers saw it coming from (its public side of a NAT)."""
     relay: list[str] = []
     """Relays that forward to it, as ``relay_node_id@host:port``."""
+    bulk_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    """TCP port of its bulk channel for model bytes (TLS on node keys; 0: none), dialled at the host
+    a direct QUIC connection to it reaches (``models/bulk.py``)."""
 
 
 class Capacity(msgspec.Struct, frozen=True, kw_only=True):
@@ -97,6 +100,8 @@ class ServedModel(msgspec.Struct, frozen=True, kw_only=True):
     engine: str = "llama.cpp"
     id: str = ""
     """The model id (sha256 of its GGUF, hex) when known; "" when the node has not hashed it."""
+    tools: bool = False
+    """Its chat template renders tools itself (what ``auto`` looks for in requests with tools)."""
 
 
 class DiskModel(msgspec.Struct, frozen=True, array_like=True):
@@ -290,6 +295,12 @@ class RecordVerifier:
     def check_member(self, node_id: str, proof: bytes, now: float) -> None:
         """Re-run the membership check alone (after a revocation, on records already stored)."""
         self._check_member(node_id, proof, now)
+
+    def check_credential(self, node_id: str, proof: bytes, owner_cert: bytes | None, now: float) -> None:
+        """The membership and trust checks a record's credential passes, for other signed objects
+        that carry one (blackboard notes)."""
+        self._check_member(node_id, proof, now)
+        self._check_trust(node_id, owner_cert, now)
 
     def forget(self, node_id: str) -> None:
         """``node_id`` left the table (see :data:`ForgetMember`)."""

@@ -46,7 +46,7 @@ from meshllm.mesh.traversal import Traversal, parse_relay_entry
 from meshllm.mesh.view import PeerAdded, PeerRemoved, PeerStatus, RecordUpdated, ViewEvent
 from meshllm.net.backoff import Backoff
 from meshllm.net.endpoint import Endpoint, EndpointOptions
-from meshllm.net.errors import AdmissionRefused, ConnectError, NetTimeout
+from meshllm.net.errors import AdmissionRefused, ConnectError, NetTimeout, StreamClosed
 from meshllm.net.events import PeerEvent, PeerEventKind
 from meshllm.net.interfaces import lan_addresses
 from meshllm.net.messages import ResetCode
@@ -392,8 +392,8 @@ class MeshService:
             return
         self.traversal.tick(now, self.membership.bootstrap)
         own = self.gossip.own.addresses
-        addresses = Addresses(listen=own.listen, observed=self.traversal.observed(),
-                              relay=self.traversal.relay_entries())
+        addresses = msgspec.structs.replace(own, observed=self.traversal.observed(),
+                                            relay=self.traversal.relay_entries())
         if addresses != own:
             self.gossip.update_own(now, addresses=addresses)
 
@@ -568,6 +568,11 @@ class MeshService:
         except NetTimeout as exc:
             stream.fail(ResetCode.TIMEOUT, str(exc))
             return
+        except StreamClosed as exc:
+            if isinstance(exc.__cause__, msgspec.DecodeError | msgspec.ValidationError):
+                # a malformed message (a revocation over its 1 KiB cap, ...): reported like a forged one
+                self._on_event("record_rejected", source=conn.node_id, error="DecodeError", reason=str(exc))
+            raise
         if message is not None:
             now = time.time()
             source = conn.node_id

@@ -1,4 +1,4 @@
-"""Models: references (paths, library names and ids, ``hf:``), the bundled default model, GGUF metadata read
+"""Models: references (paths, library names and ids, ``hf:``), the bundled models, GGUF metadata read
 without loading weights, the content-addressed library, and transfers between nodes (docs/models.md)."""
 
 from meshllm.models.metadata import GGUFMetadata, NotGGUF, read_metadata

@@ -2,10 +2,13 @@
 
 ``huggingface_hub`` does the talking: it builds the file URL against ``HF_ENDPOINT``, sends
 ``HF_TOKEN`` (or the saved login), reads the file's metadata (size, and for LFS files the sha256 as
-its ETag), lists the repository to match ``:QUANT``, refuses in offline mode (``HF_HUB_OFFLINE``),
-and streams the bytes with its progress bar. The download goes to ``models/incoming/<etag>.part``
-and resumes from what is there (an HTTP range request) when a pull was interrupted; the finished
-file is hashed, checked against the hub's sha256, and moved into the library under its id.
+its ETag), lists the repository to match ``:QUANT`` and refuses in offline mode
+(``HF_HUB_OFFLINE``). The bytes come in 4 MiB range requests, several at once
+(``models/hub_fetch.py``), into ``models/incoming/<etag>.part``; the digests of the pieces written
+are kept beside it, so an interrupted pull resumes with the pieces still missing. A file that
+changes on the hub while it downloads (a new ETag) is caught and the download starts over from the
+new version. The finished file is hashed, checked against the hub's sha256, and moved into the
+library under its id. A split's stages fetch only their own ranges (``models/hub_stage.py``).
 
 A reference already in the library (the same repository and file) resolves without any network
 call, so a second pull is instant and works offline.
@@ -13,28 +16,34 @@ call, so a second pull is instant and works offline.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
+import os
 import re
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
 
-from meshllm.errors import MeshllmError
+from meshllm.models.hub_fetch import (
+    HubError,
+    HubFile,
+    HubFileChanged,
+    PieceBook,
+    Report,
+    fetch_pieces,
+    hub_errors,
+    locate,
+    pieces_of,
+    pwrite_all,
+)
 from meshllm.models.library import Library, LibraryEntry
-from meshllm.models.manifest import MODEL_ID
 from meshllm.models.refs import ModelNotFound, file_sha256, model_id_for
+
+__all__ = ["HubError", "HubRef", "Report", "cached", "is_hub_ref", "parse_hub_ref", "pull"]
 
 HF_PREFIX = "hf:"
 _REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _SHARD = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)
-
-
-class HubError(MeshllmError):
-    """The hub could not be reached, or refused the download."""
-
-    hint = "check HF_ENDPOINT and HF_TOKEN, or pull while online (HF_HUB_OFFLINE must be unset)"
+RESTARTS = 3
+"""Versions a download follows when the file changes on the hub while it runs, before giving up."""
 
 
 @dataclass(frozen=True)
@@ -94,14 +103,10 @@ def cached(ref: HubRef, library: Library) -> LibraryEntry | None:
     return None
 
 
-Report = Callable[[int, int | None], None]
-"""``report(bytes_done, bytes_total)`` during a download (the node turns it into transfer events)."""
-
-
 def pull(spec: str, library: Library, *, report: Report | None = None) -> LibraryEntry:
     """The library entry of ``spec`` (``hf:...``), downloading (or resuming) it when it is not there yet.
 
-    Without ``report`` the download shows huggingface_hub's progress bar on stderr.
+    ``report`` sees the download's progress (nothing is printed here).
     """
     ref = parse_hub_ref(spec)
     entry = cached(ref, library)
@@ -113,15 +118,17 @@ def pull(spec: str, library: Library, *, report: Report | None = None) -> Librar
     if constants.is_offline_mode():
         raise ModelNotFound(f"{spec} is not in the model library and HF_HUB_OFFLINE is set",
                             hint="unset HF_HUB_OFFLINE and pull it once: `meshllm models pull REF`")
-    file = ref.file or _choose_file(ref, spec)
-    return _download(ref, file, library, report)
+    return _download(ref, hub_file(ref, spec), library, report)
 
 
-def _choose_file(ref: HubRef, spec: str) -> str:
-    """The one GGUF of the repository that ``ref.quant`` (or nothing) selects."""
+def hub_file(ref: HubRef, spec: str) -> str:
+    """The file ``ref`` names: its own, or the one GGUF of the repository that ``ref.quant`` (or nothing) selects."""
     from huggingface_hub import HfApi
 
-    with _hub_errors(ref, None):
+    if ref.file is not None:
+        return ref.file
+
+    with hub_errors(ref.repo, None):
         files = HfApi().list_repo_files(ref.repo)
     ggufs = [f for f in files if f.lower().endswith(".gguf")]
     chosen = [f for f in ggufs if ref.quant is None or _matches(f, ref.quant)]
@@ -136,30 +143,46 @@ def _choose_file(ref: HubRef, spec: str) -> str:
 
 
 def _download(ref: HubRef, file: str, library: Library, report: Report | None) -> LibraryEntry:
-    from huggingface_hub import file_download, hf_hub_url
-    from huggingface_hub.utils import build_hf_headers
+    """Every piece of ``file`` into ``models/incoming`` (resuming what a book of its pieces vouches for),
+    checked against the hub's sha256, then moved into the library; a new version on the hub mid-way
+    starts the download over."""
+    for _attempt in range(RESTARTS):
+        hub = locate(ref.repo, file)
+        tag = hub.model_id or hashlib.sha256(f"{ref.repo}/{file}@{hub.etag}".encode()).hexdigest()
+        part = library.incoming(f"{tag}.part")
+        book = PieceBook(part.with_name(f"{tag}.pieces"), hub)
+        try:
+            return _download_version(ref, file, hub, part, book, library, report)
+        except HubFileChanged:
+            part.unlink(missing_ok=True)  # nothing of the old version is kept
+            book.discard()
+    raise HubFileChanged(f"{ref.repo}/{file} kept changing on the hub ({RESTARTS} versions while downloading)")
 
-    url = hf_hub_url(ref.repo, file)
-    with _hub_errors(ref, file):
-        meta = file_download.get_hf_file_metadata(url)
-    expected = meta.etag if meta.etag and MODEL_ID.match(meta.etag) else None
-    tag = expected or hashlib.sha256(f"{ref.repo}/{file}@{meta.commit_hash}".encode()).hexdigest()
-    part = library.incoming(f"{tag}.part")
-    have = part.stat().st_size if part.exists() else 0
-    if meta.size is not None and have > meta.size:
-        part.unlink()
-        have = 0
-    if meta.size is not None:
-        library.reserve(meta.size - have)
-    bar = None if report is None else _reporting_bar(report, meta.size)
-    with _hub_errors(ref, file), part.open("ab") as out:
-        file_download.http_get(meta.location or url, out, resume_size=have, headers=build_hf_headers(),
-                               expected_size=meta.size, displayed_filename=PurePosixPath(file).name, tqdm_class=bar)
+
+def _download_version(ref: HubRef, file: str, hub: HubFile, part: Path, book: PieceBook, library: Library,
+                      report: Report | None) -> LibraryEntry:
+    wants = pieces_of(0, hub.size, 0)
+    existed = part.exists() and part.stat().st_size == hub.size
+    if not existed:
+        book.discard()
+    library.reserve(hub.size - (part.stat().st_blocks * 512 if existed else 0))
+    with part.open("r+b" if existed else "wb") as fh:
+        fh.truncate(hub.size)
+    fd = os.open(part, os.O_RDWR)
+    try:
+        have = book.verified(wants, lambda at, n: os.pread(fd, n, at)) if existed else {}
+        fetch_pieces(hub, wants, lambda at, data: pwrite_all(fd, data, at), have=have, report=report,
+                     on_piece=book.add)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     digest = file_sha256(part)
-    if expected is not None and digest != expected:
+    if hub.model_id is not None and digest != hub.model_id:
         part.unlink(missing_ok=True)
-        raise HubError(f"{ref.repo}/{file} arrived with sha256 {digest[:12]}, the hub says {expected[:12]}",
+        book.discard()
+        raise HubError(f"{ref.repo}/{file} arrived with sha256 {digest[:12]}, the hub says {hub.model_id[:12]}",
                        hint="pull it again (the damaged download was deleted)")
+    book.discard()
     existing = library.whole(digest)
     if existing is not None:  # the same bytes are already here under another name: keep one copy
         part.unlink()
@@ -168,45 +191,7 @@ def _download(ref: HubRef, file: str, library: Library, report: Report | None) -
                           source=ref.source(file))
 
 
-def _reporting_bar(report: Report, total: int | None) -> type:
-    """A huggingface_hub progress bar class that shows nothing and calls ``report`` instead."""
-    from huggingface_hub.utils import tqdm as hub_tqdm
-
-    class Bar(hub_tqdm):  # type: ignore[misc,valid-type]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            kwargs["disable"] = True
-            super().__init__(*args, **kwargs)
-            self.done = int(kwargs.get("initial") or 0)
-            report(self.done, total)
-
-        def update(self, n: float | None = 1) -> bool | None:
-            self.done += int(n or 0)
-            report(self.done, total)
-            return None
-
-    return Bar
-
-
-@contextlib.contextmanager
-def _hub_errors(ref: HubRef, file: str | None) -> Iterator[None]:
-    """Turn huggingface_hub's exceptions into clear meshllm errors."""
-    from huggingface_hub import errors
-
-    where = ref.repo if file is None else f"{ref.repo}/{file}"
-    try:
-        yield
-    except errors.GatedRepoError:
-        raise ModelNotFound(f"{ref.repo} is gated: accept its terms on the hub first",
-                            hint="then set HF_TOKEN to a token of that account") from None
-    except errors.RepositoryNotFoundError:
-        raise ModelNotFound(f"no repository {ref.repo} on the hub (or it is private)",
-                            hint="check the name; for a private repository set HF_TOKEN") from None
-    except errors.EntryNotFoundError:
-        raise ModelNotFound(f"{ref.repo} has no file {file}",
-                            hint=f"name a quantization instead: hf:{ref.repo}:QUANT") from None
-    except errors.RevisionNotFoundError:
-        raise ModelNotFound(f"{where}: no such revision") from None
-    except errors.OfflineModeIsEnabled:
-        raise ModelNotFound(f"{where} is not in the model library and HF_HUB_OFFLINE is set") from None
-    except (errors.HfHubHTTPError, OSError, ValueError) as exc:
-        raise HubError(f"could not download {where}: {exc}") from None
+def _pwrite(fd: int, data: bytes, at: int) -> None:
+    while data:
+        n = os.pwrite(fd, data, at)
+        data, at = data[n:], at + n

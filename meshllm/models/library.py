@@ -30,7 +30,7 @@ from typing import Literal
 
 import msgspec
 
-from meshllm.config import MODEL_HASHES_FILE, load_config
+from meshllm.config import MODEL_HASHES_FILE, load_config, write_private
 from meshllm.errors import ConfigError, MeshllmError
 from meshllm.models.gguf_file import GGUFFile
 from meshllm.models.manifest import MODEL_ID, Manifest, build_manifest, decode_manifest, encode_manifest
@@ -160,10 +160,7 @@ class Library:
             return {}  # a damaged index is rebuilt by the next scan; no file is lost
 
     def _write(self, entries: dict[str, LibraryEntry]) -> None:
-        path = self.root / INDEX_FILE
-        tmp = path.with_name(f".{INDEX_FILE}.{os.getpid()}.tmp")
-        tmp.write_bytes(msgspec.json.encode(entries))
-        os.replace(tmp, path)
+        write_private(self.root / INDEX_FILE, msgspec.json.encode(entries))
 
     def entries(self) -> list[LibraryEntry]:
         """Every entry whose file is still there as indexed (others are dropped from the index)."""
@@ -172,6 +169,25 @@ class Library:
                 if not _unchanged(entry):
                     del entries[key]
             return sorted(entries.values(), key=lambda e: (e.name, e.key))
+
+    def check(self, deep: bool = False) -> tuple[int, list[tuple[LibraryEntry, str]]]:
+        """How many entries the index holds, and those whose file is not as indexed, with why (read-only).
+
+        A file that vanished, changed size or time, or is not a GGUF is a problem; ``deep`` also hashes
+        each whole model and compares it with its id (stage files are checked by their manifest).
+        """
+        indexed = list(self._read().values())  # written atomically: no lock needed to read it
+        problems = []
+        for entry in sorted(indexed, key=lambda e: (e.name, e.key)):
+            if not entry.file.exists():
+                problems.append((entry, f"{entry.path} is gone"))
+            elif not _unchanged(entry):
+                problems.append((entry, f"{entry.path} changed since it was indexed"))
+            elif not _is_gguf(entry.file):
+                problems.append((entry, f"{entry.path} is not a GGUF file"))
+            elif deep and entry.layers is None and file_sha256(entry.file) != entry.id:
+                problems.append((entry, f"{entry.path} does not hash to its id {entry.short}"))
+        return len(indexed), problems
 
     def scan(self) -> list[LibraryEntry]:
         """Index the GGUFs of the configured folders and the library's own files (hashing new ones).
@@ -339,9 +355,7 @@ class Library:
             raise NotGGUF(f"{entry.path} changed since it was indexed (sha256 {manifest.model[:12]}, "
                           f"not {entry.short})")
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(encode_manifest(manifest))
-        os.replace(tmp, path)
+        write_private(path, encode_manifest(manifest))
         return manifest
 
 

@@ -1,8 +1,9 @@
 """Model references: what the user names and how the mesh names it, resolved in one place.
 
-A reference is a GGUF path, ``default`` (the bundled Gemma 3 270M), a name or id from the model
-library (``models/library.py``), or ``hf:ORG/REPO/FILE.gguf`` / ``hf:ORG/REPO:QUANT`` (downloaded
-into the library, ``models/hub.py``). :func:`resolve_model` tries them in that order.
+A reference is a GGUF path, a bundled model (``default``: SmolLM2-135M-Instruct, ``smollm2``,
+``gemma``: Gemma 3 270M; ``models/bundled.py``), a name or id from the model library
+(``models/library.py``), or ``hf:ORG/REPO/FILE.gguf`` / ``hf:ORG/REPO:QUANT`` (downloaded into the
+library, ``models/hub.py``). :func:`resolve_model` tries them in that order.
 
 Two names matter. The **model id** is what API clients put in ``"model"``: the file stem, short
 and stable across machines that hold the same file under the same name. The **identity** adds a
@@ -22,15 +23,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from meshllm.config import write_private
 from meshllm.errors import MeshllmError
-from meshllm.models.default import default_model_path, default_model_sha256
+from meshllm.models.bundled import BUNDLED, DEFAULT_REF, bundled_model_path, bundled_model_sha256
 from meshllm.models.metadata import GGUF_MAGIC, NotGGUF
 
 if TYPE_CHECKING:
     from meshllm.models.hub import Report
     from meshllm.models.library import Library
 
-DEFAULT_REF = "default"
 SHORT_HASH = 12
 """Hex digits of sha256 in an identity: 48 bits, plenty to tell a handful of files apart."""
 
@@ -39,7 +40,7 @@ class ModelNotFound(MeshllmError):
     """A model reference names no readable file."""
 
     hint = ("pass a .gguf path, a name or id from `meshllm models list`, hf:ORG/REPO/FILE.gguf, "
-            "or `default` for the bundled Gemma 3 270M")
+            "or a bundled model: `default` (SmolLM2-135M-Instruct) or `gemma` (Gemma 3 270M)")
 
 
 @dataclass(frozen=True)
@@ -72,15 +73,18 @@ def resolve_model(spec: str | os.PathLike[str] | None = None, *, progress: bool 
                   library: Library | None = None, report: Report | None = None) -> ModelRef:
     """Turn a reference into a :class:`ModelRef`, checking the file is a GGUF.
 
-    ``None``/``"default"`` is the bundled model (``progress`` shows its first-use assembly); a path
+    ``None``/``"default"`` is the default model and ``"gemma"``/``"smollm2"`` the other bundled
+    names (``progress`` shows gemma's first-use assembly); a path
     that exists is used in place; ``hf:...`` is pulled into ``library`` (``report`` gets the
     download's progress, else huggingface_hub draws its bar); anything else is looked up in
     ``library`` by name or id. Raises :class:`ModelNotFound` when nothing matches (the node may
     then look for the model in the mesh).
     """
-    if spec is None or str(spec) == DEFAULT_REF:
-        path = default_model_path(progress=progress)
-        return ModelRef(path=path, model_id=model_id_for(path), sha256=default_model_sha256(), is_default=True)
+    if spec is None or str(spec) in BUNDLED:
+        name = DEFAULT_REF if spec is None else str(spec)
+        path = bundled_model_path(name, progress=progress)
+        return ModelRef(path=path, model_id=model_id_for(path), sha256=bundled_model_sha256(name),
+                        is_default=BUNDLED[name] == BUNDLED[DEFAULT_REF])
     text = str(spec)
     if text.startswith("hf:"):
         if library is None:
@@ -127,9 +131,7 @@ def file_sha256(path: Path, cache_file: Path | None = None) -> str:
     value = digest.hexdigest()
     if cache_file is not None:
         cache[key] = value
-        tmp = cache_file.with_name(f".{cache_file.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache, indent=0, sort_keys=True))
-        os.replace(tmp, cache_file)
+        write_private(cache_file, json.dumps(cache, indent=0, sort_keys=True).encode())
     return value
 
 

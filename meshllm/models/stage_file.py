@@ -99,6 +99,7 @@ def stage_layout(manifest: Manifest, header: bytes, start: int, end: int, name: 
         if i is None or t.offset + t.nbytes > manifest.spans[i].end:
             raise BadManifest(f"tensor {t.name} does not lie inside one span of the manifest")
         entries.append((t, rel[i] + t.offset - manifest.spans[i].offset))
+    entries.sort(key=lambda entry: entry[1])  # llama.cpp reads tensor data in directory order
     shape_only = []
     table = reader.tensor(SHAPE_ONLY)
     if table is not None and all(t is not table for t in needed):

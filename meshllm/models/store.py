@@ -24,12 +24,14 @@ from nacl.signing import SigningKey
 
 from meshllm.errors import DecodeError, MeshllmError
 from meshllm.identity.ids import short
+from meshllm.models.bulk import BulkClient, BulkServer, BulkUnavailable
 from meshllm.models.gguf_file import GGUFFile
 from meshllm.models.library import MIN_PREFIX, AmbiguousModel, Library, LibraryEntry
 from meshllm.models.manifest import Manifest, sign_manifest
 from meshllm.models.refs import SHORT_HASH, ModelNotFound, file_sha256
 from meshllm.models.stage_file import stage_layout, whole_layout
 from meshllm.models.transfer import (
+    CONNECT_S,
     TransferFailed,
     TransferServer,
     TransferState,
@@ -38,6 +40,8 @@ from meshllm.models.transfer import (
     get_range,
 )
 from meshllm.net import Endpoint, NetError
+from meshllm.net.errors import PeerMismatch
+from meshllm.wire.addr import parse_addr
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +61,10 @@ class Offer:
 
 
 Catalog = Callable[[], list[Offer]]
+BulkPorts = Callable[[str], int]
+"""``bulk_port(node_id)``: the TCP port of the peer's bulk channel from its record (0: it offers none)."""
+QUIC_ONLY_S = 60.0
+"""A peer whose bulk channel failed is fetched from over QUIC for this long before the channel is tried again."""
 """What the mesh offers now, best holders first (the node builds it from gossip)."""
 MESH_WAIT_S = 30.0
 """How long ``serve --model NAME`` waits for a peer offering the model to show up in gossip."""
@@ -82,13 +90,28 @@ class TransferView:
     holders: dict[str, dict[str, Any]] = field(default_factory=dict)
     error: str | None = None
     last_event: float = 0.0
+    fetched: int | None = None
+    """Bytes taken from the sources, when it differs from ``bytes_done`` (refetched pieces count twice)."""
+
+    def rate(self) -> int:
+        """Bytes per second since the transfer started."""
+        elapsed = (self.ended or time.monotonic()) - self.started
+        return round(self.bytes_done / elapsed) if elapsed > 0 else 0
+
+    def eta(self) -> float | None:
+        """Seconds left at the rate so far (None when done, or before any byte arrived)."""
+        rate = self.rate()
+        if self.ended is not None or not rate or not self.bytes_total:
+            return None
+        return round(max(0, self.bytes_total - self.bytes_done) / rate, 1)
 
     def json(self) -> dict[str, Any]:
         elapsed = (self.ended or time.monotonic()) - self.started
         return {"model": self.name, "id": self.model[:12], "kind": self.kind,
                 "layers": list(self.layers) if self.layers else None, "state": self.state,
                 "bytes_done": self.bytes_done, "bytes_total": self.bytes_total,
-                "rate_bytes_s": round(self.bytes_done / elapsed) if elapsed > 0 else 0,
+                "fetched": self.bytes_done if self.fetched is None else self.fetched,
+                "rate_bytes_s": self.rate(), "eta_s": self.eta(),
                 "elapsed_s": round(elapsed, 1), "holders": list(self.holders.values()), "error": self.error}
 
 
@@ -96,8 +119,10 @@ class ModelStore:
     """The library, served to peers and filled from them."""
 
     def __init__(self, library: Library, endpoint: Endpoint, signing_key: SigningKey, catalog: Catalog,
-                 publish: Callable[..., Any], on_change: Callable[[], None] | None = None) -> None:
-        """``on_change()`` is called when the library's whole models change (the peer record lists them)."""
+                 publish: Callable[..., Any], on_change: Callable[[], None] | None = None,
+                 bulk_ports: BulkPorts | None = None) -> None:
+        """``on_change()`` is called when the library's whole models change (the peer record lists them);
+        ``bulk_ports`` names peers' bulk channels (None: every transfer rides QUIC)."""
         self.library = library
         self.endpoint = endpoint
         self.key = signing_key
@@ -107,6 +132,41 @@ class ModelStore:
         self.transfers: dict[str, TransferView] = {}
         self._running: dict[str, asyncio.Task[LibraryEntry]] = {}
         self.server = TransferServer(endpoint, self.offered, self.signed_manifest)
+        self.bulk_ports = bulk_ports
+        self.bulk = BulkClient(signing_key)
+        self.bulk_server = BulkServer(signing_key, self.offered, lambda peer: peer in endpoint.peers)
+        self._quic_only: dict[str, float] = {}
+        self.channels: dict[str, str] = {}
+        """The channel the last piece from each holder came over: ``tcp`` (bulk) or ``quic``."""
+
+    async def start_bulk(self, host: str, port: int = 0) -> int:
+        """Open this node's bulk channel (TLS over TCP) on ``host:port``; returns the port to offer."""
+        return await self.bulk_server.start(host, port)
+
+    async def close(self) -> None:
+        self.bulk.close()
+        await self.bulk_server.close()
+
+    async def get(self, node: str, addr: str, model: str, offset: int, length: int) -> bytes:
+        """Bytes of ``model`` from holder ``node``: over its bulk channel when it offers one and our QUIC
+        path to it is direct (dialled at the host that path reaches, once QUIC proved who it is), else
+        and whenever that channel fails, over QUIC."""
+        port = self.bulk_ports(node) if self.bulk_ports is not None else 0
+        if port and self._quic_only.get(node, 0.0) <= time.monotonic():
+            conn = await self.endpoint.connect(parse_addr(addr), node, timeout=CONNECT_S)
+            if conn.path == "direct":
+                try:
+                    data = await self.bulk.get_range(node, conn.remote_addr[0], port, model, offset, length)
+                except (BulkUnavailable, PeerMismatch) as exc:
+                    log.warning("bulk channel to %s failed, using QUIC for %.0f s: %s", short(node), QUIC_ONLY_S, exc)
+                    self._quic_only[node] = time.monotonic() + QUIC_ONLY_S
+                    self.publish("transfer_channel_fallback", holder=node, reason=str(exc))
+                else:
+                    self.channels[node] = "tcp"
+                    return data
+        data = await get_range(self.endpoint, node, addr, model, offset, length)
+        self.channels[node] = "quic"
+        return data
 
     # -- what we offer ------------------------------------------------------------------------------
 
@@ -148,23 +208,45 @@ class ModelStore:
             await asyncio.sleep(0.5)
         return await self.whole_file(offer.model_id, offer.name)
 
-    def hub_reporter(self, spec: str) -> Callable[[int, int | None], None]:
-        """A progress callback for a Hugging Face download (called from its thread) that feeds the status."""
-        loop = asyncio.get_running_loop()
-        view = TransferView(spec, spec, "download", None)
-        self.transfers[spec] = view
+    def hub_reporter(self, spec: str) -> Callable[[int, int], None]:
+        """A progress callback for a Hugging Face download (called from its threads) that feeds the status."""
+        return self.reporter(self.begin_view(spec, spec, spec, "download", None))
 
-        def update(done: int, total: int | None) -> None:
+    def begin_view(self, key: str, model: str, name: str, kind: str, layers: tuple[int, int] | None) -> TransferView:
+        """A new transfer in the status (replacing an earlier one under ``key``)."""
+        view = TransferView(model, name, kind, layers)
+        self.transfers[key] = view
+        return view
+
+    def reporter(self, view: TransferView) -> Callable[[int, int], None]:
+        """``report(done, total)`` for a fetch running in threads: updates ``view`` and publishes
+        ``transfer_progress`` at most once a second, on the event loop."""
+        loop = asyncio.get_running_loop()
+
+        def update(done: int, total: int) -> None:
             def apply() -> None:
-                view.bytes_done, view.bytes_total = done, total or 0
+                view.bytes_done, view.bytes_total = done, total
                 now = time.monotonic()
-                if now - view.last_event >= PROGRESS_EVENT_S:
+                if now - view.last_event >= PROGRESS_EVENT_S or done == total:
                     view.last_event = now
-                    self.publish("transfer_progress", model=spec, kind="download", bytes_done=done,
-                                 bytes_total=total or 0)
+                    self.publish("transfer_progress", model=view.name, id=view.model, kind=view.kind,
+                                 layers=list(view.layers) if view.layers else None, bytes_done=done,
+                                 bytes_total=total, rate_bytes_s=view.rate())
             loop.call_soon_threadsafe(apply)
 
         return update
+
+    def end_view(self, view: TransferView, *, error: str | None = None, fetched: int | None = None) -> None:
+        """A transfer of ``view`` finished (``fetched``: bytes it took from its sources) or failed."""
+        view.state, view.ended, view.error = ("failed" if error else "done"), time.monotonic(), error
+        if fetched is not None:
+            view.fetched = fetched
+        if error:
+            self.publish("transfer_failed", model=view.name, id=view.model, kind=view.kind, reason=error)
+        else:
+            self.publish("transfer_done", model=view.name, id=view.model, kind=view.kind,
+                         layers=list(view.layers) if view.layers else None, bytes=view.bytes_done,
+                         fetched=view.fetched, took_s=round(view.ended - view.started, 3))
 
     def download_ended(self, spec: str, error: str | None = None) -> None:
         view = self.transfers.get(spec)
@@ -193,7 +275,7 @@ class ModelStore:
             for node, h in state.holders.items():
                 before = view.holders.get(node, {}).get("dropped")
                 view.holders[node] = {"node_id": node, "name": names.get(node, short(node)), "bytes": h.bytes,
-                                      "dropped": h.dropped, "bad": h.bad}
+                                      "dropped": h.dropped, "bad": h.bad, "channel": self.channels.get(node)}
                 if h.dropped and not before:
                     self.publish("transfer_holder_dropped", model=view.name, id=view.model, holder=node,
                                  reason=h.dropped, bad_bytes=h.bad)
@@ -255,7 +337,7 @@ class ModelStore:
             layout = stage_layout(manifest, header, start, end, name)
             part = self.library.incoming(f"{manifest.model}.{start}-{end}.part")
             await asyncio.to_thread(self.library.reserve, layout.fetch_bytes + len(layout.header or b""))
-            state = await fetch(self.endpoint, manifest, layout, holders, part, progress=self._progress(view, names))
+            state = await fetch(self.get, manifest, layout, holders, part, progress=self._progress(view, names))
             entry = self.library.commit(part, model_id=manifest.model, name=name, source=_source(state),
                                         layers=(start, end))
         except (MeshllmError, OSError) as exc:
@@ -281,7 +363,7 @@ class ModelStore:
                     continue
                 have = part.stat().st_blocks * 512 if part.exists() else 0
                 await asyncio.to_thread(self.library.reserve, max(0, manifest.size - have))
-                state = await fetch(self.endpoint, manifest, whole_layout(manifest),
+                state = await fetch(self.get, manifest, whole_layout(manifest),
                                     [h for h in holders if h[0] not in liars], part,
                                     progress=self._progress(view, names))
                 view.state = "verifying"
@@ -305,7 +387,7 @@ class ModelStore:
             try:
                 parts = []
                 for piece in manifest.pieces(0):
-                    data = await get_range(self.endpoint, node, addr, manifest.model, piece.offset, piece.length)
+                    data = await self.get(node, addr, manifest.model, piece.offset, piece.length)
                     if not piece.check(data):
                         raise TransferFailed("its header does not match the manifest")
                     parts.append(data)

@@ -23,7 +23,7 @@ import contextlib
 import logging
 import os
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
@@ -217,11 +217,10 @@ class TransferServer:
                 del self._per_peer[peer_id]
 
     async def _answer(self, stream: Stream, request: Request) -> None:
-        path = self.locate(request.model)
-        if path is None:
-            await stream.send(Refused(message=f"this node does not offer model {request.model[:12]}"))
-            return
         if isinstance(request, WantManifest):
+            if self.locate(request.model) is None:
+                await stream.send(Refused(message=f"this node does not offer model {request.model[:12]}"))
+                return
             try:
                 signed = await asyncio.to_thread(self.signed_manifest, request.model)
             except (MeshllmError, OSError) as exc:
@@ -230,30 +229,56 @@ class TransferServer:
             await stream.send(ManifestReply(manifest=signed))
             return
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError as exc:
-            await stream.send(Refused(message=f"cannot read model {request.model[:12]}: {exc.strerror}"))
+            fd = open_range(self.locate, request)
+        except RangeRefused as exc:
+            await stream.send(Refused(message=str(exc)))
             return
         try:
-            size = os.fstat(fd).st_size
-            if request.offset + request.length > size:
-                await stream.send(Refused(message=f"range ends past the model's {size} bytes"))
-                return
             at, end = request.offset, request.offset + request.length
             while at < end:
-                data = await asyncio.to_thread(os.pread, fd, min(DATA_FRAME, end - at), at)
-                if not data:
-                    await stream.send(Refused(message="the model file shrank"))
-                    return
+                data = await read_chunk(fd, at, min(DATA_FRAME, end - at))
                 await stream.send(Bytes(offset=at, data=data), timeout=STALL_S)
                 at += len(data)
+        except RangeRefused as exc:
+            await stream.send(Refused(message=str(exc)))
         finally:
             os.close(fd)
+
+
+class RangeRefused(MeshllmError):
+    """A range this node cannot serve (not offered, unreadable, past the end): sent as ``Refused``."""
+
+
+def open_range(locate: Locate, want: Want) -> int:
+    """A read-only descriptor on the model file ``want`` names, checked to hold its range."""
+    path = locate(want.model)
+    if path is None:
+        raise RangeRefused(f"this node does not offer model {want.model[:12]}")
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise RangeRefused(f"cannot read model {want.model[:12]}: {exc.strerror}") from None
+    size = os.fstat(fd).st_size
+    if want.offset + want.length > size:
+        os.close(fd)
+        raise RangeRefused(f"range ends past the model's {size} bytes")
+    return fd
+
+
+async def read_chunk(fd: int, offset: int, length: int) -> bytes:
+    """``length`` bytes at ``offset`` (read off the loop); a short read means the file shrank."""
+    data = await asyncio.to_thread(os.pread, fd, length, offset)
+    if len(data) != length:
+        raise RangeRefused("the model file shrank")
+    return data
 
 
 # -- the requester side -------------------------------------------------------------------------
 
 Progress = Callable[[TransferState], None]
+GetRange = Callable[[str, str, str, int, int], Awaitable[bytes]]
+"""``get(node_id, addr, model, offset, length)``: those bytes from that holder (the channel is the getter's
+choice: :func:`get_range` over QUIC, or the store's TLS-over-TCP channel with QUIC as its fallback)."""
 
 
 async def _connect(endpoint: Endpoint, node_id: str, addr: str) -> PeerConnection:
@@ -333,9 +358,10 @@ def verified_on_disk(out: Path, manifest: Manifest, layout: Layout, pieces: list
     return good
 
 
-async def fetch(endpoint: Endpoint, manifest: Manifest, layout: Layout, holders: list[tuple[str, str]], out: Path,
+async def fetch(get: GetRange, manifest: Manifest, layout: Layout, holders: list[tuple[str, str]], out: Path,
                 *, progress: Progress | None = None, window: int = WINDOW) -> TransferState:
-    """Fetch the pieces ``layout`` places into ``out`` from ``holders`` (node id, ``host:port``) in parallel.
+    """Fetch the pieces ``layout`` places into ``out`` from ``holders`` (node id, ``host:port``) in parallel,
+    each piece through ``get``.
 
     Returns the final state (who sent what, who was dropped and why); raises
     :class:`TransferFailed` when pieces are missing and no holder is left.
@@ -355,7 +381,7 @@ async def fetch(endpoint: Endpoint, manifest: Manifest, layout: Layout, holders:
         piece = pieces[index]
         holder = state.holders[node]
         try:
-            data = await get_range(endpoint, node, holder.addr, manifest.model, piece.offset, piece.length)
+            data = await get(node, holder.addr, manifest.model, piece.offset, piece.length)
         except (NetError, OSError, DecodeError, TransferFailed) as exc:
             state.failed(node, index, str(exc))
             log.info("dropped holder %s of %s: %s", short(node), manifest.model[:12], exc)

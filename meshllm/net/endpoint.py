@@ -63,6 +63,7 @@ from meshllm.net.quic import (
     make_configuration,
 )
 from meshllm.net.streams import SEND_BUDGET, Stream
+from meshllm.net.traffic import StreamTraffic
 from meshllm.wire.frames import CONTROL_FRAME_MAX
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,8 @@ class Endpoint:
         """Handles what a peer we dialed granted us (None: grants are ignored)."""
         self.peers: dict[str, PeerConnection] = {}
         """Admitted, open connections by peer node id (one per peer)."""
+        self.traffic = StreamTraffic()
+        """Stream bytes sent and received per stream kind, over every connection (``/metrics``)."""
         self._client_config = make_configuration(
             signing_key, is_client=True, stream_window=options.stream_window,
             connection_window=options.connection_window,

@@ -213,6 +213,7 @@ class Stream:
         if self._error is not None or self._discarded:
             return
         self._received += len(data)
+        self.peer.endpoint.traffic.add_received(self.kind, len(data))
         self._progress += len(data)
         if self._frame_clock is not None and not self._partial_reserved and self._progress >= PROGRESS_BYTES:
             self._frame_clock, self._progress = self.peer.now(), 0  # a small frame moving along
@@ -241,6 +242,7 @@ class Stream:
     def bind(self, kind: str, max_frame: int) -> None:
         """Incoming stream: its kind is known; decode what followed the header, capped by ``max_frame``."""
         self.kind = kind
+        self.peer.endpoint.traffic.name_received(kind, self._received)
         self.max_frame = max_frame
         self._decoder = self._new_decoder()
         rest = bytes(self._head)
@@ -409,6 +411,7 @@ class Stream:
 
     def _write(self, data: bytes) -> None:
         self._written += len(data)
+        self.peer.endpoint.traffic.add_sent(self.kind, len(data))
         self.peer.stream_op(lambda q: q.send_stream_data(self.id, data))
 
     def _check_writable(self) -> None:

@@ -46,6 +46,9 @@ LOGIT_EPS = 0.01
 """A greedy token is accepted when its logit is within this of the maximum (same-CPU recomputation: 0)."""
 ROW_RTOL = 1e-3
 """Activation rows agree when they differ by at most this times the row's largest magnitude (plus it)."""
+PROBATION = 8
+"""Audits a worker node must pass before requests through it are drawn at a rate: until then every
+request through it is audited (and the first of every chain, whatever its nodes' history)."""
 MAX_PENDING = 4
 """Finished requests waiting for an audit; beyond it new ones are dropped (and counted)."""
 
@@ -105,9 +108,8 @@ class TokenChecker:
     """
 
     def __init__(self, sampling: Sampling, prompt: Sequence[int], eps: float = LOGIT_EPS) -> None:
-        params = sampling.params()
-        penalties = params.repeat_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
-        self.sampler = Sampler(params)
+        penalties = sampling.repeat_penalty != 1.0 or sampling.presence_penalty or sampling.frequency_penalty
+        self.sampler = Sampler(sampling, step=sampling.step)
         self.history = list(prompt) if penalties else []
         self.eps = eps
         self.judged = 0
@@ -413,6 +415,52 @@ class Recorder:
 
 
 # -- counters --------------------------------------------------------------------------------------
+
+
+class AuditPolicy:
+    """Which finished requests to audit, by the history of the chain's worker nodes (sans-IO).
+
+    A node's audit probability is 1 until it has passed :data:`PROBATION` audits, then
+    ``PROBATION / passes``, down to the base ``rate`` (``rate`` 0: no audits at all). A request is
+    audited with the highest probability among its chain's workers, so a new or rebuilt chain with
+    one unknown node is audited on every request until that node has passed its probation, and a
+    node that earned trust slowly keeps a high rate for long: at the default 5 %, only after 160
+    passed audits. A forger honest for its first ``h`` requests is caught, on average, at its
+    ``1 / p(h)``-th forged answer (``bench/audit_policy.py``).
+    """
+
+    def __init__(self, rate: float, probation: int = PROBATION, size: int = 4096) -> None:
+        self.rate = rate
+        self.probation = probation
+        self._passed: OrderedDict[str, int] = OrderedDict()
+        self._size = size
+
+    def passed(self, node: str) -> int:
+        return self._passed.get(node, 0)
+
+    def probability(self, nodes: Sequence[str]) -> float:
+        """Chance that a request through ``nodes`` (the chain's workers) is audited."""
+        if self.rate <= 0:
+            return 0.0
+        return max((self._node(self.passed(n)) for n in nodes), default=self.rate)
+
+    def _node(self, passes: int) -> float:
+        if passes < self.probation:
+            return 1.0
+        return max(self.rate, min(1.0, self.probation / passes))
+
+    def record_pass(self, nodes: Sequence[str]) -> None:
+        """An audit of a request through ``nodes`` passed: each has one more in its history."""
+        for node in nodes:
+            self._passed[node] = self._passed.get(node, 0) + 1
+            self._passed.move_to_end(node)
+        while len(self._passed) > self._size:
+            self._passed.popitem(last=False)
+
+    def forget(self, nodes: Sequence[str]) -> None:
+        """``nodes`` failed an audit (or were evicted): they start again without history."""
+        for node in nodes:
+            self._passed.pop(node, None)
 
 
 @dataclass

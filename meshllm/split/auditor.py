@@ -51,6 +51,7 @@ from meshllm.split.audit import (
     MAX_PENDING,
     RECORD_TTL_S,
     AuditCounters,
+    AuditPolicy,
     AuditQuery,
     AuditRecord,
     AuditRefused,
@@ -181,6 +182,8 @@ class Auditor:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="split-audit", initializer=_lower_priority)
         self._task: asyncio.Task[None] | None = None
         self._random = random.Random(seed)
+        self.policy = AuditPolicy(rate)
+        """Who has passed how many audits: requests through nodes without history are all audited."""
 
     def status(self, model: str) -> dict[str, object]:
         return self._counters(model).status()
@@ -189,11 +192,14 @@ class Auditor:
         return self.counters.setdefault(model, AuditCounters(self.rate))
 
     def submit(self, placement: SplitPlacement, coordinator: SplitCoordinator, request: FinishedRequest) -> None:
-        """A split request finished: audit it if it is the chain's first or drawn at ``rate``."""
+        """A split request finished: audit it if it is the chain's first, or drawn at the probability its
+        workers' history gives (:class:`~meshllm.split.audit.AuditPolicy`: every request while one of
+        them has not passed its probation)."""
         if self.rate <= 0 or not request.tokens:
             return
         first = coordinator not in self._seen
-        if not first and self._random.random() >= self.rate:
+        workers = [hop.node_id for hop in coordinator.chain[1:]]
+        if not first and self._random.random() >= self.policy.probability(workers):
             return
         self._seen.add(coordinator)
         counters = self._counters(placement.engine.model_id)
@@ -248,9 +254,12 @@ class Auditor:
         counters.run += 1
         counters.last_ms, counters.last_ranges = round(result.seconds * 1e3, 3), len(result.ranges)
         counters.total_ms += result.seconds * 1e3
+        workers = [hop.node_id for hop in coordinator.chain[1:]]
         if result.first_bad is None:
             counters.passed += 1
+            self.policy.record_pass(workers)
             return None
+        self.policy.forget(workers)
         counters.failed += 1
         records, evidence = await self._records(coordinator, model, request.session)
         if time.monotonic() - request.finished > RECORD_TTL_S:  # a missing record may just have expired

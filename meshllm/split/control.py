@@ -1,7 +1,8 @@
 """Stage control: a coordinator asks a worker to host a layer range (stream kind ``stage-control``).
 
 One short stream per request: ``Host`` -> ``Progress``* -> ``Hosted`` or ``Refused``; ``Release`` ->
-``Released`` or ``Refused``. A model is named by its id (the sha256 of its file), never by a path:
+``Released`` or ``Refused``; ``Warm`` -> ``Progress``* -> ``Warmed`` or ``Refused`` (layers kept on disk
+for a rebuild, see :class:`Warm`). A model is named by its id (the sha256 of its file), never by a path:
 ``Host`` carries the coordinator's **manifest** of the file, signed with its node key, and the worker
 finds the layers in its own library (the whole file, or a stage file it kept) or fetches just that
 range's tensors from the coordinator and every other holder, checking each piece against the
@@ -39,6 +40,7 @@ from meshllm.engine.ggml.weights import plan_stage
 from meshllm.errors import DecodeError, MeshllmError
 from meshllm.identity.ids import short
 from meshllm.models.gguf_file import GGUFFile
+from meshllm.models.hub_stage import fetch_stage, open_source
 from meshllm.models.library import LibraryEntry
 from meshllm.models.manifest import MAX_MANIFEST, MODEL_ID, open_manifest
 from meshllm.models.store import ModelStore
@@ -68,15 +70,38 @@ class Host(msgspec.Struct, frozen=True, kw_only=True, tag="host"):
 
     model: ModelName
     model_id: Annotated[str, Meta(pattern=MODEL_ID.pattern)]
-    manifest: Annotated[bytes, Meta(max_length=MAX_MANIFEST)]
-    """The model's manifest, signed by the coordinator (``chain[0]``)."""
     chain: Annotated[list[Hop], Meta(min_length=2, max_length=64)]
     index: Annotated[int, Meta(ge=1, le=63)]
     max_context: Annotated[int, Meta(ge=1, le=1 << 24)]
+    manifest: Annotated[bytes, Meta(max_length=MAX_MANIFEST)] = b""
+    """The model's manifest, signed by the coordinator (``chain[0]``); empty when ``hub`` is given."""
+    hub: Annotated[bytes, Meta(max_length=MAX_MANIFEST)] = b""
+    """For a model the coordinator takes straight from the hub: its signed ``HubSource``
+    (``models/hub_stage.py``); the worker fetches its range from the hub too."""
 
     @property
     def hop(self) -> Hop:
         return self.chain[self.index]
+
+
+class Warm(msgspec.Struct, frozen=True, kw_only=True, tag="warm"):
+    """Keep layers ``[layer_start, layer_end)`` of the model on disk, unloaded: a warm spare.
+
+    A rebuilt chain that gives this node other layers after another stage's death then loads them from
+    its disk instead of fetching them. Any member may ask (it is the coordinator of a chain this node
+    may be placed on), for at most :data:`MAX_STAGES_PER_MEMBER` models; the bytes come from it (at
+    ``addr``, dialled as the requester's node id) and other holders, checked against its signed
+    manifest, into an ordinary stage file of the library (its disk budget and eviction).
+    """
+
+    model: ModelName
+    model_id: Annotated[str, Meta(pattern=MODEL_ID.pattern)]
+    manifest: Annotated[bytes, Meta(max_length=MAX_MANIFEST)]
+    """The model's manifest, signed by the coordinator."""
+    layer_start: Annotated[int, Meta(ge=0, lt=1 << 16)]
+    layer_end: Annotated[int, Meta(ge=1, le=1 << 16)]
+    addr: Annotated[str, Meta(max_length=300)]
+    """The requester's mesh address (``host:port``), where the bytes are fetched from."""
 
 
 class Release(msgspec.Struct, frozen=True, kw_only=True, tag="release"):
@@ -99,19 +124,28 @@ class Hosted(msgspec.Struct, frozen=True, kw_only=True, tag="hosted"):
     fetched_bytes: int = 0
     """Bytes the worker fetched from peers to host the range (0 when it had them)."""
     bad_holders: list[str] = []
-    """Holders dropped from that transfer for sending bytes that did not match the manifest."""
+    """Holders dropped from that transfer for sending bytes that did not match the manifest; for a
+    stage from the hub, the sources named for a piece that disagreed (``hub <host>`` or a node)."""
 
 
 class Released(msgspec.Struct, frozen=True, kw_only=True, tag="released"):
     model: str
 
 
+class Warmed(msgspec.Struct, frozen=True, kw_only=True, tag="warmed"):
+    model: str
+    layer_start: int
+    layer_end: int
+    fetched_bytes: int = 0
+    """Bytes fetched from peers for it (0 when the node already had them)."""
+
+
 class Refused(msgspec.Struct, frozen=True, kw_only=True, tag="refused"):
     message: str
 
 
-Request = Host | Release
-Reply = Progress | Hosted | Released | Refused
+Request = Host | Release | Warm
+Reply = Progress | Hosted | Released | Warmed | Refused
 
 
 class HostRefused(SplitError):
@@ -161,6 +195,8 @@ class StageHost:
         self.is_owner = is_owner or (lambda _node: False)
         self.hosted: dict[tuple[str, str], HostedStage] = {}
         """(owner node id, model) -> what is hosted for that coordinator."""
+        self.warm: dict[tuple[str, str], tuple[int, int]] = {}
+        """(coordinator node id, model) -> the layers kept on disk for it (:class:`Warm`)."""
         server.endpoint.on_stream(KIND, self._serve, max_frame=CONTROL_FRAME)
 
     async def _serve(self, stream: Stream, peer: PeerConnection) -> None:
@@ -188,13 +224,50 @@ class StageHost:
                 self.store.library.unpin(held.entry)
             self._changed(request.model)
             return Released(model=request.model)
+        if isinstance(request, Warm):
+            return await self._warm(stream, peer_id, request)
         return await self._host(stream, peer_id, request)
+
+    async def _warm(self, stream: Stream, peer_id: str, request: Warm) -> Reply:
+        """Fetch (or find) a warm range onto disk for a coordinator (:class:`Warm`)."""
+        key = (peer_id, request.model)
+        mine = [k for k in self.warm if k[0] == peer_id and k != key]
+        if len(mine) >= MAX_STAGES_PER_MEMBER:
+            return Refused(message=f"node {short(peer_id)} already has {len(mine)} warm ranges here "
+                                   f"(at most {MAX_STAGES_PER_MEMBER} per member)")
+        start, end = request.layer_start, request.layer_end
+        if end <= start:
+            return Refused(message=f"empty layer range [{start}, {end})")
+        try:
+            parse_addr(request.addr)
+        except DecodeError:
+            return Refused(message=f"not a host:port address: {request.addr!r}")
+        manifest = open_manifest(request.manifest, peer_id, request.model_id)
+
+        def check(header: GGUFFile) -> None:
+            if end > (layers := read_hparams(header).n_layers):
+                raise HostRefused(f"layers [{start}, {end}) run past the model's {layers}")
+
+        library = self.store.library
+        had = library.whole(manifest.model) or library.stage(manifest.model, start, end)
+        transfer = f"{manifest.model}:{start}-{end}"
+        self.warm[key] = (start, end)  # counted while it fetches: concurrent requests cannot pass the quota
+        try:
+            await self._keep_alive(stream, asyncio.ensure_future(self.store.stage_file(
+                manifest, request.model, start, end, [(peer_id, request.addr)], None, check)), transfer)
+        except BaseException:
+            del self.warm[key]
+            raise
+        view = self.store.transfers.get(transfer) if had is None else None
+        return Warmed(model=request.model, layer_start=start, layer_end=end,
+                      fetched_bytes=view.bytes_done if view is not None else 0)
 
     async def _host(self, stream: Stream, peer_id: str, request: Host) -> Reply:
         why = self._check_request(peer_id, request)
         if why:
             return Refused(message=why)
-        manifest = open_manifest(request.manifest, peer_id, request.model_id)
+        if not request.hub and not request.manifest:
+            return Refused(message="a stage request needs a manifest or a hub source")
         start, end = request.hop.layer_start, request.hop.layer_end
         key = (peer_id, request.model)
         held = self.hosted.get(key)
@@ -217,14 +290,22 @@ class StageHost:
             memory.append(need)
 
         names = {h.node_id: self.names().get(h.node_id, short(h.node_id)) for h in request.chain}
-        transfer = f"{manifest.model}:{start}-{end}"
+        transfer = f"{request.model_id}:{start}-{end}"
         library = self.store.library
-        had = library.whole(manifest.model) or library.stage(manifest.model, start, end)
-        entry = await self._keep_alive(stream, asyncio.ensure_future(self.store.stage_file(
-            manifest, request.model, start, end, [(peer_id, request.chain[0].addr)], names, check)), transfer)
-        view = self.store.transfers.get(transfer) if had is None else None
-        fetched = view.bytes_done if view is not None else 0
-        bad = [h["node_id"] for h in view.holders.values() if h["bad"]] if view is not None else []
+        if request.hub:
+            source = open_source(request.hub, peer_id, request.model_id)
+            got = await self._keep_alive(stream, asyncio.ensure_future(fetch_stage(
+                self.store, source, request.model, start, end, coordinator=peer_id, check=check)), transfer)
+            entry, fetched = got.entry, got.fetched
+            bad = sorted({d.bad for d in got.disagreements or []})
+        else:
+            manifest = open_manifest(request.manifest, peer_id, request.model_id)
+            had = library.whole(manifest.model) or library.stage(manifest.model, start, end)
+            entry = await self._keep_alive(stream, asyncio.ensure_future(self.store.stage_file(
+                manifest, request.model, start, end, [(peer_id, request.chain[0].addr)], names, check)), transfer)
+            view = self.store.transfers.get(transfer) if had is None else None
+            fetched = view.bytes_done if view is not None else 0
+            bad = [h["node_id"] for h in view.holders.values() if h["bad"]] if view is not None else []
         stage = await self._keep_alive(stream, asyncio.ensure_future(
             asyncio.to_thread(self.load, entry.file, start, end, request.max_context)), None)
         library.pin(entry)
@@ -275,23 +356,26 @@ def stage_memory(reader: GGUFFile, start: int, end: int, context: int) -> int:
     """
     hp = read_hparams(reader)
     plan = plan_stage(reader, hp, start, end)
-    kv = kv_bytes_per_token(end - start, hp.n_kv_heads * hp.head_dim) * padded(min(context, hp.context_length))
+    kv = kv_bytes_per_token(end - start, hp.k_width, v_width=hp.v_width) * padded(min(context, hp.context_length))
     logits = hp.vocab * 4 if end == hp.n_layers else 0
     return plan.nbytes + kv + compute_bytes(hp, min(context, hp.context_length), Deadlines().prefill_chunk) + logits
 
 
 async def ask(endpoint: Endpoint, node_id: str, addr: str, request: Request,
-              timeout: float = REPLY_TIMEOUT_S) -> Hosted | Released:
+              timeout: float = REPLY_TIMEOUT_S,
+              on_progress: Callable[[Progress], None] | None = None) -> Hosted | Released | Warmed:
     """Send one control request to ``node_id`` at ``addr``; :class:`HostRefused` unless it succeeds.
 
-    ``timeout`` bounds each silence: a worker fetching a range sends Progress while it works.
+    ``timeout`` bounds each silence: a worker fetching a range sends Progress while it works
+    (``on_progress`` sees each).
     """
     try:
         conn = await endpoint.connect(parse_addr(addr), node_id, timeout=3.0)
         stream = await conn.open_stream(KIND, max_frame=CONTROL_FRAME)
         await stream.send(request)
         while isinstance(reply := await stream.recv(Reply, timeout=timeout), Progress):
-            pass
+            if on_progress is not None:
+                on_progress(reply)
     except (NetError, OSError, DecodeError) as exc:
         raise HostRefused(f"node {short(node_id)} did not answer the stage request: {exc}") from None
     if reply is None or isinstance(reply, Refused):

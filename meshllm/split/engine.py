@@ -26,7 +26,6 @@ before the chain sees it), with the continuation it has already produced, and ea
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import secrets
 import time
@@ -44,6 +43,7 @@ from meshllm.engine.base import (
     GenerationParams,
     GenerationRequest,
     LoadReport,
+    SamplingParams,
     TokenLogprob,
     TokenRate,
     check_supported,
@@ -51,7 +51,7 @@ from meshllm.engine.base import (
 )
 from meshllm.engine.gbnf import check_grammar
 from meshllm.engine.ggml.engine import SUPPORTS, replay
-from meshllm.engine.sampler import check_logprobs, logprob_entry, sampling_params
+from meshllm.engine.sampler import check_logprobs, check_sampling, logprob_entry
 from meshllm.engine.text import TextStream, token_budget
 from meshllm.engine.tokenizer import Tokenizer
 from meshllm.models.metadata import read_metadata
@@ -77,22 +77,25 @@ class ChainUnavailable(EngineNotLoaded):
 
 
 def chain_sampling(params: GenerationParams, generated: Sequence[int] = ()) -> Sampling:
-    """OpenAI semantics for the last stage's sampler (no min-p, no repetition penalty), as GgmlEngine,
-    with the request's grammar (checked here: :class:`~meshllm.engine.gbnf.BadGrammar`), the tokens of
-    its continuation the grammar has produced (``generated``), and the logprobs it asks for.
+    """The request's sampling fields (:class:`SamplingParams`) for the last stage's sampler, with the
+    request's grammar (checked here: :class:`~meshllm.engine.gbnf.BadGrammar`), the tokens of its
+    continuation the grammar has produced (``generated``), the step its draws start at (one per
+    token of ``generated``), and the logprobs it asks for.
 
     A sampled request without a seed gets a fresh random one here rather than on the last stage, so
     the coordinator can recompute its draws in an audit (the text is as random either way).
     """
     check_logprobs(params)
+    check_sampling(params)
     grammar = params.grammar or None
     if grammar is not None:
         check_grammar(grammar)
-    sampling = sampling_params(params)
-    if sampling.temperature > 0 and sampling.seed is None:
-        sampling = dataclasses.replace(sampling, seed=secrets.randbits(63))
-    return Sampling(**dataclasses.asdict(sampling), grammar=grammar, logprobs=params.logprobs,
-                    generated=list(generated) if grammar else [])
+    seed = params.seed
+    if params.temperature > 0 and seed is None:
+        seed = secrets.randbits(63)
+    fields = {name: getattr(params, name) for name in SamplingParams.__struct_fields__}
+    return Sampling(**{**fields, "seed": seed}, grammar=grammar,
+                    logprobs=params.logprobs, generated=list(generated) if grammar else [], step=len(generated))
 
 
 class SplitEngine(Engine):
@@ -124,6 +127,8 @@ class SplitEngine(Engine):
         self._rate = TokenRate()
         self.on_finished: Callable[[SplitCoordinator, FinishedRequest], None] | None = None
         """Told about every request the chain served to its end (the node's audits)."""
+        self._served = False
+        """A chain was attached once: the model is listed from then on (a replan keeps it listed)."""
 
     async def load(self) -> None:
         """Load only the tokenizer (the layers are loaded by placement, per plan); cap the context at the model's."""
@@ -140,9 +145,16 @@ class SplitEngine(Engine):
         self.tokenizer = None
         self.detach("closed")
 
+    @property
+    def listed(self) -> bool:
+        """Listed in ``/v1/models`` once a chain first formed: while its stages are placed (and fetch
+        their layers) it cannot serve, and requests for it get a 503 that says so."""
+        return self._served
+
     def attach(self, coordinator: SplitCoordinator) -> None:
         """Serve new requests (and requests replaying after a failed stage) through ``coordinator``'s chain."""
         self.coordinator = coordinator
+        self._served = True
         self._announce()
 
     def detach(self, reason: str) -> None:
@@ -203,7 +215,7 @@ class SplitEngine(Engine):
         """The tokens fed for ``request`` and its stop strings (the client's plus the chat format's)."""
         if self.tokenizer is None:
             raise EngineNotLoaded(f"model {self.model_id} is not loaded")
-        return self.tokenizer.request_prompt(request, self.model_id)
+        return self.tokenizer.request_prompt(request, self.model_id, self.max_context)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         """Stream ``request`` through the chain, riding out up to ``max_replays`` chain rebuilds; a failed
@@ -218,7 +230,8 @@ class SplitEngine(Engine):
         prompt, stop_strings = await asyncio.to_thread(self.prompt_tokens, request)
         limit = token_budget(len(prompt), self.max_context, request.params.max_tokens, self.model_id)
         text = TextStream(is_end=tokenizer.is_end, token_bytes=tokenizer.token_bytes, stops=stop_strings,
-                          limit=limit, prompt_tokens=len(prompt))
+                          limit=limit, prompt_tokens=len(prompt),
+                          end_on_repeated_call=request.params.end_on_repeated_call)
         fed = replay(text, request, coordinator.first.hparams.vocab)
         if text.done:
             for event in text.finish():
@@ -230,11 +243,13 @@ class SplitEngine(Engine):
         session = uuid.uuid4().hex  # the last attempt's session: the one an audit replays
         produced = list(fed)  # every token id fed to ``text``: what a rebuilt chain prefills after the prompt
         replays = 0
+        opened = len(fed)  # tokens the last chain was prefilled with after the prompt (its session's prompt)
         try:
             while True:
-                session = uuid.uuid4().hex
-                if replays and sampling.grammar is not None:  # the new last stage's grammar starts after them
-                    sampling = msgspec.structs.replace(sampling, generated=list(produced))
+                session, opened = uuid.uuid4().hex, len(produced)
+                if replays:  # the new last stage's draws (and grammar) start after them
+                    sampling = msgspec.structs.replace(
+                        sampling, step=len(produced), generated=list(produced) if sampling.grammar else [])
                 tokens = coordinator.generate(prompt + produced, max_tokens=max(limit - len(produced), 1),
                                               sampling=sampling, session=session)
                 try:
@@ -257,9 +272,11 @@ class SplitEngine(Engine):
         finally:
             self._running -= 1
             self._rate.observe(text.generated - len(fed), started, time.monotonic())
-        # an audit replays one chain's session, and recomputes plain draws (not a grammar's)
-        if self.on_finished is not None and not replays and sampling.grammar is None:
-            self.on_finished(coordinator, FinishedRequest(session, prompt + fed, produced[len(fed):], sampling))
+        # an audit replays one chain's session, the last (after a rebuild, the new chain's: its prompt is the
+        # request's and what the failed chain produced), and recomputes plain draws (not a grammar's)
+        if self.on_finished is not None and sampling.grammar is None:
+            self.on_finished(coordinator, FinishedRequest(session, prompt + produced[:opened], produced[opened:],
+                                                          sampling))
         for event in text.finish():
             yield event
 

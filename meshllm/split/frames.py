@@ -28,7 +28,6 @@ read, so the receiver can refuse that session alone and keep the lane (and the o
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 from typing import Annotated, Literal
@@ -36,8 +35,9 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from meshllm.engine.base import SamplingParams
 from meshllm.engine.gbnf import MAX_GRAMMAR_CHARS
-from meshllm.engine.sampler import MAX_LOGPROBS, SamplingParams
+from meshllm.engine.sampler import MAX_LOGPROBS
 from meshllm.split import codec
 from meshllm.split.codec import Dtype
 from meshllm.split.errors import BadFrame
@@ -73,31 +73,22 @@ class Hop(msgspec.Struct, frozen=True, array_like=True):
     layer_end: Layer
 
 
-class Sampling(msgspec.Struct, frozen=True, kw_only=True):
-    """Sampling parameters for the last stage (mirrors :class:`~meshllm.engine.sampler.SamplingParams`,
-    plus the request's grammar and logprobs)."""
+class Sampling(SamplingParams, frozen=True, kw_only=True):
+    """The request's sampling for the last stage (:class:`~meshllm.engine.base.SamplingParams`, greedy
+    unless set), plus the request's grammar, logprobs and the step its draws start at."""
 
     temperature: float = 0.0
-    top_k: Annotated[int, Meta(ge=0)] = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repeat_penalty: float = 1.0
-    repeat_last_n: Annotated[int, Meta(ge=0)] = 64
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
     grammar: Annotated[str, Meta(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = None
     """A GBNF grammar every sampled token must keep the text inside (checked again by the last stage
     before llama.cpp sees it); ``None``: free text."""
-    generated: list[TokenId] = []
+    generated: list[TokenId] = msgspec.field(default_factory=list)
     """The tokens at the end of the prompt that were generated before (a request's continuation):
     the grammar has produced them already, and the last stage advances it over them first."""
+    step: Annotated[int, Meta(ge=0, le=MAX_POS)] = 0
+    """How many tokens the request generated before this session (on another chain or engine): the
+    session's first token takes draw ``step`` of the seeded stream, so a replay continues it exactly."""
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     """``k``: every :class:`Tokens` carries each token's logprob and its ``k`` most likely alternatives."""
-
-    def params(self) -> SamplingParams:
-        """The sampler's own settings (the grammar and logprobs fields are not the sampler's)."""
-        return SamplingParams(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingParams)})
 
 
 class Open(msgspec.Struct, frozen=True, kw_only=True, tag="open"):

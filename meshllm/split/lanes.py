@@ -16,6 +16,7 @@ import itertools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Union
 
 import msgspec
 
@@ -40,7 +41,14 @@ from meshllm.split.frames import (
     decode_frame,
 )
 from meshllm.tasks import spawn
+
+if TYPE_CHECKING:
+    from meshllm.split.tcp_lane import TcpStream
+
 from meshllm.wire.addr import parse_addr
+
+LaneStream = Union[Stream, "TcpStream"]
+"""What a lane's frames ride: a QUIC stream, or a TLS connection to the peer's bulk channel."""
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +65,8 @@ def probe_timeout(endpoint: Endpoint, node_id: str) -> float:
     peer = endpoint.peers.get(node_id)
     rtt_ms = peer.rtt_ms if peer is not None else None
     return PROBE_TIMEOUT + (rtt_ms or 0.0) / 1000.0
+Dial = Callable[[str, str], Awaitable["LaneStream | None"]]
+"""``dial(node_id, host)``: a lane stream over the peer's bulk channel at ``host``, or None (use QUIC)."""
 MAX_ACTIVATION_BYTES = 16 * 1024 * 1024
 """Largest activation payload a lane accepts; larger frames get a ``too-large`` Error."""
 
@@ -179,7 +189,7 @@ class Lane:
 
     def __init__(
         self,
-        stream: Stream,
+        stream: LaneStream,
         peer_id: str,
         on_frame: Callable[[Lane, LaneFrame], Awaitable[None]],
         on_close: Callable[[Lane, str], None] | None = None,
@@ -270,8 +280,11 @@ class LanePool:
         on_close: Callable[[Lane, str], None] | None = None,
         *,
         connect_timeout: float = 1.0,
+        dial: Dial | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self.dial = dial
+        """Opens a lane over the peer's bulk channel (``split/tcp_lane.py``) where its QUIC path is direct."""
         self._on_frame = on_frame
         self._on_close = on_close
         self._connect_timeout = connect_timeout
@@ -296,8 +309,10 @@ class LanePool:
             except DecodeError as exc:
                 raise ConnectError(f"bad address for {node_id[:12]}: {exc}") from None
             peer = await self.endpoint.connect(target, node_id, timeout=self._connect_timeout)
-            stream = await peer.open_stream(KIND, max_frame=LANE_FRAME_MAX)
-            lane = Lane(stream, node_id, self._on_frame, self._closed)
+            # the QUIC connection proved who the peer is and where: a direct path may carry the lane on TCP
+            tcp = await self.dial(node_id, peer.remote_addr[0]) if self.dial and peer.path == "direct" else None
+            stream = tcp or await peer.open_stream(KIND, max_frame=LANE_FRAME_MAX)
+            lane = Lane(stream, node_id, self._on_frame, self._closed)  # type: ignore[arg-type]
             self._lanes[node_id] = lane
             spawn(self._tasks, lane.run())
             return lane

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -31,17 +32,39 @@ from meshllm.mesh.records import Capacity, PeerRecord
 from meshllm.models.gguf_file import GGUFFile
 from meshllm.models.refs import ModelRef
 from meshllm.split.audit import AUDIT_MEMORY, AUDIT_RATE
-from meshllm.split.control import Host, Hosted, Release, ask
+from meshllm.split.control import Host, Hosted, Release, Warm, Warmed, ask
 from meshllm.split.coordinator import DEFAULT_BATCH, Deadlines, SplitCoordinator
 from meshllm.split.engine import NO_CHAIN, SplitEngine
 from meshllm.split.errors import SplitError, StageFailed
 from meshllm.split.frames import Hop
 from meshllm.split.planner import Candidate, ModelProfile, Plan, PlanOptions, plan
 from meshllm.split.stage import StageServer
+from meshllm.tasks import spawn
 
 log = logging.getLogger(__name__)
 
 SplitMode = Literal["auto", "force", "off"]
+
+
+@dataclass
+class FetchProgress:
+    """How far one stage of a chain being placed is with fetching its layers (``/api/status`` ``splits``)."""
+
+    bytes_done: int = 0
+    bytes_total: int = 0
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    updated: float = dataclasses.field(default_factory=time.monotonic)
+
+    def update(self, done: int, total: int) -> None:
+        self.bytes_done, self.bytes_total, self.updated = done, total, time.monotonic()
+
+    def json(self) -> dict[str, Any]:
+        elapsed = self.updated - self.started
+        rate = self.bytes_done / elapsed if elapsed > 0 else 0.0
+        left = max(0, self.bytes_total - self.bytes_done)
+        return {"bytes_done": self.bytes_done, "bytes_total": self.bytes_total, "rate_bytes_s": round(rate),
+                "eta_s": round(left / rate, 1) if rate > 0 and left else (0.0 if self.bytes_total and not left
+                                                                          else None)}
 RAM_SHARE = 0.75
 """Share of a node's RAM offered to models when ``--max-memory`` is not given."""
 SUSPECT_S = 30.0
@@ -50,6 +73,11 @@ UNTRUSTED_S = 24 * 3600.0
 """How long a node an audit caught forging stays out of this node's plans (at most for the process)."""
 RETRY_S = 1.0
 """Pause between placement attempts while no chain fits (workers missing, a host refused)."""
+SPARE_CHECK_S = 2.0
+"""How often a serving chain's warm spares are re-planned (workers come and go)."""
+SPARE_SLACK = 2
+"""Layers a warm range reaches beyond the planned one on each side: a replan priced with the speeds the
+chain measured may move a boundary a little, and a stage file must cover the whole range to be used."""
 
 
 @dataclass(frozen=True)
@@ -187,6 +215,32 @@ def describe(chosen: Plan, names: Mapping[str, str], model: str, profile: ModelP
     }
 
 
+def spare_ranges(profile: ModelProfile, nodes: list[Candidate], rtt: Mapping[str, Mapping[str, float]],
+                 chain: list[Hop], options: SplitOptions) -> dict[str, tuple[int, int]]:
+    """The layers each worker should keep on disk so that the chain rebuilt after any one worker's death
+    needs no transfer: for each worker of ``chain``, the degraded plan without it; every node that
+    plan gives layers it does not hold now gets them (a node's ranges over all deaths merged into one,
+    widened by :data:`SPARE_SLACK` layers each way). Deaths that leave no chain are skipped.
+    """
+    holds = {h.node_id: (h.layer_start, h.layer_end) for h in chain}
+    wanted: dict[str, tuple[int, int]] = {}
+    for dead in chain[1:]:
+        rest = [c for c in nodes if c.node_id != dead.node_id]
+        try:
+            degraded = plan(profile, rest, rtt, chain[0].node_id,
+                            plan_options(options, len(rest) - 1, placing=True, degraded=True))
+        except MeshllmError:
+            continue
+        for stage in degraded.stages[1:]:
+            held = holds.get(stage.node_id)
+            if held is not None and held[0] <= stage.layer_start and stage.layer_end <= held[1]:
+                continue
+            low, high = wanted.get(stage.node_id, (stage.layer_start, stage.layer_end))
+            wanted[stage.node_id] = (min(low, stage.layer_start), max(high, stage.layer_end))
+    return {node: (max(1, low - SPARE_SLACK), min(profile.n_layers, high + SPARE_SLACK))
+            for node, (low, high) in wanted.items()}
+
+
 def plan_options(options: SplitOptions, workers: int, *, placing: bool = False, degraded: bool = False) -> PlanOptions:
     """Planner options for the mode: ``--stages`` fixes the stage count.
 
@@ -213,9 +267,14 @@ class SplitPlacement:
                  ref: ModelRef, manifest: bytes, options: SplitOptions, budget: int,
                  publish: Callable[..., Any], on_chain: Callable[[list[Hop] | None], None],
                  profile: ModelProfile | None = None,
-                 audits: Callable[[], dict[str, object]] | None = None) -> None:
+                 audits: Callable[[], dict[str, object]] | None = None,
+                 hub_source: Callable[[int, int, Callable[[int, int], None]], Awaitable[bytes]] | None = None
+                 ) -> None:
         """``manifest``: the model's manifest signed by this node, sent with every stage request;
-        ``audits()``: the model's audit counters for ``/api/status``."""
+        ``audits()``: the model's audit counters for ``/api/status``; ``hub_source(start, end,
+        progress)``, for a model taken straight from the hub: fetch this node's own layers (telling
+        ``progress(done, total)`` on the loop), and return the signed ``HubSource`` sent to workers
+        in place of the manifest."""
         self._own, self._members, self._rtt = own, members, rtt
         self.server = server
         self.engine = engine
@@ -227,6 +286,10 @@ class SplitPlacement:
         self.on_chain = on_chain
         self.profile = profile or model_profile(ref.path, options.context)
         self.chain: list[Hop] = []
+        self.placing: list[Hop] = []
+        """The chain being placed now (its stages fetching and loading their layers)."""
+        self.fetching: dict[str, FetchProgress] = {}
+        """Node id -> its stage's fetch in the latest placement (kept once done: what it took)."""
         self.plan: Plan | None = None
         self.coordinator: SplitCoordinator | None = None
         """The latest chain's coordinator (kept after a failure: its measured stage speeds inform the replan)."""
@@ -235,17 +298,22 @@ class SplitPlacement:
         self.untrusted: dict[str, float] = {}
         """Nodes an audit caught (node id -> until when, monotonic): never placed on again before then."""
         self._audits = audits
+        self.hub_source = hub_source
         self._replan = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._spares: set[asyncio.Task[None]] = set()
+        self.spares: list[list[Any]] = []
+        """The serving chain's warm spares: ``[name, layer_start, layer_end, fetched_bytes]`` each."""
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"split-placement-{self.engine.model_id}")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in [self._task, *self._spares]:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         self.engine.detach("stopped")
         if self._first is not None:
             await asyncio.to_thread(self._first.close)
@@ -254,12 +322,16 @@ class SplitPlacement:
     def status(self) -> dict[str, Any]:
         """The ``/api/status`` ``splits`` entry: the chain with names and ranges, and its state."""
         names = self.names()
+        ready = self.engine.coordinator is not None
+        chain = self.chain if ready or not self.placing else self.placing
         return {
             "model": self.engine.model_id,
-            "state": "ready" if self.engine.coordinator is not None else "placing",
-            "reason": None if self.engine.coordinator is not None else self.engine.unavailable,
+            "state": "ready" if ready else "placing",
+            "reason": None if ready else self.engine.unavailable,
             "stages": [{"node_id": h.node_id, "name": names.get(h.node_id, h.node_id[:8]),
-                        "layers": [h.layer_start, h.layer_end]} for h in self.chain],
+                        "layers": [h.layer_start, h.layer_end],
+                        "fetch": self.fetching[h.node_id].json() if h.node_id in self.fetching else None}
+                       for h in chain],
             "predicted_ms_per_token": round(self.plan.total_s * 1e3, 3) if self.plan else None,
             "replays": self.engine.replays,
             "replays_failed": self.engine.replays_failed,
@@ -267,6 +339,7 @@ class SplitPlacement:
             "audits": self._audits() if self._audits is not None else None,
             "untrusted": sorted(self.untrusted),
             "batching": coordinator.batching_status() if coordinator is not None else None,
+            "spares": [{"name": name, "layers": [start, end]} for name, start, end, _ in self.spares],
         }
 
     def names(self) -> dict[str, str]:
@@ -332,30 +405,93 @@ class SplitPlacement:
             raise SplitError("the plan does not start at this node with at least one worker")
         chain = hops(chosen, own, members)
         first = chain[0]
-        await asyncio.gather(*(self._host(chain, i) for i in range(1, len(chain))), self._load_first(first))
+        self.placing, self.fetching = chain, {}
+        hub = b""
+        if self.hub_source is not None:
+            hub = await self.hub_source(first.layer_start, first.layer_end, self._progress(first.node_id).update)
+        await asyncio.gather(*(self._host(chain, i, hub) for i in range(1, len(chain))), self._load_first(first))
         assert self._first is not None
         coordinator = SplitCoordinator(self.server, self.engine.model_id, self._first, chain,
                                        on_stage_failed=self.stage_failed, speculate=self.options.speculate,
                                        batch=self.options.batch)
-        self.chain, self.plan, self.coordinator = chain, chosen, coordinator
+        self.chain, self.plan, self.coordinator, self.placing = chain, chosen, coordinator, []
         self.engine.attach(coordinator)
         self.on_chain(chain)
         names = self.names()
         self.publish("split_ready", model=self.engine.model_id,
                      stages=[[names.get(h.node_id, h.node_id[:8]), h.layer_start, h.layer_end] for h in chain],
                      predicted_ms=round(chosen.total_s * 1e3, 3), took_s=round(time.monotonic() - started, 3))
+        for task in self._spares:  # an older chain's spares are planned for deaths that no longer apply
+            task.cancel()
+        self.spares = []
+        if self.hub_source is None:  # a hub-direct model has no manifest a spare could fetch against
+            spawn(self._spares, self._keep_spares(chain), name=f"split-spares-{self.engine.model_id}")
 
-    async def _host(self, chain: list[Hop], index: int) -> None:
+    async def _host(self, chain: list[Hop], index: int, hub: bytes = b"") -> None:
         assert self.ref.sha256 is not None
         hop = chain[index]
         hosted = await ask(self.server.endpoint, hop.node_id, hop.addr, Host(
-            model=self.engine.model_id, model_id=self.ref.sha256, manifest=self.manifest, chain=chain, index=index,
-            max_context=self.engine.max_context,
-        ))
+            model=self.engine.model_id, model_id=self.ref.sha256, manifest=b"" if hub else self.manifest, hub=hub,
+            chain=chain, index=index, max_context=self.engine.max_context,
+        ), on_progress=lambda p: self._progress(hop.node_id).update(p.bytes_done, p.bytes_total))
         if isinstance(hosted, Hosted) and hosted.fetched_bytes:
+            self._progress(hop.node_id).update(hosted.fetched_bytes, hosted.fetched_bytes)  # what it took
             self.publish("split_stage_fetched", model=self.engine.model_id, node=hop.node_id,
                          layers=[hop.layer_start, hop.layer_end], bytes=hosted.fetched_bytes,
                          bad_holders=hosted.bad_holders)
+
+    async def _keep_spares(self, chain: list[Hop]) -> None:
+        """While ``chain`` serves, keep its warm spares (:func:`spare_ranges`) on the nodes' disks: checked
+        every :data:`SPARE_CHECK_S`, so a worker that joins later becomes a spare too. Each change is
+        published as ``split_spares_ready`` (what each spare holds, and who refused)."""
+        assert self.ref.sha256 is not None
+        asked: dict[str, tuple[int, int]] = {}
+        held: dict[str, list[Any]] = {}
+        failed: dict[str, str] = {}
+        first = True
+        while True:
+            own, members = self._own(), self._members()
+            nodes = candidates(own, self.budget, members, {*self._suspects, *self.untrusted})
+            wanted = spare_ranges(self.profile, nodes, self._rtt(), chain, self.options)
+            todo = {n: r for n, r in wanted.items()
+                    if asked.get(n) != r and n in members and members[n].addresses.listen}
+            gone = {*held, *failed, *asked} - set(wanted)  # no longer a spare (it left, or the plan moved on)
+            if todo or gone or first:
+                asked.update(todo)
+                for node in gone:
+                    held.pop(node, None)
+                    failed.pop(node, None)
+                    asked.pop(node, None)
+                names = self.names()
+                jobs = {node: self._warm(members[node].addresses.listen[0], own.addresses.listen[0], node, a, b)
+                        for node, (a, b) in todo.items()}
+                for node, outcome in zip(jobs, await asyncio.gather(*jobs.values()), strict=True):
+                    if isinstance(outcome, str):
+                        failed[node] = outcome
+                        held.pop(node, None)
+                    else:
+                        failed.pop(node, None)
+                        held[node] = [names.get(node, node[:8]), *todo[node], outcome]
+                self.spares = list(held.values())
+                self.publish("split_spares_ready", model=self.engine.model_id, spares=self.spares,
+                             failed=[[names.get(n, n[:8]), why] for n, why in failed.items()],
+                             chain=[h.node_id for h in chain])
+                first = False
+            await asyncio.sleep(SPARE_CHECK_S)
+
+    async def _warm(self, addr: str, own_addr: str, node: str, start: int, end: int) -> int | str:
+        """Ask ``node`` to keep layers ``[start, end)`` on disk: the bytes it fetched, or why it did not."""
+        assert self.ref.sha256 is not None
+        try:
+            warmed = await ask(self.server.endpoint, node, addr, Warm(
+                model=self.engine.model_id, model_id=self.ref.sha256, manifest=self.manifest,
+                layer_start=start, layer_end=end, addr=own_addr))
+        except MeshllmError as exc:
+            return str(exc)
+        return warmed.fetched_bytes if isinstance(warmed, Warmed) else 0
+
+    def _progress(self, node_id: str) -> FetchProgress:
+        return self.fetching.setdefault(node_id, FetchProgress())
 
     async def _load_first(self, hop: Hop) -> None:
         held = self._first

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -25,6 +26,8 @@ from meshllm.api.serving import Serving
 from meshllm.errors import MeshllmError
 from meshllm.mesh.records import Capacity, Models, PeerRecord, ServedModel
 from meshllm.mesh.service import MeshService
+from meshllm.models.hub import cached, is_hub_ref, parse_hub_ref
+from meshllm.models.hub_stage import HubModel, sign_source
 from meshllm.models.manifest import sign_manifest
 from meshllm.models.refs import ModelRef, resolve_model
 from meshllm.models.store import ModelStore
@@ -46,6 +49,7 @@ from meshllm.split.placement import (
 )
 from meshllm.split.planner import ModelProfile, Speculation, plan
 from meshllm.split.stage import StageServer
+from meshllm.split.tcp_lane import LaneDialer, TcpStream
 
 SPLIT_ENGINE = "split"
 """``ServedModel.engine`` of a coordinator: serves the whole model through its chain (routable)."""
@@ -72,7 +76,10 @@ class SplitService:
         self.options = options
         self.store = store
         self.key = signing_key
-        self.server = StageServer(mesh.endpoint)
+        dial = LaneDialer(signing_key, store.bulk_ports) if store.bulk_ports is not None else None
+        self.server = StageServer(mesh.endpoint, dial=dial)
+        store.bulk_server.on_lane = lambda reader, writer, peer: self.server.serve_lane(TcpStream(reader, writer),
+                                                                                        peer)
         self.host = StageHost(self.server, store, self.budget, self._hosted_changed, options.load_stage,
                               names=self._names, is_owner=self._is_mesh_owner) if role == "worker" else None
         if role == "worker":  # keep what our stages compute, so a coordinator's audit can say who lied
@@ -81,7 +88,7 @@ class SplitService:
         self.auditor = Auditor(mesh.endpoint, rate=options.audit_rate, memory=options.audit_memory,
                                kernels=options.kernels, publish=events.publish)
         self.placements: dict[str, SplitPlacement] = {}
-        self._pending: list[tuple[ModelRef, ModelProfile, bytes]] = []
+        self._pending: list[tuple[ModelRef, ModelProfile, bytes, HubModel | None]] = []
         self._chains: dict[str, list[Hop]] = {}
 
     def _own(self) -> PeerRecord:
@@ -121,33 +128,79 @@ class SplitService:
             return specs
         rest = []
         for spec in specs:
-            ref = await self.serving.resolve(spec)
+            hub = await self._from_hub(spec)
+            ref = hub.ref if hub is not None else await self.serving.resolve(spec)
             profile = await asyncio.to_thread(model_profile, ref.path, self.options.context)
-            if needs_split(self.options, profile, self.budget):
+            if not needs_split(self.options, profile, self.budget):
+                rest.append(spec)  # loaded whole (an hf: model is pulled whole then)
+                if hub is not None:
+                    await asyncio.to_thread(hub.discard)
+            elif hub is not None:
+                self._pending.append((ref, profile, b"", hub))
+            else:
                 entry = await asyncio.to_thread(self.store.library.add, ref.path, source="file", owned=False,
                                                 name=ref.model_id, model_id=ref.sha256)
                 manifest = await asyncio.to_thread(self.store.library.manifest, entry)
                 self.store.library.pin(entry)
                 ref = dataclasses.replace(ref, sha256=entry.id)
-                self._pending.append((ref, profile, sign_manifest(self.key, manifest)))
-            else:
-                rest.append(spec)
+                self._pending.append((ref, profile, sign_manifest(self.key, manifest), None))
         return rest
+
+    async def _from_hub(self, spec: str) -> HubModel | None:
+        """An ``hf:`` model not in the library yet, opened for hub-direct stages (its header fetched by range)."""
+        if not is_hub_ref(spec) or cached(parse_hub_ref(spec), self.store.library) is not None:
+            return None
+        view = self.store.begin_view(spec, spec, spec, "hub-header", None)
+        try:
+            hub = await asyncio.to_thread(HubModel.open, spec, self.store.library)
+        except (MeshllmError, OSError) as exc:
+            self.store.end_view(view, error=str(exc))
+            raise
+        view.bytes_done = view.bytes_total = hub.fetched
+        self.store.end_view(view, fetched=hub.fetched)
+        self.events.publish("split_from_hub", model=hub.ref.model_id, id=hub.model_id, spec=hub.hub.spec,
+                            size=hub.hub.size, header_bytes=len(hub.header), fetched=hub.fetched)
+        return hub
+
+    def _hub_source(self, hub: HubModel, model: str
+                    ) -> Callable[[int, int, Callable[[int, int], None]], Awaitable[bytes]]:
+        """Fetch this node's own layers of ``hub`` (progress in the status), then sign its source for workers."""
+        async def source(start: int, end: int, progress: Callable[[int, int], None]) -> bytes:
+            view = self.store.begin_view(f"{hub.model_id}:{start}-{end}", hub.model_id, model, "hub-stage",
+                                         (start, end))
+            loop = asyncio.get_running_loop()
+            report = self.store.reporter(view)
+
+            def both(done: int, total: int) -> None:
+                report(done, total)
+                loop.call_soon_threadsafe(progress, done, total)
+
+            try:
+                result = await asyncio.to_thread(hub.ensure, start, end, both)
+            except (MeshllmError, OSError) as exc:
+                self.store.end_view(view, error=str(exc))
+                raise
+            self.store.end_view(view, fetched=result.fetched)
+            return sign_source(self.key, hub.source())
+        return source
 
     async def start(self) -> None:
         """Register a :class:`SplitEngine` per split model and start placing its chain."""
-        for ref, profile, manifest in self._pending:
+        for ref, profile, manifest, hub in self._pending:
             engine = SplitEngine(ref.path, ref.model_id, self.options.context,
                                  max_replays=self.serving.backend.replay.max_replays, on_event=self.events.publish)
             await engine.load()
-            self.serving.add_engine(engine, ref.sha256)
+            self.serving.add_engine(engine, ref.path, ref.sha256)
             placement = SplitPlacement(
                 own=self._own, members=self._members, rtt=self._rtt, server=self.server, engine=engine, ref=ref,
                 manifest=manifest, options=self.options, budget=self.budget, publish=self.events.publish,
                 on_chain=lambda chain, model=ref.model_id: self._chain_changed(model, chain), profile=profile,
                 audits=lambda model=ref.model_id: self.auditor.status(model),
+                hub_source=self._hub_source(hub, ref.model_id) if hub is not None else None,
             )
-            engine.on_finished = lambda coordinator, request, p=placement: self.auditor.submit(p, coordinator, request)
+            if hub is None:  # an audit recomputes every layer from this node's file: a hub model has only its own
+                engine.on_finished = lambda coordinator, request, p=placement: self.auditor.submit(
+                    p, coordinator, request)
             self.placements[ref.model_id] = placement
             self.events.publish("split_placing", model=ref.model_id, mode=self.options.mode,
                                 stages=self.options.stages)

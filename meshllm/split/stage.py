@@ -80,7 +80,7 @@ from meshllm.split.frames import (
     Tokens,
     Verify,
 )
-from meshllm.split.lanes import MAX_ACTIVATION_BYTES, Lane, LanePool
+from meshllm.split.lanes import MAX_ACTIVATION_BYTES, Dial, Lane, LanePool, LaneStream
 from meshllm.tasks import spawn
 
 log = logging.getLogger(__name__)
@@ -155,11 +155,12 @@ class _Session:
 class StageServer:
     """One node's stage lanes: hosted stages, their sessions, and reply routing for local coordinators."""
 
-    def __init__(self, endpoint: Endpoint, *, max_activation_bytes: int = MAX_ACTIVATION_BYTES) -> None:
+    def __init__(self, endpoint: Endpoint, *, max_activation_bytes: int = MAX_ACTIVATION_BYTES,
+                 dial: Dial | None = None) -> None:
         self.endpoint = endpoint
         self.max_activation_bytes = max_activation_bytes
         """Largest activation payload accepted from upstream (larger steps get a ``too-large`` Error)."""
-        self.pool = LanePool(endpoint, self._from_downstream, self._downstream_closed)
+        self.pool = LanePool(endpoint, self._from_downstream, self._downstream_closed, dial=dial)
         self._stages: dict[tuple[str | None, str], _Hosted] = {}
         """(owner, model) -> hosted range; owner None: a stage any chain may use."""
         self._sessions: dict[str, _Session] = {}
@@ -254,10 +255,13 @@ class StageServer:
     # -- incoming lanes ------------------------------------------------------------------------
 
     async def _serve(self, stream: Stream, peer: PeerConnection) -> None:
-        lane = Lane(
-            stream, peer.node_id or "", self._from_upstream, self._upstream_closed,
-            max_activation_bytes=self.max_activation_bytes,
-        )
+        await self.serve_lane(stream, peer.node_id or "")
+
+    async def serve_lane(self, stream: LaneStream, peer_id: str) -> None:
+        """Serve an incoming lane from ``peer_id`` (a QUIC stream, or a TLS connection to our bulk
+        channel whose certificate named ``peer_id``) until it ends."""
+        lane = Lane(stream, peer_id, self._from_upstream, self._upstream_closed,
+                    max_activation_bytes=self.max_activation_bytes)
         await lane.run()
 
     async def _from_upstream(self, lane: Lane, frame: LaneFrame) -> None:
@@ -404,9 +408,8 @@ class StageServer:
     def _sampler(self, held: _Hosted, sampling: Sampling) -> Sampler:
         """Worker thread: a last stage's sampler for a session, its grammar (checked first: a peer can
         send anything) compiled over the stage file's vocabulary and advanced over the continuation."""
-        params = sampling.params()
         if sampling.grammar is None:
-            return Sampler(params)
+            return Sampler(sampling, step=sampling.step)
         check_grammar(sampling.grammar)
         if held.vocab is None:
             raise InvalidRequest("this stage has no vocabulary file to constrain sampling with")
@@ -418,7 +421,7 @@ class StageServer:
             raise InvalidRequest("the model has no end token, so a grammar could not end its text")
         grammar = Grammar(vocab, sampling.grammar)
         grammar.replay(sampling.generated)
-        return Sampler(params, grammar)
+        return Sampler(sampling, grammar, step=sampling.step)
 
     async def _pass(self, items: list[tuple[_Session, Decode | Verify]]) -> None:
         """One decode pass of one or more sessions (a :class:`Decode`/:class:`Verify`, or a :class:`Batch`).

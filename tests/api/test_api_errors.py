@@ -247,7 +247,9 @@ def test_extra_routers_are_served_with_openai_shaped_errors() -> None:
 
     with serve(create_app(GatedBackend(), routers=[extra])) as url:
         assert httpx.get(url + "/api/ping").json() == {"pong": "yes"}
-        assert_openai_error(httpx.get(url + "/api/busy"), 503, "no_capacity")
+        refused = httpx.get(url + "/api/busy")
+        assert_openai_error(refused, 503, "no_capacity")
+        assert refused.headers["retry-after"] == "1"  # every 503 tells the client when to come back
 
 
 

@@ -55,7 +55,7 @@ def open_api(tiny_engine: LlamaEngine) -> Iterator[str]:
 
 def test_the_openai_client_works_with_the_key_and_not_without(keyed: str) -> None:
     client = openai.OpenAI(base_url=keyed + "/v1", api_key=KEY, max_retries=0)
-    assert [m.id for m in client.models.list()] == ["tiny-llama"]
+    assert [m.id for m in client.models.list()] == ["tiny-llama", "auto"]
     reply = client.chat.completions.create(model="tiny-llama", messages=HELLO, max_tokens=4, temperature=0)  # type: ignore[arg-type]
     assert reply.usage is not None and reply.usage.completion_tokens >= 1
     wrong = openai.OpenAI(base_url=keyed + "/v1", api_key="sk-wrong-key-0123456789", max_retries=0)

@@ -15,6 +15,7 @@ import httpx
 import pytest
 from api_server import serve
 from fastapi import APIRouter, Depends
+from nodes import wait_until
 
 from meshllm.api.app import ApiLimits, EdgeLimits, LocalBackend, create_app
 from meshllm.api.auth import require_api_key
@@ -26,12 +27,15 @@ EDGE = EdgeLimits(header_timeout_s=1.0, body_timeout_s=1.0, max_drain_bytes=32 *
 CHAT = "/v1/chat/completions"
 
 
-def sleep_router(release: threading.Event) -> APIRouter:
-    """``GET /api/wait``: a request that stays in progress until ``release`` is set."""
+def sleep_router(release: threading.Event, entered: list[int] | None = None) -> APIRouter:
+    """``GET /api/wait``: a request that stays in progress until ``release`` is set (each one that
+    started appends to ``entered``)."""
     router = APIRouter(dependencies=[Depends(require_api_key)])
 
     @router.get("/api/wait")
     async def wait() -> dict[str, bool]:
+        if entered is not None:
+            entered.append(1)
         while not release.is_set():
             await asyncio.sleep(0.02)
         return {"done": True}
@@ -115,12 +119,16 @@ def test_headers_that_do_not_arrive_in_time_end_the_connection(edge_server: str)
         answer = read_all(sock, 3.0)
     assert answer.startswith(b"HTTP/1.1 408")
     assert time.monotonic() - started < EDGE.header_timeout_s + 5
-    with socket.create_connection(addr(edge_server)) as idle:  # an idle connection is simply closed
-        assert read_all(idle, EDGE.header_timeout_s + 3) == b""
+    with socket.create_connection(addr(edge_server)) as silent:  # it may be a client whose request is unread
+        assert read_all(silent, EDGE.header_timeout_s + 3).startswith(b"HTTP/1.1 408")
+    with socket.create_connection(addr(edge_server)) as idle:  # an idle keep-alive connection is simply closed
+        idle.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        answer = read_all(idle, EDGE.header_timeout_s + 3)
+        assert answer.startswith(b"HTTP/1.1 200") and b"408" not in answer
 
 
 def closed_by_server(sock: socket.socket) -> bool:
-    """Whether the server closed ``sock`` (with or without a 408); False while it stays open."""
+    """Whether the server closed ``sock`` (with or without a 408 or a 503); False while it stays open."""
     sock.settimeout(0.05)
     try:
         data = sock.recv(65536)
@@ -128,13 +136,14 @@ def closed_by_server(sock: socket.socket) -> bool:
         return False
     except OSError:
         return True
-    return data == b"" or data.startswith(b"HTTP/1.1 408")
+    return data == b"" or data.startswith((b"HTTP/1.1 408", b"HTTP/1.1 503"))
 
 
 def test_at_the_cap_waiting_connections_make_room_and_busy_ones_do_not(tiny_engine: LlamaEngine) -> None:
     edge = EdgeLimits(max_connections=16, header_timeout_s=30.0)
     release = threading.Event()
-    app = create_app(LocalBackend([tiny_engine]), routers=[sleep_router(release)], edge=edge)
+    entered: list[int] = []
+    app = create_app(LocalBackend([tiny_engine]), routers=[sleep_router(release, entered)], edge=edge)
     with serve(app, http=guarded_protocol(edge)) as url:
         waiting = []
         for _ in range(edge.max_connections * 2):
@@ -151,7 +160,7 @@ def test_at_the_cap_waiting_connections_make_room_and_busy_ones_do_not(tiny_engi
             busy = [threading.Thread(target=client.get, args=(url + "/api/wait",)) for _ in range(edge.max_connections)]
             for thread in busy:
                 thread.start()
-            time.sleep(1.0)
+            wait_until(lambda: len(entered) == edge.max_connections, 10.0)  # every connection is busy
             try:
                 with socket.create_connection(addr(url)) as sock:
                     sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")

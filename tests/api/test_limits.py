@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from net.net_helpers import until
 
 from meshllm.api.errors import Saturated
 from meshllm.api.limits import Admission
@@ -33,8 +34,7 @@ def test_waiters_take_turns_by_client_and_a_flood_gives_way() -> None:
             tasks[name] = asyncio.ensure_future(hold(admission, client, order, name, gates[name]))
             await asyncio.sleep(0)
         for name in ["a0", "a1", "b0", "c0", "a2"]:
-            while name not in order:
-                await asyncio.sleep(0.001)
+            await until(lambda name=name: name in order)  # type: ignore[misc]
             gates[name].set()
         results = await asyncio.gather(*tasks.values(), return_exceptions=True)
         refused = [name for name, r in zip(tasks, results, strict=True) if isinstance(r, Saturated)]

@@ -24,7 +24,7 @@ def chat_prompt_tokens(engine: LlamaEngine) -> int:
 
 def test_model_list_names_the_model_and_its_node(client: openai.OpenAI) -> None:
     models = client.models.list().data
-    assert [m.id for m in models] == [MODEL]
+    assert [m.id for m in models] == [MODEL, "auto"]
     assert models[0].owned_by == "meshllm"
     assert models[0].model_extra == {"nodes": ["node-a"], "node_names": ["node-a"], "context_length": 512}
     assert client.models.retrieve(MODEL).id == MODEL

@@ -2,22 +2,26 @@
 official ``openai`` client against real nodes started through the CLI.
 
 Three servers of the same tool model (``tinymodels.write_tiny_tool_model`` with two blocks, so it
-splits): a solo llama.cpp node (the reference), a solo ``--engine ggml`` node, and a 2-stage chain
-(a ``--split force`` coordinator and a ``--worker`` that fetches its layers as a stage file and reads
-the vocabulary for the grammar from it). Every greedy answer of the chain and of the ggml node must
-equal the llama.cpp node's; logprobs must agree within float tolerance (the runtimes compute the same
-logits; on this f32 model they can differ in the last bits).
+splits, and calls that repeat until something ends the turn): a solo llama.cpp node (the reference), a
+solo ``--engine ggml`` node, and a 2-stage chain (a ``--split force`` coordinator and a ``--worker``
+that fetches its layers as a stage file and reads the vocabulary for the grammar from it). Every greedy
+answer of the chain and of the ggml node must equal the llama.cpp node's; logprobs must agree within
+float tolerance (the runtimes compute the same logits; on this f32 model they can differ in the last
+bits).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import httpx
 import openai
 import pytest
 from nodes import NodeProcess, running_nodes, wait_until
+from prometheus_client.parser import text_string_to_metric_families
 from tinymodels import TOOL_MODEL, TOOL_MODEL_REPLY, write_tiny_tool_model
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -42,7 +46,7 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, NodeProcess]]:
     """``llama`` (reference), ``ggml`` and ``split`` (the chain's coordinator), each answering for the model."""
     tmp = tmp_path_factory.mktemp("structured")
-    gguf = write_tiny_tool_model(tmp / f"{TOOL_MODEL}.gguf", blocks=2)
+    gguf = write_tiny_tool_model(tmp / f"{TOOL_MODEL}.gguf", blocks=2, repeat_calls=True)
     with running_nodes() as nodes:
         llama = NodeProcess(tmp / "llama", ["--model", str(gguf), "--threads", "1"], "llama")
         ggml = NodeProcess(tmp / "ggml", ["--model", str(gguf), "--engine", "ggml", "--threads", "1"], "ggml")
@@ -171,3 +175,55 @@ def test_a_named_tool_choice_forces_a_call(servers: dict[str, NodeProcess], engi
     free = ask(servers[engine], lambda c: c.chat.completions.create(model=TOOL_MODEL, messages=DONE,  # type: ignore
                                                                     tools=[WEATHER]).choices[0].message.content)
     assert free == TOOL_MODEL_REPLY  # without the grammar the model would not have called
+
+
+def test_metrics_count_split_requests(servers: dict[str, NodeProcess]) -> None:
+    """The coordinator's ``/metrics`` counts a chain's requests under ``route="split"``, its tokens,
+    and the stage-lane bytes that carried them (parsed with prometheus_client's own parser)."""
+    coord = servers["split"]
+
+    def scrape() -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+        text = httpx.get(coord.api + "/metrics", headers=coord.admin_headers, timeout=10).text
+        return {(s.name, frozenset(s.labels.items())): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples}
+
+    def grew(name: str, **labels: str) -> float:
+        key = (name, frozenset(labels.items()))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    split = {"model": TOOL_MODEL, "route": "split"}
+    before = scrape()
+    reply = ask(coord, lambda c: c.chat.completions.create(model=TOOL_MODEL, messages=ASK, max_tokens=8))
+    after = scrape()
+    retries = grew("meshllm_request_errors_total", route="split")  # a 503 while the chain replans: asked again
+    assert grew("meshllm_requests_total", **split) == 1 + retries
+    assert reply.usage is not None
+    assert grew("meshllm_tokens_total", kind="completion", **split) == reply.usage.completion_tokens
+    assert grew("meshllm_time_to_first_token_seconds_count", **split) >= 1
+    assert grew("meshllm_stream_bytes_total", kind="stage-lane", direction="sent") > 0
+
+
+@pytest.mark.parametrize("engine", ["llama", "ggml", "split"])
+def test_forced_calls_with_parallel_calls_allowed_end_after_one_call(servers: dict[str, NodeProcess],
+                                                                     engine: str) -> None:
+    """The grammar of a forced call allows more calls; the model repeats its call, and the repeat ends the turn.
+    A call cut by ``max_tokens`` leaves no markup in the content."""
+    for choice, messages in itertools.product(("required", NAMED), (ASK, DONE)):
+        def forced(c: openai.OpenAI, max_tokens: int | None = None, choice: Any = choice,
+                   messages: list[Any] = messages) -> Any:
+            return c.chat.completions.create(model=TOOL_MODEL, messages=messages, tools=[WEATHER],  # type: ignore
+                                             tool_choice=choice, parallel_tool_calls=True, temperature=0,
+                                             max_tokens=max_tokens).choices[0]
+
+        whole = ask(servers[engine], forced)
+        [call] = whole.message.tool_calls or []
+        assert whole.finish_reason == "tool_calls" and not whole.message.content
+        assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
+        cut = ask(servers[engine], lambda c: forced(c, max_tokens=3))
+        assert cut.finish_reason == "length" and not cut.message.content and not cut.message.tool_calls
+
+    response = ask(servers[engine], lambda c: c.responses.create(
+        model=TOOL_MODEL, input="What is the weather in Paris?", tools=[{  # type: ignore[list-item]
+            "type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}],  # type: ignore[index]
+        tool_choice="required", parallel_tool_calls=True, temperature=0))
+    assert [o.type for o in response.output] == ["function_call"]

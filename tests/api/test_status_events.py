@@ -30,3 +30,35 @@ def test_keepalives_keep_the_subscription(monkeypatch: pytest.MonkeyPatch) -> No
     out = asyncio.run(main())
     assert out[0].startswith("event: before") and out[1] == out[2] == ": keepalive\n\n"
     assert out[-1].startswith("event: after")
+
+
+def test_an_event_published_while_the_history_is_sent_is_streamed() -> None:
+    async def main() -> list[str]:
+        hub = EventHub()
+        hub.publish("before")
+        stream = status._sse(hub)
+        out = [await anext(stream)]  # the history is being sent: the reader has not asked for more yet
+        hub.publish("during")
+        out.append(await asyncio.wait_for(anext(stream), 5.0))
+        await stream.aclose()
+        return out
+
+    out = asyncio.run(main())
+    assert out[0].startswith("event: before") and out[1].startswith("event: during")
+
+
+def test_gossip_heartbeats_are_live_only_and_keep_the_history() -> None:
+    async def main() -> tuple[list[str], list[str]]:
+        hub = EventHub(history=10)
+        subscription = hub.subscribe()
+        hub.publish("ready")
+        hub.publish("peer_joined", node_id="n1")
+        for seq in range(50):  # a minute of a busy mesh's record refreshes
+            hub.publish("record_updated", node_id="n1", seq=seq)
+        live = [(await asyncio.wait_for(anext(subscription), 5.0))["type"] for _ in range(52)]
+        await subscription.aclose()
+        return [e["type"] for e in hub.recent()], live
+
+    history, live = asyncio.run(main())
+    assert history == ["ready", "peer_joined"]
+    assert live[:2] == ["ready", "peer_joined"] and live.count("record_updated") == 50

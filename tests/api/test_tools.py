@@ -93,3 +93,19 @@ def test_tool_spec_checks_names_and_choices() -> None:
     assert not ToolSpec((weather,), "none").active and ToolSpec((weather,), "none").engine_tools() == ()
     assert ToolSpec((weather,), "get_weather").forced and not ToolSpec((weather,)).forced
     assert ToolSpec((weather,)).parser() is not None and ToolSpec((weather,), "none").parser() is None
+
+
+@pytest.mark.parametrize(("reply", "text"), [
+    ('<tool_call>\n{"name": "get_weather", "argu', ""),
+    (f"Sure.\n<tool_call>{WEATHER}</tool_call>\n<tool_call>\n{{\"name\": \"get_ti", "Sure.\n"),
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Pa', ""),
+    ('<|python_tag|>{"name": "get_time", "parameters": {"zo', ""),
+    ("It is sunny. <tool_ca", "It is sunny. "),
+    ('{"city": "Pa', '{"city": "Pa'),  # a bare JSON answer cut short is still the answer
+])
+def test_a_call_cut_by_the_length_limit_never_reaches_the_text(reply: str, text: str) -> None:
+    for pieces in ([reply], list(reply)):
+        parser = ToolCallParser(NAMES)
+        events = [e for piece in pieces for e in parser.feed(piece)] + parser.finish(truncated=True)
+        assert "".join(e.text for e in events if isinstance(e, TextOut)) == text
+        assert len([e for e in events if isinstance(e, CallOut)]) == reply.count("</tool_call>")

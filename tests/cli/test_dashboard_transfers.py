@@ -23,3 +23,19 @@ def test_a_running_transfer_shows_progress_rate_and_holders(width: int) -> None:
     assert "done-one" not in text  # only transfers in flight
     if width == 160:
         assert "from beta" in text and "gamma" not in text.split("from beta")[1].splitlines()[0]
+
+
+def test_a_chain_being_placed_shows_each_stage_fetch_with_rate_and_eta() -> None:
+    snap = snapshot([peer(0)])
+    w1, w2 = node_id("w1"), node_id("w2")
+    snap["splits"] = [{"model": "tiny", "state": "placing", "reason": "planning the chain", "stages": [
+        {"node_id": snap["node_id"], "name": "me", "layers": [0, 2],
+         "fetch": {"bytes_done": 10 * 2**20, "bytes_total": 10 * 2**20, "rate_bytes_s": 5 * 2**20, "eta_s": 0.0}},
+        {"node_id": w1, "name": "w1", "layers": [2, 4],
+         "fetch": {"bytes_done": 5 * 2**20, "bytes_total": 20 * 2**20, "rate_bytes_s": 2**20, "eta_s": 15.0}},
+        {"node_id": w2, "name": "w2", "layers": [4, 6], "fetch": None}]}]
+    text = draw(snap, 160, 40)
+    lines = {ln.split("stage ", 1)[1].split("  ")[0]: ln for ln in text.splitlines() if "   stage " in ln}
+    assert set(lines) == {"alpha 0-1", "w1 2-3"}  # w2 reported no fetch: no line
+    assert "25%" in lines["w1 2-3"] and "1 MiB/s" in lines["w1 2-3"] and "ETA 15s" in lines["w1 2-3"]
+    assert "100%" in lines["alpha 0-1"] and "ETA" not in lines["alpha 0-1"]

@@ -13,8 +13,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -65,6 +67,22 @@ def test_opencode_gets_an_openai_compatible_provider() -> None:
     assert config["model"] == config["small_model"] == "meshllm/m" and job.argv == ["opencode"]
 
 
+def test_claude_codex_and_opencode_get_the_nodes_mcp_server_with_its_secret() -> None:
+    claude = plan("claude", API, "m", args=["-p", "hi"], mcp_secret="tok")
+    assert claude.argv[:3] == ["claude", "-p", "hi"] and claude.argv[3] == "--mcp-config"
+    assert json.loads(claude.argv[4]) == {"mcpServers": {"meshllm": {
+        "type": "http", "url": f"{API}/mcp", "headers": {"Authorization": "Bearer tok"}}}}
+    codex = plan("codex", API, "m", mcp_secret="tok")
+    assert f'mcp_servers.meshllm={{ url = "{API}/mcp", bearer_token_env_var = "MESHLLM_MCP_TOKEN" }}' in codex.argv
+    assert codex.env["MESHLLM_MCP_TOKEN"] == "tok"
+    opencode = json.loads(plan("opencode", API, "m", mcp_secret="tok").env["OPENCODE_CONFIG_CONTENT"])
+    assert opencode["mcp"] == {"meshllm": {"type": "remote", "url": f"{API}/mcp",
+                                           "headers": {"Authorization": "Bearer tok"}, "enabled": True}}
+    assert plan("goose", API, "m", mcp_secret="tok") == plan("goose", API, "m")  # goose takes no MCP headers
+    for agent in ("claude", "codex", "opencode"):  # no secret for /mcp: no MCP server
+        assert "mcp" not in plan(agent, API, "m").shell()
+
+
 def test_goose_gets_its_openai_provider() -> None:
     job = plan("goose", API, "m")
     assert job.argv == ["goose", "session"]
@@ -85,10 +103,11 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
 
 @pytest.mark.parametrize("agent", AGENTS)
 def test_print_shows_what_would_run_against_the_node(node: NodeProcess, agent: str) -> None:
-    done = meshllm("launch", agent, "--api", node.api, "--print", timeout=30)
+    done = meshllm("launch", agent, *node.api_args, "--print", timeout=30)
     assert done.returncode == 0, done.stderr
     assert node.api in done.stdout and TOOL_MODEL in done.stdout
     assert done.stdout.strip().splitlines()[-1].startswith(agent)
+    assert (f"{node.api}/mcp" in done.stdout) == (agent != "goose")
 
 
 def test_launch_runs_the_agent_with_its_variables(node: NodeProcess, tmp_path: Path) -> None:
@@ -136,12 +155,17 @@ def installed(package: str, command: str) -> Path:
     return binary
 
 
-def run_agent(agent: str, binary: Path, api: str, args: list[str], home: Path) -> subprocess.CompletedProcess[str]:
-    """``meshllm launch <agent> --api <api> -- <args>`` with the installed agent first on PATH."""
+def run_agent(agent: str, binary: Path, api: str, args: list[str], home: Path,
+              node_home: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``meshllm launch <agent> --api <api> -- <args>`` with the installed agent first on PATH.
+
+    With ``node_home`` launch reads the node's admin token there and hands the agent the node's MCP server.
+    """
     home.mkdir(exist_ok=True)
     env = {**os.environ, "PATH": f"{binary.parent}{os.pathsep}{os.environ['PATH']}", "HOME": str(home),
            "CODEX_HOME": str(home), "PWD": str(home)}  # opencode finds its project by $PWD, as a shell sets it
-    return subprocess.run([sys.executable, "-m", "meshllm", "launch", agent, "--api", api, "--", *args],
+    where = ["--home", str(node_home)] if node_home is not None else []
+    return subprocess.run([sys.executable, "-m", "meshllm", "launch", agent, "--api", api, *where, "--", *args],
                           capture_output=True, text=True, env=env, timeout=120, stdin=subprocess.DEVNULL, cwd=home)
 
 
@@ -169,6 +193,21 @@ def test_claude_code_in_print_mode_completes_a_turn_against_the_node(node: NodeP
     assert done.stdout.strip() == TOOL_MODEL_REPLY
 
 
+BOARD_TOOLS = ("blackboard_post", "blackboard_search", "blackboard_feed")
+
+
+def test_claude_code_gets_the_blackboard_tools_from_the_nodes_mcp_server(node: NodeProcess, tmp_path: Path) -> None:
+    """Claude Code's init message (stream-json) names the MCP servers it connected and every tool it has."""
+    binary = installed(CLAUDE_CODE, "claude")
+    done = run_agent("claude", binary, node.api, ["-p", "Say hi", "--bare", "--tools", "", "--system-prompt",
+                                                  "Answer briefly.", "--output-format", "stream-json", "--verbose"],
+                     tmp_path / "h", node_home=node.home)
+    assert done.returncode == 0, done.stderr[-2000:] + done.stdout[-2000:]
+    init = next(m for m in map(json.loads, done.stdout.splitlines()) if m.get("subtype") == "init")
+    assert {"name": "meshllm", "status": "connected"} in init["mcp_servers"], init["mcp_servers"]
+    assert {f"mcp__meshllm__{t}" for t in BOARD_TOOLS} <= set(init["tools"]), init["tools"]
+
+
 def test_opencode_runs_a_turn_with_a_tool_call_against_the_node(node: NodeProcess, tmp_path: Path) -> None:
     """opencode's chat-completions turn: the model calls a tool opencode lacks, opencode answers with the
     error, the model's reply ends the turn. The node's 4,096-token context is what launch gives opencode:
@@ -184,3 +223,30 @@ def test_opencode_runs_a_turn_with_a_tool_call_against_the_node(node: NodeProces
     assert done.returncode == 0, done.stderr[-2000:] + done.stdout[-2000:]
     assert "get_weather" in done.stderr and "Available tools: read" in done.stderr, done.stderr[-2000:]
     assert done.stdout.strip() == TOOL_MODEL_REPLY, done.stdout[-2000:]
+
+
+def test_opencode_offers_the_blackboard_tools_from_the_nodes_mcp_server(node: NodeProcess, tmp_path: Path) -> None:
+    """The same turn with launch's MCP server: the tools opencode lists to the model (in its answer to the
+    model's call of a tool it lacks) are the blackboard's, which it took from /mcp. (With only those tools
+    opencode keeps asking the model to go on, so the test stops it once the list is out.)"""
+    binary = installed(OPENCODE, "opencode")
+    project = tmp_path / "h"
+    project.mkdir()
+    (project / "opencode.json").write_text(json.dumps(
+        {"agent": {"build": {"prompt": "Answer briefly.", "tools": {"*": False, "meshllm_blackboard_*": True}}}}))
+    env = {**os.environ, "PATH": f"{binary.parent}{os.pathsep}{os.environ['PATH']}", "HOME": str(project),
+           "PWD": str(project)}
+    agent = subprocess.Popen([sys.executable, "-m", "meshllm", "launch", "opencode", *node.api_args, "--", "run",
+                              "Say hi"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                             text=True, env=env, cwd=project, start_new_session=True)
+    timer = threading.Timer(120, os.killpg, (agent.pid, signal.SIGKILL))
+    timer.start()
+    try:
+        assert agent.stderr is not None
+        listed = next((line for line in agent.stderr if "Available tools:" in line), "")
+    finally:
+        timer.cancel()
+        os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait(10)
+    tools = set(listed.split("Available tools:")[-1].strip(" .\n").split(", "))
+    assert tools == {f"meshllm_{t}" for t in BOARD_TOOLS}, listed

@@ -202,7 +202,7 @@ def test_the_models_view_shows_where_each_model_runs_and_the_split_chain(console
 def test_a_chat_streams_text_into_the_page(console: Any, mesh: Mesh) -> None:
     show_view(console, "chat")
     wait_js(console, "[...document.getElementById('chat-model').options].map(o => o.value).sort().join()"
-                     " === 'tiny,tiny6'", 15, "the model picker does not list the mesh's models")
+                     " === 'auto,tiny,tiny6'", 15, "the model picker does not list the mesh's models and auto")
     before = httpx.get(mesh.beta.api + "/api/status", headers=auth(mesh.token), timeout=5).json()["requests"]
     console.execute_script("""
         const form = document.getElementById('chat-form');

@@ -146,6 +146,25 @@ def test_transfer_and_demand_cards_stay_hidden_until_the_status_has_them(page: A
                      "progress": [1, 0.25, None]}
 
 
+def test_a_chain_being_placed_shows_each_stage_fetch(page: Any) -> None:
+    shown = run(page, """
+        const { renderSplits } = await import('/console/models.js');
+        const box = document.createElement('div'); document.body.append(box);
+        const stage = (name, layers, fetch) => ({ node_id: name, name, layers, fetch });
+        const split = (state) => ({ model: 'tiny', state, reason: null, stages: [
+            stage('c', [0, 2], { bytes_done: 2048, bytes_total: 2048, rate_bytes_s: 1024, eta_s: 0 }),
+            stage('w1', [2, 4], { bytes_done: 512, bytes_total: 2048, rate_bytes_s: 256, eta_s: 6 }),
+            stage('w2', [4, 6], null)] });
+        renderSplits(box, { splits: [split('placing')] }, []);
+        const bars = [...box.querySelectorAll('progress')].map((b) => Number(b.value));
+        const text = box.textContent;
+        renderSplits(box, { splits: [split('ready')] }, []);
+        return { bars, left: text.includes('6s left'), of: text.includes('512 B of 2.0 KiB · 256 B/s'),
+                 ready: box.querySelectorAll('progress').length };
+    """)
+    assert shown == {"bars": [1, 0.25], "left": True, "of": True, "ready": 0}, shown
+
+
 def test_unknown_event_types_are_summarised_from_their_fields(page: Any) -> None:
     texts = run(page, """
         const { summarise } = await import('/console/live.js');
@@ -210,3 +229,13 @@ def test_owner_control_gate_and_answers(page: Any) -> None:
     assert out["hidden"] and out["shown"] and out["decision"] == "promote"
     text = out["text"]
     assert "library tiny" in text and "qwen: queue for 1.5 s" in text and "promote tiny (queue)" in text
+
+
+def test_blackboard_search_query_and_note_age(page: Any) -> None:
+    out = run(page, """
+        const { boardQuery, age } = await import('/console/blackboard.js');
+        return [boardQuery('', '', ''), boardQuery(' QUESTION: gpu ', 'alpha', '6', 20),
+                age(1000, 1000 * 1000 + 59000), age(1000, 1000 * 1000 + 7200 * 1000)];
+    """)
+    assert out == ["/api/blackboard?limit=50", "/api/blackboard?limit=20&q=QUESTION%3A+gpu&from=alpha&since_s=21600",
+                   "59s ago", "2h ago"]

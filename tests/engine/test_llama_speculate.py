@@ -142,11 +142,11 @@ CODE = ("Rename the variable total to amount in this function:\n\ndef invoice_to
 
 
 @pytest.mark.slow
-def test_default_model_speculation_changes_no_token(default_model: Path) -> None:
+def test_default_model_speculation_changes_no_token(gemma_model: Path) -> None:
     """The default model: softmax attention computes a window's rows unlike single rows there (heads
     share keys), so the probe turns speculation off and ``on`` gives exactly the plain text; the
     engine keeps softmax attention, the stage runtime's, rather than switch kernels for drafts."""
-    made = {mode: LlamaEngine(default_model, n_ctx=1024, n_threads=1, parallel=2, speculate=mode)  # type: ignore[arg-type]
+    made = {mode: LlamaEngine(gemma_model, n_ctx=1024, n_threads=1, parallel=2, speculate=mode)  # type: ignore[arg-type]
             for mode in ("off", "on")}
     try:
         for engine in made.values():

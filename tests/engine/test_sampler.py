@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from meshllm.engine.sampler import Sampler, SamplingParams
+from meshllm.engine.base import SamplingParams
+from meshllm.engine.sampler import PENALTY_WINDOW, Sampler, step_uniform
 
 LOGITS = np.random.default_rng(7).normal(0, 3, 1000).astype(np.float32)
 ORDER = np.argsort(-LOGITS)
@@ -72,9 +73,10 @@ def test_presence_and_frequency_penalties(presence: float, frequency: float) -> 
 
 
 def test_penalties_only_look_at_the_recent_window() -> None:
-    logits = np.array([2.0, 1.9], np.float32)
-    sampler = Sampler(SamplingParams(temperature=0.0, repeat_penalty=2.0, repeat_last_n=2))
-    assert sampler(logits, history=[0, 1, 1]) == 0
+    logits = np.array([2.0, 1.9, 0.0], np.float32)
+    sampler = Sampler(SamplingParams(temperature=0.0, repeat_penalty=2.0))
+    assert sampler(logits, history=[0] + [2] * PENALTY_WINDOW) == 0  # token 0 is out of the window
+    assert sampler(logits, history=[0] + [2] * (PENALTY_WINDOW - 1)) == 1
 
 
 def test_fast_paths_equal_the_whole_vocabulary_computations() -> None:
@@ -97,3 +99,15 @@ def test_fast_paths_equal_the_whole_vocabulary_computations() -> None:
     assert set(np.flatnonzero(drawn).tolist()) == {3, 1500, 4999}  # never a zero-weight token
     assert abs(drawn[1500] / 8000 - 0.5) < 0.03
     assert _draw(weights, 1.0 - 1e-16) == 4999  # the very end: the last token with weight
+
+
+def test_draw_k_depends_only_on_seed_and_k() -> None:
+    """A sampler started at step k (a request resumed after k tokens) draws what one that drew the
+    first k itself draws next, whatever logits those first k draws saw."""
+    params = SamplingParams(temperature=1.2, top_k=50, seed=9)
+    whole = Sampler(params)
+    first = [whole(np.roll(LOGITS, i)) for i in range(10)]
+    rest = [whole(LOGITS) for _ in range(20)]
+    resumed = Sampler(params, step=10)
+    assert [resumed(LOGITS) for _ in range(20)] == rest and len(set(first + rest)) > 1
+    assert whole.step == 30 and 0.0 <= step_uniform(9, 0) < 1.0 != step_uniform(9, 1)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from meshllm.engine.sampler import Sampler, SamplingParams
+from meshllm.engine.base import SamplingParams
+from meshllm.engine.sampler import Sampler
 from meshllm.engine.speculate import (
     Acceptance,
     ChainCosts,

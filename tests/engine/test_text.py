@@ -107,3 +107,51 @@ def test_token_budget() -> None:
     assert token_budget(10, 100, 500, "m") == 90
     with pytest.raises(PromptTooLong):
         token_budget(100, 100, 5, "m")
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+OTHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+
+
+def calls_stream(reply: str, cut: int, limit: int = 1000) -> tuple[str, Finish]:
+    """``reply`` fed in pieces of ``cut`` characters (one token each) to a stream that ends on a repeated call."""
+    pieces = [reply[i:i + cut] for i in range(0, len(reply), cut)]
+    vocab = {i + 1: p.encode() for i, p in enumerate(pieces)}
+    s = TextStream(is_end=lambda t: t == END, token_bytes=vocab.__getitem__, stops=(), limit=limit, prompt_tokens=3,
+                   end_on_repeated_call=True)
+    return run(s, [*vocab, END])
+
+
+@pytest.mark.parametrize("cut", [1, 3, 7, 1000])
+def test_a_repeated_tool_call_ends_the_reply_before_it(cut: int) -> None:
+    text, finish = calls_stream(f"{CALL}\n{OTHER}\n{CALL.replace(': ', ':')}\n{CALL}", cut)
+    # the same call written more tightly repeats it; a newline already sent before it may stay
+    assert text.rstrip("\n") == f"{CALL}\n{OTHER}" and finish.reason == "stop"
+    text, finish = calls_stream(f"{CALL}\n{OTHER}", cut)
+    assert text == f"{CALL}\n{OTHER}" and finish.reason == "stop"
+
+
+def test_a_held_unfinished_call_is_released_at_the_length_limit() -> None:
+    text, finish = calls_stream(f"{CALL}\n{CALL[:30]}", 1, limit=len(CALL) + 31)
+    assert text == f"{CALL}\n{CALL[:30]}" and finish.reason == "length"
+
+
+def test_tokenize_bounded_refuses_before_tokenizing_and_stops_counting_at_the_context() -> None:
+    from meshllm.engine.text import PRECOUNT_CHUNK, tokenize_bounded
+
+    counted: list[int] = []
+
+    def count(data: bytes) -> int:
+        counted.append(len(data))
+        return len(data)  # one token a byte
+
+    def whole(data: bytes) -> list[int]:
+        raise AssertionError("the whole prompt must not be tokenized")
+
+    with pytest.raises(PromptTooLong, match="cannot fit"):
+        tokenize_bounded(whole, count, b"x" * 100_001, 1000, 100, "m")
+    assert counted == []
+    with pytest.raises(PromptTooLong, match="over"):
+        tokenize_bounded(whole, count, ("word " * 20_000).encode(), 1000, 100, "m")
+    assert len(counted) == 1 and counted[0] <= PRECOUNT_CHUNK  # stopped after the first chunk
+    assert tokenize_bounded(lambda b: [1] * len(b), count, b"ok", 1000, 100, "m") == [1, 1]

@@ -13,8 +13,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def tokenizer(default_model: Path) -> Tokenizer:
-    return Tokenizer(default_model, "gemma3", chat_template=None)
+def tokenizer(gemma_model: Path) -> Tokenizer:
+    return Tokenizer(gemma_model, "gemma3", chat_template=None)
 
 
 def test_ids_and_round_trip(tokenizer: Tokenizer) -> None:
@@ -31,7 +31,7 @@ def test_end_of_generation(tokenizer: Tokenizer) -> None:
 
 def test_gemma_chat_format_without_a_template(tokenizer: Tokenizer) -> None:
     request = ChatRequest(model="m", messages=(ChatMessage("user", "Hi"),))
-    tokens, stops = tokenizer.request_prompt(request, "m")
+    tokens, stops = tokenizer.request_prompt(request, "m", 4096)
     [start_of_turn] = tokenizer.encode("<start_of_turn>", add_bos=False, special=True)
     assert tokens.count(start_of_turn) == 2  # the markers are control tokens, not text
     assert tokenizer.decode(tokens) == "user\nHi\nmodel\n"  # decoding leaves control tokens out

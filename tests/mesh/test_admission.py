@@ -21,7 +21,7 @@ from meshllm.errors import (
     WrongSigner,
 )
 from meshllm.identity.ids import node_id
-from meshllm.identity.signing import Signed, decode_signed, encode_signed, sign
+from meshllm.identity.signing import Signed, decode_signed, decode_struct, encode_signed, sign
 from meshllm.mesh.admission import (
     ADMISSIONS_PER_MEMBER,
     CHAIN_MAX,
@@ -30,10 +30,13 @@ from meshllm.mesh.admission import (
     AdmitterQuota,
     Credential,
     Grant,
+    Invitation,
     Invite,
+    MembershipProof,
     MeshKey,
     NotAdmitted,
     credential_invite_id,
+    decode_credential,
     decode_token,
     encode_credential,
     encode_token,
@@ -72,17 +75,17 @@ def owner(mesh: MeshKey) -> Member:
     return Member(key, mesh.owner_credential(node_id(bytes(key.verify_key)), NOW))
 
 
-def invite_id(invite: Signed) -> str:
+def invite_id(invite: Invitation) -> str:
     return inspect_token(encode_token(invite)).invite_id
 
 
-def applicant(invite: Signed, at: float = NOW) -> Member:
+def applicant(invite: Invitation, at: float = NOW) -> Member:
     """A fresh node holding a joining credential (no grant yet)."""
     key = SigningKey.generate()
     return Member(key, joining_credential(key, invite, at))
 
 
-def admitted(state: AdmissionState, admitter: Member, invite: Signed, at: float = NOW,
+def admitted(state: AdmissionState, admitter: Member, invite: Invitation, at: float = NOW,
              quota_for: str | None = None) -> Member:
     """A fresh node admitted through ``admitter`` the way the mesh service does it."""
     node = applicant(invite, at)
@@ -334,13 +337,13 @@ def test_chains_are_bounded(mesh: MeshKey, state: AdmissionState, owner: Member)
 
 
 def test_tampered_token_refused(mesh: MeshKey) -> None:
-    signed = mesh.invite(NOW, ttl_s=60)
-    inv = inspect_token(encode_token(signed))
+    invitation = mesh.invite(NOW, ttl_s=60)
+    signed, inv = invitation.invite, inspect_token(encode_token(invitation))
     longer = Invite(inv.mesh_id, inv.mesh_pub, inv.invite_id, inv.issued, inv.expires + 86400 * 365,
-                    inv.max_uses, inv.bootstrap)
+                    inv.max_uses, inv.bootstrap, inv.joiner_key)
     tampered = Signed(signed.domain, signed.signer, msgspec.msgpack.encode(longer), signed.sig)
     with pytest.raises(BadSignature):
-        inspect_token(encode_token(tampered))
+        inspect_token(encode_token(Invitation(tampered, invitation.seed)))
 
 
 def test_forged_invite_signed_by_other_key_refused(mesh: MeshKey, state: AdmissionState) -> None:
@@ -348,14 +351,14 @@ def test_forged_invite_signed_by_other_key_refused(mesh: MeshKey, state: Admissi
     inv = inspect_token(encode_token(mesh.invite(NOW)))
     forged = sign(attacker, "invite", inv)
     with pytest.raises(WrongSigner):
-        inspect_token(encode_token(forged))
+        inspect_token(encode_token(Invitation(forged)))
 
 
 def test_wrong_domain_refused(mesh: MeshKey) -> None:
     inv = inspect_token(encode_token(mesh.invite(NOW)))
     as_revocation = sign(mesh.signing_key, "revocation", inv)
     with pytest.raises(WrongDomain):
-        inspect_token(encode_token(as_revocation))
+        inspect_token(encode_token(Invitation(as_revocation)))
 
 
 def test_proof_signed_by_another_node_refused(mesh: MeshKey, state: AdmissionState) -> None:
@@ -393,3 +396,29 @@ def test_credentials_round_trip(mesh: MeshKey) -> None:
     node = applicant(mesh.invite(NOW))
     cred = msgspec.msgpack.decode(node.credential, type=Credential)
     assert encode_credential(cred) == node.credential and cred.grant == b""
+
+
+def test_a_signed_invite_without_its_token_admits_nobody(mesh: MeshKey, state: AdmissionState) -> None:
+    """The signed invite any member reads in a credential is not the token: without the joiner key's
+    seed a fresh key is refused first-hand, and a possession signature is good for its own node only."""
+    invitation = mesh.invite(NOW, max_uses=0)
+    reader = applicant(Invitation(invitation.invite))
+    with pytest.raises(NotAdmitted, match="does not hold"):
+        state.admit(reader.id, reader.credential, NOW)
+    honest, thief = applicant(invitation), SigningKey.generate()
+    stolen = decode_struct(decode_signed(decode_credential(honest.credential).proof).body, MembershipProof,
+                           what="proof")
+    thief_id = node_id(bytes(thief.verify_key))
+    replayed = MembershipProof(stolen.mesh_id, thief_id, stolen.invite, NOW, stolen.possession)
+    credential = encode_credential(Credential(encode_signed(sign(thief, "membership", replayed))))
+    with pytest.raises(NotAdmitted, match="does not hold"):
+        state.admit(thief_id, credential, NOW)
+    assert state.admit(honest.id, honest.credential, NOW) is not None
+
+
+def test_an_invite_from_before_joiner_keys_is_refused_first_hand(mesh: MeshKey, state: AdmissionState) -> None:
+    inv = inspect_token(encode_token(mesh.invite(NOW)))
+    old = Invite(inv.mesh_id, inv.mesh_pub, inv.invite_id, inv.issued, inv.expires, inv.max_uses, inv.bootstrap)
+    node = applicant(Invitation(sign(mesh.signing_key, "invite", old)))
+    with pytest.raises(NotAdmitted, match="older version"):
+        state.admit(node.id, node.credential, NOW)

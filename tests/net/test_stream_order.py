@@ -39,8 +39,10 @@ def test_a_lower_peer_stream_arriving_after_a_higher_one_is_dispatched() -> None
 
         deliver(8, "again")  # a stream we finished and forgot is not reopened
         deliver(0, "admission again")
-        await asyncio.sleep(0.05)
-        assert len(got) == 3 and not conn._streams
+        deliver(16, "fourth")  # a barrier: a new stream after them is handled after them
+        await until(lambda: (16, "fourth") in got)
+        await until(lambda: not conn._streams)
+        assert sorted(got) == [(4, "first"), (8, "second"), (12, "third"), (16, "fourth")]
         await a.close()
         await b.close()
 

@@ -171,7 +171,8 @@ def test_connection_close_fails_pending_recv() -> None:
         peer = await a.connect(b.local_addr)
         stream = await peer.open_stream("hang")
         pending = asyncio.create_task(stream.recv(Msg, timeout=5))
-        await asyncio.sleep(0.05)
+        await until(lambda: a.node_id in b.peers and bool(b.peers[a.node_id]._streams))  # b runs the handler
+        assert not pending.done()
         await b.close()
         with pytest.raises(StreamClosed, match="endpoint closing"):
             await asyncio.wait_for(pending, 2)

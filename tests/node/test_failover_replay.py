@@ -54,13 +54,15 @@ def serving(node: NodeProcess) -> list[str]:
 
 
 @pytest.fixture
-def mesh(tmp_path: Path, gguf: Path) -> Iterator[tuple[NodeProcess, NodeProcess, NodeProcess]]:
-    """(A1, A2, client C)."""
+def mesh(request: pytest.FixtureRequest, tmp_path: Path,
+         gguf: Path) -> Iterator[tuple[NodeProcess, NodeProcess, NodeProcess]]:
+    """(A1, A2, client C); A1 and A2 run the ``--engine`` an indirect parameter names (llama.cpp unless set)."""
+    serve = ["--engine", getattr(request, "param", "llama"), "--model", str(gguf), "--threads", "1"]
     with running_nodes() as nodes:
-        a1 = NodeProcess(tmp_path / "a1", ["--model", str(gguf), "--threads", "1"], "a1")
+        a1 = NodeProcess(tmp_path / "a1", serve, "a1")
         nodes.append(a1)
         token = a1.wait_ready()["invite"]
-        a2 = NodeProcess(tmp_path / "a2", ["--model", str(gguf), "--threads", "1", "--join", token], "a2")
+        a2 = NodeProcess(tmp_path / "a2", [*serve, "--join", token], "a2")
         c = NodeProcess(tmp_path / "c", ["--client", "--join", token], "c")
         nodes.extend([a2, c])
         a2.wait_ready()
@@ -101,10 +103,15 @@ def stream_and_kill(c: NodeProcess, servers: tuple[NodeProcess, ...], kill: bool
     return text, [b - a for a, b in itertools.pairwise(times)], usage, victim
 
 
-@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.9, "seed": 1234}],
-                         ids=["greedy", "seeded"])
+@pytest.mark.parametrize(("mesh", "sampling"), [
+    ("llama", {"temperature": 0.0}),
+    ("llama", {"temperature": 0.9, "seed": 1234}),
+    ("ggml", {"temperature": 0.9, "seed": 1234}),
+], ids=["greedy", "seeded", "ggml-seeded"], indirect=["mesh"])
 def test_stream_continues_on_the_other_node_with_the_uninterrupted_text(
         mesh: tuple[NodeProcess, NodeProcess, NodeProcess], sampling: dict[str, Any]) -> None:
+    """Seeded: the other node (llama.cpp, or ``--engine ggml``'s numpy sampler) resumes at draw
+    ``step_uniform(seed, k)`` for the k tokens already sent, so the sampled text goes on unchanged."""
     a1, a2, c = mesh
     reference, _, ref_usage, _ = stream_and_kill(c, (a1, a2), False, **sampling)
     text, gaps, usage, owner = stream_and_kill(c, (a1, a2), True, **sampling)

@@ -65,7 +65,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory, gguf: Path) -> Iterator[tuple
 def test_client_node_lists_the_mesh_models(pair: tuple[NodeProcess, NodeProcess]) -> None:
     a, b = pair
     models = client_of(b).models.list().data
-    assert [m.id for m in models] == [MODEL]
+    assert [m.id for m in models] == [MODEL, "auto"]
     assert models[0].model_extra is not None
     assert models[0].model_extra["nodes"] == [a.node_id] and models[0].model_extra["node_names"] == ["s0"]
     assert models[0].model_extra["context_length"] == 2048

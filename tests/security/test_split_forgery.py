@@ -107,3 +107,63 @@ def test_an_honest_chain_passes_every_audit_range_by_range(tmp_path: Path) -> No
         assert final["passed"] == final["run"] == len(requests), final
         assert final["last_ranges"] > 2  # more ranges than the chain has stages: the bound cut them
         assert not [e for e in coord.events if e["type"] == "split_forgery"]
+
+
+def test_a_forger_honest_on_the_first_request_is_caught_at_its_first_forgery(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 29: at the default 5 % rate, a forger honest on a chain's first (always audited) request
+    got 18 of 20 forged answers through. Now every request through a node that has not passed its
+    probation is audited: the first forged answer is caught."""
+    gguf = write_tiny_llama(tmp_path / "tiny.gguf", n_layers=6, seed=3)
+    monkeypatch.setenv("MESHLLM_FORGE_FROM", "2")
+    with running_nodes() as nodes:
+        coord = NodeProcess(tmp_path / "c", ["--model", str(gguf), "--split", "force", "--stages", "2", *ONE],
+                            "coord")
+        nodes.append(coord)
+        token = coord.wait_ready()["invite"]
+        forger = NodeProcess(tmp_path / "f", ["--worker", "--join", token, *ONE], "F", entry=(str(FORGER),))
+        nodes.append(forger)
+        forger.wait_ready()
+        split_ready(coord, 2)
+        first = complete(coord)
+        wait_until(lambda: audits(coord)["run"] >= 1, 60.0)
+        assert audits(coord)["passed"] == 1, audits(coord)
+        forged = complete(coord, prompt="Another prompt")
+        caught = coord.wait_event(lambda e: e["type"] == "split_forgery", 60.0)
+        print(f"first (honest): {first!r}; second (forged): {forged!r}; caught: {caught['verdict']} "
+              f"{caught['names']}; audits: {audits(coord)}")
+        assert caught["nodes"] == [forger.node_id]
+        assert audits(coord)["rate"] == 0.05
+
+
+def test_a_forger_placed_by_a_rebuild_is_caught_on_the_replayed_request(tmp_path: Path) -> None:
+    """Issue 29: a request whose chain was rebuilt mid-stream was never audited, so a forger the
+    rebuild placed delivered its forged text with status 200 and stayed in the chain."""
+    gguf = write_tiny_llama(tmp_path / "tiny.gguf", n_layers=6, seed=3)
+    with running_nodes() as nodes:
+        coord = NodeProcess(tmp_path / "c", ["--model", str(gguf), "--split", "force", "--stages", "2", *ONE],
+                            "coord")
+        nodes.append(coord)
+        token = coord.wait_ready()["invite"]
+        honest = NodeProcess(tmp_path / "w", ["--worker", "--join", token, *ONE], "w")
+        nodes.append(honest)
+        honest.wait_ready()
+        split_ready(coord, 2)
+        complete(coord)  # the chain's first request: audited, passes
+        wait_until(lambda: audits(coord)["passed"] >= 1, 60.0)
+        forger = NodeProcess(tmp_path / "f", ["--worker", "--join", token, *ONE], "F", entry=(str(FORGER),))
+        nodes.append(forger)
+        forger.wait_ready()
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1500, "temperature": 0, "stream": True}
+        chunks = 0
+        with httpx.stream("POST", coord.api + "/v1/completions", json=body, timeout=120) as reply:
+            assert reply.status_code == 200
+            for line in reply.iter_lines():
+                if line.startswith("data: {"):
+                    chunks += 1
+                    if chunks == 20:
+                        honest.kill()  # the chain is rebuilt on the only other worker: the forger
+        coord.wait_event(lambda e: e["type"] == "split_replayed", 10.0)
+        caught = coord.wait_event(lambda e: e["type"] == "split_forgery", 60.0)
+        print(f"streamed {chunks} chunks; caught: {caught['verdict']} {caught['names']}")
+        assert caught["nodes"] == [forger.node_id]

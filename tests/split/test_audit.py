@@ -51,7 +51,7 @@ def test_sampled_tokens_must_be_the_seeded_draw() -> None:
     sampling = Sampling(temperature=0.9, top_k=30, seed=42)
     rng = np.random.default_rng(0)
     rows = [rng.standard_normal(300).astype(np.float32) * 3 for _ in range(40)]
-    sampler, history, drawn = Sampler(sampling.params()), [], []
+    sampler, history, drawn = Sampler(sampling, step=sampling.step), [], []
     for row in rows:
         drawn.append(sampler(row, history))
         history.append(drawn[-1])
@@ -209,3 +209,23 @@ def test_recorder_is_bounded_in_time_and_bytes() -> None:
     assert rec.get("a", "c") is None and rec.get("b", "c") is not None and rec.nbytes <= 1500
     clock.now = 11.0
     assert rec.get("b", "c") is None and rec.get("d", "c") is None and rec.nbytes == 0
+
+
+def test_audit_policy_audits_every_request_until_probation_then_decays_to_the_rate() -> None:
+    from meshllm.split.audit import PROBATION, AuditPolicy
+
+    policy = AuditPolicy(0.05)
+    assert policy.probability(["new"]) == 1.0
+    for _ in range(PROBATION):
+        policy.record_pass(["old", "new"])
+    assert policy.probability(["old"]) == 1.0  # 8 / 8
+    for _ in range(PROBATION):
+        policy.record_pass(["old"])
+    assert policy.probability(["old"]) == 0.5
+    assert policy.probability(["old", "stranger"]) == 1.0  # the least-known worker decides
+    for _ in range(1000):
+        policy.record_pass(["old"])
+    assert policy.probability(["old"]) == 0.05
+    policy.forget(["old"])
+    assert policy.probability(["old"]) == 1.0
+    assert AuditPolicy(0.0).probability(["new"]) == 0.0

@@ -17,7 +17,17 @@ from meshllm.models.library import Library
 from meshllm.models.manifest import build_manifest, sign_manifest
 from meshllm.models.store import ModelStore
 from meshllm.net import Endpoint
-from meshllm.split.control import MAX_STAGES_PER_MEMBER, Host, Hosted, HostRefused, Release, StageHost, ask
+from meshllm.split.control import (
+    MAX_STAGES_PER_MEMBER,
+    Host,
+    Hosted,
+    HostRefused,
+    Release,
+    StageHost,
+    Warm,
+    Warmed,
+    ask,
+)
 from meshllm.split.frames import Hop
 from meshllm.split.stage import StageServer
 
@@ -163,6 +173,42 @@ def test_the_mesh_owner_may_release_any_members_stage(tiny_model: Path, tmp_path
         finally:
             server.close()
             for n in (coord, worker, owner, other):
+                await n.ep.close()
+
+    asyncio.run(main())
+
+
+def test_a_warm_range_is_kept_on_disk_and_a_rebuild_then_fetches_nothing(tiny_model: Path, tmp_path: Path) -> None:
+    """Warm: the range lands on disk unloaded (checked against the requester's manifest, at most
+    MAX_STAGES_PER_MEMBER models per member), and a later Host of a range inside it (the rebuilt
+    chain) loads it without a transfer."""
+    async def main() -> None:
+        coord, worker, other = [await node(tmp_path, n) for n in ("coord", "worker", "other")]
+        entry = coord.library.add(tiny_model, source="file", owned=False)
+        signed = sign_manifest(coord.key, build_manifest(tiny_model))
+        server = StageServer(worker.ep)
+        host = StageHost(server, worker.store, budget=1 << 30)
+        warm = Warm(model=MODEL, model_id=entry.id, manifest=signed, layer_start=2, layer_end=6, addr=addr(coord.ep))
+        try:
+            with pytest.raises(HostRefused, match="past the model"):
+                await ask(coord.ep, worker.id, addr(worker.ep), msgspec.structs.replace(warm, layer_end=60))
+            with pytest.raises(HostRefused, match="not a host:port address"):
+                await ask(coord.ep, worker.id, addr(worker.ep), msgspec.structs.replace(warm, addr="nowhere"))
+            with pytest.raises(HostRefused, match="signed by another key"):  # another member, coord's manifest
+                await ask(other.ep, worker.id, addr(worker.ep), warm)
+            warmed = await ask(coord.ep, worker.id, addr(worker.ep), warm)
+            assert isinstance(warmed, Warmed) and warmed.fetched_bytes > 0
+            assert worker.library.stage(entry.id, 2, 6) is not None and not host.hosted  # on disk, not loaded
+            rebuilt = await ask(coord.ep, worker.id, addr(worker.ep),
+                                host_request(coord, worker, coord.key, entry.id, signed, bounds=(3, 6)))
+            assert isinstance(rebuilt, Hosted) and rebuilt.fetched_bytes == 0 and rebuilt.layer_start == 3
+            for i in range(1, MAX_STAGES_PER_MEMBER):
+                await ask(coord.ep, worker.id, addr(worker.ep), msgspec.structs.replace(warm, model=f"m{i}"))
+            with pytest.raises(HostRefused, match="warm ranges"):
+                await ask(coord.ep, worker.id, addr(worker.ep), msgspec.structs.replace(warm, model="one-more"))
+        finally:
+            server.close()
+            for n in (coord, worker, other):
                 await n.ep.close()
 
     asyncio.run(main())

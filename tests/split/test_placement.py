@@ -7,13 +7,17 @@ from pathlib import Path
 import pytest
 
 from meshllm.mesh.records import Addresses, Capacity, PeerRecord
+from meshllm.split import Candidate, ModelProfile, plan
+from meshllm.split.frames import Hop
 from meshllm.split.placement import (
+    SPARE_SLACK,
     NotEnoughWorkers,
     SplitOptions,
     candidates,
     model_profile,
     needs_split,
     plan_options,
+    spare_ranges,
 )
 
 GB = 1 << 30
@@ -53,3 +57,31 @@ def test_auto_splits_only_what_does_not_fit(tiny_model: Path) -> None:
     assert needs_split(SplitOptions(mode="auto"), profile, whole - 1)
     assert needs_split(SplitOptions(mode="force"), profile, 100 * GB)
     assert not needs_split(SplitOptions(mode="off"), profile, 1)
+
+
+def test_spare_ranges_cover_the_rebuild_after_each_death() -> None:
+    """Three stages over a coordinator and two workers, then a third worker: what each worker keeps on disk
+    is exactly what the degraded plan after any one death gives it and it does not hold (with slack)."""
+    profile = ModelProfile(n_layers=18, layer_bytes=GB // 8, first_bytes=GB // 4, last_bytes=GB // 4,
+                           layer_flops=2e8, head_flops=4e8)
+    opts = SplitOptions(mode="force", stages=3)
+    nodes = [Candidate(n, 8 * GB, gflops=10, role="host" if n == "me" else "worker") for n in ("me", "w1", "w2")]
+    chosen = plan(profile, nodes, {}, "me", plan_options(opts, 2, placing=True))
+    chain = [Hop(s.node_id, "127.0.0.1:1", s.layer_start, s.layer_end) for s in chosen.stages]
+    spares = spare_ranges(profile, nodes, {}, chain, opts)
+    for dead in chain[1:]:
+        rest = [c for c in nodes if c.node_id != dead.node_id]
+        rebuilt = plan(profile, rest, {}, "me", plan_options(opts, len(rest) - 1, placing=True, degraded=True))
+        for stage in rebuilt.stages[1:]:
+            held = next((h for h in chain if h.node_id == stage.node_id), None)
+            kept = spares.get(stage.node_id)
+            assert (held is not None and held.layer_start <= stage.layer_start and stage.layer_end <= held.layer_end) \
+                or (kept is not None and kept[0] <= max(1, stage.layer_start - SPARE_SLACK)
+                    and min(18, stage.layer_end + SPARE_SLACK) <= kept[1])
+    assert spares and all(1 <= a < b <= 18 for a, b in spares.values())
+    # a worker outside the chain is the spare when it is the one a rebuild would place
+    nodes.append(Candidate("w3", 8 * GB, gflops=10, role="worker"))
+    spares = spare_ranges(profile, nodes, {}, chain, opts)
+    assert "w3" in spares
+    # one worker: its death leaves no chain, so there is nothing to keep warm
+    assert spare_ranges(profile, nodes[:2], {}, chain[:2], SplitOptions(mode="force", stages=2)) == {}

@@ -21,13 +21,16 @@ from meshllm.split.engine import NO_CHAIN, ChainUnavailable, SplitEngine
 from meshllm.split.errors import StageFailed
 
 REQUEST = CompletionRequest(model=MODEL, prompt="Hello", params=GenerationParams(temperature=0.0, max_tokens=120))
+SEEDED = CompletionRequest(model=MODEL, prompt="Hello",
+                           params=GenerationParams(temperature=0.9, seed=1234, max_tokens=120))
 CUT = 30
 """Deltas read before the middle stage goes down."""
 
 
-async def run(engine: SplitEngine, break_stage: Callable[[], Any] | None) -> tuple[str, Finish]:
+async def run(engine: SplitEngine, break_stage: Callable[[], Any] | None,
+              request: CompletionRequest = REQUEST) -> tuple[str, Finish]:
     text, n = "", 0
-    async for event in engine.generate(REQUEST):
+    async for event in engine.generate(request):
         if isinstance(event, Finish):
             return text, event
         assert isinstance(event, TextDelta)
@@ -53,7 +56,11 @@ def stop_middle(chain: Chain) -> Callable[[], Any]:
     return stop
 
 
-def test_a_stream_continues_exactly_on_the_rebuilt_chain(tiny_model: Path) -> None:
+@pytest.mark.parametrize("request_", [REQUEST, SEEDED], ids=["greedy", "seeded"])
+def test_a_stream_continues_exactly_on_the_rebuilt_chain(tiny_model: Path, request_: CompletionRequest) -> None:
+    """Seeded: the rebuilt chain's last stage starts at draw ``k`` of the seeded stream (``k`` tokens
+    already generated), so the sampled text is the uninterrupted one."""
+
     async def main() -> None:
         events: list[tuple[str, dict[str, Any]]] = []
         spare: list[Chain] = []
@@ -65,9 +72,9 @@ def test_a_stream_continues_exactly_on_the_rebuilt_chain(tiny_model: Path) -> No
         engine, chain = await setup(tiny_model, events, rebuild)
         spare.append(await make_chain(tiny_model, [0, 3, 6]))
         try:
-            reference = await run(engine, None)
+            reference = await run(engine, None, request_)
             assert len(reference[0]) > CUT and reference[1].usage.completion_tokens == 120
-            assert await run(engine, stop_middle(chain)) == reference
+            assert await run(engine, stop_middle(chain), request_) == reference
             kinds = [k for k, _ in events]
             assert kinds == ["split_replay", "split_replayed"]
             replay, replayed = events[0][1], events[1][1]

@@ -44,7 +44,7 @@ def test_frame_decoder_raises_only_decode_error(data: bytes) -> None:
 
 
 @FUZZ
-@given(st.one_of(st.binary(max_size=256), mutated(decode_token(VALID_TOKEN).body)))
+@given(st.one_of(st.binary(max_size=256), mutated(decode_token(VALID_TOKEN).invite.body)))
 def test_signed_container_decoder_raises_only_decode_error(data: bytes) -> None:
     with contextlib.suppress(DecodeError):
         decode_signed(data)

@@ -5,6 +5,7 @@
 // page is made up. A failing call shows in the header ("offline", "needs a token") and is retried.
 
 import { Api, takeTokenFromFragment } from "./api.js";
+import { Blackboard } from "./blackboard.js";
 import { Chat } from "./chat.js";
 import { Control, renderStandby } from "./control.js";
 import { el, fmtDuration, meshNodes, nodeNames, replace, setText, shortId } from "./dom.js";
@@ -26,6 +27,7 @@ const state = { status: null, models: [], statusError: null, feed: "connecting",
 const rates = new Rates();
 const events = new EventLog($("events"), $("show-noisy"));
 const chat = new Chat(api);
+const board = new Blackboard(api);
 const feed = new EventFeed(api, onEvent, (s, err) => { state.feed = s; state.feedError = err || null; showLink(); });
 const owner = new Owner(api, () => { feed.restart(); refreshStatus(); refreshModels(); });
 const control = new Control(api, () => { refreshStatus(); refreshModels(); });
@@ -133,6 +135,12 @@ function render() {
   control.update(status);
 }
 
+// The blackboard is read when its view opens, every few seconds while it stays open, and on note events.
+const BOARD_EVERY_MS = 5000;
+const BOARD_ON = new Set(["note_posted", "note_received"]);
+setInterval(() => { if (!$("view-board").hidden) board.refresh(); }, BOARD_EVERY_MS);
+$("tab-board").addEventListener("click", () => board.refresh());
+
 // -- polling and events -----------------------------------------------------------------------------
 
 let statusTimer = null;
@@ -165,6 +173,7 @@ async function refreshModels() {
 
 let soon = null;
 function onEvent(event) {
+  if (BOARD_ON.has(event.type) && !$("view-board").hidden) board.refresh();
   if (!events.add(event)) return;
   if (!$("view-mesh").hidden) events.render(nodeNames(state.status));
   if (REFRESH_ON.has(event.type) && !soon) {

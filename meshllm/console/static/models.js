@@ -10,7 +10,8 @@ export function modelGroups(nodes, listed) {
     if (!groups.has(name)) groups.set(name, { name, context: null, servers: [], stages: [] });
     return groups.get(name);
   };
-  for (const entry of listed || []) group(entry.id).context = entry.context_length ?? null;
+  // `auto` routes each request to one of the others (docs/api.md): the chat offers it, this table does not
+  for (const entry of listed || []) if (entry.id !== "auto") group(entry.id).context = entry.context_length ?? null;
   for (const node of nodes) {
     for (const m of node.models) {
       const g = group(m.name);
@@ -53,12 +54,22 @@ export function renderModels(container, nodes, listed) {
       el("td", {}, servedBy(g)))))));
 }
 
-function chainView(model, stages, meta) {
+/** A stage's layer fetch while its chain is placed: a bar, bytes, rate and time left. */
+function fetchView(name, f) {
+  const p = progressOf(f);
+  const eta = typeof f.eta_s === "number" && f.bytes_done < f.bytes_total ? ` · ${fmtDuration(f.eta_s)} left` : "";
+  return el("span", { class: "stage-fetch" }, p === null ? "" : el("progress", { max: 1, value: p.toFixed(3),
+    "aria-label": `${name} fetching its layers: ${(p * 100).toFixed(0)} %` }),
+  el("span", { class: "muted",
+    text: ` ${fmtBytes(f.bytes_done)} of ${fmtBytes(f.bytes_total)} · ${fmtBytes(f.rate_bytes_s || 0)}/s${eta}` }));
+}
+
+function chainView(model, stages, meta, placing = false) {
   return el("li", { class: "chain", dataset: { model } },
     el("p", {}, el("strong", { text: model }), meta ? el("span", { class: "muted", text: ` — ${meta}` }) : ""),
     el("ol", { class: "stages" }, stages.map((s, i) => el("li", { class: "stage" },
       el("span", { class: "stage-index", text: `stage ${i}` }), el("strong", { text: s.name }),
-      el("span", { text: range(s.layers) })))));
+      el("span", { text: range(s.layers) }), placing && s.fetch ? fetchView(s.name, s.fetch) : ""))));
 }
 
 /** This node's own chains (from `splits`) and, as gossiped, chains other nodes coordinate. */
@@ -67,7 +78,7 @@ export function renderSplits(container, status, nodes) {
   for (const split of status.splits || []) {
     const predicted = split.predicted_ms_per_token ? `${split.predicted_ms_per_token} ms/token predicted` : "";
     const meta = [split.state, split.reason, predicted].filter(Boolean).join(" · ");
-    chains.push(chainView(split.model, split.stages, `coordinated here · ${meta}`));
+    chains.push(chainView(split.model, split.stages, `coordinated here · ${meta}`, split.state === "placing"));
   }
   for (const g of modelGroups(nodes, [])) {
     for (const coord of g.servers.filter((s) => s.engine === "split" && !s.node.self)) {

@@ -30,8 +30,9 @@ from meshllm.engine.ggml.graph import Graph, T
 
 DeviceKind = Literal["cpu", "gpu", "igpu", "accel"]
 _KINDS: dict[int, DeviceKind] = {lib.DEV_CPU: "cpu", lib.DEV_GPU: "gpu", lib.DEV_IGPU: "igpu", lib.DEV_ACCEL: "accel"}
-WeightOp = Literal["matmul", "rows", "mul", "add", "rope"]
-"""How a weight is used: matrix product, row lookup (embeddings), norm scale, bias, rope factors."""
+WeightOp = Literal["matmul", "matmul_id", "rows", "mul", "add", "rope"]
+"""How a weight is used: matrix product, product with experts chosen per token (a stack of expert
+matrices), row lookup (embeddings), norm scale, bias, rope factors."""
 
 
 @dataclass(frozen=True)
@@ -195,6 +196,8 @@ class Backends:
         g, ne = graph, w.ne
         if op == "matmul":
             return g.mul_mat(w, g.new(lib.F32, ne[0], 512, ne[2], ne[3]))
+        if op == "matmul_id":
+            return g.mul_mat_id(w, g.new(lib.F32, ne[0], 1, 512), g.new(lib.I32, 1, 512))
         if op == "rows":
             return g.get_rows(w, g.new(lib.I32, 512))
         if op == "rope":

@@ -44,7 +44,7 @@ from meshllm.engine.gbnf import check_grammar
 from meshllm.engine.ggml.errors import StageInputError
 from meshllm.engine.ggml.stage import StageModel
 from meshllm.engine.kernels import Kernels
-from meshllm.engine.sampler import Sampler, check_logprobs, logprob_entry, sampling_params, token_logprobs
+from meshllm.engine.sampler import Sampler, check_logprobs, logprob_entry, token_logprobs
 from meshllm.engine.text import TextStream, token_budget
 from meshllm.engine.tokenizer import Tokenizer
 from meshllm.models.metadata import read_metadata
@@ -144,7 +144,8 @@ class GgmlEngine(Engine):
 
     def prompt_tokens(self, request: GenerationRequest) -> tuple[list[int], tuple[str, ...]]:
         """The tokens fed for ``request`` and its stop strings (the client's plus the chat format's)."""
-        return self._require()[1].request_prompt(request, self.model_id)
+        stage, tokenizer = self._require()
+        return tokenizer.request_prompt(request, self.model_id, stage.max_context)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         """Wait for a turn, then stream ``request``'s text and one :class:`Finish`."""
@@ -176,12 +177,13 @@ class GgmlEngine(Engine):
         prompt, stop_strings = await asyncio.to_thread(self.prompt_tokens, request)
         limit = token_budget(len(prompt), stage.max_context, params.max_tokens, self.model_id)
         text = TextStream(is_end=tokenizer.is_end, token_bytes=tokenizer.token_bytes, stops=stop_strings,
-                          limit=limit, prompt_tokens=len(prompt))
+                          limit=limit, prompt_tokens=len(prompt),
+                          end_on_repeated_call=request.params.end_on_repeated_call)
         fed = replay(text, request, stage.hparams.vocab)
         grammar = None
         if params.grammar and not text.done:
             grammar = await asyncio.to_thread(self._grammar, params.grammar, fed)
-        sampler = Sampler(sampling_params(params), grammar)
+        sampler = Sampler(params, grammar, step=len(fed))
         history = prompt + fed
         session = uuid.uuid4().hex
         started = time.monotonic()

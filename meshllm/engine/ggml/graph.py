@@ -143,6 +143,54 @@ class Graph:
             raise self._fail("mul_mat", "the first operand is transposed", a, b)
         return self._op(self.g.ggml_mul_mat, a.p, b.p)
 
+    def mul_mat_id(self, experts: T, b: T, ids: T) -> T:
+        """Per token, ``experts[ids[i, t]]`` [k, n] times ``b[:, i or 0, t]``: -> [n, n_used, tokens].
+
+        ``experts`` [k, n, n_expert] is a stack of matrices; ``b`` [k, 1 or n_used, tokens]; ``ids``
+        [n_used, tokens] i32 (which experts each token uses). ggml asserts all of this, so it is checked here.
+        """
+        A, B, ids_ne = experts.ne, b.ne, ids.ne
+        if (ids.type != lib.I32 or ids_ne[2:] != (1, 1) or ids_ne[1] != B[2] or A[0] != B[0]
+                or ids_ne[0] % B[1] or B[3] != 1 or A[3] != 1):
+            raise self._fail("mul_mat_id", "experts, input and expert ids do not line up", experts, b, ids)
+        if experts.nb[0] > experts.nb[1]:
+            raise self._fail("mul_mat_id", "the expert stack is transposed", experts)
+        return self._op(self.g.ggml_mul_mat_id, experts.p, b.p, ids.p)
+
+    def argsort_top_k(self, a: T, k: int) -> T:
+        """Indices (i32) of the ``k`` largest values of each row of ``a`` [n, rows], largest first."""
+        if a.type != lib.F32 or not 0 < k <= a.ne[0]:
+            raise self._fail("argsort_top_k", f"cannot take the top {k} of f32 rows", a)
+        return self._op(self.g.ggml_argsort_top_k, a.p, k)
+
+    def soft_max_rows(self, a: T) -> T:
+        """Softmax of each row of ``a`` (no mask, no scale)."""
+        if a.type != lib.F32 or not self.contiguous(a):
+            raise self._fail("soft_max", "needs contiguous f32 rows", a)
+        return self._op(self.g.ggml_soft_max, a.p)
+
+    def sigmoid(self, a: T) -> T:
+        return self._op(self.g.ggml_sigmoid, a.p)
+
+    def silu(self, a: T) -> T:
+        return self._op(self.g.ggml_silu, a.p)
+
+    def sum_rows(self, a: T) -> T:
+        """Each row's sum: [n, rows...] -> [1, rows...]."""
+        return self._op(self.g.ggml_sum_rows, a.p)
+
+    def clamp(self, a: T, lo: float, hi: float) -> T:
+        return self._op(self.g.ggml_clamp, a.p, lo, hi)
+
+    def div(self, a: T, b: T) -> T:
+        if not _can_repeat(b, a):
+            raise self._fail("div", "the second operand does not broadcast to the first", a, b)
+        return self._op(self.g.ggml_div, a.p, b.p)
+
+    def cont(self, a: T) -> T:
+        """A contiguous copy of ``a`` (same shape)."""
+        return self._op(self.g.ggml_cont, a.p)
+
     def f32_accumulation(self, t: T) -> T:
         """Ask the op behind ``t`` to accumulate in f32 (as llama.cpp does for attention scores)."""
         self.g.ggml_prec_set_acc(t.p, lib.PREC_F32)
@@ -188,11 +236,16 @@ class Graph:
         return self._op(self.g.ggml_set_rows, dst.p, src.p, rows.p)
 
     def reshape(self, a: T, *ne: int) -> T:
-        if math.prod(ne) != a.n_elements or not self.contiguous(a) or len(ne) not in (2, 3):
+        if math.prod(ne) != a.n_elements or not self.contiguous(a) or len(ne) not in (2, 3, 4):
             raise self._fail("reshape", f"cannot reshape to {ne}", a)
-        if len(ne) == 2:
-            return self._op(self.g.ggml_reshape_2d, a.p, *ne)
-        return self._op(self.g.ggml_reshape_3d, a.p, *ne)
+        fn = {2: self.g.ggml_reshape_2d, 3: self.g.ggml_reshape_3d, 4: self.g.ggml_reshape_4d}[len(ne)]
+        return self._op(fn, a.p, *ne)
+
+    def fill(self, a: T, value: float) -> T:
+        """A new tensor of ``a``'s shape, every element ``value``."""
+        if a.type != lib.F32:
+            raise self._fail("fill", "needs f32", a)
+        return self._op(self.g.ggml_fill, a.p, value)
 
     def view(self, a: T, ne: Sequence[int], nb: Sequence[int], offset: int = 0) -> T:
         """A view of ``a``: shape ``ne`` (2 or 3 dims), strides ``nb[1:]`` in bytes, at byte ``offset``."""
@@ -206,6 +259,10 @@ class Graph:
         if len(ne) == 2:
             return self._op(self.g.ggml_view_2d, a.p, ne[0], ne[1], nb[0], offset)
         return self._op(self.g.ggml_view_3d, a.p, ne[0], ne[1], ne[2], nb[0], nb[1], offset)
+
+    def transpose(self, a: T) -> T:
+        """A view of ``a`` with its first two dimensions swapped."""
+        return self._op(self.g.ggml_transpose, a.p)
 
     def permute(self, a: T, *axes: int) -> T:
         if sorted(axes) != [0, 1, 2, 3]:
@@ -225,16 +282,48 @@ class Graph:
         return self._op(self.g.ggml_concat, a.p, b.p, dim)
 
     def rope(self, a: T, pos: T, freqs: T | None, *, n_dims: int, mode: int, n_ctx_orig: int, freq_base: float,
-             freq_scale: float, ext_factor: float, attn_factor: float, beta_fast: float, beta_slow: float) -> T:
-        """ggml_rope_ext over [head_dim, heads, n] with positions ``pos`` [n] (i32)."""
+             freq_scale: float, ext_factor: float, attn_factor: float, beta_fast: float, beta_slow: float,
+             offset: int = 0) -> T:
+        """ggml_rope_ext over [head_dim, heads, n] with positions ``pos`` [n] (i32); ``offset``: the rotated
+        dimensions start there (DeepSeek rotates each head's trailing ``n_dims``)."""
         if pos.type != lib.I32 or pos.ne[1:] != (1, 1, 1) or a.ne[2] != pos.ne[0] or mode & 1:
             raise self._fail("rope", "positions must be an i32 vector with one entry per token", a, pos)
-        if n_dims > a.ne[0] or n_dims % 2:
-            raise self._fail("rope", f"cannot rotate {n_dims} dimensions", a)
+        if offset < 0 or offset + n_dims > a.ne[0] or n_dims % 2:
+            raise self._fail("rope", f"cannot rotate {n_dims} dimensions from {offset}", a)
         if freqs is not None and (freqs.type != lib.F32 or freqs.ne[0] < n_dims // 2):
             raise self._fail("rope", "frequency factors must be f32 with n_dims/2 entries", a, freqs)
-        return self._op(self.g.ggml_rope_ext, a.p, pos.p, freqs.p if freqs is not None else None, n_dims, mode,
-                        n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow)
+        out = self._op(self.g.ggml_rope_ext, a.p, pos.p, freqs.p if freqs is not None else None, n_dims, mode,
+                       n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow)
+        if offset:
+            self.g.ggml_rope_set_offset(out.p, offset)
+        return out
+
+    def repeat_4d(self, a: T, *ne: int) -> T:
+        """``a`` tiled to shape ``ne`` (each dimension a multiple of ``a``'s)."""
+        if len(ne) != 4 or any(d < 1 or d % s for d, s in zip(ne, a.ne, strict=True)):
+            raise self._fail("repeat_4d", f"cannot tile to {ne}", a)
+        return self._op(self.g.ggml_repeat_4d, a.p, *ne)
+
+    def add_id(self, a: T, b: T, ids: T) -> T:
+        """``a[:, i, t] + b[:, ids[i, t]]``: per-expert biases for the experts each token uses."""
+        A, B, ids_ne = a.ne, b.ne, ids.ne
+        if (ids.type != lib.I32 or a.type != lib.F32 or b.type != lib.F32 or A[0] != B[0]
+                or ids_ne[0] != A[1] or ids_ne[1] != A[2] or ids_ne[2:] != (1, 1) or B[2:] != (1, 1)):
+            raise self._fail("add_id", "rows, biases and expert ids do not line up", a, b, ids)
+        return self._op(self.g.ggml_add_id, a.p, b.p, ids.p)
+
+    def swiglu_oai(self, gate: T, up: T, alpha: float, limit: float) -> T:
+        """gpt-oss's clamped SwiGLU (``gate`` clamped above at ``limit``, ``up`` to +-``limit``)."""
+        if not _same_shape(gate, up) or not self.contiguous(gate) or not self.contiguous(up):
+            raise self._fail("swiglu_oai", "gate and up must be contiguous and of the same shape", gate, up)
+        return self._op(self.g.ggml_swiglu_oai, gate.p, up.p, alpha, limit)
+
+    def add_sinks(self, attn: T, sinks: T, heads: int, *, flash: bool) -> T:
+        """Give ``attn`` (a ``soft_max``, or with ``flash`` a ``flash_attn``) one learned sink logit per head."""
+        if sinks.type != lib.F32 or sinks.ne != (heads, 1, 1, 1):
+            raise self._fail("add_sinks", f"sinks must be f32 [{heads}]", attn, sinks)
+        (self.g.ggml_flash_attn_ext_add_sinks if flash else self.g.ggml_soft_max_add_sinks)(attn.p, sinks.p)
+        return attn
 
     def soft_max(self, a: T, mask: T, scale: float) -> T:
         A, M = a.ne, mask.ne
@@ -244,7 +333,7 @@ class Graph:
             raise self._fail("soft_max_ext", "mask does not cover the scores", a, mask)
         return self._op(self.g.ggml_soft_max_ext, a.p, mask.p, scale, 0.0)
 
-    def flash_attn(self, q: T, k: T, v: T, mask: T, scale: float) -> T:
+    def flash_attn(self, q: T, k: T, v: T, mask: T, scale: float, softcap: float = 0.0) -> T:
         """Fused attention: q [d, n, heads], k/v [d, kv, kv_heads] (f16), mask [kv, >=n] f16."""
         Q, K, V, M = q.ne, k.ne, v.ne, mask.ne
         if Q[0] != K[0] or Q[2] % K[2] or Q[3] % K[3] or Q[3] != K[3] or Q[3] != V[3] or K[1] != V[1] or K[2] != V[2]:
@@ -253,7 +342,13 @@ class Graph:
             raise self._fail("flash_attn_ext", "needs a contiguous f16 mask covering [kv, n]", q, k, mask)
         if k.type != lib.F16 or v.type != lib.F16:
             raise self._fail("flash_attn_ext", "needs f16 keys and values", k, v)
-        return self._op(self.g.ggml_flash_attn_ext, q.p, k.p, v.p, mask.p, scale, 0.0, 0.0)
+        return self._op(self.g.ggml_flash_attn_ext, q.p, k.p, v.p, mask.p, scale, 0.0, softcap)
+
+    def swiglu_fused(self, a: T) -> T:
+        """``silu(first half) * second half`` of each row of ``a`` (a fused gate-and-up projection)."""
+        if a.ne[0] % 2 or not self.contiguous(a):
+            raise self._fail("swiglu", "needs contiguous rows of even length", a)
+        return self._op(self.g.ggml_swiglu, a.p)
 
     def glu(self, kind: str, gate: T, up: T) -> T:
         """``act(gate) * up`` fused: ``kind`` is ``"gelu"`` (GeGLU) or ``"silu"`` (SwiGLU)."""

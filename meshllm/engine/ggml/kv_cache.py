@@ -1,7 +1,8 @@
 """Per-session keys and values of a stage's layers, in backend buffers (float16 unless asked otherwise).
 
 Each layer has a K tensor of ``[kv_heads * head_dim, capacity]``: one row per cached token
-(position), as llama.cpp's K cache. V is the same with flash attention; for softmax attention it is
+(position), as llama.cpp's K cache. V is the same with flash attention (its rows may be narrower
+than K's: DeepSeek's value heads are narrower than its key heads); for softmax attention it is
 stored transposed, ``[capacity, kv_heads * head_dim]`` (one row per value dimension), so that the
 attention's ``V x softmax`` product reads it in place, exactly like llama.cpp's ``v_trans`` cache.
 Graphs write a step's entries with ``set_rows`` at the session's next positions and attend over a
@@ -41,13 +42,16 @@ class KVCache:
     """Keys and values of one session for ``len(bufts)`` consecutive layers (``bufts[i]``: where layer i's go)."""
 
     def __init__(self, backends: Backends, bufts: list[int], width: int, kv_type: int, max_tokens: int,
-                 v_trans: bool = False) -> None:
+                 v_trans: bool = False, v_width: int | None = None) -> None:
         self.backends = backends
         self.v_trans = v_trans
         """V is stored transposed (softmax attention), one row per value dimension."""
         self.bufts = bufts
         self.width = width
-        """Elements per row: kv_heads x head_dim."""
+        """Elements per K row: kv_heads x head_dim."""
+        self.v_width = width if v_width is None else v_width
+        """Elements per V row: kv_heads x value head_dim; 0 when V is read from K's leading dimensions
+        (DeepSeek's absorbed latent attention keeps only K, as llama.cpp does)."""
         self.kv_type = kv_type
         self.max_tokens = max_tokens
         self.length = 0
@@ -90,13 +94,14 @@ class KVCache:
         g = b.g
         graph = Graph(g, max_tensors=2 * len(self.bufts))
         k = [graph.new(self.kv_type, self.width, capacity, name=f"cache_k_l{i}") for i in range(len(self.bufts))]
-        v_shape = (capacity, self.width) if self.v_trans else (self.width, capacity)
-        v = [graph.new(self.kv_type, *v_shape, name=f"cache_v_l{i}") for i in range(len(self.bufts))]
+        v_shape = (capacity, self.v_width) if self.v_trans else (self.v_width, capacity)
+        v = [graph.new(self.kv_type, *v_shape, name=f"cache_v_l{i}") for i in range(len(self.bufts))] \
+            if self.v_width else []
         buffers = []
         try:
             for buft in dict.fromkeys(self.bufts):
                 mine = [t for i, t in enumerate(k) if self.bufts[i] == buft]
-                mine += [t for i, t in enumerate(v) if self.bufts[i] == buft]
+                mine += [t for i, t in enumerate(v) if self.bufts[i] == buft]  # no V: none
                 buffers.append(b.allocate(buft, mine))
         except BaseException:
             for buf in buffers:
@@ -104,20 +109,20 @@ class KVCache:
             graph.close()
             raise
         if self.length:  # carry the cached entries over, through host memory (rare: capacity doubles)
-            row = int(g.ggml_row_size(self.kv_type, self.width))
-            staging = np.empty(row * self.length, np.uint8)
+            staging = np.empty(int(g.ggml_row_size(self.kv_type, self.width)) * self.length, np.uint8)
             for old, new in zip(self.k, k, strict=True):
                 g.ggml_backend_tensor_get(old.p, staging.ctypes.data, 0, staging.nbytes)
                 g.ggml_backend_tensor_set(new.p, staging.ctypes.data, 0, staging.nbytes)
+            staging = np.empty(int(g.ggml_row_size(self.kv_type, self.v_width)) * self.length, np.uint8)
             for old, new in zip(self.v, v, strict=True):
                 if not self.v_trans:
                     g.ggml_backend_tensor_get(old.p, staging.ctypes.data, 0, staging.nbytes)
                     g.ggml_backend_tensor_set(new.p, staging.ctypes.data, 0, staging.nbytes)
                     continue
-                size = row // self.width  # bytes per element
-                whole = np.empty((self.width, self.capacity * size), np.uint8)
+                size = int(g.ggml_row_size(self.kv_type, 1))  # bytes per element
+                whole = np.empty((self.v_width, self.capacity * size), np.uint8)
                 g.ggml_backend_tensor_get(old.p, whole.ctypes.data, 0, whole.nbytes)
-                grown = np.zeros((self.width, capacity * size), np.uint8)
+                grown = np.zeros((self.v_width, capacity * size), np.uint8)
                 grown[:, : self.length * size] = whole[:, : self.length * size]
                 g.ggml_backend_tensor_set(new.p, grown.ctypes.data, 0, grown.nbytes)
         self._free()
@@ -152,6 +157,7 @@ class KVCache:
         self.generation += 1
 
 
-def kv_bytes_per_token(n_layers: int, width: int, kv_type: str = "f16") -> int:
-    """Bytes one token of context costs in a stage of ``n_layers`` layers (keys and values)."""
-    return n_layers * 2 * width * {"f16": 2, "f32": 4}[kv_type]
+def kv_bytes_per_token(n_layers: int, width: int, kv_type: str = "f16", v_width: int | None = None) -> int:
+    """Bytes one token of context costs in a stage of ``n_layers`` layers (keys of ``width``, values of
+    ``v_width``, the same unless given)."""
+    return n_layers * (width + (width if v_width is None else v_width)) * {"f16": 2, "f32": 4}[kv_type]

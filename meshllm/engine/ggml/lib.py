@@ -31,7 +31,7 @@ MAX_NAME = 64
 # enum ggml_type (the values this runtime uses or names)
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1 = 0, 1, 2, 3, 6, 7, 8, 9
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K = 10, 11, 12, 13, 14, 15
-IQ4_NL, I32, I64, BF16 = 20, 26, 27, 30
+IQ4_NL, I32, I64, BF16, MXFP4 = 20, 26, 27, 30, 39
 
 ROPE_NORMAL, ROPE_NEOX = 0, 2
 PREC_F32 = 10
@@ -95,6 +95,19 @@ _PROTOTYPES: dict[str, tuple[Any, list[Any]]] = {
     "ggml_set_output": (None, [_T]),
     "ggml_get_rows": (_T, [_P, _T, _T]),
     "ggml_mul_mat": (_T, [_P, _T, _T]),
+    "ggml_mul_mat_id": (_T, [_P, _T, _T, _T]),
+    "ggml_argsort_top_k": (_T, [_P, _T, c_int]),
+    "ggml_soft_max": (_T, [_P, _T]),
+    "ggml_sigmoid": (_T, [_P, _T]),
+    "ggml_silu": (_T, [_P, _T]),
+    "ggml_sum_rows": (_T, [_P, _T]),
+    "ggml_clamp": (_T, [_P, _T, _F, _F]),
+    "ggml_div": (_T, [_P, _T, _T]),
+    "ggml_cont": (_T, [_P, _T]),
+    "ggml_add_id": (_T, [_P, _T, _T, _T]),
+    "ggml_swiglu_oai": (_T, [_P, _T, _T, _F, _F]),
+    "ggml_soft_max_add_sinks": (None, [_T, _T]),
+    "ggml_flash_attn_ext_add_sinks": (None, [_T, _T]),
     "ggml_prec_set_acc": (c_bool, [_T, c_int]),
     "ggml_add": (_T, [_P, _T, _T]),
     "ggml_mul": (_T, [_P, _T, _T]),
@@ -102,11 +115,16 @@ _PROTOTYPES: dict[str, tuple[Any, list[Any]]] = {
     "ggml_tanh": (_T, [_P, _T]),
     "ggml_rms_norm": (_T, [_P, _T, _F]),
     "ggml_rope_ext": (_T, [_P, _T, _T, _T, c_int, c_int, c_int, _F, _F, _F, _F, _F, _F]),
+    "ggml_rope_set_offset": (_T, [_T, c_int]),
+    "ggml_repeat_4d": (_T, [_P, _T, _I64, _I64, _I64, _I64]),
     "ggml_reshape_2d": (_T, [_P, _T, _I64, _I64]),
     "ggml_reshape_3d": (_T, [_P, _T, _I64, _I64, _I64]),
+    "ggml_reshape_4d": (_T, [_P, _T, _I64, _I64, _I64, _I64]),
+    "ggml_fill": (_T, [_P, _T, _F]),
     "ggml_view_2d": (_T, [_P, _T, _I64, _I64, c_size_t, c_size_t]),
     "ggml_view_3d": (_T, [_P, _T, _I64, _I64, _I64, c_size_t, c_size_t, c_size_t]),
     "ggml_permute": (_T, [_P, _T, c_int, c_int, c_int, c_int]),
+    "ggml_transpose": (_T, [_P, _T]),
     "ggml_cont_2d": (_T, [_P, _T, _I64, _I64]),
     "ggml_concat": (_T, [_P, _T, _T, c_int]),
     "ggml_set_rows": (_T, [_P, _T, _T, _T]),
@@ -114,6 +132,7 @@ _PROTOTYPES: dict[str, tuple[Any, list[Any]]] = {
     "ggml_flash_attn_ext": (_T, [_P, _T, _T, _T, _T, _F, _F, _F]),
     "ggml_geglu_split": (_T, [_P, _T, _T]),
     "ggml_swiglu_split": (_T, [_P, _T, _T]),
+    "ggml_swiglu": (_T, [_P, _T]),
     "ggml_new_graph_custom": (_P, [_P, c_size_t, c_bool]),
     "ggml_build_forward_expand": (None, [_P, _T]),
     # buffers and tensors in them
@@ -231,7 +250,7 @@ def check_layout(g: Ggml) -> None:
             raise UnsupportedModel(f"ggml {g.version}: tensor fields read back as {got}, expected {expected}")
     finally:
         g.ggml_free(ctx)
-    names = {Q4_K: b"q4_K", Q8_0: b"q8_0", BF16: b"bf16", F16: b"f16", I64: b"i64"}
+    names = {Q4_K: b"q4_K", Q8_0: b"q8_0", BF16: b"bf16", F16: b"f16", I64: b"i64", MXFP4: b"mxfp4"}
     for type_id, name in names.items():
         if g.ggml_type_name(type_id) != name:
             raise UnsupportedModel(f"ggml {g.version}: type {type_id} is {g.ggml_type_name(type_id)!r}, not {name!r}")

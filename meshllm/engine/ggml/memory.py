@@ -57,7 +57,8 @@ class MemoryProfile:
     layer_bytes: tuple[int, ...]
     """Stored bytes of each layer's tensors (quantizations differ from layer to layer)."""
     layer_params: tuple[int, ...]
-    """Values in each layer's tensors (about half the floating-point operations per token)."""
+    """Values of each layer's tensors one token computes with (about half its floating-point operations):
+    of a mixture of experts, only its ``n_expert_used`` experts' share (its bytes count every expert)."""
     kv_bytes_per_layer: int
     """One layer's KV cache for one session at the profiled context (f16, rounded up to 256 tokens)."""
     embed_bytes: int
@@ -88,6 +89,11 @@ class MemoryProfile:
         return total
 
 
+def _active(hp: HParams, name: str, n_elements: int) -> int:
+    """The values of tensor ``name`` one token multiplies by: a stack of experts, only the chosen ones."""
+    return n_elements * hp.n_expert_used // hp.n_expert if name.endswith("_exps.weight") else n_elements
+
+
 def memory_profile(reader: GGUFFile, hp: HParams, context: int, chunk: int = CHUNK) -> MemoryProfile:
     """The :class:`MemoryProfile` of the model behind ``reader`` for sessions of ``context`` tokens.
 
@@ -99,8 +105,8 @@ def memory_profile(reader: GGUFFile, hp: HParams, context: int, chunk: int = CHU
     head = [plan.head, plan.output_norm] + ([plan.head_bias] if plan.head_bias is not None else [])
     return MemoryProfile(
         layer_bytes=tuple(sum(t.nbytes for t in layer.values()) for layer in plan.layers),
-        layer_params=tuple(sum(t.n_elements for t in layer.values()) for layer in plan.layers),
-        kv_bytes_per_layer=kv_bytes_per_token(1, hp.n_kv_heads * hp.head_dim) * padded(context),
+        layer_params=tuple(sum(_active(hp, name, t.n_elements) for name, t in layer.items()) for layer in plan.layers),
+        kv_bytes_per_layer=kv_bytes_per_token(1, hp.k_width, v_width=hp.v_width) * padded(context),
         embed_bytes=plan.embed.nbytes,
         head_bytes=sum(t.nbytes for t in head),
         head_params=plan.head.n_elements,

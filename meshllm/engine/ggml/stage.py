@@ -23,20 +23,21 @@ import contextlib
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from meshllm.engine.ggml import gemma3, lib, llama
+from meshllm.engine.ggml import lib
 from meshllm.engine.ggml.backends import Backends, Device, choose_accelerator, devices, layers_that_fit
 from meshllm.engine.ggml.blocks import TENSORS_PER_LAYER, TENSORS_PER_SEGMENT, Shape, Step, read
 from meshllm.engine.ggml.errors import StageInputError, UnsupportedModel
-from meshllm.engine.ggml.graph import Graph, T
+from meshllm.engine.ggml.families import family_for
+from meshllm.engine.ggml.graph import Graph
 from meshllm.engine.ggml.hparams import HParams, read_hparams
 from meshllm.engine.ggml.kv_cache import KV_TYPES, KVCache, kv_bytes_per_token
-from meshllm.engine.ggml.weights import LayerWeights, StagePlan, StageWeights, load_weights, plan_stage
+from meshllm.engine.ggml.weights import StagePlan, StageWeights, load_weights, plan_stage
 from meshllm.engine.kernels import Kernels, use_kernels
 from meshllm.engine.slots import CallCosts
 from meshllm.models.gguf_file import GGUFFile
@@ -50,7 +51,6 @@ REUSE_MAX_TOKENS = 16
 
 _FLOAT_TYPES = frozenset({lib.F32, lib.F16, lib.BF16})
 """Matrix types whose one-row product rounds differently from the same row in a batch."""
-_BLOCKS: dict[str, Callable[[Step, LayerWeights, int, T], T]] = {"llama": llama.block, "gemma3": gemma3.block}
 
 
 @dataclass
@@ -85,7 +85,7 @@ class StageModel:
         self.max_context = max_context
         self.kv_type = kv_type
         self.flash_attn = flash_attn
-        self._block = _BLOCKS[hp.family]
+        self._block = family_for(hp.arch).block
         self._sessions: dict[str, KVCache] = {}
         self._graphs: OrderedDict[tuple[object, ...], _Compiled] = OrderedDict()
         self._lock = threading.Lock()
@@ -202,8 +202,8 @@ class StageModel:
             self._check_open()
             if self._pad is None:
                 self.pad_lone_rows = any(t.type_id in _FLOAT_TYPES and len(t.shape) > 1 for t in self.plan.tensors())
-                self._pad = KVCache(self.backends, self._kv_bufts, self.hparams.n_kv_heads * self.hparams.head_dim,
-                                    KV_TYPES[self.kv_type], 1, v_trans=not self.flash_attn)
+                self._pad = KVCache(self.backends, self._kv_bufts, self.hparams.k_width, KV_TYPES[self.kv_type], 1,
+                                    v_trans=not self.flash_attn, v_width=self.hparams.v_width)
             return self.pad_lone_rows
 
     # -- compute ------------------------------------------------------------------------------
@@ -282,8 +282,8 @@ class StageModel:
         self._check_open()
         cache = self._sessions.get(session)
         if cache is None:
-            cache = KVCache(self.backends, self._kv_bufts, self.hparams.n_kv_heads * self.hparams.head_dim,
-                            KV_TYPES[self.kv_type], self.max_context, v_trans=not self.flash_attn)
+            cache = KVCache(self.backends, self._kv_bufts, self.hparams.k_width, KV_TYPES[self.kv_type],
+                            self.max_context, v_trans=not self.flash_attn, v_width=self.hparams.v_width)
         if pos != cache.length:
             raise StageInputError(
                 f"session {session!r} is at position {cache.length} on layers "
@@ -352,7 +352,8 @@ class StageModel:
 
     def _compile(self, key: tuple[object, ...], caches: list[KVCache], shapes: list[Shape]) -> _Compiled:
         g, b = self.backends.g, self.backends
-        per_layer = TENSORS_PER_LAYER + (TENSORS_PER_SEGMENT * len(shapes) if len(shapes) > 1 else 0)
+        per_layer = TENSORS_PER_LAYER + 4 * self.hparams.n_expert_used + (
+            TENSORS_PER_SEGMENT * len(shapes) if len(shapes) > 1 else 0)
         graph = Graph(g, max_tensors=64 + 8 * len(shapes) + per_layer * len(self.weights.layers))
         n = sum(s.n for s in shapes)
         try:
@@ -423,6 +424,6 @@ def _gpu_layers(plan: StagePlan, hp: HParams, context: int, kv_type: str, accel:
     if requested is not None:
         return n if requested < 0 else min(requested, n)
     per_layer = max(sum(t.nbytes for t in layer.values()) for layer in plan.layers)
-    per_layer += kv_bytes_per_token(1, hp.n_kv_heads * hp.head_dim, kv_type) * context
+    per_layer += kv_bytes_per_token(1, hp.k_width, kv_type, hp.v_width) * context
     head = plan.head.nbytes if plan.head is not None else 0
     return layers_that_fit(accel.memory_free, per_layer, n, fixed_bytes=head)

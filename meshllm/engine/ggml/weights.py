@@ -2,9 +2,10 @@
 
 :func:`plan_stage` reads only the tensor directory: the tensors of layers [start, end), token
 embeddings on the first stage, output norm and head on the last. It refuses, before anything is
-mapped, a missing tensor, an unknown one in a layer (a mixture-of-experts block, say), a tensor type
-this runtime does not run, and any shape other than the one the hyperparameters imply, so that no
-ggml op can later see a shape it would abort on.
+mapped, a missing tensor, an unknown one in a layer (one the model's family does not use), a tensor
+type this runtime does not run, and any shape other than the one the hyperparameters imply, so that
+no ggml op can later see a shape it would abort on. Which tensors a layer has, and their shapes, is
+the family's to say (:class:`~meshllm.engine.ggml.family.Family`).
 
 :func:`load_weights` maps the GGUF read-only and gives each tensor a buffer the way llama.cpp does
 (:meth:`Backends.weight_buffer_type`): a tensor the CPU uses as stored points straight into the map
@@ -22,61 +23,37 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from meshllm.engine.ggml import lib
 from meshllm.engine.ggml.backends import Backends, WeightOp
 from meshllm.engine.ggml.errors import UnsupportedModel
+from meshllm.engine.ggml.families import family_for
 from meshllm.engine.ggml.graph import Graph, T
 from meshllm.engine.ggml.hparams import HParams
 from meshllm.models.gguf_file import GGUFFile, TensorInfo
 
 MATRIX_TYPES = frozenset({
     lib.F32, lib.F16, lib.BF16, lib.Q4_0, lib.Q4_1, lib.Q5_0, lib.Q5_1, lib.Q8_0,
-    lib.Q2_K, lib.Q3_K, lib.Q4_K, lib.Q5_K, lib.Q6_K, lib.IQ4_NL,
+    lib.Q2_K, lib.Q3_K, lib.Q4_K, lib.Q5_K, lib.Q6_K, lib.IQ4_NL, lib.MXFP4,
 })
-"""Tensor types accepted for matrices and embeddings: the common llama.cpp quantizations."""
+"""Tensor types accepted for matrices and embeddings: the common llama.cpp quantizations (MXFP4: gpt-oss experts)."""
 VECTOR_TYPES = frozenset({lib.F32})
-"""Norm weights, biases and rope factors are float32 in every GGUF llama.cpp writes."""
-
-_LLAMA_REQUIRED = (
-    "attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
-    "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight",
-)  # fmt: skip
-_LLAMA_OPTIONAL = (
-    "attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias",
-    "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias",
-)  # fmt: skip
-_GEMMA3_REQUIRED = (
-    "attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
-    "attn_q_norm.weight", "attn_k_norm.weight", "post_attention_norm.weight",
-    "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", "post_ffw_norm.weight",
-)  # fmt: skip
-_LAYER_TENSORS = {"llama": (_LLAMA_REQUIRED, _LLAMA_OPTIONAL), "gemma3": (_GEMMA3_REQUIRED, ())}
-
-
-def _layer_shapes(hp: HParams) -> dict[str, tuple[int, ...]]:
-    """The shape (GGUF order) every per-layer tensor must have, from the hyperparameters."""
-    w, q, kv, f = hp.width, hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim, hp.ffn
-    return {
-        "attn_norm.weight": (w,), "attn_q.weight": (w, q), "attn_k.weight": (w, kv), "attn_v.weight": (w, kv),
-        "attn_output.weight": (q, w), "ffn_norm.weight": (w,), "ffn_gate.weight": (w, f), "ffn_up.weight": (w, f),
-        "ffn_down.weight": (f, w), "attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,),
-        "attn_output.bias": (w,), "ffn_gate.bias": (f,), "ffn_up.bias": (f,), "ffn_down.bias": (w,),
-        "attn_q_norm.weight": (hp.head_dim,), "attn_k_norm.weight": (hp.head_dim,),
-        "post_attention_norm.weight": (w,), "post_ffw_norm.weight": (w,),
-    }  # fmt: skip
-
+"""Norm weights, biases, attention sinks and rope factors are float32 in every GGUF llama.cpp writes."""
+_VECTORS = ("norm.weight", ".bias", "sinks.weight")
 
 def weight_op(name: str) -> WeightOp:
     """How the runtime uses the tensor ``name`` (what decides its buffer type)."""
     if name == "token_embd.weight":
         return "rows"
-    if name.endswith(".bias"):
+    if name.endswith((".bias", "sinks.weight")):
         return "add"
     if name == "rope_freqs.weight":
         return "rope"
     if name.endswith("norm.weight"):
         return "mul"
+    if name.endswith("_exps.weight"):
+        return "matmul_id"
     return "matmul"
 
 
@@ -119,7 +96,9 @@ class StagePlan:
 def _check(t: TensorInfo, shape: tuple[int, ...], types: frozenset[int]) -> None:
     if t.type_id not in types:
         name = t.type_name or f"unknown type id {t.type_id}"
-        raise UnsupportedModel(f"tensor {t.name} has type {name}, which the ggml stage runtime does not run")
+        supported = ", ".join(sorted(GGMLQuantizationType(i).name for i in types))
+        raise UnsupportedModel(f"tensor {t.name} has type {name}, which the ggml stage runtime does not run "
+                               f"(supported here: {supported})")
     if t.shape != shape:
         raise UnsupportedModel(f"tensor {t.name} has shape {list(t.shape)}, expected {list(shape)}")
 
@@ -128,10 +107,11 @@ def plan_stage(reader: GGUFFile, hp: HParams, start: int, end: int) -> StagePlan
     """Choose and validate the tensors of layers [start, end); raises :class:`UnsupportedModel`."""
     if not 0 <= start < end <= hp.n_layers:
         raise UnsupportedModel(f"layer range [{start}, {end}) is outside the model's {hp.n_layers} layers")
-    required, optional = _LAYER_TENSORS[hp.family]
-    shapes = _layer_shapes(hp)
+    family = family_for(hp.arch)
+    shapes = family.shapes(hp)
     layers = []
     for il in range(start, end):
+        required, optional = family.layer_tensors(hp, il)
         prefix = f"blk.{il}."
         present = {t.name.removeprefix(prefix): t for t in reader.tensors if t.name.startswith(prefix)}
         missing = [n for n in required if n not in present]
@@ -143,8 +123,11 @@ def plan_stage(reader: GGUFFile, hp: HParams, start: int, end: int) -> StagePlan
                 f"layer {il} has tensors the ggml stage runtime does not implement: "
                 f"{', '.join(prefix + n for n in unknown)}"
             )
+        wrong = family.check_layer(set(present))
+        if wrong:
+            raise UnsupportedModel(f"layer {il}: {wrong}")
         for name, t in present.items():
-            _check(t, shapes[name], VECTOR_TYPES if name.endswith(("norm.weight", ".bias")) else MATRIX_TYPES)
+            _check(t, shapes[name], VECTOR_TYPES if name.endswith(_VECTORS) else MATRIX_TYPES)
         layers.append(present)
     first, last = start == 0, end == hp.n_layers
     embed_t = reader.tensor("token_embd.weight")

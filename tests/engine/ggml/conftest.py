@@ -13,7 +13,7 @@ from meshllm.engine.ggml.stage import StageModel
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The FACTS.md tiny llama, but with 4 layers so there are several split points."""
+    """The tiny llama of tests/tinymodels.py, but with 4 layers so there are several split points."""
     return write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama.gguf", n_layers=4)
 
 
@@ -24,8 +24,8 @@ def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def default_stage(default_model: Path) -> Iterator[StageModel]:
+def gemma_stage(gemma_model: Path) -> Iterator[StageModel]:
     """The default model as one stage, one thread (loaded once per module: mapping is cheap, graphs are not)."""
-    stage = StageModel.load(default_model, max_context=512, threads=1)
+    stage = StageModel.load(gemma_model, max_context=512, threads=1)
     yield stage
     stage.close()

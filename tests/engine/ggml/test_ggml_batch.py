@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tinymodels import write_tiny
 
 from meshllm.engine.ggml import StageModel
 from meshllm.engine.ggml.errors import StageInputError
@@ -105,10 +106,10 @@ def test_bad_batches_are_refused_and_change_nothing(tiny_llama: Path) -> None:
 
 
 @pytest.mark.slow
-def test_default_model_batches_exactly_without_padding(default_model: Path) -> None:
+def test_default_model_batches_exactly_without_padding(gemma_model: Path) -> None:
     """The default model's quantized matrices compute a lone row as in a batch: no padding, still exact."""
     for start, end in ((0, 9), (9, 18)):
-        stage = StageModel.load(default_model, start, end, max_context=256, threads=1)
+        stage = StageModel.load(gemma_model, start, end, max_context=256, threads=1)
         try:
             assert stage.batch_exact() is False
             alone, batched = _alone_and_batched(stage)
@@ -134,5 +135,30 @@ def test_a_batch_measured_slower_runs_as_lone_rows_with_the_same_results(tiny_ll
         split = stage.forward_batch([("a", x[3:], 3), ("b", x[3:], 3)])
         assert all(np.array_equal(p, q) for p, q in zip(alone, split, strict=True))
         assert (stage.session_length("a"), stage.session_length("b")) == (4, 4)
+    finally:
+        stage.close()
+
+
+@pytest.mark.parametrize("weight_type", ["F32", "Q8_0"])
+def test_mixture_of_experts_rows_are_the_rows_alone(weight_type: str, tmp_path: Path) -> None:
+    """Tokens of different sessions routed to different experts in one ``mul_mat_id``: each row still alone."""
+    path = write_tiny("qwen3moe", tmp_path / "moe.gguf", weight_type=weight_type)
+    stage = StageModel.load(path, max_context=256, threads=1)
+    try:
+        stage.batch_exact()
+        alone, batched = _alone_and_batched(stage)
+        assert _same(alone, batched)
+    finally:
+        stage.close()
+
+
+@pytest.mark.parametrize("family", ["deepseek2", "deepseek2-mla"])
+def test_latent_attention_rows_are_the_rows_alone(family: str, tmp_path: Path) -> None:
+    """DeepSeek's caches (V narrower than K, or no V at all) attended per session in one batch."""
+    stage = StageModel.load(write_tiny(family, tmp_path / "ds.gguf"), max_context=256, threads=1)
+    try:
+        stage.batch_exact()
+        alone, batched = _alone_and_batched(stage)
+        assert _same(alone, batched)
     finally:
         stage.close()

@@ -22,8 +22,8 @@ PROMPT = b"The quick brown fox jumps over the lazy dog. In the morning, the fox"
 STEPS = 64
 
 
-def test_64_greedy_steps_are_bit_identical_to_llama_cpp(default_model: Path, default_stage: StageModel) -> None:
-    llm = llama_cpp(default_model, logits_all=True, n_ctx=512)
+def test_64_greedy_steps_are_bit_identical_to_llama_cpp(gemma_model: Path, gemma_stage: StageModel) -> None:
+    llm = llama_cpp(gemma_model, logits_all=True, n_ctx=512)
     try:
         prompt = llm.tokenize(PROMPT, add_bos=True)
         llm.eval(prompt)
@@ -37,44 +37,44 @@ def test_64_greedy_steps_are_bit_identical_to_llama_cpp(default_model: Path, def
     finally:
         llm.close()
     # ours, left to generate on its own: the prompt in one call, then one token per call
-    ours, logits = [], [default_stage.forward("greedy", np.array(prompt), 0, last_only=True)[-1]]
+    ours, logits = [], [gemma_stage.forward("greedy", np.array(prompt), 0, last_only=True)[-1]]
     pos = len(prompt)
     for _ in range(STEPS):
         ours.append(int(np.argmax(logits[-1])))
         if len(ours) == STEPS:
             break
-        logits.append(default_stage.forward("greedy", np.array([ours[-1]]), pos)[-1])
+        logits.append(gemma_stage.forward("greedy", np.array([ours[-1]]), pos)[-1])
         pos += 1
-    default_stage.reset("greedy")
+    gemma_stage.reset("greedy")
     equal = sum(np.array_equal(a, b) for a, b in zip(logits, rows, strict=True))
     assert equal == STEPS, f"bit-identical at {equal} of {STEPS} steps"
     assert ours == theirs
     from meshllm.engine.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer(default_model, "gemma3", None)
+    tokenizer = Tokenizer(gemma_model, "gemma3", None)
     our_text = tokenizer.decode(ours)
     tokenizer.close()
     assert our_text == their_text and len(our_text) > 100
 
 
 @pytest.mark.parametrize("k", [1, 6, 17])
-def test_split_is_bit_identical(default_model: Path, default_stage: StageModel, k: int) -> None:
+def test_split_is_bit_identical(gemma_model: Path, gemma_stage: StageModel, k: int) -> None:
     """[0, k) then [k, n) loaded from the file, activations handed over, equals [0, n): prefill and decode."""
-    n = default_stage.hparams.n_layers
-    first = StageModel.load(default_model, 0, k, max_context=512, threads=1)
-    second = StageModel.load(default_model, k, n, max_context=512, threads=1)
+    n = gemma_stage.hparams.n_layers
+    first = StageModel.load(gemma_model, 0, k, max_context=512, threads=1)
+    second = StageModel.load(gemma_model, k, n, max_context=512, threads=1)
     try:
         assert first.first and not first.last and second.last and not second.first
         assert first.weights.head is None and second.weights.embed is None and len(second.weights.layers) == n - k
         tokens = [2, 818, 3823, 8864, 37423, 38167, 1024, 506]
-        whole = default_stage.forward("whole", np.array(tokens[:6]), 0)
+        whole = gemma_stage.forward("whole", np.array(tokens[:6]), 0)
         split = second.forward("s", first.forward("s", np.array(tokens[:6]), 0), 0)
         assert np.array_equal(whole, split)
         for pos in range(6, len(tokens)):
-            whole = default_stage.forward("whole", np.array([tokens[pos]]), pos)
+            whole = gemma_stage.forward("whole", np.array([tokens[pos]]), pos)
             split = second.forward("s", first.forward("s", np.array([tokens[pos]]), pos), pos)
             assert np.array_equal(whole, split)
     finally:
-        default_stage.reset("whole")
+        gemma_stage.reset("whole")
         first.close()
         second.close()

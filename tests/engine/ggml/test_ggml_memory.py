@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tinymodels import write_tiny
 
 from meshllm.engine.ggml.hparams import read_hparams
 from meshllm.engine.ggml.kv_cache import kv_bytes_per_token, padded
@@ -84,8 +85,28 @@ def test_rss_of_a_tiny_stage_is_within_the_bound(tiny_llama: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("start", "end"), [(0, 18), (0, 6), (6, 18)])
-def test_rss_of_default_model_stages_is_within_the_bound(default_model: Path, start: int, end: int) -> None:
+def test_rss_of_default_model_stages_is_within_the_bound(gemma_model: Path, start: int, end: int) -> None:
     """Quantized weights in place (the numpy runtime held 1.6 GB for [0, 6)): growth within 1.15x + 64 MB."""
-    r = probe(default_model, start, end, 1024, 200)
+    r = probe(gemma_model, start, end, 1024, 200)
     assert r["growth"] <= rss_bound(r["tensor_bytes"], r["kv_bytes"]), r
     assert r["estimate"] >= r["tensor_bytes"] + r["kv_bytes"]
+
+
+def test_moe_estimate_counts_every_experts_bytes(tmp_path: Path) -> None:
+    """A stage of a mixture of experts holds all of them (any may be chosen): its estimate counts every
+    expert's bytes, while its compute per token counts only the experts a token uses."""
+    path = write_tiny("qwen3moe", tmp_path / "moe.gguf", n_expert=8, n_expert_used=2)
+    reader = GGUFFile(path)
+    hp = read_hparams(reader)
+    mem = memory_profile(reader, hp, 64)
+    layer = plan_stage(reader, hp, 0, hp.n_layers).layers[0]
+    experts = [t for name, t in layer.items() if name.endswith("_exps.weight")]
+    assert len(experts) == 3 and all(t.shape[2] == 8 for t in experts)
+    assert mem.layer_bytes[0] == sum(t.nbytes for t in layer.values())
+    unused = sum(t.n_elements for t in experts) * 6 // 8  # 6 of 8 experts idle for any one token
+    assert mem.layer_params[0] == sum(t.n_elements for t in layer.values()) - unused
+    stage = StageModel.load(path, 0, 2, max_context=64, threads=1)
+    try:
+        assert stage.weights.mapped_bytes + stage.weights.copied_bytes == sum(mem.layer_bytes[:2]) + mem.embed_bytes
+    finally:
+        stage.close()

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tinymodels import write_tiny_gguf, write_tiny_llama
+from tinymodels import write_tiny, write_tiny_gguf, write_tiny_llama
 
 from meshllm.engine.ggml import lib, weights
 from meshllm.engine.ggml.errors import UnsupportedModel
+from meshllm.engine.ggml.families import REGISTRY
 from meshllm.engine.ggml.memory import estimate_memory
 from meshllm.engine.ggml.stage import StageModel
 from meshllm.errors import MeshllmError
@@ -68,7 +69,20 @@ def test_a_valid_tiny_model_passes_the_same_checks(tmp_path: Path) -> None:
 
 
 def test_unknown_architecture_is_named(tmp_path: Path) -> None:
-    _refused(write_tiny_gguf(tmp_path / "mamba.gguf", "mamba", _globals()), "'mamba'")
+    error = _refused(write_tiny_gguf(tmp_path / "mamba.gguf", "mamba", _globals()), "'mamba'")
+    assert all(arch in str(error) for arch in REGISTRY), "the refusal lists every supported architecture"
+
+
+def test_phi3_needs_fused_or_separate_qkv(tmp_path: Path) -> None:
+    tensors = {**_globals(), **_layer()}
+    tensors["blk.0.ffn_up.weight"] = np.zeros((256, 64), np.float32)  # Phi-3's fused gate and up
+    del tensors["blk.0.ffn_gate.weight"]
+    del tensors["blk.0.attn_v.weight"]
+    _refused(write_tiny_gguf(tmp_path / "phi3.gguf", "phi3", tensors), "attn_qkv.weight or all of")
+
+
+def test_moe_family_without_experts_is_refused(tmp_path: Path) -> None:
+    _refused(write_tiny_gguf(tmp_path / "qwen3moe.gguf", "qwen3moe", {**_globals(), **_layer()}), "expert_count")
 
 
 def test_unsupported_tensor_type_is_named(tmp_path: Path) -> None:
@@ -76,7 +90,8 @@ def test_unsupported_tensor_type_is_named(tmp_path: Path) -> None:
     # Q8_1 (type 9): 40-byte blocks of 32 values; ggml has it only as a dot-product intermediate
     tensors["blk.0.ffn_up.weight"] = np.zeros((128, 64 // 32 * 40), np.uint8)
     path = write_tiny_gguf(tmp_path / "q81.gguf", "llama", tensors, raw_types={"blk.0.ffn_up.weight": 9})
-    _refused(path, r"blk\.0\.ffn_up\.weight has type Q8_1")
+    error = _refused(path, r"blk\.0\.ffn_up\.weight has type Q8_1")
+    assert "supported here: " in str(error) and "Q4_K" in str(error) and "MXFP4" in str(error)
 
 
 def test_unknown_tensor_type_id_is_named(tmp_path: Path) -> None:
@@ -157,3 +172,12 @@ def test_flash_attention_needs_an_f16_cache(tmp_path: Path) -> None:
         StageModel.load(path, flash_attn=True, kv_type="f32")
     with pytest.raises(UnsupportedModel, match="KV cache type"):
         StageModel.load(path, kv_type="q8")
+
+
+@pytest.mark.parametrize(("extra", "match"), [
+    ({"metadata": {"deepseek2.attention.key_length_mla": 24}}, "must be given together"),
+    ({"metadata": {"deepseek2.expert_group_count": 2}}, "not a valid grouping"),
+    ({"rope_scaling": {"type": "linear", "factor": 4.0}}, "linear rope scaling"),
+], ids=["half-mla", "expert-groups", "linear-rope"])
+def test_deepseek2_features_not_implemented_are_named(extra: dict[str, object], match: str, tmp_path: Path) -> None:
+    _refused(write_tiny("deepseek2", tmp_path / "ds.gguf", **extra), match)  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""The bundled default model (base Gemma 3 270M, no chat template) answers chat through the API."""
+"""The bundled Gemma 3 270M (a base model, no chat template) answers chat through the API."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from meshllm.models import resolve_model
 
 
 @pytest.mark.slow
-def test_default_gemma_chat_returns_text() -> None:
-    engine = LlamaEngine(resolve_model("default", progress=False), n_ctx=512)
+def test_bundled_gemma_chat_returns_text() -> None:
+    engine = LlamaEngine(resolve_model("gemma", progress=False), n_ctx=512)
     asyncio.run(engine.load())
     try:
         assert engine.chat_format == "gemma"  # the GGUF has no template; the family format is used

@@ -1,4 +1,4 @@
-"""The bundled default model (Gemma 3 270M Q4_K_M) gives the same answer whatever ran before or beside it.
+"""The bundled Gemma 3 270M Q4_K_M gives the same answer whatever ran before or beside it.
 
 With the row-exact kernels (``kernels="exact"``, the default) llama.cpp computes each row the same
 way whatever the batch holds, so the same greedy request gives the same tokens alone, after another
@@ -23,14 +23,14 @@ PROMPT = ("The history of the printing press begins in the fifteenth century, wh
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[LlamaEngine]:
-    eng = LlamaEngine(resolve_model("default", progress=False), n_ctx=1024, n_threads=1, parallel=8)
+    eng = LlamaEngine(resolve_model("gemma", progress=False), n_ctx=1024, n_threads=1, parallel=8)
     asyncio.run(eng.load())
     yield eng
     asyncio.run(eng.close())
 
 
 @pytest.mark.slow
-def test_default_model_same_request_same_tokens_whatever_runs(engine: LlamaEngine) -> None:
+def test_gemma_same_request_same_tokens_whatever_runs(engine: LlamaEngine) -> None:
     assert engine.kernels == "exact" and engine.pad_lone_rows is False  # one row alone computes as in a batch
     request = req(PROMPT, 32)
     alone = one(engine, request)

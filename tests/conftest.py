@@ -1,0 +1,90 @@
+"""Test tiers: every test that starts a process is marked ``integration``.
+
+``pytest -m "not integration and not slow"`` is the inner loop (in-process tests only); plain
+``pytest`` runs everything. Marking by hand would go stale, so the mark is derived: a test is
+``integration`` when its function, or a fixture it uses (directly or through other fixtures), can
+reach the ``subprocess`` module or ``asyncio.create_subprocess_*``: through the helpers of
+``tests/nodes.py`` (``NodeProcess``, ``meshllm``, ``running_nodes``), a helper of its own module or
+of another test helper module (``tests/wan/emulator.py``, ``tests/lan.py``), followed by name
+through functions, classes and their methods that live under ``tests/``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+SPAWN_ATTRS = frozenset({"create_subprocess_exec", "create_subprocess_shell"})
+"""Attribute names whose use starts a process whatever module they are read from."""
+
+_memo: dict[int, bool] = {}
+
+
+def _ours(obj: Any) -> bool:
+    """Whether ``obj`` is a function or class defined in a file under ``tests/``."""
+    try:
+        path = inspect.getsourcefile(obj)
+    except TypeError:
+        return False
+    return path is not None and Path(path).resolve().is_relative_to(TESTS)
+
+
+def _codes(code: types.CodeType) -> list[types.CodeType]:
+    """``code`` and every code object nested in it (inner functions, lambdas, comprehensions)."""
+    out = [code]
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            out.extend(_codes(const))
+    return out
+
+
+def spawns(obj: Any) -> bool:
+    """Whether calling ``obj`` (a test, fixture, helper function or class) can start a process."""
+    obj = inspect.unwrap(obj)
+    key = id(obj)
+    if key in _memo:
+        return _memo[key]
+    _memo[key] = False  # a cycle (mutual recursion) adds nothing
+    found = False
+    if inspect.isclass(obj):
+        found = any(spawns(member) for member in vars(obj).values()
+                    if inspect.isfunction(member) or isinstance(member, (staticmethod, classmethod, property)))
+    elif isinstance(obj, (staticmethod, classmethod)):
+        found = spawns(obj.__func__)
+    elif isinstance(obj, property):
+        found = any(spawns(f) for f in (obj.fget, obj.fset) if f is not None)
+    elif inspect.isfunction(obj):
+        names = {n for c in _codes(obj.__code__) for n in c.co_names}
+        if names & SPAWN_ATTRS:
+            found = True
+        else:
+            for name in names:
+                target = obj.__globals__.get(name)
+                if target is subprocess or (
+                        (inspect.isfunction(target) or inspect.isclass(target)) and _ours(target) and spawns(target)):
+                    found = True
+                    break
+    _memo[key] = found
+    return found
+
+
+def _fixture_funcs(item: pytest.Item) -> list[Any]:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return []
+    return [defs[-1].func for name in item.fixturenames for defs in [info.name2fixturedefs.get(name)] if defs]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        func = getattr(item, "function", None)
+        if func is None:
+            continue
+        if spawns(func) or any(_ours(f) and spawns(f) for f in _fixture_funcs(item)):
+            item.add_marker(pytest.mark.integration)
