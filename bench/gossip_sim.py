@@ -7,7 +7,7 @@ clock, per-link latency 2-40 ms RTT, 1% loss. Each size starts converged, then m
 - **change**: one node updates its record; rounds and simulated seconds until every node holds it;
 - **kill**: one node crashes; seconds until it is gone from every live node's view;
 - **bytes/node/s**: all gossip and probe traffic over the run, per node per simulated second
-  (heartbeats have a random phase, so the run sees their steady rate), and its split by message;
+  (refreshes have a random phase, so the run sees their steady rate), and its split by message;
 - **view memory**: the bytes one node's table of every peer takes (its own copy, records included:
   the simulation itself shares one table between nodes).
 
@@ -50,7 +50,7 @@ def run(n: int, seed: int, loss: float) -> dict[str, float]:
     """One size: warm up, propagate a change, kill a node; returns the measured figures."""
     wall = time.perf_counter()
     net = SimNet(n, seed=seed, loss=loss, preseed=True)
-    net.run_until(3.0)
+    net.run_until(2.0)
     changer, victim = net.ids[1], net.ids[2]
 
     start = net.now
@@ -79,7 +79,7 @@ def run(n: int, seed: int, loss: float) -> dict[str, float]:
     live = {node.id for node in net.live()}
     net.run_until(kill_at + 60.0, stop=lambda: live <= removed.keys())
     detect_s = max(removed.values()) - kill_at if live <= removed.keys() else float("inf")
-    net.run_until(net.now + 2.0)
+    net.run_until(net.now + 1.0)
 
     sim_s = net.now
     view_b = view_bytes(net)
@@ -93,7 +93,7 @@ def run(n: int, seed: int, loss: float) -> dict[str, float]:
         "bytes_per_node_s": round(sum(net.bytes_sent.values()) / n / sim_s),
         "connections_mean": round(sum(len(x.gossip.connected) for x in net.live()) / len(live), 1),
         "round_interval_s": round(interval, 2),
-        "heartbeat_s": round(node.heartbeat_period(), 1),
+        "refresh_s": round(node.refresh_period(), 1),
         "record_bytes": len(node.own_raw),
         "view_bytes_per_node": view_b,
         "bytes_by_message": {k: round(v / n / sim_s) for k, v in sorted(net.bytes_by_kind.items())},

@@ -15,12 +15,21 @@ sum per bucket of node ids (:class:`~meshllm.mesh.view.Table`); a peer answers w
 ``{node_id: seq}`` of only the buckets whose sums differ, and the usual exchange follows. A converged
 mesh trades summaries and nothing else: no record is resent because a timer fired.
 
-*Heartbeats* (re-signing an unchanged record so that silence means death) cost every member one
-record per peer per heartbeat, so the heartbeat stretches with the mesh: at most
-:attr:`GossipConfig.refresh_rate` re-signed records per second mesh-wide. The record says how long
-its node may wait (``refresh``), and every member stretches that record's silence and age limits by
-as much (``view.deadline``, ``records.max_age``). Failure detection stays local (the SWIM detector
-probes connected peers): the heartbeat is only the backstop for a node nobody is connected to.
+*Liveness is local, not gossiped.* There are no heartbeats: an unchanged record is not resent
+because a timer fired. Each node probes the peers it chose to connect to (:meth:`Gossip.watched`,
+the SWIM detector in ``failure.py``), so a death is seen by the ~log2 N nodes that hold it in their
+partial view within about two seconds; the one who sees it first signs a down notice and floods it
+to its connections, and anti-entropy hands it to any peer whose summary still counts the node alive
+(a bucket's sum covers each record's alive bit). Every view drops a killed node in about the
+detector's time plus a few network hops, whatever the mesh size.
+
+*Refreshes* bound how long a signed copy circulates (a record older than ``records.max_age`` is
+refused, so a replay cannot revive a node once its tombstone is gone). A node re-signs an unchanged
+record every :meth:`GossipConfig.refresh_for` seconds: 30 s in a small mesh, stretched so the whole
+mesh re-signs at most :attr:`GossipConfig.refresh_rate` records a second (each member's cost is then
+the same at any size), and pushes the refresh to a few peers rather than flooding it. The record
+says how long it may wait (``refresh``), and members stretch its age limit and the silence
+backstop (``view.deadline``) by as much; the backstop matters only for a node nobody probes.
 
 *Revocations* (records signed by the mesh key, verified by an injected callback) are kept for the
 life of the node, flooded once when new and sent to every newly connected peer, so a late joiner
@@ -80,8 +89,8 @@ from meshllm.mesh.messages import (
     verify_notice,
 )
 from meshllm.mesh.records import (
-    HEARTBEAT_S,
     REFRESH_MAX_S,
+    REFRESH_S,
     PathKind,
     PeerRecord,
     RecordVerifier,
@@ -195,12 +204,13 @@ class GossipConfig:
     """Peers sent a summary each round."""
     push_fanout: int = 2
     """Random connected peers a newly stored record is forwarded to (anti-entropy fills the gaps)."""
-    heartbeat: float = 30.0
-    """Re-sign our record this often even without change, so silence means death ..."""
-    refresh_rate: float = 4.0
-    """... unless the mesh is large: then every N / refresh_rate seconds (see :meth:`heartbeat_for`)."""
+    refresh: float = 30.0
+    """Re-sign our unchanged record this often (it bounds how long a signed copy is accepted) ..."""
+    refresh_rate: float = 2.0
+    """... unless the mesh is large: then every N / refresh_rate seconds (see :meth:`refresh_for`)."""
     stale_after: float = 120.0
-    """A peer whose sequence has not advanced for this long is dropped (the backstop to SWIM)."""
+    """A peer whose record has not been re-signed for this long past its refresh is dropped: the
+    backstop for a node no failure detector watches (liveness itself is the detector's)."""
     forget_after: float = 300.0
     """How long down/left tombstones are kept to refuse resurrection by old copies."""
     view_extra: int = 3
@@ -209,11 +219,11 @@ class GossipConfig:
     """Swap one random partial-view peer this often."""
     rtt_max_age: float = 30.0
 
-    def heartbeat_for(self, members: int) -> float:
-        """Heartbeat period in a mesh of ``members``: heartbeats of the whole mesh cost each member
-        at most ``refresh_rate`` records a second, so it stretches beyond ``heartbeat`` past
-        ``heartbeat * refresh_rate`` members (120 by default), up to :data:`REFRESH_MAX_S`."""
-        return max(self.heartbeat, min(REFRESH_MAX_S, members / self.refresh_rate))
+    def refresh_for(self, members: int) -> float:
+        """Refresh period in a mesh of ``members``: the refreshes of the whole mesh cost each member
+        at most ``refresh_rate`` records a second, so it stretches beyond ``refresh`` past
+        ``refresh * refresh_rate`` members (60 by default), up to :data:`REFRESH_MAX_S`."""
+        return max(self.refresh, min(REFRESH_MAX_S, members / self.refresh_rate))
 
 
 Output = Send | Rejected | RevocationApplied | AccuserBanned | Overstep | view.ViewEvent
@@ -245,8 +255,9 @@ class Gossip:
         record = msgspec.structs.replace(record, signed_at=now)
         self.own, self.own_raw = record, sign_record(key, record)
         self._state = view.empty(record.node_id)
-        self._own_pending = False
-        """Our record changed since we last sent it to our connected peers (the next tick does)."""
+        self._own_pending: str | None = None
+        """Our record was re-signed since we last sent it: ``"flood"`` (it changed: every connected
+        peer, at the next tick) or ``"push"`` (a refresh: a few peers; anti-entropy does the rest)."""
         self.connected: set[str] = set()
         self.pinned: set[str] = set()
         self._partial: frozenset[str] = frozenset()
@@ -263,8 +274,8 @@ class Gossip:
         self._refused: CoolDowns[str] = CoolDowns()
         self._accused: dict[str, tuple[str, float]] = {}
         """subject -> (accuser, notice time) of the notice that took it down (refutation tracking)."""
-        # A random first phase: nodes started together must not heartbeat in lockstep.
-        self._heartbeat_from, self._heartbeat_phase = now, rng.uniform(0.0, 1.0)
+        # A random first phase: nodes started together must not refresh in lockstep.
+        self._refresh_from, self._refresh_phase = now, rng.uniform(0.0, 1.0)
 
     @property
     def node_id(self) -> str:
@@ -297,9 +308,21 @@ class Gossip:
         """Round period: the same at any mesh size (a round's cost does not grow with it either)."""
         return self.config.interval
 
-    def heartbeat_period(self) -> float:
+    def refresh_period(self) -> float:
         """How often we re-sign an unchanged record in a mesh of the size we see now."""
-        return self.config.heartbeat_for(self._state.peers.active + 1)
+        return self.config.refresh_for(self._state.peers.active + 1)
+
+    def watched(self) -> set[str]:
+        """The connected peers whose liveness we probe: those we chose (pinned and partial view).
+
+        A connection is probed from the end that wanted it, not from both: a node is still watched by
+        every member that drew it (about log2 N + 3 of them, a Poisson number: at 10,000 members the
+        chance that nobody watches a given node is about 1e-7, and rotation redraws it every 30 s),
+        and the probes cost half. Until we know any member (joining) we watch every connection.
+        """
+        if not self._state.peers.active:
+            return set(self.connected)
+        return (self.pinned | self._partial) & self.connected
 
     def desired_connections(self, now: float) -> set[str]:
         """Peers the driver should hold connections to: pinned peers plus a random partial view.
@@ -335,7 +358,7 @@ class Gossip:
         """When :meth:`tick` next has work."""
         if self._own_pending:
             return self.own.signed_at
-        return min(self._next_round, self._heartbeat_due(), self._next_expire)
+        return min(self._next_round, self._refresh_due(), self._next_expire)
 
     # --- inputs from the driver ---
 
@@ -362,7 +385,7 @@ class Gossip:
         return out
 
     def observe_rtt(self, peer: str, rtt_ms: float, path: PathKind, now: float) -> None:
-        """A transport RTT measurement; published with the next heartbeat or significant change."""
+        """A transport RTT measurement; published with the next refresh or significant change."""
         self._rtt = rtt.observe_rtt(self._rtt, peer, rtt_ms, path, now)
 
     def update_own(self, now: float, **changes: Any) -> None:
@@ -370,13 +393,17 @@ class Gossip:
         self._resign(now, **changes)
 
     def tick(self, now: float) -> list[Output]:
-        """Heartbeat, housekeeping and, when due, one anti-entropy round."""
+        """Refresh, housekeeping and, when due, one anti-entropy round."""
         out: list[Output] = []
         row = rtt.current_row(self._rtt, now, self.config.rtt_max_age)
-        if now >= self._heartbeat_due() or (rtt.row_changed(self.own.rtt, row)
-                                            and now - self.own.signed_at >= OWN_RESIGN_MIN_S):
+        if rtt.row_changed(self.own.rtt, row) and now - self.own.signed_at >= OWN_RESIGN_MIN_S:
             self._resign(now, rtt=row)
-        if self._own_pending:
+        elif now >= self._refresh_due():
+            self._resign(now, refresh_only=not rtt.row_changed(self.own.rtt, row), rtt=row)
+        if self._own_pending == "push":
+            self._own_pending = None
+            out += self._push(Exchange([self.own_raw]), exclude=None)
+        elif self._own_pending:
             out += self._flood_own()
         if now >= self._next_expire:
             soonest = self._soonest_deadline()
@@ -510,30 +537,31 @@ class Gossip:
         """Records or notices to verify from one message: what a full sync could need, bounded."""
         return min(len(self.state.peers) + ITEMS_SLACK, ITEMS_MAX)
 
-    def _resign(self, now: float, above: int = 0, **changes: Any) -> None:
+    def _resign(self, now: float, above: int = 0, refresh_only: bool = False, **changes: Any) -> None:
         """Bump our sequence past ``above`` (a *verified* copy of us to outrank) and re-sign.
 
-        The new record is built and signed before anything is assigned, so a signing failure leaves
-        our state exactly as it was.
+        ``refresh_only``: nothing but the signing time changes, so it is pushed to a few peers, not
+        flooded (unless a change is still waiting to go out). The new record is built and signed
+        before anything is assigned, so a signing failure leaves our state exactly as it was.
         """
-        # The record promises its next heartbeat within ``refresh``: members stretch our silence
-        # limit by as much, so it never promises less than the period we will keep.
-        refresh = max(HEARTBEAT_S, self.heartbeat_period())
+        # The record promises its next refresh within ``refresh``: members stretch its age and
+        # silence limits by as much, so it never promises less than the period we will keep.
+        refresh = max(REFRESH_S, self.refresh_period())
         record = msgspec.structs.replace(self.own, seq=max(self.own.seq, above) + 1, signed_at=now,
                                          refresh=refresh, **changes)
         raw = sign_record(self._key, record)
         self.own, self.own_raw = record, raw
-        self._heartbeat_from, self._heartbeat_phase = now, 1.0
-        self._own_pending = True
+        self._refresh_from, self._refresh_phase = now, 1.0
+        self._own_pending = "push" if refresh_only and self._own_pending != "flood" else "flood"
 
-    def _heartbeat_due(self) -> float:
+    def _refresh_due(self) -> float:
         """When we next re-sign: one period after the last, never later than our record promised."""
-        period = min(self.heartbeat_period(), max(self.config.heartbeat, self.own.refresh))
-        return self._heartbeat_from + self._heartbeat_phase * period
+        period = min(self.refresh_period(), max(self.config.refresh, self.own.refresh))
+        return self._refresh_from + self._refresh_phase * period
 
     def _flood_own(self) -> list[Output]:
         """Our current record to every connected peer (each change once)."""
-        self._own_pending = False
+        self._own_pending = None
         return self._flood(Exchange([self.own_raw]), exclude=None)
 
     def _deadline(self, entry: view.PeerEntry) -> float:
@@ -657,6 +685,8 @@ class Gossip:
             if record.seq >= self.own.seq:
                 self._resign(now, above=record.seq)
             return []
+        if record.signed_at < self._tombstone_time(record.node_id) - CLOCK_SKEW_S:
+            return []  # signed before the node died or left: a replayed copy, not the node coming back
         if (over := self._over_rate(record, now)) is not None:
             # not stored, so not passed on: only its signer, or the member that vouched for it, sent it here
             return [Overstep(source, over)] if source in (record.node_id, vouching_member(record.membership_proof)) \
@@ -670,6 +700,21 @@ class Gossip:
         elif any(isinstance(e, view.RecordUpdated) for e in events):
             events += self._push(Exchange([raw]), exclude=source)
         return events
+
+    def _tombstone_time(self, node: str) -> float:
+        """When ``node`` was last known to stop (-inf: it is not a tombstone here).
+
+        Its down notice's time, or the signing time of its leaving (or last) record. A record signed
+        earlier cannot bring it back, whatever its sequence: the node itself, alive again, signs a
+        new one (a refutation is signed after the notice it answers). With no heartbeats, records
+        of a large mesh are accepted for a long time (``refresh``), so age alone would not stop a
+        copy signed minutes before a death from undoing the death.
+        """
+        entry = self._state.peers.get(node)
+        if entry is None or entry.status not in ("down", "left"):
+            return -math.inf
+        accused = self._accused.get(node)
+        return accused[1] if accused is not None else entry.record.signed_at
 
     def _over_rate(self, record: PeerRecord, now: float) -> str | None:
         """Why a new, verified record is one update too many (None: within the limits, now counted)."""

@@ -274,9 +274,9 @@ class MeshService:
             now = time.time()
             try:
                 self._handle(self.gossip.tick(now))
-                connected = sorted(self.gossip.connected)
+                watched = sorted(self.gossip.watched())
                 self._handle(self.gossip.on_detector(
-                    [e for e in self._probe(self.detector.tick(now, connected))], now))
+                    [e for e in self._probe(self.detector.tick(now, watched))], now))
                 self._observe_rtts(now)
                 self._maintain_connections(now)
                 self._maintain_traversal(now)

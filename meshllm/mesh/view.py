@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from meshllm.mesh.records import HEARTBEAT_S, PeerRecord
+from meshllm.mesh.records import REFRESH_S, PeerRecord
 
 Status = Literal["alive", "suspect", "down", "left", "revoked"]
 ACTIVE: frozenset[Status] = frozenset({"alive", "suspect"})
@@ -367,10 +367,12 @@ def deadline(entry: PeerEntry, stale_after: float, forget_after: float) -> float
 
     Silence counts from when the peer's sequence last advanced here or from when its newest record
     was signed, whichever is earlier. Both limits stretch by however much longer than
-    :data:`~meshllm.mesh.records.HEARTBEAT_S` the peer's signed record says it waits between
-    re-signs (large meshes refresh records less often, see ``Gossip.heartbeat_period``).
+    :data:`~meshllm.mesh.records.REFRESH_S` the peer's signed record says it waits between
+    re-signs (large meshes refresh records less often, see ``Gossip.refresh_period``). A member
+    nobody probes is the only one this ever takes down: the failure detectors take a dead member
+    down within seconds (``mesh/failure.py``).
     """
-    extra = max(0.0, entry.record.refresh - HEARTBEAT_S)
+    extra = max(0.0, entry.record.refresh - REFRESH_S)
     if entry.status in ACTIVE:
         return min(entry.heard, entry.record.signed_at) + stale_after + extra
     return entry.changed + forget_after + extra

@@ -22,10 +22,11 @@ from meshllm.identity.ids import node_id as node_id_of
 from meshllm.mesh import view
 from meshllm.mesh.failure import Failed, FailureConfig, FailureDetector, Probe, Recovered, Suspected
 from meshllm.mesh.gossip import Gossip, GossipConfig, Rejected, Send
-from meshllm.mesh.messages import MeshMessage, encode_message
+from meshllm.mesh.messages import Ack, MeshMessage, Ping, PingReq, encode_message
 from meshllm.mesh.records import PeerRecord, RecordVerifier, SignatureCache
 
 MESH = "simmesh"
+PROBES = (Ping, Ack, PingReq)
 
 
 def proof_for(node: str) -> bytes:
@@ -67,10 +68,10 @@ class SimNode:
     alive: bool = True
     desired: set[str] = field(default_factory=set)
     rejected: list[Rejected] = field(default_factory=list)
+    id: str = ""
 
-    @property
-    def id(self) -> str:
-        return self.gossip.node_id
+    def __post_init__(self) -> None:
+        self.id = self.gossip.node_id
 
 
 class SimNet:
@@ -101,8 +102,8 @@ class SimNet:
         cache = SignatureCache(size=4 * n + 1024)
         self.nodes: dict[str, SimNode] = {}
         # Nodes that start converged have been in the mesh a while: their records already promise
-        # the heartbeat of a mesh this size.
-        refresh = (gossip_config or GossipConfig()).heartbeat_for(n) if preseed else 30.0
+        # the refresh period of a mesh this size.
+        refresh = (gossip_config or GossipConfig()).refresh_for(n) if preseed else 30.0
         for i in range(n):
             key = make_key(seed * 1_000_003 + i)
             record = make_record(key, name=f"n{i}", refresh=max(30.0, refresh))
@@ -180,7 +181,7 @@ class SimNet:
             self._next_refresh[nid] = self.now + 1.0
             self._refresh_connections(nid)
         out = node.gossip.tick(self.now)
-        out += node.fd.tick(self.now, node.gossip.connected)
+        out += node.fd.tick(self.now, node.gossip.watched())
         self._dispatch(node, out)
         self._reschedule(node)
 
@@ -233,7 +234,10 @@ class SimNet:
             self._connect(src, dst)  # an inbound message implies the transport accepted a connection
         out: list = node.fd.receive(src, message, self.now) + node.gossip.receive(src, message, self.now)
         self._dispatch(node, out)
-        self._reschedule(node)
+        if not isinstance(message, PROBES):
+            # A probe never brings a timer forward (an ack ends one; a relayed ping's deadline is
+            # swept by the next tick), so only gossip messages reschedule: most messages are probes.
+            self._reschedule(node)
 
     def _dispatch(self, node: SimNode, outputs: list) -> None:
         """The node-driver glue: route each output of the cores to the network or the other core."""
