@@ -39,7 +39,7 @@ learns them too. A revoked peer becomes a ``revoked`` tombstone (``PeerRemoved``
 *Down notices cannot be weaponised* (docs/identity.md, threat model). A notice counts only for the
 exact sequence we hold for its subject (so the subject can always refute it with the next one),
 only while it is fresh (:data:`NOTICE_TTL_S`), at most :data:`NOTICES_PER_S` per accuser, and never
-while we hold a live connection to the subject ourselves. A notice about a node that is
+while our own probes find the subject alive (we watch it). A notice about a node that is
 demonstrably alive is *refuted*; an accuser refuted :data:`REFUTED_TO_BAN` times in a minute may
 not accuse anyone for :data:`ACCUSER_BAN_S`.
 
@@ -765,8 +765,8 @@ class Gossip:
                 self._resign(now)
             return self._refute(reporter, now) + self._flood_own()
         subject = self.state.peers.get(notice.subject)
-        if notice.subject in self.connected and subject is not None and subject.status == "alive":
-            return self._refute(reporter, now)  # we hear it ourselves: the notice is wrong
+        if subject is not None and subject.status == "alive" and notice.subject in self.watched():
+            return self._refute(reporter, now)  # our own probes hear it: the notice is wrong
         events = self._apply(view.MarkDown(notice.subject, notice.subject_seq, raw, now), notice.subject)
         if events:
             self._accused[notice.subject] = (reporter, notice.ts)
