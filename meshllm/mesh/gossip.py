@@ -11,8 +11,9 @@ few network hops. *Flooding*: membership changes (a down notice, a leaving recor
 revives a peer) go to every connected peer at once, because missing the 5-second removal target on a
 large mesh is not an option. *Anti-entropy* repairs whatever pushing missed: every round (1 s, the
 same at any mesh size) we send k=2 random connected peers a :class:`Summary` of our table, one 8-byte
-sum per bucket of node ids (:class:`~meshllm.mesh.view.Table`); a peer answers with a digest
-``{node_id: seq}`` of only the buckets whose sums differ, and the usual exchange follows. A converged
+sum per bucket of node ids (:class:`~meshllm.mesh.view.Table`, 16 buckets); a peer answers with the
+sums of the differing buckets' sub-buckets while they are big, then with a digest ``{node_id: seq}``
+of only the buckets whose sums differ, and the usual exchange follows. A converged
 mesh trades summaries and nothing else: no record is resent because a timer fired.
 
 *Liveness is local, not gossiped.* There are no heartbeats: an unchanged record is not resent
@@ -378,7 +379,7 @@ class Gossip:
         indirect probes) and the next round's summary repairs any difference anyway. The
         revocations we know go to every new peer, so a late joiner learns them too.
         """
-        out: list[Output] = [] if self._state.peers.active else [Send(peer, self._summary(level=1))]
+        out: list[Output] = [] if self._state.peers.active else [Send(peer, self._summary())]
         known = list(self.revocations)
         for i in range(0, len(known), REVOCATIONS_PER_MESSAGE):
             out.append(Send(peer, Revocations(known[i:i + REVOCATIONS_PER_MESSAGE])))
@@ -571,11 +572,6 @@ class Gossip:
         """When the first entry expires (a pass over the table: run only when a bound is due)."""
         return min(map(self._deadline, self._state.peers.values()), default=math.inf)
 
-    def _summary_level(self) -> int:
-        """The level whose summary plus a typical answer (two buckets' digests) costs least."""
-        n = len(self._state.peers) + 1
-        return min(range(1, view.LEVELS + 1), key=lambda level: 8 * 16**level + 120 * n / 16**level)
-
     def _sums(self, level: int, buckets: list[int] | None = None) -> list[int]:
         """Our table's sums of ``buckets`` of ``level`` (default: all of them), our own record included."""
         peers = self._state.peers
@@ -586,8 +582,14 @@ class Gossip:
                 sums[i] ^= view.entry_hash(self.node_id, self.own.seq, True)
         return sums
 
-    def _summary(self, level: int = 0, buckets: list[int] | None = None) -> Summary:
-        level = level or self._summary_level()
+    def _summary(self, level: int = 1, buckets: list[int] | None = None) -> Summary:
+        """Our sums of ``buckets`` of ``level`` (default: the 16 of level 1, each round's opener).
+
+        A round opens with 16 sums (128 bytes) at any mesh size: a converged pair stops there, and
+        a pair that differs refines only the differing buckets (16 sub-sums each) down to a digest.
+        Opening with 256 sums cost a converged 1,000-node mesh ten times as much for no faster
+        convergence (docs/benchmarks.md).
+        """
         sums = self._sums(level, buckets)
         return Summary(level, struct.pack(f"<{len(sums)}Q", *sums), buckets or [])
 
