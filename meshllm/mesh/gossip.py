@@ -318,7 +318,7 @@ class Gossip:
 
         A connection is probed from the end that wanted it, not from both: a node is still watched by
         every member that drew it (about log2 N + 3 of them, a Poisson number: at 10,000 members the
-        chance that nobody watches a given node is about 1e-7, and rotation redraws it every 30 s),
+        chance that nobody watches a given node is about 4e-8, and rotation redraws it every 30 s),
         and the probes cost half. Until we know any member (joining) we watch every connection.
         """
         if not self._state.peers.active:
