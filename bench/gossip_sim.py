@@ -12,6 +12,7 @@ clock, per-link latency 2-40 ms RTT, 1% loss. Each size starts converged, then m
   the simulation itself shares one table between nodes).
 
 Usage: ``python bench/gossip_sim.py [--sizes 10 100 1000] [--out bench/results/gossip_sim.json]``
+(``--sizes 10000``: about 7 minutes of CPU and 1.1 GB here; 1,000 nodes take about 8 s.)
 """
 
 from __future__ import annotations
