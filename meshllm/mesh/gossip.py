@@ -58,7 +58,7 @@ import random
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import msgspec
 from nacl.signing import SigningKey
@@ -256,7 +256,7 @@ class Gossip:
         record = msgspec.structs.replace(record, signed_at=now)
         self.own, self.own_raw = record, sign_record(key, record)
         self._state = view.empty(record.node_id)
-        self._own_pending: str | None = None
+        self._own_pending: Literal["flood", "push"] | None = None
         """Our record was re-signed since we last sent it: ``"flood"`` (it changed: every connected
         peer, at the next tick) or ``"push"`` (a refresh: a few peers; anti-entropy does the rest)."""
         self.connected: set[str] = set()
