@@ -4,12 +4,33 @@
 :class:`~meshllm.mesh.view.ViewState`). The driver feeds it time, transport events and received
 messages; it returns :class:`Send` instructions and events, and never touches a socket or a clock.
 
-Two paths spread information. *Anti-entropy*: every round (1 s, times log10 of the mesh size) we
-send our digest ``{node_id: seq}`` to k=3 random connected peers, who answer with the records we lack
-and ask for those they lack; this converges in O(log N) rounds whatever was lost. *Flooding*:
-membership changes (a down notice, a leaving record, a record that revives a peer) are pushed at once
-to every connected peer, once per change, because waiting for anti-entropy rounds would miss the
-5-second removal target on large meshes.
+Three paths spread information, each sending a record to a peer at most once per change.
+*Pushing*: a record we store because it is newer is forwarded at once to :attr:`GossipConfig.push_fanout`
+random connected peers (our own changes to every connected peer), so a change crosses the mesh in a
+few network hops. *Flooding*: membership changes (a down notice, a leaving record, a record that
+revives a peer) go to every connected peer at once, because missing the 5-second removal target on a
+large mesh is not an option. *Anti-entropy* repairs whatever pushing missed: every round (1 s, the
+same at any mesh size) we send k=2 random connected peers a :class:`Summary` of our table, one 8-byte
+sum per bucket of node ids (:class:`~meshllm.mesh.view.Table`, 16 buckets); a peer answers with the
+sums of the differing buckets' sub-buckets while they are big, then with a digest ``{node_id: seq}``
+of only the buckets whose sums differ, and the usual exchange follows. A converged
+mesh trades summaries and nothing else: no record is resent because a timer fired.
+
+*Liveness is local, not gossiped.* There are no heartbeats: an unchanged record is not resent
+because a timer fired. Each node probes the peers it chose to connect to (:meth:`Gossip.watched`,
+the SWIM detector in ``failure.py``), so a death is seen by the ~log2 N nodes that hold it in their
+partial view within about two seconds; the one who sees it first signs a down notice and floods it
+to its connections, and anti-entropy hands it to any peer whose summary still counts the node alive
+(a bucket's sum covers each record's alive bit). Every view drops a killed node in about the
+detector's time plus a few network hops, whatever the mesh size.
+
+*Refreshes* bound how long a signed copy circulates (a record older than ``records.max_age`` is
+refused, so a replay cannot revive a node once its tombstone is gone). A node re-signs an unchanged
+record every :meth:`GossipConfig.refresh_for` seconds: 30 s in a small mesh, stretched so the whole
+mesh re-signs at most :attr:`GossipConfig.refresh_rate` records a second (each member's cost is then
+the same at any size), and pushes the refresh to a few peers rather than flooding it. The record
+says how long it may wait (``refresh``), and members stretch its age limit and the silence
+backstop (``view.deadline``) by as much; the backstop matters only for a node nobody probes.
 
 *Revocations* (records signed by the mesh key, verified by an injected callback) are kept for the
 life of the node, flooded once when new and sent to every newly connected peer, so a late joiner
@@ -19,7 +40,7 @@ learns them too. A revoked peer becomes a ``revoked`` tombstone (``PeerRemoved``
 *Down notices cannot be weaponised* (docs/identity.md, threat model). A notice counts only for the
 exact sequence we hold for its subject (so the subject can always refute it with the next one),
 only while it is fresh (:data:`NOTICE_TTL_S`), at most :data:`NOTICES_PER_S` per accuser, and never
-while we hold a live connection to the subject ourselves. A notice about a node that is
+while our own probes find the subject alive (we watch it). A notice about a node that is
 demonstrably alive is *refuted*; an accuser refuted :data:`REFUTED_TO_BAN` times in a minute may
 not accuse anyone for :data:`ACCUSER_BAN_S`.
 
@@ -34,9 +55,10 @@ from __future__ import annotations
 
 import math
 import random
+import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import msgspec
 from nacl.signing import SigningKey
@@ -63,10 +85,20 @@ from meshllm.mesh.messages import (
     MeshMessage,
     Notices,
     Revocations,
+    Summary,
     sign_notice,
     verify_notice,
 )
-from meshllm.mesh.records import PathKind, PeerRecord, RecordVerifier, StaleRecord, decode_record, sign_record
+from meshllm.mesh.records import (
+    REFRESH_MAX_S,
+    REFRESH_S,
+    PathKind,
+    PeerRecord,
+    RecordVerifier,
+    StaleRecord,
+    decode_record,
+    sign_record,
+)
 from meshllm.net.limits import CoolDowns, RateLimit, Strikes
 
 EXCHANGE_BUDGET = 1024 * 1024
@@ -104,6 +136,9 @@ REFUTED_TO_BAN = 3
 ACCUSER_BAN_S = 300.0
 REFUSED_MEMO_S = 60.0
 """A node whose genuine record was refused (its membership) is not asked for for this long."""
+REFINE_AT = 16
+"""Records per bucket above which differing buckets are answered with their sub-buckets' sums (16 x 8
+bytes) rather than a digest of every record in them (about 60 bytes each)."""
 FORGED = (BadSignature, WrongSigner, WrongDomain, DecodeError)
 """Verification failures no honest peer forwards (every member checks these the same way)."""
 
@@ -165,12 +200,18 @@ class GossipConfig:
     """Timings; defaults aim at a 5 s removal of a killed node and modest traffic."""
 
     interval: float = 1.0
-    """Base anti-entropy period; multiplied by max(1, log10(N))."""
-    fanout: int = 3
-    heartbeat: float = 30.0
-    """Re-sign our record this often even without change, so silence means death."""
+    """Anti-entropy period, whatever the mesh size (a round costs a summary, not a table)."""
+    fanout: int = 2
+    """Peers sent a summary each round."""
+    push_fanout: int = 2
+    """Random connected peers a newly stored record is forwarded to (anti-entropy fills the gaps)."""
+    refresh: float = 30.0
+    """Re-sign our unchanged record this often (it bounds how long a signed copy is accepted) ..."""
+    refresh_rate: float = 2.0
+    """... unless the mesh is large: then every N / refresh_rate seconds (see :meth:`refresh_for`)."""
     stale_after: float = 120.0
-    """A peer whose sequence has not advanced for this long is dropped (the backstop to SWIM)."""
+    """A peer whose record has not been re-signed for this long past its refresh is dropped: the
+    backstop for a node no failure detector watches (liveness itself is the detector's)."""
     forget_after: float = 300.0
     """How long down/left tombstones are kept to refuse resurrection by old copies."""
     view_extra: int = 3
@@ -178,6 +219,12 @@ class GossipConfig:
     rotate_every: float = 30.0
     """Swap one random partial-view peer this often."""
     rtt_max_age: float = 30.0
+
+    def refresh_for(self, members: int) -> float:
+        """Refresh period in a mesh of ``members``: the refreshes of the whole mesh cost each member
+        at most ``refresh_rate`` records a second, so it stretches beyond ``refresh`` past
+        ``refresh * refresh_rate`` members (60 by default), up to :data:`REFRESH_MAX_S`."""
+        return max(self.refresh, min(REFRESH_MAX_S, members / self.refresh_rate))
 
 
 Output = Send | Rejected | RevocationApplied | AccuserBanned | Overstep | view.ViewEvent
@@ -208,13 +255,17 @@ class Gossip:
         self.revoked_nodes: set[str] = set()
         record = msgspec.structs.replace(record, signed_at=now)
         self.own, self.own_raw = record, sign_record(key, record)
-        self.state = view.empty(record.node_id)
+        self._state = view.empty(record.node_id)
+        self._own_pending: Literal["flood", "push"] | None = None
+        """Our record was re-signed since we last sent it: ``"flood"`` (it changed: every connected
+        peer, at the next tick) or ``"push"`` (a refresh: a few peers; anti-entropy does the rest)."""
         self.connected: set[str] = set()
         self.pinned: set[str] = set()
         self._partial: frozenset[str] = frozenset()
         self._rtt: rtt.RttTable = {}
         self._next_round = self._next_rotate = now
         self._next_expire = now + 1.0
+        """When an entry may next expire (a lower bound: sweeping the table is a pass over it)."""
         self._pulls: RateLimit[str] = RateLimit(PULLS_PER_S, PULL_BURST)
         self._notice_rate: RateLimit[str] = RateLimit(NOTICES_PER_S, NOTICE_BURST)
         self._updates: RateLimit[str] = RateLimit(RECORD_UPDATES_PER_S, RECORD_UPDATE_BURST)
@@ -224,12 +275,25 @@ class Gossip:
         self._refused: CoolDowns[str] = CoolDowns()
         self._accused: dict[str, tuple[str, float]] = {}
         """subject -> (accuser, notice time) of the notice that took it down (refutation tracking)."""
-        # A random first phase: nodes started together must not heartbeat in lockstep.
-        self._next_heartbeat = now + rng.uniform(0.1, 1.0) * self.config.heartbeat
+        # A random first phase: nodes started together must not refresh in lockstep.
+        self._refresh_from, self._refresh_phase = now, rng.uniform(0.0, 1.0)
 
     @property
     def node_id(self) -> str:
         return self.own.node_id
+
+    @property
+    def state(self) -> view.ViewState:
+        """The peer table (a value: every change replaces it)."""
+        return self._state
+
+    def adopt(self, state: view.ViewState, first_deadline: float) -> None:
+        """Start from a table built elsewhere (a simulation that starts converged).
+
+        ``first_deadline`` is when its first entry may expire (``view.deadline``): the caller that
+        built the table knows it, and 10,000 simulated nodes need not each pass over 10,000 entries.
+        """
+        self._state, self._next_expire = state, first_deadline
 
     # --- queries ---
 
@@ -242,8 +306,24 @@ class Gossip:
         return rtt.rtt_matrix([self.own, *self.members().values()])
 
     def interval(self) -> float:
-        """Current round period: grows with log10 of the mesh size to bound per-node traffic."""
-        return self.config.interval * max(1.0, math.log10(len(self.members()) + 1))
+        """Round period: the same at any mesh size (a round's cost does not grow with it either)."""
+        return self.config.interval
+
+    def refresh_period(self) -> float:
+        """How often we re-sign an unchanged record in a mesh of the size we see now."""
+        return self.config.refresh_for(self._state.peers.active + 1)
+
+    def watched(self) -> set[str]:
+        """The connected peers whose liveness we probe: those we chose (pinned and partial view).
+
+        A connection is probed from the end that wanted it, not from both: a node is still watched by
+        every member that drew it (about log2 N + 3 of them, a Poisson number: at 10,000 members the
+        chance that nobody watches a given node is about 4e-8, and rotation redraws it every 30 s),
+        and the probes cost half. Until we know any member (joining) we watch every connection.
+        """
+        if not self._state.peers.active:
+            return set(self.connected)
+        return (self.pinned | self._partial) & self.connected
 
     def desired_connections(self, now: float) -> set[str]:
         """Peers the driver should hold connections to: pinned peers plus a random partial view.
@@ -251,21 +331,35 @@ class Gossip:
         Until we know any member (just joined) we keep whatever we are connected to: the bootstrap
         links are our only way into the mesh.
         """
-        live = self.members()
-        if not live:
+        peers = self._state.peers
+        if not peers.active:
             return set(self.connected)
-        size = view.view_size(len(live) + 1, self.config.view_extra)
+
+        def live(node: str) -> bool:
+            entry = peers.get(node)
+            return entry is not None and entry.status in view.ACTIVE
+
+        size = view.view_size(peers.active + 1, self.config.view_extra)
         rotate = now >= self._next_rotate
         if rotate:
             self._next_rotate = now + self.config.rotate_every
-        candidates = [n for n in live if n not in self.pinned]
-        if rotate or not self._partial <= live.keys() or len(self._partial) < min(size, len(candidates)):
-            self._partial = view.refresh_partial_view(self._partial, candidates, size, self._rng, rotate)
-        return {p for p in self.pinned if p in live} | set(self._partial)
+        pinned = {p for p in self.pinned if live(p)}
+        # Drawn from the table without listing it (10,000 members: a few walks, not a pass).
+        if (rotate or not all(live(p) for p in self._partial)
+                or len(self._partial) < min(size, peers.active - len(pinned))):
+            def draw(k: int, taken: set[str]) -> list[str]:
+                return peers.sample(self._rng, k, lambda n, e: e.status in view.ACTIVE
+                                    and n not in self.pinned and n not in taken)
+
+            self._partial = view.refresh_partial_view(
+                self._partial, lambda p: live(p) and p not in self.pinned, draw, size, self._rng, rotate)
+        return pinned | set(self._partial)
 
     def next_timer(self) -> float:
         """When :meth:`tick` next has work."""
-        return min(self._next_round, self._next_heartbeat, self._next_expire)
+        if self._own_pending:
+            return self.own.signed_at
+        return min(self._next_round, self._refresh_due(), self._next_expire)
 
     # --- inputs from the driver ---
 
@@ -279,17 +373,20 @@ class Gossip:
     def greet(self, peer: str) -> list[Output]:
         """A peer just connected: trade digests with it now rather than at the next round.
 
-        Both ends greet, so each pulls what it lacks; a joiner learns the whole mesh in one round trip.
-        The revocations we know go with the digest, so a late joiner learns them too.
+        While we know no member (we are joining), we send a coarse summary (16 sums): it differs
+        from the peer's in every bucket it fills, so the peer answers with its digest and we learn
+        the whole mesh in one exchange. A member sends none: connections come and go (rotations,
+        indirect probes) and the next round's summary repairs any difference anyway. The
+        revocations we know go to every new peer, so a late joiner learns them too.
         """
-        out: list[Output] = [Send(peer, Digest(self._digest()))]
+        out: list[Output] = [] if self._state.peers.active else [Send(peer, self._summary())]
         known = list(self.revocations)
         for i in range(0, len(known), REVOCATIONS_PER_MESSAGE):
             out.append(Send(peer, Revocations(known[i:i + REVOCATIONS_PER_MESSAGE])))
         return out
 
     def observe_rtt(self, peer: str, rtt_ms: float, path: PathKind, now: float) -> None:
-        """A transport RTT measurement; published with the next heartbeat or significant change."""
+        """A transport RTT measurement; published with the next refresh or significant change."""
         self._rtt = rtt.observe_rtt(self._rtt, peer, rtt_ms, path, now)
 
     def update_own(self, now: float, **changes: Any) -> None:
@@ -297,31 +394,44 @@ class Gossip:
         self._resign(now, **changes)
 
     def tick(self, now: float) -> list[Output]:
-        """Heartbeat, housekeeping and, when due, one anti-entropy round."""
+        """Refresh, housekeeping and, when due, one anti-entropy round."""
         out: list[Output] = []
         row = rtt.current_row(self._rtt, now, self.config.rtt_max_age)
-        if now >= self._next_heartbeat or (rtt.row_changed(self.own.rtt, row)
-                                           and now - self.own.signed_at >= OWN_RESIGN_MIN_S):
+        if rtt.row_changed(self.own.rtt, row) and now - self.own.signed_at >= OWN_RESIGN_MIN_S:
             self._resign(now, rtt=row)
+        elif now >= self._refresh_due():
+            self._resign(now, refresh_only=not rtt.row_changed(self.own.rtt, row), rtt=row)
+        if self._own_pending == "push":
+            self._own_pending = None
+            out += self._push(Exchange([self.own_raw]), exclude=None)
+        elif self._own_pending:
+            out += self._flood_own()
         if now >= self._next_expire:
-            self._next_expire = now + 1.0
-            cfg = self.config
-            before = self.state
-            out += self._apply(view.Expire(now, cfg.stale_after, cfg.forget_after), None)
-            for gone in before.peers.keys() - self.state.peers.keys():
-                self._verifier.forget(gone)
-            self._accused = {n: a for n, a in self._accused.items()
-                             if (e := self.state.peers.get(n)) is not None and e.status == "down"}
+            soonest = self._soonest_deadline()
+            if now > soonest:
+                cfg = self.config
+                before = self._state
+                out += self._apply(view.Expire(now, cfg.stale_after, cfg.forget_after), None)
+                for gone in set(before.peers) - set(self._state.peers):
+                    self._verifier.forget(gone)
+                self._accused = {n: a for n, a in self._accused.items()
+                                 if (e := self._state.peers.get(n)) is not None and e.status == "down"}
+                soonest = self._soonest_deadline()
+            self._next_expire = max(now + 1.0, soonest)
         if now >= self._next_round:
             self._next_round = now + self.interval()
             reachable = sorted(self.connected)
-            digest = Digest(self._digest())
+            summary = self._summary()
             for peer in self._rng.sample(reachable, min(self.config.fanout, len(reachable))):
-                out.append(Send(peer, digest))
+                out.append(Send(peer, summary))
         return out
 
     def receive(self, source: str, message: MeshMessage, now: float) -> list[Output]:
         """Handle one gossip message from connected peer ``source``."""
+        if isinstance(message, Summary):
+            if not self._pulls.allow(source, now):
+                return [Overstep(source, "summaries faster than gossip answers them")]
+            return self._on_summary(source, message)
         if isinstance(message, Digest):
             if not self._pulls.allow(source, now):
                 return [Overstep(source, "digests faster than gossip answers them")]
@@ -393,7 +503,7 @@ class Gossip:
     def leave(self, now: float) -> list[Output]:
         """Graceful leave: a signed ``leaving`` record, pushed to every connected peer at once."""
         self._resign(now, state="leaving")
-        return self._flood(Exchange([self.own_raw]), exclude=None)
+        return self._flood_own()
 
     # --- internals ---
 
@@ -428,31 +538,97 @@ class Gossip:
         """Records or notices to verify from one message: what a full sync could need, bounded."""
         return min(len(self.state.peers) + ITEMS_SLACK, ITEMS_MAX)
 
-    def _resign(self, now: float, above: int = 0, **changes: Any) -> None:
+    def _resign(self, now: float, above: int = 0, refresh_only: bool = False, **changes: Any) -> None:
         """Bump our sequence past ``above`` (a *verified* copy of us to outrank) and re-sign.
 
-        The new record is built and signed before anything is assigned, so a signing failure leaves
-        our state exactly as it was.
+        ``refresh_only``: nothing but the signing time changes, so it is pushed to a few peers, not
+        flooded (unless a change is still waiting to go out). The new record is built and signed
+        before anything is assigned, so a signing failure leaves our state exactly as it was.
         """
-        record = msgspec.structs.replace(self.own, seq=max(self.own.seq, above) + 1, signed_at=now, **changes)
+        # The record promises its next refresh within ``refresh``: members stretch its age and
+        # silence limits by as much, so it never promises less than the period we will keep.
+        refresh = max(REFRESH_S, self.refresh_period())
+        record = msgspec.structs.replace(self.own, seq=max(self.own.seq, above) + 1, signed_at=now,
+                                         refresh=refresh, **changes)
         raw = sign_record(self._key, record)
         self.own, self.own_raw = record, raw
-        self._next_heartbeat = now + self.config.heartbeat
+        self._refresh_from, self._refresh_phase = now, 1.0
+        self._own_pending = "push" if refresh_only and self._own_pending != "flood" else "flood"
 
-    def _digest(self) -> dict[str, int]:
-        seqs = {n: e.record.seq for n, e in self.state.peers.items()}
-        seqs[self.node_id] = self.own.seq
-        return seqs
+    def _refresh_due(self) -> float:
+        """When we next re-sign: one period after the last, never later than our record promised."""
+        period = min(self.refresh_period(), max(self.config.refresh, self.own.refresh))
+        return self._refresh_from + self._refresh_phase * period
+
+    def _flood_own(self) -> list[Output]:
+        """Our current record to every connected peer (each change once)."""
+        self._own_pending = None
+        return self._flood(Exchange([self.own_raw]), exclude=None)
+
+    def _deadline(self, entry: view.PeerEntry) -> float:
+        return view.deadline(entry, self.config.stale_after, self.config.forget_after)
+
+    def _soonest_deadline(self) -> float:
+        """When the first entry expires (a pass over the table: run only when a bound is due)."""
+        return min(map(self._deadline, self._state.peers.values()), default=math.inf)
+
+    def _sums(self, level: int, buckets: list[int] | None = None) -> list[int]:
+        """Our table's sums of ``buckets`` of ``level`` (default: all of them), our own record included."""
+        peers = self._state.peers
+        sums = peers.sums(level) if buckets is None else [peers.bucket_sum(level, b) for b in buckets]
+        mine = view.bucket_of(self.node_id, level)
+        for i, bucket in enumerate(range(len(sums)) if buckets is None else buckets):
+            if bucket == mine:
+                sums[i] ^= view.entry_hash(self.node_id, self.own.seq, True)
+        return sums
+
+    def _summary(self, level: int = 1, buckets: list[int] | None = None) -> Summary:
+        """Our sums of ``buckets`` of ``level`` (default: the 16 of level 1, each round's opener).
+
+        A round opens with 16 sums (128 bytes) at any mesh size: a converged pair stops there, and
+        a pair that differs refines only the differing buckets (16 sub-sums each) down to a digest.
+        Opening with 256 sums cost a converged 1,000-node mesh ten times as much for no faster
+        convergence (docs/benchmarks.md).
+        """
+        sums = self._sums(level, buckets)
+        return Summary(level, struct.pack(f"<{len(sums)}Q", *sums), buckets or [])
+
+    def _on_summary(self, source: str, message: Summary) -> list[Output]:
+        """Answer a summary: where sums differ, finer sums while buckets are big, then a digest."""
+        level, buckets = message.level, list(dict.fromkeys(message.buckets)) or None
+        count = 16**level if buckets is None else len(buckets)
+        if len(message.sums) != 8 * count or len(message.buckets) != len(buckets or []) \
+                or any(b >= 16**level for b in buckets or []):
+            return [Rejected(source, DecodeError(f"a level-{level} summary needs one sum per bucket it names"))]
+        theirs = struct.unpack(f"<{count}Q", message.sums)
+        named = range(count) if buckets is None else buckets
+        differ = [b for b, ours, their in zip(named, self._sums(level, buckets), theirs, strict=True) if ours != their]
+        if not differ:
+            return []
+        if level < view.LEVELS and len(self._state.peers) > REFINE_AT * 16**level:
+            # Buckets this full would cost a long digest each: trade their sixteen sub-buckets first.
+            return [Send(source, self._summary(level + 1, [b * 16 + i for b in differ for i in range(16)]))]
+        seqs = {node: entry.record.seq for node, entry in self._state.peers.in_buckets(level, differ)}
+        if view.bucket_of(self.node_id, level) in differ:
+            seqs[self.node_id] = self.own.seq
+        return [Send(source, Digest(seqs, level, differ))]
 
     def _on_digest(self, source: str, message: Digest, now: float) -> list[Output]:
         theirs = message.seqs
+        # A digest may cover only some buckets (the answer to our summary): we give only from those.
+        if message.level:
+            scope: Iterable[tuple[str, view.PeerEntry]] = self._state.peers.in_buckets(
+                message.level, sorted(set(message.buckets)))
+            mine = view.bucket_of(self.node_id, message.level) in message.buckets
+        else:
+            scope, mine = self._state.peers.items(), True
         # A digest's sequences are unsigned claims: never re-sign on one. If the peer claims a copy
         # of us newer than ours, ask for it; _ingest verifies our signature and outranks it then.
         their_own = theirs.get(self.node_id, -1)
-        give = [self.node_id] if their_own < self.own.seq else []
+        give = [self.node_id] if mine and their_own < self.own.seq else []
         want_own = [self.node_id] if their_own > self.own.seq else []
         notices: list[bytes] = []
-        for node, entry in self.state.peers.items():
+        for node, entry in scope:
             seq = theirs.get(node)
             if entry.notice is not None and entry.status == "down":
                 accused = self._accused.get(node)
@@ -511,6 +687,8 @@ class Gossip:
             if record.seq >= self.own.seq:
                 self._resign(now, above=record.seq)
             return []
+        if record.signed_at < self._tombstone_time(record.node_id) - CLOCK_SKEW_S:
+            return []  # signed before the node died or left: a replayed copy, not the node coming back
         if (over := self._over_rate(record, now)) is not None:
             # not stored, so not passed on: only its signer, or the member that vouched for it, sent it here
             return [Overstep(source, over)] if source in (record.node_id, vouching_member(record.membership_proof)) \
@@ -521,7 +699,24 @@ class Gossip:
         events += self._apply(view.RecordStored(record, raw, now), record.node_id)
         if any(isinstance(e, view.PeerAdded | view.PeerRemoved) for e in events):
             events += self._flood(Exchange([raw]), exclude=source)
+        elif any(isinstance(e, view.RecordUpdated) for e in events):
+            events += self._push(Exchange([raw]), exclude=source)
         return events
+
+    def _tombstone_time(self, node: str) -> float:
+        """When ``node`` was last known to stop (-inf: it is not a tombstone here).
+
+        Its down notice's time, or the signing time of its leaving (or last) record. A record signed
+        earlier cannot bring it back, whatever its sequence: the node itself, alive again, signs a
+        new one (a refutation is signed after the notice it answers). With no heartbeats, records
+        of a large mesh are accepted for a long time (``refresh``), so age alone would not stop a
+        copy signed minutes before a death from undoing the death.
+        """
+        entry = self._state.peers.get(node)
+        if entry is None or entry.status not in ("down", "left"):
+            return -math.inf
+        accused = self._accused.get(node)
+        return accused[1] if accused is not None else entry.record.signed_at
 
     def _over_rate(self, record: PeerRecord, now: float) -> str | None:
         """Why a new, verified record is one update too many (None: within the limits, now counted)."""
@@ -570,10 +765,10 @@ class Gossip:
                 return self._refute(reporter, now)
             if notice.subject_seq == self.own.seq:  # refute: our new record outranks the notice
                 self._resign(now)
-            return self._refute(reporter, now) + self._flood(Exchange([self.own_raw]), exclude=None)
+            return self._refute(reporter, now) + self._flood_own()
         subject = self.state.peers.get(notice.subject)
-        if notice.subject in self.connected and subject is not None and subject.status == "alive":
-            return self._refute(reporter, now)  # we hear it ourselves: the notice is wrong
+        if subject is not None and subject.status == "alive" and notice.subject in self.watched():
+            return self._refute(reporter, now)  # our own probes hear it: the notice is wrong
         events = self._apply(view.MarkDown(notice.subject, notice.subject_seq, raw, now), notice.subject)
         if events:
             self._accused[notice.subject] = (reporter, notice.ts)
@@ -601,8 +796,15 @@ class Gossip:
             return None
 
     def _apply(self, update: view.Update, node: str | None) -> list[Output]:
-        old, self.state = self.state, view.apply(self.state, update)
-        return list(view.diff(old, self.state, None if node is None else [node]))
+        old, self._state = self._state, view.apply(self._state, update)
+        if node is not None and (entry := self._state.peers.get(node)) is not None:
+            self._next_expire = min(self._next_expire, self._deadline(entry))
+        return list(view.diff(old, self._state, None if node is None else [node]))
 
     def _flood(self, message: MeshMessage, exclude: str | None) -> list[Output]:
         return [Send(p, message) for p in sorted(self.connected) if p != exclude]
+
+    def _push(self, message: MeshMessage, exclude: str | None) -> list[Output]:
+        """``message`` to a few random connected peers: they push it on, anti-entropy fills gaps."""
+        peers = sorted(p for p in self.connected if p != exclude)
+        return [Send(p, message) for p in self._rng.sample(peers, min(self.config.push_fanout, len(peers)))]

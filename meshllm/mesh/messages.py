@@ -32,10 +32,40 @@ IDS_MAX = 65536
 """Node ids one digest or ``want`` list may name (decoding refuses more: each costs us work)."""
 
 
+SUMMARY_LEVELS = 3
+"""Levels of a summary: 16, 256 or 4,096 buckets (``meshllm.mesh.view.Table``)."""
+BUCKETS_MAX = 16**SUMMARY_LEVELS
+
+
+class Summary(msgspec.Struct, frozen=True, tag="summary"):
+    """Anti-entropy opener: one 8-byte sum per bucket of the sender's table (itself included).
+
+    A bucket's sum is the XOR of a hash of (node id, sequence, alive) over the records filed under
+    it, so equal sums mean equal versions. The receiver answers with a :class:`Digest` of only the
+    buckets whose sums differ, and nothing at all when none do: a converged mesh trades a few
+    hundred bytes per round however large it is.
+    """
+
+    level: Annotated[int, msgspec.Meta(ge=1, le=SUMMARY_LEVELS)]
+    sums: Annotated[bytes, msgspec.Meta(max_length=8 * BUCKETS_MAX)]
+    """Little-endian unsigned 64-bit sums: of every bucket of ``level`` in order, or of ``buckets``."""
+    buckets: Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=BUCKETS_MAX)]],
+                       msgspec.Meta(max_length=BUCKETS_MAX)] = []
+    """Empty: all buckets. Otherwise only these (the sub-buckets of those a coarser summary showed
+    differ): the answer to a summary is a finer summary while buckets hold many records."""
+
+
 class Digest(msgspec.Struct, frozen=True, tag="digest"):
-    """Push-pull opener: the sequence of every record the sender holds (down/left ones included)."""
+    """The sequence of every record the sender holds (down/left ones included) in some buckets.
+
+    ``level`` 0 covers the whole table; otherwise only ``buckets`` of that level (the answer to a
+    :class:`Summary`): the receiver gives what the sender lacks there and asks for what it lacks.
+    """
 
     seqs: Annotated[dict[str, Seq], msgspec.Meta(max_length=IDS_MAX)]
+    level: Annotated[int, msgspec.Meta(ge=0, le=SUMMARY_LEVELS)] = 0
+    buckets: Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=BUCKETS_MAX)]],
+                       msgspec.Meta(max_length=BUCKETS_MAX)] = []
 
 
 class Exchange(msgspec.Struct, frozen=True, tag="exchange"):
@@ -85,7 +115,7 @@ class PingReq(msgspec.Struct, frozen=True, tag="ping-req"):
     target: str
 
 
-MeshMessage = Digest | Exchange | Notices | Revocations | Ping | Ack | PingReq
+MeshMessage = Summary | Digest | Exchange | Notices | Revocations | Ping | Ack | PingReq
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(MeshMessage)

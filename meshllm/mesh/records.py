@@ -3,7 +3,7 @@
 A record is the only source of truth about a node: every peer can verify any record it holds,
 whether it got it first-hand or through gossip, because the record carries its node's signature,
 its membership proof and its owner certificate. The sequence number orders versions; a node bumps it
-on every change and on a heartbeat, so "newer" is simply "higher sequence".
+on every change and on a refresh, so "newer" is simply "higher sequence".
 
 Verification (:class:`RecordVerifier`) runs before anything is stored and raises one typed error per
 rule, so the caller can log why and leave its state untouched. A record also carries the time it
@@ -39,9 +39,14 @@ SEQ_LIMIT = 2**62
 Seq = Annotated[int, msgspec.Meta(ge=0, lt=SEQ_LIMIT)]
 """A sequence number as it may appear on the wire; decoding rejects anything outside the range."""
 RECORD_MAX_AGE_S = 180.0
-"""A record signed longer ago than this is refused. Live nodes re-sign every 30 s (the heartbeat)
-and a silent one is dropped after 120 s, so only replays are ever this old: an old signed record
-can never bring a node back once its tombstone (300 s) is gone."""
+"""A record signed longer ago than this is refused. Live nodes re-sign every 30 s (the refresh)
+and one that stops is dropped after 120 s, so only replays are ever this old: an old signed record
+can never bring a node back once its tombstone (300 s) is gone. A record whose ``refresh`` promises
+a longer period (large meshes) is accepted for that much longer: see :func:`max_age`."""
+REFRESH_S = 30.0
+"""The refresh period the age and silence limits are written for (a record's default ``refresh``)."""
+REFRESH_MAX_S = 3600.0
+"""Longest re-sign period a record may promise: bounds how long any copy of it circulates."""
 
 
 class StaleRecord(VerificationError):
@@ -177,7 +182,7 @@ class PeerRecord(msgspec.Struct, frozen=True, kw_only=True):
     node_id: str
     mesh_id: str
     seq: Seq
-    """Strictly increasing per node; bumped on every change and on heartbeat."""
+    """Strictly increasing per node; bumped on every change and on every refresh."""
     membership_proof: bytes
     owner_cert: bytes | None = None
     name: str = ""
@@ -195,6 +200,15 @@ class PeerRecord(msgspec.Struct, frozen=True, kw_only=True):
     """The node's own demand map: what its clients asked for that it does not serve itself."""
     standby: Annotated[list[ModelName], msgspec.Meta(max_length=MAX_DEMAND)] = []
     """Models this node would start serving on demand (``serve --standby``); empty: not a standby."""
+    refresh: Annotated[float, msgspec.Meta(ge=0, le=REFRESH_MAX_S)] = REFRESH_S
+    """Seconds the node may wait before re-signing an unchanged record: large meshes re-sign less
+    often, so that refreshes cost each member a bounded rate, not one per peer. (Liveness is not
+    this: failure detection is local, ``mesh/failure.py``.)"""
+
+
+def max_age(record: PeerRecord, base: float = RECORD_MAX_AGE_S) -> float:
+    """Oldest signature accepted on ``record``: ``base`` plus however much its refresh exceeds 30 s."""
+    return base + max(0.0, record.refresh - REFRESH_S)
 
 
 def sign_record(key: SigningKey, record: PeerRecord) -> bytes:
@@ -302,7 +316,7 @@ class RecordVerifier:
             raise WrongDomain(f"expected a {RECORD_DOMAIN!r} signature, got {signed.domain!r}")
         if held_seq is not None and record.seq <= held_seq:
             raise StaleRecord(f"record {record.node_id[:8]} seq {record.seq} is not newer than {held_seq}")
-        if not now - self.max_age_s <= record.signed_at <= now + CLOCK_SKEW_S:
+        if not now - max_age(record, self.max_age_s) <= record.signed_at <= now + CLOCK_SKEW_S:
             raise ExpiredRecord(f"record {record.node_id[:8]} was signed {now - record.signed_at:.0f} s ago")
         if signed.signer != node_public_key(record.node_id):
             raise WrongSigner(f"record for {record.node_id[:8]} is signed by another key")

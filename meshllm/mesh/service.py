@@ -274,9 +274,9 @@ class MeshService:
             now = time.time()
             try:
                 self._handle(self.gossip.tick(now))
-                connected = sorted(self.gossip.connected)
+                watched = sorted(self.gossip.watched())
                 self._handle(self.gossip.on_detector(
-                    [e for e in self._probe(self.detector.tick(now, connected))], now))
+                    [e for e in self._probe(self.detector.tick(now, watched))], now))
                 self._observe_rtts(now)
                 self._maintain_connections(now)
                 self._maintain_traversal(now)
@@ -508,6 +508,12 @@ class MeshService:
         assert self.gossip is not None
         now = time.time()
         if event.kind is PeerEventKind.CONNECTED:
+            entry = self.gossip.state.peers.get(event.node_id)
+            if event.node_id in self.admission.revoked_nodes or (entry is not None and entry.status == "revoked"):
+                # Admitted before its revocation reached us, registered after (a dial racing the
+                # revocation): the close on revocation missed this connection, so close it now.
+                self._close_peer(event.node_id, "node revoked by the mesh owner")
+                return
             conn = self.endpoint.peers.get(event.node_id) if self.endpoint is not None else None
             self._on_event("peer_connected", node_id=event.node_id, path=conn.path if conn else "none")
             self.gossip.peer_connected(event.node_id)

@@ -22,10 +22,11 @@ from meshllm.identity.ids import node_id as node_id_of
 from meshllm.mesh import view
 from meshllm.mesh.failure import Failed, FailureConfig, FailureDetector, Probe, Recovered, Suspected
 from meshllm.mesh.gossip import Gossip, GossipConfig, Rejected, Send
-from meshllm.mesh.messages import MeshMessage, encode_message
+from meshllm.mesh.messages import Ack, MeshMessage, Ping, PingReq, encode_message
 from meshllm.mesh.records import PeerRecord, RecordVerifier, SignatureCache
 
 MESH = "simmesh"
+PROBES = (Ping, Ack, PingReq)
 
 
 def proof_for(node: str) -> bytes:
@@ -67,10 +68,10 @@ class SimNode:
     alive: bool = True
     desired: set[str] = field(default_factory=set)
     rejected: list[Rejected] = field(default_factory=list)
+    id: str = ""
 
-    @property
-    def id(self) -> str:
-        return self.gossip.node_id
+    def __post_init__(self) -> None:
+        self.id = self.gossip.node_id
 
 
 class SimNet:
@@ -95,17 +96,22 @@ class SimNet:
         self._next_refresh: dict[str, float] = {}
         self._link_latency: dict[tuple[str, str], float] = {}
         self.bytes_sent: dict[str, int] = defaultdict(int)
+        self.bytes_by_kind: dict[str, int] = defaultdict(int)
         self.messages = 0
         self.observers: list[Callable[[SimNode, object], None]] = []
         cache = SignatureCache(size=4 * n + 1024)
         self.nodes: dict[str, SimNode] = {}
+        # Nodes that start converged have been in the mesh a while: their records already promise
+        # the refresh period of a mesh this size.
+        refresh = (gossip_config or GossipConfig()).refresh_for(n) if preseed else 30.0
         for i in range(n):
             key = make_key(seed * 1_000_003 + i)
-            record = make_record(key, name=f"n{i}")
+            record = make_record(key, name=f"n{i}", refresh=max(30.0, refresh))
             gossip = Gossip(key, record, make_verifier(cache), random.Random(seed * 7919 + i), 0.0, gossip_config)
             fd = FailureDetector(random.Random(seed * 104729 + i), 0.0, failure_config)
             self.nodes[record.node_id] = SimNode(key, gossip, fd)
         self.ids = list(self.nodes)
+        self._greet = True
         if preseed:
             self._preseed()
         else:
@@ -140,15 +146,23 @@ class SimNet:
     # --- internals ---
 
     def _preseed(self) -> None:
-        """Start converged: every node already holds every record (one immutable table shared)."""
-        entries = {
+        """Start converged, connections open: every node holds every record (one table shared).
+
+        Each node's table is the full table less itself, which shares all but one path with it, so
+        10,000 nodes start in the memory of about one table, not 10,000.
+        """
+        full = view.Table.of({
             nid: view.PeerEntry(node.gossip.own, node.gossip.own_raw, "alive", 0.0, 0.0)
             for nid, node in self.nodes.items()
-        }
+        })
+        cfg = next(iter(self.nodes.values())).gossip.config
+        first = min(view.deadline(e, cfg.stale_after, cfg.forget_after) for e in full.values())
         for nid, node in self.nodes.items():
-            node.gossip.state = view.ViewState(nid, {k: v for k, v in entries.items() if k != nid})
+            node.gossip.adopt(view.ViewState(nid, full.remove(nid)), first)
+        self._greet = False  # the connections below are already established: no greeting on them
         for nid in self.ids:
             self._refresh_connections(nid)
+        self._greet = True
 
     def _schedule(self, nid: str, when: float) -> None:
         if self._scheduled.get(nid, float("inf")) <= when:
@@ -167,7 +181,7 @@ class SimNet:
             self._next_refresh[nid] = self.now + 1.0
             self._refresh_connections(nid)
         out = node.gossip.tick(self.now)
-        out += node.fd.tick(self.now, node.gossip.connected)
+        out += node.fd.tick(self.now, node.gossip.watched())
         self._dispatch(node, out)
         self._reschedule(node)
 
@@ -187,15 +201,21 @@ class SimNet:
         node.desired = new
 
     def _connect(self, a: str, b: str) -> None:
+        """A new connection: both ends note it and greet (as the node driver does)."""
         self.nodes[a].gossip.peer_connected(b)
         self.nodes[b].gossip.peer_connected(a)
+        if self._greet:
+            self._dispatch(self.nodes[a], self.nodes[a].gossip.greet(b))
+            self._dispatch(self.nodes[b], self.nodes[b].gossip.greet(a))
 
     def _disconnect(self, a: str, b: str) -> None:
         self.nodes[a].gossip.peer_disconnected(b)
         self.nodes[b].gossip.peer_disconnected(a)
 
     def _send(self, src: str, dst: str, message: MeshMessage) -> None:
-        self.bytes_sent[src] += len(encode_message(message))
+        size = len(encode_message(message))
+        self.bytes_sent[src] += size
+        self.bytes_by_kind[type(message).__name__] += size
         self.messages += 1
         if self.rng.random() < self.loss:
             return
@@ -214,7 +234,10 @@ class SimNet:
             self._connect(src, dst)  # an inbound message implies the transport accepted a connection
         out: list = node.fd.receive(src, message, self.now) + node.gossip.receive(src, message, self.now)
         self._dispatch(node, out)
-        self._reschedule(node)
+        if not isinstance(message, PROBES):
+            # A probe never brings a timer forward (an ack ends one; a relayed ping's deadline is
+            # swept by the next tick), so only gossip messages reschedule: most messages are probes.
+            self._reschedule(node)
 
     def _dispatch(self, node: SimNode, outputs: list) -> None:
         """The node-driver glue: route each output of the cores to the network or the other core."""

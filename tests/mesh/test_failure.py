@@ -166,3 +166,24 @@ def test_a_peer_cannot_make_us_ping_others_without_bound() -> None:
     fd.tick(1.0, [])  # the relays expire
     assert fd.receive("asker", PingReq(1, "asker"), 1.0) == []  # nor may it ping itself through us
     assert len(fd.receive("asker", PingReq(2, "t2"), 1.0)) == 1
+
+
+def test_a_death_reaches_nodes_that_never_probed_the_victim() -> None:
+    """100 nodes, partial views of 10: most nodes never probe the victim, its watchers tell them."""
+    net = SimNet(100, seed=3, loss=0.01, preseed=True)
+    net.run_until(2.0)
+    victim = net.ids[4]
+    watchers = {n.id for n in net.live() if victim in n.gossip.watched()}
+    connected = {n.id for n in net.live() if victim in n.gossip.connected}
+    assert 0 < len(watchers) < len(connected) < 99
+    removed: dict[str, float] = {}
+    net.observers.append(
+        lambda node, ev: removed.setdefault(node.id, net.now)
+        if isinstance(ev, view.PeerRemoved) and ev.node_id == victim
+        else None
+    )
+    killed_at = net.now
+    net.kill(victim)
+    net.run_until(killed_at + 5.0)
+    assert set(removed) == {n.id for n in net.live() if n.id != victim}
+    assert max(removed.values()) - killed_at < 3.0  # simulated clock: detection plus a few hops

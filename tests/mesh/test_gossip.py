@@ -180,10 +180,10 @@ def test_digest_claim_at_uint64_max_cannot_lock_us_out() -> None:
 
 def test_failed_resign_leaves_our_record_unchanged() -> None:
     g = Gossip(A, make_record(A, seq=SEQ_LIMIT - 1), make_verifier(), random.Random(0), now=0.0)
-    own, raw, heartbeat = g.own, g.own_raw, g.next_timer()
+    own, raw, due = g.own, g.own_raw, g.next_timer()
     with pytest.raises(SequenceOutOfRange):
         g.update_own(1.0, load=Load(in_flight=1))
-    assert g.own is own and g.own_raw == raw and g.next_timer() == heartbeat
+    assert g.own is own and g.own_raw == raw and g.next_timer() == due
 
 
 def member_gossip() -> tuple[Gossip, str]:
@@ -233,7 +233,7 @@ def test_records_per_exchange_are_capped() -> None:
     assert len(g.members()) == 40  # held 16: up to 32 verified, all 24 new ones fit
     assert g._items_cap() == 40 + ITEMS_SLACK
     entry = next(iter(g.state.peers.values()))
-    g.state = view.ViewState(g.node_id, {f"n{i}": entry for i in range(1000)})
+    g.adopt(view.ViewState(g.node_id, {f"n{i}": entry for i in range(1000)}), first_deadline=0.0)
     assert g._items_cap() == ITEMS_MAX  # a big table still verifies at most 256 per message
 
 
@@ -250,3 +250,63 @@ def test_first_rejected_record_stops_the_message() -> None:
     assert any(isinstance(o, view.PeerAdded) for o in out)  # events before the bad record are kept
     assert set(g.members()) == {make_record(B).node_id}  # nothing after it was processed
     assert isinstance(g.own, PeerRecord)
+
+
+def test_a_refresh_goes_to_a_few_peers_a_change_to_every_connected_peer() -> None:
+    g = gossip_for(A)
+    for i in range(6):
+        g.peer_connected(f"p{i}")
+    g.tick(0.0)  # the first round and our start-up record
+    refresh_at = g.next_timer()
+    while g.next_timer() < g.own.signed_at + g.config.refresh:
+        g.tick(g.next_timer())
+        refresh_at = g.next_timer()
+    seq = g.own.seq
+    out = g.tick(refresh_at)
+    pushed = [o for o in out if isinstance(o, Send) and isinstance(o.message, Exchange)]
+    assert g.own.seq == seq + 1 and g.own.signed_at == refresh_at
+    assert len(pushed) == g.config.push_fanout and all(o.message.records == [g.own_raw] for o in pushed)
+    g.update_own(refresh_at + 1.0, load=Load(in_flight=1))
+    out = g.tick(refresh_at + 1.0)
+    flooded = {o.to for o in out if isinstance(o, Send) and isinstance(o.message, Exchange)}
+    assert flooded == {f"p{i}" for i in range(6)}
+
+
+def test_refresh_period_stretches_so_the_mesh_refreshes_at_a_bounded_rate() -> None:
+    cfg = Gossip(A, make_record(A), make_verifier(), random.Random(0), now=0.0).config
+    assert cfg.refresh_for(10) == cfg.refresh
+    assert cfg.refresh_for(4_000) == 4_000 / cfg.refresh_rate
+    assert cfg.refresh_for(10**7) == 3600.0
+
+
+def test_we_probe_the_peers_we_chose_not_every_connection() -> None:
+    g = gossip_for(A)
+    assert g.watched() == set()
+    g.peer_connected("joining-through")
+    assert g.watched() == {"joining-through"}  # knowing nobody yet: every connection is watched
+    peers = [make_key(100 + i) for i in range(8)]
+    g.receive("x", Exchange([sign_record(k, make_record(k, seq=2)) for k in peers]), now=1.0)
+    chosen = g.desired_connections(1.0)
+    for node in chosen:
+        g.peer_connected(node)
+    stranger = make_record(make_key(200)).node_id
+    g.peer_connected(stranger)  # dialled us for its own partial view
+    assert g.watched() == chosen and stranger not in g.watched()
+
+
+def test_a_record_signed_before_its_nodes_death_cannot_revive_it() -> None:
+    g = gossip_for(A)
+    g.receive("x", Exchange([sign_record(B, make_record(B, seq=5, signed_at=100.0))]), now=100.0)
+    g.receive("x", Exchange([sign_record(C, make_record(C, seq=5, signed_at=100.0))]), now=100.0)
+    b_id = make_record(B).node_id
+    notice = sign_notice(C, DownNotice(b_id, 5, make_record(C).node_id, 300.0))
+    g.receive("x", Notices([notice]), now=300.0)
+    assert b_id not in g.members()
+    # A version B signed before it died (seq 6, 200 s before the notice), replayed: refused silently.
+    early = sign_record(B, make_record(B, seq=6, signed_at=100.0))
+    assert g.receive("y", Exchange([early]), now=301.0) == []
+    assert b_id not in g.members()
+    # B itself, back and re-signing after the notice: welcome.
+    late = sign_record(B, make_record(B, seq=7, signed_at=302.0))
+    g.receive("y", Exchange([late]), now=302.0)
+    assert b_id in g.members()

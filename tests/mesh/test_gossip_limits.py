@@ -79,9 +79,16 @@ def test_expired_and_future_notices_are_ignored() -> None:
         assert status(g, B) == "alive"
 
 
-def test_no_notice_outweighs_our_own_live_connection() -> None:
+def watch(g: Gossip, key) -> None:  # type: ignore[no-untyped-def]
+    """Connect ``g`` to ``key``'s node as a peer it chose (pinned), so its detector probes it."""
+    g.peer_connected(nid(key))
+    g.pinned.add(nid(key))
+
+
+def test_no_notice_outweighs_our_own_probes_of_the_subject() -> None:
     g = mesh()
-    g.peer_connected(nid(B))
+    watch(g, B)
+    assert nid(B) in g.watched()
     assert g.receive(nid(C), Notices([notice(B, 5)]), NOW) == []  # not applied, not spread
     assert status(g, B) == "alive"
     g.peer_disconnected(nid(B))
@@ -89,9 +96,18 @@ def test_no_notice_outweighs_our_own_live_connection() -> None:
     assert status(g, B) == "down" and PeerRemoved(nid(B), "down") in out  # now it counts
 
 
-def test_an_accuser_refuted_too_often_may_not_accuse_for_a_while() -> None:
+def test_a_connection_we_do_not_probe_does_not_refute_a_notice() -> None:
+    """B dialled us for its own partial view: its probers, not we, know whether it lives."""
     g = mesh()
     g.peer_connected(nid(B))
+    assert nid(B) not in g.watched()
+    out = g.receive(nid(C), Notices([notice(B, 5)]), NOW)
+    assert status(g, B) == "down" and PeerRemoved(nid(B), "down") in out
+
+
+def test_an_accuser_refuted_too_often_may_not_accuse_for_a_while() -> None:
+    g = mesh()
+    watch(g, B)
     outs = [g.receive(nid(C), Notices([notice(B, 5, ts=NOW + i * 0.1)]), NOW + i) for i in range(REFUTED_TO_BAN)]
     assert outs[-1] == [AccuserBanned(nid(C))]
     # Banned: even a notice that would otherwise count (about D, to which we have no connection) is ignored.

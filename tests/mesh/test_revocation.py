@@ -17,6 +17,7 @@ from meshllm.mesh.messages import (
     Digest,
     Exchange,
     Revocations,
+    Summary,
     decode_message,
     encode_message,
 )
@@ -118,7 +119,7 @@ def test_revocations_are_refused_without_a_verifier() -> None:
 
 def test_greet_sends_known_revocations_to_a_new_peer() -> None:
     g, _ = member()
-    assert [type(o.message) for o in g.greet(nid(B)) if isinstance(o, Send)] == [Digest]
+    assert [type(o.message) for o in g.greet(nid(B)) if isinstance(o, Send)] == [Summary]
     raws = [revocation("node", nid(C)), revocation("invite", "cccccccccccccccc")]
     for raw in raws:
         g.add_revocation(raw, now=1.0)

@@ -66,12 +66,32 @@ def test_partial_view_is_bounded_and_rotates() -> None:
     pool = [f"n{i:03}" for i in range(500)]
     size = view.view_size(500)
     assert size == math.ceil(math.log2(501)) + 3
-    v = view.refresh_partial_view(frozenset(), pool, size, rng, rotate=False)
+    def refresh(current: frozenset[str], candidates: list[str], rotate: bool) -> frozenset[str]:
+        return view.refresh_partial_view(current, set(candidates).__contains__,
+                                         view.draw_from(candidates, rng), size, rng, rotate)
+
+    v = refresh(frozenset(), pool, rotate=False)
     assert len(v) == size and v <= set(pool)
-    assert view.refresh_partial_view(v, pool, size, rng, rotate=False) == v
-    rotated = view.refresh_partial_view(v, pool, size, rng, rotate=True)
+    assert refresh(v, pool, rotate=False) == v
+    rotated = refresh(v, pool, rotate=True)
     assert len(rotated) == size and len(rotated & v) >= size - 1
-    assert view.refresh_partial_view(v, pool[:3], size, rng, rotate=False) <= set(pool[:3])
+    assert refresh(v, pool[:3], rotate=False) <= set(pool[:3])
+
+
+def test_table_samples_uniformly_without_listing() -> None:
+    rng = random.Random(5)
+    record = make_record(make_key(1))
+    entry = view.PeerEntry(record, b"", "alive", 0.0, 0.0)
+    letters = zip("abcdefgh" * 25, "ab2" * 67, "z7" * 100, strict=False)
+    ids = [f"{c1}{c2}{c3}{i}" for i, (c1, c2, c3) in enumerate(letters)]
+    table = view.Table.of({n: entry for n in ids})
+    counts = dict.fromkeys(ids, 0)
+    for _ in range(2000):
+        (pick,) = table.sample(rng, 1, lambda n, e: True)
+        counts[pick] += 1
+    assert min(counts.values()) > 0 and max(counts.values()) < 40  # mean 10 per id
+    assert sorted(table.sample(rng, len(ids) + 5, lambda n, e: True)) == sorted(ids)
+    assert table.sample(rng, 3, lambda n, e: n == ids[7]) == [ids[7]]
 
 
 def test_desired_connections_keep_pinned_peers_and_a_bounded_random_view() -> None:
