@@ -9,10 +9,12 @@ the one way such a task is started and dropped from that set when it ends.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def spawn(tasks: set[asyncio.Task[Any]], work: Coroutine[Any, Any, T], name: str | None = None) -> asyncio.Task[T]:
@@ -21,3 +23,62 @@ def spawn(tasks: set[asyncio.Task[Any]], work: Coroutine[Any, Any, T], name: str
     tasks.add(task)
     task.add_done_callback(tasks.discard)
     return task
+
+
+class Scope:
+    """A component's :class:`asyncio.TaskGroup`, held open by a task of its own.
+
+    Components built and closed from plain functions (a stage server, a lane pool) still get
+    structured concurrency: every task they start lives in one group, an exception in one is logged
+    rather than lost, and :meth:`aclose` cancels them all and returns only when every one has ended
+    (a group's exit waits for its children). Work handed to :meth:`spawn` before the group's task
+    first ran is started as soon as it does, in the order it came.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._group: asyncio.TaskGroup | None = None
+        self._early: list[Coroutine[Any, Any, Any]] = []
+        self._runner: asyncio.Task[None] | None = None
+        self._closed = False
+
+    def spawn(self, work: Coroutine[Any, Any, Any]) -> None:
+        """Run ``work`` in the group (called on the loop's thread); dropped (closed) once the scope is."""
+        if self._closed:
+            work.close()
+            return
+        if self._group is not None:
+            self._group.create_task(self._logged(work))
+            return
+        self._early.append(work)
+        if self._runner is None:
+            self._runner = asyncio.get_running_loop().create_task(self._hold(), name=self.name)
+
+    def close(self) -> None:
+        """Cancel every task of the scope (they end on the loop; :meth:`aclose` waits for them)."""
+        self._closed = True
+        for work in self._early:
+            work.close()
+        self._early.clear()
+        if self._runner is not None:
+            self._runner.cancel()
+
+    async def aclose(self) -> None:
+        """Cancel every task of the scope and wait until all have ended."""
+        self.close()
+        if self._runner is not None:
+            await asyncio.wait([self._runner])
+
+    async def _hold(self) -> None:
+        async with asyncio.TaskGroup() as group:
+            self._group = group
+            early, self._early = self._early, []
+            for work in early:
+                group.create_task(self._logged(work))
+            await asyncio.Event().wait()  # until cancelled by close()
+
+    async def _logged(self, work: Coroutine[Any, Any, Any]) -> None:
+        try:
+            await work
+        except Exception:  # one task's bug must not cancel its siblings: it is logged, they go on
+            log.exception("%s: a task failed", self.name)

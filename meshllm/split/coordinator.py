@@ -53,7 +53,8 @@ from meshllm.split.frames import (
     Verify,
 )
 from meshllm.split.lanes import Lane, probe_timeout
-from meshllm.split.stage import MAX_SESSIONS_PER_OWNER, StageServer, forward_rounds
+from meshllm.split.stage import StageServer, forward_rounds
+from meshllm.split.stage_core import MAX_SESSIONS_PER_OWNER
 from meshllm.tasks import spawn
 from meshllm.wire.addr import parse_addr
 

@@ -66,7 +66,7 @@ def _alone_then_together(path: Path, bounds: list[int], **kwargs: object) -> tup
     async def main() -> tuple[list[list[int]], list[list[int]], SplitCoordinator]:
         chain = await make_chain(path, bounds, **kwargs)
         coord = chain.coordinator
-        logits = _record_logits(chain.servers[-1]._stages[(None, MODEL)].stage)
+        logits = _record_logits(chain.servers[-1].core.hosted[(None, MODEL)].stage)
         try:
             alone = [await _run(coord, *r, session=f"r{i}") for i, r in enumerate(REQUESTS)]
             passes, steps = coord.batcher.passes, coord.batcher.steps
