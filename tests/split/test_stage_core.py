@@ -334,11 +334,11 @@ def test_a_step_that_finds_the_session_elsewhere_fails_it() -> None:
 
 
 def test_a_reopened_session_never_gets_the_old_sessions_queued_steps() -> None:
-    h = opened("a")
-    h.receive(prefill("a", 0, 3))
-    h.receive(step("a", 3))  # queued behind the prefill
-    h.finish(failed=True)  # the prefill fails: the session is gone, its queued Decode with it
-    h.receive(open_frame("a"))
-    assert isinstance(h.jobs[0], Connect)
+    h = opened("a", "b")
+    h.receive(step("b", 0))  # computing
+    h.receive(step("a", 0))  # queued behind it
+    h.receive(Error(session="a", code="stage-error", message="boom", stage=2), NEXT)  # a fails meanwhile
+    h.receive(open_frame("a"))  # and is opened again under the same id, behind its old step
     h.run_all()
-    assert not any(isinstance(f, Decode | Verify) for f in h.sent_on(NEXT))
+    assert [(type(f).__name__, f.session) for f in h.sent_on(NEXT)[2:]] == [("Decode", "b"), ("Open", "a")]  # type: ignore[union-attr]
+    assert h.core.sessions["a"].next_pos == 0
