@@ -26,39 +26,54 @@ def spawn(tasks: set[asyncio.Task[Any]], work: Coroutine[Any, Any, T], name: str
 
 
 class Scope:
-    """A component's :class:`asyncio.TaskGroup`, held open by a task of its own.
+    """A component's :class:`asyncio.TaskGroup`, held open by a task of its own while it has work.
 
-    Components built and closed from plain functions (a stage server, a lane pool) still get
-    structured concurrency: every task they start lives in one group, an exception in one is logged
-    rather than lost, and :meth:`aclose` cancels them all and returns only when every one has ended
-    (a group's exit waits for its children). Work handed to :meth:`spawn` before the group's task
-    first ran is started as soon as it does, in the order it came.
+    Components built and closed from plain functions (a stage server, a lane pool, a coordinator)
+    still get structured concurrency: every task they start lives in one group, an exception in one
+    is logged rather than lost (its siblings go on), and :meth:`aclose` cancels them all and returns
+    only when every one has ended (a group's exit waits for its children). The group's task ends
+    when its last task does, so an idle component holds no task, and a component dropped without
+    being closed leaves nothing pending behind.
     """
 
     def __init__(self, name: str) -> None:
         self.name = name
         self._group: asyncio.TaskGroup | None = None
-        self._early: list[Coroutine[Any, Any, Any]] = []
+        self._early: list[tuple[Coroutine[Any, Any, Any], asyncio.Future[None]]] = []
+        """Work spawned before the group's task first ran: started by it, in order."""
         self._runner: asyncio.Task[None] | None = None
+        self._starting = False
+        self._live = 0
+        self._idle = asyncio.Event()
         self._closed = False
 
-    def spawn(self, work: Coroutine[Any, Any, Any]) -> None:
-        """Run ``work`` in the group (called on the loop's thread); dropped (closed) once the scope is."""
+    def spawn(self, work: Coroutine[Any, Any, Any]) -> asyncio.Future[None]:
+        """Run ``work`` in the group (called on the loop's thread); dropped (closed) once the scope is.
+
+        The returned future resolves when ``work`` has ended, however it ended: waiting on it never
+        raises ``work``'s error, and cancelling the waiter does not cancel ``work``.
+        """
+        ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if self._closed:
             work.close()
-            return
+            ended.set_result(None)
+            return ended
+        self._live += 1
         if self._group is not None:
-            self._group.create_task(self._logged(work))
-            return
-        self._early.append(work)
-        if self._runner is None:
+            self._group.create_task(self._logged(work, ended))
+            return ended
+        self._early.append((work, ended))
+        if not self._starting:
+            self._starting = True
             self._runner = asyncio.get_running_loop().create_task(self._hold(), name=self.name)
+        return ended
 
     def close(self) -> None:
         """Cancel every task of the scope (they end on the loop; :meth:`aclose` waits for them)."""
         self._closed = True
-        for work in self._early:
+        for work, ended in self._early:
             work.close()
+            ended.set_result(None)
         self._early.clear()
         if self._runner is not None:
             self._runner.cancel()
@@ -71,14 +86,23 @@ class Scope:
 
     async def _hold(self) -> None:
         async with asyncio.TaskGroup() as group:
-            self._group = group
+            self._group, self._starting = group, False
             early, self._early = self._early, []
-            for work in early:
-                group.create_task(self._logged(work))
-            await asyncio.Event().wait()  # until cancelled by close()
+            for work, ended in early:
+                group.create_task(self._logged(work, ended))
+            while self._live:
+                self._idle.clear()
+                await self._idle.wait()
+            self._group = None  # (no await since the check: work spawned from now on starts a new group)
 
-    async def _logged(self, work: Coroutine[Any, Any, Any]) -> None:
+    async def _logged(self, work: Coroutine[Any, Any, Any], ended: asyncio.Future[None]) -> None:
         try:
             await work
         except Exception:  # one task's bug must not cancel its siblings: it is logged, they go on
             log.exception("%s: a task failed", self.name)
+        finally:
+            if not ended.done():
+                ended.set_result(None)
+            self._live -= 1
+            if not self._live:
+                self._idle.set()

@@ -15,7 +15,8 @@ The node-side modules (engine, placement, service) are imported by the node, not
 servers and tests need not load the tokenizer stack.
 """
 
-from meshllm.split.coordinator import Deadlines, SplitCoordinator, SplitToken
+from meshllm.split.coordinator import SplitCoordinator, SplitToken
+from meshllm.split.coordinator_core import Deadlines
 from meshllm.split.errors import BadFrame, NoChainFits, SplitError, StageFailed
 from meshllm.split.frames import Hop, Sampling
 from meshllm.split.planner import Candidate, ModelProfile, Plan, PlannedStage, PlanOptions, Speculation, plan

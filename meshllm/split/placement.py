@@ -33,7 +33,8 @@ from meshllm.models.gguf_file import GGUFFile
 from meshllm.models.refs import ModelRef
 from meshllm.split.audit import AUDIT_MEMORY, AUDIT_RATE
 from meshllm.split.control import Host, Hosted, Release, Warm, Warmed, ask
-from meshllm.split.coordinator import DEFAULT_BATCH, Deadlines, SplitCoordinator
+from meshllm.split.coordinator import DEFAULT_BATCH, SplitCoordinator
+from meshllm.split.coordinator_core import Deadlines
 from meshllm.split.engine import NO_CHAIN, SplitEngine
 from meshllm.split.errors import SplitError, StageFailed
 from meshllm.split.frames import Hop

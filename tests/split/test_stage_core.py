@@ -7,10 +7,9 @@ import pytest
 from core_helpers import CHAIN, LAST_CHAIN, UP, WIDTH, Harness, open_frame, prefill, raw, rows, step
 
 from meshllm.split import Hop
-from meshllm.split.frames import MAX_BATCH, Batch, Decode, Error, Open, Ping, Pong, Reset, Stop, Tokens, Verify
+from meshllm.split.frames import MAX_BATCH, Batch, Decode, Error, Open, Ping, Pong, Reset, Stop, Tokens
 from meshllm.split.stage_core import (
     MAX_SESSIONS_PER_OWNER,
-    Connect,
     Hosted,
     LaneId,
     PassOut,
