@@ -1,9 +1,8 @@
 """Background tasks that outlive the call that starts them.
 
 asyncio keeps only weak references to running tasks, so a task nobody holds can be garbage-collected
-before it ends. Every component that fires work off (a stream handler, a Stop sent on, a session's
-release) keeps its tasks in a set of its own, which its ``close`` can also cancel; :func:`spawn` is
-the one way such a task is started and dropped from that set when it ends.
+before it ends. :class:`Scope` gives a component one task group for all the work it fires off (the
+split components use it); :func:`spawn` keeps a task in a set of the caller's own until it ends.
 """
 
 from __future__ import annotations
