@@ -243,7 +243,12 @@ class _Run:
         c, server = self.c, self.c.server
         self._cleanup.append(server.route_replies(self.session, self._reply))
         self._cleanup.append(server.endpoint.on_peer_event(self._peer_event))
-        await asyncio.gather(*(self._connect(i) for i in range(1, len(c.chain))))
+        try:  # every stage at once; the first unreachable one cancels the other attempts
+            async with asyncio.TaskGroup() as group:
+                for i in range(1, len(c.chain)):
+                    group.create_task(self._connect(i))
+        except* StageFailed as failed:
+            raise failed.exceptions[0] from None
         hop = c.chain[1]
         try:
             self.lane = await server.pool.get(hop.node_id, hop.addr)
