@@ -35,6 +35,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -46,7 +47,7 @@ from meshllm.engine.gbnf import check_grammar
 from meshllm.engine.ggml import StageModel
 from meshllm.engine.sampler import Sampler, token_logprobs
 from meshllm.errors import MeshllmError
-from meshllm.net import Endpoint, NetError, PeerConnection, PeerEvent, PeerEventKind, Stream
+from meshllm.net import Endpoint, NetError, PeerConnection, PeerEvent, PeerEventKind, Stream, StreamClosed
 from meshllm.split import codec
 from meshllm.split.audit import Recorder
 from meshllm.split.compute import Compute
@@ -117,9 +118,10 @@ def forward_rounds(stage: StageModel, steps: list[tuple[str, np.ndarray, int]]) 
 
 @dataclass
 class _Outbox:
-    """Frames for one lane, sent in the order the core produced them by one writer task."""
+    """Frames for one lane in the order the core produced them, and whether a task is sending them."""
 
-    queue: asyncio.Queue[tuple[LaneFrame, asyncio.Future[None]]] = field(default_factory=asyncio.Queue)
+    frames: deque[LaneFrame] = field(default_factory=deque)
+    draining: bool = False
 
 
 class StageServer:
@@ -134,6 +136,8 @@ class StageServer:
         self.pool = LanePool(endpoint, self._from_lane, self._lane_closed, dial=dial)
         self._lanes: dict[LaneId, Lane] = {}
         self._outboxes: dict[LaneId, _Outbox] = {}
+        self._workers: dict[LaneId, asyncio.Queue[Job | None]] = {}
+        """Per incoming lane, its jobs (one at a time: the core starts the next when one is done)."""
         self._unblocked: dict[LaneId, asyncio.Event] = {}
         """Readers of lanes whose backlog is full wait on these."""
         self._replies: dict[str, ReplySink] = {}
@@ -233,7 +237,7 @@ class StageServer:
     async def _from_lane(self, lane: Lane, frame: LaneFrame | BadFrame) -> None:
         """A frame read off any lane: into the core; the reader waits while the lane's backlog is full."""
         self._lanes.setdefault(lane.id, lane)
-        await self._wait_all(self._act(self.core.receive(lane.id, frame)))
+        await self._flush(self._act(self.core.receive(lane.id, frame)))
         while self.core.backlog(lane.id) >= LANE_BACKLOG and lane.closed is None:
             await self._unblocked.setdefault(lane.id, asyncio.Event()).wait()
 
@@ -241,29 +245,29 @@ class StageServer:
         self._lanes.pop(lane.id, None)
         if (event := self._unblocked.pop(lane.id, None)) is not None:
             event.set()
-        self._act(self.core.lane_closed(lane.id, reason))
-        outbox = self._outboxes.get(lane.id)
-        if outbox is not None:
-            outbox.queue.put_nowait((None, None))  # type: ignore[arg-type]  # (the writer's end)
+        if (jobs := self._workers.pop(lane.id, None)) is not None:
+            jobs.put_nowait(None)  # (the worker ends after the job it is running)
+        self._act_later(self.core.lane_closed(lane.id, reason))
 
     def _peer_event(self, event: PeerEvent) -> None:
         if event.kind in (PeerEventKind.SUSPECT, PeerEventKind.CLOSED):
-            self._act(self.core.peer_lost(event.node_id, f"hop-{event.kind.value}",
-                                          event.reason or f"node is {event.kind.value}"))
+            self._act_later(self.core.peer_lost(event.node_id, f"hop-{event.kind.value}",
+                                                event.reason or f"node is {event.kind.value}"))
 
-    def _act(self, actions: list[Action]) -> list[asyncio.Future[None]]:
-        """Carry out the core's actions, in order; returns the sends' completions.
+    def _act(self, actions: list[Action]) -> set[LaneId]:
+        """Carry out the core's actions, in order; returns the lanes that have frames to send.
 
-        Every frame is queued on its lane's writer before anything else runs, so frames leave in the
-        order the core produced them; a job starts once the sends before it are done (backpressure
-        from a slow next hop reaches the lane that feeds it).
+        Frames are queued on their lane before anything else runs, so they leave in the order the core
+        produced them; the caller sends them (:meth:`_flush`) before it goes on, so a slow next hop
+        holds back the lane that feeds it.
         """
-        sends: list[asyncio.Future[None]] = []
+        lanes: set[LaneId] = set()
         for action in actions:
             if isinstance(action, Send):
-                sends.append(self._send(action.lane, action.frame))
+                self._outboxes.setdefault(action.lane, _Outbox()).frames.append(action.frame)
+                lanes.add(action.lane)
             elif isinstance(action, Start):
-                self._scope.spawn(self._run(action.job, list(sends)))
+                self._worker(action.job.lane).put_nowait(action.job)
             elif isinstance(action, Forget):
                 self._scope.spawn(self._reset(action.hosted.stage, action.session))
             elif isinstance(action, Deliver):
@@ -280,57 +284,53 @@ class StageServer:
                 self.recorder.step(action.session, action.pos, x, out, window=action.window)
         for lane_id in [lane for lane in self._unblocked if self.core.backlog(lane) < LANE_BACKLOG]:
             self._unblocked.pop(lane_id).set()
-        return sends
+        return lanes
 
-    @staticmethod
-    async def _wait_all(sends: list[asyncio.Future[None]]) -> None:
-        if sends:
-            await asyncio.wait(sends)
+    def _act_later(self, actions: list[Action]) -> None:
+        """:meth:`_act` from a plain callback: the frames go out in a task of the server's scope."""
+        if lanes := self._act(actions):
+            self._scope.spawn(self._flush(lanes))
 
-    def _send(self, lane_id: LaneId, frame: LaneFrame) -> asyncio.Future[None]:
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        lane = self._lanes.get(lane_id)
-        if lane is None or lane.closed is not None:
-            done.set_result(None)
-            self._act(self.core.send_failed(lane_id, frame, "lane closed"))
-            return done
-        outbox = self._outboxes.get(lane_id)
-        if outbox is None:
-            outbox = self._outboxes[lane_id] = _Outbox()
-            self._scope.spawn(self._write(lane, outbox))
-        outbox.queue.put_nowait((frame, done))
-        return done
+    async def _flush(self, lanes: set[LaneId]) -> None:
+        """Send the frames queued on ``lanes`` (those another task is already sending, it sends)."""
+        for lane_id in lanes:
+            outbox = self._outboxes.get(lane_id)
+            if outbox is None or outbox.draining:
+                continue
+            outbox.draining = True
+            try:
+                while outbox.frames:
+                    frame = outbox.frames.popleft()
+                    lane = self._lanes.get(lane_id)
+                    try:
+                        if lane is None or lane.closed is not None:
+                            raise StreamClosed("lane closed")
+                        await lane.send(frame)
+                    except NetError as exc:
+                        log.debug("could not send to %s: %s", lane_id.peer[:12], exc)
+                        await self._flush(self._act(self.core.send_failed(lane_id, frame, str(exc))))
+            finally:
+                outbox.draining = False
+                if not outbox.frames and (lane_id not in self._lanes):
+                    self._outboxes.pop(lane_id, None)
 
-    async def _write(self, lane: Lane, outbox: _Outbox) -> None:
-        """One lane's writer: its frames in order until the lane ends; a failed send goes to the core."""
-        try:
-            while True:
-                frame, done = await outbox.queue.get()
-                if frame is None:
-                    return
-                try:
-                    await lane.send(frame)
-                except NetError as exc:
-                    log.debug("could not send to %s: %s", lane.peer_id[:12], exc)
-                    self._act(self.core.send_failed(lane.id, frame, str(exc)))
-                finally:
-                    done.set_result(None)
-        finally:
-            self._outboxes.pop(lane.id, None)
-            while not outbox.queue.empty():
-                _, done = outbox.queue.get_nowait()
-                if done is not None and not done.done():
-                    done.set_result(None)
+    def _worker(self, lane_id: LaneId) -> asyncio.Queue[Job | None]:
+        jobs = self._workers.get(lane_id)
+        if jobs is None:
+            jobs = self._workers[lane_id] = asyncio.Queue()
+            self._scope.spawn(self._work(jobs))
+        return jobs
 
-    async def _run(self, job: Job, after: list[asyncio.Future[None]]) -> None:
-        """Run one job (once the sends queued before it are done) and hand its outcome to the core."""
-        await self._wait_all(after)
-        outcome: object
-        try:
-            outcome = await self._job(job)
-        except MeshllmError as exc:
-            outcome = Failed("stage-error", str(exc))
-        await self._wait_all(self._act(self.core.job_done(job, outcome)))
+    async def _work(self, jobs: asyncio.Queue[Job | None]) -> None:
+        """An incoming lane's jobs, one after another: each outcome goes to the core, and the frames it
+        produces are sent, before the next job starts."""
+        while (job := await jobs.get()) is not None:
+            outcome: object
+            try:
+                outcome = await self._job(job)
+            except MeshllmError as exc:
+                outcome = Failed("stage-error", str(exc))
+            await self._flush(self._act(self.core.job_done(job, outcome)))
 
     async def _job(self, job: Job) -> object:
         if isinstance(job, Connect):
