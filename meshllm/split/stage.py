@@ -25,8 +25,10 @@ keeps the model's metadata) and with its logprobs, returned in :class:`Tokens`. 
 continuation it cannot take is refused with the ``bad-request`` code, which the coordinator answers
 as a 400.
 
-**Tasks.** Jobs, lane writers and KV frees run in the server's :class:`~meshllm.tasks.Scope` (one
-task group): :meth:`StageServer.close` cancels them all.
+**Tasks.** Each incoming lane's jobs run in one worker task of that lane, and the frames a job
+produces are sent by that worker before its next job; lane workers, sends started from callbacks
+and KV frees run in the server's :class:`~meshllm.tasks.Scope` (one task group), which
+:meth:`StageServer.close` cancels.
 """
 
 from __future__ import annotations
