@@ -75,7 +75,7 @@ from meshllm.split.stage_core import (
     Deliver,
     Failed,
     Forget,
-    Hosted,
+    HostedRange,
     Job,
     LaneId,
     Opened,
@@ -162,7 +162,7 @@ class StageServer:
         sessions on it.
         """
         old = self.core.hosted.get((owner, model))
-        held = Hosted((stage.layer_start, stage.layer_end), stage.last, owner, chain, stage)
+        held = HostedRange((stage.layer_start, stage.layer_end), owner, chain, stage)
         if old is not None and old.stage is stage:
             held.vocab = old.vocab
         elif stage.last and stage.path is not None:
@@ -447,7 +447,7 @@ class StageServer:
         small = len(items) == 1 and items[0][1].n_tokens == 1
         return await self.compute.run(items[0][0].open.model, small, compute)
 
-    def _sampler(self, held: Hosted, sampling: Sampling) -> Sampler:
+    def _sampler(self, held: HostedRange, sampling: Sampling) -> Sampler:
         """Worker thread: a last stage's sampler for a session, its grammar (checked first: a peer can
         send anything) compiled over the stage file's vocabulary and advanced over the continuation."""
         if sampling.grammar is None:

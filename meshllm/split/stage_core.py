@@ -71,7 +71,7 @@ class LaneId:
 
 
 @dataclass
-class Hosted:
+class HostedRange:
     """A hosted layer range, the coordinator it belongs to and the chain it was placed for.
 
     ``owner`` and ``chain`` are None for a stage wired by hand (tests, benchmarks), which any chain may
@@ -79,7 +79,6 @@ class Hosted:
     """
 
     layers: tuple[int, int]
-    last: bool = False
     owner: str | None = None
     chain: list[Hop] | None = None
     stage: Any = None
@@ -91,7 +90,7 @@ class Session:
     """One session on this stage: the whole of what the node knows about it."""
 
     open: Open
-    hosted: Hosted
+    hosted: HostedRange
     upstream: LaneId
     downstream: LaneId | None = None
     """Lane to the next stage, or (last stage) to the coordinator; None while it is being dialled."""
@@ -231,7 +230,7 @@ class Forget:
     """The session left the table: free its KV (after any step of it still computing)."""
 
     session: str
-    hosted: Hosted
+    hosted: HostedRange
 
 
 @dataclass(frozen=True)
@@ -277,20 +276,20 @@ class StageCore:
 
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
-        self.hosted: dict[tuple[str | None, str], Hosted] = {}
+        self.hosted: dict[tuple[str | None, str], HostedRange] = {}
         """(owner, model) -> hosted range; owner None: a stage any chain may use."""
         self.sessions: dict[str, Session] = {}
         self._lanes: dict[LaneId, _Lane] = {}
 
     # -- hosting -------------------------------------------------------------------------------------
 
-    def host(self, model: str, hosted: Hosted) -> Hosted | None:
+    def host(self, model: str, hosted: HostedRange) -> HostedRange | None:
         """Serve ``hosted`` as ``model``'s range for its owner; returns the range it replaces."""
         old = self.hosted.get((hosted.owner, model))
         self.hosted[(hosted.owner, model)] = hosted
         return old
 
-    def unhost(self, model: str, owner: str | None) -> Hosted | None:
+    def unhost(self, model: str, owner: str | None) -> HostedRange | None:
         """Stop serving ``owner``'s ``model``; its sessions fail at their next step (the driver frees it)."""
         return self.hosted.pop((owner, model), None)
 

@@ -22,7 +22,7 @@ from meshllm.split.stage_core import (
     Deliver,
     Failed,
     Forget,
-    Hosted,
+    HostedRange,
     Job,
     LaneId,
     Opened,
@@ -83,7 +83,7 @@ class Harness:
     records: list[Record] = field(default_factory=list)
     lanes: dict[str, LaneId] = field(default_factory=dict)
     """Lanes the driver dialled, by node id (one per peer, as the pool keeps them)."""
-    hosted: Hosted = field(default_factory=lambda: Hosted((2, 4)))
+    hosted: HostedRange = field(default_factory=lambda: HostedRange((2, 4)))
 
     def __post_init__(self) -> None:
         self.core.host("m", self.hosted)

@@ -10,7 +10,7 @@ from meshllm.split import Hop
 from meshllm.split.frames import MAX_BATCH, Batch, Decode, Error, Open, Ping, Pong, Reset, Stop, Tokens
 from meshllm.split.stage_core import (
     MAX_SESSIONS_PER_OWNER,
-    Hosted,
+    HostedRange,
     LaneId,
     PassOut,
     ResetKV,
@@ -61,10 +61,10 @@ def test_open_from_a_node_outside_the_plan_is_refused() -> None:
     (open_frame("a", [Hop("coord", "x:1", 0, 2), Hop("other", "x:2", 2, 4)]), None, "not-in-plan"),  # not me
     (Open(session="a", model="m", layer_start=2, layer_end=3, chain=[Hop("coord", "x:1", 0, 2),
           Hop("me", "x:2", 2, 3), Hop("n", "x:3", 3, 6)], index=1), None, "wrong-stage"),
-    (open_frame("a"), Hosted((2, 4), owner="coord", chain=LAST_CHAIN), "not-in-plan"),  # not the placed chain
-    (open_frame("a"), Hosted((2, 4), owner="someone"), "not-in-plan"),  # placed by another coordinator
+    (open_frame("a"), HostedRange((2, 4), owner="coord", chain=LAST_CHAIN), "not-in-plan"),  # not the placed chain
+    (open_frame("a"), HostedRange((2, 4), owner="someone"), "not-in-plan"),  # placed by another coordinator
 ])
-def test_opens_outside_what_was_placed_here_are_refused(frame: Open, hosted: Hosted | None, code: str) -> None:
+def test_opens_outside_what_was_placed_here_are_refused(frame: Open, hosted: HostedRange | None, code: str) -> None:
     h = Harness()
     if hosted is not None:
         h.core.unhost("m", None)
@@ -73,7 +73,7 @@ def test_opens_outside_what_was_placed_here_are_refused(frame: Open, hosted: Hos
 
 
 def test_a_coordinator_may_keep_only_so_many_sessions() -> None:
-    h = Harness(hosted=Hosted((2, 4), owner="coord", chain=CHAIN))
+    h = Harness(hosted=HostedRange((2, 4), owner="coord", chain=CHAIN))
     for i in range(MAX_SESSIONS_PER_OWNER):
         h.open(f"s{i}")
     assert refused(h, open_frame("one-more")).code == "busy"
