@@ -13,6 +13,10 @@ chain node suspect or closed (the coordinator connects to every stage so its pro
 all). A missed deadline is attributed by pinging every stage with the session: the first stage
 that does not answer, or has not reached the expected position, is the one named in
 :class:`StageFailed`. Stop travels down the chain when the request ends, however it ends.
+
+What is decided rather than waited on (which steps share a pass and when it leaves, the deadlines,
+the speculation window, the order of a session's release after its pass) is the pure
+:mod:`meshllm.split.coordinator_core`; this module computes, sends and waits.
 """
 
 from __future__ import annotations
