@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 
-from meshllm.tasks import spawn
+from meshllm.tasks import Scope, spawn
 
 
 def test_a_spawned_task_is_held_until_done_then_dropped() -> None:
@@ -43,5 +43,56 @@ def test_a_failed_or_cancelled_task_leaves_the_set_too() -> None:
         await asyncio.gather(failed, hung, return_exceptions=True)
         await asyncio.sleep(0)
         assert tasks == set() and isinstance(failed.exception(), ValueError) and hung.cancelled()
+
+    asyncio.run(main())
+
+
+def test_a_scope_runs_its_work_in_one_group_and_a_failure_spares_the_siblings(caplog) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> list[str]:
+        scope = Scope("test scope")
+        done: list[str] = []
+        gate = asyncio.Event()
+
+        async def work(name: str) -> None:
+            await gate.wait()
+            if name == "bad":
+                raise RuntimeError("a bug")
+            done.append(name)
+
+        ended = [scope.spawn(work(n)) for n in ("a", "bad", "b")]  # before the group's task first ran
+        await asyncio.sleep(0)
+        gate.set()
+        await asyncio.wait(ended)
+        return done
+
+    assert asyncio.run(main()) == ["a", "b"]
+    assert "test scope: a task failed" in caplog.text
+
+
+def test_closing_a_scope_cancels_its_work_and_waits_and_an_idle_scope_holds_no_task() -> None:
+    async def main() -> None:
+        scope = Scope("test scope")
+        cancelled = asyncio.Event()
+
+        async def forever() -> None:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+
+        async def quick() -> None:
+            pass
+
+        await asyncio.wait([scope.spawn(quick())])
+        await asyncio.sleep(0)
+        assert {t.get_name() for t in asyncio.all_tasks()} == {asyncio.current_task().get_name()}  # type: ignore[union-attr]
+        scope.spawn(forever())
+        await asyncio.sleep(0)
+        await scope.aclose()
+        assert cancelled.is_set()
+        late = quick()
+        await asyncio.wait([scope.spawn(late)])  # a closed scope runs nothing more
+        assert late.cr_frame is None  # (closed, never run)
 
     asyncio.run(main())

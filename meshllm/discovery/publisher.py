@@ -16,7 +16,6 @@ an older listing still holds a valid invite); it is renewed only when half its l
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import logging
 import time
@@ -173,8 +172,7 @@ class Publisher:
         """Stop republishing and withdraw everything that can be withdrawn now."""
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await asyncio.wait([self._task])  # (not ``await``: that would swallow our own cancellation)
             self._task = None
         self.server.unpublish(self.mesh_key.mesh_id)
         if self.dht is not None:

@@ -241,8 +241,7 @@ class StandbyDriver:
         for task in (self._task, self._busy):
             if task is not None:
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+                await asyncio.wait([task])  # (not ``await``: that would swallow our own cancellation)
 
     def set_idle(self, idle_s: float) -> None:
         self.controller.config = replace(self.controller.config, idle_s=idle_s)

@@ -2,9 +2,11 @@
 
 * :mod:`.planner` (sans-IO) chooses solo or a chain ``[(node, layer_start, layer_end)]``;
 * :mod:`.frames` and :mod:`.codec` are the stage-lane protocol and activation codecs;
-* :mod:`.lanes` is the per-lane protocol core, its QUIC driver and the lane pool;
-* :mod:`.stage` serves a node's stages (and routes replies to its coordinators);
-* :mod:`.coordinator` runs a split request from the first stage and streams its tokens;
+* :mod:`.lanes` decodes a lane's frames and probes it, drives its stream, and pools lanes;
+* :mod:`.stage_core` (sans-IO) is the stage side of the protocol, with the node's one session table;
+* :mod:`.stage` drives it: serves a node's stages (and routes replies to its coordinators);
+* :mod:`.coordinator_core` (sans-IO) is the pass schedule, the deadlines and the release order;
+* :mod:`.coordinator` drives it: runs a split request from the first stage and streams its tokens;
 * :mod:`.compute` runs a stage's forward inline when tiny, else in a thread;
 * :mod:`.engine` serves a split model behind the :class:`~meshllm.engine.base.Engine` interface;
 * :mod:`.control` is the ``stage-control`` protocol (a coordinator asks a worker to host a range);
@@ -15,7 +17,8 @@ The node-side modules (engine, placement, service) are imported by the node, not
 servers and tests need not load the tokenizer stack.
 """
 
-from meshllm.split.coordinator import Deadlines, SplitCoordinator, SplitToken
+from meshllm.split.coordinator import SplitCoordinator, SplitToken
+from meshllm.split.coordinator_core import Deadlines
 from meshllm.split.errors import BadFrame, NoChainFits, SplitError, StageFailed
 from meshllm.split.frames import Hop, Sampling
 from meshllm.split.planner import Candidate, ModelProfile, Plan, PlannedStage, PlanOptions, Speculation, plan

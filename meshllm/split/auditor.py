@@ -69,6 +69,7 @@ from meshllm.split.audit import (
 from meshllm.split.control import stage_memory
 from meshllm.split.coordinator import SplitCoordinator
 from meshllm.split.frames import Hop, Sampling
+from meshllm.tasks import Scope
 from meshllm.wire.addr import parse_addr
 
 if TYPE_CHECKING:
@@ -180,7 +181,9 @@ class Auditor:
         self._queue: asyncio.Queue[_Job] = asyncio.Queue(MAX_PENDING)
         self._seen: weakref.WeakSet[SplitCoordinator] = weakref.WeakSet()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="split-audit", initializer=_lower_priority)
-        self._task: asyncio.Task[None] | None = None
+        self._scope = Scope("split audits")
+        """The audit loop, started with the first audit."""
+        self._running = False
         self._random = random.Random(seed)
         self.policy = AuditPolicy(rate)
         """Who has passed how many audits: requests through nodes without history are all audited."""
@@ -209,18 +212,16 @@ class Auditor:
             counters.dropped += 1
             return
         counters.pending += 1
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="split-audits")
+        if not self._running:
+            self._running = True
+            self._scope.spawn(self._run())
 
     async def idle(self) -> None:
         """Wait until every queued audit has run (benchmarks and tests measure one batch at a time)."""
         await self._queue.join()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._scope.aclose()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _run(self) -> None:

@@ -44,7 +44,7 @@ from meshllm.models.library import LibraryEntry
 from meshllm.models.manifest import MAX_MANIFEST, MODEL_ID, open_manifest
 from meshllm.models.store import ModelStore
 from meshllm.net import Endpoint, NetError, PeerConnection, Stream
-from meshllm.split.coordinator import Deadlines
+from meshllm.split.coordinator_core import Deadlines
 from meshllm.split.errors import SplitError
 from meshllm.split.frames import Hop
 from meshllm.split.stage import StageServer

@@ -13,6 +13,10 @@ chain node suspect or closed (the coordinator connects to every stage so its pro
 all). A missed deadline is attributed by pinging every stage with the session: the first stage
 that does not answer, or has not reached the expected position, is the one named in
 :class:`StageFailed`. Stop travels down the chain when the request ends, however it ends.
+
+What is decided rather than waited on (which steps share a pass and when it leaves, the deadlines,
+the speculation window, the order of a session's release after its pass) is the pure
+:mod:`meshllm.split.coordinator_core`; this module computes, sends and waits.
 """
 
 from __future__ import annotations
@@ -34,11 +38,19 @@ from meshllm.engine.speculate import Acceptance, ChainCosts, NgramDrafter, SpecS
 from meshllm.errors import DecodeError
 from meshllm.net import NetError, PeerEvent, PeerEventKind
 from meshllm.split import codec
+from meshllm.split.coordinator_core import (
+    Deadlines,
+    Pass,
+    PassSchedule,
+    Ready,
+    answers,
+    next_draft,
+    smoothed,
+)
 from meshllm.split.errors import StageFailed
 from meshllm.split.frames import (
     BAD_REQUEST,
     MAX_BATCH,
-    MAX_DRAFT,
     Batch,
     Decode,
     Error,
@@ -53,16 +65,15 @@ from meshllm.split.frames import (
     Verify,
 )
 from meshllm.split.lanes import Lane, probe_timeout
-from meshllm.split.stage import MAX_SESSIONS_PER_OWNER, StageServer, forward_rounds
-from meshllm.tasks import spawn
+from meshllm.split.stage import StageServer, forward_rounds
+from meshllm.split.stage_core import MAX_SESSIONS_PER_OWNER
+from meshllm.tasks import Scope
 from meshllm.wire.addr import parse_addr
 
 STAGE_SAMPLES = 256
 """Passes over which each stage's compute time is summarised (a median: robust to load spikes)."""
 DEFAULT_BATCH = 8
 """Sessions of a chain that decode together in one pass (``--split-batch``)."""
-GATHER_S = 0.003
-"""Longest a ready session waits for the chain's other decoding sessions to join its pass."""
 
 
 @dataclass(frozen=True)
@@ -74,23 +85,6 @@ class SplitToken:
     """``"stop"`` (a stop id was sampled) or ``"length"`` (context or ``max_tokens`` reached) on the last one."""
     logprobs: TokenLogprobs | None = None
     """Its logprob and top alternatives, when the request's :attr:`Sampling.logprobs` asked for them."""
-
-
-@dataclass(frozen=True)
-class Deadlines:
-    """Per-hop deadlines of a split request."""
-
-    decode_timeout: float = 1.0
-    """Seconds for one token to go around the chain."""
-    prefill_s_per_token: float = 0.05
-    """Extra seconds allowed per prompt token in a prefill chunk."""
-    prefill_chunk: int = 256
-    """Prompt tokens per Prefill frame (bounds frame size and per-hop latency)."""
-    connect_timeout: float = 1.0
-    soft_factor: float = 8.0
-    """A decode step slower than this many times the recent average triggers a liveness check."""
-    soft_min: float = 0.2
-    """Floor of that check's delay in seconds (scheduling noise must not cause pings every token)."""
 
 
 class SplitCoordinator:
@@ -143,7 +137,7 @@ class SplitCoordinator:
         self.batcher = _Batcher(self, batch)
         self.prefill_sent = 0
         """Prompt tokens sent down the chain so far: prefill work a later step may queue behind."""
-        self._releases: set[asyncio.Task[None]] = set()
+        self._releases = Scope("split releases")
         """Ended sessions still freeing their first-stage KV and sending their Stop."""
 
     @property
@@ -198,11 +192,7 @@ class SplitCoordinator:
                     drafter.extend(reply.token_ids)
                     # a pass yields up to len(draft) + 1 tokens, and plain decoding ends one short of the context
                     room = min(max_tokens - produced, self.first.max_context - 1 - reply.pos) - 1
-                    if self.costs.measured and room > 0:
-                        found = drafter.draft(min(room, MAX_DRAFT))
-                        draft = found[: policy.window(len(found), self.costs)]
-                        if not draft:
-                            policy.decline(found)
+                    draft = next_draft(drafter, policy, self.costs, room)
                 self._serve_s.append((time.perf_counter() - replied) / len(reply.token_ids))
                 reply = await run.step(reply.token_ids[-1], reply.pos, draft)
                 kept = len(reply.token_ids) - 1
@@ -217,13 +207,14 @@ class SplitCoordinator:
                 self.on_stage_failed(exc)
             raise
         finally:
-            # the release runs to its end even if this task is cancelled again meanwhile (anyio's
-            # cancel scopes re-cancel every await of a request whose client went away)
+            # the release runs in the coordinator's scope, to its end even if this task is cancelled
+            # again meanwhile (anyio's cancel scopes re-cancel every await of a request whose client
+            # went away); the request waits for it unless it is cancelled
             await asyncio.shield(run.finish())
 
     def batching_status(self) -> dict[str, object]:
         """Batching figures for ``/api/status``: sessions per pass allowed, passes sent, their mean size."""
-        b = self.batcher
+        b = self.batcher.plan
         return {"batch": self.batch, "passes": b.passes, "steps": b.steps,
                 "mean_batch": round(b.steps / b.passes, 2) if b.passes else None, "decoding": len(b.decoding)}
 
@@ -256,7 +247,12 @@ class _Run:
         c, server = self.c, self.c.server
         self._cleanup.append(server.route_replies(self.session, self._reply))
         self._cleanup.append(server.endpoint.on_peer_event(self._peer_event))
-        await asyncio.gather(*(self._connect(i) for i in range(1, len(c.chain))))
+        try:  # every stage at once; the first unreachable one cancels the other attempts
+            async with asyncio.TaskGroup() as group:
+                for i in range(1, len(c.chain)):
+                    group.create_task(self._connect(i))
+        except* StageFailed as failed:
+            raise failed.exceptions[0] from None
         hop = c.chain[1]
         try:
             self.lane = await server.pool.get(hop.node_id, hop.addr)
@@ -282,8 +278,7 @@ class _Run:
             ))
         ahead = self.c.prefill_sent - len(prompt) - self._prefill_seen  # other requests' prompts sent meanwhile
         self._prefill_seen = self.c.prefill_sent
-        timeout = d.decode_timeout + d.prefill_s_per_token * (len(prompt) + max(ahead, 0))
-        return await self._await(len(prompt) - 1, len(prompt), timeout)
+        return await self._await(len(prompt) - 1, len(prompt), d.prefill(len(prompt), ahead))
 
     async def step(self, token: int, pos: int, draft: list[int]) -> Tokens:
         """One decode pass from ``pos``: ``token`` alone (a Decode) or with ``draft`` (a Verify window).
@@ -295,34 +290,32 @@ class _Run:
         started = loop.time()
         ids = [token, *draft]
         first_s, rows = await self.c.batcher.step(self, ids, pos, draft)
-        d, c = self.c.deadlines, self.c
-        # prompt chunks sent since this session's previous step may be computed before it on every stage,
-        # as are the pass's other rows and the passes in flight ahead: each counts like a prompt token
+        c = self.c
+        # prompt chunks sent since this session's previous step may be computed before it on every stage
         ahead, self._prefill_seen = c.prefill_sent - self._prefill_seen, c.prefill_sent
-        backlog = d.prefill_s_per_token * (rows - 1 + ahead)
-        check = max(d.soft_min, d.soft_factor * c.step_s * len(ids)) + backlog if c.step_s else d.decode_timeout
+        timeout, check = c.deadlines.step(c.step_s, len(ids), rows, ahead)
         try:
-            reply = await self._await(pos, pos + len(ids), d.decode_timeout + backlog, check_after=check)
+            reply = await self._await(pos, pos + len(ids), timeout, check_after=check)
         finally:
             c.batcher.returned(self)
         took = loop.time() - started
         if not draft:
-            c.step_s = took if not c.step_s else 0.8 * c.step_s + 0.2 * took
+            c.step_s = c.batcher.plan.step_s = smoothed(c.step_s, took)
         if reply.compute_ms:  # the stages' own figures: what of the pass was compute and what was hops
             upstream = first_s + sum(reply.compute_ms[:-1]) / 1e3
             c.costs.observe(took, len(ids), len(reply.token_ids), upstream, reply.compute_ms[-1] / 1e3)
             c._observe_stages(first_s, reply.compute_ms, len(ids), len(reply.token_ids))
         return reply
 
-    def finish(self) -> asyncio.Task[None]:
-        """End the session: leave the batcher and the reply routing now, then (in the returned task,
-        which the coordinator keeps) free its first-stage KV and send ``Stop`` down the chain."""
-        self.c.batcher.leave(self)
+    def finish(self) -> asyncio.Future[None]:
+        """End the session: leave the batcher and the reply routing now, then (in the coordinator's
+        scope; the returned future says when it is done) free its first-stage KV and send ``Stop``."""
+        sending = self.c.batcher.leave(self)
         for undo in self._cleanup:
             undo()
-        return spawn(self.c._releases, self._release(self.c.batcher.sending.get(self)))
+        return self.c._releases.spawn(self._release(sending))
 
-    async def _release(self, sending: asyncio.Task[None] | None) -> None:
+    async def _release(self, sending: asyncio.Future[None] | None) -> None:
         # a pass holding this session's step may be computing: it goes out first (without the step), so
         # the Stop cannot overtake it on the lane and the first stage is not reset under it; the pass is
         # bounded by its compute and its lane sends' deadline
@@ -332,7 +325,7 @@ class _Run:
         # through the node's compute runner: a reset on the loop would stall it while a step holds the stage
         await self.c._compute.run("reset", True, lambda: first.reset(session))
         if self.lane is not None and self.lane.closed is None:
-            with contextlib.suppress(NetError):
+            with contextlib.suppress(NetError):  # (a lane gone: the stage frees the session as it ends)
                 await self.lane.send(Stop(session=self.session))
 
     # -- internals ---------------------------------------------------------------------------
@@ -398,7 +391,7 @@ class _Run:
                     raise InvalidRequest(f"the chain's last stage refused the request: {item.message}")
                 stage = min(max(item.stage, 0), len(self.c.chain) - 1)
                 raise StageFailed(stage, self.c.chain[stage].node_id, f"{item.code}: {item.message}")
-            if item.pos - len(item.token_ids) == start and item.pos <= end:
+            if answers(item, start, end):
                 return item
 
     def _reply(self, peer_id: str, frame: Tokens | Error) -> None:
@@ -436,126 +429,82 @@ class _Run:
         return None if pong is None else pong.pos
 
 
-@dataclass
-class _Ready:
-    """A session's next decode step, waiting for its pass."""
-
-    run: _Run
-    ids: list[int]
-    pos: int
-    draft: list[int]
-    sent: asyncio.Future[tuple[float, int]]
-    """Resolves once the pass is on its way down the chain: the first stage's seconds, the rows ahead of the reply."""
-
-
 class _Batcher:
-    """The coordinator's step scheduler: the decode steps of sessions ready in the same tick go as one pass.
-
-    The decoding sessions are spread over one pass in flight per stage of the chain, each of up to
-    ``batch`` sessions: while stage 1 computes one pass the coordinator computes the next, so every
-    stage has work and each shares its weight reads among the pass's rows. A pass leaves as soon as
-    it is full; otherwise when a stage would be idle and nobody is about to join (the sessions not in
-    flight are all ready), or after :data:`GATHER_S` for sessions whose clients are still reading
-    their tokens. When every stage already has a pass, a session that becomes ready (its prefill just
-    ended) waits for one to come back, at most about two passes, and joins it: staggered sessions
-    merge instead of each running alone. Sessions still prefilling are not waited for: their prompt
-    chunks travel as Prefill frames between passes, one chunk at a time, so a new prompt delays a
-    pass by at most one chunk. A session that finishes, is cancelled or fails leaves at once
-    (:meth:`leave`).
-    """
+    """Driver of the coordinator's :class:`~meshllm.split.coordinator_core.PassSchedule`: the first
+    stage's rows for each pass it launches, one frame down the chain, and its wake-up timer."""
 
     def __init__(self, coord: SplitCoordinator, batch: int) -> None:
         self.c = coord
-        self.batch = batch
-        self.decoding: set[_Run] = set()
-        """Sessions past their prefill and not finished: those a pass waits for."""
-        self.in_flight: dict[_Run, int] = {}
-        """Sessions whose step was sent and whose reply has not come back yet, with the pass they went in."""
-        self._rows: dict[int, int] = {}
-        """Rows of each pass in flight."""
-        self.ready: list[_Ready] = []
+        self.plan: PassSchedule[_Run] = PassSchedule(len(coord.chain), batch, coord.deadlines.decode_timeout)
+        self._waiting: dict[_Run, asyncio.Future[tuple[float, int]]] = {}
+        """Per session with a step queued or in a pass being sent: resolves once its pass is on its way
+        down the chain, with the first stage's seconds and the rows the stages compute before its reply."""
+        self._sending: dict[int, asyncio.Future[None]] = {}
+        """Passes being computed or sent, by id: what a leaving session's release waits for."""
         self._timer: asyncio.TimerHandle | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        self.sending: dict[_Run, asyncio.Task[None]] = {}
-        """Sessions whose step is in a pass being computed or sent, with that pass's task."""
-        self.passes = 0
-        """Passes sent (each one frame down the chain)."""
-        self.steps = 0
-        """Session steps sent in them: ``steps / passes`` is the mean batch."""
+        self._scope = Scope("split passes")
 
     async def step(self, run: _Run, ids: list[int], pos: int, draft: list[int]) -> tuple[float, int]:
         """Queue ``run``'s step and wait until its pass is sent; the first stage's seconds and the rows the
         stages compute before its reply (its pass's, and those of the passes in flight ahead of it)."""
         sent: asyncio.Future[tuple[float, int]] = asyncio.get_running_loop().create_future()
-        self.decoding.add(run)
-        self.ready.append(_Ready(run, ids, pos, draft, sent))
-        self._maybe_launch()
+        self._waiting[run] = sent
+        self._launch(self.plan.queue(Ready(run, ids, pos, draft), self._now()))
         return await sent
 
     def returned(self, run: _Run) -> None:
         """``run``'s reply came back: its next step follows once its consumer took the tokens."""
-        self.in_flight.pop(run, None)
-        self._maybe_launch()
+        self._launch(self.plan.returned(run, self._now()))
 
-    def leave(self, run: _Run) -> None:
-        """``run`` ends: drop its waiting step (if any) and stop waiting for it."""
-        self.decoding.discard(run)
-        self.in_flight.pop(run, None)
-        for item in [r for r in self.ready if r.run is run]:
-            self.ready.remove(item)
-            item.sent.cancel()
-        self._maybe_launch()
+    def leave(self, run: _Run) -> asyncio.Future[None] | None:
+        """``run`` ends: drop its waiting step and stop waiting for it; returns the pass its release
+        must wait for (one holding its step, still being computed or sent), if any."""
+        passes, sending = self.plan.leave(run, self._now())
+        waiting = self._waiting.pop(run, None)
+        if waiting is not None and not waiting.done():
+            waiting.cancel()
+        self._launch(passes)
+        return self._sending.get(sending) if sending is not None else None
 
-    def _maybe_launch(self) -> None:
-        # one pass in flight per stage keeps every stage busy; each pass holds up to ``batch`` sessions
-        stages = len(self.c.chain)
-        cap = max(1, min(self.batch, -(-len(self.decoding) // stages)))
-        while len(self.ready) >= cap:
-            self._launch(cap)
-        passes = len(set(self.in_flight.values()))
-        serving = len(self.decoding) - len(self.in_flight) - len(self.ready)
-        if not self.ready:
-            self._cancel_timer()
-        elif passes < stages and serving <= 0:
-            self._launch(len(self.ready))  # nobody else is about to join: a stage is idle, start it
-        else:
-            # wait for a pass in flight to come back and merge with it (about a pass), or briefly for
-            # the sessions whose clients are still reading their tokens
-            wait = min(max(GATHER_S, 2 * self.c.step_s), self.c.deadlines.decode_timeout) if passes >= stages \
-                else GATHER_S
-            loop = asyncio.get_running_loop()
-            if self._timer is None or loop.time() + wait < self._timer.when():  # (never postponed)
-                self._cancel_timer()
-                self._timer = loop.call_later(wait, self._gathered)
+    @staticmethod
+    def _now() -> float:
+        return asyncio.get_running_loop().time()
 
-    def _gathered(self) -> None:
-        self._timer = None
-        if self.ready:
-            self._launch(len(self.ready))
-
-    def _cancel_timer(self) -> None:
-        if self._timer is not None:
+    def _launch(self, passes: list[Pass[_Run]]) -> None:
+        for p in passes:
+            self._sending[p.id] = self._scope.spawn(self._send(p))
+        if self._timer is not None and (self.plan.wake_at is None or self.plan.wake_at != self._timer.when()):
             self._timer.cancel()
             self._timer = None
+        if self.plan.wake_at is not None and self._timer is None:
+            self._timer = asyncio.get_running_loop().call_at(self.plan.wake_at, self._woken)
 
-    def _launch(self, n: int) -> None:
-        group, self.ready = self.ready[:n], self.ready[n:]
-        if not self.ready:
-            self._cancel_timer()
-        task = spawn(self._tasks, self._send(group))
-        for r in group:
-            self.sending[r.run] = task
-        task.add_done_callback(lambda t: self._sent(t, group))
+    def _woken(self) -> None:
+        self._timer = None
+        self._launch(self.plan.wake(self._now()))
 
-    def _sent(self, task: asyncio.Task[None], group: list[_Ready]) -> None:
-        for r in group:
-            if self.sending.get(r.run) is task:
-                del self.sending[r.run]
+    async def _send(self, p: Pass[_Run]) -> None:
+        """The first stage's rows for the whole pass, then one frame down the chain for it."""
+        try:
+            await self._compute_and_send(p)
+        except BaseException as exc:  # every session of the pass learns why (a first-stage error as it is)
+            for r in p.steps:
+                waiting = self._waiting.get(r.session)
+                if waiting is not None and not waiting.done():
+                    if isinstance(exc, Exception):
+                        waiting.set_exception(exc)
+                    else:
+                        waiting.cancel()
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            self.plan.finished(p)
+            del self._sending[p.id]
 
-    async def _send(self, group: list[_Ready]) -> None:
-        """The first stage's rows for the whole group, then one frame down the chain for it."""
+    async def _compute_and_send(self, p: Pass[_Run]) -> None:
         first = self.c.first
-        steps = [(r.run.session, np.asarray(r.ids, dtype=np.int64), r.pos) for r in group]
+        group = p.steps
+        steps = [(r.session.session, np.asarray(r.ids, dtype=np.int64), r.pos) for r in group]
 
         def compute() -> tuple[list[np.ndarray | None], float]:
             started = time.perf_counter()
@@ -571,45 +520,31 @@ class _Batcher:
                 outs[i] = out
             return outs, time.perf_counter() - started
 
-        try:
-            outs, first_s = await self.c._compute.run("first", len(group) == 1 and len(group[0].ids) == 1, compute)
-            lanes: dict[int, list[tuple[int, Decode | Verify]]] = {}  # (a lane replaced meanwhile: its own frame)
-            for i, (r, x) in enumerate(zip(group, outs, strict=True)):
-                if x is None or r.sent.done():  # (a session that left while the pass was computed: not sent)
-                    r.sent.cancel()
+        outs, first_s = await self.c._compute.run("first", len(group) == 1 and len(group[0].ids) == 1, compute)
+        lanes: dict[int, list[tuple[int, Decode | Verify]]] = {}  # (a lane replaced meanwhile: its own frame)
+        for i, (r, x) in enumerate(zip(group, outs, strict=True)):
+            waiting = self._waiting.get(r.session)
+            if x is None or waiting is None or waiting.done():  # (a session that left meanwhile: not sent)
+                outs[i] = None
+                continue
+            run = r.session
+            fields = {"session": run.session, "pos": r.pos, "n_tokens": len(r.ids), "dtype": run.dtype,
+                      "shape": x.shape, "activations": codec.encode(x, run.dtype)}
+            lanes.setdefault(id(run.lane), []).append(
+                (i, Verify(**fields, draft=r.draft) if r.draft else Decode(**fields)))
+        for items in lanes.values():
+            frames = [frame for _, frame in items]
+            try:
+                await group[items[0][0]].session._send(frames[0] if len(frames) == 1 else Batch(steps=frames))
+            except StageFailed as exc:  # that lane's sessions fail; those on the other lanes went on
+                for i, _ in items:
+                    waiting = self._waiting.get(group[i].session)
+                    if waiting is not None and not waiting.done():
+                        waiting.set_exception(exc)
                     outs[i] = None
-                    continue
-                fields = {"session": r.run.session, "pos": r.pos, "n_tokens": len(r.ids), "dtype": r.run.dtype,
-                          "shape": x.shape, "activations": codec.encode(x, r.run.dtype)}
-                lanes.setdefault(id(r.run.lane), []).append(
-                    (i, Verify(**fields, draft=r.draft) if r.draft else Decode(**fields)))
-            for items in lanes.values():
-                frames = [frame for _, frame in items]
-                try:
-                    await group[items[0][0]].run._send(frames[0] if len(frames) == 1 else Batch(steps=frames))
-                except StageFailed as exc:  # that lane's sessions fail; those on the other lanes went on
-                    for i, _ in items:
-                        if not group[i].sent.done():
-                            group[i].sent.set_exception(exc)
-                        outs[i] = None
-        except BaseException as exc:  # every session of the pass learns why (a first-stage error as it is)
-            for r in group:
-                if r.sent.done():
-                    continue
-                if isinstance(exc, Exception):
-                    r.sent.set_exception(exc)
-                else:
-                    r.sent.cancel()
-            if not isinstance(exc, Exception):
-                raise
-            return
-        self.passes += 1
-        self.steps += sum(x is not None for x in outs)
-        rows = sum(len(x) for x in outs if x is not None)
-        live = set(self.in_flight.values())
-        ahead = sum(n for p, n in self._rows.items() if p in live)  # passes sent before: computed first
-        self._rows = {p: n for p, n in self._rows.items() if p in live} | {self.passes: rows}
-        for r in group:
-            if not r.sent.done():
-                self.in_flight[r.run] = self.passes
-                r.sent.set_result((first_s, rows + ahead))
+        sent = [r for r, x in zip(group, outs, strict=True) if x is not None]
+        rows = self.plan.sent(p, [r.session for r in sent], sum(len(x) for x in outs if x is not None))
+        for r in sent:
+            waiting = self._waiting.pop(r.session, None)
+            if waiting is not None and not waiting.done():
+                waiting.set_result((first_s, rows))

@@ -1,12 +1,12 @@
-"""Stage lanes: a sans-IO core per lane, a thin asyncio driver on a QUIC stream, and a pool.
+"""Stage lanes: frame decoding and probes, a thin asyncio driver on a stream, and a pool.
 
 A lane is one persistent ``stage-lane`` stream to one peer, shared by every session between the two
-nodes. :class:`LaneState` is the whole receive-side protocol of a lane, without I/O or clocks: it
-decodes and validates each frame, checks that a session's steps arrive in order and in the dtype its
-:class:`~meshllm.split.frames.Open` chose, and keeps the probe state. A bad frame produces an
-:class:`~meshllm.split.frames.Error` for its session only; the lane and its other sessions go on.
-:class:`Lane` moves frames between a :class:`~meshllm.net.Stream` and that core; :class:`LanePool`
-keeps one lane per next-hop node and probes a lane (Ping/Pong) before reusing it.
+nodes, riding a QUIC stream or a TLS connection to the peer's bulk channel (``split/tcp_lane.py``).
+:class:`LaneState` decodes and validates each frame within the lane's activation limit and keeps the
+probe state; what a frame means for its sessions is the stage core's (``split/stage_core.py``),
+which refuses a bad frame for its sessions only, so the lane and its other sessions go on.
+:class:`Lane` moves frames between its stream and its owner; :class:`LanePool` keeps one lane per
+next-hop node and probes a lane (Ping/Pong) before reusing it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
 
 import msgspec
@@ -23,24 +22,9 @@ import msgspec
 from meshllm.errors import DecodeError
 from meshllm.net import ConnectError, Endpoint, NetError, Stream, StreamClosed
 from meshllm.split.errors import BadFrame
-from meshllm.split.frames import (
-    KIND,
-    LANE_FRAME_MAX,
-    Batch,
-    Decode,
-    Error,
-    LaneFrame,
-    Open,
-    Ping,
-    Pong,
-    Prefill,
-    Reset,
-    Step,
-    Stop,
-    Verify,
-    decode_frame,
-)
-from meshllm.tasks import spawn
+from meshllm.split.frames import KIND, LANE_FRAME_MAX, LaneFrame, Ping, Pong, decode_frame
+from meshllm.split.stage_core import LaneId, lane_id
+from meshllm.tasks import Scope
 
 if TYPE_CHECKING:
     from meshllm.split.tcp_lane import TcpStream
@@ -71,96 +55,22 @@ MAX_ACTIVATION_BYTES = 16 * 1024 * 1024
 """Largest activation payload a lane accepts; larger frames get a ``too-large`` Error."""
 
 
-@dataclass
-class _Expect:
-    next_pos: int
-    """Highest position the session's next step may start at (its length on the previous stage)."""
-    dtype: str
-    low_pos: int = 0
-    """Lowest: below ``next_pos`` only after a Verify, whose rejected positions the next step drops."""
-
-
 class LaneState:
-    """Receive-side protocol state of one lane: per-session order and dtype, and the probe in flight."""
+    """Receive-side state of one lane: frame decoding within its activation limit, and the probe in flight.
 
-    def __init__(self, peer_id: str, *, stage: int = -1, max_activation_bytes: int = MAX_ACTIVATION_BYTES) -> None:
+    What a frame means for its sessions (order, dtype, plan membership) is the stage core's
+    (:class:`~meshllm.split.stage_core.StageCore`), which keeps the one session table.
+    """
+
+    def __init__(self, peer_id: str, *, max_activation_bytes: int = MAX_ACTIVATION_BYTES) -> None:
         self.peer_id = peer_id
-        self.stage = stage
-        """Chain index of this node, reported in Errors (-1 until an Open tells it)."""
         self.max_activation_bytes = max_activation_bytes
-        self._sessions: dict[str, _Expect] = {}
         self._nonces = itertools.count(1)
         self._probe: tuple[int, float] | None = None
 
-    @property
-    def sessions(self) -> set[str]:
-        """Sessions opened on this lane and not stopped."""
-        return set(self._sessions)
-
     def receive(self, raw: bytes) -> LaneFrame:
-        """The validated frame in ``raw``; :class:`BadFrame` (with session and code) if it must be refused.
-
-        Refusal leaves every session's state untouched. Accepted steps advance their session's position.
-        """
-        frame = decode_frame(raw, max_activation_bytes=self.max_activation_bytes)
-        if isinstance(frame, Open):
-            if frame.session in self._sessions:
-                raise BadFrame(f"session {frame.session} is already open", code="duplicate", session=frame.session)
-            if frame.chain[frame.index - 1].node_id != self.peer_id:
-                raise BadFrame(
-                    f"open for stage {frame.index} must come from {frame.chain[frame.index - 1].node_id[:12]}",
-                    code="not-in-plan", session=frame.session,
-                )
-            self.stage = frame.index
-            self._sessions[frame.session] = _Expect(0, frame.dtype)
-        elif isinstance(frame, Prefill | Decode | Verify):
-            self._advance(self._expected(frame), frame)
-        elif isinstance(frame, Batch):
-            sessions = tuple(step.session for step in frame.steps)
-            try:
-                expects = [self._expected(step) for step in frame.steps]
-            except BadFrame as exc:  # the whole batch is refused; no session moves
-                raise BadFrame(str(exc), code=exc.code, sessions=sessions) from None
-            for expect, step in zip(expects, frame.steps, strict=True):
-                self._advance(expect, step)
-        elif isinstance(frame, Reset | Stop) and frame.session not in self._sessions:
-            raise BadFrame(f"session {frame.session} was not opened on this lane", code="not-in-plan",
-                           session=frame.session)
-        elif isinstance(frame, Reset):
-            self._sessions[frame.session].next_pos = self._sessions[frame.session].low_pos = 0
-        elif isinstance(frame, Stop):
-            del self._sessions[frame.session]
-        return frame
-
-    def _expected(self, frame: Step) -> _Expect:
-        """The state of ``frame``'s session, checked to take this step next (position and dtype)."""
-        expect = self._sessions.get(frame.session)
-        if expect is None:
-            raise BadFrame(f"session {frame.session} was not opened on this lane", code="not-in-plan",
-                           session=frame.session)
-        if not expect.low_pos <= frame.pos <= expect.next_pos:
-            wanted = str(expect.next_pos) if expect.low_pos == expect.next_pos else \
-                f"{expect.low_pos}-{expect.next_pos}"
-            raise BadFrame(f"session {frame.session}: step at position {frame.pos}, expected {wanted}",
-                           code="out-of-order", session=frame.session)
-        if frame.dtype != expect.dtype:
-            raise BadFrame(f"{frame.dtype} activations on a {expect.dtype} session", code="bad-dtype",
-                           session=frame.session)
-        return expect
-
-    @staticmethod
-    def _advance(expect: _Expect, frame: Step) -> None:
-        expect.next_pos = frame.pos + frame.n_tokens
-        # after a window, the next step starts anywhere from its first kept position to its end
-        expect.low_pos = frame.pos + 1 if isinstance(frame, Verify) else expect.next_pos
-
-    def refusals(self, exc: BadFrame) -> list[Error]:
-        """The Error frames answering a refused frame: one per session it names ("" for the lane)."""
-        return [Error(session=sid, code=exc.code, message=str(exc), stage=self.stage) for sid in exc.sessions or ("",)]
-
-    def forget(self, session: str) -> None:
-        """Drop a session that failed elsewhere (its next steps will be refused)."""
-        self._sessions.pop(session, None)
+        """The validated frame in ``raw``; :class:`BadFrame` (with session and code) if it must be refused."""
+        return decode_frame(raw, max_activation_bytes=self.max_activation_bytes)
 
     # -- probes --------------------------------------------------------------------------------
 
@@ -182,16 +92,16 @@ class LaneState:
 class Lane:
     """Driver of one lane: a reader task feeding :class:`LaneState`, and ``send``.
 
-    ``on_frame(lane, frame)`` gets every accepted frame except Pongs (which answer :meth:`probe`);
-    ``on_close(lane, reason)`` is called once when the stream ends. Refused frames are answered
-    with an Error here.
+    ``on_frame(lane, frame)`` gets every frame read except Pongs (which answer :meth:`probe`), or the
+    :class:`BadFrame` saying why one could not be read; ``on_close(lane, reason)`` is called once when
+    the stream ends.
     """
 
     def __init__(
         self,
         stream: LaneStream,
         peer_id: str,
-        on_frame: Callable[[Lane, LaneFrame], Awaitable[None]],
+        on_frame: Callable[[Lane, LaneFrame | BadFrame], Awaitable[None]],
         on_close: Callable[[Lane, str], None] | None = None,
         *,
         send_timeout: float = 5.0,
@@ -199,6 +109,8 @@ class Lane:
     ) -> None:
         self.stream = stream
         self.peer_id = peer_id
+        self.id: LaneId = lane_id(peer_id)
+        """How the stage core names this lane."""
         self.state = LaneState(peer_id, max_activation_bytes=max_activation_bytes)
         self.closed: str | None = None
         """Why the lane ended, once it has."""
@@ -245,13 +157,12 @@ class Lane:
         self._end(reason)
 
     async def _handle(self, raw: bytes) -> None:
+        frame: LaneFrame | BadFrame
         try:
             frame = self.state.receive(raw)
         except BadFrame as exc:
             log.info("refused a frame from %s: %s", self.peer_id[:12], exc)
-            for error in self.state.refusals(exc):
-                await self.send(error)
-            return
+            frame = exc
         if isinstance(frame, Pong):
             future = self._pongs.get(frame.nonce)
             if future is not None and not future.done():
@@ -276,7 +187,7 @@ class LanePool:
     def __init__(
         self,
         endpoint: Endpoint,
-        on_frame: Callable[[Lane, LaneFrame], Awaitable[None]],
+        on_frame: Callable[[Lane, LaneFrame | BadFrame], Awaitable[None]],
         on_close: Callable[[Lane, str], None] | None = None,
         *,
         connect_timeout: float = 1.0,
@@ -290,7 +201,8 @@ class LanePool:
         self._connect_timeout = connect_timeout
         self._lanes: dict[str, Lane] = {}
         self._locks: dict[str, asyncio.Lock] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._scope = Scope("lane pool")
+        """The pooled lanes' readers."""
 
     async def get(self, node_id: str, addr: str) -> Lane:
         """A live lane to ``node_id`` (dialing ``host:port`` if needed); :class:`NetError` if unreachable."""
@@ -314,7 +226,7 @@ class LanePool:
             stream = tcp or await peer.open_stream(KIND, max_frame=LANE_FRAME_MAX)
             lane = Lane(stream, node_id, self._on_frame, self._closed)  # type: ignore[arg-type]
             self._lanes[node_id] = lane
-            spawn(self._tasks, lane.run())
+            self._scope.spawn(lane.run())
             return lane
 
     def _closed(self, lane: Lane, reason: str) -> None:
@@ -324,6 +236,7 @@ class LanePool:
             self._on_close(lane, reason)
 
     def close(self) -> None:
-        """Close every pooled lane."""
+        """Close every pooled lane and end their readers."""
         for lane in list(self._lanes.values()):
             lane.close("pool closing")
+        self._scope.close()

@@ -33,13 +33,14 @@ from meshllm.models.gguf_file import GGUFFile
 from meshllm.models.refs import ModelRef
 from meshllm.split.audit import AUDIT_MEMORY, AUDIT_RATE
 from meshllm.split.control import Host, Hosted, Release, Warm, Warmed, ask
-from meshllm.split.coordinator import DEFAULT_BATCH, Deadlines, SplitCoordinator
+from meshllm.split.coordinator import DEFAULT_BATCH, SplitCoordinator
+from meshllm.split.coordinator_core import Deadlines
 from meshllm.split.engine import NO_CHAIN, SplitEngine
 from meshllm.split.errors import SplitError, StageFailed
 from meshllm.split.frames import Hop
 from meshllm.split.planner import Candidate, ModelProfile, Plan, PlanOptions, plan
 from meshllm.split.stage import StageServer
-from meshllm.tasks import spawn
+from meshllm.tasks import Scope
 
 log = logging.getLogger(__name__)
 
@@ -301,20 +302,19 @@ class SplitPlacement:
         self._audits = audits
         self.hub_source = hub_source
         self._replan = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._spares: set[asyncio.Task[None]] = set()
+        self._scope = Scope(f"split placement {self.engine.model_id}")
+        """The placement loop and the releases it sends."""
+        self._spares = Scope(f"split spares {self.engine.model_id}")
+        """The serving chain's spare keeping (replaced with the chain)."""
         self.spares: list[list[Any]] = []
         """The serving chain's warm spares: ``[name, layer_start, layer_end, fetched_bytes]`` each."""
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name=f"split-placement-{self.engine.model_id}")
+        self._scope.spawn(self._run())
 
     async def stop(self) -> None:
-        for task in [self._task, *self._spares]:
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await self._scope.aclose()  # (the loop first: it is what starts spares)
+        await self._spares.aclose()
         self.engine.detach("stopped")
         if self._first is not None:
             await asyncio.to_thread(self._first.close)
@@ -370,7 +370,7 @@ class SplitPlacement:
             self._replan.set()
         for hop in coordinator.chain:
             if hop.node_id in nodes:
-                asyncio.get_running_loop().create_task(self._release(hop))
+                self._scope.spawn(self._release(hop))
 
     async def _release(self, hop: Hop) -> None:
         with contextlib.suppress(MeshllmError):
@@ -422,11 +422,11 @@ class SplitPlacement:
         self.publish("split_ready", model=self.engine.model_id,
                      stages=[[names.get(h.node_id, h.node_id[:8]), h.layer_start, h.layer_end] for h in chain],
                      predicted_ms=round(chosen.total_s * 1e3, 3), took_s=round(time.monotonic() - started, 3))
-        for task in self._spares:  # an older chain's spares are planned for deaths that no longer apply
-            task.cancel()
+        self._spares.close()  # an older chain's spares are planned for deaths that no longer apply
+        self._spares = Scope(f"split spares {self.engine.model_id}")
         self.spares = []
         if self.hub_source is None:  # a hub-direct model has no manifest a spare could fetch against
-            spawn(self._spares, self._keep_spares(chain), name=f"split-spares-{self.engine.model_id}")
+            self._spares.spawn(self._keep_spares(chain))
 
     async def _host(self, chain: list[Hop], index: int, hub: bytes = b"") -> None:
         assert self.ref.sha256 is not None

@@ -66,15 +66,15 @@ def _alone_then_together(path: Path, bounds: list[int], **kwargs: object) -> tup
     async def main() -> tuple[list[list[int]], list[list[int]], SplitCoordinator]:
         chain = await make_chain(path, bounds, **kwargs)
         coord = chain.coordinator
-        logits = _record_logits(chain.servers[-1]._stages[(None, MODEL)].stage)
+        logits = _record_logits(chain.servers[-1].core.hosted[(None, MODEL)].stage)
         try:
             alone = [await _run(coord, *r, session=f"r{i}") for i, r in enumerate(REQUESTS)]
-            passes, steps = coord.batcher.passes, coord.batcher.steps
+            passes, steps = coord.batcher.plan.passes, coord.batcher.plan.steps
             assert steps == passes  # one at a time: every pass held one session
             logits.append({})
             together = await asyncio.gather(*(_run(coord, *r, session=f"r{i}") for i, r in enumerate(REQUESTS)))
-            coord.batcher.passes -= passes
-            coord.batcher.steps -= steps
+            coord.batcher.plan.passes -= passes
+            coord.batcher.plan.steps -= steps
             assert len(logits[0]) > 150 and logits[1] == logits[0]
             return alone, list(together), coord
         finally:
@@ -88,14 +88,14 @@ def test_concurrent_requests_give_the_text_they_give_alone(tiny_model: Path, bou
     alone, together, coord = _alone_then_together(tiny_model, bounds, speculate="off")
     assert together == alone
     assert [len(t) for t in together] == [n for _, n, _ in REQUESTS]
-    assert coord.batcher.steps / coord.batcher.passes > 1.3  # the passes really were shared
+    assert coord.batcher.plan.steps / coord.batcher.plan.passes > 1.3  # the passes really were shared
     assert alone[0] == solo_greedy(tiny_model, PROMPT, 40)  # and a lone session is the whole model's text
 
 
 def test_one_at_a_time_baseline_gives_the_same_text(tiny_model: Path) -> None:
     """``batch=1`` (``--split-batch 1``): concurrent requests take turns, one session per pass."""
     alone, together, coord = _alone_then_together(tiny_model, [0, 3, 6], speculate="off", batch=1)
-    assert together == alone and coord.batcher.steps == coord.batcher.passes
+    assert together == alone and coord.batcher.plan.steps == coord.batcher.plan.passes
 
 
 def test_a_cancelled_request_leaves_the_others_text_unchanged(tiny_model: Path) -> None:
@@ -346,7 +346,7 @@ def test_a_lane_lost_under_a_pass_fails_only_its_own_sessions(tiny_model: Path) 
 
             coord.first.forward_batch = forward_batch  # type: ignore[method-assign]
             first = asyncio.create_task(_run(coord, *REQUESTS[0], session="old"))
-            await until(lambda: len(coord.batcher.decoding) == 1)
+            await until(lambda: len(coord.batcher.plan.decoding) == 1)
             old.append(coord.server.pool._lanes.pop(hop))  # the next sessions dial a lane of their own
             others = [asyncio.create_task(_run(coord, *r, session=f"new{i}")) for i, r in enumerate(REQUESTS[1:4])]
             done = await asyncio.gather(first, *others, return_exceptions=True)

@@ -1,84 +1,17 @@
 """Batch frames from a peer are validated before anything reaches ggml; a bad one is refused whole,
-with an Error for every session it names, and changes nothing (sans-IO, then over a real lane)."""
+with an Error for every session it names, and changes nothing (over a real lane; the stage core's
+checks in memory are in tests/split/test_stage_core.py)."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
 
-import msgspec
 import numpy as np
-import pytest
 from split_helpers import MODEL, PROMPT, addr, endpoint, make_chain, solo_greedy
 
-from meshllm.split import BadFrame, Hop, StageServer, codec
-from meshllm.split.frames import MAX_BATCH, Batch, Decode, Error, Open, Prefill, Verify, decode_frame
-from meshllm.split.lanes import LaneState
-
-CHAIN = [Hop("coord", "127.0.0.1:1", 0, 2), Hop("me", "127.0.0.1:2", 2, 4)]
-
-
-def step(session: str, pos: int, n: int = 1, *, width: int = 4, rows: int | None = None,
-         draft: list[int] | None = None) -> Decode | Verify:
-    x = codec.encode(np.zeros((rows or n, width), np.float32), "f32")
-    fields = {"session": session, "pos": pos, "n_tokens": n, "dtype": "f32", "shape": (n, width), "activations": x}
-    return Verify(**fields, draft=draft) if draft else Decode(**fields)  # type: ignore[arg-type]
-
-
-def raw(frame: object) -> bytes:
-    return msgspec.msgpack.encode(frame)
-
-
-def lane_with(*sessions: str, max_activation_bytes: int = 1 << 20) -> LaneState:
-    lane = LaneState("coord", max_activation_bytes=max_activation_bytes)
-    for sid in sessions:
-        lane.receive(raw(Open(session=sid, model="m", layer_start=2, layer_end=4, chain=CHAIN, index=1)))
-    return lane
-
-
-def refused(lane: LaneState, frame: object) -> BadFrame:
-    with pytest.raises(BadFrame) as err:
-        lane.receive(frame if isinstance(frame, bytes) else raw(frame))
-    return err.value
-
-
-def test_a_batch_moves_every_session_it_holds() -> None:
-    lane = lane_with("a", "b")
-    lane.receive(raw(Batch(steps=[step("a", 0), step("b", 0, 3, draft=[5, 6])])))
-    lane.receive(raw(Batch(steps=[step("a", 1), step("b", 2)])))  # b kept one draft of its window
-    assert refused(lane, Batch(steps=[step("a", 1), step("b", 3)])).code == "out-of-order"
-
-
-@pytest.mark.parametrize(("bad", "code"), [
-    (Batch(steps=[step("a", 0), step("a", 1)]), "duplicate"),
-    (Batch(steps=[step("a", 0), step("zz", 0)]), "not-in-plan"),  # a session this lane never opened
-    (Batch(steps=[step("a", 0), step("b", 7)]), "out-of-order"),
-    (Batch(steps=[step("a", 0), step("b", 0, 2)]), "bad-frame"),  # a Decode of two positions
-    (Batch(steps=[step("a", 0), step("b", 0, 3, draft=[1])]), "bad-frame"),  # a window of the wrong size
-    (Batch(steps=[step("a", 0), step("b", 0, rows=2)]), "bad-size"),  # more bytes than its shape
-    (Batch(steps=[step("a", 0, width=4096), step("b", 0, width=4096)]), "too-large"),  # each fits, not both
-])
-def test_a_bad_batch_is_refused_whole_and_moves_nothing(bad: Batch, code: str) -> None:
-    lane = lane_with("a", "b", max_activation_bytes=24 * 1024)
-    exc = refused(lane, bad)
-    assert exc.code == code
-    errors = lane.refusals(exc)
-    assert {e.session for e in errors} == {s.session for s in bad.steps} and all(e.code == code for e in errors)
-    lane.receive(raw(Batch(steps=[step("a", 0), step("b", 0)])))  # both sessions are still where they were
-
-
-def test_malformed_batches_name_their_sessions() -> None:
-    lane = lane_with("a", "b")
-    too_many = raw({"type": "batch", "steps": [msgspec.to_builtins(step(f"s{i}", 0)) | {"type": "decode"}
-                                               for i in range(MAX_BATCH + 1)]})
-    exc = refused(lane, too_many)
-    assert exc.code == "bad-frame" and len(exc.sessions) == MAX_BATCH
-    garbled = raw({"type": "batch", "steps": [{"type": "decode", "session": "a", "pos": "x"}, {"session": "b"}]})
-    assert refused(lane, garbled).sessions == ("a", "b")
-    assert refused(lane, raw({"type": "batch", "steps": []})).code == "bad-frame"
-    assert refused(lane, b"\xc1").sessions == ()  # not msgpack: nothing to name, the lane answers for itself
-    with pytest.raises(BadFrame):
-        decode_frame(raw({"type": "batch", "steps": [{"type": "prefill", **msgspec.to_builtins(step("a", 0))}]}))
+from meshllm.split import Hop, StageServer, codec
+from meshllm.split.frames import Batch, Decode, Error, Open, Prefill
 
 
 def test_bad_batches_from_a_peer_fail_only_their_sessions(tiny_model: Path) -> None:

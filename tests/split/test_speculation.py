@@ -46,7 +46,7 @@ def test_every_stage_holds_exactly_the_kept_positions(tiny_model: Path) -> None:
 
     async def main() -> list[int]:
         chain = await make_chain(tiny_model, [0, 2, 4, 6], speculate="on")
-        stages = [chain.coordinator.first] + [s._stages[(None, MODEL)].stage for s in chain.servers[1:]]
+        stages = [chain.coordinator.first] + [s.core.hosted[(None, MODEL)].stage for s in chain.servers[1:]]
         server = chain.servers[0]
         route = server.route_replies
 
