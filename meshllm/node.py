@@ -3,7 +3,7 @@
 A node is: its key and mesh membership, the mesh service (QUIC endpoint, gossip, failure
 detection), the engines of the models it serves, and the HTTP API (OpenAI routes, status, events)
 served by uvicorn inside the node's own event loop. Everything a user sees about the node's life
-goes through :class:`~meshllm.api.events.EventHub`.
+goes through :class:`~meshllm.events.EventHub`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from meshllm.api.blackboard import blackboard_router
 from meshllm.api.connections import ACCEPT_BACKLOG, guarded_protocol
 from meshllm.api.console import console_router
 from meshllm.api.edge import EdgePolicy, is_loopback_host
-from meshllm.api.events import EventHub
 from meshllm.api.health import Readiness
 from meshllm.api.limits import EdgeLimits
 from meshllm.api.mcp import McpEndpoint, build_server
@@ -56,6 +55,7 @@ from meshllm.engine.capacity import compute_devices, measure_capacity
 from meshllm.engine.kernels import Kernels
 from meshllm.engine.speculate import SpeculateMode
 from meshllm.errors import ConfigError, DecodeError, KeystoreError, MeshllmError, VerificationError
+from meshllm.events import EventHub
 from meshllm.identity.certs import decode_certificate, open_certificate
 from meshllm.identity.ids import b32, node_public_key, unb32
 from meshllm.identity.keys import NodeKey

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 from meshllm.api.counters import RequestCounters
-from meshllm.api.events import EventHub
 from meshllm.api.limits import ApiLimits, Slots
 from meshllm.api.mesh_backend import MeshBackend
 from meshllm.api.metrics import NodeMetrics, NodeState, PeerState
@@ -46,6 +45,7 @@ from meshllm.engine.llama import LlamaEngine
 from meshllm.engine.recommended import Recommended, for_model
 from meshllm.engine.speculate import SpeculateMode
 from meshllm.errors import ConfigError, MeshllmError
+from meshllm.events import EventHub
 from meshllm.mesh.records import Load, Models, ServedModel
 from meshllm.mesh.service import MeshService
 from meshllm.models.hub import is_hub_ref

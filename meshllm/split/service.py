@@ -21,9 +21,9 @@ from typing import Any
 import msgspec
 from nacl.signing import SigningKey
 
-from meshllm.api.events import EventHub
 from meshllm.api.serving import Serving
 from meshllm.errors import MeshllmError
+from meshllm.events import EventHub
 from meshllm.mesh.records import Capacity, Models, PeerRecord, ServedModel
 from meshllm.mesh.service import MeshService
 from meshllm.models.hub import cached, is_hub_ref, parse_hub_ref

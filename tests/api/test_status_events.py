@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from meshllm.api import status
-from meshllm.api.events import EventHub
+from meshllm.events import EventHub
 
 
 def test_keepalives_keep_the_subscription(monkeypatch: pytest.MonkeyPatch) -> None:
