@@ -142,7 +142,7 @@ async def _sse(hub: EventHub) -> AsyncIterator[str]:
     pending: asyncio.Future[dict[str, Any]] | None = None
     try:
         for event in history:
-            yield _frame(event)
+            yield _frame(event.wire())
         while True:
             # Wait on one pending read across keep-alives rather than starting a new one each time.
             pending = pending or asyncio.ensure_future(anext(events))
@@ -151,7 +151,7 @@ async def _sse(hub: EventHub) -> AsyncIterator[str]:
                 yield ": keepalive\n\n"
                 continue
             event, pending = pending.result(), None
-            yield _frame(event)
+            yield _frame(event.wire())
     finally:
         if pending is not None:
             pending.cancel()
