@@ -21,11 +21,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
 from meshllm.api.auth import require_admin, require_api_key
-from meshllm.api.errors import error_body
 from meshllm.errors import ConfigError, DecodeError, MeshllmError
 from meshllm.events import EventHub
 from meshllm.mesh.admission import inspect_token
 from meshllm.mesh.records import PeerRecord
+from meshllm.runtime.errors import error_body
 
 KEEPALIVE_S = 15.0
 

@@ -21,9 +21,6 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
-from meshllm.api.backend import Backend, ModelEntry
-from meshllm.api.errors import classify
-from meshllm.api.serving import Serving
 from meshllm.engine.base import Embeddings, EmbedRequest, GenerationEvent, GenerationRequest
 from meshllm.errors import DecodeError, MeshllmError
 from meshllm.identity.envelope import decode_envelope
@@ -39,6 +36,9 @@ from meshllm.owner.executor import Executor
 from meshllm.owner.policy import CommandGate, refusal_code
 from meshllm.owner.relay import MAX_RESULT, OwnerRelay
 from meshllm.owner.standby import StandbyConfig, StandbyController, StandbyDriver, Supply
+from meshllm.runtime.backend import Backend, ModelEntry
+from meshllm.runtime.errors import classify
+from meshllm.runtime.serving import Serving
 
 log = logging.getLogger(__name__)
 

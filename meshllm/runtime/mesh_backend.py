@@ -1,17 +1,17 @@
-"""MeshBackend: the node's :class:`~meshllm.api.backend.Backend`, serving every model of the mesh.
+"""MeshBackend: the node's :class:`~meshllm.runtime.backend.Backend`, serving every model of the mesh.
 
 A request runs on this node's engine when it has the model; otherwise it travels to a peer over
-a QUIC stream of kind ``"request"`` (the tunnel frames of :mod:`meshllm.api.tunnel`), and the
-response streams back. Which targets, in which order, is the sans-IO :class:`~meshllm.api.router.Router`'s
+a QUIC stream of kind ``"request"`` (the tunnel frames of :mod:`meshllm.runtime.tunnel`), and the
+response streams back. Which targets, in which order, is the sans-IO :class:`~meshllm.runtime.router.Router`'s
 decision; this module is its driver: it reads the mesh (gossip records, connections, RTTs),
-walks the order with an :class:`~meshllm.api.router.Attempt` (failover until the first event has
+walks the order with an :class:`~meshllm.runtime.router.Attempt` (failover until the first event has
 gone to the client), and holds every wait to a deadline.
 
 A peer that vanishes mid-response is noticed by the transport's probes (``suspect`` within about
 a second) or a closed connection; both reset the streams in flight to it. A generation broken that
 way after its first byte is *replayed*: the request and the token ids already sent go to another
 node serving the same model file, which continues the answer where it broke, so the client's
-stream goes on (:mod:`meshllm.api.replay` keeps the state and the rules). With nowhere to go the
+stream goes on (:mod:`meshllm.runtime.replay` keeps the state and the rules). With nowhere to go the
 client gets the clean error at once instead of waiting for a timeout.
 """
 
@@ -26,30 +26,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from meshllm.api.backend import ModelEntry, local_entry
-from meshllm.api.counters import RequestCounters
-from meshllm.api.errors import (
-    ApiError,
-    NoCapacity,
-    Saturated,
-    UnknownModel,
-    UpstreamError,
-    UpstreamTimeout,
-    classify,
-)
-from meshllm.api.metrics import GenerationWatch, NodeMetrics, Route
-from meshllm.api.replay import Progress, ReplayPolicy, seeded
-from meshllm.api.router import Attempt, PeerView, Router, Target, affinity_key
-from meshllm.api.tunnel import (
-    STREAM_KIND,
-    PeerOverran,
-    RemoteError,
-    Routable,
-    ServerFrame,
-    TunnelClient,
-    TunnelEvent,
-    failover_allowed,
-)
 from meshllm.engine.base import (
     Embeddings,
     EmbedRequest,
@@ -69,6 +45,30 @@ from meshllm.net.connection import PeerConnection
 from meshllm.net.errors import NetTimeout, StreamClosed
 from meshllm.net.events import PeerEvent, PeerEventKind
 from meshllm.net.streams import Stream
+from meshllm.runtime.backend import ModelEntry, local_entry
+from meshllm.runtime.counters import RequestCounters
+from meshllm.runtime.errors import (
+    ApiError,
+    NoCapacity,
+    Saturated,
+    UnknownModel,
+    UpstreamError,
+    UpstreamTimeout,
+    classify,
+)
+from meshllm.runtime.metrics import GenerationWatch, NodeMetrics, Route
+from meshllm.runtime.replay import Progress, ReplayPolicy, seeded
+from meshllm.runtime.router import Attempt, PeerView, Router, Target, affinity_key
+from meshllm.runtime.tunnel import (
+    STREAM_KIND,
+    PeerOverran,
+    RemoteError,
+    Routable,
+    ServerFrame,
+    TunnelClient,
+    TunnelEvent,
+    failover_allowed,
+)
 from meshllm.wire.addr import parse_addr
 
 log = logging.getLogger(__name__)
@@ -251,7 +251,7 @@ class MeshBackend:
 
     async def _route(self, request: Routable, watch: GenerationWatch | None = None) -> AsyncIterator[TunnelEvent]:
         """The events of ``request``: fail over until the first event, then replay a generation whose
-        serving node fails (or stalls) mid-answer on another node (:mod:`meshllm.api.replay`)."""
+        serving node fails (or stalls) mid-answer on another node (:mod:`meshllm.runtime.replay`)."""
         if isinstance(request, EmbedRequest):
             target, first, events = await self._start(request, self._targets(request))
             if watch is not None:
