@@ -286,7 +286,7 @@ class Node:
         if self.blackboard is not None:
             routers.append(blackboard_router(self.blackboard))
         edge = _fit_to_descriptors(self.options.edge)
-        backend = self.owner.backend if self.owner is not None else self.serving.backend
+        backend = self.serving.backend
         app = create_app(backend, routers=routers, access=self.access, edge=edge, policy=self.policy,
                          readiness=self.readiness, on_event=self.events.publish)
         if self.blackboard is not None:

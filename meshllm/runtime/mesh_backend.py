@@ -25,6 +25,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from meshllm.engine.base import (
     Embeddings,
@@ -72,6 +73,18 @@ from meshllm.runtime.tunnel import (
 from meshllm.wire.addr import parse_addr
 
 log = logging.getLogger(__name__)
+
+
+UNMET_STATUSES = frozenset({404, 429, 503})
+"""A request refused with one of these had nowhere to go: nobody serves the model, or all were full."""
+
+
+class DemandHook(Protocol):
+    """What counts this node's demand (``meshllm.mesh.demand.DemandTracker``)."""
+
+    def record(self, model: str, now: float) -> None: ...
+
+    def unmet(self, model: str, now: float) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -130,6 +143,9 @@ class MeshBackend:
     """``on_event(type, **fields)``: the node's event hub (failovers show in ``/api/events``)."""
     metrics: NodeMetrics | None = None
     """The node's ``/metrics`` registry (None: nothing observed)."""
+    demand: DemandHook | None = None
+    """Told of every request for a model this node does not serve, and of those that found nowhere to run
+    (the owner's demand counter, published in the node's record; None: nothing counted)."""
     _calls: dict[str, set[_Call]] = field(default_factory=dict, init=False)
     _created: int = field(default_factory=lambda: int(time.time()), init=False)
 
@@ -204,38 +220,57 @@ class MeshBackend:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         """Stream ``request`` from the best target, failing over until the first event."""
-        self.counters.started(time.time(), remote=request.model not in self.engines)
+        remote = self._count(request.model)
         watch = self._watch(request)
+        started = False
         try:
             async for event in self._route(request, watch):
                 if watch is not None:
                     watch.event(event, self.clock())
+                started = True
                 yield event
-        except Exception:
+        except Exception as exc:
             self.counters.failed_one()
             if watch is not None:
                 watch.failed()
+            if remote and not started:
+                self._unmet(request.model, exc)
             raise
 
     async def embed(self, request: EmbedRequest) -> Embeddings:
         """Embeddings from the best target, failing over like a generation (the answer is one event)."""
-        self.counters.started(time.time(), remote=request.model not in self.engines)
+        remote = self._count(request.model)
         watch = self._watch(request)
         events = self._route(request, watch)
         try:
             answer = await _first(events, "the serving node")
             if not isinstance(answer, Embeddings):
                 raise UpstreamError("the serving node answered an embeddings request with text")
-        except Exception:
+        except Exception as exc:
             self.counters.failed_one()
             if watch is not None:
                 watch.failed()
+            if remote:
+                self._unmet(request.model, exc)
             raise
         finally:
             await _aclose(events)
         if watch is not None:
             watch.prompt_tokens(answer.prompt_tokens)
         return answer
+
+    def _count(self, model: str) -> bool:
+        """Count a request for ``model`` (and, when this node does not serve it, its demand); whether it is remote."""
+        now, remote = time.time(), model not in self.engines
+        self.counters.started(now, remote=remote)
+        if remote and self.demand is not None:
+            self.demand.record(model, now)
+        return remote
+
+    def _unmet(self, model: str, exc: BaseException) -> None:
+        """A request for a model served elsewhere ended before its answer: demand unmet if nobody could take it."""
+        if self.demand is not None and classify(exc)[0] in UNMET_STATUSES:
+            self.demand.unmet(model, time.time())
 
     def _watch(self, request: Routable) -> GenerationWatch | None:
         return None if self.metrics is None else self.metrics.watch(request.model, self.clock())
