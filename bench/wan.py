@@ -72,7 +72,7 @@ PROMPTS = {"repetitive": REPETITIVE, "free": FREE}
 SETTLE_S = 20.0
 """Longest wait for the probes' RTT average to settle (it starts from samples taken while nodes load)."""
 NODE_ARGS = ["--threads", "1"]
-"""One llama.cpp/ggml thread per node: several nodes share this machine's cores (FACTS)."""
+"""One llama.cpp/ggml thread per node: several nodes share this machine's cores."""
 
 
 @dataclass

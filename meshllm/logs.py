@@ -24,9 +24,9 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from meshllm.events import NodeEvent, Ready, TransferDone, TransferFailed, TransferProgress, TransferStarted
+
 Event = dict[str, Any]
-SUMMARISED = frozenset({"ready"})
-"""Events that ``meshllm serve`` prints as a readable summary in pretty mode instead of a log line."""
 
 
 class JsonLineHandler(logging.Handler):
@@ -65,17 +65,17 @@ def event_sink(log_format: str, console: Console | None = None) -> Any:
     elsewhere (a pipe, a log file) those stay plain lines.
     """
     if log_format == "json":
-        return emit_json
+        return lambda event: emit_json(event.wire())
     console = console or Console(stderr=True, highlight=False)
     bars = TransferBars(console) if console.is_terminal else None
 
-    def pretty(event: Event) -> None:
-        if event["type"] in SUMMARISED:
+    def pretty(event: NodeEvent) -> None:
+        if isinstance(event, Ready):  # ``meshllm serve`` prints it as a readable summary instead
             return
         if bars is not None and bars.handle(event):
             return
-        fields = " ".join(f"{k}={v}" for k, v in event.items() if k not in ("type", "ts"))
-        console.print(f"[dim]{time.strftime('%H:%M:%S')}[/] [bold]{event['type']}[/] {fields}")
+        fields = " ".join(f"{k}={v}" for k, v in event.details().items())
+        console.print(f"[dim]{time.strftime('%H:%M:%S')}[/] [bold]{event.type}[/] {fields}")
 
     return pretty
 
@@ -88,14 +88,14 @@ class TransferBars:
         self.progress: Progress | None = None
         self.tasks: dict[tuple[str, str], TaskID] = {}
 
-    def handle(self, event: Event) -> bool:
-        """Draw a ``transfer_*`` event as a bar; True when it needs no line of its own."""
-        kind = event["type"]
-        if kind not in ("transfer_started", "transfer_progress", "transfer_done", "transfer_failed"):
+    def handle(self, event: NodeEvent) -> bool:
+        """Draw a transfer's event as a bar; True when it needs no line of its own."""
+        if not isinstance(event, TransferStarted | TransferProgress | TransferDone | TransferFailed):
             return False
-        layers = event.get("layers")
-        key = (str(event.get("id") or event.get("model")), f"{layers[0]}-{layers[1]}" if layers else "")
-        if kind in ("transfer_done", "transfer_failed"):
+        fields = event.details()
+        layers = fields.get("layers")
+        key = (str(fields.get("id") or fields.get("model")), f"{layers[0]}-{layers[1]}" if layers else "")
+        if isinstance(event, TransferDone | TransferFailed):
             task = self.tasks.pop(key, None)
             if task is not None and self.progress is not None:
                 self.progress.remove_task(task)
@@ -110,8 +110,9 @@ class TransferBars:
             self.progress.start()
         task = self.tasks.get(key)
         if task is None:
-            what = f"layers {layers[0]}-{layers[1]}" if layers else str(event.get("kind", ""))
-            task = self.tasks[key] = self.progress.add_task(f"{event.get('model', '?')} {what}", total=None)
-        if kind == "transfer_progress":
-            self.progress.update(task, completed=event.get("bytes_done") or 0, total=event.get("bytes_total") or None)
-        return kind == "transfer_progress"
+            what = f"layers {layers[0]}-{layers[1]}" if layers else str(fields.get("kind", ""))
+            task = self.tasks[key] = self.progress.add_task(f"{fields.get('model', '?')} {what}", total=None)
+        if isinstance(event, TransferProgress):
+            self.progress.update(task, completed=fields.get("bytes_done") or 0, total=fields.get("bytes_total") or None)
+            return True
+        return False

@@ -3,7 +3,7 @@
 A node is: its key and mesh membership, the mesh service (QUIC endpoint, gossip, failure
 detection), the engines of the models it serves, and the HTTP API (OpenAI routes, status, events)
 served by uvicorn inside the node's own event loop. Everything a user sees about the node's life
-goes through :class:`~meshllm.api.events.EventHub`.
+goes through :class:`~meshllm.events.EventHub`.
 """
 
 from __future__ import annotations
@@ -29,14 +29,15 @@ from meshllm.api.auth import ApiAccess, check_api_key
 from meshllm.api.blackboard import blackboard_router
 from meshllm.api.connections import ACCEPT_BACKLOG, guarded_protocol
 from meshllm.api.console import console_router
+from meshllm.api.discovery_routes import discovery_router
 from meshllm.api.edge import EdgePolicy, is_loopback_host
-from meshllm.api.events import EventHub
 from meshllm.api.health import Readiness
 from meshllm.api.limits import EdgeLimits
 from meshllm.api.mcp import McpEndpoint, build_server
 from meshllm.api.metrics import metrics_router
-from meshllm.api.replay import DEFAULT_MAX_REPLAYS, ReplayPolicy
-from meshllm.api.serving import Serving
+from meshllm.api.model_routes import models_router
+from meshllm.api.owner_routes import owner_router
+from meshllm.api.split_routes import plan_router
 from meshllm.api.status import mesh_links, status_router
 from meshllm.config import (
     MODEL_HASHES_FILE,
@@ -50,12 +51,12 @@ from meshllm.config import (
 )
 from meshllm.discovery.listing import LISTING_TTL_S
 from meshllm.discovery.publisher import NodeDiscovery, facts_from_records
-from meshllm.discovery.routes import discovery_router
 from meshllm.engine.base import DEFAULT_MAX_TOKENS
 from meshllm.engine.capacity import compute_devices, measure_capacity
 from meshllm.engine.kernels import Kernels
 from meshllm.engine.speculate import SpeculateMode
 from meshllm.errors import ConfigError, DecodeError, KeystoreError, MeshllmError, VerificationError
+from meshllm.events import EventHub
 from meshllm.identity.certs import decode_certificate, open_certificate
 from meshllm.identity.ids import b32, node_public_key, unb32
 from meshllm.identity.keys import NodeKey
@@ -67,13 +68,12 @@ from meshllm.mesh.membership import Membership, join_mesh, own_mesh
 from meshllm.mesh.records import MAX_AVAILABLE, DiskModel, PeerRecord
 from meshllm.mesh.service import MeshService
 from meshllm.models.library import Library
-from meshllm.models.routes import models_router
 from meshllm.models.store import ModelStore, Offer
-from meshllm.owner.routes import owner_router
 from meshllm.owner.service import OwnerService
 from meshllm.owner.standby import StandbyConfig
+from meshllm.runtime.replay import DEFAULT_MAX_REPLAYS, ReplayPolicy
+from meshllm.runtime.serving import Serving
 from meshllm.split.placement import SplitOptions
-from meshllm.split.routes import plan_router
 from meshllm.split.service import SplitService, offered_capacity
 from meshllm.wire.addr import format_addr
 
@@ -112,7 +112,7 @@ class NodeOptions:
     max_tokens_default: int = DEFAULT_MAX_TOKENS
     """Tokens generated for a request that sets no ``max_tokens``."""
     replays: int = DEFAULT_MAX_REPLAYS
-    """Replays per routed generation whose serving node fails mid-answer (``meshllm.api.replay``)."""
+    """Replays per routed generation whose serving node fails mid-answer (``meshllm.runtime.replay``)."""
     kernels: Kernels = "exact"
     """ggml kernels of every engine and stage: row-exact (answers independent of batching) or fast."""
     relay: Literal["on", "off", "auto"] = "auto"
@@ -286,7 +286,7 @@ class Node:
         if self.blackboard is not None:
             routers.append(blackboard_router(self.blackboard))
         edge = _fit_to_descriptors(self.options.edge)
-        backend = self.owner.backend if self.owner is not None else self.serving.backend
+        backend = self.serving.backend
         app = create_app(backend, routers=routers, access=self.access, edge=edge, policy=self.policy,
                          readiness=self.readiness, on_event=self.events.publish)
         if self.blackboard is not None:

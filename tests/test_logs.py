@@ -6,15 +6,16 @@ import io
 
 from rich.console import Console
 
+from meshllm.events import from_wire
 from meshllm.logs import event_sink
 
-EVENTS = [
+EVENTS = [from_wire(event) for event in [
     {"type": "transfer_started", "ts": 1.0, "model": "tiny", "id": "ab" * 32, "kind": "hub-stage", "layers": [2, 4]},
     {"type": "transfer_progress", "ts": 2.0, "model": "tiny", "id": "ab" * 32, "kind": "hub-stage", "layers": [2, 4],
      "bytes_done": 3 << 20, "bytes_total": 12 << 20},
     {"type": "transfer_done", "ts": 3.0, "model": "tiny", "id": "ab" * 32, "kind": "hub-stage", "layers": [2, 4],
      "bytes": 12 << 20},
-]
+]]
 
 
 def test_a_terminal_draws_a_bar_while_a_stage_fetches() -> None:

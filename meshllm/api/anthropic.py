@@ -35,8 +35,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
 
-from meshllm.api.backend import Backend
-from meshllm.api.errors import BadRequest, error_for, error_headers
+from meshllm.api.errors import error_headers
 from meshllm.api.generation import (
     Collected,
     Ended,
@@ -57,6 +56,8 @@ from meshllm.api.limits import Admission
 from meshllm.api.schemas import I64_MAX, RequestBody, clean, params, travels
 from meshllm.api.tools import NO_TOOLS, Choice, ParsedCall, ToolSpec, function
 from meshllm.engine.base import ChatMessage, ChatRequest, ToolCall, Usage
+from meshllm.runtime.backend import Backend
+from meshllm.runtime.errors import BadRequest, error_for
 
 MAX_STOP_SEQUENCES = 16
 _BODY_HEADERS = ("content-length", "content-type")

@@ -17,12 +17,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from meshllm import __version__
 from meshllm.api import anthropic, embeddings, model_list, openai_chat, openai_completions, responses
 from meshllm.api.auth import ApiAccess, audit_routes, document_access, require_api_key
-from meshllm.api.backend import Backend, LocalBackend, ModelEntry
 from meshllm.api.edge import EdgePolicy, add_edge
 from meshllm.api.errors import install_error_handlers
 from meshllm.api.generation import ROUTED_HEADER
 from meshllm.api.health import Readiness, health_router
 from meshllm.api.limits import Admission, ApiLimits, BodyLimit, EdgeLimits
+from meshllm.runtime.backend import Backend, LocalBackend, ModelEntry
 
 __all__ = ["ApiAccess", "ApiLimits", "Backend", "EdgeLimits", "EdgePolicy", "LocalBackend", "ModelEntry",
            "Readiness", "create_app"]

@@ -36,8 +36,8 @@ from typing import Any
 from fastapi import FastAPI, Request, Security
 from fastapi.security import APIKeyHeader, HTTPBearer
 
-from meshllm.api.errors import Unauthorized
 from meshllm.errors import ConfigError
+from meshllm.runtime.errors import Unauthorized
 
 SAFE_METHODS = frozenset({"get", "head", "options"})
 GUARDED_PREFIXES = ("/api/", "/v1/")

@@ -3,7 +3,7 @@
 :func:`needs_of` reads what a request needs: tools or a schema (a grammar), the context it takes
 (prompt length, estimated, plus the tokens it may generate), and its task, which a cheap
 deterministic classifier reads from the last user turn (``code``, ``reasoning`` or ``chat``).
-:func:`choose` then picks among the mesh's models (:class:`~meshllm.api.backend.ModelEntry`,
+:func:`choose` then picks among the mesh's models (:class:`~meshllm.runtime.backend.ModelEntry`,
 which carries each model's context, template and load), in this order:
 
 1. **Hard filters.** A request with tools or a schema goes only to a model whose chat template
@@ -30,8 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from meshllm.api.backend import ModelEntry
 from meshllm.engine.base import DEFAULT_MAX_TOKENS, ChatRequest, GenerationRequest
+from meshllm.runtime.backend import ModelEntry
 
 AUTO = "auto"
 Task = Literal["code", "reasoning", "chat"]

@@ -18,9 +18,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from meshllm.api.auth import require_admin, require_api_key
-from meshllm.api.errors import error_body
 from meshllm.mesh import blackboard
 from meshllm.mesh.blackboard import BoardRefusal, HeldNote, parse_words
+from meshllm.runtime.errors import error_body
 
 
 class Board(Protocol):

@@ -41,8 +41,9 @@ from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from meshllm.api.errors import BUSY_RETRY_AFTER_S, ApiError, NoCapacity, RequestTimeout, error_for
+from meshllm.api.errors import BUSY_RETRY_AFTER_S
 from meshllm.api.limits import EdgeLimits
+from meshllm.runtime.errors import ApiError, NoCapacity, RequestTimeout, error_for
 
 ACCEPT_BACKLOG = 64
 """Listen backlog, and so the most sockets asyncio accepts at one wake-up before protocols see them."""

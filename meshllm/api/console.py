@@ -5,6 +5,10 @@ built: only those names are served (no path from a request ever reaches the file
 missing file is a start-up error rather than a broken page. The page talks to the node only through
 the public API (``/api/*``, ``/v1/*``) with the caller's token, so these routes need no authority:
 they hand out the same bytes to everyone.
+
+One script is not a file: ``/console/events.js`` is generated from the node's event types
+(:func:`meshllm.events.events_module_js`), so the page reloads on the events the types say change
+what it shows, without a second list of names to keep in step.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 
 from meshllm.console import static_files
+from meshllm.events import events_module_js
 
 CONTENT_TYPES = {
     ".html": "text/html; charset=utf-8",
@@ -37,6 +42,7 @@ def console_router() -> APIRouter:
     """Routes serving the console's files, loaded into memory now."""
     files = {name: (data, CONTENT_TYPES[_suffix(name)]) for name, data in static_files().items()
              if _suffix(name) in CONTENT_TYPES}
+    files["events.js"] = (events_module_js().encode(), CONTENT_TYPES[".js"])
     page, _ = files.pop("index.html")
     router = APIRouter(include_in_schema=False)
 

@@ -26,8 +26,8 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from meshllm.api.errors import HostNotAllowed, OriginNotAllowed, error_for
 from meshllm.errors import ConfigError
+from meshllm.runtime.errors import HostNotAllowed, OriginNotAllowed, error_for
 
 LOOPBACK_NAMES = frozenset({"localhost"})
 LOOPBACK_ORIGIN_RE = r"https?://(localhost|127(\.\d{1,3}){3}|\[::1\])(:\d{1,5})?"

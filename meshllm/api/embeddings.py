@@ -14,13 +14,13 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
-from meshllm.api.backend import Backend
-from meshllm.api.errors import BadRequest
 from meshllm.api.generation import ERROR_RESPONSES
 from meshllm.api.limits import Admission
 from meshllm.api.schemas import RequestBody, TokenIds, clean
 from meshllm.engine.base import EmbedRequest
 from meshllm.engine.embed import MAX_INPUTS
+from meshllm.runtime.backend import Backend
+from meshllm.runtime.errors import BadRequest
 
 
 class EmbeddingRequestIn(RequestBody):

@@ -29,12 +29,12 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from meshllm.api.auto import AUTO, Choice, choose, needs_of
-from meshllm.api.backend import Backend
-from meshllm.api.errors import ApiError, UnknownModel, UpstreamError
 from meshllm.api.limits import Admission, client_key
 from meshllm.api.schemas import ErrorResponse
 from meshllm.api.tools import CallOut, ParsedCall, TextOut, ToolSpec
 from meshllm.engine.base import Finish, GenerationEvent, GenerationRequest, TextDelta, TokenLogprob, Usage
+from meshllm.runtime.backend import Backend
+from meshllm.runtime.errors import ApiError, UnknownModel, UpstreamError
 
 T = TypeVar("T")
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from meshllm.api.errors import BadRequest
 from meshllm.api.tools import HERMES_CLOSE, HERMES_OPEN, Function, ToolSpec
+from meshllm.runtime.errors import BadRequest
 
 MAX_GRAMMAR_CHARS = 256 * 1024
 _LOOSE_CHAR = 'char ::= [^"\\\\] |'

@@ -3,22 +3,19 @@
 A load balancer or a script needs more than "the API answers": while a node loads its models (or
 places a split chain over workers), requests for them would fail, so ``/health`` answers 503 with
 ``status: "loading"`` until the node is ready, then 200 with ``status: "ok"``; 503
-``"stopping"`` once it leaves. :class:`Readiness` learns all of it from the node's events, so no
-part of the node has to report to it directly.
+``"stopping"`` once it leaves. :class:`Readiness` learns all of it from the node's events, by their
+types (:mod:`meshllm.events`), so no part of the node has to report to it directly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from meshllm.api.auth import may_read
-
-LOADING_EVENTS = frozenset({"model_loading", "split_placing", "split_waiting", "split_stage_failed"})
-READY_EVENTS = frozenset({"model_ready", "split_ready"})
+from meshllm.events import ModelLoadingEvent, ModelReadyEvent, NodeEvent, Ready, Stopping
 
 
 class Readiness:
@@ -30,18 +27,18 @@ class Readiness:
         self.loading: set[str] = set()
         self.ready_models: set[str] = set(models)
 
-    def on_event(self, event: dict[str, Any]) -> None:
-        """Follow ``model_loading``/``model_ready``, the ``split_*`` events, ``ready`` and ``stopping``."""
-        kind, model = event.get("type"), event.get("model")
-        if kind in LOADING_EVENTS and isinstance(model, str):
-            self.loading.add(model)
-            self.ready_models.discard(model)
-        elif kind in READY_EVENTS and isinstance(model, str):
-            self.loading.discard(model)
-            self.ready_models.add(model)
-        elif kind == "ready":
+    def on_event(self, event: NodeEvent) -> None:
+        """Follow models on their way (:class:`ModelLoadingEvent`) and ready (:class:`ModelReadyEvent`),
+        and the node's :class:`Ready` and :class:`Stopping`."""
+        if isinstance(event, ModelLoadingEvent) and isinstance(event.model, str):
+            self.loading.add(event.model)
+            self.ready_models.discard(event.model)
+        elif isinstance(event, ModelReadyEvent) and isinstance(event.model, str):
+            self.loading.discard(event.model)
+            self.ready_models.add(event.model)
+        elif isinstance(event, Ready):
             self.ready = True
-        elif kind == "stopping":
+        elif isinstance(event, Stopping):
             self.stopping = True
 
     @property

@@ -17,8 +17,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from meshllm.api.errors import ApiError, BodyTooLarge, RequestTimeout, Saturated, error_for
 from meshllm.engine.fair_queue import FairQueue, QueueFull
+from meshllm.runtime.errors import ApiError, BodyTooLarge, RequestTimeout, Saturated, error_for
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class Admission:
     At most ``limit`` generations run at once. A request over it waits in a
     :class:`~meshllm.engine.fair_queue.FairQueue` of ``max_waiting`` places (default ``limit``) for
     at most ``timeout_s``: clients take turns, and each may hold its share of the places. A request
-    that finds no place it may take, or waits too long, gets :class:`~meshllm.api.errors.Saturated`
+    that finds no place it may take, or waits too long, gets :class:`~meshllm.runtime.errors.Saturated`
     (429) with a ``Retry-After`` estimated from how fast places have been freed.
     """
 
@@ -124,25 +124,6 @@ class Admission:
             if not place.done():
                 self.active += 1
                 place.set_result(None)
-
-
-class Slots:
-    """A counting limit that never waits: a full node refuses at once, so the caller fails over."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.active = 0
-
-    def try_take(self) -> bool:
-        """Take a slot if one is free."""
-        if self.active >= self.limit:
-            return False
-        self.active += 1
-        return True
-
-    def give_back(self) -> None:
-        """Return a slot taken with :meth:`try_take`."""
-        self.active -= 1
 
 
 class BodyLimit:

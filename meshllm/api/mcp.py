@@ -29,13 +29,13 @@ from starlette.types import Receive, Scope, Send
 
 from meshllm import __version__
 from meshllm.api.auth import check_admin
-from meshllm.api.backend import Backend
 from meshllm.api.blackboard import Board, query_from
-from meshllm.api.errors import ApiError, error_for
 from meshllm.api.generation import collect, reply, route_auto, start
 from meshllm.api.limits import Admission
 from meshllm.api.schemas import ChatCompletionRequest
 from meshllm.mesh.blackboard import BoardRefusal
+from meshllm.runtime.backend import Backend
+from meshllm.runtime.errors import ApiError, error_for
 
 PATH = "/mcp"
 ASK_MAX_TOKENS = 4096

@@ -5,10 +5,10 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from meshllm.api.auto import AUTO
-from meshllm.api.backend import Backend
-from meshllm.api.errors import UnknownModel
 from meshllm.api.generation import ERROR_RESPONSES
 from meshllm.api.schemas import ModelList, ModelOut
+from meshllm.runtime.backend import Backend
+from meshllm.runtime.errors import UnknownModel
 
 
 def router(backend: Backend) -> APIRouter:

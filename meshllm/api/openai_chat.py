@@ -18,8 +18,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from meshllm.api.backend import Backend
-from meshllm.api.errors import error_for
 from meshllm.api.generation import (
     ERROR_RESPONSES,
     Collected,
@@ -42,6 +40,8 @@ from meshllm.api.limits import Admission
 from meshllm.api.schemas import ChatCompletion, ChatCompletionRequest
 from meshllm.api.tools import ToolSpec
 from meshllm.engine.base import TokenLogprob, Usage
+from meshllm.runtime.backend import Backend
+from meshllm.runtime.errors import error_for
 
 
 def chat_logprobs(logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:

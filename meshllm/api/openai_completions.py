@@ -16,8 +16,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from meshllm.api.backend import Backend
-from meshllm.api.errors import error_for
 from meshllm.api.generation import (
     ERROR_RESPONSES,
     Collected,
@@ -40,6 +38,8 @@ from meshllm.api.limits import Admission
 from meshllm.api.schemas import Completion, CompletionRequestIn
 from meshllm.api.tools import NO_TOOLS
 from meshllm.engine.base import TokenLogprob, Usage
+from meshllm.runtime.backend import Backend
+from meshllm.runtime.errors import error_for
 
 
 def completion_logprobs(logprobs: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any]:

@@ -33,8 +33,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
-from meshllm.api.backend import Backend
-from meshllm.api.errors import ApiError, BadRequest, error_for
 from meshllm.api.generation import (
     ERROR_RESPONSES,
     Collected,
@@ -56,6 +54,8 @@ from meshllm.api.limits import Admission
 from meshllm.api.schemas import I64_MAX, I64_MIN, RequestBody, clean, params, travels
 from meshllm.api.tools import NO_TOOLS, Choice, ParsedCall, ToolSpec, function
 from meshllm.engine.base import ChatMessage, ChatRequest, ToolCall, Usage
+from meshllm.runtime.backend import Backend
+from meshllm.runtime.errors import ApiError, BadRequest, error_for
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ from typing import Annotated, Any, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from meshllm.api.errors import BadRequest
 from meshllm.api.grammar import build_grammar
 from meshllm.api.tools import NO_TOOLS, Choice, ToolSpec, function
 from meshllm.engine.base import ChatMessage, ChatRequest, CompletionRequest, GenerationParams, ToolCall
+from meshllm.runtime.errors import BadRequest
 
 MAX_STOP = 4
 MAX_N = 16

@@ -21,11 +21,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
 from meshllm.api.auth import require_admin, require_api_key
-from meshllm.api.errors import error_body
-from meshllm.api.events import EventHub
 from meshllm.errors import ConfigError, DecodeError, MeshllmError
+from meshllm.events import EventHub
 from meshllm.mesh.admission import inspect_token
 from meshllm.mesh.records import PeerRecord
+from meshllm.runtime.errors import error_body
 
 KEEPALIVE_S = 15.0
 
@@ -142,7 +142,7 @@ async def _sse(hub: EventHub) -> AsyncIterator[str]:
     pending: asyncio.Future[dict[str, Any]] | None = None
     try:
         for event in history:
-            yield _frame(event)
+            yield _frame(event.wire())
         while True:
             # Wait on one pending read across keep-alives rather than starting a new one each time.
             pending = pending or asyncio.ensure_future(anext(events))
@@ -151,7 +151,7 @@ async def _sse(hub: EventHub) -> AsyncIterator[str]:
                 yield ": keepalive\n\n"
                 continue
             event, pending = pending.result(), None
-            yield _frame(event)
+            yield _frame(event.wire())
     finally:
         if pending is not None:
             pending.cancel()

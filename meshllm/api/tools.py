@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from meshllm.api.errors import BadRequest
+from meshllm.runtime.errors import BadRequest
 
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"

@@ -22,14 +22,14 @@ from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
 
+from meshllm.events import NodeEvent
+
 SHORT_ID = 8
 MAX_EVENTS = 10
 WIDE = 120  # from this width on, capacity is spelled out ("RAM 24 GiB · 2 cores")
 
 STATE_STYLES = {"alive": "green", "suspect": "yellow", "down": "red", "left": "dim", "revoked": "red"}
 PATH_STYLES = {"direct": "green", "punched": "cyan", "relayed": "yellow", "none": "red"}
-EVENT_STYLES = {"peer_joined": "green", "peer_left": "dim", "peer_state": "yellow", "model_ready": "cyan",
-                "request_failed": "red"}
 NODE_COLOURS = ["blue", "magenta", "dark_green", "dark_orange3", "purple", "dark_cyan", "red3", "gold3"]
 
 # RTT heat-map scale: green at or below LOW_MS, red at or above HIGH_MS, log-scaled in between.
@@ -429,21 +429,22 @@ def render_demand(snapshot: Mapping[str, Any], width: int, max_rows: int | None)
     return out
 
 
-def describe_event(event: Mapping[str, Any], names: Mapping[str, str]) -> str:
+def describe_event(event: NodeEvent, names: Mapping[str, str]) -> str:
     """The fields of an event beyond type and time, node ids replaced by names."""
     parts = []
-    node = event.get("node_id")
+    fields = event.details()
+    node = fields.get("node_id")
     if node:
         parts.append(names.get(str(node), short(str(node))))
-    for key, value in event.items():
-        if key in ("ts", "type", "node_id") or (key == "name" and node):
+    for key, value in fields.items():
+        if key == "node_id" or (key == "name" and node):
             continue
         text = names.get(value, short(value)) if isinstance(value, str) and len(value) == 52 else str(value)
         parts.append(f"{key}={text}")
     return " ".join(parts)
 
 
-def render_events(events: Sequence[Mapping[str, Any]], snapshot: Mapping[str, Any],
+def render_events(events: Sequence[NodeEvent], snapshot: Mapping[str, Any],
                   max_rows: int | None) -> list[RenderableType]:
     """The latest events, newest last (like a log), cut to the rows there are."""
     out: list[RenderableType] = [_section("recent events")]
@@ -454,10 +455,9 @@ def render_events(events: Sequence[Mapping[str, Any]], snapshot: Mapping[str, An
         return out
     names = node_names(snapshot)
     for event in recent:
-        kind = str(event.get("type", "?"))
         line = Text(no_wrap=True, overflow="ellipsis")
-        line.append(time.strftime("%H:%M:%S ", time.localtime(float(event.get("ts") or 0))), style="dim")
-        line.append(f"{kind:<14} ", style=EVENT_STYLES.get(kind, "bold"))
+        line.append(time.strftime("%H:%M:%S ", time.localtime(float(event.ts))), style="dim")
+        line.append(f"{event.type:<14} ", style=event.style)
         line.append(describe_event(event, names))
         out.append(line)
     return out
@@ -495,7 +495,7 @@ def fit(height: int | None, snapshot: Mapping[str, Any], n_events: int) -> tuple
     return tuple(rows)
 
 
-def render(snapshot: Mapping[str, Any], events: Sequence[Mapping[str, Any]], link: Link, *,
+def render(snapshot: Mapping[str, Any], events: Sequence[NodeEvent], link: Link, *,
            now: float, width: int, height: int | None = None) -> RenderableType:
     """The whole dashboard at unix time ``now`` for ``width`` x ``height`` (height None: no limit)."""
     peer_rows, matrix_rows, split_rows, demand_rows_, event_rows = fit(height, snapshot, len(events))

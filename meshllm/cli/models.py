@@ -58,9 +58,9 @@ def pull(ref: str, api: NodeApi | None, as_json: bool, home: Path | None) -> Non
     if api is not None:
         entry = _pull_through(api, ref)
     elif is_hub_ref(ref):
+        from meshllm.api.model_routes import entry_json
         from meshllm.models.hub import pull as hub_pull
         from meshllm.models.library import Library
-        from meshllm.models.routes import entry_json
 
         with progress_report(f"pulling {ref}") as report:
             entry = entry_json(hub_pull(ref, Library.for_home(home_dir(home)), report=report))
@@ -82,8 +82,8 @@ def rm(ref: str, api: NodeApi | None, as_json: bool, home: Path | None) -> None:
     if api is not None:
         removed = api.request_json(f"/api/models/{ref}", method="DELETE")["removed"]
     else:
+        from meshllm.api.model_routes import entry_json
         from meshllm.models.library import Library
-        from meshllm.models.routes import entry_json
 
         removed = [entry_json(e) | {"deleted": e.owned} for e in Library.for_home(home_dir(home)).remove(ref)]
         if not removed:
@@ -143,8 +143,8 @@ def _list(api: NodeApi | None, as_json: bool, home: Path | None) -> None:
     except NodeUnreachable:
         if api is not None:
             raise
+        from meshllm.api.model_routes import entry_json
         from meshllm.models.library import Library
-        from meshllm.models.routes import entry_json
 
         files = [entry_json(e) for e in Library.for_home(home_dir(home)).entries()]
     if as_json:

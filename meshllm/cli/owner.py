@@ -17,13 +17,13 @@ from typing import Any
 
 import click
 
+from meshllm.api.owner_routes import RELAY_MARGIN_S, b64decode, b64encode
 from meshllm.cli.api_client import NodeApi
 from meshllm.cli.common import MeshllmGroup, api_option, ask_passphrase, echo_json, home_dir, json_option
 from meshllm.config import OWNER_KEYSTORE_FILE
 from meshllm.errors import MeshllmError
 from meshllm.identity.keystore import OWNER_KEYSTORE, PASSPHRASE_ENV, unlock_keystore
 from meshllm.owner.commands import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, OwnerCommand, open_result, pick_node, seal_command
-from meshllm.owner.routes import RELAY_MARGIN_S, b64decode, b64encode
 
 
 class Refused(MeshllmError):

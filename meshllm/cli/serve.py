@@ -12,14 +12,14 @@ from typing import Any
 import click
 
 from meshllm import logs
-from meshllm.api.events import EventHub
-from meshllm.api.replay import DEFAULT_MAX_REPLAYS
 from meshllm.cli.common import GIGABYTES, dht_multiaddrs, home_option, mesh_passphrase
 from meshllm.config import DEFAULT_API_PORT, DEFAULT_MESH_PORT, load_config, read_private, resolve_home
 from meshllm.discovery.listing import LISTING_TTL_S
 from meshllm.engine.base import DEFAULT_MAX_TOKENS
 from meshllm.errors import ConfigError, DecodeError
+from meshllm.events import EventHub
 from meshllm.mesh.admission import MESH_PASSPHRASE_ENV, MeshKey, is_mesh_id
+from meshllm.runtime.replay import DEFAULT_MAX_REPLAYS
 from meshllm.wire.addr import parse_addr
 
 

@@ -26,10 +26,11 @@ import click
 from rich.console import Console
 from rich.live import Live
 
-from meshllm.cli.api_client import Event, NodeApi, NodeApiError
+from meshllm.cli.api_client import NodeApi, NodeApiError
 from meshllm.cli.common import api_option, echo_json, json_option
 from meshllm.cli.dashboard import MAX_EVENTS, Link, render
 from meshllm.errors import MeshllmError
+from meshllm.events import NodeEvent, from_wire
 
 TICK_S = 0.2  # how often keys and new events are checked between polls
 
@@ -44,7 +45,7 @@ class EventFeed:
 
     def __init__(self, api: NodeApi, keep: int = MAX_EVENTS) -> None:
         self._api = api
-        self._events: collections.deque[Event] = collections.deque(maxlen=keep)
+        self._events: collections.deque[NodeEvent] = collections.deque(maxlen=keep)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._live = False
@@ -59,12 +60,12 @@ class EventFeed:
         """Ask the thread to end; it does at its next event or reconnect."""
         self._stop.set()
 
-    def view(self) -> tuple[list[Event], bool, int]:
+    def view(self) -> tuple[list[NodeEvent], bool, int]:
         """The kept events (oldest first), whether the stream is connected, and a change counter."""
         with self._lock:
             return list(self._events), self._live, self._version
 
-    def _set(self, live: bool, event: Event | None = None) -> None:
+    def _set(self, live: bool, event: NodeEvent | None = None) -> None:
         with self._lock:
             if event is not None:
                 self._events.append(event)
@@ -82,7 +83,7 @@ class EventFeed:
                     for event in events:
                         if self._stop.is_set():
                             return
-                        self._set(True, event)
+                        self._set(True, from_wire(event))
             except MeshllmError:
                 self._set(False)
                 backoff = min(backoff * 2, 5.0)

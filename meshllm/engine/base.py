@@ -1,7 +1,7 @@
 """The interface every inference engine implements, and the typed requests and events it speaks.
 
 Requests and events are msgspec structs rather than dataclasses because the same objects travel
-to peers inside request-tunnel frames (``meshllm.api.tunnel``): a request routed over QUIC is
+to peers inside request-tunnel frames (``meshllm.runtime.tunnel``): a request routed over QUIC is
 decoded straight into what the remote engine consumes, with no second schema to keep in step.
 
 Generation is an async iterator of events, ending in exactly one :class:`Finish`. A consumer that

@@ -56,7 +56,7 @@ from meshllm.net.errors import AioquicIncompatible
 ALPN = "meshllm/2"
 """Protocol version 2: admission grants (issue 18). Nodes of another version fail the handshake."""
 MAX_DATAGRAM_SIZE = 1452
-"""QUIC packet size: a 1500-byte Ethernet MTU less IPv6 and UDP headers (FACTS: faster than 1200)."""
+"""QUIC packet size: a 1500-byte Ethernet MTU less IPv6 and UDP headers (measured: faster than 1200)."""
 CONNECTION_WINDOW = 16 * 1024 * 1024
 """Connection-wide receive window: the most unread data a peer can make us hold over all its streams."""
 STREAM_WINDOW = 4 * 1024 * 1024

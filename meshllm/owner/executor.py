@@ -20,10 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from meshllm.api.serving import Serving, in_flight
 from meshllm.errors import ConfigError
 from meshllm.owner.commands import OwnerCommand
 from meshllm.owner.standby import StandbyDriver
+from meshllm.runtime.serving import Serving, in_flight
 
 SETTINGS: dict[str, str] = {
     "name": "the node's name, as peers and the console show it (1-64 characters)",

@@ -7,8 +7,9 @@
   :class:`~meshllm.owner.executor.Executor`, and answers every one, refusals included, with a
   result envelope signed by this node; each outcome is an event (``owner_command``, ``owner_refused``);
 - relays envelopes for other nodes (:class:`~meshllm.owner.relay.OwnerRelay`);
-- counts this node's demand (:class:`DemandBackend` wraps the API's backend) and publishes it in
-  the peer record every :data:`DEMAND_PUBLISH_S`;
+- counts this node's demand (the node's backend reports every request to its
+  :class:`~meshllm.mesh.demand.DemandTracker`) and publishes it in the peer record every
+  :data:`DEMAND_PUBLISH_S`;
 - runs the standby controller when the node was started with ``--standby``.
 """
 
@@ -17,13 +18,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from meshllm.api.backend import Backend, ModelEntry
-from meshllm.api.errors import classify
-from meshllm.api.serving import Serving
-from meshllm.engine.base import Embeddings, EmbedRequest, GenerationEvent, GenerationRequest
 from meshllm.errors import DecodeError, MeshllmError
 from meshllm.identity.envelope import decode_envelope
 from meshllm.identity.ids import node_id as node_id_of
@@ -38,57 +35,11 @@ from meshllm.owner.executor import Executor
 from meshllm.owner.policy import CommandGate, refusal_code
 from meshllm.owner.relay import MAX_RESULT, OwnerRelay
 from meshllm.owner.standby import StandbyConfig, StandbyController, StandbyDriver, Supply
+from meshllm.runtime.serving import Serving
 
 log = logging.getLogger(__name__)
 
 DEMAND_PUBLISH_S = 2.0
-UNMET_STATUSES = frozenset({404, 429, 503})
-"""A request refused with one of these had nowhere to go: nobody serves the model, or all were full."""
-
-
-class DemandBackend:
-    """The API's backend with this node's demand counted: every request for a model it does not serve."""
-
-    def __init__(self, inner: Backend, tracker: DemandTracker, local: Callable[[], Mapping[str, Any]]) -> None:
-        self.inner = inner
-        self.tracker = tracker
-        self._local = local
-
-    def models(self) -> Sequence[ModelEntry]:
-        return self.inner.models()
-
-    async def embed(self, request: EmbedRequest) -> Embeddings:
-        remote = self._count(request.model)
-        try:
-            return await self.inner.embed(request)
-        except Exception as exc:
-            if remote and classify(exc)[0] in UNMET_STATUSES:
-                self.tracker.unmet(request.model, time.time())
-            raise
-
-    def _count(self, model: str) -> bool:
-        """Count a request for ``model`` when this node does not serve it; whether it was counted."""
-        remote = model not in self._local()
-        if remote:
-            self.tracker.record(model, time.time())
-        return remote
-
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
-        remote = self._count(request.model)
-        events = self.inner.generate(request)
-        started = False
-        try:
-            async for event in events:
-                started = True
-                yield event
-        except Exception as exc:
-            if remote and not started and classify(exc)[0] in UNMET_STATUSES:
-                self.tracker.unmet(request.model, time.time())
-            raise
-        finally:
-            close = getattr(events, "aclose", None)
-            if close is not None:
-                await close()
 
 
 class OwnerService:
@@ -106,7 +57,7 @@ class OwnerService:
         self._certificate = certificate
         self.on_event = on_event
         self.demand = DemandTracker()
-        self.backend = DemandBackend(serving.backend, self.demand, lambda: serving.engines)
+        serving.backend.demand = self.demand  # the backend counts each request as it routes it
         self.gate = CommandGate(key)
         self.relay = OwnerRelay(mesh, self.execute, on_event)
         self.standby: StandbyDriver | None = None

@@ -3,7 +3,7 @@
 :class:`StandbyController` is sans-IO: each :meth:`~StandbyController.step` gets the mesh's demand
 map (``mesh/demand.py``), what every node serves and how loaded it is, which nodes are standbys for
 which models, and ``now``; it returns what to do. The driver (:class:`StandbyDriver`) feeds it from
-gossip every half second and loads or unloads through :class:`~meshllm.api.serving.Serving`.
+gossip every half second and loads or unloads through :class:`~meshllm.runtime.serving.Serving`.
 
 A model **needs help** when it was asked for within ``active_s`` and either nobody serves it
 (``unserved``), or requests for it were refused everywhere (``refused``: 503/429 at their origin),
@@ -29,9 +29,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from meshllm.api.router import rendezvous_score
 from meshllm.errors import MeshllmError
 from meshllm.mesh.demand import ModelDemand
+from meshllm.runtime.router import rendezvous_score
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ class StandbyDriver:
     """Runs a :class:`StandbyController` against the live mesh and this node's engines.
 
     ``observe()`` returns ``(demand, supply, standbys)`` from gossip; ``serving`` is the node's
-    :class:`~meshllm.api.serving.Serving`.
+    :class:`~meshllm.runtime.serving.Serving`.
     """
 
     def __init__(self, controller: StandbyController, serving: Any,

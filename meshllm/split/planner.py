@@ -1,6 +1,6 @@
 """Split planner (sans-IO): choose solo or a chain of stages that minimises predicted time per token.
 
-Cost model of plain decoding (DESIGN "Layer splits", the Mesh-LLM model with our RTT matrix)::
+Cost model of plain decoding (the Mesh-LLM model with our RTT matrix)::
 
     time/token = sum(stage compute) + sum(hop latency around the ring) + S * P + Q
 

@@ -21,9 +21,8 @@ from typing import Any
 import msgspec
 from nacl.signing import SigningKey
 
-from meshllm.api.events import EventHub
-from meshllm.api.serving import Serving
 from meshllm.errors import MeshllmError
+from meshllm.events import EventHub
 from meshllm.mesh.records import Capacity, Models, PeerRecord, ServedModel
 from meshllm.mesh.service import MeshService
 from meshllm.models.hub import cached, is_hub_ref, parse_hub_ref
@@ -31,6 +30,7 @@ from meshllm.models.hub_stage import HubModel, sign_source
 from meshllm.models.manifest import sign_manifest
 from meshllm.models.refs import ModelRef, resolve_model
 from meshllm.models.store import ModelStore
+from meshllm.runtime.serving import Serving
 from meshllm.split.audit import Recorder
 from meshllm.split.auditor import Auditor, serve_records
 from meshllm.split.control import StageHost

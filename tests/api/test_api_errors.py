@@ -17,9 +17,9 @@ from nodes import wait_until
 
 from meshllm.api.app import ApiLimits, LocalBackend, ModelEntry, create_app
 from meshllm.api.auth import require_api_key
-from meshllm.api.errors import NoCapacity
 from meshllm.engine.base import Finish, GenerationEvent, GenerationRequest, TextDelta, Usage
 from meshllm.engine.llama import LlamaEngine
+from meshllm.runtime.errors import NoCapacity
 
 CHAT = "/v1/chat/completions"
 HELLO = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}

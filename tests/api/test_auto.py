@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from meshllm.api.auto import Needs, choose, classify, model_task, needs_of
-from meshllm.api.backend import ModelEntry
 from meshllm.engine.base import ChatMessage, ChatRequest, CompletionRequest, GenerationParams
+from meshllm.runtime.backend import ModelEntry
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 from llama_cpp import Llama, LlamaGrammar
 
-from meshllm.api.errors import BadRequest
 from meshllm.api.grammar import MAX_GRAMMAR_CHARS, build_grammar
 from meshllm.api.tools import Function, TextOut, ToolCallParser, ToolSpec
+from meshllm.runtime.errors import BadRequest
 
 PLAIN = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 WITH_TOOLS = "<|im_start|>system\n<tools>\n<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"

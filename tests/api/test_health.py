@@ -12,8 +12,8 @@ from nodes import NodeProcess, running_nodes
 from tinymodels import write_tiny_llama
 
 from meshllm.api.app import LocalBackend, Readiness, create_app
-from meshllm.api.events import EventHub
 from meshllm.engine.llama import LlamaEngine
+from meshllm.events import EventHub
 
 pytestmark = pytest.mark.timeout(120)
 

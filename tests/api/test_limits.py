@@ -7,8 +7,8 @@ import asyncio
 import pytest
 from net.net_helpers import until
 
-from meshllm.api.errors import Saturated
 from meshllm.api.limits import Admission
+from meshllm.runtime.errors import Saturated
 
 
 async def hold(admission: Admission, client: str, order: list[str], name: str, until: asyncio.Event) -> None:

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from meshllm.api import status
-from meshllm.api.events import EventHub
+from meshllm.events import EventHub
 
 
 def test_keepalives_keep_the_subscription(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -15,12 +15,12 @@ def test_keepalives_keep_the_subscription(monkeypatch: pytest.MonkeyPatch) -> No
 
     async def main() -> list[str]:
         hub = EventHub()
-        hub.publish("before")
+        hub.publish("mesh_ready")
         stream = status._sse(hub)
         out = [await anext(stream)]  # history
         out += [await anext(stream), await anext(stream)]  # two quiet periods
-        asyncio.get_running_loop().call_later(0.01, hub.publish, "after")
-        while "after" not in out[-1]:
+        asyncio.get_running_loop().call_later(0.01, hub.publish, "ready")
+        while "ready" not in out[-1].split("\n")[0]:
             out.append(await anext(stream))
         assert len(hub._queues) == 1, "the subscription survived the keep-alives"
         await stream.aclose()
@@ -28,23 +28,23 @@ def test_keepalives_keep_the_subscription(monkeypatch: pytest.MonkeyPatch) -> No
         return out
 
     out = asyncio.run(main())
-    assert out[0].startswith("event: before") and out[1] == out[2] == ": keepalive\n\n"
-    assert out[-1].startswith("event: after")
+    assert out[0].startswith("event: mesh_ready") and out[1] == out[2] == ": keepalive\n\n"
+    assert out[-1].startswith("event: ready")
 
 
 def test_an_event_published_while_the_history_is_sent_is_streamed() -> None:
     async def main() -> list[str]:
         hub = EventHub()
-        hub.publish("before")
+        hub.publish("mesh_ready")
         stream = status._sse(hub)
         out = [await anext(stream)]  # the history is being sent: the reader has not asked for more yet
-        hub.publish("during")
+        hub.publish("ready")
         out.append(await asyncio.wait_for(anext(stream), 5.0))
         await stream.aclose()
         return out
 
     out = asyncio.run(main())
-    assert out[0].startswith("event: before") and out[1].startswith("event: during")
+    assert out[0].startswith("event: mesh_ready") and out[1].startswith("event: ready")
 
 
 def test_gossip_heartbeats_are_live_only_and_keep_the_history() -> None:
@@ -55,9 +55,9 @@ def test_gossip_heartbeats_are_live_only_and_keep_the_history() -> None:
         hub.publish("peer_joined", node_id="n1")
         for seq in range(50):  # a minute of a busy mesh's record refreshes
             hub.publish("record_updated", node_id="n1", seq=seq)
-        live = [(await asyncio.wait_for(anext(subscription), 5.0))["type"] for _ in range(52)]
+        live = [(await asyncio.wait_for(anext(subscription), 5.0)).type for _ in range(52)]
         await subscription.aclose()
-        return [e["type"] for e in hub.recent()], live
+        return [e.type for e in hub.recent()], live
 
     history, live = asyncio.run(main())
     assert history == ["ready", "peer_joined"]

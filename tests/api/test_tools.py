@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from meshllm.api.errors import BadRequest
 from meshllm.api.tools import CallOut, Function, TextOut, ToolCallParser, ToolSpec, json_value_end, parse_calls
+from meshllm.runtime.errors import BadRequest
 
 NAMES = frozenset({"get_weather", "get_time"})
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris"}}'

@@ -10,6 +10,7 @@ import pytest
 from rich.console import Console
 
 from meshllm.cli.dashboard import Link, fmt_capacity, fmt_duration, fmt_ms, heat_style, render
+from meshllm.events import from_wire
 
 NOW = 1_700_000_000.0
 NAMES = ["beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu", "nu"]
@@ -47,7 +48,8 @@ def snapshot(peers: list[dict[str, Any]], splits: list[dict[str, Any]] | None = 
 def draw(snap: dict[str, Any], width: int, height: int | None = None, events: list[dict[str, Any]] | None = None,
          link: Link | None = None) -> str:
     console = Console(record=True, width=width, height=height or 200, color_system="truecolor", force_terminal=True)
-    console.print(render(snap, events or [], link or Link(API), now=NOW, width=width, height=height))
+    typed = [from_wire(event) for event in events or []]  # as the event feed reads them off the stream
+    console.print(render(snap, typed, link or Link(API), now=NOW, width=width, height=height))
     text = console.export_text()
     assert all(len(line) <= width for line in text.splitlines()), text
     if height is not None:

@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from meshllm.api.console import CONTENT_TYPES, console_router
 from meshllm.api.errors import install_error_handlers
 from meshllm.console import static_files
+from meshllm.events import events_module_js
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ def test_every_file_the_page_refers_to_is_served_with_its_type(base: str) -> Non
         response = httpx.get(f"{base}/console/{name}")
         assert response.status_code == 200, name
         assert response.headers["content-type"] == CONTENT_TYPES[name[name.rfind("."):]]
-        assert response.content == files[name]
+        assert response.content == (events_module_js().encode() if name == "events.js" else files[name])
 
 
 @pytest.mark.parametrize("path", ["/console/nope.js", "/console/../__init__.py", "/console/%2e%2e/__init__.py",

@@ -17,7 +17,7 @@ import pytest
 from nodes import NodeProcess, meshllm, meshllm_json, running_nodes, wait_until
 from tinymodels import write_tiny_llama
 
-from meshllm.api.router import rendezvous_score
+from meshllm.runtime.router import rendezvous_score
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -100,6 +100,12 @@ def test_a_standby_takes_load_the_server_cannot_and_leaves_when_idle(tmp_path: P
         assert not load.errors, load.errors[:3]
         status = entry.status()
         assert any(d["model"] == "tiny" and d["requests"] > 0 for d in status["demand"])
+        # a request nobody can serve is demand unmet (the backend tells the owner's counter: no wrapper)
+        missing = httpx.post(entry.api + "/v1/chat/completions", headers=entry.admin_headers, timeout=10,
+                             json={"model": "nobody-serves-this", "messages": [{"role": "user", "content": "hi"}]})
+        assert missing.status_code == 404
+        wait_until(lambda: any(d["model"] == "nobody-serves-this" and d["requests"] == d["unmet"] == 1
+                               for d in entry.status()["demand"]), 10.0, interval=0.2)
 
         stopped = time.monotonic()
         demote = standby.wait_event(lambda e: e["type"] == "standby_demote", IDLE_S + 15.0)

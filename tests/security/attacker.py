@@ -25,8 +25,6 @@ import msgspec
 from msgspec import msgpack
 from nacl.signing import SigningKey
 
-from meshllm.api.tunnel import STREAM_KIND as TUNNEL_KIND
-from meshllm.api.tunnel import CallerFrame, RequestFrame
 from meshllm.errors import MeshllmError
 from meshllm.identity.ids import node_id as node_id_of
 from meshllm.identity.keys import NodeKey
@@ -37,6 +35,8 @@ from meshllm.mesh.messages import Digest, DownNotice, MeshMessage, Notices, sign
 from meshllm.mesh.records import RECORD_DOMAIN, SEQ_LIMIT, Models, PeerRecord, ServedModel, sign_record
 from meshllm.mesh.service import GOSSIP_STREAM, MeshService
 from meshllm.net import EndpointOptions, PeerConnection, Stream
+from meshllm.runtime.tunnel import STREAM_KIND as TUNNEL_KIND
+from meshllm.runtime.tunnel import CallerFrame, RequestFrame
 from meshllm.split.frames import KIND as LANE_KIND
 from meshllm.wire.addr import parse_addr
 from meshllm.wire.frames import HEADER, encode_frame

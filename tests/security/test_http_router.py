@@ -7,7 +7,7 @@ because ``Router.record_failure`` computed ``2 ** (failures - 1)`` before cappin
 
 from __future__ import annotations
 
-from meshllm.api.router import Attempt, PeerView, Router, RouterConfig, Target
+from meshllm.runtime.router import Attempt, PeerView, Router, RouterConfig, Target
 
 
 def test_thousands_of_failures_in_a_row_keep_the_capped_cooldown() -> None:

@@ -23,8 +23,8 @@ from attacker import Answer, Attacker, rss_mb
 from nodes import NodeProcess, running_nodes, wait_until
 from tinymodels import write_tiny_llama
 
-from meshllm.api.tunnel import DeltaFrame, ErrorFrame, RequestFrame
 from meshllm.net import Stream
+from meshllm.runtime.tunnel import DeltaFrame, ErrorFrame, RequestFrame
 
 pytestmark = pytest.mark.timeout(120)
 

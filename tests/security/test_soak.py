@@ -46,11 +46,11 @@ from attacker import (
 from nodes import NodeProcess, running_nodes, sees, wait_until
 from tinymodels import write_tiny_llama
 
-from meshllm.api.tunnel import DeltaFrame, RequestFrame
 from meshllm.errors import MeshllmError
 from meshllm.mesh.messages import Exchange
 from meshllm.mesh.service import GOSSIP_STREAM
 from meshllm.net import PeerConnection, Stream
+from meshllm.runtime.tunnel import DeltaFrame, RequestFrame
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 

@@ -5,11 +5,12 @@
 // stream reconnects with a growing pause when it breaks.
 
 import { el, fmtClock, replace, shortId, svg } from "./dom.js";
+// NOISY (hidden unless asked for: every gossip heartbeat makes one) comes from the node's event types.
+import { NOISY } from "./events.js";
 
 const HISTORY = 180; // samples kept for the sparkline (about three minutes at one per second)
 const MAX_EVENTS = 200; // kept in memory
 const SHOWN = 60; // listed
-const NOISY = new Set(["record_updated"]); // hidden unless asked for: every gossip heartbeat makes one
 
 /** Rolling rates from snapshots: requests per second at this node, tokens per second the mesh generates now. */
 export class Rates {

@@ -9,6 +9,7 @@ import { Blackboard } from "./blackboard.js";
 import { Chat } from "./chat.js";
 import { Control, renderStandby } from "./control.js";
 import { el, fmtDuration, meshNodes, nodeNames, replace, setText, shortId } from "./dom.js";
+import { BOARD_ON, REFRESH_ON } from "./events.js"; // from the node's event types (meshllm/events.py)
 import { EventFeed, EventLog, Rates, renderRates, renderSpark } from "./live.js";
 import { renderMap, renderNodes } from "./map.js";
 import { renderMatrix } from "./matrix.js";
@@ -17,8 +18,6 @@ import { Owner } from "./owner.js";
 
 const STATUS_EVERY_MS = 1000;
 const MODELS_EVERY_MS = 5000;
-const REFRESH_ON = new Set(["peer_joined", "peer_left", "peer_state", "peer_connected", "peer_path", "model_ready",
-  "model_unloaded", "standby_promote", "standby_demote", "split_ready", "split_stage_failed", "published", "unpublished"]);
 const $ = (id) => document.getElementById(id);
 
 takeTokenFromFragment(sessionStorage);
@@ -137,7 +136,6 @@ function render() {
 
 // The blackboard is read when its view opens, every few seconds while it stays open, and on note events.
 const BOARD_EVERY_MS = 5000;
-const BOARD_ON = new Set(["note_posted", "note_received"]);
 setInterval(() => { if (!$("view-board").hidden) board.refresh(); }, BOARD_EVERY_MS);
 $("tab-board").addEventListener("click", () => board.refresh());
 

@@ -3,10 +3,10 @@
 Loading a model publishes it in the node's peer record (``models.served``) so peers can route to
 it; a background task copies the engines' load into the record every few seconds, which the
 routers of other nodes read. ``backend`` is what the HTTP routes call: a
-:class:`~meshllm.api.mesh_backend.MeshBackend` over the live engine table, so it exists (and
+:class:`~meshllm.runtime.mesh_backend.MeshBackend` over the live engine table, so it exists (and
 routes to peers) before, while and after models load; a ``--client`` node has no engines and
 only routes. Peers' requests arrive on ``"request"`` streams, served by
-:class:`~meshllm.api.tunnel_serve.TunnelService` with the same engines.
+:class:`~meshllm.runtime.tunnel_serve.TunnelService` with the same engines.
 
 ``--model`` references resolve in one place (:func:`~meshllm.models.refs.resolve_model`): a path, a
 name or id from the node's model library, or ``hf:...`` (downloaded into it); a name or id that is
@@ -31,14 +31,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from meshllm.api.counters import RequestCounters
-from meshllm.api.events import EventHub
-from meshllm.api.limits import ApiLimits, Slots
-from meshllm.api.mesh_backend import MeshBackend
-from meshllm.api.metrics import NodeMetrics, NodeState, PeerState
-from meshllm.api.replay import ReplayPolicy
-from meshllm.api.tunnel import STREAM_KIND
-from meshllm.api.tunnel_serve import TunnelService
 from meshllm.engine.base import DEFAULT_MAX_TOKENS, Engine
 from meshllm.engine.capacity import compute_devices, release_freed_memory
 from meshllm.engine.kernels import Kernels
@@ -46,11 +38,18 @@ from meshllm.engine.llama import LlamaEngine
 from meshllm.engine.recommended import Recommended, for_model
 from meshllm.engine.speculate import SpeculateMode
 from meshllm.errors import ConfigError, MeshllmError
+from meshllm.events import EventHub
 from meshllm.mesh.records import Load, Models, ServedModel
 from meshllm.mesh.service import MeshService
 from meshllm.models.hub import is_hub_ref
 from meshllm.models.refs import ModelNotFound, ModelRef, looks_like_path, resolve_model
 from meshllm.models.store import ModelStore
+from meshllm.runtime.counters import RequestCounters
+from meshllm.runtime.mesh_backend import MeshBackend
+from meshllm.runtime.metrics import NodeMetrics, NodeState, PeerState
+from meshllm.runtime.replay import ReplayPolicy
+from meshllm.runtime.tunnel import STREAM_KIND
+from meshllm.runtime.tunnel_serve import PEER_SLOTS, Slots, TunnelService
 from meshllm.tasks import spawn
 
 log = logging.getLogger(__name__)
@@ -70,12 +69,13 @@ class ModelNotServed(MeshllmError):
 class Serving:
     """Engines of this node, the backend the API routes call, and the tunnel peers call."""
 
-    def __init__(self, node_id: str, mesh: MeshService, events: EventHub, limits: ApiLimits | None = None,
+    def __init__(self, node_id: str, mesh: MeshService, events: EventHub, peer_slots: int = PEER_SLOTS,
                  store: ModelStore | None = None, hash_cache: Path | None = None,
                  replay: ReplayPolicy | None = None, model_defaults: Mapping[str, Recommended] | None = None) -> None:
         """``hash_cache``: JSON file remembering model sha256s (a replay only continues on the same file);
         ``replay``: how routed generations broken mid-answer are continued elsewhere; ``model_defaults``:
-        ``config.toml``'s ``[models.NAME]`` sampling, for what requests leave out."""
+        ``config.toml``'s ``[models.NAME]`` sampling, for what requests leave out; ``peer_slots``: requests
+        peers may run here at once (over it a peer's request is refused at once and fails over)."""
         self.node_id = node_id
         self.mesh = mesh
         self.events = events
@@ -93,7 +93,7 @@ class Serving:
         """The node's ``/metrics`` registry (requests observed by the backend, state read at scrape time)."""
         self.backend = MeshBackend(node_id, self.engines, mesh, counters=self.counters, on_event=events.publish,
                                    replay=replay or ReplayPolicy(), hashes=self.hashes, metrics=self.metrics)
-        self.tunnel = TunnelService(self.engines, Slots((limits or ApiLimits()).max_concurrent), self.counters,
+        self.tunnel = TunnelService(self.engines, Slots(peer_slots), self.counters,
                                     self.hashes)
         mesh.endpoint.on_stream(STREAM_KIND, self.tunnel.handle)
         self._load_task: asyncio.Task[None] | None = None

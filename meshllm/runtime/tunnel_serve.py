@@ -1,7 +1,7 @@
 """The serving end of the request tunnel: run requests peers route to this node on its engines.
 
 One handler call per incoming ``"request"`` stream. The generation runs in its own task while a
-watcher reads the caller's side: a :class:`~meshllm.api.tunnel.CancelFrame`, a reset, or the
+watcher reads the caller's side: a :class:`~meshllm.runtime.tunnel.CancelFrame`, a reset, or the
 caller closing its side before the response ended all mean nobody is listening, so the
 generation is cancelled (the engine stops between two tokens). A node with all its peer slots
 busy answers 503 at once, so the caller fails over instead of queueing here.
@@ -15,10 +15,6 @@ import logging
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
-from meshllm.api.counters import RequestCounters
-from meshllm.api.errors import NoCapacity, UpstreamTimeout
-from meshllm.api.limits import Slots
-from meshllm.api.tunnel import CallerFrame, ModelMismatch, Routable, TunnelEvent, TunnelServer
 from meshllm.engine.base import EmbedRequest, Engine, Unsupported
 from meshllm.engine.embed import embed_stream
 from meshllm.engine.recommended import admit
@@ -26,6 +22,9 @@ from meshllm.identity.ids import short
 from meshllm.net.connection import PeerConnection
 from meshllm.net.errors import NetTimeout, StreamClosed
 from meshllm.net.streams import Stream
+from meshllm.runtime.counters import RequestCounters
+from meshllm.runtime.errors import NoCapacity, UpstreamTimeout
+from meshllm.runtime.tunnel import CallerFrame, ModelMismatch, Routable, TunnelEvent, TunnelServer
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +32,29 @@ REQUEST_TIMEOUT_S = 5.0
 """How long a caller may take to send its request frame after opening the stream."""
 SEND_TIMEOUT_S = 30.0
 """How long one response frame may wait for the caller to read (a stalled caller is dropped)."""
+
+
+PEER_SLOTS = 64
+"""Requests peers may run on this node at once, by default (over it a peer's request gets 503 and fails over)."""
+
+
+class Slots:
+    """A counting limit that never waits: a full node refuses at once, so the caller fails over."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.active = 0
+
+    def try_take(self) -> bool:
+        """Take a slot if one is free."""
+        if self.active >= self.limit:
+            return False
+        self.active += 1
+        return True
+
+    def give_back(self) -> None:
+        """Return a slot taken with :meth:`try_take`."""
+        self.active -= 1
 
 
 @dataclass

@@ -30,8 +30,6 @@ from nacl.signing import SigningKey
 from pydantic import BaseModel, ConfigDict, Field
 
 from meshllm.api.auth import require_admin
-from meshllm.api.errors import error_body
-from meshllm.api.serving import ModelNotServed
 from meshllm.engine.base import EngineError
 from meshllm.errors import ConfigError, DecodeError, KeystoreError, MeshllmError, VerificationError
 from meshllm.models.refs import ModelNotFound
@@ -46,6 +44,8 @@ from meshllm.owner.commands import (
 )
 from meshllm.owner.relay import MAX_ENVELOPE, RelayError
 from meshllm.owner.service import OwnerService
+from meshllm.runtime.errors import error_body
+from meshllm.runtime.serving import ModelNotServed
 
 RELAY_MARGIN_S = 15.0
 """The relay waits this much longer than the command may take (hops, sealing, the answer's way back)."""

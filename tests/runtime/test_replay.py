@@ -18,8 +18,6 @@ import pytest
 from gguf import GGMLQuantizationType
 from tinymodels import write_tiny_llama
 
-from meshllm.api.errors import BadRequest, NoCapacity, UpstreamError, UpstreamTimeout
-from meshllm.api.replay import Progress, ReplayPolicy, seeded
 from meshllm.engine.base import (
     ChatMessage,
     ChatRequest,
@@ -33,6 +31,8 @@ from meshllm.engine.base import (
 )
 from meshllm.engine.llama import LlamaEngine
 from meshllm.engine.text import TextStream
+from meshllm.runtime.errors import BadRequest, NoCapacity, UpstreamError, UpstreamTimeout
+from meshllm.runtime.replay import Progress, ReplayPolicy, seeded
 
 
 def completion(**params: object) -> CompletionRequest:

@@ -16,10 +16,10 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from meshllm.api.auth import require_admin, require_api_key
-from meshllm.api.errors import error_body
 from meshllm.errors import MeshllmError
 from meshllm.models.library import LibraryEntry
 from meshllm.models.store import ModelStore
+from meshllm.runtime.errors import error_body
 
 
 class PullBody(BaseModel):

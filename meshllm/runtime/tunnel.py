@@ -19,7 +19,7 @@ The net layer's streams already frame and decode typed messages (``Stream.send(s
 :class:`TunnelServer` are sans-IO state machines that turn engine events into frames and frames
 into engine events or typed errors. They track the stream's state, so a misbehaving peer (a delta
 after finish, a second request) is a :class:`~meshllm.errors.DecodeError`, not a corrupt
-response. The asyncio driver (``meshllm.api.mesh_backend``) only moves their frames.
+response. The asyncio driver (``meshllm.runtime.mesh_backend``) only moves their frames.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from typing import Literal
 
 import msgspec
 
-from meshllm.api.errors import ApiError, UpstreamError, classify, error_for
 from meshllm.engine.base import (
     ChatRequest,
     CompletionRequest,
@@ -44,6 +43,7 @@ from meshllm.engine.base import (
     Usage,
 )
 from meshllm.errors import DecodeError
+from meshllm.runtime.errors import ApiError, UpstreamError, classify, error_for
 
 TUNNEL_VERSION = 1
 BYTES_PER_TOKEN = 256

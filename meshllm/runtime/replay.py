@@ -3,7 +3,7 @@
 The node whose API took the request keeps, for each generation, the request and the token ids of
 every delta it has passed to the client (engines and the request tunnel carry them beside the
 text: :attr:`~meshllm.engine.base.TextDelta.tokens`). When the serving node dies or its stream
-breaks after the first byte, the driver (:mod:`meshllm.api.mesh_backend`) sends the original
+breaks after the first byte, the driver (:mod:`meshllm.runtime.mesh_backend`) sends the original
 request with those ids as a forced :attr:`~meshllm.engine.base.ChatRequest.continuation` to
 another node serving the same file. That engine prefills prompt + continuation, feeds the ids
 silently through its text core (so stop strings, split UTF-8 characters and the token budget are
@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from meshllm.api.tunnel import TunnelEvent, failover_allowed
 from meshllm.engine.base import GenerationRequest, TextDelta
+from meshllm.runtime.tunnel import TunnelEvent, failover_allowed
 
 DEFAULT_MAX_REPLAYS = 2
 

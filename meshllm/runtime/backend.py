@@ -1,7 +1,7 @@
 """What the HTTP routes call: a :class:`Backend` that lists the mesh's models and generates.
 
 The routes know nothing about engines, peers or QUIC. A node's backend decides where a request
-runs (its own engine, or a peer through the request tunnel, chosen by ``meshllm.api.router``);
+runs (its own engine, or a peer through the request tunnel, chosen by ``meshllm.runtime.router``);
 :class:`LocalBackend` serves from engines in this process only, which is what a single machine
 and the tests need.
 """
@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from meshllm.api.errors import UnknownModel
 from meshllm.engine.base import (
     Embeddings,
     EmbedRequest,
@@ -24,6 +23,7 @@ from meshllm.engine.base import (
 )
 from meshllm.engine.embed import embed
 from meshllm.engine.recommended import admit
+from meshllm.runtime.errors import UnknownModel
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class Backend(Protocol):
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         """Stream the events of ``request``.
 
-        Raise :class:`~meshllm.api.errors.UnknownModel` if no node serves ``request.model``, and
+        Raise :class:`~meshllm.runtime.errors.UnknownModel` if no node serves ``request.model``, and
         any error *before* the first event if the request cannot be served (the client then gets
         a proper status code). Closing the iterator must cancel the generation wherever it runs.
         """

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from meshllm.api.router import Attempt, PeerView, Router, RouterConfig, Target, affinity_key, rendezvous_score
 from meshllm.engine.base import ChatMessage, ChatRequest, CompletionRequest
+from meshllm.runtime.router import Attempt, PeerView, Router, RouterConfig, Target, affinity_key, rendezvous_score
 
 M = "model-x"
 

@@ -5,18 +5,6 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from meshllm.api.errors import NoCapacity, UnknownModel, UpstreamError, UpstreamTimeout, error_for
-from meshllm.api.tunnel import (
-    CallerFrame,
-    CancelFrame,
-    DeltaFrame,
-    RemoteError,
-    RequestFrame,
-    ServerFrame,
-    TunnelClient,
-    TunnelServer,
-    failover_allowed,
-)
 from meshllm.engine.base import (
     ChatMessage,
     ChatRequest,
@@ -34,6 +22,18 @@ from meshllm.engine.base import (
     Usage,
 )
 from meshllm.errors import DecodeError
+from meshllm.runtime.errors import NoCapacity, UnknownModel, UpstreamError, UpstreamTimeout, error_for
+from meshllm.runtime.tunnel import (
+    CallerFrame,
+    CancelFrame,
+    DeltaFrame,
+    RemoteError,
+    RequestFrame,
+    ServerFrame,
+    TunnelClient,
+    TunnelServer,
+    failover_allowed,
+)
 
 CHAT = ChatRequest(model="m", messages=(ChatMessage("system", "s"), ChatMessage("user", "héllo"),
                                         ChatMessage("assistant", "", tool_calls=(ToolCall("c1", "f", "{}"),)),

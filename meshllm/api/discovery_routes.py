@@ -16,8 +16,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from meshllm.api.auth import require_admin, require_api_key
-from meshllm.api.errors import error_body
 from meshllm.discovery.publisher import NodeDiscovery, NotMeshOwner
+from meshllm.runtime.errors import error_body
 
 
 class PublishRequest(BaseModel):

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from meshllm.api.mesh_backend import _aclose
+from meshllm.runtime.mesh_backend import _aclose
 
 
 def test_closing_a_stream_a_cancelled_task_still_reads_leaves_it_to_that_cancellation() -> None:

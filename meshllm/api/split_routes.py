@@ -12,8 +12,8 @@ from fastapi import APIRouter, Depends, Query
 from fastapi.responses import JSONResponse
 
 from meshllm.api.auth import require_api_key
-from meshllm.api.errors import error_body
 from meshllm.errors import MeshllmError
+from meshllm.runtime.errors import error_body
 from meshllm.split.planner import GIB
 
 

@@ -1,17 +1,17 @@
-"""MeshBackend: the node's :class:`~meshllm.api.backend.Backend`, serving every model of the mesh.
+"""MeshBackend: the node's :class:`~meshllm.runtime.backend.Backend`, serving every model of the mesh.
 
 A request runs on this node's engine when it has the model; otherwise it travels to a peer over
-a QUIC stream of kind ``"request"`` (the tunnel frames of :mod:`meshllm.api.tunnel`), and the
-response streams back. Which targets, in which order, is the sans-IO :class:`~meshllm.api.router.Router`'s
+a QUIC stream of kind ``"request"`` (the tunnel frames of :mod:`meshllm.runtime.tunnel`), and the
+response streams back. Which targets, in which order, is the sans-IO :class:`~meshllm.runtime.router.Router`'s
 decision; this module is its driver: it reads the mesh (gossip records, connections, RTTs),
-walks the order with an :class:`~meshllm.api.router.Attempt` (failover until the first event has
+walks the order with an :class:`~meshllm.runtime.router.Attempt` (failover until the first event has
 gone to the client), and holds every wait to a deadline.
 
 A peer that vanishes mid-response is noticed by the transport's probes (``suspect`` within about
 a second) or a closed connection; both reset the streams in flight to it. A generation broken that
 way after its first byte is *replayed*: the request and the token ids already sent go to another
 node serving the same model file, which continues the answer where it broke, so the client's
-stream goes on (:mod:`meshllm.api.replay` keeps the state and the rules). With nowhere to go the
+stream goes on (:mod:`meshllm.runtime.replay` keeps the state and the rules). With nowhere to go the
 client gets the clean error at once instead of waiting for a timeout.
 """
 
@@ -25,31 +25,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from meshllm.api.backend import ModelEntry, local_entry
-from meshllm.api.counters import RequestCounters
-from meshllm.api.errors import (
-    ApiError,
-    NoCapacity,
-    Saturated,
-    UnknownModel,
-    UpstreamError,
-    UpstreamTimeout,
-    classify,
-)
-from meshllm.api.metrics import GenerationWatch, NodeMetrics, Route
-from meshllm.api.replay import Progress, ReplayPolicy, seeded
-from meshllm.api.router import Attempt, PeerView, Router, Target, affinity_key
-from meshllm.api.tunnel import (
-    STREAM_KIND,
-    PeerOverran,
-    RemoteError,
-    Routable,
-    ServerFrame,
-    TunnelClient,
-    TunnelEvent,
-    failover_allowed,
-)
 from meshllm.engine.base import (
     Embeddings,
     EmbedRequest,
@@ -69,9 +46,45 @@ from meshllm.net.connection import PeerConnection
 from meshllm.net.errors import NetTimeout, StreamClosed
 from meshllm.net.events import PeerEvent, PeerEventKind
 from meshllm.net.streams import Stream
+from meshllm.runtime.backend import ModelEntry, local_entry
+from meshllm.runtime.counters import RequestCounters
+from meshllm.runtime.errors import (
+    ApiError,
+    NoCapacity,
+    Saturated,
+    UnknownModel,
+    UpstreamError,
+    UpstreamTimeout,
+    classify,
+)
+from meshllm.runtime.metrics import GenerationWatch, NodeMetrics, Route
+from meshllm.runtime.replay import Progress, ReplayPolicy, seeded
+from meshllm.runtime.router import Attempt, PeerView, Router, Target, affinity_key
+from meshllm.runtime.tunnel import (
+    STREAM_KIND,
+    PeerOverran,
+    RemoteError,
+    Routable,
+    ServerFrame,
+    TunnelClient,
+    TunnelEvent,
+    failover_allowed,
+)
 from meshllm.wire.addr import parse_addr
 
 log = logging.getLogger(__name__)
+
+
+UNMET_STATUSES = frozenset({404, 429, 503})
+"""A request refused with one of these had nowhere to go: nobody serves the model, or all were full."""
+
+
+class DemandHook(Protocol):
+    """What counts this node's demand (``meshllm.mesh.demand.DemandTracker``)."""
+
+    def record(self, model: str, now: float) -> None: ...
+
+    def unmet(self, model: str, now: float) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -130,6 +143,9 @@ class MeshBackend:
     """``on_event(type, **fields)``: the node's event hub (failovers show in ``/api/events``)."""
     metrics: NodeMetrics | None = None
     """The node's ``/metrics`` registry (None: nothing observed)."""
+    demand: DemandHook | None = None
+    """Told of every request for a model this node does not serve, and of those that found nowhere to run
+    (the owner's demand counter, published in the node's record; None: nothing counted)."""
     _calls: dict[str, set[_Call]] = field(default_factory=dict, init=False)
     _created: int = field(default_factory=lambda: int(time.time()), init=False)
 
@@ -204,38 +220,57 @@ class MeshBackend:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         """Stream ``request`` from the best target, failing over until the first event."""
-        self.counters.started(time.time(), remote=request.model not in self.engines)
+        remote = self._count(request.model)
         watch = self._watch(request)
+        started = False
         try:
             async for event in self._route(request, watch):
                 if watch is not None:
                     watch.event(event, self.clock())
+                started = True
                 yield event
-        except Exception:
+        except Exception as exc:
             self.counters.failed_one()
             if watch is not None:
                 watch.failed()
+            if remote and not started:
+                self._unmet(request.model, exc)
             raise
 
     async def embed(self, request: EmbedRequest) -> Embeddings:
         """Embeddings from the best target, failing over like a generation (the answer is one event)."""
-        self.counters.started(time.time(), remote=request.model not in self.engines)
+        remote = self._count(request.model)
         watch = self._watch(request)
         events = self._route(request, watch)
         try:
             answer = await _first(events, "the serving node")
             if not isinstance(answer, Embeddings):
                 raise UpstreamError("the serving node answered an embeddings request with text")
-        except Exception:
+        except Exception as exc:
             self.counters.failed_one()
             if watch is not None:
                 watch.failed()
+            if remote:
+                self._unmet(request.model, exc)
             raise
         finally:
             await _aclose(events)
         if watch is not None:
             watch.prompt_tokens(answer.prompt_tokens)
         return answer
+
+    def _count(self, model: str) -> bool:
+        """Count a request for ``model`` (and, when this node does not serve it, its demand); whether it is remote."""
+        now, remote = time.time(), model not in self.engines
+        self.counters.started(now, remote=remote)
+        if remote and self.demand is not None:
+            self.demand.record(model, now)
+        return remote
+
+    def _unmet(self, model: str, exc: BaseException) -> None:
+        """A request for a model served elsewhere ended before its answer: demand unmet if nobody could take it."""
+        if self.demand is not None and classify(exc)[0] in UNMET_STATUSES:
+            self.demand.unmet(model, time.time())
 
     def _watch(self, request: Routable) -> GenerationWatch | None:
         return None if self.metrics is None else self.metrics.watch(request.model, self.clock())
@@ -251,7 +286,7 @@ class MeshBackend:
 
     async def _route(self, request: Routable, watch: GenerationWatch | None = None) -> AsyncIterator[TunnelEvent]:
         """The events of ``request``: fail over until the first event, then replay a generation whose
-        serving node fails (or stalls) mid-answer on another node (:mod:`meshllm.api.replay`)."""
+        serving node fails (or stalls) mid-answer on another node (:mod:`meshllm.runtime.replay`)."""
         if isinstance(request, EmbedRequest):
             target, first, events = await self._start(request, self._targets(request))
             if watch is not None:
