@@ -76,10 +76,11 @@ class SplitService:
         self.options = options
         self.store = store
         self.key = signing_key
-        dial = LaneDialer(signing_key, store.bulk_ports) if store.bulk_ports is not None else None
+        traffic = mesh.endpoint.traffic
+        dial = LaneDialer(signing_key, store.bulk_ports, traffic) if store.bulk_ports is not None else None
         self.server = StageServer(mesh.endpoint, dial=dial)
-        store.bulk_server.on_lane = lambda reader, writer, peer: self.server.serve_lane(TcpStream(reader, writer),
-                                                                                        peer)
+        store.bulk_server.on_lane = lambda reader, writer, peer: self.server.serve_lane(
+            TcpStream(reader, writer, traffic=traffic), peer)
         self.host = StageHost(self.server, store, self.budget, self._hosted_changed, options.load_stage,
                               names=self._names, is_owner=self._is_mesh_owner) if role == "worker" else None
         if role == "worker":  # keep what our stages compute, so a coordinator's audit can say who lied

@@ -34,7 +34,8 @@ from meshllm.identity.ids import short
 from meshllm.models.bulk import CONNECT_S, FRAME_MAX, HANDSHAKE_S, OpenLane
 from meshllm.net import tcp_tls
 from meshllm.net.errors import NetTimeout, StreamClosed
-from meshllm.split.frames import LANE_FRAME_MAX
+from meshllm.net.traffic import StreamTraffic
+from meshllm.split.frames import KIND, LANE_FRAME_MAX
 from meshllm.wire.frames import FrameDecoder, decode_frame, encode_frame
 
 log = logging.getLogger(__name__)
@@ -49,10 +50,13 @@ class TcpStream:
     """The part of :class:`~meshllm.net.Stream` a :class:`~meshllm.split.lanes.Lane` uses, on a TLS connection."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 max_frame: int = LANE_FRAME_MAX) -> None:
+                 max_frame: int = LANE_FRAME_MAX, traffic: StreamTraffic | None = None) -> None:
         self._reader = reader
         self._writer = writer
         self.max_frame = max_frame
+        self._traffic = traffic
+        """The endpoint's totals (``/metrics``), counted under the kind a QUIC lane has: the same bytes
+        whichever transport carries them."""
         self._decoder: FrameDecoder[msgspec.Raw] = FrameDecoder(msgspec.Raw, max_frame)
         self._inbox: deque[msgspec.Raw] = deque()
 
@@ -61,7 +65,10 @@ class TcpStream:
         peer does not take it within ``timeout``."""
         if self._writer.is_closing():
             raise StreamClosed("the lane's TCP connection is closed")
-        self._writer.write(encode_frame(message, self.max_frame))
+        frame = encode_frame(message, self.max_frame)
+        self._writer.write(frame)
+        if self._traffic is not None:
+            self._traffic.add_sent(KIND, len(frame))
         try:
             await asyncio.wait_for(self._writer.drain(), timeout)
         except TimeoutError:
@@ -82,6 +89,8 @@ class TcpStream:
                 if not self._decoder.at_boundary():
                     raise StreamClosed("lane connection ended mid-frame")
                 return None
+            if self._traffic is not None:
+                self._traffic.add_received(KIND, len(data))
             try:
                 self._inbox.extend(self._decoder.feed(data))
             except DecodeError as exc:
@@ -104,9 +113,11 @@ class TcpStream:
 class LaneDialer:
     """Opens TLS lanes to peers' bulk channels; remembers peers whose channel failed (QUIC for a while)."""
 
-    def __init__(self, signing_key: SigningKey, bulk_port: Callable[[str], int]) -> None:
+    def __init__(self, signing_key: SigningKey, bulk_port: Callable[[str], int],
+                 traffic: StreamTraffic | None = None) -> None:
         _, self._ssl = tcp_tls.contexts(signing_key)
         self.bulk_port = bulk_port
+        self._traffic = traffic
         self._quic_only: dict[str, float] = {}
 
     async def __call__(self, node_id: str, host: str) -> TcpStream | None:
@@ -132,4 +143,4 @@ class LaneDialer:
                         short(node_id), QUIC_ONLY_S, exc or "timed out")
             self._quic_only[node_id] = time.monotonic() + QUIC_ONLY_S
             return None
-        return TcpStream(reader, writer)
+        return TcpStream(reader, writer, traffic=self._traffic)
