@@ -76,8 +76,10 @@ RETRY_S = 1.0
 SPARE_CHECK_S = 2.0
 """How often a serving chain's warm spares are re-planned (workers come and go)."""
 SPARE_SLACK = 2
-"""Layers a warm range reaches beyond the planned one on each side: a replan priced with the speeds the
-chain measured may move a boundary a little, and a stage file must cover the whole range to be used."""
+"""Layers a warm range reaches beyond the planned one on each side: the replan after a death may see a
+slightly different RTT matrix than the spare check did, and a stage file must cover the whole range to be
+used. (A replan priced with the speeds the chain measured can move a boundary further; it then falls back
+to the spares' own plan when that one needs no transfer: :func:`covers`.)"""
 
 
 @dataclass(frozen=True)
@@ -241,6 +243,13 @@ def spare_ranges(profile: ModelProfile, nodes: list[Candidate], rtt: Mapping[str
             for node, (low, high) in wanted.items()}
 
 
+def covers(chosen: Plan, held: Mapping[str, Collection[tuple[int, int]]]) -> bool:
+    """Whether each worker stage of ``chosen`` lies inside a layer range its node keeps on disk (``held``:
+    node id -> ranges), so the chain forms with no transfer."""
+    return all(any(a <= s.layer_start and s.layer_end <= b for a, b in held.get(s.node_id, ()))
+               for s in chosen.stages[1:])
+
+
 def plan_options(options: SplitOptions, workers: int, *, placing: bool = False, degraded: bool = False) -> PlanOptions:
     """Planner options for the mode: ``--stages`` fixes the stage count.
 
@@ -298,6 +307,8 @@ class SplitPlacement:
         self.untrusted: dict[str, float] = {}
         """Nodes an audit caught (node id -> until when, monotonic): never placed on again before then."""
         self._audits = audits
+        self.held: dict[str, set[tuple[int, int]]] = {}
+        """Node id -> the layer ranges it keeps on disk for this model (stages it hosted, warm spares)."""
         self.hub_source = hub_source
         self._replan = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -401,6 +412,14 @@ class SplitPlacement:
         nodes = candidates(own, self.budget, members, {*self._suspects, *self.untrusted}, measured)
         opts = plan_options(self.options, len(nodes) - 1, placing=True, degraded=self.plan is not None)
         chosen = plan(self.profile, nodes, self._rtt(), own.node_id, opts)
+        if measured and not covers(chosen, self.held):
+            # The warm spares were planned without measured speeds (spare_ranges runs while the chain is
+            # young); the speeds can move a boundary past a spare's slack. A chain that needs no transfer
+            # now beats a slightly better balanced one that waits for bytes.
+            steady = plan(self.profile, candidates(own, self.budget, members, {*self._suspects, *self.untrusted}),
+                          self._rtt(), own.node_id, opts)
+            if covers(steady, self.held):
+                chosen = steady
         if chosen.solo or chosen.stages[0].node_id != own.node_id:
             raise SplitError("the plan does not start at this node with at least one worker")
         chain = hops(chosen, own, members)
@@ -434,6 +453,7 @@ class SplitPlacement:
             model=self.engine.model_id, model_id=self.ref.sha256, manifest=b"" if hub else self.manifest, hub=hub,
             chain=chain, index=index, max_context=self.engine.max_context,
         ), on_progress=lambda p: self._progress(hop.node_id).update(p.bytes_done, p.bytes_total))
+        self.held.setdefault(hop.node_id, set()).add((hop.layer_start, hop.layer_end))
         if isinstance(hosted, Hosted) and hosted.fetched_bytes:
             self._progress(hop.node_id).update(hosted.fetched_bytes, hosted.fetched_bytes)  # what it took
             self.publish("split_stage_fetched", model=self.engine.model_id, node=hop.node_id,
@@ -472,6 +492,7 @@ class SplitPlacement:
                     else:
                         failed.pop(node, None)
                         held[node] = [names.get(node, node[:8]), *todo[node], outcome]
+                        self.held.setdefault(node, set()).add(todo[node])
                 self.spares = list(held.values())
                 self.publish("split_spares_ready", model=self.engine.model_id, spares=self.spares,
                              failed=[[names.get(n, n[:8]), why] for n, why in failed.items()],
