@@ -73,6 +73,8 @@ UNTRUSTED_S = 24 * 3600.0
 """How long a node an audit caught forging stays out of this node's plans (at most for the process)."""
 RETRY_S = 1.0
 """Pause between placement attempts while no chain fits (workers missing, a host refused)."""
+WATCH_S = 0.05
+"""How often a placement waiting for workers looks at the membership."""
 SPARE_CHECK_S = 2.0
 """How often a serving chain's warm spares are re-planned (workers come and go)."""
 SPARE_SLACK = 2
@@ -107,6 +109,8 @@ class SplitOptions:
     """Bytes an audit's loaded layers may hold at once (``--split-audit-memory``)."""
     batch: int = DEFAULT_BATCH
     """Requests whose decode steps go down a chain this node coordinates as one pass (``--split-batch``)."""
+    spares: bool = True
+    """Keep warm spares for the chains this node coordinates (``--split-spares``)."""
 
     def load_stage(self, path: Path, layer_start: int, layer_end: int, max_context: int) -> StageModel:
         """Load a layer range with this node's threads and accelerator settings (blocking)."""
@@ -316,8 +320,10 @@ class SplitPlacement:
         self.spares: list[list[Any]] = []
         """The serving chain's warm spares: ``[name, layer_start, layer_end, fetched_bytes]`` each."""
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name=f"split-placement-{self.engine.model_id}")
+    def start(self, prepared: Awaitable[bytes] | None = None) -> None:
+        """Place and keep a chain; first await ``prepared`` (the engine's tokenizer and the signed manifest,
+        which replaces the one given at construction when not empty)."""
+        self._task = asyncio.create_task(self._run(prepared), name=f"split-placement-{self.engine.model_id}")
 
     async def stop(self) -> None:
         for task in [self._task, *self._spares]:
@@ -386,7 +392,15 @@ class SplitPlacement:
         with contextlib.suppress(MeshllmError):
             await ask(self.server.endpoint, hop.node_id, hop.addr, Release(model=self.engine.model_id), timeout=5.0)
 
-    async def _run(self) -> None:
+    async def _run(self, prepared: Awaitable[bytes] | None) -> None:
+        if prepared is not None:
+            try:
+                self.manifest = await prepared or self.manifest
+            except (MeshllmError, OSError) as exc:
+                log.error("split %s cannot be served: %s", self.engine.model_id, exc)
+                self.engine.detach(f"{NO_CHAIN}: {exc}")
+                self.publish("split_waiting", model=self.engine.model_id, reason=str(exc))
+                return
         while True:
             self._replan.clear()
             try:
@@ -397,9 +411,18 @@ class SplitPlacement:
                     log.info("split %s: %s", self.engine.model_id, exc)
                     self.publish("split_waiting", model=self.engine.model_id, reason=str(exc))
                 self.engine.detach(reason)
-                await asyncio.sleep(RETRY_S)
+                await self._retry_wait()
                 continue
             await self._replan.wait()
+
+    async def _retry_wait(self) -> None:
+        """Sleep :data:`RETRY_S` before placing again, or less once the live workers change (one that just
+        joined may complete the chain: placing it at once saves up to a second of time to serve)."""
+        def workers() -> set[str]:
+            return {n for n, r in self._members().items() if r.role == "worker" and r.state == "alive"}
+        before, deadline = workers(), time.monotonic() + RETRY_S
+        while time.monotonic() < deadline and workers() == before:
+            await asyncio.sleep(WATCH_S)
 
     async def _place(self) -> None:
         started = time.monotonic()
@@ -443,7 +466,7 @@ class SplitPlacement:
         for task in self._spares:  # an older chain's spares are planned for deaths that no longer apply
             task.cancel()
         self.spares = []
-        if self.hub_source is None:  # a hub-direct model has no manifest a spare could fetch against
+        if self.hub_source is None and self.options.spares:  # a hub model has no manifest a spare fetches against
             spawn(self._spares, self._keep_spares(chain), name=f"split-spares-{self.engine.model_id}")
 
     async def _host(self, chain: list[Hop], index: int, hub: bytes = b"") -> None:
@@ -470,6 +493,8 @@ class SplitPlacement:
         failed: dict[str, str] = {}
         first = True
         while True:
+            # after each check, the first too: a new chain serves its first requests before spares load the host
+            await asyncio.sleep(SPARE_CHECK_S)
             own, members = self._own(), self._members()
             nodes = candidates(own, self.budget, members, {*self._suspects, *self.untrusted})
             wanted = spare_ranges(self.profile, nodes, self._rtt(), chain, self.options)
@@ -498,7 +523,6 @@ class SplitPlacement:
                              failed=[[names.get(n, n[:8]), why] for n, why in failed.items()],
                              chain=[h.node_id for h in chain])
                 first = False
-            await asyncio.sleep(SPARE_CHECK_S)
 
     async def _warm(self, addr: str, own_addr: str, node: str, start: int, end: int) -> int | str:
         """Ask ``node`` to keep layers ``[start, end)`` on disk: the bytes it fetched, or why it did not."""
