@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import signal
 import socket
 import statistics
@@ -44,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from nodes import NodeProcess, wait_until
 from wan import LinkProfile, WanEmulator
-from wan.tun import TunWan, missing_requirements
+from wan.tun import TunWan, default_congestion, missing_requirements
 
 from meshllm.models.transfer import WINDOW
 
@@ -436,9 +437,11 @@ def transfer(args: argparse.Namespace) -> dict[str, Any]:
     """``--transfer``: per run a fresh IP-level emulator (every link ``--rtt``/``--loss``), plain TCP first,
     then a chain's formation; medians."""
     profile = LinkProfile.rtt(args.rtt, loss=args.loss / 100.0)
+    congestion = args.congestion or default_congestion()
     runs = []
     for run in range(args.runs):
-        with TunWan(max(2, args.stages), profile, seed=run) as wan, tempfile.TemporaryDirectory() as tmp:
+        with TunWan(max(2, args.stages), profile, seed=run, congestion=congestion) as wan, \
+                tempfile.TemporaryDirectory() as tmp:
             tcp = plain_tcp(wan, args.tcp_mb << 20)
             tcp2 = plain_tcp(wan, args.tcp_mb << 20, WINDOW)
             chain = chain_formation(wan, Path(tmp), args.model, args.stages)
@@ -450,6 +453,7 @@ def transfer(args: argparse.Namespace) -> dict[str, Any]:
               flush=True)
     biggest = [max(r["fetches"], key=lambda f: f["bytes"]) for r in runs if r["fetches"]]
     return {"rtt_ms": args.rtt, "loss_pct": args.loss, "stages": args.stages, "model": args.model,
+            "congestion": congestion, "load_average": os.getloadavg(),
             "tcp_mb": args.tcp_mb, "plain_tcp_mb_s": statistics.median(r["plain_tcp_mb_s"] for r in runs),
             "plain_tcp_window_mb_s": statistics.median(r["plain_tcp_window_mb_s"] for r in runs), "window": WINDOW,
             "layer_mb_s": statistics.median(f["mb_s"] for f in biggest) if biggest else None,
@@ -460,12 +464,14 @@ def transfer(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def transfer_table(results: list[dict[str, Any]]) -> str:
-    lines = ["| RTT (ms) | loss | stages | plain TCP MB/s, 1 / 2 connections | largest stage MB | its fetch MB/s "
-             "| fetch vs plain TCP (2 connections) | chain formed s (coordinator up / placement) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| RTT (ms) | loss | TCP congestion control | stages | plain TCP MB/s, 1 / 2 connections "
+             "| largest stage MB | its fetch MB/s | fetch vs plain TCP (2 connections) "
+             "| chain formed s (coordinator up / placement) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         ratio = r["layer_mb_s"] / r["plain_tcp_window_mb_s"] if r["layer_mb_s"] else None
-        lines.append(f"| {r['rtt_ms']:g} | {r['loss_pct']:g}% | {r['stages']} | {r['plain_tcp_mb_s']:.2f} / "
+        lines.append(f"| {r['rtt_ms']:g} | {r['loss_pct']:g}% | {r['congestion']} | {r['stages']} | "
+                     f"{r['plain_tcp_mb_s']:.2f} / "
                      f"{r['plain_tcp_window_mb_s']:.2f} | "
                      f"{_fmt(r['layer_mb'])} | {_fmt(r['layer_mb_s'], '{:.2f}')} | {_fmt(ratio, '{:.2f}x')} | "
                      f"{r['formation_s']:.1f} ({r['coord_ready_s']:.1f} / {r['placement_s']:.1f}) |")
@@ -518,6 +524,8 @@ def main() -> None:
     parser.add_argument("--transfer", action="store_true",
                         help="layer transfer rate and chain formation through the IP-level emulator (root), "
                              "next to plain TCP on the same link; --model gemma, --stages, --runs apply")
+    parser.add_argument("--congestion", default="", help="TCP congestion control in the namespaces (--transfer; "
+                        "default: the kernel's)")
     parser.add_argument("--tcp-mb", type=int, default=128, help="MiB of the plain TCP transfer (--transfer)")
     args = parser.parse_args()
     args.modes = [m for m in args.modes.split(",") if m]

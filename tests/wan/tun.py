@@ -56,6 +56,11 @@ def _sh(*args: str) -> None:
     subprocess.run(list(args), check=True, capture_output=True, text=True, timeout=20)
 
 
+def default_congestion() -> str:
+    """The kernel's TCP congestion control (what a namespace gets unless told)."""
+    return Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+
+
 def _open_tun(name: str) -> int:
     fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
     fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", name.encode(), IFF_TUN | IFF_NO_PI))
@@ -66,7 +71,7 @@ class _Links:
     """The TUN devices and one :class:`LinkState` per ordered pair of nodes."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, prefix: str, nodes: int, profile: LinkProfile,
-                 seed: int | None) -> None:
+                 seed: int | None, congestion: str) -> None:
         self.loop, self.prefix, self.profile = loop, prefix, profile
         self.rng = random.Random(seed)
         self.fds: dict[int, int] = {}
@@ -81,6 +86,8 @@ class _Links:
             _sh("ip", "link", "set", tun, "netns", ns)
             _sh("ip", "-n", ns, "link", "set", tun, "mtu", str(MTU), "up")
             _sh("ip", "-n", ns, "addr", "add", f"{SUBNET}.{i}/24", "dev", tun)
+            if congestion:
+                _sh("ip", "netns", "exec", ns, "sysctl", "-qw", f"net.ipv4.tcp_congestion_control={congestion}")
             loop.add_reader(self.fds[i], self._read, i)
 
     def _link(self, a: int, b: int) -> LinkState:
@@ -117,10 +124,10 @@ class _Links:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
 
 
-async def _serve(prefix: str, nodes: int, profile: LinkProfile, seed: int | None) -> None:
+async def _serve(prefix: str, nodes: int, profile: LinkProfile, seed: int | None, congestion: str) -> None:
     loop = asyncio.get_running_loop()
     try:
-        links = _Links(loop, prefix, nodes, profile, seed)
+        links = _Links(loop, prefix, nodes, profile, seed, congestion)
     except (OSError, subprocess.CalledProcessError) as exc:
         for i in range(1, nodes + 1):
             subprocess.run(["ip", "netns", "del", f"{prefix}-{i}"], capture_output=True, timeout=20)
@@ -143,16 +150,22 @@ async def _serve(prefix: str, nodes: int, profile: LinkProfile, seed: int | None
 
 
 def main() -> None:
-    """``python -c 'from wan.tun import main; main()' PREFIX NODES PROFILE_JSON SEED|-``"""
+    """``python -c 'from wan.tun import main; main()' PREFIX NODES PROFILE_JSON SEED|- [CONGESTION]``"""
     prefix, nodes, profile, seed = sys.argv[1], int(sys.argv[2]), LinkProfile(**json.loads(sys.argv[3])), sys.argv[4]
-    asyncio.run(_serve(prefix, nodes, profile, None if seed == "-" else int(seed)))
+    congestion = sys.argv[5] if len(sys.argv) > 5 else ""
+    asyncio.run(_serve(prefix, nodes, profile, None if seed == "-" else int(seed), congestion))
 
 
 class TunWan:
-    """Handle of one IP-level emulator: ``nodes`` namespaces, every link with ``profile`` (each direction)."""
+    """Handle of one IP-level emulator: ``nodes`` namespaces, every link with ``profile`` (each direction).
 
-    def __init__(self, nodes: int, profile: LinkProfile, *, seed: int | None = None, prefix: str | None = None) -> None:
-        self.nodes, self.profile, self.seed = nodes, profile, seed
+    ``congestion``: the namespaces' TCP congestion control (``cubic``, ``bbr``...; empty: the kernel's
+    default, which a new namespace inherits). It decides what random loss costs: BBR paces at the
+    bandwidth it measures and shrugs random loss off, CUBIC halves its window at each loss event."""
+
+    def __init__(self, nodes: int, profile: LinkProfile, *, seed: int | None = None, prefix: str | None = None,
+                 congestion: str = "") -> None:
+        self.nodes, self.profile, self.seed, self.congestion = nodes, profile, seed, congestion
         self.prefix = prefix or f"mw{os.getpid() % 100000}"
         self._proc: subprocess.Popen[str] | None = None
 
@@ -171,7 +184,7 @@ class TunWan:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
         self._proc = subprocess.Popen(
             [sys.executable, "-c", "from wan.tun import main; main()", self.prefix, str(self.nodes),
-             json.dumps(asdict(self.profile)), "-" if self.seed is None else str(self.seed)],
+             json.dumps(asdict(self.profile)), "-" if self.seed is None else str(self.seed), self.congestion],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self._read()
         return self
