@@ -525,7 +525,7 @@ def main() -> None:
                         help="layer transfer rate and chain formation through the IP-level emulator (root), "
                              "next to plain TCP on the same link; --model gemma, --stages, --runs apply")
     parser.add_argument("--congestion", default="", help="TCP congestion control in the namespaces (--transfer; "
-                        "default: the kernel's)")
+                        "default: the kernel's; one of net.ipv4.tcp_allowed_congestion_control)")
     parser.add_argument("--tcp-mb", type=int, default=128, help="MiB of the plain TCP transfer (--transfer)")
     args = parser.parse_args()
     args.modes = [m for m in args.modes.split(",") if m]

@@ -161,7 +161,8 @@ class TunWan:
 
     ``congestion``: the namespaces' TCP congestion control (``cubic``, ``bbr``...; empty: the kernel's
     default, which a new namespace inherits). It decides what random loss costs: BBR paces at the
-    bandwidth it measures and shrugs random loss off, CUBIC halves its window at each loss event."""
+    bandwidth it measures and shrugs random loss off, Reno and CUBIC shrink their window at each loss
+    event. A namespace may only pick one of ``net.ipv4.tcp_allowed_congestion_control``."""
 
     def __init__(self, nodes: int, profile: LinkProfile, *, seed: int | None = None, prefix: str | None = None,
                  congestion: str = "") -> None:
