@@ -18,6 +18,8 @@ after the runs: the gossiped RTT matrix and the stage speeds the chain measured,
 
     .venv/bin/python bench/wan.py --rtt 40 --stages 3 --prompt repetitive --json bench/results/wan-40-3.json
     .venv/bin/python bench/wan.py --overhead                 # the emulator's own cost
+    .venv/bin/python bench/wan.py --transfer --rtt 40 --loss 1 --model gemma   # layer transfer + chain formation
+                                                             # (IP-level emulator, TCP included; root)
     .venv/bin/python bench/wan.py --matrix                   # every RTT x stages x prompt (long)
 """
 

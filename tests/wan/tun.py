@@ -13,7 +13,7 @@ needs root (namespaces, TUN devices). Commands on stdin as JSON lines, one JSON 
 ``{"op": "stats"}``; end of input removes the namespaces and stops it.
 
     with TunWan(3, LinkProfile.rtt(40, loss=0.01)) as wan:
-        wan.ip(1), wan.prefix_of(1)        # "10.250.0.1", ["ip", "netns", "exec", "<prefix>-1"]
+        wan.ip(1), wan.exec_prefix(1)      # "10.250.0.1", ["ip", "netns", "exec", "<prefix>-1"]
 """
 
 from __future__ import annotations
