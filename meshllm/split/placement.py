@@ -396,7 +396,7 @@ class SplitPlacement:
         if prepared is not None:
             try:
                 self.manifest = await prepared or self.manifest
-            except (MeshllmError, OSError) as exc:
+            except Exception as exc:  # a tokenizer llama.cpp cannot load, an unreadable file: say so, serve none
                 log.error("split %s cannot be served: %s", self.engine.model_id, exc)
                 self.engine.detach(f"{NO_CHAIN}: {exc}")
                 self.publish("split_waiting", model=self.engine.model_id, reason=str(exc))
