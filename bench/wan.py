@@ -18,6 +18,8 @@ after the runs: the gossiped RTT matrix and the stage speeds the chain measured,
 
     .venv/bin/python bench/wan.py --rtt 40 --stages 3 --prompt repetitive --json bench/results/wan-40-3.json
     .venv/bin/python bench/wan.py --overhead                 # the emulator's own cost
+    .venv/bin/python bench/wan.py --transfer --rtt 40 --loss 1 --model gemma   # layer transfer + chain formation
+                                                             # (IP-level emulator, TCP included; root)
     .venv/bin/python bench/wan.py --matrix                   # every RTT x stages x prompt (long)
 """
 
@@ -26,9 +28,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import signal
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -43,6 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from nodes import NodeProcess, wait_until
 from wan import LinkProfile, WanEmulator
+from wan.tun import TunWan, default_congestion, missing_requirements
+
+from meshllm.models.transfer import WINDOW
 
 REPETITIVE = '''Rename the variable `total` to `acc` in this function and return the whole function.
 
@@ -356,6 +363,123 @@ def overhead(n: int = 300) -> dict[str, Any]:
 # -- output ---------------------------------------------------------------------------------------
 
 
+# -- layer transfers and chain formation at the IP level (TCP included) ---------------------------------
+
+_TCP_SINK = """
+import socket, sys, threading, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], 7000)); s.listen()
+print("listening", flush=True)
+got, first = [], []
+def take(c):
+    n = 0
+    while (d := c.recv(1 << 20)):
+        first.append(time.perf_counter()); n += len(d)
+    got.append(n)
+threads = [threading.Thread(target=take, args=(s.accept()[0],)) for _ in range(int(sys.argv[2]))]
+for t in threads: t.start()
+for t in threads: t.join()
+print(sum(got), time.perf_counter() - min(first), flush=True)
+"""
+_TCP_SOURCE = """
+import socket, sys, threading
+def send(n):
+    c = socket.create_connection((sys.argv[1], 7000)); c.sendall(bytes(n)); c.close()
+k = int(sys.argv[3]); threads = [threading.Thread(target=send, args=(int(sys.argv[2]) // k,)) for _ in range(k)]
+for t in threads: t.start()
+for t in threads: t.join()
+"""
+
+
+def plain_tcp(wan: TunWan, size: int, connections: int = 1) -> float:
+    """MB/s of plain TCP from node 1 to node 2 over the link: ``size`` bytes split over ``connections``
+    connections at once (the bulk channel keeps ``transfer.WINDOW`` pieces in flight per holder, each on
+    its own connection)."""
+    sink = subprocess.Popen([*wan.exec_prefix(2), sys.executable, "-c", _TCP_SINK, wan.ip(2), str(connections)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert sink.stdout is not None and sink.stdout.readline().strip() == "listening"
+        subprocess.run([*wan.exec_prefix(1), sys.executable, "-c", _TCP_SOURCE, wan.ip(2), str(size),
+                        str(connections)], check=True, timeout=600)
+        got, seconds = sink.stdout.readline().split()
+    finally:
+        sink.kill()
+        sink.wait()
+    return int(got) / float(seconds) / 1e6
+
+
+def chain_formation(wan: TunWan, tmp: Path, model: str, stages: int) -> dict[str, Any]:
+    """A ``--split force`` coordinator in node 1's namespace (all files local to it) and ``stages - 1``
+    workers in the others: seconds from starting the coordinator to ``split_ready``, and each worker's
+    layer fetch (bytes, seconds, MB/s from its ``transfer_done``)."""
+    nodes: list[NodeProcess] = []
+    try:
+        started = time.time()
+        coord = NodeProcess(tmp / "c", ["--model", model, "--split", "force", "--stages", str(stages), *NODE_ARGS],
+                            "coord", prefix=wan.exec_prefix(1), mesh_host=wan.ip(1))
+        nodes.append(coord)
+        token = coord.wait_ready(120)["invite"]
+        for i in range(2, stages + 1):
+            nodes.append(NodeProcess(tmp / f"w{i}", ["--worker", "--join", token, *NODE_ARGS], f"w{i}",
+                                     prefix=wan.exec_prefix(i), mesh_host=wan.ip(i)))
+        ready = coord.wait_event(lambda e: e["type"] == "split_ready", 900)
+        fetches = []
+        for worker in nodes[1:]:
+            done = next((e for e in worker.events if e["type"] == "transfer_done" and e["kind"] == "stage"), None)
+            if done is not None and done["took_s"] > 0:
+                fetches.append({"node": worker.name, "layers": done["layers"], "bytes": done["bytes"],
+                                "took_s": done["took_s"], "mb_s": done["bytes"] / done["took_s"] / 1e6})
+        return {"formation_s": ready["ts"] - started, "coord_ready_s": coord.ready["ts"] - started,
+                "placement_s": ready["took_s"], "stages": ready["stages"], "fetches": fetches}
+    finally:
+        for node in nodes:
+            node.kill()
+
+
+def transfer(args: argparse.Namespace) -> dict[str, Any]:
+    """``--transfer``: per run a fresh IP-level emulator (every link ``--rtt``/``--loss``), plain TCP first,
+    then a chain's formation; medians."""
+    profile = LinkProfile.rtt(args.rtt, loss=args.loss / 100.0)
+    congestion = args.congestion or default_congestion()
+    runs = []
+    for run in range(args.runs):
+        with TunWan(max(2, args.stages), profile, seed=run, congestion=congestion) as wan, \
+                tempfile.TemporaryDirectory() as tmp:
+            tcp = plain_tcp(wan, args.tcp_mb << 20)
+            tcp2 = plain_tcp(wan, args.tcp_mb << 20, WINDOW)
+            chain = chain_formation(wan, Path(tmp), args.model, args.stages)
+            runs.append({"plain_tcp_mb_s": tcp, "plain_tcp_window_mb_s": tcp2, **chain,
+                         "link_stats": {f"{a}->{b}": s for (a, b), s in wan.stats().items()}})
+        print(f"run {run + 1}: plain TCP {tcp:.2f} MB/s, {WINDOW} connections {tcp2:.2f} MB/s; "
+              f"chain formed in {chain['formation_s']:.1f} s; "
+              f"fetches {[(f['node'], round(f['bytes'] / 1e6, 1), round(f['mb_s'], 2)) for f in chain['fetches']]}",
+              flush=True)
+    biggest = [max(r["fetches"], key=lambda f: f["bytes"]) for r in runs if r["fetches"]]
+    return {"rtt_ms": args.rtt, "loss_pct": args.loss, "stages": args.stages, "model": args.model,
+            "congestion": congestion, "load_average": os.getloadavg(),
+            "tcp_mb": args.tcp_mb, "plain_tcp_mb_s": statistics.median(r["plain_tcp_mb_s"] for r in runs),
+            "plain_tcp_window_mb_s": statistics.median(r["plain_tcp_window_mb_s"] for r in runs), "window": WINDOW,
+            "layer_mb_s": statistics.median(f["mb_s"] for f in biggest) if biggest else None,
+            "layer_mb": statistics.median(f["bytes"] / 1e6 for f in biggest) if biggest else None,
+            "formation_s": statistics.median(r["formation_s"] for r in runs),
+            "coord_ready_s": statistics.median(r["coord_ready_s"] for r in runs),
+            "placement_s": statistics.median(r["placement_s"] for r in runs), "runs": runs}
+
+
+def transfer_table(results: list[dict[str, Any]]) -> str:
+    lines = ["| RTT (ms) | loss | TCP congestion control | stages | plain TCP MB/s, 1 / 2 connections "
+             "| largest stage MB | its fetch MB/s | fetch vs plain TCP (2 connections) "
+             "| chain formed s (coordinator up / placement) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        ratio = r["layer_mb_s"] / r["plain_tcp_window_mb_s"] if r["layer_mb_s"] else None
+        lines.append(f"| {r['rtt_ms']:g} | {r['loss_pct']:g}% | {r['congestion']} | {r['stages']} | "
+                     f"{r['plain_tcp_mb_s']:.2f} / "
+                     f"{r['plain_tcp_window_mb_s']:.2f} | "
+                     f"{_fmt(r['layer_mb'])} | {_fmt(r['layer_mb_s'], '{:.2f}')} | {_fmt(ratio, '{:.2f}x')} | "
+                     f"{r['formation_s']:.1f} ({r['coord_ready_s']:.1f} / {r['placement_s']:.1f}) |")
+    return "\n".join(lines)
+
+
 def _fmt(value: Any, spec: str = "{:.1f}") -> str:
     return "-" if value is None else spec.format(value)
 
@@ -399,6 +523,12 @@ def main() -> None:
     parser.add_argument("--matrix", action="store_true",
                         help="routed, 2 and 3 stages x RTT 0/20/40/80 x both prompts, and 1%% loss at 40 ms")
     parser.add_argument("--table", nargs="+", metavar="JSON", help="print the table of earlier results and exit")
+    parser.add_argument("--transfer", action="store_true",
+                        help="layer transfer rate and chain formation through the IP-level emulator (root), "
+                             "next to plain TCP on the same link; --model gemma, --stages, --runs apply")
+    parser.add_argument("--congestion", default="", help="TCP congestion control in the namespaces (--transfer; "
+                        "default: the kernel's; one of net.ipv4.tcp_allowed_congestion_control)")
+    parser.add_argument("--tcp-mb", type=int, default=128, help="MiB of the plain TCP transfer (--transfer)")
     args = parser.parse_args()
     args.modes = [m for m in args.modes.split(",") if m]
     if args.table:
@@ -408,6 +538,13 @@ def main() -> None:
     out = Path(args.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    if args.transfer:
+        if (why := missing_requirements()) is not None:
+            sys.exit(why)
+        result = transfer(args)
+        print(transfer_table([result]))
+        out.write_text(json.dumps({"date": stamp, **result}, indent=2))
+        return
     if args.overhead:
         rows = overhead()
         for name, row in rows.items():

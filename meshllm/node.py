@@ -290,10 +290,9 @@ class Node:
         app = create_app(backend, routers=routers, access=self.access, edge=edge, policy=self.policy,
                          readiness=self.readiness, on_event=self.events.publish)
         if self.blackboard is not None:
-            self.mcp = McpEndpoint(build_server(self.blackboard, self.status, backend, app.state.admission,
-                                               self.events.publish))
+            board, admission = self.blackboard, app.state.admission
+            self.mcp = McpEndpoint(lambda: build_server(board, self.status, backend, admission, self.events.publish))
             self.mcp.mount(app)
-            await self.mcp.start()
         sock = _bind_api_socket(self.options.api_host, self.options.api_port)
         config = uvicorn.Config(app, http=guarded_protocol(edge), backlog=ACCEPT_BACKLOG, log_level="warning",
                                 lifespan="off", access_log=False)

@@ -9,20 +9,20 @@ only callers with the node's admin token or an API key, as the management routes
 (:func:`meshllm.api.auth.check_admin`); the ``Host``/``Origin`` guard and body limit of the rest of
 the API apply too. The SDK runs stateless with JSON answers: no session lives between calls, so
 nothing is held for a client that went away.
+
+The SDK is imported, and its server built and started, at the first call to ``/mcp`` (0.3 s of
+imports a node would otherwise pay at every start: time to serve counts it, issue 24).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
-from mcp.server.mcpserver import MCPServer
-from mcp.server.mcpserver.exceptions import ToolError
-from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
-from mcp.server.transport_security import TransportSecuritySettings
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
@@ -36,6 +36,10 @@ from meshllm.api.schemas import ChatCompletionRequest
 from meshllm.mesh.blackboard import BoardRefusal
 from meshllm.runtime.backend import Backend
 from meshllm.runtime.errors import ApiError, error_for
+
+if TYPE_CHECKING:
+    from mcp.server.mcpserver import MCPServer
+    from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 
 PATH = "/mcp"
 ASK_MAX_TOKENS = 4096
@@ -53,6 +57,9 @@ def build_server(board: Board, status: Callable[[], dict[str, Any]], backend: Ba
     Every tool is a coroutine: the SDK runs plain functions in worker threads, and the node's parts live
     on its event loop.
     """
+    from mcp.server.mcpserver import MCPServer
+    from mcp.server.mcpserver.exceptions import ToolError
+
     server = MCPServer("meshllm", version=__version__, instructions=INSTRUCTIONS)
 
     @server.tool()
@@ -126,32 +133,41 @@ def build_server(board: Board, status: Callable[[], dict[str, Any]], backend: Ba
 
 
 class McpEndpoint:
-    """``/mcp`` on the node's app: the admin check, then the SDK's streamable HTTP transport."""
+    """``/mcp`` on the node's app: the admin check, then the SDK's streamable HTTP transport, started by
+    the first call (``build()`` makes the server then)."""
 
-    def __init__(self, server: MCPServer) -> None:
-        # The node's edge guard already checks Host and Origin for every route, this one included. The SDK's
-        # own Starlette app is not used: its manager (made with it) is served behind the admin check instead.
-        server.streamable_http_app(json_response=True, stateless_http=True,
-                                   transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False))
-        self.manager: StreamableHTTPSessionManager = server.session_manager
+    def __init__(self, build: Callable[[], MCPServer]) -> None:
+        self._build = build
+        self.manager: StreamableHTTPSessionManager | None = None
+        self._starting = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
 
     def mount(self, app: FastAPI) -> None:
         app.router.add_route(PATH, self, methods=["GET", "POST", "DELETE"], include_in_schema=False)
 
-    async def start(self) -> None:
-        """Run the SDK's task group (uvicorn's lifespan is off in the node), in a task of its own: its
-        cancel scope must be left by the task that entered it."""
+    async def _start(self) -> StreamableHTTPSessionManager:
+        """Build the server and run the SDK's task group (uvicorn's lifespan is off in the node), in a task
+        of its own: its cancel scope must be left by the task that entered it."""
+        await asyncio.to_thread(importlib.import_module, "mcp.server.mcpserver")  # seconds under load: off the loop
+        from mcp.server.transport_security import TransportSecuritySettings
+
+        server = self._build()
+        # The node's edge guard already checks Host and Origin for every route, this one included. The SDK's
+        # own Starlette app is not used: its manager (made with it) is served behind the admin check instead.
+        server.streamable_http_app(json_response=True, stateless_http=True,
+                                   transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False))
+        manager = server.session_manager
         running = asyncio.Event()
 
         async def serve() -> None:
-            async with self.manager.run():
+            async with manager.run():
                 running.set()
                 await self._stopping.wait()
 
         self._task = asyncio.create_task(serve(), name="mcp")
         await asyncio.wait_for(running.wait(), timeout=10.0)
+        return manager
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -166,5 +182,8 @@ class McpEndpoint:
             status, body = error_for(exc)
             await JSONResponse(body, status_code=status, headers=dict(exc.headers or {}))(scope, receive, send)
             return
+        async with self._starting:
+            if self.manager is None:
+                self.manager = await self._start()
         await self.manager.handle_request(scope, receive, send)
 

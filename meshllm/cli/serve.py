@@ -83,6 +83,9 @@ def node_options(func: Any) -> Any:
                           "within it (default 1024)."),
         click.option("--split-batch", type=click.IntRange(1, 32), default=8, show_default=True, metavar="N",
                      help="Requests whose decode steps go down a split chain as one pass (1: one at a time)."),
+        click.option("--split-spares/--no-split-spares", "split_spares", default=True, show_default=True,
+                     help="Keep warm spares: workers keep on disk the layers a rebuilt chain would give them, so "
+                          "a rebuild after a stage's death moves no bytes (costs their disk and a transfer each)."),
         click.option("--stages", type=click.IntRange(2, 8), default=None,
                      help="Stages of a split (default: the planner chooses; force: one per worker plus this node)."),
         click.option("--max-memory", type=GIGABYTES, default=None, metavar="GB",
@@ -153,7 +156,7 @@ def _run(join_token: str | None, *, home: Path | None, name: str, api_port: int,
          models: tuple[str, ...], engine: str, threads: int | None, gpu_layers: int | None, parallel: int | None,
          max_tokens_default: int, replays: int, kernels: str, log_format: str, verbose: bool,
          dht_bootstrap: tuple[str, ...], dht_port: int | None, listing_ttl: float, worker: bool, split: str,
-         stages: int | None, split_batch: int, max_memory: float | None, speculate: str | None,
+         stages: int | None, split_batch: int, split_spares: bool, max_memory: float | None, speculate: str | None,
          split_audit: float | None, split_audit_memory: float | None, api_keys: tuple[str, ...],
          api_key_file: Path | None, cors_origins: tuple[str, ...], allowed_hosts: tuple[str, ...], standby: bool,
          metrics_public: bool,
@@ -176,7 +179,7 @@ def _run(join_token: str | None, *, home: Path | None, name: str, api_port: int,
         engine=engine, threads=threads, gpu_layers=gpu_layers, parallel=parallel, max_tokens_default=max_tokens_default,
         replays=replays, kernels=kernels, split=split_options(split, stages, max_memory, split_batch,
                                              config.split_audit if split_audit is None else split_audit,
-                                             split_audit_memory),
+                                             split_audit_memory, split_spares),
         speculate=speculate or config.speculate,  # type: ignore[arg-type]
         dht_bootstrap=dht_peers, dht_port=dht_port, listing_ttl_s=listing_ttl, relay=relay,  # type: ignore[arg-type]
         api_keys=[*api_keys, *_key_file(api_key_file)], cors_origins=list(cors_origins),
@@ -209,15 +212,15 @@ def _unlock_mesh_key(home: Path) -> None:
 
 
 def split_options(mode: str, stages: int | None, max_memory_gb: float | None, batch: int = 8,
-                  audit_rate: float | None = None, audit_memory_mb: float | None = None) -> Any:
-    """The split flags (``--split``, ``--stages``, ``--max-memory``, ``--split-batch``, ``--split-audit*``) as
-    ``SplitOptions``."""
+                  audit_rate: float | None = None, audit_memory_mb: float | None = None, spares: bool = True) -> Any:
+    """The split flags (``--split``, ``--stages``, ``--max-memory``, ``--split-batch``, ``--split-audit*``,
+    ``--split-spares``) as ``SplitOptions``."""
     from meshllm.split.audit import AUDIT_MEMORY, AUDIT_RATE
     from meshllm.split.placement import SplitOptions
     from meshllm.split.planner import GIB
 
     cap = int(max_memory_gb * GIB) if max_memory_gb is not None else None
-    return SplitOptions(mode=mode, stages=stages, max_memory=cap, batch=batch,  # type: ignore[arg-type]
+    return SplitOptions(mode=mode, stages=stages, max_memory=cap, batch=batch, spares=spares,  # type: ignore[arg-type]
                         audit_rate=AUDIT_RATE if audit_rate is None else audit_rate,
                         audit_memory=int(audit_memory_mb * 2**20) if audit_memory_mb is not None else AUDIT_MEMORY)
 

@@ -29,7 +29,7 @@ from meshllm.models.gguf_file import GGUFFile
 from meshllm.models.library import MIN_PREFIX, AmbiguousModel, Library, LibraryEntry
 from meshllm.models.manifest import Manifest, sign_manifest
 from meshllm.models.refs import SHORT_HASH, ModelNotFound, file_sha256
-from meshllm.models.stage_file import stage_layout, whole_layout
+from meshllm.models.stage_file import Layout, stage_layout, whole_layout
 from meshllm.models.transfer import (
     CONNECT_S,
     TransferFailed,
@@ -332,9 +332,13 @@ class ModelStore:
                      holders=[h for h, _ in holders])
         try:
             header = await self._header(manifest, holders)
-            if check is not None:
-                check(GGUFFile(f"model {manifest.model[:12]}", header=header, size=manifest.size))
-            layout = stage_layout(manifest, header, start, end, name)
+
+            def layout_of() -> Layout:  # parses a header of megabytes (a big vocabulary): off the event loop
+                if check is not None:
+                    check(GGUFFile(f"model {manifest.model[:12]}", header=header, size=manifest.size))
+                return stage_layout(manifest, header, start, end, name)
+
+            layout = await asyncio.to_thread(layout_of)
             part = self.library.incoming(f"{manifest.model}.{start}-{end}.part")
             await asyncio.to_thread(self.library.reserve, layout.fetch_bytes + len(layout.header or b""))
             state = await fetch(self.get, manifest, layout, holders, part, progress=self._progress(view, names))

@@ -74,11 +74,15 @@ UNTRUSTED_S = 24 * 3600.0
 """How long a node an audit caught forging stays out of this node's plans (at most for the process)."""
 RETRY_S = 1.0
 """Pause between placement attempts while no chain fits (workers missing, a host refused)."""
+WATCH_S = 0.05
+"""How often a placement waiting for workers looks at the membership."""
 SPARE_CHECK_S = 2.0
 """How often a serving chain's warm spares are re-planned (workers come and go)."""
 SPARE_SLACK = 2
-"""Layers a warm range reaches beyond the planned one on each side: a replan priced with the speeds the
-chain measured may move a boundary a little, and a stage file must cover the whole range to be used."""
+"""Layers a warm range reaches beyond the planned one on each side: the replan after a death may see a
+slightly different RTT matrix than the spare check did, and a stage file must cover the whole range to be
+used. (A replan priced with the speeds the chain measured can move a boundary further; it then falls back
+to the spares' own plan when that one needs no transfer: :func:`covers`.)"""
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,8 @@ class SplitOptions:
     """Bytes an audit's loaded layers may hold at once (``--split-audit-memory``)."""
     batch: int = DEFAULT_BATCH
     """Requests whose decode steps go down a chain this node coordinates as one pass (``--split-batch``)."""
+    spares: bool = True
+    """Keep warm spares for the chains this node coordinates (``--split-spares``)."""
 
     def load_stage(self, path: Path, layer_start: int, layer_end: int, max_context: int) -> StageModel:
         """Load a layer range with this node's threads and accelerator settings (blocking)."""
@@ -243,6 +249,13 @@ def spare_ranges(profile: ModelProfile, nodes: list[Candidate], rtt: Mapping[str
             for node, (low, high) in wanted.items()}
 
 
+def covers(chosen: Plan, held: Mapping[str, Collection[tuple[int, int]]]) -> bool:
+    """Whether each worker stage of ``chosen`` lies inside a layer range its node keeps on disk (``held``:
+    node id -> ranges), so the chain forms with no transfer."""
+    return all(any(a <= s.layer_start and s.layer_end <= b for a, b in held.get(s.node_id, ()))
+               for s in chosen.stages[1:])
+
+
 def plan_options(options: SplitOptions, workers: int, *, placing: bool = False, degraded: bool = False) -> PlanOptions:
     """Planner options for the mode: ``--stages`` fixes the stage count.
 
@@ -300,6 +313,8 @@ class SplitPlacement:
         self.untrusted: dict[str, float] = {}
         """Nodes an audit caught (node id -> until when, monotonic): never placed on again before then."""
         self._audits = audits
+        self.held: dict[str, set[tuple[int, int]]] = {}
+        """Node id -> the layer ranges it keeps on disk for this model (stages it hosted, warm spares)."""
         self.hub_source = hub_source
         self._replan = asyncio.Event()
         self._scope = Scope(f"split placement {self.engine.model_id}")
@@ -309,8 +324,10 @@ class SplitPlacement:
         self.spares: list[list[Any]] = []
         """The serving chain's warm spares: ``[name, layer_start, layer_end, fetched_bytes]`` each."""
 
-    def start(self) -> None:
-        self._scope.spawn(self._run())
+    def start(self, prepared: Awaitable[bytes] | None = None) -> None:
+        """Place and keep a chain; first await ``prepared`` (the engine's tokenizer and the signed manifest,
+        which replaces the one given at construction when not empty)."""
+        self._scope.spawn(self._run(prepared))
 
     async def stop(self) -> None:
         await self._scope.aclose()  # (the loop first: it is what starts spares)
@@ -376,7 +393,15 @@ class SplitPlacement:
         with contextlib.suppress(MeshllmError):
             await ask(self.server.endpoint, hop.node_id, hop.addr, Release(model=self.engine.model_id), timeout=5.0)
 
-    async def _run(self) -> None:
+    async def _run(self, prepared: Awaitable[bytes] | None) -> None:
+        if prepared is not None:
+            try:
+                self.manifest = await prepared or self.manifest
+            except Exception as exc:  # a tokenizer llama.cpp cannot load, an unreadable file: say so, serve none
+                log.error("split %s cannot be served: %s", self.engine.model_id, exc)
+                self.engine.detach(f"{NO_CHAIN}: {exc}")
+                self.publish("split_waiting", model=self.engine.model_id, reason=str(exc))
+                return
         while True:
             self._replan.clear()
             try:
@@ -387,9 +412,18 @@ class SplitPlacement:
                     log.info("split %s: %s", self.engine.model_id, exc)
                     self.publish("split_waiting", model=self.engine.model_id, reason=str(exc))
                 self.engine.detach(reason)
-                await asyncio.sleep(RETRY_S)
+                await self._retry_wait()
                 continue
             await self._replan.wait()
+
+    async def _retry_wait(self) -> None:
+        """Sleep :data:`RETRY_S` before placing again, or less once the live workers change (one that just
+        joined may complete the chain: placing it at once saves up to a second of time to serve)."""
+        def workers() -> set[str]:
+            return {n for n, r in self._members().items() if r.role == "worker" and r.state == "alive"}
+        before, deadline = workers(), time.monotonic() + RETRY_S
+        while time.monotonic() < deadline and workers() == before:
+            await asyncio.sleep(WATCH_S)
 
     async def _place(self) -> None:
         started = time.monotonic()
@@ -402,6 +436,14 @@ class SplitPlacement:
         nodes = candidates(own, self.budget, members, {*self._suspects, *self.untrusted}, measured)
         opts = plan_options(self.options, len(nodes) - 1, placing=True, degraded=self.plan is not None)
         chosen = plan(self.profile, nodes, self._rtt(), own.node_id, opts)
+        if measured and not covers(chosen, self.held):
+            # The warm spares were planned without measured speeds (spare_ranges runs while the chain is
+            # young); the speeds can move a boundary past a spare's slack. A chain that needs no transfer
+            # now beats a slightly better balanced one that waits for bytes.
+            steady = plan(self.profile, candidates(own, self.budget, members, {*self._suspects, *self.untrusted}),
+                          self._rtt(), own.node_id, opts)
+            if covers(steady, self.held):
+                chosen = steady
         if chosen.solo or chosen.stages[0].node_id != own.node_id:
             raise SplitError("the plan does not start at this node with at least one worker")
         chain = hops(chosen, own, members)
@@ -425,7 +467,7 @@ class SplitPlacement:
         self._spares.close()  # an older chain's spares are planned for deaths that no longer apply
         self._spares = Scope(f"split spares {self.engine.model_id}")
         self.spares = []
-        if self.hub_source is None:  # a hub-direct model has no manifest a spare could fetch against
+        if self.hub_source is None and self.options.spares:  # a hub model has no manifest a spare fetches against
             self._spares.spawn(self._keep_spares(chain))
 
     async def _host(self, chain: list[Hop], index: int, hub: bytes = b"") -> None:
@@ -435,6 +477,7 @@ class SplitPlacement:
             model=self.engine.model_id, model_id=self.ref.sha256, manifest=b"" if hub else self.manifest, hub=hub,
             chain=chain, index=index, max_context=self.engine.max_context,
         ), on_progress=lambda p: self._progress(hop.node_id).update(p.bytes_done, p.bytes_total))
+        self.held.setdefault(hop.node_id, set()).add((hop.layer_start, hop.layer_end))
         if isinstance(hosted, Hosted) and hosted.fetched_bytes:
             self._progress(hop.node_id).update(hosted.fetched_bytes, hosted.fetched_bytes)  # what it took
             self.publish("split_stage_fetched", model=self.engine.model_id, node=hop.node_id,
@@ -451,6 +494,8 @@ class SplitPlacement:
         failed: dict[str, str] = {}
         first = True
         while True:
+            # after each check, the first too: a new chain serves its first requests before spares load the host
+            await asyncio.sleep(SPARE_CHECK_S)
             own, members = self._own(), self._members()
             nodes = candidates(own, self.budget, members, {*self._suspects, *self.untrusted})
             wanted = spare_ranges(self.profile, nodes, self._rtt(), chain, self.options)
@@ -473,12 +518,12 @@ class SplitPlacement:
                     else:
                         failed.pop(node, None)
                         held[node] = [names.get(node, node[:8]), *todo[node], outcome]
+                        self.held.setdefault(node, set()).add(todo[node])
                 self.spares = list(held.values())
                 self.publish("split_spares_ready", model=self.engine.model_id, spares=self.spares,
                              failed=[[names.get(n, n[:8]), why] for n, why in failed.items()],
                              chain=[h.node_id for h in chain])
                 first = False
-            await asyncio.sleep(SPARE_CHECK_S)
 
     async def _warm(self, addr: str, own_addr: str, node: str, start: int, end: int) -> int | str:
         """Ask ``node`` to keep layers ``[start, end)`` on disk: the bytes it fetched, or why it did not."""

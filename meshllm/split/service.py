@@ -57,6 +57,12 @@ STAGE_ENGINE = "stage"
 """``ServedModel.engine`` of a worker's hosted range (never a routing target)."""
 
 
+async def _prepared(engine: SplitEngine, manifest: asyncio.Future[bytes] | None) -> bytes:
+    """Load ``engine``'s tokenizer, then the signed manifest placement sends workers (empty: a hub model)."""
+    await engine.load()
+    return await manifest if manifest is not None else b""
+
+
 def offered_capacity(capacity: Capacity, role: str, max_memory: int | None) -> Capacity:
     """A worker's ``--max-memory`` caps the memory its record offers to coordinators."""
     if role != "worker" or max_memory is None:
@@ -89,7 +95,7 @@ class SplitService:
         self.auditor = Auditor(mesh.endpoint, rate=options.audit_rate, memory=options.audit_memory,
                                kernels=options.kernels, publish=events.publish)
         self.placements: dict[str, SplitPlacement] = {}
-        self._pending: list[tuple[ModelRef, ModelProfile, bytes, HubModel | None]] = []
+        self._pending: list[tuple[ModelRef, ModelProfile, asyncio.Future[bytes] | None, HubModel | None]] = []
         self._chains: dict[str, list[Hop]] = {}
 
     def _own(self) -> PeerRecord:
@@ -137,14 +143,17 @@ class SplitService:
                 if hub is not None:
                     await asyncio.to_thread(hub.discard)
             elif hub is not None:
-                self._pending.append((ref, profile, b"", hub))
+                self._pending.append((ref, profile, None, hub))
             else:
                 entry = await asyncio.to_thread(self.store.library.add, ref.path, source="file", owned=False,
                                                 name=ref.model_id, model_id=ref.sha256)
-                manifest = await asyncio.to_thread(self.store.library.manifest, entry)
                 self.store.library.pin(entry)
                 ref = dataclasses.replace(ref, sha256=entry.id)
-                self._pending.append((ref, profile, sign_manifest(self.key, manifest), None))
+                # the manifest hashes the whole file the first time (0.9 s for Gemma 3 270M here): it is
+                # built while the node comes up and workers join, and placement waits for it
+                manifest = asyncio.ensure_future(asyncio.to_thread(
+                    lambda e=entry: sign_manifest(self.key, self.store.library.manifest(e))))
+                self._pending.append((ref, profile, manifest, None))
         return rest
 
     async def _from_hub(self, spec: str) -> HubModel | None:
@@ -186,15 +195,19 @@ class SplitService:
         return source
 
     async def start(self) -> None:
-        """Register a :class:`SplitEngine` per split model and start placing its chain."""
+        """Register a :class:`SplitEngine` per split model and start placing its chain.
+
+        Returns at once: each placement first loads its engine's tokenizer and waits for the model's
+        manifest (seconds on a big file), so the node is ready (and its invite out) meanwhile; the
+        model is listed once its chain forms, as always.
+        """
         for ref, profile, manifest, hub in self._pending:
             engine = SplitEngine(ref.path, ref.model_id, self.options.context,
                                  max_replays=self.serving.backend.replay.max_replays, on_event=self.events.publish)
-            await engine.load()
             self.serving.add_engine(engine, ref.path, ref.sha256)
             placement = SplitPlacement(
                 own=self._own, members=self._members, rtt=self._rtt, server=self.server, engine=engine, ref=ref,
-                manifest=manifest, options=self.options, budget=self.budget, publish=self.events.publish,
+                manifest=b"", options=self.options, budget=self.budget, publish=self.events.publish,
                 on_chain=lambda chain, model=ref.model_id: self._chain_changed(model, chain), profile=profile,
                 audits=lambda model=ref.model_id: self.auditor.status(model),
                 hub_source=self._hub_source(hub, ref.model_id) if hub is not None else None,
@@ -205,7 +218,7 @@ class SplitService:
             self.placements[ref.model_id] = placement
             self.events.publish("split_placing", model=ref.model_id, mode=self.options.mode,
                                 stages=self.options.stages)
-            placement.start()
+            placement.start(_prepared(engine, manifest))
         self._pending = []
 
     async def stop(self) -> None:

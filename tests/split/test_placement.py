@@ -14,6 +14,7 @@ from meshllm.split.placement import (
     NotEnoughWorkers,
     SplitOptions,
     candidates,
+    covers,
     model_profile,
     needs_split,
     plan_options,
@@ -85,3 +86,30 @@ def test_spare_ranges_cover_the_rebuild_after_each_death() -> None:
     assert "w3" in spares
     # one worker: its death leaves no chain, so there is nothing to keep warm
     assert spare_ranges(profile, nodes[:2], {}, chain[:2], SplitOptions(mode="force", stages=2)) == {}
+
+
+def test_a_replan_on_measured_speeds_may_leave_the_spares_then_their_own_plan_covers_it() -> None:
+    """Why a replan checks :func:`covers`: spares are planned on gossiped speeds; the rebuild after a death
+    priced with the speeds the chain measured (here the coordinator far slower than the survivor) moves the
+    boundary past the spare's slack, while the spares' own plan lies inside what the nodes hold."""
+    profile = ModelProfile(n_layers=18, layer_bytes=GB // 8, first_bytes=GB // 4, last_bytes=GB // 4,
+                           layer_flops=2e8, head_flops=4e8)
+    opts = SplitOptions(mode="force", stages=3)
+    nodes = [Candidate(n, 8 * GB, gflops=10, role="host" if n == "me" else "worker") for n in ("me", "w1", "w2")]
+    chain = [Hop(s.node_id, "127.0.0.1:1", s.layer_start, s.layer_end)
+             for s in plan(profile, nodes, {}, "me", plan_options(opts, 2, placing=True)).stages]
+    held = {h.node_id: {(h.layer_start, h.layer_end)} for h in chain[1:]}
+    for node, kept in spare_ranges(profile, nodes, {}, chain, opts).items():
+        held.setdefault(node, set()).add(kept)
+    dead = chain[-1].node_id
+    rest = [c for c in nodes if c.node_id != dead]
+    degraded = plan_options(opts, 1, placing=True, degraded=True)
+    steady = plan(profile, rest, {}, "me", degraded)
+    assert covers(steady, held)
+    per_layer = 1e-3
+    measured = [Candidate(c.node_id, c.memory_bytes, role=c.role,
+                          seconds_per_layer=per_layer * (8 if c.node_id == "me" else 1)) for c in rest]
+    moved = plan(profile, measured, {}, "me", degraded)
+    assert moved.stages[1].layer_start != steady.stages[1].layer_start
+    assert not covers(moved, held)
+    assert not covers(steady, {})  # nothing on disk: every worker stage needs its bytes

@@ -2,7 +2,9 @@
 
 :mod:`wan.link` is the sans-IO model of one direction of a link (delay, jitter, loss, bandwidth),
 :mod:`wan.forwarder` the process that forwards UDP through such links, :mod:`wan.emulator` its handle
-and the node options that put a node behind it. The tests live beside them; ``bench/wan.py``
+and the node options that put a node behind it. :mod:`wan.tun` applies the same links to every IP
+packet between nodes in network namespaces (root), so TCP (the bulk channel, stage lanes) crosses
+them too. The tests live beside them; ``bench/wan.py``
 measures splits and routed requests through it.
 """
 
