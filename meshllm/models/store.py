@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -269,7 +269,7 @@ class ModelStore:
                 del self.transfers[key]
         return [v.json() for v in self.transfers.values()]
 
-    def _progress(self, view: TransferView, names: dict[str, str]) -> Callable[[TransferState], None]:
+    def _progress(self, view: TransferView, names: Mapping[str, str]) -> Callable[[TransferState], None]:
         def update(state: TransferState) -> None:
             view.bytes_done, view.bytes_total = state.done_bytes, state.total_bytes
             for node, h in state.holders.items():
@@ -289,7 +289,7 @@ class ModelStore:
     # -- what we fetch ------------------------------------------------------------------------------
 
     async def stage_file(self, manifest: Manifest, name: str, start: int, end: int,
-                         first: list[tuple[str, str]], names: dict[str, str] | None = None,
+                         first: list[tuple[str, str]], names: Mapping[str, str] | None = None,
                          check: Check | None = None) -> LibraryEntry:
         """A file holding layers ``[start, end)`` of ``manifest``'s model: the whole model if the
         library has it, a stage file it holds, or one fetched now from ``first`` (the coordinator)
@@ -305,14 +305,15 @@ class ModelStore:
             self.library.touch(found)
             return found
         key = f"{manifest.model}:{start}-{end}"
-        return await self._once(key, lambda: self._fetch_stage(manifest, name, start, end, first, names or {}, check))
+        names = {} if names is None else names
+        return await self._once(key, lambda: self._fetch_stage(manifest, name, start, end, first, names, check))
 
-    async def whole_file(self, model_id: str, name: str, names: dict[str, str] | None = None) -> LibraryEntry:
+    async def whole_file(self, model_id: str, name: str, names: Mapping[str, str] | None = None) -> LibraryEntry:
         """The whole model ``model_id``, fetched from the peers that hold it unless the library has it."""
         whole = self.library.whole(model_id)
         if whole is not None:
             return whole
-        return await self._once(model_id, lambda: self._fetch_whole(model_id, name, names or {}))
+        return await self._once(model_id, lambda: self._fetch_whole(model_id, name, {} if names is None else names))
 
     async def _once(self, key: str, start: Callable[[], Any]) -> LibraryEntry:
         """One transfer per file at a time: a second request for it waits for the first."""
@@ -324,7 +325,7 @@ class ModelStore:
         return await asyncio.shield(task)
 
     async def _fetch_stage(self, manifest: Manifest, name: str, start: int, end: int,
-                           first: list[tuple[str, str]], names: dict[str, str], check: Check | None) -> LibraryEntry:
+                           first: list[tuple[str, str]], names: Mapping[str, str], check: Check | None) -> LibraryEntry:
         holders = _unique([*first, *self.holders(manifest.model)])
         view = TransferView(manifest.model, name, "stage", (start, end))
         self.transfers[f"{manifest.model}:{start}-{end}"] = view
@@ -348,7 +349,7 @@ class ModelStore:
             return self._failed(view, exc)
         return self._done(view, entry)
 
-    async def _fetch_whole(self, model_id: str, name: str, names: dict[str, str]) -> LibraryEntry:
+    async def _fetch_whole(self, model_id: str, name: str, names: Mapping[str, str]) -> LibraryEntry:
         holders = _unique(self.holders(model_id))
         view = TransferView(model_id, name, "whole", None)
         self.transfers[model_id] = view

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, TypeVar
@@ -172,6 +172,23 @@ class HostedStage:
 Loader = Callable[[Path, int, int, int], StageModel]
 
 
+class _LiveNames(Mapping[str, str]):
+    """Peer names looked up when a transfer reports, not when it starts: a coordinator can send Host
+    before its own record has reached this worker, and its name should show once it has."""
+
+    def __init__(self, names: Callable[[], dict[str, str]]) -> None:
+        self._names = names
+
+    def __getitem__(self, node_id: str) -> str:
+        return self._names()[node_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+
 class StageHost:
     """Worker side: answers ``stage-control`` streams by loading ranges into the node's :class:`StageServer`.
 
@@ -288,7 +305,7 @@ class StageHost:
                                   f"{max(0, self.budget - others) / 2**20:.0f} MiB free for stages")
             memory.append(need)
 
-        names = {h.node_id: self.names().get(h.node_id, short(h.node_id)) for h in request.chain}
+        names = _LiveNames(self.names)
         transfer = f"{request.model_id}:{start}-{end}"
         library = self.store.library
         if request.hub:
