@@ -382,7 +382,7 @@ class MeshService:
     def _observe_rtts(self, now: float) -> None:
         assert self.gossip is not None and self.endpoint is not None
         for peer_id, conn in list(self.endpoint.peers.items()):
-            if conn.rtt_ms is not None:
+            if conn.rtt_ms is not None and not conn.passive:
                 self.gossip.observe_rtt(peer_id, conn.rtt_ms, RECORD_PATHS[conn.path], now)
 
     def _maintain_traversal(self, now: float) -> None:
@@ -507,8 +507,10 @@ class MeshService:
     def _on_peer_event(self, event: PeerEvent) -> None:
         assert self.gossip is not None
         now = time.time()
+        conn = self.endpoint.peers.get(event.node_id) if self.endpoint is not None else None
+        if conn is not None and conn.passive:
+            return  # a passive client (mesh/routes.py): it pulls route tables; gossip never hears of it
         if event.kind is PeerEventKind.CONNECTED:
-            conn = self.endpoint.peers.get(event.node_id) if self.endpoint is not None else None
             self._on_event("peer_connected", node_id=event.node_id, path=conn.path if conn else "none")
             self.gossip.peer_connected(event.node_id)
             self._handle(self.gossip.greet(event.node_id))
@@ -517,7 +519,6 @@ class MeshService:
         elif event.kind is PeerEventKind.ALIVE:
             self._handle(self.gossip.on_detector(self._probe(self.detector.alive(event.node_id)), now))
         elif event.kind is PeerEventKind.UPGRADED:
-            conn = self.endpoint.peers.get(event.node_id) if self.endpoint is not None else None
             self._on_event("peer_path", node_id=event.node_id, path=conn.path if conn else "none")
         elif event.kind is PeerEventKind.CLOSED:
             self.gossip.peer_disconnected(event.node_id)
@@ -563,6 +564,9 @@ class MeshService:
     async def _serve_gossip(self, stream: Any, conn: Any) -> None:
         """One message per stream (the protocol's rule), read within one deadline for the whole frame."""
         assert self.gossip is not None
+        if conn.passive:
+            stream.fail(ResetCode.NOT_ADMITTED, "a passive client takes no part in gossip")
+            return
         try:
             message = await stream.recv(MeshMessage, timeout=RECV_TIMEOUT_S)
         except NetTimeout as exc:

@@ -123,6 +123,11 @@ class PeerConnection:
         return self.probes.state.value if self.probes else Liveness.ALIVE.value
 
     @property
+    def passive(self) -> bool:
+        """The peer dialed us as a passive client: no gossip with it, and we answer its probes without sending any."""
+        return self._admission is not None and self._admission.peer_passive
+
+    @property
     def admitted(self) -> bool:
         return self._admission is not None and self._admission.phase is Phase.ADMITTED
 
@@ -323,6 +328,7 @@ class PeerConnection:
             admit=lambda proof: self.endpoint.admit(peer, proof, self.dialer),
             peer_addr=self.remote_addr,
             take_grant=None if self.endpoint.take_grant is None else lambda g: self.endpoint.take_grant(peer, g),
+            passive=self.endpoint.options.passive,
         )
         if self.dialer:
             stream_id = self.quic.get_next_available_stream_id()
@@ -365,8 +371,8 @@ class PeerConnection:
             return
         if self._deadline is not None:
             self._deadline.cancel()
-        if self.probes is not None:
-            spawn(self._tasks, self._run_probes(self.probes))
+        if self.probes is not None and not self.passive:
+            spawn(self._tasks, self._run_probes(self.probes))  # a passive client probes us; we only answer
         if not self._ready.done():
             self._ready.set_result(None)
         self.endpoint.admitted(self)

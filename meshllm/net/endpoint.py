@@ -102,6 +102,8 @@ class EndpointOptions:
     max_datagram_size: int = MAX_DATAGRAM_SIZE
     idle_timeout: float = IDLE_TIMEOUT
     probe_interval: float = 0.25
+    passive: bool = False
+    """We are a passive client: dialed peers are told so (``Hello.passive``) and keep us out of gossip."""
     suspect_after: int = 3
     admission_timeout: float = 10.0
     """An incoming connection must finish admission within this long or is closed."""
