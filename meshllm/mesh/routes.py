@@ -385,18 +385,21 @@ def view_of(book: RouteBook, previous: view.ViewState, now: float) -> view.ViewS
     issuer = table.issuer if table is not None else ""
     peers: dict[str, view.PeerEntry] = {}
     rows: dict[str, RttEntry] = {}
-    for entry in book.entries(now):
-        record = record_of(entry, book.mesh_id, issuer)
+    entries = book.entries(now)
+    for entry in entries:
         if entry.rtt_ms is not None:
             rows[entry.node_id] = RttEntry(entry.rtt_ms, "direct")
+    for entry in entries:
+        record = record_of(entry, book.mesh_id, issuer)
+        if entry.node_id == issuer:
+            record = msgspec.structs.replace(record, rtt=rows)
         old = previous.peers.get(entry.node_id)
         status: view.Status = entry.status
+        if old is not None and old.status == status and old.record == record:
+            peers[entry.node_id] = old  # unchanged: the same object, so diff reports nothing
+            continue
         changed = old.changed if old is not None and old.status == status else now
         peers[entry.node_id] = view.PeerEntry(record, b"", status, changed, now)
-    if issuer in peers:
-        held = peers[issuer]
-        peers[issuer] = view.PeerEntry(msgspec.structs.replace(held.record, rtt=rows), b"", held.status,
-                                       held.changed, held.heard)
     for node_id, old in previous.peers.items():
         if node_id in peers:
             continue
