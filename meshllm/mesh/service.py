@@ -145,6 +145,7 @@ class MeshService:
             raise ConfigError(f"cannot open the mesh's UDP port {self._host}:{self._port}: {exc.strerror}",
                               hint="is another node running there? pick another port with --mesh-port "
                                    "(0 picks a free one)") from None
+        self.endpoint.admit_passive = self._admit_passive
         self.endpoint.on_stream(GOSSIP_STREAM, self._serve_gossip)
         self.endpoint.on_cool_down = lambda peer, reason: self._on_event("peer_cooled", node_id=peer, reason=reason)
         self.traversal = Traversal(self.endpoint, self._relay_mode, bool(self._announce), self._on_event)
@@ -249,6 +250,25 @@ class MeshService:
                                     hint="join through another member")
         owner = self.membership.mesh_key is not None
         invite = self.admission.admit(peer_id, proof, now, quota_for=None if owner else self.node_id)
+        if invite is None:
+            return None
+        return make_grant(self.key.signing_key, self.membership.proof, self.membership.mesh_id, peer_id,
+                          invite.invite_id, now)
+
+    def _admit_passive(self, peer_id: str, proof: bytes, dialer: bool) -> bytes | None:
+        """A passive client dialed us: a good credential, or a live invite (then we grant), counted against
+        no admitter's quota. Quotas bound what enters every member's view, and a passive client enters
+        none; should its key ever publish a record, every member counts it then (``verify_member``)."""
+        now = time.time()
+        self._check_node_id(peer_id)
+        try:
+            self.admission.standing(peer_id, proof, now)
+            return None
+        except VerificationError:
+            pass  # no grant yet: the invite decides
+        if not self.membership.granted:
+            raise VerificationError("this node has not been admitted itself yet", hint="join through another member")
+        invite = self.admission.admit(peer_id, proof, now, quota_for=None)
         if invite is None:
             return None
         return make_grant(self.key.signing_key, self.membership.proof, self.membership.mesh_id, peer_id,

@@ -325,7 +325,7 @@ class PeerConnection:
         self._admission = Admission(
             dialer=self.dialer,
             local_proof=self.endpoint.local_proof(),
-            admit=lambda proof: self.endpoint.admit(peer, proof, self.dialer),
+            admit=lambda proof: self._admit_check()(peer, proof, self.dialer),
             peer_addr=self.remote_addr,
             take_grant=None if self.endpoint.take_grant is None else lambda g: self.endpoint.take_grant(peer, g),
             passive=self.endpoint.options.passive,
@@ -376,6 +376,12 @@ class PeerConnection:
         if not self._ready.done():
             self._ready.set_result(None)
         self.endpoint.admitted(self)
+
+    def _admit_check(self) -> Any:
+        """The endpoint's admission check for this peer (a passive client's own, when the endpoint has one)."""
+        if self.passive and self.endpoint.admit_passive is not None:
+            return self.endpoint.admit_passive
+        return self.endpoint.admit
 
     def _serving(self) -> bool:
         return self._admission is not None and self._admission.serving and self.close_reason is None

@@ -140,6 +140,8 @@ class Endpoint:
         self.options = options
         self.admit = admit
         """The injected admission check (see :data:`Admit`)."""
+        self.admit_passive: Admit | None = None
+        """The check for a dialer whose Hello says it is a passive client (None: ``admit`` for it too)."""
         self.local_proof = local_proof
         """Returns the proof we present to peers (called once per connection)."""
         self.take_grant = take_grant
