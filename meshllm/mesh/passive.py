@@ -60,6 +60,8 @@ PULL_TIMEOUT_S = 5.0
 DIAL_TIMEOUT_S = 3.0
 BOOTSTRAP_DEADLINE_S = 15.0
 TICK_MAX_S = 0.5
+IDLE_CLOSE_S = 30.0
+"""A connection to a member that is not an anchor is closed after this long without a stream."""
 
 OnEvent = Callable[..., None]
 
@@ -102,6 +104,9 @@ class PassiveMesh:
         self._listen: list[str] = []
         self._dialing: asyncio.Task[None] | None = None
         self._pulling: asyncio.Task[None] | None = None
+        self._bootstrap_anchor: str | None = None
+        """The member we joined through, until the table offers enough others to draw from."""
+        self._idle_since: dict[str, float] = {}
         self._dial_backoff = Backoff(0.2, 2.0, 5.0)
         self._not_before = 0.0
         self._runner: asyncio.Task[None] | None = None
@@ -128,6 +133,7 @@ class PassiveMesh:
         self.gossip.update_own(time.time(), addresses=Addresses(listen=self._listen))
         first = await self._bootstrap(self.membership.bootstrap)
         self.anchors.append(first)
+        self._bootstrap_anchor = first
         self._on_event("anchor_connected", node_id=first)
         await self._pull()
         self._runner = asyncio.create_task(self._run(), name="passive-mesh")
@@ -205,15 +211,38 @@ class PassiveMesh:
                 await asyncio.wait_for(self._wake.wait(), timeout=min(wait, TICK_MAX_S))
 
     def _keep_anchors(self, now: float) -> None:
-        """Drop anchors whose connection went; dial a new one while we hold fewer than ANCHORS."""
+        """Drop anchors whose connection went; dial a new one while we hold fewer than ANCHORS.
+
+        The invite's member is only the way in: once the table lists enough members, it stays an
+        anchor only if drawn like any other, so clients spread over the mesh instead of all holding a
+        connection to the node that printed the invite. Connections that are neither anchors nor in
+        use (a serving node we sent requests to) are closed after :data:`IDLE_CLOSE_S`.
+        """
         assert self.endpoint is not None
         self.anchors = [a for a in self.anchors if a in self.endpoint.peers]
+        self._close_idle(now)
+        members = len(self.book.anchor_candidates([]))
+        if self._bootstrap_anchor in self.anchors and len(self.anchors) >= ANCHORS and members > ANCHORS:
+            if self._rng.random() >= ANCHORS / members:  # kept with the odds any member has of being drawn
+                self.anchors.remove(self._bootstrap_anchor)  # its connection closes once idle
+            self._bootstrap_anchor = None
         if len(self.anchors) >= ANCHORS or now < self._not_before:
             return
         if self._dialing is not None and not self._dialing.done():
             return
         candidates = self.book.anchor_candidates(self.anchors)
         self._dialing = asyncio.create_task(self._add_anchor(candidates), name="anchor-dial")
+
+    def _close_idle(self, now: float) -> None:
+        assert self.endpoint is not None
+        for peer, conn in list(self.endpoint.peers.items()):
+            if peer in self.anchors or conn.streams_open:
+                self._idle_since.pop(peer, None)
+                continue
+            since = self._idle_since.setdefault(peer, now)
+            if now - since > IDLE_CLOSE_S:
+                conn.close("idle: not an anchor, no requests")
+                self._idle_since.pop(peer, None)
 
     async def _add_anchor(self, candidates: list[str]) -> None:
         assert self.endpoint is not None
@@ -242,6 +271,8 @@ class PassiveMesh:
         """Ask the anchors in turn until one answers within its deadline."""
         assert self.endpoint is not None
         self.book.pulled(time.time())
+        # The first anchor answers while it can: a table's version is its issuer's, so alternating
+        # anchors would fetch a whole table every time. Clients spread because anchors are drawn at random.
         for anchor in list(self.anchors):
             conn = self.endpoint.peers.get(anchor)
             if conn is None:

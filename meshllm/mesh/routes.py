@@ -138,8 +138,17 @@ class BadRouteTable(VerificationError):
 # --- the anchor's side ---------------------------------------------------------------------------
 
 
-def quantise_rtt(ms: float) -> float:
-    """RTT in steps of about 20 % (so jitter does not change a table's version), at least 0.1 ms."""
+RTT_HYSTERESIS = 4.0
+"""A published RTT changes only when the measured one leaves [published / 4, published * 4]: round trips
+on a loaded host swing 3-7x from one measurement to the next (seen on 127.0.0.1 with 2 busy cores), and
+every change would cost each client a whole table. It orders nodes a continent apart, not a rack."""
+
+
+def quantise_rtt(ms: float, held: float | None = None) -> float:
+    """RTT in steps of about 20 %, at least 0.1 ms; ``held`` (the value published before) stays while
+    ``ms`` is within :data:`RTT_HYSTERESIS` of it, so jitter does not change a table's version."""
+    if held is not None and held / RTT_HYSTERESIS <= ms <= held * RTT_HYSTERESIS:
+        return held
     if ms <= 0.1:
         return 0.1
     return round(0.1 * 1.2 ** round(math.log(ms / 0.1, 1.2)), 3)
@@ -149,7 +158,7 @@ def _quantise_load(load: Load) -> Load:
     return msgspec.structs.replace(load, tok_s=float(round(load.tok_s)))
 
 
-def entry_of(record: PeerRecord, status: Status, rtt_ms: float | None) -> RouteEntry:
+def entry_of(record: PeerRecord, status: Status, rtt_ms: float | None, held_rtt: float | None = None) -> RouteEntry:
     """A member's route entry from its verified record (fields cut to the table's bounds)."""
     models = [RouteModel(m.name[:200], m.context, m.engine[:32], m.id[:64], m.tools)
               for m in record.models.served if takes_requests(m)][:MODELS_MAX]
@@ -160,20 +169,26 @@ def entry_of(record: PeerRecord, status: Status, rtt_ms: float | None) -> RouteE
         observed=[a for a in addrs.observed if len(a) <= 300][:ADDRS_MAX],
         relay=[a for a in addrs.relay if len(a) <= 300][:ADDRS_MAX],
         models=models, load=_quantise_load(record.load),
-        rtt_ms=None if rtt_ms is None else quantise_rtt(rtt_ms),
+        rtt_ms=None if rtt_ms is None else quantise_rtt(rtt_ms, held_rtt),
     )
 
 
-def build_entries(own: PeerRecord, peers: Mapping[str, view.PeerEntry]) -> list[RouteEntry]:
-    """The anchor itself and every live member but clients, serving nodes first, then by id; bounded."""
+def build_entries(own: PeerRecord, peers: Mapping[str, view.PeerEntry],
+                  held_rtt: Mapping[str, float] | None = None) -> list[RouteEntry]:
+    """The anchor itself and every live member (each a possible anchor), serving nodes first, then
+    hosts and workers, then member clients, each group by id; bounded. ``held_rtt``: the RTTs the
+    previous table published (kept while the measured ones stay near them)."""
+    held_rtt = held_rtt or {}
     entries = [entry_of(own, "alive", None)]
     for node_id, held in peers.items():
-        if held.status not in view.ACTIVE or held.record.role == "client":
+        if held.status not in view.ACTIVE:
             continue
         measured = own.rtt.get(node_id)
         status: Status = "alive" if held.status == "alive" else "suspect"
-        entries.append(entry_of(held.record, status, None if measured is None else measured.rtt_ms))
-    entries.sort(key=lambda e: (not e.models, e.node_id))
+        kept = held_rtt.get(node_id)
+        ms = measured.rtt_ms if measured is not None else kept  # not connected now: the last value stands
+        entries.append(entry_of(held.record, status, ms, kept))
+    entries.sort(key=lambda e: (not e.models, e.role == "client", e.node_id))
     return entries[:TABLE_MAX_ENTRIES]
 
 
@@ -195,6 +210,8 @@ class RouteTableServer:
         self._version = ""
         self._signed = b""
         self._issued = 0.0
+        self._rtt: dict[str, float] = {}
+        """RTTs the current table publishes, per member (not per client)."""
 
     def answer(self, ask: RoutesAsk, own: PeerRecord, peers: Mapping[str, view.PeerEntry], now: float) -> RoutesReply:
         """The reply to one pull: ``RoutesSame`` if the client holds the current version, else the table."""
@@ -208,13 +225,14 @@ class RouteTableServer:
         version changed or the signed table is half way to :data:`TABLE_MAX_AGE_S`."""
         inputs = (own, peers)
         if self._inputs is None or self._inputs[0] is not own or self._inputs[1] is not peers:
-            entries = build_entries(own, peers)
+            entries = build_entries(own, peers, self._rtt)
+            self._rtt = {e.node_id: e.rtt_ms for e in entries if e.rtt_ms is not None}
             version = version_of(entries)
             self._inputs = inputs
             if version != self._version or now - self._issued > TABLE_MAX_AGE_S / 2:
                 self._sign(entries, version, now)
         elif now - self._issued > TABLE_MAX_AGE_S / 2:
-            self._sign(build_entries(own, peers), self._version, now)
+            self._sign(build_entries(own, peers, self._rtt), self._version, now)
 
     def _sign(self, entries: list[RouteEntry], version: str, now: float) -> None:
         while True:

@@ -123,6 +123,11 @@ class PeerConnection:
         return self.probes.state.value if self.probes else Liveness.ALIVE.value
 
     @property
+    def streams_open(self) -> int:
+        """Streams on this connection that have not ended yet (either side's)."""
+        return len(self._streams)
+
+    @property
     def passive(self) -> bool:
         """The peer dialed us as a passive client: no gossip with it, and we answer its probes without sending any."""
         return self._admission is not None and self._admission.peer_passive

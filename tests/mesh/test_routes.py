@@ -60,13 +60,13 @@ def fresh_book() -> RouteBook:
     return RouteBook(CLIENT_ID, MESH, random.Random(0))
 
 
-def test_table_lists_serving_nodes_first_and_never_clients() -> None:
-    own, peers = anchor_view(peer(2), peer(3, ["tiny"]), peer(4, role="client"))
+def test_table_lists_serving_nodes_first_then_hosts_then_member_clients() -> None:
+    own, peers = anchor_view(peer(2, role="client"), peer(3, ["tiny"]), peer(4))
+    names = {e.record.node_id: e.record.name for e in peers.values()}
+    names[own.node_id] = "anchor"
     entries = build_entries(own, peers)
-    ids = [e.node_id for e in entries]
-    assert ids[0] == peers[next(n for n in peers if peers[n].record.name == "n3")].record.node_id
-    assert len(ids) == 3 and all(peers[n].record.role != "client" for n in ids if n in peers)
-    served = next(e for e in entries if e.models)
+    assert names[entries[0].node_id] == "n3" and names[entries[-1].node_id] == "n2"
+    served = entries[0]
     assert served.models[0].name == "tiny" and served.rtt_ms == quantise_rtt(3.0)
 
 
@@ -186,3 +186,19 @@ def test_passive_view_reads_like_gossip() -> None:
     pv.update_own(NOW, name="laptop")
     assert pv.own.name == "laptop" and pv.rtt_matrix() is not None
     assert RoutesAsk(book.table.version).held == book.table.version
+
+
+def test_rtt_jitter_within_a_factor_four_keeps_the_published_value() -> None:
+    assert quantise_rtt(1.9, held=0.5) == 0.5 and quantise_rtt(0.13, held=0.5) == 0.5
+    assert quantise_rtt(2.5, held=0.5) == quantise_rtt(2.5)
+    own, peers = anchor_view(peer(3, ["tiny"]))
+    server = RouteTableServer(ANCHOR, MESH)
+    book = fresh_book()
+    book.receive(ANCHOR_ID, server.answer(book.ask(), own, peers, NOW), NOW)
+    for ms in (1.6, 11.0, 2.2):
+        jittered = msgspec.structs.replace(own, rtt={n: RttEntry(ms, "direct") for n in own.rtt})
+        assert isinstance(server.answer(book.ask(), jittered, peers, NOW + 1), RoutesSame)
+    unmeasured = msgspec.structs.replace(own, rtt={})  # not connected now: the last value stands
+    assert isinstance(server.answer(book.ask(), unmeasured, peers, NOW + 1), RoutesSame)
+    far = msgspec.structs.replace(own, rtt={n: RttEntry(40.0, "direct") for n in own.rtt})
+    assert isinstance(server.answer(book.ask(), far, peers, NOW + 2), RoutesTable)
