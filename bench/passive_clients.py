@@ -95,7 +95,9 @@ async def swarm(token: str, anchors: list[str], count: int, interval: float, see
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not all(len(m.anchors) >= min(2, len(anchors)) for m in meshes):
         await asyncio.sleep(0.2)
-    print(f"ready {len(meshes)} anchors {sum(len(m.anchors) for m in meshes)}", flush=True)
+    counts = [len(m.anchors) for m in meshes]
+    print(f"ready {len(meshes)} clients holding {' '.join(f'{n} anchors: {counts.count(n)}' for n in set(counts))}",
+          flush=True)
     await asyncio.Event().wait()
 
 
@@ -129,9 +131,15 @@ def run(members_n: int, clients: int, procs: int, seconds: float, interval: floa
                 line = s.stdout.readline()
                 if not line.startswith("ready"):
                     raise SystemExit(f"a client swarm failed to start: {line!r}")
+                print(line.strip(), file=sys.stderr)
             start_s = time.monotonic() - started
             time.sleep(5)
+            routes0 = [n.status()["route_tables"] for n in nodes]
             after = window(nodes, seconds)
+            routes1 = [n.status()["route_tables"] for n in nodes]
+            for row, r0, r1 in zip(after, routes0, routes1, strict=True):
+                row["pulls"], row["tables"] = r1["pulls"] - r0["pulls"], r1["tables"] - r0["tables"]
+                row["passive_connections"] = r1["passive_connections"]
             swarm_cpu = sum(cpu_seconds(s.pid) for s in swarms)
         finally:
             for s in swarms:
@@ -163,10 +171,11 @@ def main() -> None:
     print(f"{args.members} members, {args.clients} passive clients in {args.procs} processes, pulls every "
           f"{args.interval:g} s, {args.window:g} s windows (clients started in {result['clients_start_s']} s)")
     print(f"{'member':>6} {'cpu% before':>11} {'cpu% after':>10} {'gossip B/s before':>17} {'gossip B/s after':>16} "
-          f"{'routes B/s':>10} {'all B/s before':>14} {'all B/s after':>13}")
+          f"{'routes B/s':>10} {'all B/s before':>14} {'all B/s after':>13} {'clients':>7} {'pulls':>5} {'tables':>6}")
     for i, (b, a) in enumerate(zip(before, after, strict=True)):  # type: ignore[call-overload]
         print(f"{'m' + str(i):>6} {b['cpu_pct']:>11.2f} {a['cpu_pct']:>10.2f} {b['gossip_Bps']:>17.0f} "
-              f"{a['gossip_Bps']:>16.0f} {a['routes_Bps']:>10.0f} {b['all_Bps']:>14.0f} {a['all_Bps']:>13.0f}")
+              f"{a['gossip_Bps']:>16.0f} {a['routes_Bps']:>10.0f} {b['all_Bps']:>14.0f} {a['all_Bps']:>13.0f} "
+              f"{a['passive_connections']:>7} {a['pulls']:>5} {a['tables']:>6}")
     med = {k: (statistics.median(r[k] for r in before), statistics.median(r[k] for r in after))  # type: ignore[index]
            for k in ("cpu_pct", "gossip_Bps", "all_Bps")}
     print("median: cpu {0[0]:.2f} -> {0[1]:.2f} % of a core, gossip {1[0]:.0f} -> {1[1]:.0f} B/s, "

@@ -537,6 +537,7 @@ class Node:
             **(self.owner.status(time.time()) if self.owner is not None else {}),
             "requests": self.serving.request_counters(),
             "nat": self._nat_status(),
+            "route_tables": self.routes.status() if self.routes is not None else None,
             "devices": [{"name": d.name, "description": d.description, "kind": d.kind,
                          "memory_free": d.memory_free, "memory_total": d.memory_total} for d in compute_devices()],
         }

@@ -53,8 +53,12 @@ from meshllm.wire.addr import format_addr, parse_addr
 log = logging.getLogger(__name__)
 
 PROBE_INTERVAL_S = 1.0
-"""Datagram probes on a passive client's connections: anchors answer 1 a second instead of 4, and
-a dead serving node still turns suspect within about 3 s (a stalled stream is hedged sooner)."""
+"""Datagram probes on a passive client's connections to serving nodes: a dead one turns suspect within
+about 3 s (a stalled stream is hedged sooner)."""
+ANCHOR_PROBE_S = 15.0
+"""Probes on anchor connections: only to keep NAT bindings and the QUIC idle timer alive. An anchor's
+liveness is its answers to pulls (a pull that times out closes the connection and the next anchor
+answers), so hundreds of clients cost a member one small stream each per interval, not 4 datagrams a second."""
 PULL_TIMEOUT_S = 5.0
 """A pull (open, ask, whole reply) must finish within this long; then the next anchor is asked."""
 DIAL_TIMEOUT_S = 3.0
@@ -249,7 +253,8 @@ class PassiveMesh:
         for peer in candidates[:4]:
             for text in self.book.addresses(peer):
                 try:
-                    await self.endpoint.connect(parse_addr(text), expected_node_id=peer, timeout=DIAL_TIMEOUT_S)
+                    await self.endpoint.connect(parse_addr(text), expected_node_id=peer, timeout=DIAL_TIMEOUT_S,
+                                                probe_interval=ANCHOR_PROBE_S)
                 except MeshllmError as exc:
                     log.debug("anchor dial %s at %s failed: %s", peer[:8], text, exc)
                     continue
@@ -288,6 +293,7 @@ class PassiveMesh:
                     stream.close()
             except (MeshllmError, TimeoutError, msgspec.DecodeError, msgspec.ValidationError) as exc:
                 self._on_event("routes_refused", issuer=anchor, reason=f"pull failed: {exc}")
+                conn.close(f"route pull failed: {exc}")  # its probes are slow: a failed pull is how we learn
                 continue
             if reply is None:
                 continue
@@ -340,7 +346,8 @@ class PassiveMesh:
         while time.monotonic() < deadline:
             for text in addrs:
                 try:
-                    conn = await self.endpoint.connect(parse_addr(text), timeout=DIAL_TIMEOUT_S)
+                    conn = await self.endpoint.connect(parse_addr(text), timeout=DIAL_TIMEOUT_S,
+                                                       probe_interval=ANCHOR_PROBE_S)
                     assert conn.node_id is not None
                     return conn.node_id
                 except AdmissionRefused:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from meshllm.mesh.routes import ROUTES_STREAM, TABLE_MAX_BYTES, RoutesAsk, RouteTableServer
+from meshllm.mesh.routes import ROUTES_STREAM, TABLE_MAX_BYTES, RoutesAsk, RoutesTable, RouteTableServer
 from meshllm.mesh.service import MeshService
 from meshllm.net.errors import NetTimeout
 from meshllm.net.messages import ResetCode
@@ -30,8 +30,10 @@ class RouteService:
         assert mesh.endpoint is not None, "start the mesh service first"
         self.mesh = mesh
         self.core = RouteTableServer(mesh.key.signing_key, mesh.membership.mesh_id)
-        self.served = 0
-        """Pulls answered (for the benchmark and ``/api/status``)."""
+        self.pulls = 0
+        """Pulls answered ..."""
+        self.tables = 0
+        """... of which with a whole table (the rest: the client's version was current). In ``/api/status``."""
         mesh.endpoint.on_stream(ROUTES_STREAM, self._serve, max_frame=REPLY_FRAME_MAX)
 
     async def _serve(self, stream: Any, conn: Any) -> None:
@@ -46,4 +48,13 @@ class RouteService:
             return
         reply = self.core.answer(ask, gossip.own, gossip.state.peers, time.time())
         await stream.send(reply, timeout=REPLY_TIMEOUT_S)
-        self.served += 1
+        self.pulls += 1
+        self.tables += isinstance(reply, RoutesTable)
+
+    def status(self) -> dict[str, int]:
+        """``route_tables`` in ``/api/status``: what passive clients asked this member (no client named)."""
+        return {"pulls": self.pulls, "tables": self.tables, "passive_connections": self._passive_connections()}
+
+    def _passive_connections(self) -> int:
+        assert self.mesh.endpoint is not None
+        return sum(1 for conn in self.mesh.endpoint.peers.values() if conn.passive)
