@@ -110,6 +110,8 @@ class PassiveMesh:
         self._pulling: asyncio.Task[None] | None = None
         self._bootstrap_anchor: str | None = None
         """The member we joined through, until the table offers enough others to draw from."""
+        self._passed_over: str | None = None
+        """The invite's member when the draw passed it over: not redrawn, so every member's odds are equal."""
         self._idle_since: dict[str, float] = {}
         self._dial_backoff = Backoff(0.2, 2.0, 5.0)
         self._not_before = 0.0
@@ -229,12 +231,14 @@ class PassiveMesh:
         if self._bootstrap_anchor in self.anchors and len(self.anchors) >= ANCHORS and members > ANCHORS:
             if self._rng.random() >= ANCHORS / members:  # kept with the odds any member has of being drawn
                 self.anchors.remove(self._bootstrap_anchor)  # its connection closes once idle
+                self._passed_over = self._bootstrap_anchor  # and it is not drawn again in its place
+            self._rng.shuffle(self.anchors)  # which anchor answers pulls: a random one, not the invite's
             self._bootstrap_anchor = None
         if len(self.anchors) >= ANCHORS or now < self._not_before:
             return
         if self._dialing is not None and not self._dialing.done():
             return
-        candidates = self.book.anchor_candidates(self.anchors)
+        candidates = self.book.anchor_candidates([*self.anchors, *filter(None, [self._passed_over])])
         self._dialing = asyncio.create_task(self._add_anchor(candidates), name="anchor-dial")
 
     def _close_idle(self, now: float) -> None:
