@@ -35,7 +35,7 @@ from nacl.signing import SigningKey
 from meshllm.errors import MeshllmError, VerificationError, WrongMesh, WrongSigner
 from meshllm.identity.ids import node_id as node_id_of
 from meshllm.identity.ids import node_public_key
-from meshllm.identity.signing import CLOCK_SKEW_S, decode_signed, decode_struct, encode_signed, sign, verify
+from meshllm.identity.signing import CLOCK_SKEW_S, decode_signed, encode_signed, sign, verify
 from meshllm.mesh import rtt, view
 from meshllm.mesh.records import (
     Addresses,
@@ -276,11 +276,6 @@ def open_table(raw: bytes, issuer: str, mesh_id: str, now: float) -> RouteTable:
     for node in ids:
         node_public_key(node)  # DecodeError unless it names a key
     return table
-
-
-def decode_reply(raw: bytes) -> RoutesReply:
-    """Decode a reply frame's bytes (DecodeError on anything else)."""
-    return decode_struct(raw, RoutesReply, what="route table reply")  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,9 +6,11 @@ import random
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sim import MESH, make_key, make_record
 
-from meshllm.errors import BadSignature, DecodeError, WrongMesh, WrongSigner
+from meshllm.errors import BadSignature, DecodeError, MeshllmError, WrongMesh, WrongSigner
 from meshllm.identity.ids import node_id as node_id_of
 from meshllm.identity.signing import encode_signed, sign
 from meshllm.mesh import view
@@ -202,3 +204,26 @@ def test_rtt_jitter_within_a_factor_four_keeps_the_published_value() -> None:
     assert isinstance(server.answer(book.ask(), unmeasured, peers, NOW + 1), RoutesSame)
     far = msgspec.structs.replace(own, rtt={n: RttEntry(40.0, "direct") for n in own.rtt})
     assert isinstance(server.answer(book.ask(), far, peers, NOW + 2), RoutesTable)
+
+
+GOOD = signed_table([entry(2), entry(3)])
+
+
+@st.composite
+def mutated(draw: st.DrawFn) -> bytes:
+    data = bytearray(GOOD)
+    for _ in range(draw(st.integers(1, 4))):
+        data[draw(st.integers(0, len(data) - 1))] = draw(st.integers(0, 255))
+    return bytes(data)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.one_of(st.binary(max_size=600), mutated()))
+def test_table_decoder_fuzz_raises_only_typed_errors(data: bytes) -> None:
+    """Random and mutated bytes: a typed refusal, or (a byte the signature does not cover) the very table."""
+    try:
+        table = open_table(data, ANCHOR_ID, MESH, NOW)
+    except MeshllmError:
+        return
+    assert table == open_table(GOOD, ANCHOR_ID, MESH, NOW)
+
