@@ -40,6 +40,28 @@ class Member:
         self.proc = NodeProcess(self.home, self.args, self.name)
         return self.proc
 
+    def start_through(self, members: list[Member], rng: random.Random) -> NodeProcess:
+        """Start, dialing two random members that are up (not only the owner: dozens joining at once
+        would queue on it past the bootstrap deadline)."""
+        ready = [m.proc.mesh_addr for m in members if m is not self and m.proc is not None and m.proc.ready
+                 and m.proc.proc.poll() is None]
+        self.args = _without_bootstrap(self.args) + [
+            arg for addr in rng.sample(ready, min(2, len(ready))) for arg in ("--bootstrap", addr)]
+        return self.start()
+
+    def wait_ready(self, members: list[Member], rng: random.Random, procs: list[NodeProcess], timeout: float,
+                   attempts: int = 3) -> None:
+        """Wait for ``ready``; a start that gave up (a loaded host: no member answered in time) is retried."""
+        for attempt in range(attempts):
+            assert self.proc is not None
+            try:
+                self.proc.wait_ready(timeout)
+                return
+            except AssertionError:
+                if self.proc.proc.poll() is None or attempt == attempts - 1:
+                    raise
+            procs.append(self.start_through(members, rng))
+
 
 @dataclass
 class ChatLog:
@@ -66,6 +88,20 @@ def view_of(node: NodeProcess) -> set[str]:
     return {p["node_id"] for p in node.status(timeout=10)["peers"] if p["state"] in ("alive", "suspect")}
 
 
+def _without_bootstrap(args: list[str]) -> list[str]:
+    """``args`` less its ``--bootstrap ADDR`` pairs (a restarted member dials members that are up now)."""
+    out: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--bootstrap":
+            skip = True
+        else:
+            out.append(arg)
+    return out
+
+
 def chat_loop(entries: list[NodeProcess], log: ChatLog, stop: threading.Event, rng: random.Random,
               max_tokens: int) -> None:
     """Stream chats through random entry nodes until ``stop``; each must complete (failover/replay inside)."""
@@ -90,7 +126,7 @@ def chat_loop(entries: list[NodeProcess], log: ChatLog, stop: threading.Event, r
 
 
 def run_churn(base: Path, *, nodes: int, serving: int, workers: int, passive: int, duration: float,
-              churn: float = 0.1, chat_threads: int = 2, max_tokens: int = 24, seed: int = 1,
+              churn: float = 0.1, chat_threads: int = 2, max_tokens: int = 24, seed: int = 1, batch: int = 8,
               settle_timeout: float = 120.0, on_progress: Any = print) -> dict[str, Any]:
     """Run the churn scenario; returns the figures (see the module docstring)."""
     rng = random.Random(seed)
@@ -107,11 +143,12 @@ def run_churn(base: Path, *, nodes: int, serving: int, workers: int, passive: in
         clients = [Member(f"p{i}", base / f"p{i}", ["--client", "--passive", "--join", token], False)
                    for i in range(passive)]
         t0 = time.monotonic()
-        for m in [*members[1:], *clients]:
-            procs.append(m.start())
-        for m in [*members[1:], *clients]:
-            assert m.proc is not None
-            m.proc.wait_ready(settle_timeout)
+        joiners = [*members[1:], *clients]
+        for i in range(0, len(joiners), batch):  # a batch at a time, each through members already in
+            for m in joiners[i:i + batch]:
+                procs.append(m.start_through(members, rng))
+            for m in joiners[i:i + batch]:
+                m.wait_ready(members, rng, procs, settle_timeout)
         started_s = time.monotonic() - t0
         on_progress(f"{nodes} members and {passive} passive clients ready in {started_s:.0f} s")
         live = lambda: {m.proc.node_id for m in members if m.proc is not None and m.proc.proc.poll() is None}  # noqa: E731
@@ -135,8 +172,8 @@ def run_churn(base: Path, *, nodes: int, serving: int, workers: int, passive: in
             assert victim.proc is not None
             victim.proc.kill()
             time.sleep(step / 2)
-            procs.append(victim.start())
-            victim.proc.wait_ready(settle_timeout)
+            procs.append(victim.start_through([m for m in members if m is not victim], rng))
+            victim.wait_ready(members, rng, procs, settle_timeout)
             on_progress(f"restarted {victim.name}")
         converge_s = wait_until(lambda: all(view_of(m.proc) == live() - {m.proc.node_id} for m in members),
                                 settle_timeout, 0.2)
