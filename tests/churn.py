@@ -84,8 +84,13 @@ def gossip_bytes(node: NodeProcess) -> float:
                                                        text, re.M))
 
 
-def view_of(node: NodeProcess) -> set[str]:
-    return {p["node_id"] for p in node.status(timeout=10)["peers"] if p["state"] in ("alive", "suspect")}
+def view_of(node: NodeProcess) -> set[str] | None:
+    """The members ``node`` lists as live (None: it did not answer in time, so not converged yet)."""
+    try:
+        peers = node.status(timeout=30)["peers"]
+    except httpx.HTTPError:
+        return None
+    return {p["node_id"] for p in peers if p["state"] in ("alive", "suspect")}
 
 
 def _without_bootstrap(args: list[str]) -> list[str]:
