@@ -136,7 +136,9 @@ def run(members_n: int, clients: int, procs: int, seconds: float, interval: floa
             time.sleep(5)
             routes0 = [n.status()["route_tables"] for n in nodes]
             after = window(nodes, seconds)
-            routes1 = [n.status()["route_tables"] for n in nodes]
+            statuses = [n.status() for n in nodes]
+            routes1 = [st["route_tables"] for st in statuses]
+            viewed = max(len(st["peers"]) for st in statuses)  # members list members only: never a client
             for row, r0, r1 in zip(after, routes0, routes1, strict=True):
                 row["pulls"], row["tables"] = r1["pulls"] - r0["pulls"], r1["tables"] - r0["tables"]
                 row["passive_connections"] = r1["passive_connections"]
@@ -145,7 +147,8 @@ def run(members_n: int, clients: int, procs: int, seconds: float, interval: floa
             for s in swarms:
                 s.kill()
                 s.wait(10)
-        return {"members": members_n, "clients": clients, "procs": procs, "window_s": seconds,
+        return {"members": members_n, "clients": clients, "largest_member_view": viewed, "procs": procs,
+                "window_s": seconds,
                 "interval_s": interval, "clients_start_s": round(start_s, 1), "swarm_cpu_s": round(swarm_cpu, 1),
                 "before": before, "after": after}
 
@@ -178,6 +181,7 @@ def main() -> None:
               f"{a['passive_connections']:>7} {a['pulls']:>5} {a['tables']:>6}")
     med = {k: (statistics.median(r[k] for r in before), statistics.median(r[k] for r in after))  # type: ignore[index]
            for k in ("cpu_pct", "gossip_Bps", "all_Bps")}
+    print(f"largest view of any member with the clients connected: {result['largest_member_view']} peers")
     print("median: cpu {0[0]:.2f} -> {0[1]:.2f} % of a core, gossip {1[0]:.0f} -> {1[1]:.0f} B/s, "
           "all streams {2[0]:.0f} -> {2[1]:.0f} B/s".format(med["cpu_pct"], med["gossip_Bps"], med["all_Bps"]))
     result["median"] = med
