@@ -107,6 +107,30 @@ def _without_bootstrap(args: list[str]) -> list[str]:
     return out
 
 
+def converged(members: list[Member], live: Any, timeout: float) -> float:
+    """Seconds until every member lists exactly the other live members; on timeout, an AssertionError
+    naming whose view differed and how (the last sweep)."""
+    differs: list[str] = []
+
+    def sweep() -> bool:
+        names = {m.proc.node_id: m.name for m in members if m.proc is not None}
+        differs.clear()
+        for m in members:
+            assert m.proc is not None
+            want, seen = live() - {m.proc.node_id}, view_of(m.proc)
+            if seen != want:
+                differs.append(f"{m.name}: " + ("no answer" if seen is None else
+                               f"missing {sorted(names.get(n, n[:8]) for n in want - seen)}, "
+                               f"extra {sorted(names.get(n, n[:8]) for n in seen - want)}"))
+                return False
+        return True
+
+    try:
+        return wait_until(sweep, timeout, 0.2)
+    except AssertionError:
+        raise AssertionError(f"views did not converge within {timeout} s: {'; '.join(differs)}") from None
+
+
 def chat_loop(entries: list[NodeProcess], log: ChatLog, stop: threading.Event, rng: random.Random,
               max_tokens: int) -> None:
     """Stream chats through random entry nodes until ``stop``; each must complete (failover/replay inside)."""
@@ -157,7 +181,7 @@ def run_churn(base: Path, *, nodes: int, serving: int, workers: int, passive: in
         started_s = time.monotonic() - t0
         on_progress(f"{nodes} members and {passive} passive clients ready in {started_s:.0f} s")
         live = lambda: {m.proc.node_id for m in members if m.proc is not None and m.proc.proc.poll() is None}  # noqa: E731
-        wait_until(lambda: all(view_of(m.proc) == live() - {m.proc.node_id} for m in members), settle_timeout, 0.5)
+        converged(members, live, settle_timeout)
 
         # victims: 10 % of the members, never the owner; serving ones among them (replay is what is tested)
         pool = members[1:]
@@ -180,8 +204,7 @@ def run_churn(base: Path, *, nodes: int, serving: int, workers: int, passive: in
             procs.append(victim.start_through([m for m in members if m is not victim], rng))
             victim.wait_ready(members, rng, procs, settle_timeout)
             on_progress(f"restarted {victim.name}")
-        converge_s = wait_until(lambda: all(view_of(m.proc) == live() - {m.proc.node_id} for m in members),
-                                settle_timeout, 0.2)
+        converge_s = converged(members, live, settle_timeout)
         passive_s = wait_until(lambda: all(view_of(c.proc) == live() for c in clients), settle_timeout, 0.2) \
             if clients else 0.0
         stop.set()
