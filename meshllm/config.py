@@ -177,6 +177,33 @@ def _token_text(data: bytes) -> str | None:
     return text
 
 
+DHT_BOOTSTRAP_ENV = "MESHLLM_DHT_BOOTSTRAP"
+"""DHT bootstrap multiaddrs, separated by commas or spaces (``none``: no DHT); over ``config.toml``."""
+DEFAULT_DHT_BOOTSTRAP: tuple[str, ...] = (
+    "/ip4/104.131.131.82/tcp/4001/p2p/QmaCpDMGvV2BGHeYERUEnRQAwe3N8SzbUtfsmvsqQLuvuJ",
+)
+"""The public IPFS Amino DHT's long-standing bootstrap peer: where a mesh lookup starts when nothing
+else is set (``--dht-bootstrap``, ``$MESHLLM_DHT_BOOTSTRAP``, ``dht_bootstrap`` in ``config.toml``).
+Used only by commands that look a mesh up (``join MESH-ID``, ``serve --auto``, ``discover``), never
+to start a node's DHT unasked."""
+
+
+def dht_bootstrap(option: tuple[str, ...] | list[str], config: Config, *, default: bool) -> tuple[list[str], str]:
+    """DHT bootstrap peers and where they came from: ``--dht-bootstrap``, else ``$MESHLLM_DHT_BOOTSTRAP``,
+    else ``dht_bootstrap`` in ``config.toml`` (an empty list there means none), else, with ``default``,
+    :data:`DEFAULT_DHT_BOOTSTRAP`."""
+    if option:
+        return list(option), "--dht-bootstrap"
+    env = os.environ.get(DHT_BOOTSTRAP_ENV)
+    if env is not None:
+        text = env.strip()
+        peers = [] if text.lower() in ("", "none") else [p for p in text.replace(",", " ").split() if p]
+        return peers, f"${DHT_BOOTSTRAP_ENV}"
+    if config.dht_bootstrap is not None:
+        return list(config.dht_bootstrap), "dht_bootstrap in config.toml"
+    return (list(DEFAULT_DHT_BOOTSTRAP), "the default bootstrap list") if default else ([], "nothing set")
+
+
 @dataclass(frozen=True)
 class Config:
     """Settings from ``config.toml``; every field has a working default."""
@@ -184,7 +211,8 @@ class Config:
     api_port: int = DEFAULT_API_PORT
     mesh_port: int = DEFAULT_MESH_PORT
     name: str = ""
-    dht_bootstrap: tuple[str, ...] = ()
+    dht_bootstrap: tuple[str, ...] | None = None
+    """DHT bootstrap multiaddrs (None: not set, so lookups use :data:`DEFAULT_DHT_BOOTSTRAP`; empty: none)."""
     model_dirs: tuple[str, ...] = ()
     """Folders whose GGUFs the model library indexes in place (never deletes)."""
     models_disk_budget_gb: float | None = None
@@ -223,7 +251,7 @@ def load_config(home: Path) -> Config:
             api_port=int(raw.get("api_port", DEFAULT_API_PORT)),
             mesh_port=int(raw.get("mesh_port", DEFAULT_MESH_PORT)),
             name=str(raw.get("name", "")),
-            dht_bootstrap=tuple(str(a) for a in raw.get("dht_bootstrap", ())),
+            dht_bootstrap=tuple(str(a) for a in raw["dht_bootstrap"]) if "dht_bootstrap" in raw else None,
             model_dirs=tuple(str(d) for d in raw.get("model_dirs", ())),
             models_disk_budget_gb=_budget(raw.get("models_disk_budget_gb")),
             speculate=speculate,

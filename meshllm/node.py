@@ -65,7 +65,10 @@ from meshllm.identity.trust import TrustStore
 from meshllm.mesh.admission import INVITE_ID_BYTES
 from meshllm.mesh.blackboard_service import BlackboardService
 from meshllm.mesh.membership import Membership, join_mesh, own_mesh
+from meshllm.mesh.passive import PassiveMesh
 from meshllm.mesh.records import MAX_AVAILABLE, DiskModel, PeerRecord
+from meshllm.mesh.routes import PULL_INTERVAL_S
+from meshllm.mesh.routes_service import RouteService
 from meshllm.mesh.service import MeshService
 from meshllm.models.library import Library
 from meshllm.models.store import ModelStore, Offer
@@ -101,6 +104,11 @@ class NodeOptions:
     """Members to dial instead of the invite's addresses."""
     ephemeral: bool = False
     role: Role = "host"
+    passive: bool = False
+    """``--passive`` (with ``--client``): stay out of gossip and route from tables pulled from members
+    (``mesh/routes.py``); members hold nothing about the node beyond its connections."""
+    routes_interval_s: float = PULL_INTERVAL_S
+    """``--routes-interval``: how often a passive client pulls the route table (and at once on demand)."""
     models: list[str] = field(default_factory=lambda: ["default"])
     engine: str = "llama"
     threads: int | None = None
@@ -161,7 +169,9 @@ class Node:
         self.name = options.name or self.key.node_id[:8]
         self.started_at = time.time()
         self.membership: Membership | None = None
-        self.mesh: MeshService | None = None
+        self.mesh: MeshService | PassiveMesh | None = None
+        self.routes: RouteService | None = None
+        """Route tables served to passive clients (members only)."""
         self.blackboard: BlackboardService | None = None
         self.serving: Serving | None = None
         self.splits: SplitService | None = None
@@ -182,6 +192,10 @@ class Node:
         """Join or own the mesh, load models, open the API; then publish ``ready``."""
         opts = self.options
         now = time.time()
+        if opts.passive and (opts.role != "client" or not opts.join):
+            raise ConfigError("--passive is for a --client that joins a mesh",
+                              hint="the mesh owner's node and serving nodes are gossip members; "
+                                   "pass --passive with --client and an invite (or a published mesh id)")
         if opts.join:
             home = None if opts.ephemeral else self.home  # where a granted credential is kept
             self.membership = join_mesh(self.key.signing_key, opts.join, now, home=home)
@@ -196,21 +210,29 @@ class Node:
             role=opts.role, version=__version__,
             capacity=offered_capacity(await asyncio.to_thread(measure_capacity), opts.role, opts.split.max_memory),
         )
-        self.mesh = MeshService(
-            self.key, self.membership, record,
-            check_trust=trust.evaluate,
-            check_node_id=trust.check_node_id,
-            on_event=self.events.publish, host=opts.mesh_host, port=opts.mesh_port, announce=opts.announce,
-            relay=opts.relay, revocations_file=self.home / REVOCATIONS_FILE,
-        )
-        await self.mesh.start()
+        if opts.passive:
+            self.mesh = PassiveMesh(self.key, self.membership, record, check_trust=trust.evaluate,
+                                    check_node_id=trust.check_node_id, on_event=self.events.publish,
+                                    host=opts.mesh_host, port=opts.mesh_port, interval=opts.routes_interval_s)
+            await self.mesh.start()
+        else:
+            self.mesh = MeshService(
+                self.key, self.membership, record,
+                check_trust=trust.evaluate,
+                check_node_id=trust.check_node_id,
+                on_event=self.events.publish, host=opts.mesh_host, port=opts.mesh_port, announce=opts.announce,
+                relay=opts.relay, revocations_file=self.home / REVOCATIONS_FILE,
+            )
+            await self.mesh.start()
+            self.routes = RouteService(self.mesh)
+            self.blackboard = BlackboardService(self.mesh, self.events.publish)
+            self.blackboard.start()
         assert self.mesh.endpoint is not None
-        self.blackboard = BlackboardService(self.mesh, self.events.publish)
-        self.blackboard.start()
         self.store = ModelStore(Library.for_home(self.home), self.mesh.endpoint, self.key.signing_key,
                                 self._model_offers, self.events.publish, on_change=self._advertise_models,
                                 bulk_ports=self._bulk_port)
-        await self._start_bulk()
+        if not opts.passive:  # a passive client offers no model files: nobody would know to ask it
+            await self._start_bulk()
         self._advertise_models()
         self._scan_task = asyncio.create_task(self._scan_library(), name="scan-model-library")
         self.serving = Serving(self.key.node_id, self.mesh, self.events, store=self.store,
@@ -514,6 +536,7 @@ class Node:
             **(self.owner.status(time.time()) if self.owner is not None else {}),
             "requests": self.serving.request_counters(),
             "nat": self._nat_status(),
+            "route_tables": self.routes.status() if self.routes is not None else None,
             "devices": [{"name": d.name, "description": d.description, "kind": d.kind,
                          "memory_free": d.memory_free, "memory_total": d.memory_total} for d in compute_devices()],
         }

@@ -12,12 +12,18 @@ through functions, classes and their methods that live under ``tests/``.
 from __future__ import annotations
 
 import inspect
+import os
 import subprocess
 import types
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+# No test may reach the default DHT bootstrap list (public peers): lookups find nothing unless a test
+# points MESHLLM_DHT_BOOTSTRAP (or --dht-bootstrap) at a DHT it started on 127.0.0.1. Node processes
+# inherit it.
+os.environ["MESHLLM_DHT_BOOTSTRAP"] = "none"
 
 TESTS = Path(__file__).resolve().parent
 SPAWN_ATTRS = frozenset({"create_subprocess_exec", "create_subprocess_shell"})

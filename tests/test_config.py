@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from meshllm.config import Config, load_config
+from meshllm.config import DEFAULT_DHT_BOOTSTRAP, DHT_BOOTSTRAP_ENV, Config, dht_bootstrap, load_config
 from meshllm.engine.recommended import Recommended
 from meshllm.errors import ConfigError
 
@@ -65,3 +65,28 @@ def test_bad_model_sections_are_refused_by_name(tmp_path: Path, text: str, name:
     (tmp_path / "config.toml").write_text(text)
     with pytest.raises(ConfigError, match=name):
         load_config(tmp_path)
+
+
+LOCAL = "/ip4/127.0.0.1/tcp/4001/p2p/QmLocal"
+
+
+def test_dht_bootstrap_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--dht-bootstrap, then $MESHLLM_DHT_BOOTSTRAP, then config.toml, then (for lookups) the default list."""
+    monkeypatch.delenv(DHT_BOOTSTRAP_ENV, raising=False)
+    assert dht_bootstrap((), Config(), default=True) == (list(DEFAULT_DHT_BOOTSTRAP), "the default bootstrap list")
+    assert dht_bootstrap((), Config(), default=False) == ([], "nothing set")  # never the public list unasked
+    (tmp_path / "config.toml").write_text(f'dht_bootstrap = ["{LOCAL}"]\n')
+    assert dht_bootstrap((), load_config(tmp_path), default=True)[0] == [LOCAL]
+    (tmp_path / "config.toml").write_text("dht_bootstrap = []\n")  # explicitly none: no default either
+    assert dht_bootstrap((), load_config(tmp_path), default=True) == ([], "dht_bootstrap in config.toml")
+    monkeypatch.setenv(DHT_BOOTSTRAP_ENV, f"{LOCAL}, {LOCAL}2")
+    assert dht_bootstrap((), load_config(tmp_path), default=True)[0] == [LOCAL, LOCAL + "2"]
+    monkeypatch.setenv(DHT_BOOTSTRAP_ENV, "none")
+    assert dht_bootstrap((), Config(), default=True) == ([], "$MESHLLM_DHT_BOOTSTRAP")
+    assert dht_bootstrap(("/ip4/10.0.0.1/tcp/1/p2p/Qm",), Config(), default=True)[1] == "--dht-bootstrap"
+
+
+def test_the_default_list_is_well_formed() -> None:
+    from meshllm.cli.common import dht_multiaddrs
+
+    assert dht_multiaddrs(None, None, DEFAULT_DHT_BOOTSTRAP) == DEFAULT_DHT_BOOTSTRAP  # type: ignore[arg-type]

@@ -1,8 +1,10 @@
 """``meshllm discover``: list published meshes found on the LAN (mDNS) and in the DHT.
 
-DHT bootstrap peers come from ``--dht-bootstrap``, else ``dht_bootstrap`` in ``config.toml``,
-else the DHT node of a node running on this machine (``GET /api/dht`` at ``--api``), which is
-already part of the DHT. Every listing shown passed signature, mesh-id and expiry checks.
+DHT bootstrap peers come from ``--dht-bootstrap``, else ``$MESHLLM_DHT_BOOTSTRAP``, else
+``dht_bootstrap`` in ``config.toml``, else the DHT node of a node running on this machine
+(``GET /api/dht`` at ``--api``), which is already part of the DHT, else the default bootstrap list
+(``meshllm.config.DEFAULT_DHT_BOOTSTRAP``). Every listing shown passed signature, mesh-id and
+expiry checks.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import click
 
 from meshllm import logs
 from meshllm.cli.common import api_option, dht_multiaddrs, echo_json, json_option
-from meshllm.config import load_config, resolve_home
+from meshllm.config import DEFAULT_DHT_BOOTSTRAP, dht_bootstrap, load_config, resolve_home
 from meshllm.errors import MeshllmError
 
 if TYPE_CHECKING:
@@ -26,17 +28,17 @@ if TYPE_CHECKING:
 
 
 def bootstrap_peers(option: tuple[str, ...], home: Path | None, api: NodeApi) -> list[str]:
-    """Bootstrap multiaddrs: the option, else config.toml, else a local node's DHT (empty when none)."""
-    if option:
-        return list(option)
-    configured = load_config(resolve_home(home)).dht_bootstrap
-    if configured:
-        return list(configured)
+    """Bootstrap multiaddrs: the option, the environment or config.toml, else a local node's DHT, else
+    the default list."""
+    peers, source = dht_bootstrap(option, load_config(resolve_home(home)), default=False)
+    if peers or source != "nothing set":
+        return peers
     try:
         info = api.get_json("/api/dht", timeout=2.0)
     except MeshllmError:
-        return []
-    return [str(a) for a in info.get("multiaddrs", [])] if isinstance(info, dict) else []
+        info = None
+    local = [str(a) for a in info.get("multiaddrs", [])] if isinstance(info, dict) else []
+    return local or list(DEFAULT_DHT_BOOTSTRAP)
 
 
 def describe(found: Found, now: float) -> dict[str, object]:
@@ -64,7 +66,8 @@ def _capacity(found: Found) -> str:
 @click.option("--model", default=None, help="Only meshes serving this model (substring match).")
 @json_option
 @click.option("--dht-bootstrap", multiple=True, metavar="MULTIADDR", callback=dht_multiaddrs,
-              help="DHT peer to ask (repeatable; default: config.toml, else the local node's DHT).")
+              help="DHT peer to ask (repeatable; default: $MESHLLM_DHT_BOOTSTRAP, config.toml, the local node's DHT, "
+                   "else the default bootstrap list).")
 @click.option("--timeout", type=click.FloatRange(1.0, 120.0), default=5.0, show_default=True,
               help="Seconds to search.")
 @click.option("--interface", "interfaces", multiple=True, metavar="IP",

@@ -14,6 +14,7 @@ import click
 from meshllm import logs
 from meshllm.cli.common import GIGABYTES, dht_multiaddrs, home_option, mesh_passphrase
 from meshllm.config import DEFAULT_API_PORT, DEFAULT_MESH_PORT, load_config, read_private, resolve_home
+from meshllm.config import dht_bootstrap as dht_bootstrap_of
 from meshllm.discovery.listing import LISTING_TTL_S
 from meshllm.engine.base import DEFAULT_MAX_TOKENS
 from meshllm.errors import ConfigError, DecodeError
@@ -66,6 +67,11 @@ def node_options(func: Any) -> Any:
                      help="Relay for members behind NATs (auto: when peers can reach this node directly)."),
         click.option("--ephemeral", is_flag=True, help="Use a fresh node key that is never saved."),
         click.option("--client", is_flag=True, help="Take part in the mesh and the API, but serve no model."),
+        click.option("--passive", is_flag=True,
+                     help="With --client: stay out of gossip; keep connections to two members and route from the "
+                          "signed route table they serve (members hold nothing about this node)."),
+        click.option("--routes-interval", type=click.FloatRange(0.5, 300.0), default=5.0, show_default=True,
+                     help="Seconds between a --passive client's route-table pulls (it also pulls on demand)."),
         click.option("--worker", is_flag=True,
                      help="Serve no whole model; offer this node's memory to host layer ranges of split models."),
         click.option("--split", type=click.Choice(["auto", "force", "off"]), default="off", show_default=True,
@@ -117,8 +123,12 @@ def node_options(func: Any) -> Any:
                      help="ggml kernels of models and stages: exact (a request's text never depends on what runs "
                           "beside it) or fast (also repacked and tiled kernels: faster prompts on some CPUs)."),
         click.option("--dht-bootstrap", multiple=True, metavar="MULTIADDR", callback=dht_multiaddrs,
-                     help="DHT peer to join at start, /ip4/HOST/tcp/PORT/p2p/PEERID (repeatable; "
-                          "default: dht_bootstrap in config.toml)."),
+                     help="DHT peer to join at start, /ip4/HOST/tcp/PORT/p2p/PEERID (repeatable; default: "
+                          "$MESHLLM_DHT_BOOTSTRAP, else dht_bootstrap in config.toml; looking a mesh up also "
+                          "falls back to the default bootstrap list)."),
+        click.option("--auto", is_flag=True,
+                     help="Find the best published mesh (LAN, then the DHT) for the --model names and join it: "
+                          "serving one first, then wanting one, then the most tokens/s and nodes."),
         click.option("--dht-port", type=click.IntRange(0, 65535), default=None,
                      help="TCP port of this node's DHT node; given, the DHT starts at once (default: it starts "
                           "with --dht-bootstrap or on the first publish, on any free port)."),
@@ -142,17 +152,21 @@ def serve(join_token: str | None, **kwargs: Any) -> None:
 
 
 @click.command()
-@click.argument("token", metavar="TOKEN|MESH-ID")
+@click.argument("token", metavar="TOKEN|MESH-ID", required=False)
 @click.option("--timeout", "lookup_timeout", type=click.FloatRange(1.0, 300.0), default=15.0, show_default=True,
-              help="Seconds to look a MESH-ID up on the LAN and in the DHT.")
+              help="Seconds to look a MESH-ID (or, with --auto, every published mesh) up on the LAN and in the DHT.")
 @node_options
-def join(token: str, lookup_timeout: float, **kwargs: Any) -> None:
-    """Join a mesh with an invite TOKEN, or a published MESH-ID (looked up by mDNS, then the DHT)."""
+def join(token: str | None, lookup_timeout: float, **kwargs: Any) -> None:
+    """Join a mesh with an invite TOKEN, a published MESH-ID (looked up by mDNS, then the DHT), or with
+    --auto the best published mesh."""
+    if token is None and not kwargs["auto"]:
+        raise click.UsageError("give an invite TOKEN or a MESH-ID, or --auto to pick a published mesh")
     _run(token, lookup_timeout=lookup_timeout, **kwargs)
 
 
 def _run(join_token: str | None, *, home: Path | None, name: str, api_port: int, api_host: str, mesh_port: int,
          mesh_host: str, announce: list[str], bootstrap: list[str], relay: str, ephemeral: bool, client: bool,
+         passive: bool, routes_interval: float, auto: bool,
          models: tuple[str, ...], engine: str, threads: int | None, gpu_layers: int | None, parallel: int | None,
          max_tokens_default: int, replays: int, kernels: str, log_format: str, verbose: bool,
          dht_bootstrap: tuple[str, ...], dht_port: int | None, listing_ttl: float, worker: bool, split: str,
@@ -167,15 +181,21 @@ def _run(join_token: str | None, *, home: Path | None, name: str, api_port: int,
     hub = EventHub()
     hub.add_sink(logs.event_sink(log_format))
     config = load_config(resolve_home(home))
-    dht_peers = list(dht_bootstrap) or list(config.dht_bootstrap)
-    if join_token is not None and is_mesh_id(join_token):
-        join_token, bootstrap = _resolve_published(hub, join_token, mesh_host, dht_peers, lookup_timeout, bootstrap)
+    dht_peers, _ = dht_bootstrap_of(dht_bootstrap, config, default=False)  # the node's own DHT: only when set
+    lookup = dht_bootstrap_of(dht_bootstrap, config, default=True)
+    if auto:
+        if join_token is not None:
+            raise click.UsageError("--auto finds a mesh itself: give it no invite token or mesh id")
+        join_token, bootstrap = _auto_join(hub, list(models), mesh_host, lookup, lookup_timeout, bootstrap)
+    elif join_token is not None and is_mesh_id(join_token):
+        join_token, bootstrap = _resolve_published(hub, join_token, mesh_host, lookup[0], lookup_timeout, bootstrap)
     if join_token is None:
         _unlock_mesh_key(resolve_home(home))
     options = NodeOptions(
         home=home, name=name, api_host=api_host, api_port=api_port, mesh_host=mesh_host, mesh_port=mesh_port,
         announce=announce, join=join_token, bootstrap=bootstrap, ephemeral=ephemeral,
-        role="client" if client else "worker" if worker else "host", models=list(models) or ["default"],
+        role="client" if client or passive else "worker" if worker else "host", models=list(models) or ["default"],
+        passive=passive, routes_interval_s=routes_interval,
         engine=engine, threads=threads, gpu_layers=gpu_layers, parallel=parallel, max_tokens_default=max_tokens_default,
         replays=replays, kernels=kernels, split=split_options(split, stages, max_memory, split_batch,
                                              config.split_audit if split_audit is None else split_audit,
@@ -238,6 +258,22 @@ def _resolve_published(hub: EventHub, mesh_id: str, mesh_host: str, dht_peers: l
     found = asyncio.run(find_listing(mesh_id, interfaces=lan_scope(mesh_host), bootstrap=dht_peers, timeout=timeout))
     listing = found.listing
     hub.publish("mesh_found", mesh_id=mesh_id, name=listing.name, via=found.via, bootstrap=list(listing.bootstrap))
+    return listing.open_invite, bootstrap or list(listing.bootstrap)
+
+
+def _auto_join(hub: EventHub, wanted: list[str], mesh_host: str, lookup: tuple[list[str], str], timeout: float,
+               bootstrap: list[str]) -> tuple[str, list[str]]:
+    """``--auto``: the open invite of the best published mesh for ``wanted`` and the members to dial."""
+    from meshllm.discovery.publisher import lan_scope
+    from meshllm.discovery.resolve import auto_find
+
+    peers, source = lookup
+    names = [Path(w).stem if w.endswith(".gguf") else w for w in wanted]
+    found = asyncio.run(auto_find(names, interfaces=lan_scope(mesh_host), bootstrap=peers, timeout=timeout,
+                                  source=source))
+    listing = found.listing
+    hub.publish("mesh_found", mesh_id=listing.mesh_id, name=listing.name, via=found.via,
+                bootstrap=list(listing.bootstrap), auto=True, dht_bootstrap_from=source)
     return listing.open_invite, bootstrap or list(listing.bootstrap)
 
 

@@ -116,7 +116,8 @@ async def find_listing(mesh_id: str, *, interfaces: list[str] | None, bootstrap:
     """The mesh's listing: the LAN first, then the DHT. :class:`NothingFound` names what was tried."""
     if interfaces is None and not bootstrap:
         raise NothingFound(f"cannot look up {mesh_id}: no LAN to browse and no DHT bootstrap peer",
-                           hint="pass --dht-bootstrap MULTIADDR (or set dht_bootstrap in config.toml)")
+                           hint="pass --dht-bootstrap MULTIADDR (or set $MESHLLM_DHT_BOOTSTRAP or dht_bootstrap in "
+                                "config.toml)")
     deadline = time.monotonic() + timeout
     tried = []
     if interfaces is not None:
@@ -160,6 +161,40 @@ async def discover_all(*, interfaces: list[str] | None, bootstrap: Sequence[str]
 
     on_lan, in_dht = await asyncio.gather(lan(), dht())
     return merge(on_lan, in_dht), notes
+
+
+def rank(found: Sequence[Found], wanted: Sequence[str]) -> list[Found]:
+    """Meshes best first for a node that wants ``wanted`` models (names, matched as substrings either way):
+    those serving one, then those asking for one (their listing's ``models_wanted``), then the rest;
+    within each, the most tokens a second, then the most nodes, then the newest listing."""
+    keys = [w.lower() for w in wanted if w]
+
+    def matches(names: Sequence[str]) -> bool:
+        return any(k in n.lower() or n.lower() in k for k in keys for n in names if n)
+
+    def score(item: Found) -> tuple[int, float, int, float]:
+        listing = item.listing
+        fit = 0 if matches(listing.models_served) else 1 if matches(listing.models_wanted) else 2
+        return fit, -listing.capacity.tokens_per_s, -listing.node_count, -listing.issued
+
+    return sorted(found, key=score)
+
+
+async def auto_find(wanted: Sequence[str], *, interfaces: list[str] | None, bootstrap: Sequence[str],
+                    timeout: float, source: str = "") -> Found:
+    """The best published mesh for ``wanted`` on the LAN and in the DHT (every listing verified).
+
+    Raises :class:`NothingFound` naming what was searched when no mesh is published there.
+    """
+    found, notes = await discover_all(interfaces=interfaces, bootstrap=bootstrap, timeout=timeout)
+    ranked = rank(found, wanted)
+    if ranked:
+        return ranked[0]
+    searched = [w for w, on in (("the LAN", interfaces is not None), (f"the DHT (via {source or 'bootstrap'})",
+                                                                       bool(bootstrap))) if on]
+    raise NothingFound(f"no published mesh found on {' or '.join(searched) or 'nothing'} within {timeout:g} s",
+                       hint="; ".join(notes) or "set $MESHLLM_DHT_BOOTSTRAP or dht_bootstrap in config.toml to a DHT "
+                                                "where meshes are published, or join with an invite")
 
 
 def merge(on_lan: Sequence[MeshListing], in_dht: Sequence[MeshListing]) -> list[Found]:

@@ -105,6 +105,9 @@ class BlackboardService:
                     conn.strike(out.reason)
 
     def _on_peer_event(self, event: PeerEvent) -> None:
+        conn = self.mesh.endpoint.peers.get(event.node_id) if self.mesh.endpoint is not None else None
+        if conn is not None and conn.passive:
+            return  # a passive client holds no board (it runs no blackboard service)
         if event.kind is PeerEventKind.CONNECTED:
             self._handle(self.core.peer_connected(event.node_id))
         elif event.kind is PeerEventKind.CLOSED:

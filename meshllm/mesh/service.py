@@ -145,6 +145,7 @@ class MeshService:
             raise ConfigError(f"cannot open the mesh's UDP port {self._host}:{self._port}: {exc.strerror}",
                               hint="is another node running there? pick another port with --mesh-port "
                                    "(0 picks a free one)") from None
+        self.endpoint.admit_passive = self._admit_passive
         self.endpoint.on_stream(GOSSIP_STREAM, self._serve_gossip)
         self.endpoint.on_cool_down = lambda peer, reason: self._on_event("peer_cooled", node_id=peer, reason=reason)
         self.traversal = Traversal(self.endpoint, self._relay_mode, bool(self._announce), self._on_event)
@@ -249,6 +250,25 @@ class MeshService:
                                     hint="join through another member")
         owner = self.membership.mesh_key is not None
         invite = self.admission.admit(peer_id, proof, now, quota_for=None if owner else self.node_id)
+        if invite is None:
+            return None
+        return make_grant(self.key.signing_key, self.membership.proof, self.membership.mesh_id, peer_id,
+                          invite.invite_id, now)
+
+    def _admit_passive(self, peer_id: str, proof: bytes, dialer: bool) -> bytes | None:
+        """A passive client dialed us: a good credential, or a live invite (then we grant), counted against
+        no admitter's quota. Quotas bound what enters every member's view, and a passive client enters
+        none; should its key ever publish a record, every member counts it then (``verify_member``)."""
+        now = time.time()
+        self._check_node_id(peer_id)
+        try:
+            self.admission.standing(peer_id, proof, now)
+            return None
+        except VerificationError:
+            pass  # no grant yet: the invite decides
+        if not self.membership.granted:
+            raise VerificationError("this node has not been admitted itself yet", hint="join through another member")
+        invite = self.admission.admit(peer_id, proof, now, quota_for=None)
         if invite is None:
             return None
         return make_grant(self.key.signing_key, self.membership.proof, self.membership.mesh_id, peer_id,
@@ -382,7 +402,7 @@ class MeshService:
     def _observe_rtts(self, now: float) -> None:
         assert self.gossip is not None and self.endpoint is not None
         for peer_id, conn in list(self.endpoint.peers.items()):
-            if conn.rtt_ms is not None:
+            if conn.rtt_ms is not None and not conn.passive:
                 self.gossip.observe_rtt(peer_id, conn.rtt_ms, RECORD_PATHS[conn.path], now)
 
     def _maintain_traversal(self, now: float) -> None:
@@ -507,6 +527,9 @@ class MeshService:
     def _on_peer_event(self, event: PeerEvent) -> None:
         assert self.gossip is not None
         now = time.time()
+        conn = self.endpoint.peers.get(event.node_id) if self.endpoint is not None else None
+        if conn is not None and conn.passive:
+            return  # a passive client (mesh/routes.py): it pulls route tables; gossip never hears of it
         if event.kind is PeerEventKind.CONNECTED:
             entry = self.gossip.state.peers.get(event.node_id)
             if event.node_id in self.admission.revoked_nodes or (entry is not None and entry.status == "revoked"):
@@ -514,7 +537,6 @@ class MeshService:
                 # revocation): the close on revocation missed this connection, so close it now.
                 self._close_peer(event.node_id, "node revoked by the mesh owner")
                 return
-            conn = self.endpoint.peers.get(event.node_id) if self.endpoint is not None else None
             self._on_event("peer_connected", node_id=event.node_id, path=conn.path if conn else "none")
             self.gossip.peer_connected(event.node_id)
             self._handle(self.gossip.greet(event.node_id))
@@ -523,7 +545,6 @@ class MeshService:
         elif event.kind is PeerEventKind.ALIVE:
             self._handle(self.gossip.on_detector(self._probe(self.detector.alive(event.node_id)), now))
         elif event.kind is PeerEventKind.UPGRADED:
-            conn = self.endpoint.peers.get(event.node_id) if self.endpoint is not None else None
             self._on_event("peer_path", node_id=event.node_id, path=conn.path if conn else "none")
         elif event.kind is PeerEventKind.CLOSED:
             self.gossip.peer_disconnected(event.node_id)
@@ -569,6 +590,9 @@ class MeshService:
     async def _serve_gossip(self, stream: Any, conn: Any) -> None:
         """One message per stream (the protocol's rule), read within one deadline for the whole frame."""
         assert self.gossip is not None
+        if conn.passive:
+            stream.fail(ResetCode.NOT_ADMITTED, "a passive client takes no part in gossip")
+            return
         try:
             message = await stream.recv(MeshMessage, timeout=RECV_TIMEOUT_S)
         except NetTimeout as exc:

@@ -52,8 +52,12 @@ class Admission:
     """One side of the admission exchange. Feed it messages; send what it returns."""
 
     def __init__(self, *, dialer: bool, local_proof: bytes, admit: AdmitProof, peer_addr: Addr,
-                 take_grant: TakeGrant | None = None) -> None:
+                 take_grant: TakeGrant | None = None, passive: bool = False) -> None:
         self.dialer = dialer
+        self.passive = passive
+        """We are a passive client: our Hello says so."""
+        self.peer_passive = False
+        """The dialer said it is a passive client (acceptor side, once its Hello arrived)."""
         self.phase = Phase.START if dialer else Phase.AWAIT_HELLO
         self.refusal: str | None = None
         """Why admission failed (either side's reason), once ``phase`` is REFUSED."""
@@ -76,12 +80,13 @@ class Admission:
         if not self.dialer or self.phase is not Phase.START:
             raise AdmissionError("only a dialer starts admission, once")
         self.phase = Phase.AWAIT_WELCOME
-        return [Hello(proof=self._proof, observed=self._peer_addr)]
+        return [Hello(proof=self._proof, observed=self._peer_addr, passive=self.passive)]
 
     def receive(self, message: AdmissionMessage) -> list[AdmissionMessage]:
         """Advance on one message from the peer; returns the messages to answer with."""
         if isinstance(message, Hello) and self.phase is Phase.AWAIT_HELLO:
             self.observed = tuple(message.observed)  # type: ignore[assignment]
+            self.peer_passive = message.passive
             reason, grant = self._check(message.proof)
             if reason is not None:
                 self._refuse(reason, by_peer=False)

@@ -79,6 +79,8 @@ class PeerConnection:
         self.close_reason: str | None = None
         """Why the connection ended, once it has."""
         self.probes: ProbeState | None = None
+        self.probe_interval: float | None = None
+        """This connection's probe period when its dialer chose one (None: the endpoint's)."""
         self._expected = expected
         self._loop = asyncio.get_running_loop()
         self._admission: Admission | None = None
@@ -121,6 +123,16 @@ class PeerConnection:
         if not self.admitted:
             return "connecting"
         return self.probes.state.value if self.probes else Liveness.ALIVE.value
+
+    @property
+    def streams_open(self) -> int:
+        """Streams on this connection that have not ended yet (either side's)."""
+        return len(self._streams)
+
+    @property
+    def passive(self) -> bool:
+        """The peer dialed us as a passive client: no gossip with it, and we answer its probes without sending any."""
+        return self._admission is not None and self._admission.peer_passive
 
     @property
     def admitted(self) -> bool:
@@ -320,9 +332,10 @@ class PeerConnection:
         self._admission = Admission(
             dialer=self.dialer,
             local_proof=self.endpoint.local_proof(),
-            admit=lambda proof: self.endpoint.admit(peer, proof, self.dialer),
+            admit=lambda proof: self._admit_check()(peer, proof, self.dialer),
             peer_addr=self.remote_addr,
             take_grant=None if self.endpoint.take_grant is None else lambda g: self.endpoint.take_grant(peer, g),
+            passive=self.endpoint.options.passive,
         )
         if self.dialer:
             stream_id = self.quic.get_next_available_stream_id()
@@ -345,7 +358,7 @@ class PeerConnection:
                 if admission.serving and self.probes is None:
                     self.probes = ProbeState(
                         self._loop.time(),
-                        interval=self.endpoint.options.probe_interval,
+                        interval=self.probe_interval or self.endpoint.options.probe_interval,
                         suspect_after=self.endpoint.options.suspect_after,
                     )
             for message in outgoing:
@@ -365,11 +378,17 @@ class PeerConnection:
             return
         if self._deadline is not None:
             self._deadline.cancel()
-        if self.probes is not None:
-            spawn(self._tasks, self._run_probes(self.probes))
+        if self.probes is not None and not self.passive:
+            spawn(self._tasks, self._run_probes(self.probes))  # a passive client probes us; we only answer
         if not self._ready.done():
             self._ready.set_result(None)
         self.endpoint.admitted(self)
+
+    def _admit_check(self) -> Any:
+        """The endpoint's admission check for this peer (a passive client's own, when the endpoint has one)."""
+        if self.passive and self.endpoint.admit_passive is not None:
+            return self.endpoint.admit_passive
+        return self.endpoint.admit
 
     def _serving(self) -> bool:
         return self._admission is not None and self._admission.serving and self.close_reason is None

@@ -102,6 +102,8 @@ class EndpointOptions:
     max_datagram_size: int = MAX_DATAGRAM_SIZE
     idle_timeout: float = IDLE_TIMEOUT
     probe_interval: float = 0.25
+    passive: bool = False
+    """We are a passive client: dialed peers are told so (``Hello.passive``) and keep us out of gossip."""
     suspect_after: int = 3
     admission_timeout: float = 10.0
     """An incoming connection must finish admission within this long or is closed."""
@@ -138,6 +140,8 @@ class Endpoint:
         self.options = options
         self.admit = admit
         """The injected admission check (see :data:`Admit`)."""
+        self.admit_passive: Admit | None = None
+        """The check for a dialer whose Hello says it is a passive client (None: ``admit`` for it too)."""
         self.local_proof = local_proof
         """Returns the proof we present to peers (called once per connection)."""
         self.take_grant = take_grant
@@ -223,13 +227,15 @@ class Endpoint:
         return lambda: self._listeners.remove(callback) if callback in self._listeners else None
 
     async def connect(
-        self, addr: Addr, expected_node_id: str | None = None, timeout: float = 5.0, *, fresh: bool = False
+        self, addr: Addr, expected_node_id: str | None = None, timeout: float = 5.0, *, fresh: bool = False,
+        probe_interval: float | None = None,
     ) -> PeerConnection:
         """An admitted connection to the node at ``addr``, reusing an open one to that node.
 
         With ``expected_node_id`` the peer's certificate must carry that key (else
         :class:`PeerMismatch`); without it (a bootstrap address) the peer's id is learned.
         ``fresh`` dials even if we hold a connection to the peer (a direct path to a relayed peer).
+        ``probe_interval`` sets a new connection's probe period (a passive client's anchors: slow).
         Raises :class:`ConnectTimeout`, :class:`AdmissionRefused` or :class:`ConnectError`.
         """
         if self._closed:
@@ -241,7 +247,10 @@ class Endpoint:
         existing = None if fresh else self._existing(addr, expected_node_id)
         if existing is not None:
             return existing
-        conn = self._dialing.get(addr) or self._dial(addr, expected_node_id)
+        conn = self._dialing.get(addr)
+        if conn is None:
+            conn = self._dial(addr, expected_node_id)
+            conn.probe_interval = probe_interval
         try:
             await asyncio.wait_for(conn.wait_admitted(), timeout)
         except TimeoutError:

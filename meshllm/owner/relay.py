@@ -177,7 +177,7 @@ class OwnerRelay:
         known (gossip may not have told us yet), the other connected peers, which may be connected to it."""
         assert self.mesh.endpoint is not None and self.mesh.gossip is not None
         gossip = self.mesh.gossip
-        connected = [n for n, c in self.mesh.endpoint.peers.items() if c.state != "suspect"]
+        connected = [n for n, c in self.mesh.endpoint.peers.items() if c.state != "suspect" and not c.passive]
         links = {n: list(e.record.rtt) for n, e in gossip.state.peers.items() if e.status == "alive"}
         links[self.node_id] = connected
         avoid = set(path)

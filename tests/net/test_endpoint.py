@@ -134,3 +134,22 @@ def test_simultaneous_dials_converge_on_one_connection() -> None:
         await b.close()
 
     asyncio.run(main())
+
+
+def test_a_passive_dialer_is_marked_and_only_answered_not_probed() -> None:
+    """``Hello.passive``: the acceptor marks the connection passive and sends no probes of its own on it,
+    yet answers the client's, so the client measures its RTT."""
+    async def main() -> None:
+        member = await endpoint(probe_interval=0.05)
+        client = await endpoint(passive=True, probe_interval=0.05)
+        peer = await client.connect(member.local_addr)
+        await until(lambda: client.node_id in member.peers)
+        inbound = member.peers[client.node_id]
+        assert inbound.passive and not peer.passive
+        await until(lambda: peer.rtt_ms is not None)
+        await asyncio.sleep(0.3)
+        assert inbound.rtt_ms is None  # the member never pinged: nothing of its own to measure
+        await client.close()
+        await member.close()
+
+    asyncio.run(main())

@@ -74,3 +74,12 @@ def test_only_dialer_starts() -> None:
     with pytest.raises(AdmissionError):
         a.start()
     assert isinstance(pair()[0].start()[0], Hello)
+
+
+def test_a_passive_dialer_says_so_in_its_hello() -> None:
+    d = Admission(dialer=True, local_proof=b"pd", admit=lambda p: None, peer_addr=("10.0.0.2", 1), passive=True)
+    a = Admission(dialer=False, local_proof=b"pa", admit=lambda p: None, peer_addr=("10.0.0.1", 2))
+    (hello,) = d.start()
+    assert isinstance(hello, Hello) and hello.passive
+    a.receive(hello)
+    assert a.peer_passive and not d.peer_passive

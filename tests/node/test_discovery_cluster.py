@@ -110,3 +110,44 @@ def test_join_unknown_mesh_fails_in_one_line(tmp_path: Path) -> None:
                           "--home", str(tmp_path / "x"))
         assert nothing.returncode == 0 and "no published mesh found" in nothing.stdout
         assert "DHT not searched" in nothing.stderr
+
+
+def test_serve_auto_joins_the_best_mesh_with_no_bootstrap_on_the_command_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two published meshes on a local DHT; ``serve --auto --client --model tiny`` is given no
+    --dht-bootstrap: it takes the DHT from $MESHLLM_DHT_BOOTSTRAP (as a user's default list would be
+    overridden), picks the mesh that serves ``tiny`` over the empty one, joins and chats through it."""
+    pytest.importorskip("libp2p")
+    model = write_tiny_llama(tmp_path / "tiny.gguf")
+    with running_nodes() as nodes:
+        a = NodeProcess(tmp_path / "a", ["--model", str(model), "--dht-port", "0", "--listing-ttl", "30"], "a")
+        nodes.append(a)
+        a.wait_ready()
+        dht_a = a.dht_addr()
+        empty = NodeProcess(tmp_path / "b", ["--client", "--dht-bootstrap", dht_a, "--listing-ttl", "30"], "b")
+        nodes.append(empty)
+        empty.wait_ready()
+        assert meshllm_json("publish", "--name", "served", *a.api_args)["published"]
+        assert meshllm_json("publish", "--name", "empty", *empty.api_args)["published"]
+        wait_until(lambda: len(discover(dht_a)) == 2, 30.0, interval=0.2)
+
+        monkeypatch.setenv("MESHLLM_DHT_BOOTSTRAP", dht_a)
+        c = NodeProcess(tmp_path / "c", ["--auto", "--client", "--model", "tiny"], "c")
+        nodes.append(c)
+        ready = c.wait_ready(60.0)
+        assert ready["mesh_id"] == a.ready["mesh_id"]
+        found = c.wait_event(lambda ev: ev["type"] == "mesh_found", 1)
+        assert found["auto"] and found["dht_bootstrap_from"] == "$MESHLLM_DHT_BOOTSTRAP"
+        wait_until(lambda: any(m["id"] == "tiny" for m in httpx.get(c.api + "/v1/models", timeout=5).json()["data"]),
+                   15)
+        reply = httpx.post(c.api + "/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert reply.status_code == 200, reply.text
+
+
+def test_auto_with_nothing_published_fails_in_one_line(tmp_path: Path) -> None:
+    out = meshllm("serve", "--auto", "--client", "--home", str(tmp_path / "x"), "--port", "0", "--mesh-port", "0",
+                  "--mesh-host", "127.0.0.1")
+    assert out.returncode != 0 and "no published mesh found" in out.stderr and "Traceback" not in out.stderr
+    both = meshllm("join", "--auto", "mesh-abc", "--home", str(tmp_path / "y"))
+    assert both.returncode != 0 and "--auto finds a mesh itself" in both.stderr

@@ -1,0 +1,193 @@
+"""What passive clients cost the members they pull route tables from (real nodes and drivers on 127.0.0.1).
+
+Starts M members (``meshllm serve``: an owner serving the tiny model, the rest ``--client`` members),
+measures each member's CPU (user + system seconds from /proc) and stream bytes by kind (its
+``/metrics``) over a window, then starts C passive clients (the real :class:`PassiveMesh` driver,
+several per process, each with its own key, UDP socket and connections; they join through the
+owner's open invite and anchor to two members at random) and measures the same window again.
+
+    .venv/bin/python bench/passive_clients.py [--members 3] [--clients 200] [--procs 4] [--window 30]
+
+Prints a table (per member: CPU % of one core before/after, gossip and route-table bytes/s) and
+writes bench/results/passive_clients.json. Figures in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import httpx
+from nodes import NodeProcess, running_nodes, wait_until
+from tinymodels import write_tiny_llama
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def stream_bytes(node: NodeProcess) -> dict[str, float]:
+    """``{kind: sent + received}`` from the node's /metrics."""
+    text = httpx.get(node.api + "/metrics", headers=node.admin_headers, timeout=10).text
+    out: dict[str, float] = {}
+    for m in re.finditer(r'^meshllm_stream_bytes_total\{([^}]*)\} ([0-9.e+]+)$', text, re.M):
+        kind = re.search(r'kind="([^"]*)"', m.group(1))
+        key = kind.group(1) if kind else ""
+        out[key] = out.get(key, 0.0) + float(m.group(2))
+    return out
+
+
+def window(members: list[NodeProcess], seconds: float) -> list[dict[str, float]]:
+    """Per member: CPU % of one core, and bytes/s of gossip, route tables and all streams, over ``seconds``."""
+    cpu0 = [cpu_seconds(m.proc.pid) for m in members]
+    bytes0 = [stream_bytes(m) for m in members]
+    t0 = time.monotonic()
+    time.sleep(seconds)
+    elapsed = time.monotonic() - t0
+    cpu1 = [cpu_seconds(m.proc.pid) for m in members]
+    bytes1 = [stream_bytes(m) for m in members]
+    rows = []
+    for c0, c1, b0, b1 in zip(cpu0, cpu1, bytes0, bytes1, strict=True):
+        delta = {k: b1.get(k, 0.0) - b0.get(k, 0.0) for k in b1.keys() | b0.keys()}
+        rows.append({"cpu_pct": 100 * (c1 - c0) / elapsed, "gossip_Bps": delta.get("gossip", 0.0) / elapsed,
+                     "routes_Bps": delta.get("routes", 0.0) / elapsed, "all_Bps": sum(delta.values()) / elapsed})
+    return rows
+
+
+# -- the client swarm (runs in its own processes) ------------------------------------------------------
+
+
+async def swarm(token: str, anchors: list[str], count: int, interval: float, seed: int) -> None:
+    """``count`` passive clients in this process; prints ``ready N`` once all pulled a table, then runs."""
+    from meshllm.identity.keys import NodeKey
+    from meshllm.mesh.membership import join_mesh
+    from meshllm.mesh.passive import PassiveMesh
+    from meshllm.mesh.records import PeerRecord
+
+    rng = random.Random(seed)
+    meshes = []
+    for i in range(count):
+        key = NodeKey.ephemeral()
+        membership = join_mesh(key.signing_key, token, time.time())
+        membership.bootstrap = [anchors[0]]  # the owner grants (its grants count against no quota) ...
+        record = PeerRecord(node_id=key.node_id, mesh_id=membership.mesh_id, seq=0,
+                            membership_proof=membership.proof, role="client", name=f"swarm{seed}-{i}")
+        mesh = PassiveMesh(key, membership, record, check_trust=lambda *_: None, on_event=lambda *_a, **_k: None,
+                           host="127.0.0.1", port=0, interval=interval, rng=random.Random(rng.random()))
+        await mesh.start()
+        meshes.append(mesh)
+    # ... and each client's second anchor is a member drawn at random from its table
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not all(len(m.anchors) >= min(2, len(anchors)) for m in meshes):
+        await asyncio.sleep(0.2)
+    counts = [len(m.anchors) for m in meshes]
+    print(f"ready {len(meshes)} clients holding {' '.join(f'{n} anchors: {counts.count(n)}' for n in set(counts))}",
+          flush=True)
+    await asyncio.Event().wait()
+
+
+def start_swarm(token: str, anchors: list[str], count: int, interval: float, seed: int) -> subprocess.Popen[str]:
+    cmd = [sys.executable, __file__, "--swarm", token, "--anchors", ",".join(anchors), "--clients", str(count),
+           "--interval", str(interval), "--seed", str(seed)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+
+def run(members_n: int, clients: int, procs: int, seconds: float, interval: float) -> dict[str, object]:
+    with tempfile.TemporaryDirectory() as tmp, running_nodes() as nodes:
+        base = Path(tmp)
+        gguf = write_tiny_llama(base / "tiny.gguf", seed=1)
+        owner = NodeProcess(base / "m0", ["--model", str(gguf), "--threads", "1"], "m0")
+        nodes.append(owner)
+        token = owner.wait_ready(120)["invite"]
+        for i in range(1, members_n):
+            nodes.append(NodeProcess(base / f"m{i}", ["--client", "--join", token], f"m{i}"))
+        for node in nodes:
+            node.wait_ready(120)
+        wait_until(lambda: all(len(n.status()["peers"]) == members_n - 1 for n in nodes), 60)
+        time.sleep(5)  # settle: records re-signed with their first RTTs
+        before = window(nodes, seconds)
+        anchors = [n.mesh_addr for n in nodes]
+        swarms = [start_swarm(token, anchors, clients // procs + (i < clients % procs), interval, i)
+                  for i in range(procs)]
+        try:
+            started = time.monotonic()
+            for s in swarms:
+                assert s.stdout is not None
+                line = s.stdout.readline()
+                if not line.startswith("ready"):
+                    raise SystemExit(f"a client swarm failed to start: {line!r}")
+                print(line.strip(), file=sys.stderr)
+            start_s = time.monotonic() - started
+            time.sleep(5)
+            routes0 = [n.status()["route_tables"] for n in nodes]
+            after = window(nodes, seconds)
+            statuses = [n.status() for n in nodes]
+            routes1 = [st["route_tables"] for st in statuses]
+            viewed = max(len(st["peers"]) for st in statuses)  # members list members only: never a client
+            for row, r0, r1 in zip(after, routes0, routes1, strict=True):
+                row["pulls"], row["tables"] = r1["pulls"] - r0["pulls"], r1["tables"] - r0["tables"]
+                row["passive_connections"] = r1["passive_connections"]
+            swarm_cpu = sum(cpu_seconds(s.pid) for s in swarms)
+        finally:
+            for s in swarms:
+                s.kill()
+                s.wait(10)
+        return {"members": members_n, "clients": clients, "largest_member_view": viewed, "procs": procs,
+                "window_s": seconds,
+                "interval_s": interval, "clients_start_s": round(start_s, 1), "swarm_cpu_s": round(swarm_cpu, 1),
+                "before": before, "after": after}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--members", type=int, default=3)
+    parser.add_argument("--clients", type=int, default=200)
+    parser.add_argument("--procs", type=int, default=4, help="processes the clients share")
+    parser.add_argument("--window", type=float, default=30.0, help="seconds measured before and after")
+    parser.add_argument("--interval", type=float, default=5.0, help="clients' pull interval (the default)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "passive_clients.json")
+    parser.add_argument("--swarm", help=argparse.SUPPRESS)
+    parser.add_argument("--anchors", help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.swarm:
+        os.nice(19)  # the clients share the members' cores here: let them not delay the members' gossip
+        asyncio.run(swarm(args.swarm, args.anchors.split(","), args.clients, args.interval, args.seed))
+        return
+    result = run(args.members, args.clients, args.procs, args.window, args.interval)
+    before, after = result["before"], result["after"]
+    print(f"{args.members} members, {args.clients} passive clients in {args.procs} processes, pulls every "
+          f"{args.interval:g} s, {args.window:g} s windows (clients started in {result['clients_start_s']} s)")
+    print(f"{'member':>6} {'cpu% before':>11} {'cpu% after':>10} {'gossip B/s before':>17} {'gossip B/s after':>16} "
+          f"{'routes B/s':>10} {'all B/s before':>14} {'all B/s after':>13} {'clients':>7} {'pulls':>5} {'tables':>6}")
+    for i, (b, a) in enumerate(zip(before, after, strict=True)):  # type: ignore[call-overload]
+        print(f"{'m' + str(i):>6} {b['cpu_pct']:>11.2f} {a['cpu_pct']:>10.2f} {b['gossip_Bps']:>17.0f} "
+              f"{a['gossip_Bps']:>16.0f} {a['routes_Bps']:>10.0f} {b['all_Bps']:>14.0f} {a['all_Bps']:>13.0f} "
+              f"{a['passive_connections']:>7} {a['pulls']:>5} {a['tables']:>6}")
+    med = {k: (statistics.median(r[k] for r in before), statistics.median(r[k] for r in after))  # type: ignore[index]
+           for k in ("cpu_pct", "gossip_Bps", "all_Bps")}
+    print(f"largest view of any member with the clients connected: {result['largest_member_view']} peers")
+    print("median: cpu {0[0]:.2f} -> {0[1]:.2f} % of a core, gossip {1[0]:.0f} -> {1[1]:.0f} B/s, "
+          "all streams {2[0]:.0f} -> {2[1]:.0f} B/s".format(med["cpu_pct"], med["gossip_Bps"], med["all_Bps"]))
+    result["median"] = med
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

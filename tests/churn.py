@@ -1,0 +1,228 @@
+"""A mesh of dozens of real ``meshllm serve`` processes under churn, for bench/mesh_dozens.py and a small slow test.
+
+:func:`run_churn` starts an owner and ``nodes - 1`` joiners on 127.0.0.1 (the tiny model on ``serving`` of
+them, ``--worker`` and ``--client`` members, and ``passive`` passive clients), then for ``duration``
+seconds kills (``kill -9``) and restarts 10 % of the members one after another while chat threads
+stream through random entry nodes that are never killed (a user's own node). It reports every
+chat's outcome (a killed serving node must be survived by failover or replay), how long after the
+last restart every survivor's view held exactly the live members, per-node RSS and gossip bytes/s.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from nodes import NodeProcess, running_nodes, wait_until
+from tinymodels import write_tiny_llama
+
+MODEL = "tiny"
+
+
+@dataclass
+class Member:
+    """One member's slot: its home and arguments survive restarts, its process does not."""
+
+    name: str
+    home: Path
+    args: list[str]
+    serving: bool
+    proc: NodeProcess | None = None
+
+    def start(self) -> NodeProcess:
+        self.proc = NodeProcess(self.home, self.args, self.name)
+        return self.proc
+
+    def start_through(self, members: list[Member], rng: random.Random) -> NodeProcess:
+        """Start, dialing two random members that are up (not only the owner: dozens joining at once
+        would queue on it past the bootstrap deadline)."""
+        ready = [m.proc.mesh_addr for m in members if m is not self and m.proc is not None and m.proc.ready
+                 and m.proc.proc.poll() is None]
+        self.args = _without_bootstrap(self.args) + [
+            arg for addr in rng.sample(ready, min(2, len(ready))) for arg in ("--bootstrap", addr)]
+        return self.start()
+
+    def wait_ready(self, members: list[Member], rng: random.Random, procs: list[NodeProcess], timeout: float,
+                   attempts: int = 3) -> None:
+        """Wait for ``ready``; a start that gave up (a loaded host: no member answered in time) is retried."""
+        for attempt in range(attempts):
+            assert self.proc is not None
+            try:
+                self.proc.wait_ready(timeout)
+                return
+            except AssertionError:
+                if self.proc.proc.poll() is None or attempt == attempts - 1:
+                    raise
+            procs.append(self.start_through(members, rng))
+
+
+@dataclass
+class ChatLog:
+    """Outcomes of the chats, written by the chat threads."""
+
+    ok: int = 0
+    failed: list[str] = field(default_factory=list)
+    replayed: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def rss_mb(pid: int) -> float:
+    match = re.search(r"^VmRSS:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text(), re.M)
+    return int(match.group(1)) / 1024 if match else 0.0
+
+
+def gossip_bytes(node: NodeProcess) -> float:
+    text = httpx.get(node.api + "/metrics", headers=node.admin_headers, timeout=10).text
+    return sum(float(m.group(1)) for m in re.finditer(r'^meshllm_stream_bytes_total\{[^}]*kind="gossip"[^}]*\} (\S+)$',
+                                                       text, re.M))
+
+
+def view_of(node: NodeProcess) -> set[str] | None:
+    """The members ``node`` lists as live (None: it did not answer in time, so not converged yet)."""
+    try:
+        peers = node.status(timeout=30)["peers"]
+    except httpx.HTTPError:
+        return None
+    return {p["node_id"] for p in peers if p["state"] in ("alive", "suspect")}
+
+
+def _without_bootstrap(args: list[str]) -> list[str]:
+    """``args`` less its ``--bootstrap ADDR`` pairs (a restarted member dials members that are up now)."""
+    out: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--bootstrap":
+            skip = True
+        else:
+            out.append(arg)
+    return out
+
+
+def converged(members: list[Member], live: Any, timeout: float) -> float:
+    """Seconds until every member lists exactly the other live members; on timeout, an AssertionError
+    naming whose view differed and how (the last sweep)."""
+    differs: list[str] = []
+
+    def sweep() -> bool:
+        names = {m.proc.node_id: m.name for m in members if m.proc is not None}
+        differs.clear()
+        for m in members:
+            assert m.proc is not None
+            want, seen = live() - {m.proc.node_id}, view_of(m.proc)
+            if seen != want:
+                differs.append(f"{m.name}: " + ("no answer" if seen is None else
+                               f"missing {sorted(names.get(n, n[:8]) for n in want - seen)}, "
+                               f"extra {sorted(names.get(n, n[:8]) for n in seen - want)}"))
+                return False
+        return True
+
+    try:
+        return wait_until(sweep, timeout, 0.2)
+    except AssertionError:
+        raise AssertionError(f"views did not converge within {timeout} s: {'; '.join(differs)}") from None
+
+
+def chat_loop(entries: list[NodeProcess], log: ChatLog, stop: threading.Event, rng: random.Random,
+              max_tokens: int) -> None:
+    """Stream chats through random entry nodes until ``stop``; each must complete (failover/replay inside)."""
+    while not stop.is_set():
+        node = rng.choice(entries)
+        try:
+            with httpx.stream("POST", node.api + "/v1/chat/completions", timeout=120, json={
+                    "model": MODEL, "messages": [{"role": "user", "content": f"story {rng.random()}"}],
+                    "max_tokens": max_tokens, "stream": True}) as reply:
+                body = "".join(reply.iter_text())
+            compact = body.replace(" ", "")
+            finished = reply.status_code == 200 and compact.rstrip().endswith("[DONE]") and (
+                '"finish_reason":"length"' in compact or '"finish_reason":"stop"' in compact)
+            with log.lock:
+                if finished:
+                    log.ok += 1
+                else:
+                    log.failed.append(f"{node.name}: HTTP {reply.status_code}: {body[-200:]!r}")
+        except httpx.HTTPError as exc:
+            with log.lock:
+                log.failed.append(f"{node.name}: {type(exc).__name__}: {exc}")
+
+
+def run_churn(base: Path, *, nodes: int, serving: int, workers: int, passive: int, duration: float,
+              churn: float = 0.1, chat_threads: int = 2, max_tokens: int = 24, seed: int = 1, batch: int = 8,
+              settle_timeout: float = 120.0, on_progress: Any = print) -> dict[str, Any]:
+    """Run the churn scenario; returns the figures (see the module docstring)."""
+    rng = random.Random(seed)
+    gguf = write_tiny_llama(base / f"{MODEL}.gguf", seed=2)
+    serve = ["--model", str(gguf), "--threads", "1", "--parallel", "2"]
+    with running_nodes() as procs:
+        owner = Member("n0", base / "n0", list(serve), True)
+        procs.append(owner.start())
+        token = owner.proc.wait_ready(settle_timeout)["invite"]
+        members = [owner]
+        for i in range(1, nodes):
+            role = serve if i < serving else ["--worker"] if i < serving + workers else ["--client"]
+            members.append(Member(f"n{i}", base / f"n{i}", [*role, "--join", token], i < serving))
+        clients = [Member(f"p{i}", base / f"p{i}", ["--client", "--passive", "--join", token], False)
+                   for i in range(passive)]
+        t0 = time.monotonic()
+        joiners = [*members[1:], *clients]
+        for i in range(0, len(joiners), batch):  # a batch at a time, each through members already in
+            for m in joiners[i:i + batch]:
+                procs.append(m.start_through(members, rng))
+            for m in joiners[i:i + batch]:
+                m.wait_ready(members, rng, procs, settle_timeout)
+        started_s = time.monotonic() - t0
+        on_progress(f"{nodes} members and {passive} passive clients ready in {started_s:.0f} s")
+        live = lambda: {m.proc.node_id for m in members if m.proc is not None and m.proc.proc.poll() is None}  # noqa: E731
+        converged(members, live, settle_timeout)
+
+        # victims: 10 % of the members, never the owner; serving ones among them (replay is what is tested)
+        pool = members[1:]
+        k = max(1, round(churn * nodes))
+        victims = rng.sample([m for m in pool if m.serving], min(k // 2 + 1, serving - 1)) if serving > 1 else []
+        victims += rng.sample([m for m in pool if m not in victims], k - len(victims))
+        entries = [m.proc for m in [*members, *clients] if m not in victims and not m.serving] or [owner.proc]
+        log, stop = ChatLog(), threading.Event()
+        threads = [threading.Thread(target=chat_loop, args=(entries, log, stop, random.Random(seed + i), max_tokens),
+                                    daemon=True) for i in range(chat_threads)]
+        for t in threads:
+            t.start()
+        step = duration / len(victims)
+        for victim in victims:
+            time.sleep(step / 2)
+            on_progress(f"kill -9 {victim.name}{' (serving)' if victim.serving else ''}")
+            assert victim.proc is not None
+            victim.proc.kill()
+            time.sleep(step / 2)
+            procs.append(victim.start_through([m for m in members if m is not victim], rng))
+            victim.wait_ready(members, rng, procs, settle_timeout)
+            on_progress(f"restarted {victim.name}")
+        converge_s = converged(members, live, settle_timeout)
+        passive_s = wait_until(lambda: all(view_of(c.proc) == live() for c in clients), settle_timeout, 0.2) \
+            if clients else 0.0
+        stop.set()
+        for t in threads:
+            t.join(180)
+        replays = sum(1 for m in [*members, *clients] for e in m.proc.events if e.get("type") == "request_replayed")
+        g0 = {m.name: gossip_bytes(m.proc) for m in members}
+        w0 = time.monotonic()
+        time.sleep(10)
+        elapsed = time.monotonic() - w0
+        gossip = [(gossip_bytes(m.proc) - g0[m.name]) / elapsed for m in members]
+        rss = [rss_mb(m.proc.proc.pid) for m in [*members, *clients]]
+        return {
+            "nodes": nodes, "serving": serving, "workers": workers, "passive": passive, "duration_s": duration,
+            "started_s": round(started_s, 1),
+            "victims": [v.name + (" (serving)" if v.serving else "") for v in victims],
+            "chats_ok": log.ok, "chats_failed": log.failed, "replays": replays,
+            "converge_after_last_restart_s": round(converge_s, 2), "passive_converge_s": round(passive_s, 2),
+            "rss_mb_median": round(statistics.median(rss), 1), "rss_mb_max": round(max(rss), 1),
+            "gossip_Bps_median": round(statistics.median(gossip)), "gossip_Bps_max": round(max(gossip)),
+        }

@@ -1,0 +1,76 @@
+"""A ``--client --passive`` node routes, fails over and replays from pulled route tables, and members hold
+nothing about it: real nodes over QUIC on 127.0.0.1, the tiny llama on two of them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from nodes import NodeProcess, running_nodes, sees, wait_until
+from tinymodels import write_tiny_llama
+
+pytestmark = pytest.mark.timeout(180)
+
+MODEL = "tiny"
+
+
+def serving(node: NodeProcess) -> list[str]:
+    data = httpx.get(f"{node.api}/v1/models", timeout=5).json()["data"]
+    return next((m["nodes"] for m in data if m["id"] == MODEL), [])
+
+
+@pytest.fixture
+def mesh(tmp_path: Path) -> Iterator[tuple[NodeProcess, NodeProcess, NodeProcess]]:
+    """(A1 owner serving, A2 serving, passive client C pulling every second)."""
+    gguf = write_tiny_llama(tmp_path / f"{MODEL}.gguf", seed=3)
+    serve = ["--model", str(gguf), "--threads", "1"]
+    with running_nodes() as nodes:
+        a1 = NodeProcess(tmp_path / "a1", serve, "a1")
+        nodes.append(a1)
+        token = a1.wait_ready()["invite"]
+        a2 = NodeProcess(tmp_path / "a2", [*serve, "--join", token], "a2")
+        nodes.append(a2)
+        a2.wait_ready()
+        c = NodeProcess(tmp_path / "c", ["--client", "--passive", "--routes-interval", "1", "--join", token], "c")
+        nodes.append(c)
+        c.wait_ready()
+        wait_until(lambda: len(serving(c)) == 2, 30.0)
+        yield a1, a2, c
+
+
+def test_passive_client_routes_and_members_hold_nothing_about_it(
+        mesh: tuple[NodeProcess, NodeProcess, NodeProcess]) -> None:
+    a1, a2, c = mesh
+    chat = openai.OpenAI(base_url=f"{c.api}/v1", api_key="x", max_retries=0, timeout=60)
+    answer = chat.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8)
+    assert answer.choices[0].finish_reason in ("length", "stop")
+    # the client's view came from a signed table; members list each other and never the client
+    assert c.wait_event(lambda e: e["type"] == "routes_updated", 5.0)["nodes"] == 2
+    assert {p["node_id"] for p in c.status()["peers"]} == {a1.node_id, a2.node_id}
+    for member in (a1, a2):
+        assert c.node_id not in {p["node_id"] for p in member.status()["peers"]}
+        assert not any(e["type"] == "peer_joined" and e.get("node_id") == c.node_id for e in member.events)
+
+
+def test_passive_client_drops_a_killed_node_and_routes_to_the_other(
+        mesh: tuple[NodeProcess, NodeProcess, NodeProcess]) -> None:
+    a1, a2, c = mesh
+    a2.kill()
+    wait_until(lambda: not sees(c, a2.node_id), 15.0)
+    chat = openai.OpenAI(base_url=f"{c.api}/v1", api_key="x", max_retries=0, timeout=60)
+    for _ in range(3):
+        answer = chat.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert answer.choices
+    assert serving(c) == [a1.node_id]
+
+
+def test_passive_needs_a_client_that_joins(tmp_path: Path) -> None:
+    from nodes import meshllm
+
+    out = meshllm("serve", "--client", "--passive", "--home", str(tmp_path / "x"), "--port", "0", "--mesh-port", "0")
+    assert out.returncode != 0
+    assert "--passive is for a --client that joins a mesh" in out.stderr
+    assert "Traceback" not in out.stderr
