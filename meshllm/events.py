@@ -114,6 +114,8 @@ class MeshFound(NodeEvent, kw_only=True, tag="mesh_found"):
     name: str | UnsetType = UNSET
     via: str | UnsetType = UNSET
     bootstrap: list[str] | UnsetType = UNSET
+    auto: bool | UnsetType = UNSET
+    dht_bootstrap_from: str | UnsetType = UNSET
 
 
 # ---- the mesh --------------------------------------------------------------------------------------
@@ -172,6 +174,39 @@ class RecordRejected(NodeEvent, kw_only=True, tag="record_rejected"):
 
 class Admitted(NodeEvent, kw_only=True, tag="admitted"):
     admitter: str | UnsetType = UNSET
+
+
+class AnchorConnected(NodeEvent, kw_only=True, tag="anchor_connected"):
+    """A passive client (``mesh/passive.py``) connected to a member it pulls route tables from."""
+
+    refreshes = True
+    style = "green"
+    node_id: str | UnsetType = UNSET
+
+
+class AnchorLost(NodeEvent, kw_only=True, tag="anchor_lost"):
+    refreshes = True
+    style = "yellow"
+    node_id: str | UnsetType = UNSET
+    reason: str | UnsetType = UNSET
+
+
+class RoutesUpdated(NodeEvent, kw_only=True, tag="routes_updated"):
+    """A passive client installed a newer route table."""
+
+    refreshes = True
+    style = "dim"
+    issuer: str | UnsetType = UNSET
+    version: str | UnsetType = UNSET
+    nodes: int | UnsetType = UNSET
+    added: list[str] | UnsetType = UNSET
+    removed: list[str] | UnsetType = UNSET
+
+
+class RoutesRefused(NodeEvent, kw_only=True, tag="routes_refused"):
+    style = "red"
+    issuer: str | UnsetType = UNSET
+    reason: str | UnsetType = UNSET
 
 
 class AccuserBanned(NodeEvent, kw_only=True, tag="accuser_banned"):
