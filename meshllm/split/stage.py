@@ -237,16 +237,22 @@ class StageServer:
         return lambda: self._replies.pop(session, None) if self._replies.get(session) is sink else None
 
     def close(self) -> None:
-        """Close every lane, free every session and the hosted stages."""
+        """Close every lane, free every session and the hosted stages.
+
+        The sessions are forgotten before the pool closes: closing our own downstream lanes must not
+        read as the next stage's failure (an Error blaming it would reach the coordinator first, and
+        the rebuilt chain would leave out a healthy node); upstream sees this stage's connection go.
+        """
         self._unsubscribe()
+        sessions = list(self._sessions.values())
+        self._sessions.clear()
         self.pool.close()
         for work in self._work.values():
             if work.task is not None:
                 work.task.cancel()
         self._work.clear()
-        for session in list(self._sessions.values()):
+        for session in sessions:
             session.stage.reset(session.open.session)
-        self._sessions.clear()
         for held in self._stages.values():
             held.stage.close()
         self._stages.clear()
