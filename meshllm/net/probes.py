@@ -5,8 +5,11 @@ unreliable, never retransmitted, so a lost probe is a signal rather than a delay
 side echoes it as ``PONG`` (at most :data:`MAX_PONGS_PER_INTERVAL` per interval, so a peer
 flooding pings cannot make us queue unbounded answers). A ping that has no pong by the time the
 next one is due counts as missed; ``suspect_after`` misses in a row (3 x 250 ms) make the peer
-*suspect*, the next pong makes it *alive* again. QUIC's idle timeout is far longer, so this is how a killed peer is
-noticed within about a second. The caller passes ``now`` (seconds, monotonic) in.
+*suspect*, the next pong makes it *alive* again. A late pong still counts (for any of the last
+``suspect_after`` pings): a peer whose answers take longer than an interval (its loop or host is
+busy) is slow, not gone, and must not be taken for dead while it answers. QUIC's idle timeout is
+far longer, so this is how a killed peer is noticed within about a second. The caller passes
+``now`` (seconds, monotonic) in.
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ class ProbeState:
         """Probes in a row that went unanswered."""
         self._next_ping = now
         self._outstanding: dict[int, float] = {}
+        """Unanswered pings (at most ``suspect_after``, oldest first): nonce -> when sent."""
+        self._last: int | None = None
         self._pong_window = now
         self._pongs = 0
 
@@ -78,13 +83,14 @@ class ProbeState:
         out = ProbeOutput([], [])
         if now < self._next_ping:
             return out
-        if self._outstanding:
+        if self._last in self._outstanding:
             self.missed += 1
-            self._outstanding.clear()
             if self.missed >= self.suspect_after and self.state is Liveness.ALIVE:
                 self.state = Liveness.SUSPECT
                 out.events.append(LivenessChanged(Liveness.SUSPECT, self.rtt_ms))
-        nonce = int.from_bytes(os.urandom(8), "big")
+        while len(self._outstanding) >= self.suspect_after:  # the oldest ping's pong no longer counts
+            del self._outstanding[next(iter(self._outstanding))]
+        nonce = self._last = int.from_bytes(os.urandom(8), "big")
         self._outstanding[nonce] = now
         out.datagrams.append(_PROBE.pack(PING, nonce, now))
         self._next_ping = now + self.interval

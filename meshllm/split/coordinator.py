@@ -87,6 +87,10 @@ class SplitToken:
     """Its logprob and top alternatives, when the request's :attr:`Sampling.logprobs` asked for them."""
 
 
+MORE_DEADLINES = 4
+"""Extra deadlines a chain whose stages answer pings gets while their positions move (see ``_await``)."""
+
+
 class SplitCoordinator:
     """Runs split requests for one model whose first layers (``first``) this node holds.
 
@@ -365,13 +369,16 @@ class _Run:
         A Decode's reply ends at ``end``; a Verify's anywhere after ``start`` (as many positions as
         tokens came back). A stage that does not answer a Ping once ``check_after`` has passed fails
         the request; the early check only fails a stage that is silent (dead or cut off): a slow but
-        answering chain gets the whole ``timeout``, so load spikes do not cost requests.
+        answering chain gets the whole ``timeout``, so load spikes do not cost requests, and another
+        ``timeout`` each time the stages' positions have moved since the last check.
         """
         loop = asyncio.get_running_loop()
-        end = loop.time() + timeout
+        deadline = loop.time() + timeout
         check = loop.time() + check_after if check_after is not None and check_after < timeout else None
+        seen: list[int | None] = []  # the stages' positions at the last missed deadline
+        extended = 0
         while True:
-            wait_until = check if check is not None else end
+            wait_until = check if check is not None else deadline
             try:
                 item = await asyncio.wait_for(self.replies.get(), max(0.0, wait_until - loop.time()))
             except TimeoutError:
@@ -383,7 +390,15 @@ class _Run:
                         node = self.c.chain[silent].node_id
                         raise StageFailed(silent, node, f"no answer to a ping after {check_after:.2f}s") from None
                     continue
-                raise await self._diagnose(start + 1, timeout) from None
+                failed, pongs = await self._diagnose(start + 1, timeout)
+                # a chain whose stages all answer is slow, not dead (a first pass builds each stage's
+                # graphs; a loaded host runs them, and sends the reply, late): another deadline while
+                # the stages' positions move (at most MORE_DEADLINES), a failure once a whole deadline
+                # passed without them moving
+                if None not in pongs and pongs != seen and extended < MORE_DEADLINES:
+                    seen, deadline, extended = pongs, loop.time() + timeout, extended + 1
+                    continue
+                raise failed from None
             if isinstance(item, StageFailed):
                 raise item
             if isinstance(item, Error):
@@ -406,17 +421,18 @@ class _Run:
             why = f"connection {event.kind.value}" + (f": {event.reason}" if event.reason else "")
             self.replies.put_nowait(StageFailed(index, event.node_id, why))
 
-    async def _diagnose(self, pos: int, timeout: float) -> StageFailed:
-        """Name the stage behind a missed deadline: the first that is silent or behind ``pos``."""
+    async def _diagnose(self, pos: int, timeout: float) -> tuple[StageFailed, list[int | None]]:
+        """Name the stage behind a missed deadline: the first that is silent or behind ``pos``; with
+        every stage's pong position (None: no answer)."""
         pongs = await asyncio.gather(*(self._ping(i) for i in range(1, len(self.c.chain))))
         for index, pong in enumerate(pongs, start=1):
             node = self.c.chain[index].node_id
             if pong is None:
-                return StageFailed(index, node, f"no answer after a {timeout:.2f}s deadline")
+                return StageFailed(index, node, f"no answer after a {timeout:.2f}s deadline"), pongs
             if pong < pos:
-                return StageFailed(index, node, f"stalled at position {pong} of {pos} after {timeout:.2f}s")
+                return StageFailed(index, node, f"stalled at position {pong} of {pos} after {timeout:.2f}s"), pongs
         last = len(self.c.chain) - 1
-        return StageFailed(last, self.c.chain[last].node_id, f"no tokens within {timeout:.2f}s")
+        return StageFailed(last, self.c.chain[last].node_id, f"no tokens within {timeout:.2f}s"), pongs
 
     async def _ping(self, index: int) -> int | None:
         hop = self.c.chain[index]

@@ -211,13 +211,19 @@ class StageServer:
         return lambda: self._replies.pop(session, None) if self._replies.get(session) is sink else None
 
     def close(self) -> None:
-        """Close every lane, cancel every task, free every session and the hosted stages."""
+        """Close every lane, cancel every task, free every session and the hosted stages.
+
+        The sessions are forgotten before the pool closes: closing our own downstream lanes must not
+        read as the next stage's failure (an Error blaming it would reach the coordinator first, and
+        the rebuilt chain would leave out a healthy node); upstream sees this stage's connection go.
+        """
         self._unsubscribe()
+        forgotten = self.core.close()
         self.pool.close()
         for lane in list(self._lanes.values()):
             lane.close("stage server closing")
         self._scope.close()
-        for action in self.core.close():
+        for action in forgotten:
             if isinstance(action, Forget):
                 action.hosted.stage.reset(action.session)
         for held in self.core.hosted.values():

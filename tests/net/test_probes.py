@@ -32,12 +32,33 @@ def test_three_missed_probes_make_the_peer_suspect_and_a_pong_revives_it() -> No
     out = p.poll(0.75)
     assert [e.state for e in out.events] == [Liveness.SUSPECT] and p.missed == 3
     assert p.poll(1.0).events == []  # reported once
-    (ping,) = out.datagrams
-    revived = echo(p, ping, 0.8)
-    assert [e.state for e in revived.events] == []  # that ping was superseded by the 1.0 one
     (ping,) = p.poll(1.25).datagrams
     revived = echo(p, ping, 1.26)
     assert [e.state for e in revived.events] == [Liveness.ALIVE] and p.missed == 0
+
+
+def test_late_pongs_keep_a_slow_peer_alive() -> None:
+    """A peer answering every ping 400 ms late (past the 250 ms interval: a busy loop or host) is slow,
+    not gone: its late pongs count, so it never turns suspect. Pings answered too late to count (older
+    than the last ``suspect_after``) do not revive it."""
+    p = ProbeState(0.0, interval=0.25, suspect_after=3)
+    sent: list[tuple[float, bytes]] = []
+    events = []
+    for step in range(40):
+        now = step * 0.05
+        out = p.poll(now)
+        events += out.events
+        sent += [(now, d) for d in out.datagrams]
+        while sent and sent[0][0] + 0.4 <= now:
+            events += echo(p, sent.pop(0)[1], now).events
+    assert events == [] and p.state is Liveness.ALIVE and 350 < p.rtt_ms < 450  # type: ignore[operator]
+
+    q = ProbeState(0.0, interval=0.25, suspect_after=3)
+    (first,) = q.poll(0.0).datagrams
+    for t in (0.25, 0.5, 0.75):
+        q.poll(t)
+    assert q.state is Liveness.SUSPECT
+    assert echo(q, first, 0.8).events == []  # four pings ago: no longer counted
 
 
 def test_unknown_pong_and_garbage_are_ignored() -> None:

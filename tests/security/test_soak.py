@@ -337,6 +337,8 @@ def test_a_hostile_member_for_sixty_seconds(tmp_path: Path) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "soak.json").write_text(json.dumps(summary, indent=2))
     print("\n" + "\n".join(f"{k:>24}: {v}" for k, v in summary.items()))
+    for failure in sorted(set(chats.failures)):
+        print("chat failure:", failure)
     assert not chats.failures, sorted(set(f[:300] for f in chats.failures))[:8]
     assert peak - baseline < RSS_BUDGET_MB, f"A grew {peak - baseline:.0f} MB"
     assert summary["b_not_alive_at_a"] == 0, watch.b_at_a

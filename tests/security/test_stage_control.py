@@ -76,7 +76,8 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         assert len(ready["stages"]) == 2
         (split,) = coord.status()["splits"]
         m = Mesh(coord, worker, gguf, split["stages"])
-        assert m.completion().status_code == 200
+        first = m.completion()
+        assert first.status_code == 200, first.text
         yield m
 
 

@@ -108,6 +108,30 @@ def test_stall_is_diagnosed_by_position(tiny_model: Path) -> None:
     assert exc.stage_index == 2 and "stalled" in exc.reason
 
 
+def test_a_slow_stage_that_answers_and_moves_is_waited_for(tiny_model: Path) -> None:
+    """A stage held for 1.2 deadlines once (a first pass building graphs, a loaded host) answers its pings:
+    the request gets another deadline and gives the solo text; before, the stage was named stalled
+    and evicted (a CI split lost its only worker so)."""
+
+    async def main() -> list[int]:
+        from meshllm.split import Deadlines
+
+        chain = await make_chain(tiny_model, [0, 2, 4, 6], deadlines=Deadlines(decode_timeout=0.5))
+        try:
+            slow, held, out = chain.servers[2], False, []
+            async for token in chain.coordinator.generate(PROMPT, max_tokens=N):
+                out.append(token.token_id)
+                if not held:
+                    held = True
+                    await slow.compute.lock.acquire()
+                    asyncio.get_running_loop().call_later(0.6, slow.compute.lock.release)
+            return out
+        finally:
+            await chain.close()
+
+    assert asyncio.run(main()) == solo_greedy(tiny_model, PROMPT, N)
+
+
 def test_int8_and_f16_lanes(tiny_model: Path) -> None:
     async def main(dtype: str) -> list[int]:
         chain = await make_chain(tiny_model, [0, 3, 6])
