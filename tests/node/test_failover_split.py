@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -24,6 +25,26 @@ PROMPT = "Hello, world"
 KILL_AT = 50
 
 
+def start_chain(nodes: list[NodeProcess], tmp_path: Path, *extra: str
+                ) -> tuple[NodeProcess, dict[str, Any], NodeProcess, NodeProcess]:
+    """A coordinator forcing 3 stages of a 6-layer tiny model and three workers: ``(coord, the first
+    split_ready event, the middle stage's worker, the worker left out of the chain)``."""
+    gguf = write_tiny_llama(tmp_path / f"{MODEL}.gguf", n_layers=6, seed=3)
+    coord = NodeProcess(tmp_path / "c", ["--model", str(gguf), "--split", "force", "--stages", "3", *extra], "coord")
+    nodes.append(coord)
+    token = coord.wait_ready()["invite"]
+    workers = {}
+    for i in (1, 2, 3):
+        worker = NodeProcess(tmp_path / f"w{i}", ["--worker", "--join", token], f"w{i}")
+        nodes.append(worker)
+        workers[worker.wait_ready()["node_id"]] = worker
+    ready = coord.wait_event(lambda e: e["type"] == "split_ready" and len(e["stages"]) == 3, 60.0)
+    (split,) = coord.status()["splits"]
+    in_chain = {s["node_id"] for s in split["stages"]}
+    spare = next(w for node_id, w in workers.items() if node_id not in in_chain)
+    return coord, ready, workers[split["stages"][1]["node_id"]], spare
+
+
 @pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.9, "seed": 4}],
                          ids=["greedy", "seeded"])
 def test_middle_stage_killed_mid_stream_the_stream_completes_on_the_rebuilt_chain(
@@ -33,21 +54,8 @@ def test_middle_stage_killed_mid_stream_the_stream_completes_on_the_rebuilt_chai
     prefill of the generated tokens gives the logits their decode steps gave (here within about 3e-4):
     as for greedy, a draw that falls that close to a boundary between two tokens can flip (seed 1234
     of this model does, at token 131 of 300; seed 4 does not)."""
-    gguf = write_tiny_llama(tmp_path / f"{MODEL}.gguf", n_layers=6, seed=3)
     with running_nodes() as nodes:
-        coord = NodeProcess(tmp_path / "c", ["--model", str(gguf), "--split", "force", "--stages", "3"], "coord")
-        nodes.append(coord)
-        token = coord.wait_ready()["invite"]
-        workers = {}
-        for i in (1, 2, 3):
-            worker = NodeProcess(tmp_path / f"w{i}", ["--worker", "--join", token], f"w{i}")
-            nodes.append(worker)
-            workers[worker.wait_ready()["node_id"]] = worker
-        ready = coord.wait_event(lambda e: e["type"] == "split_ready" and len(e["stages"]) == 3, 60.0)
-        (split,) = coord.status()["splits"]
-        middle = workers[split["stages"][1]["node_id"]]
-        in_chain = {s["node_id"] for s in split["stages"]}
-        spare = next(w for node_id, w in workers.items() if node_id not in in_chain)
+        coord, ready, middle, spare = start_chain(nodes, tmp_path)
         # the spare joined after the chain formed: the coordinator's next spare check makes it warm
         warm = coord.wait_event(lambda e: e["type"] == "split_spares_ready"
                                 and spare.name in [name for name, *_ in e["spares"]], 60.0)
@@ -97,21 +105,8 @@ def test_middle_stage_killed_mid_stream_the_stream_completes_on_the_rebuilt_chai
 def test_without_spares_the_rebuilt_stage_fetches_its_layers(tmp_path: Path) -> None:
     """``--no-split-spares``: no worker keeps a range warm, so the chain rebuilt after a stage's death
     fetches the replacement's layers (the cost warm spares save)."""
-    gguf = write_tiny_llama(tmp_path / f"{MODEL}.gguf", n_layers=6, seed=3)
     with running_nodes() as nodes:
-        coord = NodeProcess(tmp_path / "c", ["--model", str(gguf), "--split", "force", "--stages", "3",
-                                             "--no-split-spares"], "coord")
-        nodes.append(coord)
-        token = coord.wait_ready()["invite"]
-        workers = {}
-        for i in (1, 2, 3):
-            worker = NodeProcess(tmp_path / f"w{i}", ["--worker", "--join", token], f"w{i}")
-            nodes.append(worker)
-            workers[worker.wait_ready()["node_id"]] = worker
-        ready = coord.wait_event(lambda e: e["type"] == "split_ready" and len(e["stages"]) == 3, 60.0)
-        (split,) = coord.status()["splits"]
-        middle = workers[split["stages"][1]["node_id"]]
-        spare = next(w for node_id, w in workers.items() if node_id not in {s["node_id"] for s in split["stages"]})
+        coord, ready, middle, spare = start_chain(nodes, tmp_path, "--no-split-spares")
         middle.kill()
         # an idle chain learns of the death from the next request, which replays on the rebuilt chain
         client = openai.OpenAI(base_url=coord.api + "/v1", api_key="x", max_retries=0, timeout=60)
