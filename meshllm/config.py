@@ -33,6 +33,9 @@ MESH_KEY_FILE = "mesh.key"
 REVOCATIONS_FILE = "revocations.msgpack"
 MODEL_HASHES_FILE = "model-hashes.json"
 CONFIG_FILE = "config.toml"
+MIN_UPLOAD_MB_S = 1.0
+"""The lowest ``model_upload_limit_mb_s``: below it a requester would take a holder's paced stream for a
+stalled one (a 1 MiB chunk, shared by a few streams, must arrive within the transfer's stall deadline)."""
 ADMIN_TOKEN_FILE = "admin.token"
 """The bearer token that authorises management calls to the node's API (see :func:`load_or_create_admin_token`)."""
 ADMIN_TOKEN_BYTES = 32
@@ -217,6 +220,8 @@ class Config:
     """Folders whose GGUFs the model library indexes in place (never deletes)."""
     models_disk_budget_gb: float | None = None
     """Most disk the library's own files (downloads, fetched models and stage files) may take."""
+    model_upload_limit_mb_s: float | None = None
+    """Most MB/s this node sends model files to peers, every transfer together (None: no cap)."""
     speculate: str = "auto"
     """Speculative decoding: ``auto``, ``on`` or ``off`` (``meshllm serve --speculate``)."""
     split_audit: float | None = None
@@ -239,7 +244,7 @@ def load_config(home: Path) -> Config:
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"cannot read {path}: {exc}", hint="fix or delete the file") from exc
     known = {"api_port", "mesh_port", "name", "dht_bootstrap", "model_dirs", "models_disk_budget_gb", "speculate",
-             "split_audit", "models"}
+             "split_audit", "models", "model_upload_limit_mb_s"}
     unknown = set(raw) - known
     if unknown:
         raise ConfigError(f"{path}: unknown settings {sorted(unknown)}", hint=f"known settings: {sorted(known)}")
@@ -254,6 +259,7 @@ def load_config(home: Path) -> Config:
             dht_bootstrap=tuple(str(a) for a in raw["dht_bootstrap"]) if "dht_bootstrap" in raw else None,
             model_dirs=tuple(str(d) for d in raw.get("model_dirs", ())),
             models_disk_budget_gb=_budget(raw.get("models_disk_budget_gb")),
+            model_upload_limit_mb_s=_upload(raw.get("model_upload_limit_mb_s")),
             speculate=speculate,
             split_audit=_rate(raw.get("split_audit")),
             models=_models(raw.get("models", {})),
@@ -275,6 +281,15 @@ def _rate(value: Any) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
         raise ValueError(f"split_audit must be a share between 0 and 1, not {value!r}")
+    return float(value)
+
+
+def _upload(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < MIN_UPLOAD_MB_S:
+        raise ValueError(f"model_upload_limit_mb_s must be a number of MB/s of at least {MIN_UPLOAD_MB_S}, "
+                         f"not {value!r}")
     return float(value)
 
 

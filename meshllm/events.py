@@ -385,10 +385,12 @@ class TransferDone(TransferEvent, kw_only=True, tag="transfer_done"):
 
 class TransferFailed(TransferEvent, kw_only=True, tag="transfer_failed"):
     kind: str | UnsetType = UNSET
+    layers: list[int] | UnsetType | None = UNSET
     reason: str | UnsetType = UNSET
 
 
 class TransferHolderDropped(TransferEvent, kw_only=True, tag="transfer_holder_dropped"):
+    layers: list[int] | UnsetType | None = UNSET
     holder: str | UnsetType = UNSET
     reason: str | UnsetType = UNSET
     bad_bytes: int | UnsetType = UNSET

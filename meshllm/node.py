@@ -230,7 +230,7 @@ class Node:
         assert self.mesh.endpoint is not None
         self.store = ModelStore(Library.for_home(self.home), self.mesh.endpoint, self.key.signing_key,
                                 self._model_offers, self.events.publish, on_change=self._advertise_models,
-                                bulk_ports=self._bulk_port)
+                                bulk_ports=self._bulk_port, upload_bytes_s=self._upload_cap())
         if not opts.passive:  # a passive client offers no model files: nobody would know to ask it
             await self._start_bulk()
         self._advertise_models()
@@ -377,6 +377,11 @@ class Node:
         assert self.mesh.gossip is not None
         own = self.mesh.gossip.own.addresses
         self.mesh.update_own(addresses=msgspec.structs.replace(own, bulk_port=bulk))
+
+    def _upload_cap(self) -> float | None:
+        """Bytes a second this node may send model files at (``model_upload_limit_mb_s``; None: no cap)."""
+        mb_s = load_config(self.home).model_upload_limit_mb_s
+        return mb_s * 1e6 if mb_s is not None else None
 
     def _bulk_port(self, node_id: str) -> int:
         """A peer's bulk channel port from its record (0: none known)."""

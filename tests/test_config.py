@@ -37,6 +37,21 @@ def test_split_audit_key(tmp_path: Path, text: str, rate: float | None) -> None:
     assert load_config(tmp_path).split_audit == rate
 
 
+@pytest.mark.parametrize(("text", "cap"), [("", None), ("model_upload_limit_mb_s = 1\n", 1.0),
+                                           ("model_upload_limit_mb_s = 12.5\n", 12.5)])
+def test_model_upload_limit_key(tmp_path: Path, text: str, cap: float | None) -> None:
+    (tmp_path / "config.toml").write_text(text)
+    assert load_config(tmp_path).model_upload_limit_mb_s == cap
+
+
+@pytest.mark.parametrize("text", ["model_upload_limit_mb_s = 0.5\n", "model_upload_limit_mb_s = -3\n",
+                                  'model_upload_limit_mb_s = "fast"\n', "model_upload_limit_mb_s = true\n"])
+def test_bad_model_upload_limit_is_refused_by_name(tmp_path: Path, text: str) -> None:
+    (tmp_path / "config.toml").write_text(text)
+    with pytest.raises(ConfigError, match="model_upload_limit_mb_s"):
+        load_config(tmp_path)
+
+
 @pytest.mark.parametrize("text", ["split_audit = 1.5\n", "split_audit = -0.1\n", 'split_audit = "often"\n',
                                   "split_audit = true\n"])
 def test_bad_split_audit_is_refused_by_name(tmp_path: Path, text: str) -> None:

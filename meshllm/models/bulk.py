@@ -41,6 +41,7 @@ from meshllm.models.transfer import (
     MAX_WANT,
     STALL_S,
     Locate,
+    Pace,
     RangeRefused,
     Refused,
     TransferFailed,
@@ -149,9 +150,12 @@ class ReplyParser:
 class BulkServer:
     """Serves model ranges over TLS on TCP to peers ``allowed`` says are admitted."""
 
-    def __init__(self, signing_key: SigningKey, locate: Locate, allowed: Callable[[str], bool]) -> None:
+    def __init__(self, signing_key: SigningKey, locate: Locate, allowed: Callable[[str], bool],
+                 pace: Pace | None = None) -> None:
+        """``pace``: the node's upload cap, shared with its QUIC transfers (None: none)."""
         self.locate = locate
         self.allowed = allowed
+        self.pace = pace
         self._ssl, _ = tcp_tls.contexts(signing_key)
         self._server: asyncio.Server | None = None
         self._per_peer: dict[str, int] = {}
@@ -249,6 +253,8 @@ class BulkServer:
             at, end = want.offset, want.offset + want.length
             while at < end:
                 data = await read_chunk(fd, at, min(CHUNK, end - at))
+                if self.pace is not None:
+                    await self.pace(len(data))
                 await self.send(writer, data)
                 at += len(data)
                 self.sent[peer] = self.sent.get(peer, 0) + len(data)
@@ -272,14 +278,21 @@ class BulkClient:
         self._idle: dict[str, list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]]] = {}
         self.received: dict[str, int] = {}
         """Bytes received per peer (node id), for status and tests."""
+        self._worked: set[str] = set()
+        """Peers whose channel has answered a request: a later failure is the peer's (it died, hung or
+        restarted), not the path's, so it drops the holder instead of retrying the same range over QUIC."""
 
     async def get_range(self, node_id: str, host: str, port: int, model: str, offset: int, length: int) -> bytes:
         """Bytes ``[offset, offset + length)`` of ``model`` from ``node_id``.
 
         Raises :class:`BulkUnavailable` when the channel does not work (the caller falls back to
-        QUIC), :class:`TransferFailed` when the peer refused or broke the protocol.
+        QUIC), :class:`TransferFailed` when the peer refused or broke the protocol, or its channel
+        failed after it had worked.
         """
-        reader, writer = await self._connection(node_id, host, port)
+        try:
+            reader, writer = await self._connection(node_id, host, port)
+        except BulkUnavailable as exc:
+            raise self._failure(node_id, exc) from None
         want = Want(model=model, offset=offset, length=length)
         parser = ReplyParser(want)
         try:
@@ -292,9 +305,13 @@ class BulkClient:
         except DecodeError as exc:
             writer.close()
             raise TransferFailed(f"node {short(node_id)} broke the bulk protocol: {exc}") from None
+        except BulkUnavailable as exc:
+            writer.close()
+            raise self._failure(node_id, exc) from None
         except (OSError, TimeoutError) as exc:
             writer.close()
-            raise BulkUnavailable(f"bulk channel to {short(node_id)} failed: {exc or 'timed out'}") from None
+            failed = BulkUnavailable(f"bulk channel to {short(node_id)} failed: {exc or 'timed out'}")
+            raise self._failure(node_id, failed) from None
         except BaseException:
             writer.close()
             raise
@@ -303,7 +320,15 @@ class BulkClient:
             raise TransferFailed(f"node {short(node_id)} refused: {parser.refused}")
         self._keep(node_id, reader, writer)
         self.received[node_id] = self.received.get(node_id, 0) + length
+        self._worked.add(node_id)
         return bytes(parser.data)
+
+    def _failure(self, node_id: str, exc: BulkUnavailable) -> BulkUnavailable | TransferFailed:
+        """What a failed request raises: the path may be at fault (fall back to QUIC) until the channel
+        to this peer has worked once; from then on the peer is (drop it for this transfer)."""
+        if node_id in self._worked:
+            return TransferFailed(f"node {short(node_id)} stopped answering: {exc}")
+        return exc
 
     async def _connection(self, node_id: str, host: str, port: int) -> tuple[asyncio.StreamReader,
                                                                                asyncio.StreamWriter]:

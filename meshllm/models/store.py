@@ -38,6 +38,7 @@ from meshllm.models.transfer import (
     fetch,
     get_manifest,
     get_range,
+    upload_pace,
 )
 from meshllm.net import Endpoint, NetError
 from meshllm.net.errors import PeerMismatch
@@ -120,9 +121,10 @@ class ModelStore:
 
     def __init__(self, library: Library, endpoint: Endpoint, signing_key: SigningKey, catalog: Catalog,
                  publish: Callable[..., Any], on_change: Callable[[], None] | None = None,
-                 bulk_ports: BulkPorts | None = None) -> None:
+                 bulk_ports: BulkPorts | None = None, upload_bytes_s: float | None = None) -> None:
         """``on_change()`` is called when the library's whole models change (the peer record lists them);
-        ``bulk_ports`` names peers' bulk channels (None: every transfer rides QUIC)."""
+        ``bulk_ports`` names peers' bulk channels (None: every transfer rides QUIC); ``upload_bytes_s``
+        caps the rate this node sends model bytes to peers, both channels together (None: no cap)."""
         self.library = library
         self.endpoint = endpoint
         self.key = signing_key
@@ -131,10 +133,11 @@ class ModelStore:
         self.on_change = on_change
         self.transfers: dict[str, TransferView] = {}
         self._running: dict[str, asyncio.Task[LibraryEntry]] = {}
-        self.server = TransferServer(endpoint, self.offered, self.signed_manifest)
+        pace = upload_pace(upload_bytes_s) if upload_bytes_s is not None else None
+        self.server = TransferServer(endpoint, self.offered, self.signed_manifest, pace)
         self.bulk_ports = bulk_ports
         self.bulk = BulkClient(signing_key)
-        self.bulk_server = BulkServer(signing_key, self.offered, lambda peer: peer in endpoint.peers)
+        self.bulk_server = BulkServer(signing_key, self.offered, lambda peer: peer in endpoint.peers, pace)
         self._quic_only: dict[str, float] = {}
         self.channels: dict[str, str] = {}
         """The channel the last piece from each holder came over: ``tcp`` (bulk) or ``quic``."""
@@ -242,7 +245,8 @@ class ModelStore:
         if fetched is not None:
             view.fetched = fetched
         if error:
-            self.publish("transfer_failed", model=view.name, id=view.model, kind=view.kind, reason=error)
+            self.publish("transfer_failed", model=view.name, id=view.model, kind=view.kind,
+                         layers=list(view.layers) if view.layers else None, reason=error)
         else:
             self.publish("transfer_done", model=view.name, id=view.model, kind=view.kind,
                          layers=list(view.layers) if view.layers else None, bytes=view.bytes_done,
@@ -277,7 +281,8 @@ class ModelStore:
                 view.holders[node] = {"node_id": node, "name": names.get(node, short(node)), "bytes": h.bytes,
                                       "dropped": h.dropped, "bad": h.bad, "channel": self.channels.get(node)}
                 if h.dropped and not before:
-                    self.publish("transfer_holder_dropped", model=view.name, id=view.model, holder=node,
+                    self.publish("transfer_holder_dropped", model=view.name, id=view.model,
+                                 layers=list(view.layers) if view.layers else None, holder=node,
                                  reason=h.dropped, bad_bytes=h.bad)
             now = time.monotonic()
             if now - view.last_event >= PROGRESS_EVENT_S or state.finished:
@@ -342,7 +347,8 @@ class ModelStore:
             layout = await asyncio.to_thread(layout_of)
             part = self.library.incoming(f"{manifest.model}.{start}-{end}.part")
             await asyncio.to_thread(self.library.reserve, layout.fetch_bytes + len(layout.header or b""))
-            state = await fetch(self.get, manifest, layout, holders, part, progress=self._progress(view, names))
+            state = await fetch(self.get, manifest, layout, holders, part, progress=self._progress(view, names),
+                                more=lambda: self.holders(manifest.model))
             entry = self.library.commit(part, model_id=manifest.model, name=name, source=_source(state),
                                         layers=(start, end))
         except (MeshllmError, OSError) as exc:
@@ -370,7 +376,8 @@ class ModelStore:
                 await asyncio.to_thread(self.library.reserve, max(0, manifest.size - have))
                 state = await fetch(self.get, manifest, whole_layout(manifest),
                                     [h for h in holders if h[0] not in liars], part,
-                                    progress=self._progress(view, names))
+                                    progress=self._progress(view, names),
+                                    more=lambda: [h for h in self.holders(model_id) if h[0] not in liars])
                 view.state = "verifying"
                 digest = await asyncio.to_thread(file_sha256, part)
                 if digest == model_id:
@@ -378,7 +385,7 @@ class ModelStore:
                     return self._done(view, entry)
                 liars.add(node)
                 refused.append(f"{short(node)}: its manifest describes another file (sha256 {digest[:12]})")
-                self.publish("transfer_holder_dropped", model=name, id=model_id, holder=node,
+                self.publish("transfer_holder_dropped", model=name, id=model_id, layers=None, holder=node,
                              reason="its manifest does not add up to the model id", bad_bytes=True)
                 view.state = "fetching"
             raise TransferFailed(f"no holder could provide model {model_id[:12]}: {'; '.join(refused) or 'none'}")

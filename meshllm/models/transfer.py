@@ -22,8 +22,9 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
@@ -36,6 +37,7 @@ from meshllm.identity.ids import short
 from meshllm.models.manifest import MAX_FILE, MAX_MANIFEST, MODEL_ID, Manifest, Piece, open_manifest
 from meshllm.models.stage_file import Layout
 from meshllm.net import Endpoint, NetError, PeerConnection, Stream
+from meshllm.net.limits import ByteRate
 from meshllm.wire.addr import parse_addr
 
 log = logging.getLogger(__name__)
@@ -121,6 +123,14 @@ class TransferState:
         self.total_bytes = sum(p.length for p in pieces)
         self.done_bytes = 0
 
+    def join(self, node: str, addr: str) -> bool:
+        """A holder found after the transfer began takes part from now on; False when it is known already
+        (a dropped holder stays dropped)."""
+        if node in self.holders:
+            return False
+        self.holders[node] = HolderState(node, addr)
+        return True
+
     def skip(self, index: int) -> None:
         """Piece ``index`` is already on disk and verified (a resumed transfer)."""
         if index in self.pending:
@@ -186,14 +196,32 @@ Locate = Callable[[str], Path | None]
 """``locate(model_id)``: the whole file of that model this node offers to peers, or None."""
 SignedManifest = Callable[[str], bytes]
 """``signed_manifest(model_id)``: its manifest signed by this node (blocking: run in a thread)."""
+Pace = Callable[[int], Awaitable[None]]
+"""``await pace(n)`` before sending ``n`` bytes of a model: returns when the node's upload cap allows it."""
+
+
+def upload_pace(bytes_per_s: float) -> Pace:
+    """One cap on the rate this node sends model bytes to peers, shared by every stream and channel
+    (``model_upload_limit_mb_s`` in config.toml: an uplink the owner also uses for other things)."""
+    budget = ByteRate(bytes_per_s, burst=DATA_FRAME)
+
+    async def pace(n: int) -> None:
+        wait = budget.reserve(n, time.monotonic())
+        if wait > 0:
+            await asyncio.sleep(wait)
+
+    return pace
 
 
 class TransferServer:
     """Serves ``model-fetch`` streams from the node's library."""
 
-    def __init__(self, endpoint: Endpoint, locate: Locate, signed_manifest: SignedManifest) -> None:
+    def __init__(self, endpoint: Endpoint, locate: Locate, signed_manifest: SignedManifest,
+                 pace: Pace | None = None) -> None:
+        """``pace``: the node's upload cap (None: none)."""
         self.locate = locate
         self.signed_manifest = signed_manifest
+        self.pace = pace
         self._per_peer: dict[str, int] = {}
         self._total = asyncio.Semaphore(TOTAL_STREAMS)
         # the cap applies both ways on a stream: it must fit a signed manifest going out
@@ -237,6 +265,8 @@ class TransferServer:
             at, end = request.offset, request.offset + request.length
             while at < end:
                 data = await read_chunk(fd, at, min(DATA_FRAME, end - at))
+                if self.pace is not None:
+                    await self.pace(len(data))
                 await stream.send(Bytes(offset=at, data=data), timeout=STALL_S)
                 at += len(data)
         except RangeRefused as exc:
@@ -276,6 +306,10 @@ async def read_chunk(fd: int, offset: int, length: int) -> bytes:
 # -- the requester side -------------------------------------------------------------------------
 
 Progress = Callable[[TransferState], None]
+Holders = Callable[[], Iterable[tuple[str, str]]]
+"""``more()``: the holders (node id, ``host:port``) a running transfer may add, as known now."""
+JOIN_POLL_S = 1.0
+"""How often a running transfer looks for holders found since it began."""
 GetRange = Callable[[str, str, str, int, int], Awaitable[bytes]]
 """``get(node_id, addr, model, offset, length)``: those bytes from that holder (the channel is the getter's
 choice: :func:`get_range` over QUIC, or the store's TLS-over-TCP channel with QUIC as its fallback)."""
@@ -359,9 +393,12 @@ def verified_on_disk(out: Path, manifest: Manifest, layout: Layout, pieces: list
 
 
 async def fetch(get: GetRange, manifest: Manifest, layout: Layout, holders: list[tuple[str, str]], out: Path,
-                *, progress: Progress | None = None, window: int = WINDOW) -> TransferState:
+                *, progress: Progress | None = None, window: int = WINDOW,
+                more: Holders | None = None) -> TransferState:
     """Fetch the pieces ``layout`` places into ``out`` from ``holders`` (node id, ``host:port``) in parallel,
-    each piece through ``get``.
+    each piece through ``get``. ``more()``, asked at least every :data:`JOIN_POLL_S` while pieces are
+    missing, names holders found since (a node that just joined a mesh learns of the others while its
+    first transfer runs); they join it.
 
     Returns the final state (who sent what, who was dropped and why); raises
     :class:`TransferFailed` when pieces are missing and no holder is left.
@@ -398,8 +435,14 @@ async def fetch(get: GetRange, manifest: Manifest, layout: Layout, holders: list
             tasks.pop((node, index), None)
             wake.set()
 
+    def join() -> None:
+        for node, addr in more() if more is not None else ():
+            if state.join(node, addr):
+                log.info("holder %s joined the transfer of %s", short(node), manifest.model[:12])
+
     try:
         while not state.finished:
+            join()
             for node in state.live:
                 while (index := state.take(node)) is not None:
                     tasks[(node, index)] = asyncio.create_task(one(node, index))
@@ -410,7 +453,8 @@ async def fetch(get: GetRange, manifest: Manifest, layout: Layout, holders: list
                 raise TransferFailed(f"model {manifest.model[:12]}: {len(state.pending)} pieces left and no "
                                      f"holder to fetch them from ({state.why_stuck()})")
             wake.clear()
-            await wake.wait()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), JOIN_POLL_S if more is not None else None)
         await asyncio.to_thread(os.fsync, fd)
     finally:
         for task in tasks.values():

@@ -103,3 +103,28 @@ class CoolDowns(Generic[K]):
             self._until.pop(key)
             return 0.0
         return until - now
+
+
+class ByteRate:
+    """One byte budget shared by every sender that books from it: ``rate`` bytes a second on average,
+    bursts of ``burst`` bytes.
+
+    :meth:`reserve` books the bytes at once and returns how long the caller must wait before sending
+    them. Bookings go into debt rather than failing, so senders are served in the order they booked
+    and the long-run rate holds however many share the budget.
+    """
+
+    def __init__(self, rate: float, burst: float) -> None:
+        if rate <= 0 or burst <= 0:
+            raise ValueError("a byte rate needs rate > 0 and burst > 0")
+        self.rate, self.burst = rate, burst
+        self._tokens = burst
+        self._last: float | None = None
+
+    def reserve(self, n: int, now: float) -> float:
+        """Book ``n`` bytes; seconds to wait before sending them (0.0: send now)."""
+        if self._last is not None:
+            self._tokens = min(self.burst, self._tokens + max(0.0, now - self._last) * self.rate)
+        self._last = now
+        self._tokens -= n
+        return 0.0 if self._tokens >= 0 else -self._tokens / self.rate

@@ -176,6 +176,38 @@ def test_listener_serves_only_admitted_peers_within_its_limits(model: Path, tmp_
     asyncio.run(main())
 
 
+def test_a_channel_that_worked_and_then_fails_drops_its_holder(model: Path, tmp_path: Path) -> None:
+    """Before the channel to a peer ever worked, a failure may be the path's (the store falls back to
+    QUIC); once it has worked, a failure is the peer's: it died or hung, and a QUIC retry of the same
+    range would only wait out a stall, so the holder is dropped for the transfer."""
+    manifest = build_manifest(model, piece_size=PIECE)
+
+    async def main() -> None:
+        key = SigningKey.generate()
+        lib, _ = holder(tmp_path, "h", model)
+        server = BulkServer(key, lambda m: (e.file if (e := lib.whole(m)) else None), lambda _peer: True)
+        port = await server.start("127.0.0.1")
+        holder_id = node_id(bytes(key.verify_key))
+        client = BulkClient(SigningKey.generate())
+        try:
+            free = socket.socket()
+            free.bind(("127.0.0.1", 0))
+            closed_port = free.getsockname()[1]
+            free.close()
+            with pytest.raises(BulkUnavailable):  # never worked: maybe the path (QUIC takes over)
+                await client.get_range(holder_id, "127.0.0.1", closed_port, manifest.model, 0, 16)
+            assert await client.get_range(holder_id, "127.0.0.1", port, manifest.model, 0, 16)
+            client.close()  # no pooled connection left, and the holder is gone
+            await server.close()
+            with pytest.raises(TransferFailed, match="stopped answering"):
+                await client.get_range(holder_id, "127.0.0.1", port, manifest.model, 0, 16)
+        finally:
+            client.close()
+            await server.close()
+
+    asyncio.run(main())
+
+
 def test_a_corrupt_piece_names_its_source(model: Path, tmp_path: Path) -> None:
     manifest = build_manifest(model, piece_size=PIECE)
 

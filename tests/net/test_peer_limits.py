@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshllm.net.limits import CoolDowns, RateLimit, Strikes
+from meshllm.net.limits import ByteRate, CoolDowns, RateLimit, Strikes
 
 
 def test_rate_limit_allows_a_burst_then_the_rate() -> None:
@@ -45,3 +45,27 @@ def test_cool_downs_expire() -> None:
     for key in "abc":
         cooling.add(key, 0.0, 30.0)
     assert cooling.remaining("a", 1.0) == 0.0  # the table holds two: the oldest went
+
+
+def test_a_byte_rate_lets_a_burst_through_then_books_waits_in_order() -> None:
+    rate = ByteRate(rate=1000.0, burst=500.0)
+    assert rate.reserve(500, 0.0) == 0.0  # the burst goes at once
+    assert rate.reserve(250, 0.0) == pytest.approx(0.25)  # then each booking waits its turn ...
+    assert rate.reserve(250, 0.0) == pytest.approx(0.5)  # ... behind the ones booked before it
+    assert rate.reserve(1000, 0.5) == pytest.approx(1.0)  # 0.5 s refilled 500 of the 500 owed
+    assert rate.reserve(100, 100.0) == 0.0  # idle time refills to the burst only
+    assert rate.reserve(500, 100.0) == pytest.approx(0.1)
+
+
+def test_a_byte_rate_over_many_bookings_holds_its_rate() -> None:
+    rate, now = ByteRate(rate=4e6, burst=64e3), 0.0
+    for _ in range(100):  # 100 x 256 KiB, each sent when its wait says
+        now += rate.reserve(256 << 10, now)
+    assert (100 * (256 << 10) - 64e3) / now == pytest.approx(4e6)
+
+
+def test_bad_byte_rates_are_refused() -> None:
+    with pytest.raises(ValueError):
+        ByteRate(rate=0.0, burst=1.0)
+    with pytest.raises(ValueError):
+        ByteRate(rate=1.0, burst=0.0)

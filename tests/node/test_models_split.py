@@ -107,15 +107,30 @@ def test_three_stages_from_one_file_match_solo(gguf: Path, tmp_path: Path) -> No
         assert len(every) == len(set(every)), f"a replan fetched a range a worker already held: {every}"
 
 
-def test_a_killed_holder_and_a_corrupt_holder_do_not_stop_the_chain(gguf: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def thick(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """3 layers of 38 MB (10 pieces each): whichever range the worker is given, it is many pieces."""
+    return write_tiny_llama(tmp_path_factory.mktemp("thick") / f"{MODEL}.gguf", n_layers=3, width=768, ffn=3072,
+                            heads=4, kv_heads=2, seed=7)
+
+
+def test_a_killed_holder_and_a_corrupt_holder_do_not_stop_the_chain(thick: Path, tmp_path: Path) -> None:
+    gguf = thick
     manifest = build_manifest(gguf)
+    # upload caps (config.toml) make the worker's 62 MB fetch last seconds, so holders it learns of
+    # from gossip after it began join it, and one of them can be killed while it sends
+    caps = {"c": 12, "h1": 8, "h2": None}
     copies = []
-    for name in ("h1", "h2"):  # two --client nodes keep a copy in a folder their config.toml lists
-        folder = tmp_path / f"{name}-files"
-        folder.mkdir()
-        copies.append(shutil.copy(gguf, folder / f"{MODEL}.gguf"))
-        (tmp_path / f"{name}-home").mkdir()
-        (tmp_path / f"{name}-home" / "config.toml").write_text(f'model_dirs = ["{folder}"]\n')
+    for name, cap in caps.items():
+        home = tmp_path / (name if name == "c" else f"{name}-home")
+        home.mkdir()
+        lines = [f"model_upload_limit_mb_s = {cap}"] if cap else []
+        if name != "c":  # two --client nodes keep a copy in a folder their config.toml lists
+            folder = tmp_path / f"{name}-files"
+            folder.mkdir()
+            copies.append(shutil.copy(gguf, folder / f"{MODEL}.gguf"))
+            lines.append(f'model_dirs = ["{folder}"]')
+        (home / "config.toml").write_text("\n".join(lines) + "\n")
     with running_nodes() as nodes:
         solo = NodeProcess(tmp_path / "solo", ["--engine", "ggml", "--model", str(gguf)], "solo")
         coord = NodeProcess(tmp_path / "c", ["--model", str(gguf), "--split", "force", "--stages", "2"], "coord")
@@ -128,21 +143,32 @@ def test_a_killed_holder_and_a_corrupt_holder_do_not_stop_the_chain(gguf: Path, 
             h.wait_ready()
         wait_until(lambda: sum(any(m["id"] == manifest.model for m in p["available"])
                                for p in coord.status()["peers"]) == 2, 30.0)
-        # h2's copy then rots: every layer's bytes flipped in place, size and mtime kept
+        # h2's copy then rots: every piece of every layer has bytes flipped in place, size and mtime kept
         st = os.stat(copies[1])
         with open(copies[1], "r+b") as fh:
-            for span in manifest.spans[2:]:
-                fh.seek(span.offset + 64)
-                fh.write(b"\xff" * 32)
+            for span in range(2, len(manifest.spans)):
+                for piece in manifest.pieces(span):
+                    fh.seek(piece.offset + 64)
+                    fh.write(b"\xff" * 32)
         os.utime(copies[1], ns=(st.st_atime_ns, st.st_mtime_ns))
         worker = NodeProcess(tmp_path / "w", ["--worker", "--join", token], "w")
         nodes.append(worker)
-        worker.wait_event(lambda e: e["type"] == "transfer_started", 60.0)
+        started = worker.wait_event(lambda e: e["type"] == "transfer_started", 60.0)
         worker.wait_ready()
-        holders[0].kill()  # h1 dies while the worker fetches from it
-        done = worker.wait_event(lambda e: e["type"] in ("transfer_done", "transfer_failed"), 120.0)
+
+        def h1_sends() -> bool:
+            (view,) = [t for t in worker.status()["transfers"] if t["layers"] == started["layers"]]
+            assert not view["bytes_total"] or view["bytes_total"] - view["bytes_done"] > 8 << 20, \
+                "too little left to kill h1 mid-transfer"
+            return any(h["node_id"] == holders[0].node_id and h["bytes"] for h in view["holders"])
+
+        wait_until(h1_sends, 30.0, interval=0.02)  # h1 joined the transfer and sends ...
+        holders[0].kill()  # ... and dies while the worker fetches from it
+        done = worker.wait_event(lambda e: e["type"] in ("transfer_done", "transfer_failed")
+                                 and e["layers"] == started["layers"], 120.0)  # (a warm spare's may end first)
         assert done["type"] == "transfer_done", done
-        dropped = {e["holder"]: e for e in worker.events if e["type"] == "transfer_holder_dropped"}
+        dropped = {e["holder"]: e for e in worker.events
+                   if e["type"] == "transfer_holder_dropped" and e["layers"] == started["layers"]}
         assert dropped[holders[1].node_id]["bad_bytes"], dropped
         assert holders[0].node_id in dropped and not dropped[holders[0].node_id]["bad_bytes"]
         coord.wait_event(lambda e: e["type"] == "split_ready", 60.0)
