@@ -449,6 +449,7 @@ class SplitSparesReady(ModelEvent, kw_only=True, tag="split_spares_ready"):
     spares: Any = UNSET
     failed: Any = UNSET
     chain: Any = UNSET
+    covered: Any = UNSET
 
 
 class SplitReplay(ModelEvent, kw_only=True, tag="split_replay"):

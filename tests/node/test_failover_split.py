@@ -98,6 +98,9 @@ def test_middle_stage_killed_mid_stream_the_stream_completes_on_the_rebuilt_chai
         # bytes are reported, not asserted: the client's stream above is what must hold.
         refetched = [e for e in coord.events if e["type"] == "split_stage_fetched"][fetched_before:]
         print(f"fetched by the rebuild: {[(e['layers'], e['bytes']) for e in refetched]}")
+        for e in coord.events:
+            if e["type"].startswith("split_"):
+                print("DBG", {k: v for k, v in e.items() if k not in ("model",)})
         (after,) = coord.status()["splits"]
         assert after["replays"] == 1 and after["replays_failed"] == 0
         assert spare.node_id in {s["node_id"] for s in after["stages"]}
