@@ -118,12 +118,12 @@ class SplitEngine(Engine):
         ``replay_wait_s``: how long it waits for the rebuilt chain; ``replay_passes_s``: the longest
         predicted re-run of the failed chain's passes (longer: their tokens are prefilled, see
         :class:`~meshllm.split.coordinator.Replay`); ``on_event(type, **fields)``: the node's events."""
-        self.replay_passes_s = replay_passes_s
         self.path = path
         self.model_id = model_id
         self.max_context = max_context
         self.max_replays = max_replays
         self.replay_wait_s = replay_wait_s
+        self.replay_passes_s = replay_passes_s
         self.on_event = on_event or (lambda *_a, **_k: None)
         self.tokenizer: Tokenizer | None = None
         self.coordinator: SplitCoordinator | None = None
@@ -256,7 +256,8 @@ class SplitEngine(Engine):
         produced = list(fed)  # every token id fed to ``text``
         # The last chain's opening (its prompt is prompt + produced[:opened], with ``opening``'s sampling)
         # and the rows of each decode pass it ran since (SplitToken.rows): what a rebuilt chain re-runs.
-        opened, opening, passes = len(fed), sampling, list[tuple[int, ...]]()
+        opened, opening = len(fed), sampling
+        passes: list[tuple[int, ...]] = []
         replays = 0
         by_passes = False  # whether the next chain re-runs the last one's passes (Replay)
         try:
