@@ -469,6 +469,7 @@ class SplitReplayed(ModelEvent, kw_only=True, tag="split_replayed"):
     tokens: int | UnsetType = UNSET
     replay: int | UnsetType = UNSET
     took_ms: int | UnsetType = UNSET
+    passes: int | UnsetType = UNSET
 
 
 class SplitForgery(ModelEvent, kw_only=True, tag="split_forgery"):

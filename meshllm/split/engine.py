@@ -193,8 +193,10 @@ class SplitEngine(Engine):
                 raise ChainUnavailable(f"{exc}; the chain cannot be rebuilt ({self.unavailable})") from exc
         return self.coordinator
 
-    async def _replay(self, failed: SplitCoordinator, exc: StageFailed, tokens: int, replay: int) -> SplitCoordinator:
-        """Wait for the rebuilt chain after ``exc``, telling the node's events and log."""
+    async def _replay(self, failed: SplitCoordinator, exc: StageFailed, tokens: int, replay: int,
+                      passes: int) -> SplitCoordinator:
+        """Wait for the rebuilt chain after ``exc``, telling the node's events and log (``passes``: how many
+        of the failed chain's passes the new one re-runs; 0 when it prefills the tokens)."""
         self.on_event("split_replay", model=self.model_id, stage=exc.stage_index, failed_node=exc.node_id,
                       tokens=tokens, replay=replay)
         started = time.monotonic()
@@ -208,9 +210,10 @@ class SplitEngine(Engine):
         self.replays += 1
         took_ms = round((time.monotonic() - started) * 1000)
         self.on_event("split_replayed", model=self.model_id, stages=len(coordinator.chain), tokens=tokens,
-                      replay=replay, took_ms=took_ms)
-        log.info("split %s: stage %d failed (%s); continuing on a rebuilt %d-stage chain after %d tokens (%d ms)",
-                 self.model_id, exc.stage_index, exc.reason, len(coordinator.chain), tokens, took_ms)
+                      replay=replay, took_ms=took_ms, passes=passes)
+        log.info("split %s: stage %d failed (%s); continuing on a rebuilt %d-stage chain after %d tokens "
+                 "(%d ms; %s)", self.model_id, exc.stage_index, exc.reason, len(coordinator.chain), tokens, took_ms,
+                 f"re-running {passes} passes" if passes else "prefilling them")
         return coordinator
 
     @property
@@ -292,7 +295,8 @@ class SplitEngine(Engine):
                         raise ChainUnavailable(str(exc)) from exc
                     replays += 1
                     by_passes = len(produced) > opened and self._replay_by_passes(coordinator, len(passes))
-                    coordinator = await self._replay(coordinator, exc, len(produced), replays)
+                    coordinator = await self._replay(coordinator, exc, len(produced), replays,
+                                                     len(passes) if by_passes else 0)
                 finally:
                     await tokens.aclose()
         finally:

@@ -73,6 +73,7 @@ def test_a_replay_on_smollm2_gives_the_uninterrupted_text(passes_s: float) -> No
     reference, replayed, events = asyncio.run(main())
     assert [kind for kind, _ in events] == ["split_replay", "split_replayed"]
     assert CUT <= events[0][1]["tokens"] < 48
+    assert (events[1][1]["passes"] > 0) == (passes_s > 0)  # (the prefill's token is not a pass)
     if passes_s:
         assert replayed == reference
     else:  # the prefill of the generated tokens: SmolLM2's text leaves the uninterrupted one (why passes are re-run)
