@@ -451,6 +451,7 @@ class SplitSparesReady(ModelEvent, kw_only=True, tag="split_spares_ready"):
     spares: Any = UNSET
     failed: Any = UNSET
     chain: Any = UNSET
+    covered: Any = UNSET
 
 
 class SplitReplay(ModelEvent, kw_only=True, tag="split_replay"):
@@ -470,6 +471,7 @@ class SplitReplayed(ModelEvent, kw_only=True, tag="split_replayed"):
     tokens: int | UnsetType = UNSET
     replay: int | UnsetType = UNSET
     took_ms: int | UnsetType = UNSET
+    passes: int | UnsetType = UNSET
 
 
 class SplitForgery(ModelEvent, kw_only=True, tag="split_forgery"):

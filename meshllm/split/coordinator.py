@@ -47,7 +47,7 @@ from meshllm.split.coordinator_core import (
     next_draft,
     smoothed,
 )
-from meshllm.split.errors import StageFailed
+from meshllm.split.errors import SplitError, StageFailed
 from meshllm.split.frames import (
     BAD_REQUEST,
     MAX_BATCH,
@@ -85,6 +85,32 @@ class SplitToken:
     """``"stop"`` (a stop id was sampled) or ``"length"`` (context or ``max_tokens`` reached) on the last one."""
     logprobs: TokenLogprobs | None = None
     """Its logprob and top alternatives, when the request's :attr:`Sampling.logprobs` asked for them."""
+    rows: tuple[int, ...] | None = None
+    """On the first token of a decode pass's reply: the ids that pass sent down the chain (the token
+    before it, then any drafts); None on the prefill's token and the rest of a reply. What a replay
+    on a rebuilt chain sends again (:class:`Replay`)."""
+
+
+@dataclass(frozen=True)
+class Replay:
+    """A request's passes on a chain that failed, to run again on a rebuilt one before going on.
+
+    The rebuilt chain is opened with the failed chain's prompt and sampling, and re-runs its prefill
+    and then each pass with exactly the rows it sent (a lone token, or a token and its drafts), so every
+    stage computes each position in a call of the same shape as before. ggml's attention takes another
+    kernel for one query row than for several, so a prefill of the generated tokens can give other
+    logits than their decode steps gave (SmolLM2-135M: up to 0.7 in a logit, enough to flip a greedy
+    choice; docs/architecture.md); re-running the passes gives the same ones.
+    """
+
+    tokens: Sequence[int]
+    """Every token the failed chain produced, in order (the prefill's first)."""
+    passes: Sequence[tuple[int, ...]]
+    """The rows of each decode pass it ran after the prefill (:attr:`SplitToken.rows`), in order."""
+
+
+class ReplayDiverged(SplitError):
+    """The rebuilt chain answered a replayed pass with other tokens than the failed chain did."""
 
 
 MORE_DEADLINES = 4
@@ -173,24 +199,35 @@ class SplitCoordinator:
         sampling: Sampling | None = None,
         dtype: codec.Dtype = "f32",
         session: str | None = None,
+        replay: Replay | None = None,
     ) -> AsyncIterator[SplitToken]:
-        """Stream the tokens generated after ``prompt``; raises :class:`StageFailed` naming a failed stage."""
+        """Stream the tokens generated after ``prompt``; raises :class:`StageFailed` naming a failed stage.
+
+        With ``replay``, first re-run a failed chain's passes silently (``max_tokens`` counts the tokens
+        after them); :class:`ReplayDiverged` if this chain answers one with other tokens.
+        """
         run = _Run(self, session or uuid.uuid4().hex, dtype)
         policy = WindowPolicy(self.speculate, prior=self.acceptance.rate)
         drafter = NgramDrafter(prompt) if self.speculate != "off" else None
         try:
             await run.start(list(prompt), sampling or Sampling())
             reply = await run.prefill(list(prompt))
+            rows: tuple[int, ...] | None = None
+            if replay is not None:
+                reply = await self._replay(run, reply, replay, policy, drafter)
             produced = 0
             while True:
                 replied = time.perf_counter()
-                for i, token_id in enumerate(reply.token_ids):
-                    produced += 1
-                    last = i == len(reply.token_ids) - 1
-                    finish = (reply.finish if last else None) or ("length" if produced == max_tokens else None)
-                    yield SplitToken(token_id, finish, reply.logprobs[i] if reply.logprobs else None)
-                    if finish:
-                        return
+                if replay is None:
+                    for i, token_id in enumerate(reply.token_ids):
+                        produced += 1
+                        last = i == len(reply.token_ids) - 1
+                        finish = (reply.finish if last else None) or ("length" if produced == max_tokens else None)
+                        yield SplitToken(token_id, finish, reply.logprobs[i] if reply.logprobs else None,
+                                         rows if i == 0 else None)
+                        if finish:
+                            return
+                replay = None  # (the replayed passes' last reply was yielded by the chain that failed)
                 draft: list[int] = []
                 if drafter is not None:
                     drafter.extend(reply.token_ids)
@@ -198,6 +235,7 @@ class SplitCoordinator:
                     room = min(max_tokens - produced, self.first.max_context - 1 - reply.pos) - 1
                     draft = next_draft(drafter, policy, self.costs, room)
                 self._serve_s.append((time.perf_counter() - replied) / len(reply.token_ids))
+                rows = (reply.token_ids[-1], *draft)
                 reply = await run.step(reply.token_ids[-1], reply.pos, draft)
                 kept = len(reply.token_ids) - 1
                 if draft:
@@ -215,6 +253,37 @@ class SplitCoordinator:
             # again meanwhile (anyio's cancel scopes re-cancel every await of a request whose client
             # went away); the request waits for it unless it is cancelled
             await asyncio.shield(run.finish())
+
+    async def _replay(self, run: _Run, reply: Tokens, replay: Replay, policy: WindowPolicy,
+                      drafter: NgramDrafter | None) -> Tokens:
+        """Re-run ``replay``'s passes after the prefill's ``reply``; the last pass's reply. The drafter and
+        the window policy see them as the failed chain's loop did, so drafting goes on as it would have."""
+        tokens, at = list(replay.tokens), 0
+
+        def check(got: Tokens, what: str) -> None:
+            nonlocal at
+            want = tokens[at : at + len(got.token_ids)]
+            if list(got.token_ids) != want or got.finish:
+                raise ReplayDiverged(f"the rebuilt chain answered {what} with {list(got.token_ids)}, "
+                                     f"the failed chain with {want}")
+            at += len(got.token_ids)
+
+        check(reply, "the prefill")
+        for i, rows in enumerate(replay.passes):
+            if rows[0] != reply.token_ids[-1]:
+                raise ReplayDiverged(f"replayed pass {i} starts with {rows[0]}, not the token before it")
+            if drafter is not None:
+                drafter.extend(reply.token_ids)
+            draft = list(rows[1:])
+            reply = await run.step(rows[0], reply.pos, draft)
+            check(reply, f"replayed pass {i}")
+            if draft:
+                policy.observe(len(draft), len(reply.token_ids) - 1)
+            else:
+                policy.produced(reply.token_ids)
+        if at != len(tokens):
+            raise ReplayDiverged(f"the replayed passes gave {at} of the {len(tokens)} tokens")
+        return reply
 
     def batching_status(self) -> dict[str, object]:
         """Batching figures for ``/api/status``: sessions per pass allowed, passes sent, their mean size."""

@@ -10,12 +10,17 @@ End of generation is decided here, not on the last stage (no stop ids go down th
 ``Decode`` is only sent after the previous token was consumed, so stopping costs no wasted step.
 
 **Replay**: when a stage fails mid-request, placement rebuilds the chain (a spare worker, or fewer
-stages) and attaches it; the request waits for that (bounded by ``replay_wait_s``), prefills prompt
-+ every token generated so far into the new chain and goes on, so the client's stream continues.
-The text core is the request's own throughout, so nothing is sent twice. Greedy text continues as
-the first chain would have gone on as far as a prefill of those tokens computes the logits their
-decode steps did (the same in every test here; ggml may differ in the last bits between the two);
-a seeded request's random stream starts again from its seed on the new chain (docs/splits.md).
+stages) and attaches it; the request waits for that (bounded by ``replay_wait_s``) and brings the new
+chain to where the old one was, from the token ids (never re-encoded text), then goes on, so the
+client's stream continues. The text core is the request's own throughout, so nothing is sent twice.
+The new chain is opened as the old one was and re-runs its passes with the same rows
+(:class:`~meshllm.split.coordinator.Replay`): every position is computed in a call of the shape it
+had, so the logits and the text are the uninterrupted ones even where a model's prefill and decode
+steps differ (ggml's attention has one kernel for a lone query row and another for several:
+SmolLM2-135M's greedy text changed after a prefill replay). When the passes would take longer than
+``replay_passes_s``, or the new chain answers one otherwise, the generated tokens are prefilled in
+one go instead (exact where a prefill computes as the decode steps did: Gemma 3 270M, the tiny test
+models); a seeded request's draws go on from step ``k`` either way (docs/splits.md).
 
 Grammars and logprobs are the last stage's work, since it samples: the request's grammar goes down
 in the session's :class:`~meshllm.split.frames.Sampling` (checked here first, so a bad one is a 400
@@ -56,13 +61,16 @@ from meshllm.engine.text import TextStream, token_budget
 from meshllm.engine.tokenizer import Tokenizer
 from meshllm.models.metadata import read_metadata
 from meshllm.split.auditor import FinishedRequest
-from meshllm.split.coordinator import SplitCoordinator, SplitToken
+from meshllm.split.coordinator import Replay, ReplayDiverged, SplitCoordinator, SplitToken
 from meshllm.split.errors import StageFailed
 from meshllm.split.frames import Sampling
 
 log = logging.getLogger(__name__)
 
 
+REPLAY_PASSES_S = 2.0
+"""Longest a replay may spend re-running the failed chain's passes (predicted at its step time); a
+longer one prefills the generated tokens in one pass instead (the client's gap stays bounded)."""
 NO_CHAIN = "no chain yet"
 """How placement's reason starts when it could not build a chain (a replaying request stops waiting)."""
 
@@ -104,14 +112,18 @@ class SplitEngine(Engine):
     supports = SUPPORTS
 
     def __init__(self, path: Path, model_id: str, max_context: int, *, max_replays: int = 2,
-                 replay_wait_s: float = 30.0, on_event: Callable[..., None] | None = None) -> None:
+                 replay_wait_s: float = 30.0, replay_passes_s: float = REPLAY_PASSES_S,
+                 on_event: Callable[..., None] | None = None) -> None:
         """``max_replays``: chain rebuilds one request may ride out (0: a failed stage ends it);
-        ``replay_wait_s``: how long it waits for the rebuilt chain; ``on_event(type, **fields)``: the node's events."""
+        ``replay_wait_s``: how long it waits for the rebuilt chain; ``replay_passes_s``: the longest
+        predicted re-run of the failed chain's passes (longer: their tokens are prefilled, see
+        :class:`~meshllm.split.coordinator.Replay`); ``on_event(type, **fields)``: the node's events."""
         self.path = path
         self.model_id = model_id
         self.max_context = max_context
         self.max_replays = max_replays
         self.replay_wait_s = replay_wait_s
+        self.replay_passes_s = replay_passes_s
         self.on_event = on_event or (lambda *_a, **_k: None)
         self.tokenizer: Tokenizer | None = None
         self.coordinator: SplitCoordinator | None = None
@@ -181,8 +193,10 @@ class SplitEngine(Engine):
                 raise ChainUnavailable(f"{exc}; the chain cannot be rebuilt ({self.unavailable})") from exc
         return self.coordinator
 
-    async def _replay(self, failed: SplitCoordinator, exc: StageFailed, tokens: int, replay: int) -> SplitCoordinator:
-        """Wait for the rebuilt chain after ``exc``, telling the node's events and log."""
+    async def _replay(self, failed: SplitCoordinator, exc: StageFailed, tokens: int, replay: int,
+                      passes: int) -> SplitCoordinator:
+        """Wait for the rebuilt chain after ``exc``, telling the node's events and log (``passes``: how many
+        of the failed chain's passes the new one re-runs; 0 when it prefills the tokens)."""
         self.on_event("split_replay", model=self.model_id, stage=exc.stage_index, failed_node=exc.node_id,
                       tokens=tokens, replay=replay)
         started = time.monotonic()
@@ -196,9 +210,10 @@ class SplitEngine(Engine):
         self.replays += 1
         took_ms = round((time.monotonic() - started) * 1000)
         self.on_event("split_replayed", model=self.model_id, stages=len(coordinator.chain), tokens=tokens,
-                      replay=replay, took_ms=took_ms)
-        log.info("split %s: stage %d failed (%s); continuing on a rebuilt %d-stage chain after %d tokens (%d ms)",
-                 self.model_id, exc.stage_index, exc.reason, len(coordinator.chain), tokens, took_ms)
+                      replay=replay, took_ms=took_ms, passes=passes)
+        log.info("split %s: stage %d failed (%s); continuing on a rebuilt %d-stage chain after %d tokens "
+                 "(%d ms; %s)", self.model_id, exc.stage_index, exc.reason, len(coordinator.chain), tokens, took_ms,
+                 f"re-running {passes} passes" if passes else "prefilling them")
         return coordinator
 
     @property
@@ -241,19 +256,29 @@ class SplitEngine(Engine):
         started = time.monotonic()
         self._running += 1
         session = uuid.uuid4().hex  # the last attempt's session: the one an audit replays
-        produced = list(fed)  # every token id fed to ``text``: what a rebuilt chain prefills after the prompt
+        produced = list(fed)  # every token id fed to ``text``
+        # The last chain's opening (its prompt is prompt + produced[:opened], with ``opening``'s sampling)
+        # and the rows of each decode pass it ran since (SplitToken.rows): what a rebuilt chain re-runs.
+        opened, opening = len(fed), sampling
+        passes: list[tuple[int, ...]] = []
         replays = 0
-        opened = len(fed)  # tokens the last chain was prefilled with after the prompt (its session's prompt)
+        by_passes = False  # whether the next chain re-runs the last one's passes (Replay)
         try:
             while True:
-                session, opened = uuid.uuid4().hex, len(produced)
-                if replays:  # the new last stage's draws (and grammar) start after them
+                session = uuid.uuid4().hex
+                rerun = None
+                if replays and by_passes:  # the same opening, then the same passes: the same logits
+                    sampling, rerun = opening, Replay(produced[opened:], list(passes))
+                elif replays:  # prefilled after the prompt: the new last stage's draws (and grammar) start after them
                     sampling = msgspec.structs.replace(
                         sampling, step=len(produced), generated=list(produced) if sampling.grammar else [])
-                tokens = coordinator.generate(prompt + produced, max_tokens=max(limit - len(produced), 1),
-                                              sampling=sampling, session=session)
+                    opened, opening, passes = len(produced), sampling, []
+                tokens = coordinator.generate(prompt + produced[:opened], max_tokens=max(limit - len(produced), 1),
+                                              sampling=sampling, session=session, replay=rerun)
                 try:
                     async for token in tokens:
+                        if token.rows is not None:
+                            passes.append(token.rows)
                         produced.append(token.token_id)
                         logprob = None if sampling.logprobs is None else self._logprob(tokenizer, token)
                         delta = text.feed(token.token_id, last=bool(token.finish), logprob=logprob)
@@ -262,23 +287,35 @@ class SplitEngine(Engine):
                         if text.done:
                             break
                     break
+                except ReplayDiverged as exc:  # the rebuilt chain computes otherwise after all: prefill them
+                    log.warning("split %s: %s; prefilling the generated tokens instead", self.model_id, exc)
+                    by_passes = False
                 except StageFailed as exc:
                     if replays >= self.max_replays:
                         raise ChainUnavailable(str(exc)) from exc
                     replays += 1
-                    coordinator = await self._replay(coordinator, exc, len(produced), replays)
+                    by_passes = len(produced) > opened and self._replay_by_passes(coordinator, len(passes))
+                    coordinator = await self._replay(coordinator, exc, len(produced), replays,
+                                                     len(passes) if by_passes else 0)
                 finally:
                     await tokens.aclose()
         finally:
             self._running -= 1
             self._rate.observe(text.generated - len(fed), started, time.monotonic())
         # an audit replays one chain's session, the last (after a rebuild, the new chain's: its prompt is the
-        # request's and what the failed chain produced), and recomputes plain draws (not a grammar's)
+        # request's and what it was opened with, its tokens all it produced or re-ran), and recomputes plain
+        # draws (not a grammar's)
         if self.on_finished is not None and sampling.grammar is None:
             self.on_finished(coordinator, FinishedRequest(session, prompt + produced[:opened], produced[opened:],
                                                           sampling))
         for event in text.finish():
             yield event
+
+    def _replay_by_passes(self, failed: SplitCoordinator, passes: int) -> bool:
+        """Whether a replay re-runs the failed chain's ``passes`` (exact) rather than prefilling their tokens
+        (one pass, exact only where a model's prefill computes as its decode steps): while they are
+        predicted to take at most :attr:`replay_passes_s` at the failed chain's step time."""
+        return passes * failed.step_s <= self.replay_passes_s
 
     @staticmethod
     def _logprob(tokenizer: Tokenizer, token: SplitToken) -> TokenLogprob:

@@ -38,7 +38,7 @@ from meshllm.split.coordinator_core import Deadlines
 from meshllm.split.engine import NO_CHAIN, SplitEngine
 from meshllm.split.errors import SplitError, StageFailed
 from meshllm.split.frames import Hop
-from meshllm.split.planner import Candidate, ModelProfile, Plan, PlanOptions, plan
+from meshllm.split.planner import Candidate, Held, ModelProfile, Plan, PlanOptions, plan, plan_held
 from meshllm.split.stage import StageServer
 from meshllm.tasks import Scope
 
@@ -82,7 +82,7 @@ SPARE_SLACK = 2
 """Layers a warm range reaches beyond the planned one on each side: the replan after a death may see a
 slightly different RTT matrix than the spare check did, and a stage file must cover the whole range to be
 used. (A replan priced with the speeds the chain measured can move a boundary further; it then falls back
-to the spares' own plan when that one needs no transfer: :func:`covers`.)"""
+to the best chain inside what the nodes hold: :func:`~meshllm.split.planner.plan_held`.)"""
 
 
 @dataclass(frozen=True)
@@ -249,11 +249,37 @@ def spare_ranges(profile: ModelProfile, nodes: list[Candidate], rtt: Mapping[str
             for node, (low, high) in wanted.items()}
 
 
-def covers(chosen: Plan, held: Mapping[str, Collection[tuple[int, int]]]) -> bool:
-    """Whether each worker stage of ``chosen`` lies inside a layer range its node keeps on disk (``held``:
-    node id -> ranges), so the chain forms with no transfer."""
-    return all(any(a <= s.layer_start and s.layer_end <= b for a, b in held.get(s.node_id, ()))
-               for s in chosen.stages[1:])
+def choose_plan(profile: ModelProfile, nodes: list[Candidate], rtt: Mapping[str, Mapping[str, float]],
+                requester: str, held: Held, opts: PlanOptions) -> Plan:
+    """The chain a placement builds: the cheapest one inside what the nodes keep on disk (``held``: stages
+    they hosted, warm spares) whenever one fits, else the free plan.
+
+    A chain that serves now beats a better balanced one that waits for bytes. The free plan of a rebuild
+    is priced with the speeds the old chain measured and the RTT matrix of the moment, so it can order
+    the survivors or place the boundaries unlike the plan the spares were warmed for (:func:`spare_ranges`
+    runs on gossiped speeds, seconds earlier): taking it first and the held one only as a fallback left
+    the spares' ranges in about 2 runs of 5 of tests/node/test_failover_split.py.
+    """
+    chosen = plan_held(profile, nodes, rtt, requester, held, opts) if held else None
+    return chosen if chosen is not None else plan(profile, nodes, rtt, requester, opts)
+
+
+def covered_deaths(profile: ModelProfile, nodes: list[Candidate], rtt: Mapping[str, Mapping[str, float]],
+                   chain: list[Hop], options: SplitOptions, held: Held) -> list[str]:
+    """The workers of ``chain`` whose death leaves a chain that forms with no transfer: the replan
+    without them (:func:`plan_held` over ``nodes`` less the dead one, at the stage count a replan
+    asks for) fits inside what the nodes keep on disk (``held``). What ``split_spares_ready``
+    reports as ``covered``: a rebuild after such a death fetches nothing, whatever speeds it is priced with."""
+    out = []
+    for dead in chain[1:]:
+        rest = [c for c in nodes if c.node_id != dead.node_id]
+        try:
+            opts = plan_options(options, len(rest) - 1, placing=True, degraded=True)
+        except MeshllmError:
+            continue
+        if plan_held(profile, rest, rtt, chain[0].node_id, held, opts) is not None:
+            out.append(dead.node_id)
+    return out
 
 
 def plan_options(options: SplitOptions, workers: int, *, placing: bool = False, degraded: bool = False) -> PlanOptions:
@@ -323,6 +349,8 @@ class SplitPlacement:
         """The serving chain's spare keeping (replaced with the chain)."""
         self.spares: list[list[Any]] = []
         """The serving chain's warm spares: ``[name, layer_start, layer_end, fetched_bytes]`` each."""
+        self.covered: list[str] = []
+        """The serving chain's workers whose death leaves a chain that needs no transfer (:func:`covered_deaths`)."""
 
     def start(self, prepared: Awaitable[bytes] | None = None) -> None:
         """Place and keep a chain; first await ``prepared`` (the engine's tokenizer and the signed manifest,
@@ -358,6 +386,7 @@ class SplitPlacement:
             "untrusted": sorted(self.untrusted),
             "batching": coordinator.batching_status() if coordinator is not None else None,
             "spares": [{"name": name, "layers": [start, end]} for name, start, end, _ in self.spares],
+            "covered": [names.get(n, n[:8]) for n in self.covered],
         }
 
     def names(self) -> dict[str, str]:
@@ -435,15 +464,7 @@ class SplitPlacement:
         measured = measured_speeds(old, self.profile) if old is not None else {}
         nodes = candidates(own, self.budget, members, {*self._suspects, *self.untrusted}, measured)
         opts = plan_options(self.options, len(nodes) - 1, placing=True, degraded=self.plan is not None)
-        chosen = plan(self.profile, nodes, self._rtt(), own.node_id, opts)
-        if measured and not covers(chosen, self.held):
-            # The warm spares were planned without measured speeds (spare_ranges runs while the chain is
-            # young); the speeds can move a boundary past a spare's slack. A chain that needs no transfer
-            # now beats a slightly better balanced one that waits for bytes.
-            steady = plan(self.profile, candidates(own, self.budget, members, {*self._suspects, *self.untrusted}),
-                          self._rtt(), own.node_id, opts)
-            if covers(steady, self.held):
-                chosen = steady
+        chosen = choose_plan(self.profile, nodes, self._rtt(), own.node_id, self.held, opts)
         if chosen.solo or chosen.stages[0].node_id != own.node_id:
             raise SplitError("the plan does not start at this node with at least one worker")
         chain = hops(chosen, own, members)
@@ -466,7 +487,7 @@ class SplitPlacement:
                      predicted_ms=round(chosen.total_s * 1e3, 3), took_s=round(time.monotonic() - started, 3))
         self._spares.close()  # an older chain's spares are planned for deaths that no longer apply
         self._spares = Scope(f"split spares {self.engine.model_id}")
-        self.spares = []
+        self.spares, self.covered = [], []
         if self.hub_source is None and self.options.spares:  # a hub model has no manifest a spare fetches against
             self._spares.spawn(self._keep_spares(chain))
 
@@ -502,7 +523,8 @@ class SplitPlacement:
             todo = {n: r for n, r in wanted.items()
                     if asked.get(n) != r and n in members and members[n].addresses.listen}
             gone = {*held, *failed, *asked} - set(wanted)  # no longer a spare (it left, or the plan moved on)
-            if todo or gone or first:
+            covered = covered_deaths(self.profile, nodes, self._rtt(), chain, self.options, self.held)
+            if todo or gone or first or covered != self.covered:
                 asked.update(todo)
                 for node in gone:
                     held.pop(node, None)
@@ -520,9 +542,11 @@ class SplitPlacement:
                         held[node] = [names.get(node, node[:8]), *todo[node], outcome]
                         self.held.setdefault(node, set()).add(todo[node])
                 self.spares = list(held.values())
+                self.covered = covered_deaths(self.profile, nodes, self._rtt(), chain, self.options, self.held)
                 self.publish("split_spares_ready", model=self.engine.model_id, spares=self.spares,
                              failed=[[names.get(n, n[:8]), why] for n, why in failed.items()],
-                             chain=[h.node_id for h in chain])
+                             chain=[h.node_id for h in chain],
+                             covered=[names.get(n, n[:8]) for n in self.covered])
                 first = False
 
     async def _warm(self, addr: str, own_addr: str, node: str, start: int, end: int) -> int | str:

@@ -33,7 +33,7 @@ running chains measured.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise, permutations
 
@@ -172,6 +172,10 @@ class Plan:
         return [(s.node_id, s.layer_start, s.layer_end) for s in self.stages]
 
 
+Held = Mapping[str, Collection[tuple[int, int]]]
+"""Node id -> the layer ranges it keeps on disk for the model (a stage it hosted, a warm spare)."""
+
+
 def plan(
     model: ModelProfile,
     candidates: Sequence[Candidate],
@@ -185,6 +189,33 @@ def plan(
     one layer; otherwise every eligible node is tried as coordinator.
     """
     opts = options or PlanOptions()
+    best = _search(model, candidates, rtt_ms, requester, opts, None)
+    if best is None:
+        raise _no_fit(model, _eligible(candidates, opts), opts.stages or opts.max_stages, opts)
+    return best
+
+
+def plan_held(
+    model: ModelProfile,
+    candidates: Sequence[Candidate],
+    rtt_ms: Mapping[str, Mapping[str, float]],
+    requester: str,
+    held: Held,
+    options: PlanOptions | None = None,
+) -> Plan | None:
+    """The cheapest plan whose every stage after the first lies inside a range its node keeps on disk
+    (``held``): a chain that forms without a transfer. None when no such chain fits.
+
+    The first stage (the coordinator, which has the whole file) may take any range. Boundaries are
+    not the free plan's (all spare layers to the fastest node): each ordered chain gets the cheapest
+    split its nodes' held ranges and memory allow (:func:`_held_counts`).
+    """
+    return _search(model, candidates, rtt_ms, requester, options or PlanOptions(), held)
+
+
+def _search(model: ModelProfile, candidates: Sequence[Candidate], rtt_ms: Mapping[str, Mapping[str, float]],
+            requester: str, opts: PlanOptions, held: Held | None) -> Plan | None:
+    """The cheapest plan over ordered node sets (``held``: only splits inside those ranges), or None."""
     nodes = _eligible(candidates, opts)
     by_id = {c.node_id: c for c in nodes}
     me = by_id.get(requester)
@@ -192,14 +223,12 @@ def plan(
     sizes = [opts.stages] if opts.stages else list(range(1, opts.max_stages + 1))
     best: Plan | None = None
     for first in firsts:
-        others = [c for c in nodes if c.node_id != first.node_id]
+        others = [c for c in nodes if c.node_id != first.node_id and (held is None or held.get(c.node_id))]
         for size in sizes:
             for rest in permutations(others, size - 1):
-                found = _price(model, (first, *rest), rtt_ms, opts)
+                found = _price(model, (first, *rest), rtt_ms, opts, held)
                 if found is not None and (best is None or found.expected_s < best.expected_s - 1e-12):
                     best = found
-    if best is None:
-        raise _no_fit(model, nodes, sizes[-1], opts)
     return best
 
 
@@ -238,20 +267,28 @@ def _cap(model: ModelProfile, c: Candidate, opts: PlanOptions, *, first: bool, l
 
 
 def _price(
-    model: ModelProfile, chain: tuple[Candidate, ...], rtt_ms: Mapping[str, Mapping[str, float]], opts: PlanOptions
+    model: ModelProfile, chain: tuple[Candidate, ...], rtt_ms: Mapping[str, Mapping[str, float]], opts: PlanOptions,
+    held: Held | None = None,
 ) -> Plan | None:
-    """The best layer split over this ordered chain, or None when it cannot hold the model."""
+    """The best layer split over this ordered chain (inside ``held`` when given), or None when it cannot
+    hold the model."""
     n = len(chain)
     caps = [_cap(model, c, opts, first=i == 0, last=i == n - 1) for i, c in enumerate(chain)]
     if min(caps) < 1 or sum(caps) < model.n_layers or n > model.n_layers:
         return None
     per_layer = [_layer_s(model, c, opts) for c in chain]
-    counts = [1] * n
-    left = model.n_layers - n
-    for i in sorted(range(n), key=lambda i: per_layer[i]):
-        take = min(left, caps[i] - 1)
-        counts[i] += take
-        left -= take
+    if held is not None:
+        found = _held_counts(model.n_layers, caps, per_layer, [held.get(c.node_id, ()) for c in chain[1:]])
+        if found is None:
+            return None
+        counts = found
+    else:
+        counts = [1] * n
+        left = model.n_layers - n
+        for i in sorted(range(n), key=lambda i: per_layer[i]):
+            take = min(left, caps[i] - 1)
+            counts[i] += take
+            left -= take
     stages: list[PlannedStage] = []
     start = 0
     for i, c in enumerate(chain):
@@ -271,6 +308,32 @@ def _price(
     overhead = n * opts.per_hop_overhead_s if n > 1 else 0.0
     plain = Plan(tuple(stages), sum(s.compute_s for s in stages), network, overhead, opts.serve_overhead_s)
     return _speculate(plain, opts.speculation) if opts.speculation is not None and n > 1 else plain
+
+
+def _held_counts(n_layers: int, caps: list[int], per_layer: list[float],
+                 held: list[Collection[tuple[int, int]]]) -> list[int] | None:
+    """Layer counts of the cheapest split of ``n_layers`` over a chain whose stage ``i + 1`` must lie
+    inside one of ``held[i]`` (stage 0 is free), each stage holding 1 to ``caps[i]`` layers; None when
+    no split does. Compute is linear in each stage's layers, so a dynamic program over the boundaries
+    (``best[b]``: the cheapest stages so far ending at layer ``b``) finds the optimum; ties keep the
+    earlier boundary, so the result does not depend on dict or set order."""
+    best: dict[int, tuple[float, tuple[int, ...]]] = {
+        end: (end * per_layer[0], (end,)) for end in range(1, min(caps[0], n_layers) + 1)}
+    for i, ranges in enumerate(held, start=1):
+        last = i == len(caps) - 1
+        step: dict[int, tuple[float, tuple[int, ...]]] = {}
+        for start in sorted(best):
+            cost, counts = best[start]
+            reach = max((b for a, b in ranges if a <= start < b), default=start)
+            for end in range(start + 1, min(start + caps[i], reach, n_layers) + 1):
+                if last and end != n_layers:
+                    continue
+                total = cost + (end - start) * per_layer[i]
+                if end not in step or total < step[end][0] - 1e-15:
+                    step[end] = (total, (*counts, end - start))
+        best = step
+    done = best.get(n_layers)
+    return list(done[1]) if done is not None else None
 
 
 def _speculate(plain: Plan, spec: Speculation) -> Plan:

@@ -7,19 +7,21 @@ from pathlib import Path
 import pytest
 
 from meshllm.mesh.records import Addresses, Capacity, PeerRecord
-from meshllm.split import Candidate, ModelProfile, plan
+from meshllm.split import Candidate, ModelProfile, Plan, PlanOptions, plan
 from meshllm.split.frames import Hop
 from meshllm.split.placement import (
     SPARE_SLACK,
     NotEnoughWorkers,
     SplitOptions,
     candidates,
-    covers,
+    choose_plan,
+    covered_deaths,
     model_profile,
     needs_split,
     plan_options,
     spare_ranges,
 )
+from meshllm.split.planner import Held, plan_held
 
 GB = 1 << 30
 
@@ -88,28 +90,96 @@ def test_spare_ranges_cover_the_rebuild_after_each_death() -> None:
     assert spare_ranges(profile, nodes[:2], {}, chain[:2], SplitOptions(mode="force", stages=2)) == {}
 
 
-def test_a_replan_on_measured_speeds_may_leave_the_spares_then_their_own_plan_covers_it() -> None:
-    """Why a replan checks :func:`covers`: spares are planned on gossiped speeds; the rebuild after a death
-    priced with the speeds the chain measured (here the coordinator far slower than the survivor) moves the
-    boundary past the spare's slack, while the spares' own plan lies inside what the nodes hold."""
+def inside(chosen: Plan, held: Held) -> bool:
+    """Whether every worker stage of ``chosen`` lies inside a range its node keeps on disk."""
+    return all(any(a <= s.layer_start and s.layer_end <= b for a, b in held.get(s.node_id, ()))
+               for s in chosen.stages[1:])
+
+
+def three_stage_chain(profile: ModelProfile, nodes: list[Candidate], opts: SplitOptions) -> list[Hop]:
+    return [Hop(s.node_id, "127.0.0.1:1", s.layer_start, s.layer_end)
+            for s in plan(profile, nodes, {}, "me", plan_options(opts, len(nodes) - 1, placing=True)).stages]
+
+
+def test_a_rebuild_on_measured_speeds_stays_inside_the_warm_ranges() -> None:
+    """The rebuild after a death is priced with the speeds the chain measured, which can move a boundary
+    past a spare's slack (here: the coordinator far slower than the survivor); :func:`plan_held` then
+    finds the best chain inside what the nodes keep on disk, and the death is reported covered."""
     profile = ModelProfile(n_layers=18, layer_bytes=GB // 8, first_bytes=GB // 4, last_bytes=GB // 4,
                            layer_flops=2e8, head_flops=4e8)
     opts = SplitOptions(mode="force", stages=3)
     nodes = [Candidate(n, 8 * GB, gflops=10, role="host" if n == "me" else "worker") for n in ("me", "w1", "w2")]
-    chain = [Hop(s.node_id, "127.0.0.1:1", s.layer_start, s.layer_end)
-             for s in plan(profile, nodes, {}, "me", plan_options(opts, 2, placing=True)).stages]
-    held = {h.node_id: {(h.layer_start, h.layer_end)} for h in chain[1:]}
+    chain = three_stage_chain(profile, nodes, opts)
+    held: dict[str, set[tuple[int, int]]] = {h.node_id: {(h.layer_start, h.layer_end)} for h in chain[1:]}
+    # nothing warm yet: w1's death is covered all the same (the coordinator takes its layers, w2 keeps its
+    # own), w2's is not (w1 holds no range that ends at the head)
+    assert [(h.layer_start, h.layer_end) for h in chain] == [(0, 16), (16, 17), (17, 18)]
+    assert covered_deaths(profile, nodes, {}, chain, opts, held) == ["w1"]
     for node, kept in spare_ranges(profile, nodes, {}, chain, opts).items():
         held.setdefault(node, set()).add(kept)
+    assert covered_deaths(profile, nodes, {}, chain, opts, held) == [h.node_id for h in chain[1:]]
     dead = chain[-1].node_id
     rest = [c for c in nodes if c.node_id != dead]
     degraded = plan_options(opts, 1, placing=True, degraded=True)
-    steady = plan(profile, rest, {}, "me", degraded)
-    assert covers(steady, held)
     per_layer = 1e-3
     measured = [Candidate(c.node_id, c.memory_bytes, role=c.role,
                           seconds_per_layer=per_layer * (8 if c.node_id == "me" else 1)) for c in rest]
     moved = plan(profile, measured, {}, "me", degraded)
-    assert moved.stages[1].layer_start != steady.stages[1].layer_start
-    assert not covers(moved, held)
-    assert not covers(steady, {})  # nothing on disk: every worker stage needs its bytes
+    assert not inside(moved, held)  # the free plan would fetch
+    kept = plan_held(profile, measured, {}, "me", held, degraded)
+    assert kept is not None and inside(kept, held) and len(kept.stages) == 2
+    assert kept.stages[1].layer_start < plan(profile, rest, {}, "me", degraded).stages[1].layer_start  # still balanced
+    assert plan_held(profile, measured, {}, "me", {}, degraded) is None  # nothing on disk: no such chain
+
+
+def test_a_rebuild_whose_survivors_swap_order_stays_inside_the_warm_ranges() -> None:
+    """The case that made tests/node/test_failover_split.py fetch in 2 runs of 5: 6 layers, 3 stages and a
+    spare (w3). The spares were warmed on the speeds gossip gave at the spare check (w3 fastest: the
+    degraded chain after w2's death is ``me -> w1 -> w3``, w3 with the long range); by the death the
+    speeds had changed, both those the chain measured and those gossip re-measured (the coordinator now
+    fastest), so every free replan orders the survivors ``me -> w1 -> w3`` with w1 on layer 4, which it
+    holds nowhere (its hosted [5, 6) and warm [1, 4)). The rebuild must take the chain inside the held
+    ranges, and w2's death must be reported covered beforehand."""
+    profile = ModelProfile(n_layers=6, layer_bytes=1 << 20, first_bytes=1 << 20, last_bytes=1 << 20,
+                           layer_flops=2e8, head_flops=4e8)
+    opts = SplitOptions(mode="force", stages=3)
+
+    def nodes(**gflops: float) -> list[Candidate]:
+        return [Candidate(n, 8 * GB, gflops=g, role="host" if n == "me" else "worker") for n, g in gflops.items()]
+
+    chain = three_stage_chain(profile, nodes(me=12, w1=10, w2=9), opts)
+    assert [(h.node_id, h.layer_start, h.layer_end) for h in chain] == [("me", 0, 4), ("w2", 4, 5), ("w1", 5, 6)]
+    held: dict[str, set[tuple[int, int]]] = {h.node_id: {(h.layer_start, h.layer_end)} for h in chain[1:]}
+    at_check = nodes(me=12, w1=10, w2=9, w3=13)  # w3 joined, and measured itself fastest
+    spares = spare_ranges(profile, at_check, {}, chain, opts)
+    assert spares == {"w1": (1, 4), "w2": (1, 4), "w3": (1, 6)}  # what the failing run's event showed
+    for node, kept in spares.items():
+        held.setdefault(node, set()).add(kept)
+    assert covered_deaths(profile, at_check, {}, chain, opts, held) == ["w2", "w1"]
+    degraded = plan_options(opts, 2, placing=True, degraded=True)
+    gossip = nodes(me=14, w1=10, w3=13)  # w2 dead; gossip now has the coordinator fastest
+    measured = [Candidate(c.node_id, c.memory_bytes, role=c.role, seconds_per_layer=s)
+                for c, s in zip(gossip, (1e-3, 3e-3, 2e-3), strict=True)]
+    for speeds in (gossip, measured):
+        free = plan(profile, speeds, {}, "me", degraded)
+        assert free.chain == [("me", 0, 4), ("w1", 4, 5), ("w3", 5, 6)] and not inside(free, held)
+        kept = choose_plan(profile, speeds, {}, "me", held, degraded)
+        assert inside(kept, held) and len(kept.stages) == 3, kept
+        assert kept.chain[0][2] >= 3  # still balanced: the fast coordinator keeps the most layers
+    # with nothing on disk the placement takes the free plan (and fetches)
+    assert choose_plan(profile, gossip, {}, "me", {}, degraded) == plan(profile, gossip, {}, "me", degraded)
+
+
+def test_held_plans_respect_memory_and_the_forced_stage_count() -> None:
+    """A held range is no licence to overfill a node, and a chain of the forced length that fits inside
+    the held ranges is the only one taken (none: None, and the rebuild fetches)."""
+    profile = ModelProfile(n_layers=8, layer_bytes=GB, first_bytes=GB // 4, last_bytes=GB // 4, layer_flops=2e8)
+    opts = PlanOptions(stages=3)
+    roomy = [Candidate("me", 2 * GB, gflops=10), Candidate("w1", 64 * GB, gflops=10, role="worker"),
+             Candidate("w2", 64 * GB, gflops=10, role="worker")]
+    kept = plan_held(profile, roomy, {}, "me", {"w1": [(1, 5)], "w2": [(4, 8)]}, opts)
+    assert kept is not None and kept.chain[0] == ("me", 0, 1) and inside(kept, {"w1": [(1, 5)], "w2": [(4, 8)]})
+    assert plan_held(profile, roomy, {}, "me", {"w1": [(1, 3)], "w2": [(4, 8)]}, opts) is None  # layer 3: nobody
+    tight = [roomy[0], Candidate("w1", 2 * GB, gflops=10, role="worker"), roomy[2]]
+    assert plan_held(profile, tight, {}, "me", {"w1": [(1, 5)], "w2": [(5, 8)]}, opts) is None  # w1 holds 1 layer
+    assert plan_held(profile, roomy, {}, "me", {"w1": [(1, 8)]}, opts) is None  # 3 stages need 2 held workers

@@ -80,6 +80,7 @@ def test_a_stream_continues_exactly_on_the_rebuilt_chain(tiny_model: Path, reque
             replay, replayed = events[0][1], events[1][1]
             assert replay["stage"] == 1 and replay["failed_node"] == chain.hops[1].node_id
             assert replayed["stages"] == 2 and CUT <= replayed["tokens"] < 120 and replayed["took_ms"] >= 40
+            assert 0 < replayed["passes"] < replayed["tokens"]  # the failed chain's passes, re-run
             assert (engine.replays, engine.replays_failed) == (1, 0)
         finally:
             await engine.close()
