@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from meshllm.compute import CLOSE_TIMEOUT_S, ComputeTimeout, Priority, Runner
+from meshllm.compute import ComputeTimeout, Priority, Runner
 from meshllm.engine.base import (
     DEFAULT_MAX_TOKENS,
     GRAMMAR,
@@ -297,11 +297,13 @@ class LlamaEngine(Engine):
             runner, self._runner = self._runner, None
         if runner is None:  # never loaded, or closed already
             return
+        shutdown = runner.submit("close", self._shutdown, priority=Priority.PREFILL)
         try:
-            await runner.run("close", False, self._shutdown, priority=Priority.PREFILL, timeout_s=CLOSE_TIMEOUT_S)
-            await runner.aclose()
+            await runner.aclose()  # (after the step in flight)
         except ComputeTimeout as exc:  # a step outlived the deadline: the model is freed when it ends
             log.warning("llama engine %s: %s", self.model_id, exc)
+            return
+        shutdown.result()
 
     def _shutdown(self) -> None:
         """(On the runner.) End every request with an error and free the context and the model."""

@@ -126,11 +126,18 @@ class GgmlEngine(Engine):
         stage, tokenizer = self.stage, self.tokenizer
         self.stage = self.tokenizer = None
         self._vocab = None  # freed once no request's grammar holds it
-        if tokenizer is not None:
-            tokenizer.close()
-        if stage is not None:  # after the step in flight (a request's next step then finds no model)
-            await self._runner.run("close", False, stage.close, priority=Priority.PREFILL)
+
+        def free() -> None:
+            if tokenizer is not None:
+                tokenizer.close()
+            if stage is not None:
+                stage.close()
+
+        # after the step in flight, which may use both (a request's next step then finds no model)
+        closed = self._runner.submit("close", free, priority=Priority.PREFILL) if stage or tokenizer else None
         await self._runner.aclose()
+        if closed is not None:
+            closed.result()
 
     @property
     def context_length(self) -> int:
