@@ -157,18 +157,28 @@ class Runner:
                         self._inline = False
                         self._cond.notify_all()
         future = self.submit(kind, fn, priority=priority)
-        waiter = asyncio.wrap_future(future)
-        waiter.add_done_callback(_retrieve)  # (a caller that left no longer reads its outcome)
-        deadline = self.timeout_s if timeout_s is None else timeout_s
         try:
-            done, _ = await asyncio.wait([waiter], timeout=deadline)
+            return await self.wait(future, kind=kind, timeout_s=timeout_s)
         except asyncio.CancelledError:
             future.cancel()  # skipped if still queued; a running job finishes on the thread
             raise
-        if not done:
+        except ComputeTimeout as exc:
             skipped = future.cancel()
-            raise ComputeTimeout(f"{self.name}: {kind} did not finish within {deadline:g}s"
-                                 + ("" if skipped else " (it is still running)"))
+            raise ComputeTimeout(f"{exc} ({'skipped: it had not started' if skipped else 'it is still running'})") \
+                from None
+
+    async def wait(self, future: Future[T], *, kind: str = "a job", timeout_s: float | None = None) -> T:
+        """The outcome of a job :meth:`submit` queued, waiting at most ``timeout_s`` (default: the runner's).
+
+        Leaving the wait (cancelled, or :class:`ComputeTimeout` at the deadline) leaves the job as it
+        is: queued or running, it still runs (what a free or a close needs).
+        """
+        waiter = asyncio.wrap_future(future)
+        waiter.add_done_callback(_retrieve)  # (a caller that left no longer reads its outcome)
+        deadline = self.timeout_s if timeout_s is None else timeout_s
+        done, _ = await asyncio.wait([waiter], timeout=deadline)
+        if not done:
+            raise ComputeTimeout(f"{self.name}: {kind} did not finish within {deadline:g}s")
         return waiter.result()
 
     def close(self) -> None:

@@ -17,7 +17,7 @@ logprobs (of the raw logits, as the llama.cpp engine reports them).
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import concurrent.futures
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -213,9 +213,17 @@ class GgmlEngine(Engine):
                 delta = text.feed(token, logprob=logprob)
                 if delta is not None:
                     yield delta
-        finally:
+        except BaseException:  # cancelled or failed: freed after a step of it that may still be running
             self._free(session, grammar)
+            raise
+        finally:
             self._rate.observe(text.generated - len(fed), started, time.monotonic())
+        freed = self._free(session, grammar)
+        if freed is not None:  # (freed before the Finish: a request that ended leaves no KV behind)
+            try:
+                await self._runner.wait(freed, kind="freeing a request")
+            except RunnerError as exc:
+                raise EngineError(f"model {self.model_id}: {exc}") from exc
         for event in text.finish():
             yield event
 
@@ -230,9 +238,10 @@ class GgmlEngine(Engine):
         except RunnerError as exc:
             raise EngineError(f"model {self.model_id}: {exc}") from exc
 
-    def _free(self, session: str, grammar: Grammar | None) -> None:
-        """Free ``session``'s KV and its grammar by a job of their own: a step of it may still be running
-        (its caller cancelled), and this runs after it."""
+    def _free(self, session: str, grammar: Grammar | None) -> concurrent.futures.Future[None] | None:
+        """Queue the freeing of ``session``'s KV and its grammar as a job of their own: a step of it may
+        still be running (its caller cancelled), and this runs after it. ``None`` once the engine closed
+        (its stage freed every session; the grammar goes with its object)."""
 
         def free() -> None:
             if self.stage is not None:
@@ -240,9 +249,10 @@ class GgmlEngine(Engine):
             if grammar is not None:
                 grammar.close()
 
-        # (a closed runner: the engine closed, its stage freed every session; the grammar goes with its object)
-        with contextlib.suppress(RunnerClosed):
-            self._runner.submit("free", free)
+        try:
+            return self._runner.submit("free", free)
+        except RunnerClosed:
+            return None
 
     def _grammar(self, text: str, fed: list[int]) -> Grammar:
         """Worker thread: ``text`` compiled over the model's vocabulary, advanced over the continuation."""
