@@ -255,7 +255,7 @@ def test_leaving_a_wait_on_a_submitted_job_does_not_skip_it() -> None:
         waiter.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiter
-        with pytest.raises(ComputeTimeout, match="free did not finish within 0.01s"):
+        with pytest.raises(ComputeTimeout, match=r"free did not finish within 0\.01s"):
             await runner.wait(freed, kind="free", timeout_s=0.01)
         release.set()
         await runner.wait(freed, timeout_s=WAIT_S)
