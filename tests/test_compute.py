@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -25,6 +26,18 @@ def _hold(runner: Runner) -> tuple[threading.Event, threading.Event]:
     runner.submit("hold", hold)
     assert started.wait(WAIT_S)
     return started, release
+
+
+def _held_job(out: list[str], name: str) -> tuple[Callable[[], None], threading.Event, threading.Event]:
+    """A job that sets ``started``, runs until ``release`` is set, then appends ``name`` to ``out``."""
+    started, release = threading.Event(), threading.Event()
+
+    def job() -> None:
+        started.set()
+        release.wait(WAIT_S)
+        out.append(name)
+
+    return job, started, release
 
 
 async def _until(predicate, what: str) -> None:
@@ -76,13 +89,7 @@ def test_a_caller_cancelled_while_its_job_runs_returns_at_once_and_the_job_finis
     async def main() -> list[str]:
         runner = Runner("test-cancel-running")
         events: list[str] = []
-        started, release = threading.Event(), threading.Event()
-
-        def long() -> None:
-            started.set()
-            release.wait(WAIT_S)
-            events.append("long ended")
-
+        long, started, release = _held_job(events, "long ended")
         caller = asyncio.ensure_future(runner.run("long", False, long))
         await _until(started.is_set, "the job to start")
         caller.cancel()
@@ -126,12 +133,7 @@ def test_a_wait_past_its_deadline_raises_skipping_a_queued_job_and_leaving_a_run
         with pytest.raises(ComputeTimeout) as queued:
             await runner.run("queued", False, lambda: ran.append("queued"), timeout_s=0.05)
         release.set()
-        release_running = threading.Event()
-
-        def running() -> None:
-            release_running.wait(WAIT_S)
-            ran.append("running")
-
+        running, _, release_running = _held_job(ran, "running")
         with pytest.raises(ComputeTimeout) as late:
             await runner.run("running", False, running, timeout_s=0.05)
         release_running.set()
@@ -188,13 +190,7 @@ def test_inline_waits_for_a_busy_device() -> None:
         runner = Runner("test-inline-busy", inline_max_s=1.0)
         await runner.run("small", True, lambda: None)  # (timed: the next small one may run inline)
         order: list[str] = []
-        started, release = threading.Event(), threading.Event()
-
-        def big() -> None:
-            started.set()
-            release.wait(WAIT_S)
-            order.append("big")
-
+        big, started, release = _held_job(order, "big")
         task = asyncio.ensure_future(runner.run("big", False, big))
         await _until(started.is_set, "the big job to start")
         small = asyncio.ensure_future(runner.run("small", True, lambda: order.append("small")))
