@@ -42,11 +42,14 @@ class LlamaEmbedder:
         self._llama: Any = None
         """The context, touched only on the runner's thread."""
         self._runner = Runner(f"embed-{model_id}")
+        self._used = False
+        """A request was queued (so the runner's thread started, and a context may be loaded)."""
 
     async def embed(self, request: EmbedRequest) -> Embeddings:
         """The normalised vector of each input, computed on the embedder's thread."""
         if not 1 <= len(request.inputs) <= MAX_INPUTS:
             raise Unsupported(f"embed 1 to {MAX_INPUTS} inputs per request, not {len(request.inputs)}", param="input")
+        self._used = True
         try:
             return await self._runner.run("embed", False, lambda: self._embed_blocking(request))
         except RunnerClosed:
@@ -104,8 +107,9 @@ class LlamaEmbedder:
 
     def close(self) -> None:
         """Free the context (on the runner, after the requests already queued) and end the runner."""
-        with contextlib.suppress(RunnerClosed):  # (closed already)
-            self._runner.submit("close", self._free, priority=Priority.PREFILL)
+        if self._used:  # (else no thread is started for nothing: this may run as the process exits)
+            with contextlib.suppress(RunnerClosed):  # (closed already)
+                self._runner.submit("close", self._free, priority=Priority.PREFILL)
         self._runner.close()
 
     def _free(self) -> None:
