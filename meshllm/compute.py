@@ -1,13 +1,15 @@
-"""The compute runner: one worker thread per device, where every native step of that device runs.
+"""The compute runner: one worker thread per device state, where every native step on it runs.
 
 llama.cpp and ggml calls take milliseconds to seconds and must not run on the event loop (lanes,
 probes and the API would stall), and two calls must never touch one device's state at once (a KV
 cache trimmed under a forward, a model freed under a step). A :class:`Runner` gives both: it owns
 one thread, jobs wait in one queue, and the thread runs them one at a time. The whole-model engines
-(:mod:`meshllm.engine.llama`, :mod:`meshllm.engine.ggml.engine`) and a node's split stages
-(:mod:`meshllm.split.stage`, its local coordinators) run their forwards, KV edits and frees through
-one. Host work that touches no device state (loading, tokenizing, compiling a grammar) stays in
-asyncio's default executor.
+(:mod:`meshllm.engine.llama`, :mod:`meshllm.engine.ggml.engine`, the embedder of
+:mod:`meshllm.engine.embed`) and a node's split stages (:mod:`meshllm.split.stage`, with its local
+coordinators) run their forwards, KV edits and frees through one: the node's stages share one, each
+engine owns one (two served models compute side by side, as they did with a thread each). Host work
+that touches no device state (loading, tokenizing, compiling a grammar) stays in asyncio's default
+executor.
 
 **Order.** Jobs run by priority, then in the order they were submitted: a decode step
 (:attr:`Priority.DECODE`, a token someone is waiting for) goes before prompt chunks and frees
@@ -18,7 +20,8 @@ prefill chunks.
 takes its job out of the queue if it has not started (it is skipped, its native state untouched), and
 otherwise returns at once while the job finishes on the thread; the next job starts only after it.
 So a caller that frees what its job used (a session's KV, a grammar) submits the free as a job of its
-own, which runs after the step in flight.
+own, which runs after the step in flight (:meth:`Runner.submit`, then :meth:`Runner.wait` if it must
+know: leaving that wait never skips the job).
 
 **Deadlines.** Every wait has one (:data:`DEFAULT_TIMEOUT_S` unless the caller gives its own): a job
 still queued at its deadline is skipped, one still running is left to finish, and the caller gets
