@@ -3,7 +3,7 @@
 Every stage runs on its own QUIC endpoint on 127.0.0.1 in this process (one event loop; the ggml stage
 runtime computes, one thread per stage), so the figures are protocol + loopback costs on top of the same
 compute. Measured side by side in one run: decode time per token (greedy; prefill excluded) for solo (the
-whole model as one stage, stepped through ``asyncio.to_thread`` like the ggml engine) and for chains with
+whole model as one stage, stepped on a compute runner like the ggml engine) and for chains with
 even layer splits;
 the per-hop overhead ``P = (t_S - t_solo) / (S - 1)``; wire bytes of one Decode frame per dtype; and the
 planner's prediction for the same stage count, fed the measured solo speed and the loopback RTT.
@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from nodes import NodeProcess, running_nodes
 from tinymodels import write_tiny_llama
 
+from meshllm.compute import Runner
 from meshllm.engine.ggml import StageModel
 from meshllm.models.bulk import BulkServer
 from meshllm.net import Endpoint, EndpointOptions
@@ -69,16 +70,18 @@ def _load(path: Path, start: int = 0, end: int | None = None, context: int = 102
 
 
 async def solo(path: Path, tokens: int) -> float:
-    stage = _load(path)
+    stage, runner = _load(path), Runner("bench-solo")
     try:
-        x = await asyncio.to_thread(stage.forward, "s", np.asarray(PROMPT), 0, last_only=True)
+        x = await runner.run("prefill", False, lambda: stage.forward("s", np.asarray(PROMPT), 0, last_only=True))
         token, stamps = int(x[-1].argmax()), []
         for i in range(tokens):
-            x = await asyncio.to_thread(stage.forward, "s", np.asarray([token]), len(PROMPT) + i, last_only=True)
+            x = await runner.run("decode", False, lambda i=i, token=token: stage.forward(
+                "s", np.asarray([token]), len(PROMPT) + i, last_only=True))
             token = int(x[-1].argmax())
             stamps.append(time.perf_counter())
         return _per_token(stamps)
     finally:
+        await runner.aclose()
         stage.close()
 
 

@@ -2,14 +2,17 @@
 
 asyncio keeps only weak references to running tasks, so a task nobody holds can be garbage-collected
 before it ends. :class:`Scope` gives a component one task group for all the work it fires off (the
-split components use it); :func:`spawn` keeps a task in a set of the caller's own until it ends.
+split components use it); :func:`task_group` is the group of one call (an API request's choices, a
+request and the watcher of its caller), whose tasks end before the call returns; :func:`spawn` keeps
+a task in a set of the caller's own until it ends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -22,6 +25,22 @@ def spawn(tasks: set[asyncio.Task[Any]], work: Coroutine[Any, Any, T], name: str
     tasks.add(task)
     task.add_done_callback(tasks.discard)
     return task
+
+
+@contextlib.asynccontextmanager
+async def task_group() -> AsyncIterator[asyncio.TaskGroup]:
+    """An :class:`asyncio.TaskGroup` for the tasks of one call, raising a failure as itself.
+
+    Every task the call starts is made in the group, so it is cancelled with the call (a failure of one
+    cancels the others) and has ended when the block is left. Where the group would raise an
+    :class:`ExceptionGroup`, this raises its first exception: callers (the API's error handlers) map one
+    error to one answer. The caller's own cancellation is never swallowed.
+    """
+    try:
+        async with asyncio.TaskGroup() as group:
+            yield group
+    except BaseExceptionGroup as errors:
+        raise errors.exceptions[0] from None
 
 
 class Scope:

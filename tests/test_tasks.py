@@ -1,11 +1,11 @@
-"""``spawn``: a background task is held until it is done, then dropped, and its result is its own."""
+"""``spawn``, ``Scope`` and ``task_group``: every task is owned, ends with its owner, and its errors are not lost."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
 
-from meshllm.tasks import Scope, spawn
+from meshllm.tasks import Scope, spawn, task_group
 
 
 def test_a_spawned_task_is_held_until_done_then_dropped() -> None:
@@ -96,3 +96,67 @@ def test_closing_a_scope_cancels_its_work_and_waits_and_an_idle_scope_holds_no_t
         assert late.cr_frame is None  # (closed, never run)
 
     asyncio.run(main())
+
+
+def test_a_task_group_raises_the_first_failure_itself_after_cancelling_the_others() -> None:
+    async def main() -> tuple[Exception, bool]:
+        sibling_ended = asyncio.Event()
+
+        async def sibling() -> None:
+            try:
+                await asyncio.Event().wait()
+            finally:
+                sibling_ended.set()
+
+        async def fail() -> None:
+            raise ValueError("one choice failed")
+
+        try:
+            async with task_group() as group:
+                group.create_task(sibling())
+                group.create_task(fail())
+        except ValueError as exc:  # (not an ExceptionGroup: the API maps one error to one status)
+            return exc, sibling_ended.is_set()
+        raise AssertionError("the failure was lost")
+
+    exc, ended = asyncio.run(main())
+    assert str(exc) == "one choice failed" and ended  # the sibling had ended when the error came out
+
+
+def test_cancelling_a_task_groups_caller_cancels_its_tasks_and_is_not_swallowed() -> None:
+    async def main() -> tuple[bool, bool]:
+        child_cancelled = asyncio.Event()
+        entered = asyncio.Event()
+
+        async def child() -> None:
+            try:
+                entered.set()
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                child_cancelled.set()
+                raise
+
+        async def caller() -> None:
+            async with task_group() as group:
+                group.create_task(child())
+
+        task = asyncio.ensure_future(caller())
+        await asyncio.wait_for(entered.wait(), 10.0)
+        task.cancel()
+        await asyncio.wait([task], timeout=10.0)
+        return task.cancelled(), child_cancelled.is_set()
+
+    assert asyncio.run(main()) == (True, True)
+
+
+def test_a_task_group_waits_for_every_task_before_it_is_left() -> None:
+    async def main() -> list[int]:
+        async def square(n: int) -> int:
+            await asyncio.sleep(0)
+            return n * n
+
+        async with task_group() as group:
+            tasks = [group.create_task(square(n)) for n in range(4)]
+        return [t.result() for t in tasks]
+
+    assert asyncio.run(main()) == [0, 1, 4, 9]

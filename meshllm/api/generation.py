@@ -18,9 +18,8 @@ client that has left.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -35,6 +34,7 @@ from meshllm.api.tools import CallOut, ParsedCall, TextOut, ToolSpec
 from meshllm.engine.base import Finish, GenerationEvent, GenerationRequest, TextDelta, TokenLogprob, Usage
 from meshllm.runtime.backend import Backend
 from meshllm.runtime.errors import ApiError, UnknownModel, UpstreamError
+from meshllm.tasks import Scope, task_group
 
 T = TypeVar("T")
 
@@ -167,16 +167,14 @@ def route_auto(backend: Backend, requests: list[GenerationRequest],
 
 
 async def _start_all(backend: Backend, admission: Admission, requests: Sequence[GenerationRequest]) -> list[Generation]:
-    tasks = [asyncio.ensure_future(start(backend, admission, r)) for r in requests]
+    tasks: list[asyncio.Task[Generation]] = []
     try:
-        await asyncio.gather(*tasks)
-    except BaseException:
+        async with task_group() as group:
+            tasks += [group.create_task(start(backend, admission, r)) for r in requests]
+    except BaseException:  # one failed or the caller left: the others were cancelled; those that started stop
         for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(BaseException):
-                gen = await task
-                await gen.close()
+            if task.done() and not task.cancelled() and task.exception() is None:
+                await task.result().close()
         raise
     return [task.result() for task in tasks]
 
@@ -281,8 +279,10 @@ async def collect(pieces: AsyncIterator[ReplyEvent]) -> Collected:
 
 
 async def collect_all(generations: Sequence[Generation], tools: ToolSpec) -> list[Collected]:
-    """Every choice's whole reply, generated concurrently."""
-    return list(await asyncio.gather(*(collect(reply(g, tools)) for g in generations)))
+    """Every choice's whole reply, generated concurrently (one failing stops the others)."""
+    async with task_group() as group:
+        tasks = [group.create_task(collect(reply(g, tools))) for g in generations]
+    return [task.result() for task in tasks]
 
 
 async def merged(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
@@ -302,9 +302,11 @@ async def merged(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int
         finally:
             await queue.put(None)
 
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    pumps = Scope("merged choices")  # (a scope, not a task group in this generator: a group must not span a yield)
+    for i, s in enumerate(streams):
+        pumps.spawn(pump(i, s))
     try:
-        running = len(tasks)
+        running = len(streams)
         while running:
             got = await queue.get()
             if got is None:
@@ -315,11 +317,7 @@ async def merged(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int
                 raise item
             yield i, item  # type: ignore[misc]
     finally:
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await pumps.aclose()
 
 
 def usage_total(usages: Sequence[Usage], prompts: int = 1) -> Usage:
@@ -344,18 +342,14 @@ async def _wait_disconnect(http: Request) -> None:
         pass
 
 
-async def unless_disconnected(http: Request, work: Awaitable[T]) -> T | None:
+async def unless_disconnected(http: Request, work: Coroutine[Any, Any, T]) -> T | None:
     """``work``'s result, or ``None`` if the client disconnected first (``work`` is then cancelled)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(http))
-    try:
+    async with task_group() as group:
+        task = group.create_task(work)
+        watcher = group.create_task(_wait_disconnect(http))
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in (watcher, task):
-            if not t.done():
-                t.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await t
+        task.cancel()  # (nothing if it is done: else the client left first)
+        watcher.cancel()
     if task.cancelled():
         return None
     return task.result()

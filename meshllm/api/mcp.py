@@ -17,7 +17,6 @@ imports a node would otherwise pay at every start: time to serve counts it, issu
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -27,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
-from meshllm import __version__
+from meshllm import __version__, tasks
 from meshllm.api.auth import check_admin
 from meshllm.api.blackboard import Board, query_from
 from meshllm.api.generation import collect, reply, route_auto, start
@@ -140,7 +139,9 @@ class McpEndpoint:
         self._build = build
         self.manager: StreamableHTTPSessionManager | None = None
         self._starting = asyncio.Lock()
-        self._task: asyncio.Task[None] | None = None
+        self._scope = tasks.Scope("mcp")
+        """Holds the SDK's task group while it runs."""
+        self._served: asyncio.Future[None] | None = None
         self._stopping = asyncio.Event()
 
     def mount(self, app: FastAPI) -> None:
@@ -165,15 +166,16 @@ class McpEndpoint:
                 running.set()
                 await self._stopping.wait()
 
-        self._task = asyncio.create_task(serve(), name="mcp")
+        self._served = self._scope.spawn(serve())
         await asyncio.wait_for(running.wait(), timeout=10.0)
         return manager
 
     async def stop(self) -> None:
-        if self._task is not None:
+        """Let the SDK's task group end (3 s at most, then it is cancelled)."""
+        if self._served is not None:
             self._stopping.set()
-            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-                await asyncio.wait_for(self._task, timeout=3.0)
+            await asyncio.wait([self._served], timeout=3.0)
+        await self._scope.aclose()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:

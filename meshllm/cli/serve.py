@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 from pathlib import Path
@@ -21,6 +20,7 @@ from meshllm.errors import ConfigError, DecodeError
 from meshllm.events import EventHub
 from meshllm.mesh.admission import MESH_PASSPHRASE_ENV, MeshKey, is_mesh_id
 from meshllm.runtime.replay import DEFAULT_MAX_REPLAYS
+from meshllm.tasks import task_group
 from meshllm.wire.addr import parse_addr
 
 
@@ -282,21 +282,21 @@ async def _serve(node: Any, log_format: str) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    starting = asyncio.create_task(node.start())
-    stopped = asyncio.create_task(stop.wait())
     try:
-        await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        if starting.done():
-            starting.result()  # a start failure propagates as a one-line error
-            if log_format == "pretty":
-                _print_ready(node)
+        async with task_group() as group:
+            starting = group.create_task(node.start())  # (a start failure propagates as a one-line error)
+            stopped = group.create_task(stop.wait())
+            await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if starting.done():
+                if log_format == "pretty":
+                    _print_ready(node)
+            else:
+                starting.cancel()
             await stopped
-        else:
-            starting.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await starting
+    except Exception:
+        if not stop.is_set():  # (a start cut short by the signal may end in any error: the node stops anyway)
+            raise
     finally:
-        stopped.cancel()
         await node.stop()
 
 

@@ -4,9 +4,9 @@ A generation context computes logits, not pooled states, and holds the slots of 
 requests; embeddings need ``embeddings=True`` and a batch that holds a whole input (pooling is
 over all of its tokens). So a llama.cpp model that is asked to embed loads a second context over
 the same GGUF (the weights are memory-mapped, so the pages are shared) on the first embeddings
-request, with its own worker thread, and keeps it. Pooling is the model's own when its GGUF
-declares one (an embedding model), else the mean over the input's tokens; vectors are
-L2-normalised, as OpenAI's are.
+request, with its own compute runner (:class:`~meshllm.compute.Runner`), and keeps it. Pooling
+is the model's own when its GGUF declares one (an embedding model), else the mean over the input's
+tokens; vectors are L2-normalised, as OpenAI's are.
 
 :func:`embed` is the one entry point; engines other than llama.cpp (the numpy runtime, split
 chains) cannot embed, which is a 400 naming ``model``.
@@ -14,16 +14,15 @@ chains) cannot embed, which is a 400 naming ``model``.
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import math
-import threading
 import weakref
 from array import array
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from meshllm.compute import Priority, Runner, RunnerClosed
 from meshllm.engine.base import Embeddings, EmbedRequest, Engine, EngineError, PromptTooLong, Unsupported
 
 MAX_INPUTS = 128
@@ -41,14 +40,20 @@ class LlamaEmbedder:
         self._pooling = pooling
         self._threads = threads
         self._llama: Any = None
-        self._lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"embed-{model_id}")
+        """The context, touched only on the runner's thread."""
+        self._runner = Runner(f"embed-{model_id}")
+        self._used = False
+        """A request was queued (so the runner's thread started, and a context may be loaded)."""
 
     async def embed(self, request: EmbedRequest) -> Embeddings:
         """The normalised vector of each input, computed on the embedder's thread."""
         if not 1 <= len(request.inputs) <= MAX_INPUTS:
             raise Unsupported(f"embed 1 to {MAX_INPUTS} inputs per request, not {len(request.inputs)}", param="input")
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._embed_blocking, request)
+        self._used = True
+        try:
+            return await self._runner.run("embed", False, lambda: self._embed_blocking(request))
+        except RunnerClosed:
+            raise EngineError(f"model {self.model_id} is shutting down") from None
 
     def _load(self) -> Any:
         import llama_cpp
@@ -84,30 +89,33 @@ class LlamaEmbedder:
     def _embed_blocking(self, request: EmbedRequest) -> Embeddings:
         import llama_cpp
 
-        with self._lock:
-            llama = self._load()
-            batches = [self._tokens(llama, item, i) for i, item in enumerate(request.inputs)]
-            width = llama.n_embd()
-            vectors = []
-            for tokens in batches:
-                llama._ctx.kv_cache_clear()
-                llama._batch.reset()
-                llama._batch.add_sequence(tokens, 0, True)
-                llama._ctx.decode(llama._batch)
-                pooled = llama_cpp.llama_get_embeddings_seq(llama._ctx.ctx, 0)
-                values = [float(pooled[i]) for i in range(width)]
-                norm = math.sqrt(sum(v * v for v in values)) or 1.0
-                vectors.append(array("f", (v / norm for v in values)).tobytes())
+        llama = self._load()
+        batches = [self._tokens(llama, item, i) for i, item in enumerate(request.inputs)]
+        width = llama.n_embd()
+        vectors = []
+        for tokens in batches:
+            llama._ctx.kv_cache_clear()
             llama._batch.reset()
-            return Embeddings(vectors=tuple(vectors), prompt_tokens=sum(len(t) for t in batches))
+            llama._batch.add_sequence(tokens, 0, True)
+            llama._ctx.decode(llama._batch)
+            pooled = llama_cpp.llama_get_embeddings_seq(llama._ctx.ctx, 0)
+            values = [float(pooled[i]) for i in range(width)]
+            norm = math.sqrt(sum(v * v for v in values)) or 1.0
+            vectors.append(array("f", (v / norm for v in values)).tobytes())
+        llama._batch.reset()
+        return Embeddings(vectors=tuple(vectors), prompt_tokens=sum(len(t) for t in batches))
 
     def close(self) -> None:
-        """Free the context (after the current request)."""
-        self._executor.shutdown(wait=True)
-        with self._lock:
-            if self._llama is not None:
-                self._llama.close()
-                self._llama = None
+        """Free the context (on the runner, after the requests already queued) and end the runner."""
+        if self._used:  # (else no thread is started for nothing: this may run as the process exits)
+            with contextlib.suppress(RunnerClosed):  # (closed already)
+                self._runner.submit("close", self._free, priority=Priority.PREFILL)
+        self._runner.close()
+
+    def _free(self) -> None:
+        if self._llama is not None:
+            self._llama.close()
+            self._llama = None
 
 
 _EMBEDDERS: weakref.WeakKeyDictionary[Engine, LlamaEmbedder] = weakref.WeakKeyDictionary()

@@ -1,13 +1,15 @@
 """LlamaEngine: one llama.cpp context, ``--parallel`` slots, one batch per step (continuous batching).
 
-Requests wait in a fair queue for a slot (a sequence of the context with its own KV). One worker
-thread runs the steps the sans-IO :class:`~meshllm.engine.slots.Scheduler` plans: one decode
-batch holding every generating slot's next token, then prefill chunks of new prompts (at most one
-chunk's worth of tokens per step, so a long prompt never stalls the others for longer than that).
+Requests wait in a fair queue for a slot (a sequence of the context with its own KV). The engine's
+compute runner (:class:`~meshllm.compute.Runner`, one thread) runs the steps the sans-IO
+:class:`~meshllm.engine.slots.Scheduler` plans, one job per step, each queueing the next while there
+is work: one decode batch holding every generating slot's next token, then prefill chunks of new
+prompts (at most one chunk's worth of tokens per step, so a long prompt never stalls the others for
+longer than that).
 Each slot samples with its own llama.cpp sampler chain and grammar
 (:mod:`meshllm.engine.llama_sampling`) and turns tokens into text with the shared
 :class:`~meshllm.engine.text.TextStream`. The event loop never blocks: tokenizing runs in a thread,
-and events cross from the worker to the loop with ``call_soon_threadsafe``.
+and events cross from the runner's thread to the loop with ``call_soon_threadsafe``.
 
 **Same request, same answer.** A request's output does not depend on what the engine ran before:
 prompts are prefilled on a fixed chunk grid and a slot's cached prompt is lent only in whole grid
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import logging
 import statistics
@@ -54,6 +57,7 @@ from typing import Any
 
 import numpy as np
 
+from meshllm.compute import ComputeTimeout, Priority, Runner
 from meshllm.engine.base import (
     DEFAULT_MAX_TOKENS,
     GRAMMAR,
@@ -103,6 +107,8 @@ PREFILL_CHUNK = 64
 """Tokens per prefill chunk: the grid prompts are prefilled on, and the prefill work per step."""
 WINDOW = 8
 """Most drafts one slot verifies in a step (its window is one row more; :func:`probe_windows` checks that size)."""
+EMPTY_STEP_RETRY_S = 0.05
+"""When a step has nothing to run but requests wait (for a slot to free), when to plan again."""
 
 
 @dataclass
@@ -224,10 +230,14 @@ class LlamaEngine(Engine):
         self._render: ChatTemplate | None = None
         self._sched: Scheduler[_Job] | None = None
         self._n_ctx_seq = 0
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()
+        """Guards the scheduler and the requests' bookkeeping: the loop queues and cancels while a step runs."""
         self._cancels: list[_Job] = []
         self._closed = False
-        self._thread: threading.Thread | None = None
+        self._runner: Runner | None = None
+        """Where the steps run (made at load)."""
+        self._stepping = False
+        """A step job is queued or running (at most one: each queues the next while there is work)."""
         self._rate = TokenRate()
         self._mean_request_s = 1.0
         self._costs = CallCosts()
@@ -274,20 +284,32 @@ class LlamaEngine(Engine):
         for rows, seconds in probe.call_s.items():  # the window pricing starts from the probe's timings
             self._costs.observe(rows, seconds)
         self._sched = Scheduler(parallel, chunk=self.prefill_chunk, max_queue=self.max_queue, reuse=not model.recurrent)
-        self._thread = threading.Thread(target=self._worker, name=f"llama-{self.model_id}", daemon=True)
-        self._thread.start()
+        self._runner = Runner(f"llama-{self.model_id}")
 
     @property
     def native_tools(self) -> bool:
         return self._render is not None and self._render.knows_tools
 
     async def close(self) -> None:
-        """Refuse new work, end what is running with an error, free the model."""
-        with self._cond:
+        """Refuse new work, end what is running with an error, free the model (after the step in flight)."""
+        with self._lock:
             self._closed = True
-            self._cond.notify_all()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 30.0)
+            runner, self._runner = self._runner, None
+        if runner is None:  # never loaded, or closed already
+            return
+        shutdown = runner.submit("close", self._shutdown, priority=Priority.PREFILL)
+        try:
+            await runner.aclose()  # (after the step in flight)
+        except ComputeTimeout as exc:  # a step outlived the deadline: the model is freed when it ends
+            log.warning("llama engine %s: %s", self.model_id, exc)
+            return
+        shutdown.result()
+
+    def _shutdown(self) -> None:
+        """(On the runner.) End every request with an error and free the context and the model."""
+        with self._lock:
+            if self._sched is not None:
+                self._end_all(EngineNotLoaded(f"model {self.model_id} is shutting down"))
         if self._ctx is not None:
             self._ctx.close()
             self._ctx = None
@@ -304,7 +326,7 @@ class LlamaEngine(Engine):
 
     def load_report(self) -> LoadReport:
         """Running/queued counts, slots and recent decode speed."""
-        with self._cond:
+        with self._lock:
             running = self._sched.running if self._sched else 0
             queued = self._sched.queued if self._sched else 0
         return LoadReport(running=running, slots=self.parallel or 1, queued=queued, max_queue=self.max_queue,
@@ -419,13 +441,13 @@ class LlamaEngine(Engine):
                     return
         finally:
             if not finished:
-                with self._cond:
+                with self._lock:
                     job.cancelled = True
                     self._cancels.append(job)
-                    self._cond.notify_all()
+                    self._kick()
 
     def _submit(self, job: _Job) -> None:
-        with self._cond:
+        with self._lock:
             if self._closed or self._sched is None:
                 job.sampler.close()
                 raise EngineNotLoaded(f"model {self.model_id} is shutting down")
@@ -442,40 +464,55 @@ class LlamaEngine(Engine):
                 other.sampler.close()
                 other.emit(EngineBusy(f"model {self.model_id}: the queue is full and this client holds more "
                                       "than its share", retry_after_s=self._retry_after()))
-            self._cond.notify_all()
+            self._kick()
 
     def _retry_after(self) -> float:
         """Seconds until a slot is likely free: the queue ahead, served ``parallel`` at a time."""
         queued = self._sched.queued if self._sched else 0
         return float(min(60.0, max(1.0, self._mean_request_s * (queued + 1) / max(1, self.parallel))))
 
-    # ---- the worker ------------------------------------------------------------------------
+    # ---- the steps -------------------------------------------------------------------------
 
-    def _worker(self) -> None:
-        """Plan and run steps until closed; every failure reaches the requests it concerns."""
+    def _kick(self) -> None:
+        """(Lock held.) Queue a step on the runner when there is work and none is queued."""
         assert self._sched is not None
-        sched = self._sched
-        while True:
-            with self._cond:
-                while not self._closed and not self._cancels and sched.idle:
-                    self._cond.wait()
-                if self._closed:
-                    break
-                try:
-                    step = self._next_step()
-                except Exception as exc:  # a bug: nothing can be trusted, every request ends with it
-                    log.exception("llama engine %s: scheduling failed", self.model_id)
-                    self._end_all(EngineError(f"generation failed: {exc}"))
-                    continue
-                if step.empty:
-                    self._cond.wait(0.05)  # only waiting requests that expire later
-                    continue
+        if self._stepping or self._closed or self._runner is None or (not self._cancels and self._sched.idle):
+            return
+        self._stepping = True
+        self._runner.submit("step", self._step).add_done_callback(self._step_ended)
+
+    def _kick_later(self) -> None:
+        with self._lock:
+            self._kick()
+
+    def _step(self) -> None:
+        """(On the runner.) Plan and run one step, then queue the next; every failure reaches the
+        requests it concerns."""
+        assert self._sched is not None
+        with self._lock:
+            self._stepping = False
+            if self._closed:
+                return
             try:
-                self._run(step)
-            except Exception as exc:  # a bug or a native failure: fail what the step touched, carry on
-                self._fail_step(step, exc)
-        with self._cond:
-            self._end_all(EngineNotLoaded(f"model {self.model_id} is shutting down"))
+                step = self._next_step()
+            except Exception as exc:  # a bug: nothing can be trusted, every request ends with it
+                log.exception("llama engine %s: scheduling failed", self.model_id)
+                self._end_all(EngineError(f"generation failed: {exc}"))
+                return
+            if step.empty:  # only waiting requests that expire later: look again shortly
+                if not self._sched.idle:
+                    threading.Timer(EMPTY_STEP_RETRY_S, self._kick_later).start()
+                return
+        try:
+            self._run(step)
+        except Exception as exc:  # a bug or a native failure: fail what the step touched, carry on
+            self._fail_step(step, exc)
+        with self._lock:
+            self._kick()
+
+    def _step_ended(self, done: concurrent.futures.Future[None]) -> None:
+        if not done.cancelled() and (exc := done.exception()) is not None:  # a bug in the failure paths
+            log.error("llama engine %s: a step failed", self.model_id, exc_info=exc)
 
     def _next_step(self) -> Step[_Job]:
         """(Lock held.) Cancellations and expired waits first, then the plan."""
@@ -673,7 +710,7 @@ class LlamaEngine(Engine):
                 self._ctx.trim(pad[2], pad[1])
         self.stats.prefill_chunks += 1
         assert self._sched is not None
-        with self._cond:
+        with self._lock:
             self._sched.prefilled(chunk)
         if chunk.last:
             self._after_logits(chunk.slot, [self._ctx.logits(n - 1)])
@@ -701,11 +738,11 @@ class LlamaEngine(Engine):
             if row is not None:
                 if draft:
                     self._ctx.trim(index, row.pos + 1)
-                with self._cond:
+                with self._lock:
                     self._sched.decoded(index)
             return
         if job.forced:  # a continuation token: decoded as the first engine decoded it, not sampled
-            with self._cond:
+            with self._lock:
                 if row is not None:
                     self._sched.decoded(index)
                 self._sched.sampled(index, job.forced.popleft())
@@ -742,7 +779,7 @@ class LlamaEngine(Engine):
                 job.drafter.extend(out)
             if row is not None:  # a decode pass (a prefill's first token is not one)
                 self.spec.observe(len(draft), kept, fed)
-            with self._cond:
+            with self._lock:
                 if row is not None:
                     self._sched.decoded(index, out[:kept])
                 if not job.text.done:
@@ -750,12 +787,12 @@ class LlamaEngine(Engine):
                     return
             for event in job.text.finish():
                 job.emit(event)
-            with self._cond:
+            with self._lock:
                 self.stats.completed += 1
                 self._end(job, index)
         except Exception as exc:
             job.emit(exc if isinstance(exc, EngineError) else EngineError(f"generation failed: {exc}"))
-            with self._cond:
+            with self._lock:
                 self._end(job, index)
 
     def _end(self, job: _Job, index: int) -> None:
@@ -779,7 +816,7 @@ class LlamaEngine(Engine):
         error = exc if isinstance(exc, EngineError) else EngineError(f"generation failed: {exc}")
         assert self._sched is not None
         touched = {a.slot for a in step.assigned} | {r.slot for r in step.decode} | {c.slot for c in step.prefill}
-        with self._cond:
+        with self._lock:
             for index in sorted(touched):
                 job = self._sched.slots[index].job
                 self._sched.forget(index)

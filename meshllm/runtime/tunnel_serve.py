@@ -25,6 +25,7 @@ from meshllm.net.streams import Stream
 from meshllm.runtime.counters import RequestCounters
 from meshllm.runtime.errors import NoCapacity, UpstreamTimeout
 from meshllm.runtime.tunnel import CallerFrame, ModelMismatch, Routable, TunnelEvent, TunnelServer
+from meshllm.tasks import task_group
 
 log = logging.getLogger(__name__)
 
@@ -92,16 +93,14 @@ class TunnelService:
             return
         self.counters.served_for_peers += 1
         try:
-            work = asyncio.create_task(self._generate(engine, request, stream, server,
-                                                      server.request.deadline_ms / 1000))
-            watch = asyncio.create_task(self._watch(stream, server))
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if not work.done() and not server.done:
-                work.cancel()  # the caller left first: the engine stops between two tokens
-            watch.cancel()
-            for task in (work, watch):
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            async with task_group() as group:
+                work = group.create_task(self._generate(engine, request, stream, server,
+                                                        server.request.deadline_ms / 1000))
+                watch = group.create_task(self._watch(stream, server))
+                await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+                if not work.done() and not server.done:
+                    work.cancel()  # the caller left first: the engine stops between two tokens
+                watch.cancel()
         finally:
             self.slots.give_back()
         log.debug("served a %s request for %s (cancelled: %s)", request.model, short(conn.node_id or "?"),

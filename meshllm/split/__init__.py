@@ -4,10 +4,10 @@
 * :mod:`.frames` and :mod:`.codec` are the stage-lane protocol and activation codecs;
 * :mod:`.lanes` decodes a lane's frames and probes it, drives its stream, and pools lanes;
 * :mod:`.stage_core` (sans-IO) is the stage side of the protocol, with the node's one session table;
-* :mod:`.stage` drives it: serves a node's stages (and routes replies to its coordinators);
+* :mod:`.stage` drives it: serves a node's stages (and routes replies to its coordinators), computing
+  on the node's :class:`~meshllm.compute.Runner`;
 * :mod:`.coordinator_core` (sans-IO) is the pass schedule, the deadlines and the release order;
 * :mod:`.coordinator` drives it: runs a split request from the first stage and streams its tokens;
-* :mod:`.compute` runs a stage's forward inline when tiny, else in a thread;
 * :mod:`.engine` serves a split model behind the :class:`~meshllm.engine.base.Engine` interface;
 * :mod:`.control` is the ``stage-control`` protocol (a coordinator asks a worker to host a range);
 * :mod:`.placement` plans from gossip, has workers host, and replans on failure;

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from meshllm.compute import Priority
 from meshllm.engine.base import InvalidRequest
 from meshllm.engine.ggml import StageModel
 from meshllm.engine.speculate import Acceptance, ChainCosts, NgramDrafter, SpecStats, SpeculateMode, WindowPolicy
@@ -423,7 +424,7 @@ class _Run:
             out = first.forward(session, tokens, pos)
             return out, time.perf_counter() - started
 
-        return await self.c._compute.run("first", len(ids) == 1, compute)
+        return await self.c._compute.run("first", len(ids) == 1, compute, priority=Priority.PREFILL)
 
     async def _send(self, frame: Step) -> None:
         assert self.lane is not None

@@ -9,8 +9,9 @@ a KV reset, a last stage's sampler) and hands their outcomes back. Every node ru
 coordinator's replies (Tokens, Errors) arrive on it too and are handed to the sinks registered with
 :meth:`StageServer.route_replies`.
 
-**Compute.** Forwards go through the node's one compute runner (:class:`~meshllm.split.compute.Compute`),
-off the loop when they are not tiny, so a lane's reader answers Pings at once however much work is
+**Compute.** Forwards, KV resets and frees go through the node's one compute runner
+(:class:`~meshllm.compute.Runner`, shared with local coordinators), off the loop when they are not tiny,
+decode passes before prompt chunks, so a lane's reader answers Pings at once however much work is
 queued. A decode pass of one session (:class:`~meshllm.split.frames.Decode`, or a
 :class:`~meshllm.split.frames.Verify` window) or of several (:class:`~meshllm.split.frames.Batch`)
 runs as rounds: round ``r`` is one forward over position ``r`` of every session still in the pass,
@@ -43,6 +44,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from meshllm.compute import INLINE_MAX_S, Priority, Runner, RunnerClosed
 from meshllm.engine.base import InvalidRequest
 from meshllm.engine.constrained import Grammar, Vocab
 from meshllm.engine.gbnf import check_grammar
@@ -52,7 +54,6 @@ from meshllm.errors import MeshllmError
 from meshllm.net import Endpoint, NetError, PeerConnection, PeerEvent, PeerEventKind, Stream, StreamClosed
 from meshllm.split import codec
 from meshllm.split.audit import Recorder
-from meshllm.split.compute import Compute
 from meshllm.split.errors import BadFrame
 from meshllm.split.frames import (
     BAD_REQUEST,
@@ -144,7 +145,7 @@ class StageServer:
         """Readers of lanes whose backlog is full wait on these."""
         self._replies: dict[str, ReplySink] = {}
         self._vocab_loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage-vocab")
-        self.compute = Compute()
+        self.compute = Runner(f"stage-compute-{endpoint.node_id[:8]}", inline_max_s=INLINE_MAX_S)
         """The node's one compute runner (local coordinators use it too): steps never overlap."""
         self.recorder: Recorder | None = None
         """What this node's stages received and produced per session, for coordinators' audits (workers)."""
@@ -185,13 +186,13 @@ class StageServer:
             self._free(old.stage)
 
     def _free(self, stage: StageModel) -> None:
-        """Close a stage off the loop (it waits for a step in flight, then frees weights and caches).
+        """Close a stage on the compute runner, after the steps queued before (then frees weights and caches).
 
         Sessions still open on it fail at their next step with an Error naming this stage.
         """
         try:
-            asyncio.get_running_loop().run_in_executor(None, stage.close)
-        except RuntimeError:  # no loop (tests, shutdown): close here
+            self.compute.submit("free", stage.close, priority=Priority.PREFILL)
+        except RunnerClosed:  # (shutting down: close here)
             stage.close()
 
     @property
@@ -223,6 +224,7 @@ class StageServer:
         for lane in list(self._lanes.values()):
             lane.close("stage server closing")
         self._scope.close()
+        self.compute.close()  # (its thread ends after the jobs already queued)
         for action in forgotten:
             if isinstance(action, Forget):
                 action.hosted.stage.reset(action.session)
@@ -389,7 +391,7 @@ class StageServer:
                 return StepOut(length, took, tokens=tokens, record=(x, [t for t, _ in tokens]))
             return StepOut(length, took, codec.encode(out, frame.dtype), out.shape, record=(x, out))
 
-        return await self.compute.run(session.open.model, frame.n_tokens == 1, compute)
+        return await self.compute.run(session.open.model, frame.n_tokens == 1, compute, priority=Priority.PREFILL)
 
     async def _pass(self, job: RunPass) -> PassOut:
         """One decode pass of one or more sessions (a :class:`Decode`/:class:`Verify`, or a :class:`Batch`).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 
@@ -93,14 +94,16 @@ def test_stall_is_diagnosed_by_position(tiny_model: Path) -> None:
         from meshllm.split import Deadlines
 
         chain = await make_chain(tiny_model, [0, 2, 4, 6], deadlines=Deadlines(decode_timeout=0.3))
+        release = threading.Event()
         try:
             stuck = chain.servers[2]
             async for _ in chain.coordinator.generate(PROMPT, max_tokens=200):
-                if not stuck.compute.lock.locked():
-                    await stuck.compute.lock.acquire()  # the third stage never computes again
+                if not stuck.compute.queued and not stuck.compute.busy:  # the third stage never computes again
+                    stuck.compute.submit("stuck", lambda: release.wait(30.0))  # (it holds the device to the end)
         except StageFailed as exc:
             return exc
         finally:
+            release.set()
             await chain.close()
         raise AssertionError("the request survived a stuck stage")
 
@@ -123,8 +126,7 @@ def test_a_slow_stage_that_answers_and_moves_is_waited_for(tiny_model: Path) -> 
                 out.append(token.token_id)
                 if not held:
                     held = True
-                    await slow.compute.lock.acquire()
-                    asyncio.get_running_loop().call_later(0.6, slow.compute.lock.release)
+                    slow.compute.submit("held", lambda: time.sleep(0.6))
             return out
         finally:
             await chain.close()

@@ -2,9 +2,11 @@
 
 ``meshllm serve --engine ggml`` serves with it, so the stage runtime that splits run on is exercised end
 to end through the same API as llama.cpp (and gives the same greedy text: its logits are llama.cpp's).
-Each forward step (and the sampling after it) runs in a worker thread via ``asyncio.to_thread``; the
-event loop only moves tokens. Requests take turns on one lock (a stage computes one step at a time);
-a consumer that stops iterating cancels its request before the next token.
+Each forward step (and the sampling after it) runs on the engine's compute runner
+(:class:`~meshllm.compute.Runner`: one thread, the prompt a prefill job, each next token a decode
+job); the event loop only moves tokens. Requests take turns (one generates at a time); a consumer
+that stops iterating cancels its request before the next token, and its KV and grammar are freed by
+a job of their own, after the step in flight.
 
 It honours token-id prompts, a request's ``continuation`` (prefilled with the prompt and fed
 silently through the text core and the grammar), grammars (llama.cpp's grammar sampler over the
@@ -15,7 +17,7 @@ logprobs (of the raw logits, as the llama.cpp engine reports them).
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import concurrent.futures
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -23,12 +25,14 @@ from pathlib import Path
 
 import numpy as np
 
+from meshllm.compute import Priority, Runner, RunnerClosed, RunnerError
 from meshllm.engine.base import (
     GRAMMAR,
     LOGPROBS,
     TOKEN_PROMPTS,
     Engine,
     EngineBusy,
+    EngineError,
     EngineNotLoaded,
     GenerationEvent,
     GenerationRequest,
@@ -101,6 +105,8 @@ class GgmlEngine(Engine):
         self._vocab: Vocab | None = None
         """The vocabulary for grammars, loaded by the first request that has one."""
         self._turn = asyncio.Lock()
+        """Held by the request generating (requests take turns; the runner orders their steps)."""
+        self._runner = Runner(f"ggml-{self.model_id}")
         self._queued = 0
         self._running = 0
         self._rate = TokenRate()
@@ -120,10 +126,18 @@ class GgmlEngine(Engine):
         stage, tokenizer = self.stage, self.tokenizer
         self.stage = self.tokenizer = None
         self._vocab = None  # freed once no request's grammar holds it
-        if tokenizer is not None:
-            tokenizer.close()
-        if stage is not None:
-            await asyncio.to_thread(stage.close)  # waits for a step in flight
+
+        def free() -> None:
+            if tokenizer is not None:
+                tokenizer.close()
+            if stage is not None:
+                stage.close()
+
+        # after the step in flight, which may use both (a request's next step then finds no model)
+        closed = self._runner.submit("close", free, priority=Priority.PREFILL) if stage or tokenizer else None
+        await self._runner.aclose()
+        if closed is not None:
+            closed.result()
 
     @property
     def context_length(self) -> int:
@@ -187,13 +201,10 @@ class GgmlEngine(Engine):
         history = prompt + fed
         session = uuid.uuid4().hex
         started = time.monotonic()
-        step: asyncio.Future[tuple[int | None, TokenLogprob | None]] | None = None
         try:
             pos = 0
             while not text.done:
-                step = asyncio.ensure_future(asyncio.to_thread(self._step, session, history, pos, sampler,
-                                                               params.logprobs))
-                token, logprob = await step
+                token, logprob = await self._run_step(session, history, pos, sampler, params.logprobs)
                 if token is None:  # the grammar allows nothing more: the text is complete
                     text.reason, text.done = "stop", True
                     break
@@ -202,19 +213,46 @@ class GgmlEngine(Engine):
                 delta = text.feed(token, logprob=logprob)
                 if delta is not None:
                     yield delta
+        except BaseException:  # cancelled or failed: freed after a step of it that may still be running
+            self._free(session, grammar)
+            raise
         finally:
-            # A cancelled request's forward pass still runs in its thread: let it end before the
-            # session's KV cache is freed and the next request takes the turn.
-            if step is not None and not step.done():
-                with contextlib.suppress(BaseException):
-                    await asyncio.shield(step)
+            self._rate.observe(text.generated - len(fed), started, time.monotonic())
+        freed = self._free(session, grammar)
+        if freed is not None:  # (freed before the Finish: a request that ended leaves no KV behind)
+            try:
+                await self._runner.wait(freed, kind="freeing a request")
+            except RunnerError as exc:
+                raise EngineError(f"model {self.model_id}: {exc}") from exc
+        for event in text.finish():
+            yield event
+
+    async def _run_step(self, session: str, history: list[int], pos: int, sampler: Sampler,
+                        logprobs: int | None) -> tuple[int | None, TokenLogprob | None]:
+        """:meth:`_step` on the runner (the first, over the prompt, as a prefill job)."""
+        try:
+            return await self._runner.run("step", False, lambda: self._step(session, history, pos, sampler, logprobs),
+                                          priority=Priority.PREFILL if pos == 0 else Priority.DECODE)
+        except RunnerClosed:
+            raise EngineNotLoaded(f"model {self.model_id} was unloaded during the request") from None
+        except RunnerError as exc:
+            raise EngineError(f"model {self.model_id}: {exc}") from exc
+
+    def _free(self, session: str, grammar: Grammar | None) -> concurrent.futures.Future[None] | None:
+        """Queue the freeing of ``session``'s KV and its grammar as a job of their own: a step of it may
+        still be running (its caller cancelled), and this runs after it. ``None`` once the engine closed
+        (its stage freed every session; the grammar goes with its object)."""
+
+        def free() -> None:
             if self.stage is not None:
                 self.stage.reset(session)
             if grammar is not None:
                 grammar.close()
-            self._rate.observe(text.generated - len(fed), started, time.monotonic())
-        for event in text.finish():
-            yield event
+
+        try:
+            return self._runner.submit("free", free)
+        except RunnerClosed:
+            return None
 
     def _grammar(self, text: str, fed: list[int]) -> Grammar:
         """Worker thread: ``text`` compiled over the model's vocabulary, advanced over the continuation."""
