@@ -289,7 +289,7 @@ def test_a_hostile_member_for_twenty_five_seconds(tmp_path: Path) -> None:
         nodes.append(b)
         b.wait_ready()
         wait_until(lambda: serving(b), 15.0)
-        with Chats(a, b) as warmup:  # until every loop has completed two chats: the quiet latency
+        with Chats(a, b) as warmup:  # two chats per loop, on average, give the quiet latency
             wait_until(lambda: len(warmup.latencies) >= 2 * CHATS or bool(warmup.failures), 30.0)
         assert not warmup.failures, warmup.failures
         baseline = rss_mb(a.proc.pid)
