@@ -156,8 +156,9 @@ def chat_loop(entries: list[NodeProcess], log: ChatLog, stop: threading.Event, r
 
 def run_churn(base: Path, *, nodes: int, serving: int, workers: int, passive: int, duration: float,
               churn: float = 0.1, chat_threads: int = 2, max_tokens: int = 24, seed: int = 1, batch: int = 8,
-              settle_timeout: float = 120.0, on_progress: Any = print) -> dict[str, Any]:
-    """Run the churn scenario; returns the figures (see the module docstring)."""
+              settle_timeout: float = 120.0, gossip_window: float = 10.0, on_progress: Any = print) -> dict[str, Any]:
+    """Run the churn scenario; returns the figures (see the module docstring). Gossip bytes/s are
+    measured over ``gossip_window`` seconds after the views converged (0: not measured, None in the figures)."""
     rng = random.Random(seed)
     gguf = write_tiny_llama(base / f"{MODEL}.gguf", seed=2)
     serve = ["--model", str(gguf), "--threads", "1", "--parallel", "2"]
@@ -211,11 +212,13 @@ def run_churn(base: Path, *, nodes: int, serving: int, workers: int, passive: in
         for t in threads:
             t.join(180)
         replays = sum(1 for m in [*members, *clients] for e in m.proc.events if e.get("type") == "request_replayed")
-        g0 = {m.name: gossip_bytes(m.proc) for m in members}
-        w0 = time.monotonic()
-        time.sleep(10)
-        elapsed = time.monotonic() - w0
-        gossip = [(gossip_bytes(m.proc) - g0[m.name]) / elapsed for m in members]
+        gossip: list[float] = []
+        if gossip_window > 0:
+            g0 = {m.name: gossip_bytes(m.proc) for m in members}
+            w0 = time.monotonic()
+            time.sleep(gossip_window)
+            elapsed = time.monotonic() - w0
+            gossip = [(gossip_bytes(m.proc) - g0[m.name]) / elapsed for m in members]
         rss = [rss_mb(m.proc.proc.pid) for m in [*members, *clients]]
         return {
             "nodes": nodes, "serving": serving, "workers": workers, "passive": passive, "duration_s": duration,
@@ -224,5 +227,6 @@ def run_churn(base: Path, *, nodes: int, serving: int, workers: int, passive: in
             "chats_ok": log.ok, "chats_failed": log.failed, "replays": replays,
             "converge_after_last_restart_s": round(converge_s, 2), "passive_converge_s": round(passive_s, 2),
             "rss_mb_median": round(statistics.median(rss), 1), "rss_mb_max": round(max(rss), 1),
-            "gossip_Bps_median": round(statistics.median(gossip)), "gossip_Bps_max": round(max(gossip)),
+            "gossip_Bps_median": round(statistics.median(gossip)) if gossip else None,
+            "gossip_Bps_max": round(max(gossip)) if gossip else None,
         }

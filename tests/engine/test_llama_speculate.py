@@ -152,7 +152,8 @@ def test_default_model_speculation_changes_no_token(gemma_model: Path) -> None:
         for engine in made.values():
             asyncio.run(engine.load())
         assert made["on"].unavailable is not None and made["on"].speculation_status()["unavailable"]
-        for request in (req(CODE, 64), req(CODE, 48, temperature=0.8, seed=3)):
+        # a window the probe let through would show in verify_passes: short runs suffice
+        for request in (req(CODE, 32), req(CODE, 24, temperature=0.8, seed=3)):
             assert one(made["on"], request)[:2] == one(made["off"], request)[:2]
         assert made["on"].spec.verify_passes == 0
     finally:

@@ -1,4 +1,4 @@
-"""Soak: a hostile member runs every mesh and transport attack for 60 s while A serves 8 chats.
+"""Soak: a hostile member runs every mesh and transport attack for 25 s while A serves 8 chats.
 
 A (the owner) serves a tiny model; B is a member that routes chats to it. The attacker holds one
 real invite (the one A printed) and, for the whole run, keeps: flooding digests it never reads
@@ -54,7 +54,9 @@ from meshllm.runtime.tunnel import DeltaFrame, RequestFrame
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
-SOAK_S = 60.0
+SOAK_S = 25.0
+"""The attack's length (docs/benchmarks.md has 60 s runs). Every attack keeps its rate; identities are
+cooled down and replaced within seconds, so a run still sees several."""
 CHATS = 8
 RSS_BUDGET_MB = 100.0
 MODEL = "tiny"
@@ -276,7 +278,7 @@ async def campaign(a: NodeProcess, b: NodeProcess, until: float) -> dict[str, in
     return counts
 
 
-def test_a_hostile_member_for_sixty_seconds(tmp_path: Path) -> None:
+def test_a_hostile_member_for_twenty_five_seconds(tmp_path: Path) -> None:
     gguf = write_tiny_llama(tmp_path / f"{MODEL}.gguf", seed=0)
     with running_nodes() as nodes:
         a = NodeProcess(tmp_path / "a", ["--model", str(gguf)], "a")
@@ -286,8 +288,8 @@ def test_a_hostile_member_for_sixty_seconds(tmp_path: Path) -> None:
         nodes.append(b)
         b.wait_ready()
         wait_until(lambda: serving(b), 15.0)
-        with Chats(a, b) as warmup:
-            time.sleep(5.0)
+        with Chats(a, b) as warmup:  # two chats per loop, on average, give the quiet latency
+            wait_until(lambda: len(warmup.latencies) >= 2 * CHATS or bool(warmup.failures), 30.0)
         assert not warmup.failures, warmup.failures
         baseline = rss_mb(a.proc.pid)
 
