@@ -5,9 +5,9 @@ as the request plus the token ids already sent (``continuation``). SmolLM2's log
 one-row decode step and a multi-row prefill of the same tokens (ggml's attention takes another kernel
 for one query row than for several: docs/architecture.md), so an engine that prefilled prompt +
 continuation left the greedy text a few tokens after the cut. Both engines compute the continuation
-as it was first computed, one row per step: the llama engine always (while other requests share its
-batches), the ggml engine while that is predicted to take at most ``replay_steps_s`` (with 0 it
-prefills, and its text leaves the uninterrupted one: why the steps are re-run).
+as it was first computed, one row per step (the llama engine while other requests share its batches)
+while that is predicted to take at most ``replay_steps_s``; with 0 they prefill it with the prompt,
+and the text leaves the uninterrupted one (why the steps are re-run).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from meshllm.engine.base import CompletionRequest, Engine, Finish, GenerationParams, TextDelta
+from meshllm.engine.base import REPLAY_STEPS_S, CompletionRequest, Engine, Finish, GenerationParams, TextDelta
 from meshllm.engine.ggml.engine import GgmlEngine
 from meshllm.engine.llama import LlamaEngine
 from meshllm.models.bundled import bundled_model_path
@@ -73,19 +73,27 @@ def uninterrupted(llama: LlamaEngine, loop: asyncio.AbstractEventLoop) -> list[i
     return out
 
 
+@pytest.mark.parametrize("steps_s", [REPLAY_STEPS_S, 0.0], ids=["steps", "prefill"])
 def test_the_llama_engine_replays_exactly_beside_other_requests(
-        llama: LlamaEngine, uninterrupted: list[int], loop: asyncio.AbstractEventLoop) -> None:
+        steps_s: float, llama: LlamaEngine, uninterrupted: list[int], loop: asyncio.AbstractEventLoop) -> None:
     async def main() -> list[list[int]]:
         return list(await asyncio.gather(tokens(llama, request(continuation=uninterrupted[:CUT])),
                                          *(tokens(llama, request(p)) for p in OTHERS)))
 
-    headless = llama.stats.headless_rows
-    replayed, *_ = loop.run_until_complete(main())
-    assert uninterrupted[:CUT] + replayed == uninterrupted
-    assert llama.stats.headless_rows - headless == CUT - 1  # decode rows (the last sent one samples the next)
+    llama.replay_steps_s, headless = steps_s, llama.stats.headless_rows
+    try:
+        replayed, *_ = loop.run_until_complete(main())
+    finally:
+        llama.replay_steps_s = REPLAY_STEPS_S
+    if steps_s:
+        assert llama.stats.headless_rows - headless == CUT - 1  # decode rows (the last sent one samples the next)
+        assert uninterrupted[:CUT] + replayed == uninterrupted
+    else:  # prefilled with the prompt: SmolLM2's text leaves the uninterrupted one
+        assert llama.stats.headless_rows == headless
+        assert uninterrupted[:CUT] + replayed != uninterrupted
 
 
-@pytest.mark.parametrize("steps_s", [2.0, 0.0], ids=["steps", "prefill"])
+@pytest.mark.parametrize("steps_s", [REPLAY_STEPS_S, 0.0], ids=["steps", "prefill"])
 def test_the_ggml_engine_replays_exactly_by_one_row_steps(
         steps_s: float, uninterrupted: list[int], loop: asyncio.AbstractEventLoop) -> None:
     """The request began on the llama engine (the replay crosses engines: their one-row logits agree)."""

@@ -32,6 +32,7 @@ from meshllm.compute import Priority, Runner, RunnerClosed, RunnerError
 from meshllm.engine.base import (
     GRAMMAR,
     LOGPROBS,
+    REPLAY_STEPS_S,
     TOKEN_PROMPTS,
     Engine,
     EngineBusy,
@@ -60,11 +61,6 @@ from meshllm.models.refs import ModelRef
 
 SUPPORTS = frozenset({GRAMMAR, LOGPROBS, TOKEN_PROMPTS})
 """Optional request features the ggml runtime's engines honour (the engine contract's capability names)."""
-
-REPLAY_STEPS_S = 2.0
-"""The longest a replay decodes a continuation one row per step (as the engine that began the request
-computed it) before it prefills the rest in one call: exact against the quick, since ggml's attention
-takes another kernel for one query row than for several (docs/architecture.md, "replay")."""
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
