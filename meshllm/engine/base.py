@@ -189,7 +189,9 @@ class ChatRequest(msgspec.Struct, frozen=True, kw_only=True, tag="chat"):
     API took the request (a routed request keeps it). ``None``: one shared anonymous share."""
     continuation: tuple[int, ...] = ()
     """Token ids this request already generated on another engine (failover replay): the engine
-    prefills prompt + these, feeds them silently through its text core, and continues after them."""
+    computes their KV after the prompt's as that engine did (one-row decode steps, while they are
+    predicted to take at most :data:`REPLAY_STEPS_S`; else a prefill), feeds them silently through
+    its text core, and continues after them."""
 
 
 class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True, tag="completion"):
@@ -298,6 +300,13 @@ class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
     """Queue depth at which new requests are refused with :class:`EngineBusy`."""
     tokens_per_s: float
     """Recent decode speed (exponential average); 0 before the first request."""
+
+
+REPLAY_STEPS_S = 2.0
+"""The longest an engine spends computing a continuation in one-row decode steps, as the engine that
+began the request computed it, before it prefills the tokens instead: exact against quick, since
+ggml's attention takes another kernel for one query row than for several, and on SmolLM2-135M a
+prefill of the sent tokens changed the greedy text (docs/architecture.md, "replay")."""
 
 
 class TokenRate:

@@ -62,6 +62,7 @@ from meshllm.engine.base import (
     DEFAULT_MAX_TOKENS,
     GRAMMAR,
     LOGPROBS,
+    REPLAY_STEPS_S,
     TOKEN_PROMPTS,
     BadChat,
     ChatRequest,
@@ -193,6 +194,7 @@ class LlamaEngine(Engine):
         kernels: Kernels = "exact",
         speculate: SpeculateMode = "auto",
         window: int = WINDOW,
+        replay_steps_s: float = REPLAY_STEPS_S,
     ) -> None:
         if parallel is not None and parallel < 1:
             raise EngineError("parallel must be at least 1")
@@ -214,6 +216,8 @@ class LlamaEngine(Engine):
         self.speculate: SpeculateMode = speculate
         """The mode asked for; ``off`` once loaded if windows cannot be verified exactly (``unavailable``)."""
         self.window = max(1, window)
+        self.replay_steps_s = replay_steps_s
+        """The longest a continuation is predicted to take as decode rows before it is prefilled instead."""
         self.unavailable: str | None = None
         """Why speculation is off although asked for (``None``: it is not, or it was not asked for)."""
         self.spec = SpecStats(speculate)
@@ -402,9 +406,20 @@ class LlamaEngine(Engine):
         if sampler is not None and self.speculate != "off":
             drafter = NgramDrafter([*tokens, *request.continuation])
             policy = WindowPolicy(self.speculate, max_window=self.window, prior=self._acceptance.rate)
-        return _Job(request=request, prompt_len=len(tokens), target=tuple(tokens),
-                    forced=collections.deque(request.continuation), text=text, sampler=sampler, client=client,
+        # the continuation as decode rows, as its first engine computed it, unless that would take too long
+        forced = request.continuation if self._replay_by_steps(len(request.continuation)) else ()
+        return _Job(request=request, prompt_len=len(tokens), target=(*tokens, *request.continuation[len(forced):]),
+                    forced=collections.deque(forced), text=text, sampler=sampler, client=client,
                     drafter=drafter, policy=policy)
+
+    def _replay_by_steps(self, tokens: int) -> bool:
+        """Whether a continuation of ``tokens`` is decoded one row per step (exact) rather than prefilled
+        with the prompt (a multi-row call: exact only where a model's rows agree): while its steps are
+        predicted to take at most :attr:`replay_steps_s`, each at the cost of a call as wide as the
+        requests running now make it (a step also carries their rows)."""
+        with self._lock:
+            running = self._sched.running if self._sched else 0
+        return tokens * self._call_seconds(running + 1) <= self.replay_steps_s
 
     def _require(self) -> Any:
         if self._model is None or self._closed:
@@ -902,7 +917,7 @@ class WindowProbe:
     differs: str | None
     """Why no kernel computes windows exactly (``None``: one does)."""
     call_s: dict[int, float]
-    """Seconds of the probe's calls by row count (single rows, windows beside a row; none if not exact)."""
+    """Seconds of the probe's calls by row count (single rows, windows beside a row)."""
 
 
 PROBE_PROMPT = 16
@@ -925,8 +940,8 @@ def probe_windows(model: Any, threads: int, rows: int, pad_lone_rows: bool | Non
     beside a padding row where a lone row differs: ``pad_lone_rows``, measured unless given), then
     windows of 2, 3 and ``rows`` positions beside a row of another sequence, and compares the
     logits bit for bit. The calls' durations seed the engine's
-    call costs (a first call of a shape includes llama.cpp's graph set-up: an overestimate, which
-    keeps ``auto`` from drafting on a guess).
+    call costs either way (a first call of a shape includes llama.cpp's graph set-up: an overestimate,
+    which keeps ``auto`` from drafting on a guess; a replay prices its decode rows with them).
     """
     from meshllm.engine.llama_native import NativeContext
 
@@ -965,7 +980,7 @@ def probe_windows(model: Any, threads: int, rows: int, pad_lone_rows: bool | Non
         return WindowProbe(pad, None, call_s)
     return WindowProbe(pad, "llama.cpp computes a window of positions differently from the same positions one at a "
                             "time with this model (float weights, --kernels fast, or softmax attention over keys "
-                            "that heads share), so drafts could change the text", {})
+                            "that heads share), so drafts could change the text", call_s)
 
 
 def kv_bytes_per_token(meta: GGUFMetadata) -> int:

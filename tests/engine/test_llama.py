@@ -14,6 +14,7 @@ from net.net_helpers import until
 from tinymodels import write_tiny_llama
 
 from meshllm.engine.base import (
+    REPLAY_STEPS_S,
     ChatMessage,
     ChatRequest,
     CompletionRequest,
@@ -158,6 +159,23 @@ def test_continuation_counts_in_usage_and_against_max_tokens(engine: LlamaEngine
     done = run(engine, completion("resume me", tuple(tokens), max_tokens=20, temperature=0.0))
     assert done[-1] == full[-1] and tokens_of(done) == []  # nothing left to generate
     assert text_of(full).endswith(text_of(done))  # only text the first engine still held back (a split character)
+
+
+def test_a_continuation_is_decoded_by_rows_unless_that_would_take_too_long(engine: LlamaEngine) -> None:
+    tokens = tokens_of(run(engine, completion("resume me", max_tokens=20, temperature=0.0)))
+
+    def rows(steps_s: float) -> tuple[int, Finish]:
+        engine.replay_steps_s, before = steps_s, engine.stats.decode_rows
+        try:
+            events = run(engine, completion("resume me", tuple(tokens[:5]), max_tokens=20, temperature=0.0))
+        finally:
+            engine.replay_steps_s = REPLAY_STEPS_S
+        assert isinstance(events[-1], Finish) and len(tokens_of(events)) == 15
+        return engine.stats.decode_rows - before, events[-1]
+
+    (by_rows, finish), (prefilled, same) = rows(REPLAY_STEPS_S), rows(0.0)
+    assert by_rows - prefilled == 5  # the sent tokens went in with the prompt's prefill instead
+    assert finish.usage == same.usage
 
 
 def test_grammar_constrains_every_token(engine: LlamaEngine) -> None:

@@ -8,20 +8,23 @@ job); the event loop only moves tokens. Requests take turns (one generates at a 
 that stops iterating cancels its request before the next token, and its KV and grammar are freed by
 a job of their own, after the step in flight.
 
-It honours token-id prompts, a request's ``continuation`` (prefilled with the prompt and fed
-silently through the text core and the grammar), grammars (llama.cpp's grammar sampler over the
-vocabulary loaded alone, on the first request that has one: :mod:`meshllm.engine.constrained`) and
-logprobs (of the raw logits, as the llama.cpp engine reports them).
+It honours token-id prompts, a request's ``continuation`` (fed silently through the text core and the
+grammar, and computed as the engine that began the request computed it: :meth:`GgmlEngine._replay`),
+grammars (llama.cpp's grammar sampler over the vocabulary loaded alone, on the first request that has
+one: :mod:`meshllm.engine.constrained`) and logprobs (of the raw logits, as the llama.cpp engine
+reports them).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -29,12 +32,14 @@ from meshllm.compute import Priority, Runner, RunnerClosed, RunnerError
 from meshllm.engine.base import (
     GRAMMAR,
     LOGPROBS,
+    REPLAY_STEPS_S,
     TOKEN_PROMPTS,
     Engine,
     EngineBusy,
     EngineError,
     EngineNotLoaded,
     GenerationEvent,
+    GenerationParams,
     GenerationRequest,
     LoadReport,
     TokenLogprob,
@@ -56,6 +61,9 @@ from meshllm.models.refs import ModelRef
 
 SUPPORTS = frozenset({GRAMMAR, LOGPROBS, TOKEN_PROMPTS})
 """Optional request features the ggml runtime's engines honour (the engine contract's capability names)."""
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def replay(text: TextStream, request: GenerationRequest, vocab: int) -> list[int]:
@@ -91,7 +99,9 @@ class GgmlEngine(Engine):
         kernels: Kernels = "exact",
         max_queue: int = 32,
         queue_timeout_s: float = 120.0,
+        replay_steps_s: float = REPLAY_STEPS_S,
     ) -> None:
+        """``replay_steps_s``: the longest a continuation is decoded one row per step (:meth:`_replay`)."""
         self.path = model.path if isinstance(model, ModelRef) else Path(model)
         self.model_id = model_id or (model.model_id if isinstance(model, ModelRef) else self.path.stem)
         self._n_ctx = n_ctx
@@ -100,6 +110,7 @@ class GgmlEngine(Engine):
         self._kernels = kernels
         self.max_queue = max_queue
         self.queue_timeout_s = queue_timeout_s
+        self.replay_steps_s = replay_steps_s
         self.stage: StageModel | None = None
         self.tokenizer: Tokenizer | None = None
         self._vocab: Vocab | None = None
@@ -110,6 +121,10 @@ class GgmlEngine(Engine):
         self._queued = 0
         self._running = 0
         self._rate = TokenRate()
+        self._step_s = 0.0
+        """Recent time of a one-row step (exponential average): what a replay's steps are predicted at."""
+        self.replay_rows = 0
+        """Continuation tokens replayed as one-row steps (the rest of each continuation was prefilled)."""
 
     async def load(self) -> None:
         """Map the model and load its tokenizer, off the event loop."""
@@ -202,7 +217,7 @@ class GgmlEngine(Engine):
         session = uuid.uuid4().hex
         started = time.monotonic()
         try:
-            pos = 0
+            pos = await self._replay(session, prompt, fed, params) if fed and not text.done else 0
             while not text.done:
                 token, logprob = await self._run_step(session, history, pos, sampler, params.logprobs)
                 if token is None:  # the grammar allows nothing more: the text is complete
@@ -230,13 +245,50 @@ class GgmlEngine(Engine):
     async def _run_step(self, session: str, history: list[int], pos: int, sampler: Sampler,
                         logprobs: int | None) -> tuple[int | None, TokenLogprob | None]:
         """:meth:`_step` on the runner (the first, over the prompt, as a prefill job)."""
+        return await self._on_runner(pos, lambda: self._step(session, history, pos, sampler, logprobs))
+
+    async def _on_runner(self, pos: int, job: Callable[[], T]) -> T:
+        """Run one forward ``job`` on the runner: a prefill job from position 0, else a decode job."""
         try:
-            return await self._runner.run("step", False, lambda: self._step(session, history, pos, sampler, logprobs),
+            return await self._runner.run("step", False, job,
                                           priority=Priority.PREFILL if pos == 0 else Priority.DECODE)
         except RunnerClosed:
             raise EngineNotLoaded(f"model {self.model_id} was unloaded during the request") from None
         except RunnerError as exc:
             raise EngineError(f"model {self.model_id}: {exc}") from exc
+
+    async def _replay(self, session: str, prompt: list[int], fed: list[int], params: GenerationParams) -> int:
+        """Compute the KV of ``prompt`` and ``fed[:-1]`` as the engine that began the request did; the
+        positions computed (the caller feeds the rest in one call, and samples after it).
+
+        That engine prefilled the prompt in one call and computed each token it generated in a one-row
+        step. A prefill of the generated tokens is one call but can give other logits (ggml's attention
+        takes another kernel for one query row than for several: on SmolLM2-135M the greedy text left
+        the uninterrupted one, docs/architecture.md), so the tokens are fed one row per step while the
+        steps left are predicted, at the recent step time, to end within :attr:`replay_steps_s` of the
+        replay's start; past that, the caller prefills the rest. Where the request's draws can be
+        recomputed (greedy, or seeded, and no grammar), each step's logits are checked against the next
+        token; one the model would not have produced here (the first engine computed otherwise:
+        another kernel, another engine) is logged and the replay goes on (the tokens were sent).
+        """
+        checker = Sampler(params) if params.grammar is None and (params.temperature <= 0 or params.seed is not None) \
+            else None
+        history = list(prompt)
+        started = time.perf_counter()
+        logits = await self._on_runner(0, lambda: self._forward(session, prompt, 0))
+        for i, token in enumerate(fed):
+            if checker is not None and checker(logits, history) != token:
+                log.warning("model %s: replayed token %d (%d) is not what this engine computes there; the request "
+                            "began on another engine or kernels", self.model_id, i, token)
+                checker = None
+            left = len(fed) - i  # one-row steps to go, the caller's last one included
+            if i == len(fed) - 1 or time.perf_counter() - started + left * self._step_s > self.replay_steps_s:
+                break
+            pos = len(history)
+            logits = await self._on_runner(pos, lambda t=token, p=pos: self._forward(session, [t], p))
+            history.append(token)
+            self.replay_rows += 1
+        return len(history)
 
     def _free(self, session: str, grammar: Grammar | None) -> concurrent.futures.Future[None] | None:
         """Queue the freeing of ``session``'s KV and its grammar as a job of their own: a step of it may
@@ -268,17 +320,29 @@ class GgmlEngine(Engine):
             raise
         return grammar
 
+    def _forward(self, session: str, tokens: list[int], pos: int) -> np.ndarray:
+        """Worker thread: feed ``tokens`` at ``pos``; the logits after the last. Times one-row steps."""
+        stage = self.stage
+        if stage is None:
+            raise EngineNotLoaded(f"model {self.model_id} was unloaded during the request")
+        started = time.perf_counter()
+        try:
+            logits = stage.forward(session, np.asarray(tokens, dtype=np.int64), pos, last_only=True)[-1]
+        except StageInputError as exc:
+            raise EngineNotLoaded(f"model {self.model_id}: {exc}") from exc
+        if len(tokens) == 1:
+            took = time.perf_counter() - started
+            self._step_s = took if not self._step_s else 0.8 * self._step_s + 0.2 * took
+        return logits
+
     def _step(self, session: str, history: list[int], pos: int, sampler: Sampler,
               logprobs: int | None) -> tuple[int | None, TokenLogprob | None]:
         """Worker thread: feed ``history[pos:]``, sample the next token (``None``: the grammar is complete)
         and, when asked, its logprobs."""
-        stage, tokenizer = self.stage, self.tokenizer
-        if stage is None or tokenizer is None:
+        logits = self._forward(session, history[pos:], pos)
+        tokenizer = self.tokenizer
+        if tokenizer is None:
             raise EngineNotLoaded(f"model {self.model_id} was unloaded during the request")
-        try:
-            logits = stage.forward(session, np.asarray(history[pos:], dtype=np.int64), pos, last_only=True)[-1]
-        except StageInputError as exc:
-            raise EngineNotLoaded(f"model {self.model_id}: {exc}") from exc
         token = sampler(logits, history)
         if token is None or logprobs is None:
             return token, None

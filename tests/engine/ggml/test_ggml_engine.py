@@ -97,10 +97,48 @@ def test_continuation_resumes_where_another_engine_stopped(engine: GgmlEngine) -
     tokens = tuple(t for e in events if isinstance(e, TextDelta) for t in e.tokens)
     rest = _run_events(engine, _completion(max_tokens=12, temperature=0.0, continuation=tokens[:5]))
     assert tuple(t for e in rest if isinstance(e, TextDelta) for t in e.tokens) == tokens[5:]
+    assert engine.replay_rows == 4  # one-row steps as they were computed (the 5th is the step that samples)
     finish = rest[-1]
     assert isinstance(finish, Finish) and finish.usage.completion_tokens == 12 and finish.reason == "length"
     text = "".join(e.text for e in events if isinstance(e, TextDelta))
     assert text.endswith("".join(e.text for e in rest if isinstance(e, TextDelta)))
+
+
+def test_a_seeded_continuation_resumes_its_random_stream(engine: GgmlEngine) -> None:
+    events = _run_events(engine, _completion(max_tokens=12, temperature=0.9, seed=11))
+    tokens = tuple(t for e in events if isinstance(e, TextDelta) for t in e.tokens)
+    rest = _run_events(engine, _completion(max_tokens=12, temperature=0.9, seed=11, continuation=tokens[:7]))
+    assert tuple(t for e in rest if isinstance(e, TextDelta) for t in e.tokens) == tokens[7:]
+
+
+def test_a_continuation_computed_otherwise_is_logged_and_continued(engine: GgmlEngine,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Tokens this engine would not have produced (another engine's, other kernels) are still the text sent:
+    the replay says where they part and goes on after them."""
+    events = _run_events(engine, _completion(max_tokens=12, temperature=0.0))
+    tokens = [t for e in events if isinstance(e, TextDelta) for t in e.tokens]
+    other = (tokens[0], tokens[1], 3 + (tokens[2] - 2) % 256, tokens[3])  # a byte token the model did not pick
+    with caplog.at_level("WARNING", logger="meshllm.engine.ggml.engine"):
+        rest = _run_events(engine, _completion(max_tokens=12, temperature=0.0, continuation=other))
+    assert [r.getMessage() for r in caplog.records] == \
+        [f"model {engine.model_id}: replayed token 2 ({other[2]}) is not what this engine computes there; "
+         "the request began on another engine or kernels"]
+    finish = rest[-1]
+    assert isinstance(finish, Finish) and finish.usage.completion_tokens == 12
+
+
+def test_past_its_bound_a_continuation_is_prefilled(tiny_llama: Path) -> None:
+    eng = GgmlEngine(tiny_llama, n_ctx=128, threads=1, replay_steps_s=0.0)
+    asyncio.run(eng.load())
+    try:
+        events = _run_events(eng, _completion(max_tokens=12, temperature=0.0))
+        tokens = tuple(t for e in events if isinstance(e, TextDelta) for t in e.tokens)
+        rest = _run_events(eng, _completion(max_tokens=12, temperature=0.0, continuation=tokens[:5]))
+        assert eng.replay_rows == 0
+        finish = rest[-1]
+        assert isinstance(finish, Finish) and finish.usage.completion_tokens == 12
+    finally:
+        asyncio.run(eng.close())
 
 
 def test_seed_reproduces(engine: GgmlEngine) -> None:
