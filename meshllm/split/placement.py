@@ -93,7 +93,8 @@ class SplitOptions:
     stages: int | None = None
     """Force exactly this many stages (fewer after a failure if not enough workers are left)."""
     max_memory: int | None = None
-    """Bytes per node (this one and every worker) the plan may use."""
+    """Bytes of RAM this node gives its own stage and whole models (``--max-memory``; a worker's
+    caps what it offers). Never another node's cap: each worker declares its own in its record."""
     context: int = 4096
     """Tokens of KV each stage reserves per session (priced into every layer)."""
     threads: int | None = None
@@ -155,12 +156,23 @@ def model_profile(path: Path, context: int) -> ModelProfile:
     )
 
 
+def budget_source(role: str, max_memory: int | None) -> str:
+    """Where a candidate's memory comes from, for ``/api/plan`` (``nodes[].memory``)."""
+    if role == "worker":
+        return "offered by the worker (its --max-memory, else its RAM) plus its free VRAM"
+    if max_memory is not None:
+        return f"this node's --max-memory ({max_memory / 2**30:.2f} GiB) plus its free VRAM"
+    return f"{RAM_SHARE:.0%} of this node's RAM plus its free VRAM"
+
+
 def candidates(own: PeerRecord, own_budget: int, members: Mapping[str, PeerRecord],
                exclude: Collection[str] = (), measured: Mapping[str, float] | None = None) -> list[Candidate]:
     """This node (the coordinator) plus every live worker that can be dialled directly.
 
     Hosts serve whole models and clients nothing, so only workers offer stage memory; a worker with
-    no listen address is reachable only through a relay and is never a stage. ``measured`` gives
+    no listen address is reachable only through a relay and is never a stage. Each node's memory is
+    its own: ``own_budget`` for this one, what its record offers for a worker (which its own
+    ``--max-memory`` caps: :func:`~meshllm.split.service.offered_capacity`). ``measured`` gives
     seconds per block that running chains of the same model measured (:func:`measured_speeds`);
     they replace the gossiped gflops estimate for those nodes.
     """
@@ -199,12 +211,14 @@ def hops(chosen: Plan, own: PeerRecord, members: Mapping[str, PeerRecord]) -> li
 
 
 def describe(chosen: Plan, names: Mapping[str, str], model: str, profile: ModelProfile,
-             measured: Collection[str] = (), acceptance: float | None = None) -> dict[str, Any]:
+             measured: Collection[str] = (), acceptance: float | None = None,
+             nodes: Collection[Candidate] = (), max_memory: int | None = None) -> dict[str, Any]:
     """JSON of a plan for ``/api/plan`` and ``meshllm plan``: chain, memory per stage, prediction.
 
     ``compute`` of a stage is ``measured`` when its node's speed comes from a running chain, else
     ``estimated`` (gossiped gflops); ``speculation`` appears when the plan was priced with an
-    ``acceptance`` a running chain measured.
+    ``acceptance`` a running chain measured. ``nodes`` (the candidates planned over) adds what was
+    assumed of each: its memory budget and where it comes from (``max_memory``: this node's cap).
     """
     predicted: dict[str, Any] = {"total": round(chosen.total_s * 1e3, 3), "compute": round(chosen.compute_s * 1e3, 3),
                                  "network": round(chosen.network_s * 1e3, 3),
@@ -220,6 +234,9 @@ def describe(chosen: Plan, names: Mapping[str, str], model: str, profile: ModelP
                     "compute_ms": round(s.compute_s * 1e3, 3),
                     "compute": "measured" if s.node_id in measured else "estimated"} for s in chosen.stages],
         "predicted_ms_per_token": predicted,
+        **({"nodes": [{"node_id": c.node_id, "name": names.get(c.node_id, c.node_id[:8]), "role": c.role,
+                       "memory_bytes": c.memory_bytes, "memory": budget_source(c.role, max_memory)}
+                      for c in nodes]} if nodes else {}),
     }
 
 
@@ -283,7 +300,8 @@ def covered_deaths(profile: ModelProfile, nodes: list[Candidate], rtt: Mapping[s
 
 
 def plan_options(options: SplitOptions, workers: int, *, placing: bool = False, degraded: bool = False) -> PlanOptions:
-    """Planner options for the mode: ``--stages`` fixes the stage count.
+    """Planner options for the mode: ``--stages`` fixes the stage count. (``--max-memory`` is not one:
+    it is this node's budget, in its :class:`Candidate`; each worker's is the one its record offers.)
 
     ``placing`` (a chain is to be built now) needs a worker per extra stage; ``degraded`` (a replan
     after a failure) accepts fewer stages, down to two, rather than serving nothing.
@@ -296,8 +314,8 @@ def plan_options(options: SplitOptions, workers: int, *, placing: bool = False, 
             if not degraded:
                 raise NotEnoughWorkers(f"waiting for workers: {want} stages need {want - 1}, the mesh has {workers}")
             want = 1 + workers
-        return PlanOptions(stages=max(2, want) if placing else want, max_memory_per_node=options.max_memory)
-    return PlanOptions(max_memory_per_node=options.max_memory)
+        return PlanOptions(stages=max(2, want) if placing else want)
+    return PlanOptions()
 
 
 class SplitPlacement:
