@@ -16,6 +16,7 @@ from meshllm.split.placement import (
     candidates,
     choose_plan,
     covered_deaths,
+    describe,
     memory_budget,
     model_profile,
     needs_split,
@@ -56,6 +57,9 @@ def test_a_coordinators_memory_cap_never_shrinks_a_worker() -> None:
     assert chosen.stages[0].node_id == "me" and chosen.stages[0].memory_bytes <= cap
     assert chosen.chain[1][0] == "w" and chosen.stages[1].memory_bytes > cap  # 7 of the 8 layers: 7.5 GiB
     assert chosen.chain == [("me", 0, 1), ("w", 1, 8)]
+    said = describe(chosen, {"me": "coord", "w": "worker1"}, "m", profile, nodes=nodes, max_memory=cap)["nodes"]
+    assert [(n["name"], n["memory_bytes"]) for n in said] == [("coord", cap), ("worker1", 16 * GB)]
+    assert "--max-memory (2.00 GiB)" in said[0]["memory"] and "offered by the worker" in said[1]["memory"]
 
 
 def test_a_worker_caps_only_what_it_offers() -> None:
