@@ -32,7 +32,7 @@ from meshllm.mesh.records import Capacity, PeerRecord
 from meshllm.models.gguf_file import GGUFFile
 from meshllm.models.refs import ModelRef
 from meshllm.split.audit import AUDIT_MEMORY, AUDIT_RATE
-from meshllm.split.control import Host, Hosted, Release, Warm, Warmed, ask
+from meshllm.split.control import Host, Hosted, Release, Unwarm, Warm, Warmed, ask
 from meshllm.split.coordinator import DEFAULT_BATCH, SplitCoordinator
 from meshllm.split.coordinator_core import Deadlines
 from meshllm.split.engine import NO_CHAIN, SplitEngine
@@ -357,8 +357,16 @@ class SplitPlacement:
         self.untrusted: dict[str, float] = {}
         """Nodes an audit caught (node id -> until when, monotonic): never placed on again before then."""
         self._audits = audits
-        self.held: dict[str, set[tuple[int, int]]] = {}
-        """Node id -> the layer ranges it keeps on disk for this model (stages it hosted, warm spares)."""
+        self.hosted: dict[str, set[tuple[int, int]]] = {}
+        """Node id -> the layer ranges it hosted for this model (their stage files stay on its disk)."""
+        self._asked: dict[str, tuple[int, int]] = {}
+        """Node id -> the warm range it was last asked to keep. Kept across chains: a node the next
+        chain's spares no longer want is told to drop it (``Unwarm``)."""
+        self._kept: dict[str, list[Any]] = {}
+        """Node id -> ``[name, layer_start, layer_end, fetched_bytes]`` of the warm range it confirmed
+        keeping (``Warmed``, and every refresh since)."""
+        self._refused: dict[str, str] = {}
+        """Node id -> why it did not keep its warm range (refused, or the file was evicted)."""
         self.hub_source = hub_source
         self._replan = asyncio.Event()
         self._scope = Scope(f"split placement {self.engine.model_id}")
@@ -369,6 +377,14 @@ class SplitPlacement:
         """The serving chain's warm spares: ``[name, layer_start, layer_end, fetched_bytes]`` each."""
         self.covered: list[str] = []
         """The serving chain's workers whose death leaves a chain that needs no transfer (:func:`covered_deaths`)."""
+
+    @property
+    def held(self) -> dict[str, set[tuple[int, int]]]:
+        """Node id -> the layer ranges it keeps on disk for this model (stages it hosted, warm spares)."""
+        out = {node: set(ranges) for node, ranges in self.hosted.items()}
+        for node, (_name, start, end, _fetched) in self._kept.items():
+            out.setdefault(node, set()).add((start, end))
+        return out
 
     def start(self, prepared: Awaitable[bytes] | None = None) -> None:
         """Place and keep a chain; first await ``prepared`` (the engine's tokenizer and the signed manifest,
@@ -506,6 +522,9 @@ class SplitPlacement:
         self._spares.close()  # an older chain's spares are planned for deaths that no longer apply
         self._spares = Scope(f"split spares {self.engine.model_id}")
         self.spares, self.covered = [], []
+        for node in self._refused:  # the new chain asks again those that did not keep their range
+            self._asked.pop(node, None)
+        self._refused.clear()
         if self.hub_source is None and self.options.spares:  # a hub model has no manifest a spare fetches against
             self._spares.spawn(self._keep_spares(chain))
 
@@ -516,7 +535,7 @@ class SplitPlacement:
             model=self.engine.model_id, model_id=self.ref.sha256, manifest=b"" if hub else self.manifest, hub=hub,
             chain=chain, index=index, max_context=self.engine.max_context,
         ), on_progress=lambda p: self._progress(hop.node_id).update(p.bytes_done, p.bytes_total))
-        self.held.setdefault(hop.node_id, set()).add((hop.layer_start, hop.layer_end))
+        self.hosted.setdefault(hop.node_id, set()).add((hop.layer_start, hop.layer_end))
         if isinstance(hosted, Hosted) and hosted.fetched_bytes:
             self._progress(hop.node_id).update(hosted.fetched_bytes, hosted.fetched_bytes)  # what it took
             self.publish("split_stage_fetched", model=self.engine.model_id, node=hop.node_id,
@@ -525,12 +544,13 @@ class SplitPlacement:
 
     async def _keep_spares(self, chain: list[Hop]) -> None:
         """While ``chain`` serves, keep its warm spares (:func:`spare_ranges`) on the nodes' disks: checked
-        every :data:`SPARE_CHECK_S`, so a worker that joins later becomes a spare too. Each change is
-        published as ``split_spares_ready`` (what each spare holds, and who refused)."""
+        every :data:`SPARE_CHECK_S`, so a worker that joins later becomes a spare too. Each check also
+        asks every spare again for the range it keeps (a refresh: nothing moves while its file is there)
+        and stops counting on one whose library had to evict it; a node no longer wanted is told to drop
+        its range. Each change is published as ``split_spares_ready`` (what each spare holds, and who
+        refused)."""
         assert self.ref.sha256 is not None
-        asked: dict[str, tuple[int, int]] = {}
-        held: dict[str, list[Any]] = {}
-        failed: dict[str, str] = {}
+        asked, kept, refused = self._asked, self._kept, self._refused
         first = True
         while True:
             # after each check, the first too: a new chain serves its first requests before spares load the host
@@ -538,45 +558,54 @@ class SplitPlacement:
             own, members = self._own(), self._members()
             nodes = candidates(own, self.budget, members, {*self._suspects, *self.untrusted})
             wanted = spare_ranges(self.profile, nodes, self._rtt(), chain, self.options)
-            todo = {n: r for n, r in wanted.items()
-                    if asked.get(n) != r and n in members and members[n].addresses.listen}
-            gone = {*held, *failed, *asked} - set(wanted)  # no longer a spare (it left, or the plan moved on)
+            reachable = {n for n in members if members[n].addresses.listen}
+            todo = {n: r for n, r in wanted.items() if asked.get(n) != r and n in reachable}
+            check = {n: asked[n] for n in kept if n in wanted and n not in todo and n in reachable}
+            gone = {*kept, *refused, *asked} - set(wanted)  # no longer a spare (it left, or the plan moved on)
+            changed = bool(todo or gone) or first
+            for node in gone:
+                kept.pop(node, None)
+                refused.pop(node, None)
+                if asked.pop(node, None) is not None and node in reachable:
+                    self._spares.spawn(self._unwarm(members[node].addresses.listen[0], node))
+            names = self.names()
+            jobs = {node: self._warm(members[node].addresses.listen[0], own.addresses.listen[0], node, a, b,
+                                     refresh=node not in todo) for node, (a, b) in {**check, **todo}.items()}
+            for node, outcome in zip(jobs, await asyncio.gather(*jobs.values()), strict=True):
+                if isinstance(outcome, str):  # refused, or (a refresh) its file was evicted: not held any more
+                    changed = changed or node in kept
+                    kept.pop(node, None)
+                    refused[node] = outcome
+                elif node in todo:
+                    refused.pop(node, None)
+                    kept[node] = [names.get(node, node[:8]), *todo[node], outcome]
+            asked.update(todo)
             covered = covered_deaths(self.profile, nodes, self._rtt(), chain, self.options, self.held)
-            if todo or gone or first or covered != self.covered:
-                asked.update(todo)
-                for node in gone:
-                    held.pop(node, None)
-                    failed.pop(node, None)
-                    asked.pop(node, None)
-                names = self.names()
-                jobs = {node: self._warm(members[node].addresses.listen[0], own.addresses.listen[0], node, a, b)
-                        for node, (a, b) in todo.items()}
-                for node, outcome in zip(jobs, await asyncio.gather(*jobs.values()), strict=True):
-                    if isinstance(outcome, str):
-                        failed[node] = outcome
-                        held.pop(node, None)
-                    else:
-                        failed.pop(node, None)
-                        held[node] = [names.get(node, node[:8]), *todo[node], outcome]
-                        self.held.setdefault(node, set()).add(todo[node])
-                self.spares = list(held.values())
-                self.covered = covered_deaths(self.profile, nodes, self._rtt(), chain, self.options, self.held)
+            if changed or covered != self.covered:
+                self.spares, self.covered = list(kept.values()), covered
                 self.publish("split_spares_ready", model=self.engine.model_id, spares=self.spares,
-                             failed=[[names.get(n, n[:8]), why] for n, why in failed.items()],
+                             failed=[[names.get(n, n[:8]), why] for n, why in refused.items()],
                              chain=[h.node_id for h in chain],
                              covered=[names.get(n, n[:8]) for n in self.covered])
                 first = False
 
-    async def _warm(self, addr: str, own_addr: str, node: str, start: int, end: int) -> int | str:
-        """Ask ``node`` to keep layers ``[start, end)`` on disk: the bytes it fetched, or why it did not."""
+    async def _warm(self, addr: str, own_addr: str, node: str, start: int, end: int, *,
+                    refresh: bool = False) -> int | str:
+        """Ask ``node`` to keep layers ``[start, end)`` on disk (``refresh``: whether it still does, without
+        the manifest): the bytes it fetched, or why it does not."""
         assert self.ref.sha256 is not None
         try:
             warmed = await ask(self.server.endpoint, node, addr, Warm(
-                model=self.engine.model_id, model_id=self.ref.sha256, manifest=self.manifest,
+                model=self.engine.model_id, model_id=self.ref.sha256, manifest=b"" if refresh else self.manifest,
                 layer_start=start, layer_end=end, addr=own_addr))
         except MeshllmError as exc:
             return str(exc)
         return warmed.fetched_bytes if isinstance(warmed, Warmed) else 0
+
+    async def _unwarm(self, addr: str, node: str) -> None:
+        """Tell ``node`` it need not keep its warm range (best effort: its library may evict the file)."""
+        with contextlib.suppress(MeshllmError):
+            await ask(self.server.endpoint, node, addr, Unwarm(model=self.engine.model_id), timeout=5.0)
 
     def _progress(self, node_id: str) -> FetchProgress:
         return self.fetching.setdefault(node_id, FetchProgress())

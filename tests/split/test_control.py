@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from nacl.signing import SigningKey
 from split_helpers import MODEL, addr, endpoint
+from tinymodels import write_tiny_llama
 
 from meshllm.models.gguf_file import GGUFFile
 from meshllm.models.library import Library
@@ -23,7 +24,9 @@ from meshllm.split.control import (
     Hosted,
     HostRefused,
     Release,
+    Released,
     StageHost,
+    Unwarm,
     Warm,
     Warmed,
     ask,
@@ -209,6 +212,76 @@ def test_a_warm_range_is_kept_on_disk_and_a_rebuild_then_fetches_nothing(tiny_mo
         finally:
             server.close()
             for n in (coord, worker, other):
+                await n.ep.close()
+
+    asyncio.run(main())
+
+
+def test_a_warm_range_outlives_a_transfer_that_would_evict_it(tiny_model: Path, tmp_path: Path) -> None:
+    """A worker pins its warm ranges (weakly) in its library: under a small disk budget a transfer makes
+    room by evicting an unpinned stage file, though the warm one is older. Only when nothing else makes
+    room is a warm file evicted; the coordinator's refresh (the same Warm, no manifest) is then refused,
+    so it stops counting on those layers. Unwarm, or a new range, releases the pin."""
+    async def main() -> None:
+        coord, worker = [await node(tmp_path, n) for n in ("coord", "worker")]
+        lib = worker.library
+        other_file = write_tiny_llama(tmp_path / "other.gguf", n_layers=6, seed=9)
+        entry = coord.library.add(tiny_model, source="file", owned=False)
+        other = coord.library.add(other_file, source="file", owned=False)
+        signed = sign_manifest(coord.key, build_manifest(tiny_model))
+        other_signed = sign_manifest(coord.key, build_manifest(other_file))
+        server = StageServer(worker.ep)
+        host = StageHost(server, worker.store, budget=1 << 30)
+        warm = Warm(model=MODEL, model_id=entry.id, manifest=signed, layer_start=2, layer_end=6, addr=addr(coord.ep))
+        refresh = msgspec.structs.replace(warm, manifest=b"")
+
+        def other_warm(start: int, end: int) -> Warm:
+            return Warm(model="other", model_id=other.id, manifest=other_signed, layer_start=start, layer_end=end,
+                        addr=addr(coord.ep))
+
+        async def to_worker(request: Host | Warm | Unwarm) -> object:
+            return await ask(coord.ep, worker.id, addr(worker.ep), request)
+
+        try:
+            with pytest.raises(HostRefused, match="not kept warm here"):  # a refresh of nothing fetches nothing
+                await to_worker(refresh)
+            assert isinstance(await to_worker(warm), Warmed)  # the warm range: the oldest file
+            kept = lib.stage(entry.id, 2, 6)
+            assert kept is not None and kept.key in lib.kept
+            assert isinstance(await to_worker(other_warm(1, 4)), Warmed)
+            dropped = lib.stage(other.id, 1, 4)
+            assert dropped is not None
+            assert isinstance(await to_worker(Unwarm(model="other")), Released)
+            assert dropped.key not in lib.kept and ("other" not in {m for _, m in host.warm})
+            # room for one more 3-layer stage file only if one file goes: least recently used is the warm one
+            lib.budget_bytes = kept.disk_bytes() + dropped.disk_bytes() + dropped.disk_bytes() // 2
+            assert isinstance(await to_worker(other_warm(2, 5)), Warmed)
+            assert lib.stage(other.id, 1, 4) is None  # the unpinned file went, though used later
+            assert lib.stage(entry.id, 2, 6) is not None
+            again = await to_worker(refresh)
+            assert isinstance(again, Warmed) and again.fetched_bytes == 0
+            # a full disk: both warm files pinned weakly, a stage to host needs room: the older warm file goes
+            newer = lib.stage(other.id, 2, 5)
+            assert newer is not None
+            lib.budget_bytes = kept.disk_bytes() + newer.disk_bytes() + 1
+            hosted = await to_worker(host_request(coord, worker, coord.key, other.id, other_signed, bounds=(1, 2),
+                                                  model="other-stage"))
+            assert isinstance(hosted, Hosted) and hosted.fetched_bytes > 0
+            assert lib.stage(entry.id, 2, 6) is None and kept.key not in lib.kept
+            with pytest.raises(HostRefused, match="evicted"):  # the coordinator learns it is gone
+                await to_worker(refresh)
+            assert (coord.id, MODEL) not in host.warm
+            with pytest.raises(HostRefused, match="no warm range"):
+                await to_worker(Unwarm(model=MODEL))
+            assert lib.stage(other.id, 2, 5) is not None  # the newer warm file stayed
+            lib.budget_bytes = None
+            assert isinstance(await to_worker(other_warm(3, 6)), Warmed)  # a new range releases the old one
+            moved = lib.stage(other.id, 3, 6)
+            assert moved is not None and moved.key in lib.kept
+            assert lib.stage(other.id, 2, 5) is not None and newer.key not in lib.kept
+        finally:
+            server.close()
+            for n in (coord, worker):
                 await n.ep.close()
 
     asyncio.run(main())
