@@ -4,6 +4,8 @@ fetches its range), and who may host, re-place and release a stage."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -13,11 +15,14 @@ from nacl.signing import SigningKey
 from split_helpers import MODEL, addr, endpoint
 from tinymodels import write_tiny_llama
 
+from meshllm.mesh.records import Addresses, Capacity, PeerRecord
 from meshllm.models.gguf_file import GGUFFile
 from meshllm.models.library import Library
 from meshllm.models.manifest import build_manifest, sign_manifest
+from meshllm.models.refs import ModelRef
 from meshllm.models.store import ModelStore
 from meshllm.net import Endpoint
+from meshllm.split import placement as placement_module
 from meshllm.split.control import (
     MAX_STAGES_PER_MEMBER,
     Host,
@@ -31,7 +36,9 @@ from meshllm.split.control import (
     Warmed,
     ask,
 )
+from meshllm.split.engine import SplitEngine
 from meshllm.split.frames import Hop
+from meshllm.split.placement import SplitOptions, SplitPlacement, model_profile
 from meshllm.split.stage import StageServer
 
 
@@ -282,6 +289,64 @@ def test_a_warm_range_outlives_a_transfer_that_would_evict_it(tiny_model: Path, 
         finally:
             server.close()
             for n in (coord, worker):
+                await n.ep.close()
+
+    asyncio.run(main())
+
+
+def test_the_coordinator_stops_counting_on_a_warm_range_its_worker_lost(
+        tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Placement's spare keeping over real workers: the spare's range counts as held (a rebuild would
+    plan inside it) while the worker keeps it; once its library had to evict the file (a full disk),
+    the next check's refresh is refused, the range leaves ``held`` and ``split_spares_ready`` names why."""
+    monkeypatch.setattr(placement_module, "SPARE_CHECK_S", 0.05)
+
+    async def main() -> None:
+        coord, w1, w2 = [await node(tmp_path, n) for n in ("coord", "w1", "w2")]
+        entry = coord.library.add(tiny_model, source="file", owned=False)
+        signed = sign_manifest(coord.key, build_manifest(tiny_model))
+        servers = [StageServer(n.ep) for n in (coord, w1, w2)]
+        for server, worker in zip(servers[1:], (w1, w2), strict=True):
+            StageHost(server, worker.store, budget=1 << 30)
+
+        def record(n: Node, role: str) -> PeerRecord:
+            return PeerRecord(node_id=n.id, mesh_id="m", seq=1, membership_proof=b"p", role=role,  # type: ignore[arg-type]
+                              capacity=Capacity(ram_bytes=1 << 33, gflops=10.0),
+                              addresses=Addresses(listen=[addr(n.ep)]))
+
+        members = {w.id: record(w, "worker") for w in (w1, w2)}
+        events: list[tuple[str, dict[str, object]]] = []
+        placement = SplitPlacement(
+            own=lambda: record(coord, "host"), members=lambda: members, rtt=dict, server=servers[0],
+            engine=SplitEngine(tiny_model, MODEL, 64), ref=ModelRef(tiny_model, MODEL, entry.id), manifest=signed,
+            options=SplitOptions(mode="force", context=64), budget=1 << 33,
+            publish=lambda kind, **fields: events.append((kind, fields)), on_chain=lambda _chain: None,
+            profile=model_profile(tiny_model, 64))
+        chain = [Hop(coord.id, addr(coord.ep), 0, 3), Hop(w1.id, addr(w1.ep), 3, 6)]
+
+        async def until(done: Callable[[], bool]) -> None:
+            async with asyncio.timeout(20.0):
+                while not done():
+                    await asyncio.sleep(0.02)
+
+        keeping = asyncio.ensure_future(placement._keep_spares(chain))
+        try:
+            await until(lambda: w2.id in placement.held)  # the spare for w1's death: w2 keeps the rebuilt range
+            (start, end), = placement.held[w2.id]
+            assert w2.library.stage(entry.id, start, end) is not None and w1.id in placement.covered
+            w2.library.budget_bytes = 1  # a full disk: only the warm file is left to evict
+            assert [e.layers for e in w2.library.reserve(0)] == [(start, end)]
+            await until(lambda: w2.id not in placement.held)
+            assert w1.id not in placement.covered and not placement.spares
+            kind, last = events[-1]
+            assert kind == "split_spares_ready" and "evicted" in str(last["failed"])
+        finally:
+            keeping.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeping
+            for server in servers:
+                server.close()
+            for n in (coord, w1, w2):
                 await n.ep.close()
 
     asyncio.run(main())
