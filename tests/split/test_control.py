@@ -209,6 +209,9 @@ def test_a_warm_range_is_kept_on_disk_and_a_rebuild_then_fetches_nothing(tiny_mo
             warmed = await ask(coord.ep, worker.id, addr(worker.ep), warm)
             assert isinstance(warmed, Warmed) and warmed.fetched_bytes > 0
             assert worker.library.stage(entry.id, 2, 6) is not None and not host.hosted  # on disk, not loaded
+            with pytest.raises(HostRefused, match="no warm range"):  # only its requester may drop a warm range
+                await ask(other.ep, worker.id, addr(worker.ep), Unwarm(model=MODEL))
+            assert (coord.id, MODEL) in host.warm
             rebuilt = await ask(coord.ep, worker.id, addr(worker.ep),
                                 host_request(coord, worker, coord.key, entry.id, signed, bounds=(3, 6)))
             assert isinstance(rebuilt, Hosted) and rebuilt.fetched_bytes == 0 and rebuilt.layer_start == 3
