@@ -25,7 +25,7 @@ from meshllm.cli.common import GIGABYTES, api_option, echo_json, json_option
 @api_option
 @click.option("--stages", type=click.IntRange(1, 8), default=None, help="Force this many stages.")
 @click.option("--max-memory", type=GIGABYTES, default=None, metavar="GB",
-              help="Memory (GiB) any one node may give the model.")
+              help="Memory (GiB) this node may give the model (workers offer their own).")
 @json_option
 def plan(model: str, api: NodeApi, stages: int | None, max_memory: float | None, as_json: bool) -> None:
     """Show how MODEL (a GGUF path or 'default') would be placed: solo or a chain of stages."""
@@ -100,7 +100,7 @@ def _local_plan(spec: str, stages: int | None, max_memory_gb: float | None) -> d
         measured = (f"not measured ({exc}); estimated from a {capacity.gflops:g} GFLOP/s matmul benchmark, "
                     "which overprices decoding")
     me = Candidate("local", memory_budget(capacity, cap), gflops=capacity.gflops, seconds_per_layer=per_layer)
-    chosen = make_plan(profile, [me], {}, "local", PlanOptions(stages=stages, max_memory_per_node=cap))
+    chosen = make_plan(profile, [me], {}, "local", PlanOptions(stages=stages))
     return {**describe(chosen, {"local": "this machine"}, ref.model_id, profile), "compute_source": measured}
 
 

@@ -95,7 +95,8 @@ def node_options(func: Any) -> Any:
         click.option("--stages", type=click.IntRange(2, 8), default=None,
                      help="Stages of a split (default: the planner chooses; force: one per worker plus this node)."),
         click.option("--max-memory", type=GIGABYTES, default=None, metavar="GB",
-                     help="Memory (GiB) this node gives models or, with --worker, offers to splits."),
+                     help="Memory (GiB) this node gives models or, with --worker, offers to splits "
+                          "(this node only: every worker declares its own)."),
         click.option("--model", "models", multiple=True, metavar="REF",
                      help="Model to serve: a GGUF path or 'default' (repeatable; default: the bundled model)."),
         click.option("--standby", is_flag=True,

@@ -13,7 +13,8 @@ evict and delete; files in the user's folders are only ever forgotten, never del
 
 **Disk budget** (``models_disk_budget_gb``): before a transfer or download adds bytes, the library
 makes room by evicting its own files, least recently used first, stage files before whole models,
-never a model in use (:meth:`Library.pin`); if that is not enough it refuses with
+files kept for later (a worker's warm spares: ``pin(entry, weak=True)``) only when nothing else
+makes room, never a model in use (:meth:`Library.pin`); if that is not enough it refuses with
 :class:`DiskBudgetExceeded`. Sizes are the blocks a file really occupies (stage files are sparse).
 """
 
@@ -109,6 +110,8 @@ class Library:
         self.hash_cache = hash_cache
         self.pinned: set[str] = set()
         """Keys of entries in use by this process (never evicted)."""
+        self.kept: set[str] = set()
+        """Keys of entries kept for later by this process (weak pins: evicted only when nothing else makes room)."""
 
     @classmethod
     def for_home(cls, home: Path) -> Library:
@@ -311,8 +314,8 @@ class Library:
     def reserve(self, nbytes: int, keep: Iterable[str] = ()) -> list[LibraryEntry]:
         """Make room for ``nbytes`` more within the budget; returns what was evicted.
 
-        Evicts the library's own files, least recently used first, stage files before whole ones,
-        sparing pinned entries and the keys in ``keep``.
+        Evicts the library's own files, least recently used first, stage files before whole ones, the
+        weakly pinned (:attr:`kept`) last, sparing pinned entries and the keys in ``keep``.
         """
         if self.budget_bytes is None:
             return []
@@ -320,7 +323,7 @@ class Library:
         used = self.disk_bytes()
         evicted: list[LibraryEntry] = []
         candidates = sorted((e for e in self.entries() if e.owned and e.key not in spare),
-                            key=lambda e: (e.kind != "stage", e.last_used))
+                            key=lambda e: (e.key in self.kept, e.kind != "stage", e.last_used))
         for entry in candidates:
             if used + nbytes <= self.budget_bytes:
                 break
@@ -328,6 +331,7 @@ class Library:
             with self._locked() as entries:
                 entries.pop(entry.key, None)
             entry.file.unlink(missing_ok=True)
+            self.kept.discard(entry.key)
             evicted.append(entry)
         if used + nbytes > self.budget_bytes:
             raise DiskBudgetExceeded(
@@ -335,11 +339,12 @@ class Library:
                 f"({used / 1e9:.2f} GB used by models in use or kept)")
         return evicted
 
-    def pin(self, entry: LibraryEntry) -> None:
-        self.pinned.add(entry.key)
+    def pin(self, entry: LibraryEntry, *, weak: bool = False) -> None:
+        """Keep ``entry`` from eviction while in use; ``weak``: kept for later, evicted only as a last resort."""
+        (self.kept if weak else self.pinned).add(entry.key)
 
-    def unpin(self, entry: LibraryEntry) -> None:
-        self.pinned.discard(entry.key)
+    def unpin(self, entry: LibraryEntry, *, weak: bool = False) -> None:
+        (self.kept if weak else self.pinned).discard(entry.key)
 
     # -- manifests ------------------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 One short stream per request: ``Host`` -> ``Progress``* -> ``Hosted`` or ``Refused``; ``Release`` ->
 ``Released`` or ``Refused``; ``Warm`` -> ``Progress``* -> ``Warmed`` or ``Refused`` (layers kept on disk
-for a rebuild, see :class:`Warm`). A model is named by its id (the sha256 of its file), never by a path:
+for a rebuild, see :class:`Warm`; the same ``Warm`` again checks they still are); ``Unwarm`` ->
+``Released`` or ``Refused``. A model is named by its id (the sha256 of its file), never by a path:
 ``Host`` carries the coordinator's **manifest** of the file, signed with its node key, and the worker
 finds the layers in its own library (the whole file, or a stage file it kept) or fetches just that
 range's tensors from the coordinator and every other holder, checking each piece against the
@@ -90,13 +91,17 @@ class Warm(msgspec.Struct, frozen=True, kw_only=True, tag="warm"):
     its disk instead of fetching them. Any member may ask (it is the coordinator of a chain this node
     may be placed on), for at most :data:`MAX_STAGES_PER_MEMBER` models; the bytes come from it (at
     ``addr``, dialled as the requester's node id) and other holders, checked against its signed
-    manifest, into an ordinary stage file of the library (its disk budget and eviction).
+    manifest, into an ordinary stage file of the library, weakly pinned there while warm (evicted only
+    when nothing else makes room in the disk budget). The same request again (same model and layers;
+    its manifest may then be empty) is a **refresh**: ``Warmed`` with nothing fetched while the file is
+    still there, ``Refused`` once the library had to evict it (the coordinator then stops counting on
+    it). A new range replaces the old.
     """
 
     model: ModelName
     model_id: Annotated[str, Meta(pattern=MODEL_ID.pattern)]
     manifest: Annotated[bytes, Meta(max_length=MAX_MANIFEST)]
-    """The model's manifest, signed by the coordinator."""
+    """The model's manifest, signed by the coordinator (empty for a refresh: nothing is fetched)."""
     layer_start: Annotated[int, Meta(ge=0, lt=1 << 16)]
     layer_end: Annotated[int, Meta(ge=1, le=1 << 16)]
     addr: Annotated[str, Meta(max_length=300)]
@@ -105,6 +110,12 @@ class Warm(msgspec.Struct, frozen=True, kw_only=True, tag="warm"):
 
 class Release(msgspec.Struct, frozen=True, kw_only=True, tag="release"):
     """Stop serving the requester's stage of ``model`` (a replan moved its layers elsewhere)."""
+
+    model: ModelName
+
+
+class Unwarm(msgspec.Struct, frozen=True, kw_only=True, tag="unwarm"):
+    """Stop keeping the requester's warm range of ``model`` (its file is left to the library's eviction)."""
 
     model: ModelName
 
@@ -143,7 +154,7 @@ class Refused(msgspec.Struct, frozen=True, kw_only=True, tag="refused"):
     message: str
 
 
-Request = Host | Release | Warm
+Request = Host | Release | Warm | Unwarm
 Reply = Progress | Hosted | Released | Warmed | Refused
 
 
@@ -167,6 +178,16 @@ class HostedStage:
     @property
     def layers(self) -> tuple[int, int]:
         return self.request.hop.layer_start, self.request.hop.layer_end
+
+
+@dataclass
+class WarmRange:
+    """Layers this worker keeps on disk for one coordinator (:class:`Warm`)."""
+
+    model_id: str
+    layers: tuple[int, int]
+    entry: LibraryEntry | None = None
+    """The library file holding them, weakly pinned; None while it is being fetched."""
 
 
 Loader = Callable[[Path, int, int, int], StageModel]
@@ -211,7 +232,7 @@ class StageHost:
         self.is_owner = is_owner or (lambda _node: False)
         self.hosted: dict[tuple[str, str], HostedStage] = {}
         """(owner node id, model) -> what is hosted for that coordinator."""
-        self.warm: dict[tuple[str, str], tuple[int, int]] = {}
+        self.warm: dict[tuple[str, str], WarmRange] = {}
         """(coordinator node id, model) -> the layers kept on disk for it (:class:`Warm`)."""
         server.endpoint.on_stream(KIND, self._serve, max_frame=CONTROL_FRAME)
 
@@ -220,11 +241,13 @@ class StageHost:
         request = await stream.recv(Request, timeout=5.0)
         if request is None:
             return
+        refresh = isinstance(request, Warm) and self._warm_held(peer_id, request) is not None
         try:
             reply: Reply = await self._handle(stream, peer_id, request)
         except (MeshllmError, OSError) as exc:
             reply = Refused(message=str(exc))
-        log.info("stage-control from %s: %s -> %s", short(peer_id), type(request).__name__, type(reply).__name__)
+        level = logging.DEBUG if refresh and isinstance(reply, Warmed) else logging.INFO  # a check every 2 s
+        log.log(level, "stage-control from %s: %s -> %s", short(peer_id), type(request).__name__, type(reply).__name__)
         await stream.send(reply)
 
     async def _handle(self, stream: Stream, peer_id: str, request: Request) -> Reply:
@@ -240,13 +263,56 @@ class StageHost:
                 self.store.library.unpin(held.entry)
             self._changed(request.model)
             return Released(model=request.model)
+        if isinstance(request, Unwarm):
+            if (peer_id, request.model) not in self.warm:
+                return Refused(message=f"no warm range of {request.model} is kept here for node {short(peer_id)}")
+            self._drop_warm((peer_id, request.model))
+            return Released(model=request.model)
         if isinstance(request, Warm):
             return await self._warm(stream, peer_id, request)
         return await self._host(stream, peer_id, request)
 
+    def _warm_held(self, peer_id: str, request: Warm) -> WarmRange | None:
+        """The warm range ``request`` asks for again (a refresh), if this node keeps exactly it."""
+        held = self.warm.get((peer_id, request.model))
+        if held is None or held.entry is None or held.model_id != request.model_id:
+            return None
+        return held if held.layers == (request.layer_start, request.layer_end) else None
+
+    def _drop_warm(self, key: tuple[str, str]) -> None:
+        """Stop keeping ``key``'s warm range: its file is unpinned unless another warm range uses it."""
+        held = self.warm.pop(key, None)
+        if held is not None and held.entry is not None:
+            self._unpin_warm(held.entry)
+
+    def _unpin_warm(self, entry: LibraryEntry) -> None:
+        if not any(w.entry is not None and w.entry.key == entry.key for w in self.warm.values()):
+            self.store.library.unpin(entry, weak=True)
+
+    def _refresh(self, key: tuple[str, str], held: WarmRange, request: Warm) -> Reply:
+        """A coordinator checks that its warm range is still on disk (the library may have had to evict it)."""
+        start, end = held.layers
+        library = self.store.library
+        found = library.whole(held.model_id) or library.stage(held.model_id, start, end)
+        if found is None:
+            self._drop_warm(key)
+            return Refused(message=f"the warm layers [{start}, {end}) of {request.model} were evicted from this "
+                                   "node's disk (its model library's disk budget is full)")
+        if held.entry is not None and found.key != held.entry.key:  # another file holds them now: keep that one
+            library.pin(found, weak=True)
+            old, held.entry = held.entry, found
+            self._unpin_warm(old)
+        return Warmed(model=request.model, layer_start=start, layer_end=end)
+
     async def _warm(self, stream: Stream, peer_id: str, request: Warm) -> Reply:
-        """Fetch (or find) a warm range onto disk for a coordinator (:class:`Warm`)."""
+        """Fetch (or find) a warm range onto disk for a coordinator (:class:`Warm`), or check it (a refresh)."""
         key = (peer_id, request.model)
+        held = self._warm_held(peer_id, request)
+        if held is not None:
+            return self._refresh(key, held, request)
+        if not request.manifest:
+            return Refused(message=f"layers [{request.layer_start}, {request.layer_end}) of {request.model} are "
+                                   "not kept warm here (a new warm range needs the model's manifest)")
         mine = [k for k in self.warm if k[0] == peer_id and k != key]
         if len(mine) >= MAX_STAGES_PER_MEMBER:
             return Refused(message=f"node {short(peer_id)} already has {len(mine)} warm ranges here "
@@ -267,13 +333,24 @@ class StageHost:
         library = self.store.library
         had = library.whole(manifest.model) or library.stage(manifest.model, start, end)
         transfer = f"{manifest.model}:{start}-{end}"
-        self.warm[key] = (start, end)  # counted while it fetches: concurrent requests cannot pass the quota
+        before = self.warm.get(key)  # a range it kept before (the plan moved): kept until the new one is in
+        pending = self.warm[key] = WarmRange(manifest.model, (start, end))  # counted while it fetches: the quota
         try:
-            await self._keep_alive(stream, asyncio.ensure_future(self.store.stage_file(
+            entry = await self._keep_alive(stream, asyncio.ensure_future(self.store.stage_file(
                 manifest, request.model, start, end, [(peer_id, request.addr)], None, check)), transfer)
         except BaseException:
-            del self.warm[key]
+            if self.warm.get(key) is pending:
+                if before is not None:
+                    self.warm[key] = before
+                else:
+                    del self.warm[key]
             raise
+        library.pin(entry, weak=True)
+        pending.entry = entry
+        if self.warm.get(key) is not pending:  # a later request for the key replaced this one meanwhile
+            self._unpin_warm(entry)
+        elif before is not None and before.entry is not None:
+            self._unpin_warm(before.entry)
         view = self.store.transfers.get(transfer) if had is None else None
         return Warmed(model=request.model, layer_start=start, layer_end=end,
                       fetched_bytes=view.bytes_done if view is not None else 0)

@@ -32,7 +32,7 @@ from meshllm.mesh.records import Capacity, PeerRecord
 from meshllm.models.gguf_file import GGUFFile
 from meshllm.models.refs import ModelRef
 from meshllm.split.audit import AUDIT_MEMORY, AUDIT_RATE
-from meshllm.split.control import Host, Hosted, Release, Warm, Warmed, ask
+from meshllm.split.control import Host, Hosted, Release, Unwarm, Warm, Warmed, ask
 from meshllm.split.coordinator import DEFAULT_BATCH, SplitCoordinator
 from meshllm.split.coordinator_core import Deadlines
 from meshllm.split.engine import NO_CHAIN, SplitEngine
@@ -93,7 +93,8 @@ class SplitOptions:
     stages: int | None = None
     """Force exactly this many stages (fewer after a failure if not enough workers are left)."""
     max_memory: int | None = None
-    """Bytes per node (this one and every worker) the plan may use."""
+    """Bytes of RAM this node gives its own stage and whole models (``--max-memory``; a worker's
+    caps what it offers). Never another node's cap: each worker declares its own in its record."""
     context: int = 4096
     """Tokens of KV each stage reserves per session (priced into every layer)."""
     threads: int | None = None
@@ -155,12 +156,23 @@ def model_profile(path: Path, context: int) -> ModelProfile:
     )
 
 
+def budget_source(role: str, max_memory: int | None) -> str:
+    """Where a candidate's memory comes from, for ``/api/plan`` (``nodes[].memory``)."""
+    if role == "worker":
+        return "offered by the worker (its --max-memory, else its RAM) plus its free VRAM"
+    if max_memory is not None:
+        return f"this node's --max-memory ({max_memory / 2**30:.2f} GiB) plus its free VRAM"
+    return f"{RAM_SHARE:.0%} of this node's RAM plus its free VRAM"
+
+
 def candidates(own: PeerRecord, own_budget: int, members: Mapping[str, PeerRecord],
                exclude: Collection[str] = (), measured: Mapping[str, float] | None = None) -> list[Candidate]:
     """This node (the coordinator) plus every live worker that can be dialled directly.
 
     Hosts serve whole models and clients nothing, so only workers offer stage memory; a worker with
-    no listen address is reachable only through a relay and is never a stage. ``measured`` gives
+    no listen address is reachable only through a relay and is never a stage. Each node's memory is
+    its own: ``own_budget`` for this one, what its record offers for a worker (which its own
+    ``--max-memory`` caps: :func:`~meshllm.split.service.offered_capacity`). ``measured`` gives
     seconds per block that running chains of the same model measured (:func:`measured_speeds`);
     they replace the gossiped gflops estimate for those nodes.
     """
@@ -199,12 +211,14 @@ def hops(chosen: Plan, own: PeerRecord, members: Mapping[str, PeerRecord]) -> li
 
 
 def describe(chosen: Plan, names: Mapping[str, str], model: str, profile: ModelProfile,
-             measured: Collection[str] = (), acceptance: float | None = None) -> dict[str, Any]:
+             measured: Collection[str] = (), acceptance: float | None = None,
+             nodes: Collection[Candidate] = (), max_memory: int | None = None) -> dict[str, Any]:
     """JSON of a plan for ``/api/plan`` and ``meshllm plan``: chain, memory per stage, prediction.
 
     ``compute`` of a stage is ``measured`` when its node's speed comes from a running chain, else
     ``estimated`` (gossiped gflops); ``speculation`` appears when the plan was priced with an
-    ``acceptance`` a running chain measured.
+    ``acceptance`` a running chain measured. ``nodes`` (the candidates planned over) adds what was
+    assumed of each: its memory budget and where it comes from (``max_memory``: this node's cap).
     """
     predicted: dict[str, Any] = {"total": round(chosen.total_s * 1e3, 3), "compute": round(chosen.compute_s * 1e3, 3),
                                  "network": round(chosen.network_s * 1e3, 3),
@@ -220,6 +234,9 @@ def describe(chosen: Plan, names: Mapping[str, str], model: str, profile: ModelP
                     "compute_ms": round(s.compute_s * 1e3, 3),
                     "compute": "measured" if s.node_id in measured else "estimated"} for s in chosen.stages],
         "predicted_ms_per_token": predicted,
+        **({"nodes": [{"node_id": c.node_id, "name": names.get(c.node_id, c.node_id[:8]), "role": c.role,
+                       "memory_bytes": c.memory_bytes, "memory": budget_source(c.role, max_memory)}
+                      for c in nodes]} if nodes else {}),
     }
 
 
@@ -283,7 +300,8 @@ def covered_deaths(profile: ModelProfile, nodes: list[Candidate], rtt: Mapping[s
 
 
 def plan_options(options: SplitOptions, workers: int, *, placing: bool = False, degraded: bool = False) -> PlanOptions:
-    """Planner options for the mode: ``--stages`` fixes the stage count.
+    """Planner options for the mode: ``--stages`` fixes the stage count. (``--max-memory`` is not one:
+    it is this node's budget, in its :class:`Candidate`; each worker's is the one its record offers.)
 
     ``placing`` (a chain is to be built now) needs a worker per extra stage; ``degraded`` (a replan
     after a failure) accepts fewer stages, down to two, rather than serving nothing.
@@ -296,8 +314,8 @@ def plan_options(options: SplitOptions, workers: int, *, placing: bool = False, 
             if not degraded:
                 raise NotEnoughWorkers(f"waiting for workers: {want} stages need {want - 1}, the mesh has {workers}")
             want = 1 + workers
-        return PlanOptions(stages=max(2, want) if placing else want, max_memory_per_node=options.max_memory)
-    return PlanOptions(max_memory_per_node=options.max_memory)
+        return PlanOptions(stages=max(2, want) if placing else want)
+    return PlanOptions()
 
 
 class SplitPlacement:
@@ -339,8 +357,16 @@ class SplitPlacement:
         self.untrusted: dict[str, float] = {}
         """Nodes an audit caught (node id -> until when, monotonic): never placed on again before then."""
         self._audits = audits
-        self.held: dict[str, set[tuple[int, int]]] = {}
-        """Node id -> the layer ranges it keeps on disk for this model (stages it hosted, warm spares)."""
+        self.hosted: dict[str, set[tuple[int, int]]] = {}
+        """Node id -> the layer ranges it hosted for this model (their stage files stay on its disk)."""
+        self._asked: dict[str, tuple[int, int]] = {}
+        """Node id -> the warm range it was last asked to keep. Kept across chains: a node the next
+        chain's spares no longer want is told to drop it (``Unwarm``)."""
+        self._kept: dict[str, list[Any]] = {}
+        """Node id -> ``[name, layer_start, layer_end, fetched_bytes]`` of the warm range it confirmed
+        keeping (``Warmed``, and every refresh since)."""
+        self._refused: dict[str, str] = {}
+        """Node id -> why it did not keep its warm range (refused, or the file was evicted)."""
         self.hub_source = hub_source
         self._replan = asyncio.Event()
         self._scope = Scope(f"split placement {self.engine.model_id}")
@@ -351,6 +377,14 @@ class SplitPlacement:
         """The serving chain's warm spares: ``[name, layer_start, layer_end, fetched_bytes]`` each."""
         self.covered: list[str] = []
         """The serving chain's workers whose death leaves a chain that needs no transfer (:func:`covered_deaths`)."""
+
+    @property
+    def held(self) -> dict[str, set[tuple[int, int]]]:
+        """Node id -> the layer ranges it keeps on disk for this model (stages it hosted, warm spares)."""
+        out = {node: set(ranges) for node, ranges in self.hosted.items()}
+        for node, (_name, start, end, _fetched) in self._kept.items():
+            out.setdefault(node, set()).add((start, end))
+        return out
 
     def start(self, prepared: Awaitable[bytes] | None = None) -> None:
         """Place and keep a chain; first await ``prepared`` (the engine's tokenizer and the signed manifest,
@@ -488,6 +522,9 @@ class SplitPlacement:
         self._spares.close()  # an older chain's spares are planned for deaths that no longer apply
         self._spares = Scope(f"split spares {self.engine.model_id}")
         self.spares, self.covered = [], []
+        for node in self._refused:  # the new chain asks again those that did not keep their range
+            self._asked.pop(node, None)
+        self._refused.clear()
         if self.hub_source is None and self.options.spares:  # a hub model has no manifest a spare fetches against
             self._spares.spawn(self._keep_spares(chain))
 
@@ -498,7 +535,7 @@ class SplitPlacement:
             model=self.engine.model_id, model_id=self.ref.sha256, manifest=b"" if hub else self.manifest, hub=hub,
             chain=chain, index=index, max_context=self.engine.max_context,
         ), on_progress=lambda p: self._progress(hop.node_id).update(p.bytes_done, p.bytes_total))
-        self.held.setdefault(hop.node_id, set()).add((hop.layer_start, hop.layer_end))
+        self.hosted.setdefault(hop.node_id, set()).add((hop.layer_start, hop.layer_end))
         if isinstance(hosted, Hosted) and hosted.fetched_bytes:
             self._progress(hop.node_id).update(hosted.fetched_bytes, hosted.fetched_bytes)  # what it took
             self.publish("split_stage_fetched", model=self.engine.model_id, node=hop.node_id,
@@ -507,12 +544,13 @@ class SplitPlacement:
 
     async def _keep_spares(self, chain: list[Hop]) -> None:
         """While ``chain`` serves, keep its warm spares (:func:`spare_ranges`) on the nodes' disks: checked
-        every :data:`SPARE_CHECK_S`, so a worker that joins later becomes a spare too. Each change is
-        published as ``split_spares_ready`` (what each spare holds, and who refused)."""
+        every :data:`SPARE_CHECK_S`, so a worker that joins later becomes a spare too. Each check also
+        asks every spare again for the range it keeps (a refresh: nothing moves while its file is there)
+        and stops counting on one whose library had to evict it; a node no longer wanted is told to drop
+        its range. Each change is published as ``split_spares_ready`` (what each spare holds, and who
+        refused)."""
         assert self.ref.sha256 is not None
-        asked: dict[str, tuple[int, int]] = {}
-        held: dict[str, list[Any]] = {}
-        failed: dict[str, str] = {}
+        asked, kept, refused = self._asked, self._kept, self._refused
         first = True
         while True:
             # after each check, the first too: a new chain serves its first requests before spares load the host
@@ -520,45 +558,54 @@ class SplitPlacement:
             own, members = self._own(), self._members()
             nodes = candidates(own, self.budget, members, {*self._suspects, *self.untrusted})
             wanted = spare_ranges(self.profile, nodes, self._rtt(), chain, self.options)
-            todo = {n: r for n, r in wanted.items()
-                    if asked.get(n) != r and n in members and members[n].addresses.listen}
-            gone = {*held, *failed, *asked} - set(wanted)  # no longer a spare (it left, or the plan moved on)
+            reachable = {n for n in members if members[n].addresses.listen}
+            todo = {n: r for n, r in wanted.items() if asked.get(n) != r and n in reachable}
+            check = {n: asked[n] for n in kept if n in wanted and n not in todo and n in reachable}
+            gone = {*kept, *refused, *asked} - set(wanted)  # no longer a spare (it left, or the plan moved on)
+            changed = bool(todo or gone) or first
+            for node in gone:
+                kept.pop(node, None)
+                refused.pop(node, None)
+                if asked.pop(node, None) is not None and node in reachable:
+                    self._spares.spawn(self._unwarm(members[node].addresses.listen[0], node))
+            names = self.names()
+            jobs = {node: self._warm(members[node].addresses.listen[0], own.addresses.listen[0], node, a, b,
+                                     refresh=node not in todo) for node, (a, b) in {**check, **todo}.items()}
+            for node, outcome in zip(jobs, await asyncio.gather(*jobs.values()), strict=True):
+                if isinstance(outcome, str):  # refused, or (a refresh) its file was evicted: not held any more
+                    changed = changed or node in kept
+                    kept.pop(node, None)
+                    refused[node] = outcome
+                elif node in todo:
+                    refused.pop(node, None)
+                    kept[node] = [names.get(node, node[:8]), *todo[node], outcome]
+            asked.update(todo)
             covered = covered_deaths(self.profile, nodes, self._rtt(), chain, self.options, self.held)
-            if todo or gone or first or covered != self.covered:
-                asked.update(todo)
-                for node in gone:
-                    held.pop(node, None)
-                    failed.pop(node, None)
-                    asked.pop(node, None)
-                names = self.names()
-                jobs = {node: self._warm(members[node].addresses.listen[0], own.addresses.listen[0], node, a, b)
-                        for node, (a, b) in todo.items()}
-                for node, outcome in zip(jobs, await asyncio.gather(*jobs.values()), strict=True):
-                    if isinstance(outcome, str):
-                        failed[node] = outcome
-                        held.pop(node, None)
-                    else:
-                        failed.pop(node, None)
-                        held[node] = [names.get(node, node[:8]), *todo[node], outcome]
-                        self.held.setdefault(node, set()).add(todo[node])
-                self.spares = list(held.values())
-                self.covered = covered_deaths(self.profile, nodes, self._rtt(), chain, self.options, self.held)
+            if changed or covered != self.covered:
+                self.spares, self.covered = list(kept.values()), covered
                 self.publish("split_spares_ready", model=self.engine.model_id, spares=self.spares,
-                             failed=[[names.get(n, n[:8]), why] for n, why in failed.items()],
+                             failed=[[names.get(n, n[:8]), why] for n, why in refused.items()],
                              chain=[h.node_id for h in chain],
                              covered=[names.get(n, n[:8]) for n in self.covered])
                 first = False
 
-    async def _warm(self, addr: str, own_addr: str, node: str, start: int, end: int) -> int | str:
-        """Ask ``node`` to keep layers ``[start, end)`` on disk: the bytes it fetched, or why it did not."""
+    async def _warm(self, addr: str, own_addr: str, node: str, start: int, end: int, *,
+                    refresh: bool = False) -> int | str:
+        """Ask ``node`` to keep layers ``[start, end)`` on disk (``refresh``: whether it still does, without
+        the manifest): the bytes it fetched, or why it does not."""
         assert self.ref.sha256 is not None
         try:
             warmed = await ask(self.server.endpoint, node, addr, Warm(
-                model=self.engine.model_id, model_id=self.ref.sha256, manifest=self.manifest,
+                model=self.engine.model_id, model_id=self.ref.sha256, manifest=b"" if refresh else self.manifest,
                 layer_start=start, layer_end=end, addr=own_addr))
         except MeshllmError as exc:
             return str(exc)
         return warmed.fetched_bytes if isinstance(warmed, Warmed) else 0
+
+    async def _unwarm(self, addr: str, node: str) -> None:
+        """Tell ``node`` it need not keep its warm range (best effort: its library may evict the file)."""
+        with contextlib.suppress(MeshllmError):
+            await ask(self.server.endpoint, node, addr, Unwarm(model=self.engine.model_id), timeout=5.0)
 
     def _progress(self, node_id: str) -> FetchProgress:
         return self.fetching.setdefault(node_id, FetchProgress())

@@ -81,7 +81,8 @@ class Candidate:
 
     node_id: str
     memory_bytes: int
-    """Usable memory for model weights and KV."""
+    """Usable memory for model weights and KV: the node's own budget (its own ``--max-memory``, never
+    another node's; there is no mesh-wide cap)."""
     gflops: float = 0.0
     """Measured compute speed; used when ``seconds_per_layer`` is not known."""
     seconds_per_layer: float | None = None
@@ -99,8 +100,6 @@ class PlanOptions:
     stages: int | None = None
     """Force exactly this many stages (benchmarks, tests); None chooses."""
     max_stages: int = 4
-    max_memory_per_node: int | None = None
-    """Use at most this much of any node's memory."""
     per_hop_overhead_s: float = 0.0015
     """P: protocol overhead per edge of the ring (each lane frame), beyond half the edge's RTT."""
     unknown_rtt_ms: float = 100.0
@@ -191,7 +190,7 @@ def plan(
     opts = options or PlanOptions()
     best = _search(model, candidates, rtt_ms, requester, opts, None)
     if best is None:
-        raise _no_fit(model, _eligible(candidates, opts), opts.stages or opts.max_stages, opts)
+        raise _no_fit(model, _eligible(candidates, opts), opts.stages or opts.max_stages)
     return best
 
 
@@ -219,7 +218,7 @@ def _search(model: ModelProfile, candidates: Sequence[Candidate], rtt_ms: Mappin
     nodes = _eligible(candidates, opts)
     by_id = {c.node_id: c for c in nodes}
     me = by_id.get(requester)
-    firsts = [me] if me is not None and _cap(model, me, opts, first=True, last=False) >= 1 else nodes
+    firsts = [me] if me is not None and _cap(model, me, first=True, last=False) >= 1 else nodes
     sizes = [opts.stages] if opts.stages else list(range(1, opts.max_stages + 1))
     best: Plan | None = None
     for first in firsts:
@@ -251,14 +250,9 @@ def _layer_s(model: ModelProfile, c: Candidate, opts: PlanOptions) -> float:
     return model.layer_flops / ((c.gflops or opts.assumed_gflops) * 1e9)
 
 
-def _memory(c: Candidate, opts: PlanOptions) -> int:
-    cap = opts.max_memory_per_node
-    return c.memory_bytes if cap is None else min(c.memory_bytes, cap)
-
-
-def _cap(model: ModelProfile, c: Candidate, opts: PlanOptions, *, first: bool, last: bool) -> int:
+def _cap(model: ModelProfile, c: Candidate, *, first: bool, last: bool) -> int:
     """How many layers ``c`` can hold in this position of the chain."""
-    free = _memory(c, opts) - model.ends_bytes(first, last)
+    free = c.memory_bytes - model.ends_bytes(first, last)
     if free < 0:
         return 0
     if model.layer_bytes <= 0:
@@ -273,7 +267,7 @@ def _price(
     """The best layer split over this ordered chain (inside ``held`` when given), or None when it cannot
     hold the model."""
     n = len(chain)
-    caps = [_cap(model, c, opts, first=i == 0, last=i == n - 1) for i, c in enumerate(chain)]
+    caps = [_cap(model, c, first=i == 0, last=i == n - 1) for i, c in enumerate(chain)]
     if min(caps) < 1 or sum(caps) < model.n_layers or n > model.n_layers:
         return None
     per_layer = [_layer_s(model, c, opts) for c in chain]
@@ -364,8 +358,8 @@ def _rtt(rtt_ms: Mapping[str, Mapping[str, float]], a: str, b: str, opts: PlanOp
     return ms
 
 
-def _no_fit(model: ModelProfile, nodes: list[Candidate], max_stages: int, opts: PlanOptions) -> NoChainFits:
-    roomiest = sorted((_memory(c, opts) for c in nodes), reverse=True)[:max_stages]
+def _no_fit(model: ModelProfile, nodes: list[Candidate], max_stages: int) -> NoChainFits:
+    roomiest = sorted((c.memory_bytes for c in nodes), reverse=True)[:max_stages]
     need = model.whole_bytes + max(0, len(roomiest) - 1) * model.stage_bytes  # each stage has its buffers
     have = sum(roomiest)
     short = max(need - have, 0)

@@ -239,15 +239,16 @@ class SplitService:
         """What the planner would choose for ``spec`` over this node's view of the mesh (``/api/plan``)."""
         ref = resolve_model(spec, progress=False, library=self.store.library)
         profile = model_profile(ref.path, self.options.context)
-        options = SplitOptions(mode="force" if stages else "auto", stages=stages,
-                               max_memory=max_memory or self.options.max_memory, context=self.options.context)
+        # ``max_memory`` asks "what if this node had that much": it is this node's budget, never a worker's
+        cap = max_memory or self.options.max_memory
+        options = SplitOptions(mode="force" if stages else "auto", stages=stages, context=self.options.context)
         own, members = self._own(), self._members()
         # a chain of this model that ran here measured its nodes' speeds and its acceptance: plan with them
         running = self.placements.get(ref.model_id)
         coordinator = running.coordinator if running is not None else None
         measured = measured_speeds(coordinator, profile) if coordinator is not None else {}
         acceptance = coordinator.acceptance.rate if coordinator is not None and coordinator.stats.drafted else None
-        nodes = candidates(own, memory_budget(own.capacity, options.max_memory), members, measured=measured)
+        nodes = candidates(own, memory_budget(own.capacity, cap), members, measured=measured)
         opts = plan_options(options, len(nodes) - 1)
         if coordinator is not None and (serve := coordinator.serve_seconds) is not None:
             opts = dataclasses.replace(opts, serve_overhead_s=serve)
@@ -255,7 +256,7 @@ class SplitService:
             opts = dataclasses.replace(opts, speculation=Speculation(acceptance))
         chosen = plan(profile, nodes, self._rtt(), own.node_id, opts)
         names = {**{n: r.name for n, r in members.items()}, own.node_id: own.name}
-        return describe(chosen, names, ref.model_id, profile, measured, acceptance)
+        return describe(chosen, names, ref.model_id, profile, measured, acceptance, nodes=nodes, max_memory=cap)
 
     # -- the peer record -------------------------------------------------------------------------
 

@@ -4,6 +4,8 @@ fetches its range), and who may host, re-place and release a stage."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -11,24 +13,32 @@ import numpy as np
 import pytest
 from nacl.signing import SigningKey
 from split_helpers import MODEL, addr, endpoint
+from tinymodels import write_tiny_llama
 
+from meshllm.mesh.records import Addresses, Capacity, PeerRecord
 from meshllm.models.gguf_file import GGUFFile
 from meshllm.models.library import Library
 from meshllm.models.manifest import build_manifest, sign_manifest
+from meshllm.models.refs import ModelRef
 from meshllm.models.store import ModelStore
 from meshllm.net import Endpoint
+from meshllm.split import placement as placement_module
 from meshllm.split.control import (
     MAX_STAGES_PER_MEMBER,
     Host,
     Hosted,
     HostRefused,
     Release,
+    Released,
     StageHost,
+    Unwarm,
     Warm,
     Warmed,
     ask,
 )
+from meshllm.split.engine import SplitEngine
 from meshllm.split.frames import Hop
+from meshllm.split.placement import SplitOptions, SplitPlacement, model_profile
 from meshllm.split.stage import StageServer
 
 
@@ -199,6 +209,9 @@ def test_a_warm_range_is_kept_on_disk_and_a_rebuild_then_fetches_nothing(tiny_mo
             warmed = await ask(coord.ep, worker.id, addr(worker.ep), warm)
             assert isinstance(warmed, Warmed) and warmed.fetched_bytes > 0
             assert worker.library.stage(entry.id, 2, 6) is not None and not host.hosted  # on disk, not loaded
+            with pytest.raises(HostRefused, match="no warm range"):  # only its requester may drop a warm range
+                await ask(other.ep, worker.id, addr(worker.ep), Unwarm(model=MODEL))
+            assert (coord.id, MODEL) in host.warm
             rebuilt = await ask(coord.ep, worker.id, addr(worker.ep),
                                 host_request(coord, worker, coord.key, entry.id, signed, bounds=(3, 6)))
             assert isinstance(rebuilt, Hosted) and rebuilt.fetched_bytes == 0 and rebuilt.layer_start == 3
@@ -209,6 +222,134 @@ def test_a_warm_range_is_kept_on_disk_and_a_rebuild_then_fetches_nothing(tiny_mo
         finally:
             server.close()
             for n in (coord, worker, other):
+                await n.ep.close()
+
+    asyncio.run(main())
+
+
+def test_a_warm_range_outlives_a_transfer_that_would_evict_it(tiny_model: Path, tmp_path: Path) -> None:
+    """A worker pins its warm ranges (weakly) in its library: under a small disk budget a transfer makes
+    room by evicting an unpinned stage file, though the warm one is older. Only when nothing else makes
+    room is a warm file evicted; the coordinator's refresh (the same Warm, no manifest) is then refused,
+    so it stops counting on those layers. Unwarm, or a new range, releases the pin."""
+    async def main() -> None:
+        coord, worker = [await node(tmp_path, n) for n in ("coord", "worker")]
+        lib = worker.library
+        other_file = write_tiny_llama(tmp_path / "other.gguf", n_layers=6, seed=9)
+        entry = coord.library.add(tiny_model, source="file", owned=False)
+        other = coord.library.add(other_file, source="file", owned=False)
+        signed = sign_manifest(coord.key, build_manifest(tiny_model))
+        other_signed = sign_manifest(coord.key, build_manifest(other_file))
+        server = StageServer(worker.ep)
+        host = StageHost(server, worker.store, budget=1 << 30)
+        warm = Warm(model=MODEL, model_id=entry.id, manifest=signed, layer_start=2, layer_end=6, addr=addr(coord.ep))
+        refresh = msgspec.structs.replace(warm, manifest=b"")
+
+        def other_warm(start: int, end: int) -> Warm:
+            return Warm(model="other", model_id=other.id, manifest=other_signed, layer_start=start, layer_end=end,
+                        addr=addr(coord.ep))
+
+        async def to_worker(request: Host | Warm | Unwarm) -> object:
+            return await ask(coord.ep, worker.id, addr(worker.ep), request)
+
+        try:
+            with pytest.raises(HostRefused, match="not kept warm here"):  # a refresh of nothing fetches nothing
+                await to_worker(refresh)
+            assert isinstance(await to_worker(warm), Warmed)  # the warm range: the oldest file
+            kept = lib.stage(entry.id, 2, 6)
+            assert kept is not None and kept.key in lib.kept
+            assert isinstance(await to_worker(other_warm(1, 4)), Warmed)
+            dropped = lib.stage(other.id, 1, 4)
+            assert dropped is not None
+            assert isinstance(await to_worker(Unwarm(model="other")), Released)
+            assert dropped.key not in lib.kept and ("other" not in {m for _, m in host.warm})
+            # room for one more 3-layer stage file only if one file goes: least recently used is the warm one
+            lib.budget_bytes = kept.disk_bytes() + dropped.disk_bytes() + dropped.disk_bytes() // 2
+            assert isinstance(await to_worker(other_warm(2, 5)), Warmed)
+            assert lib.stage(other.id, 1, 4) is None  # the unpinned file went, though used later
+            assert lib.stage(entry.id, 2, 6) is not None
+            again = await to_worker(refresh)
+            assert isinstance(again, Warmed) and again.fetched_bytes == 0
+            # a full disk: both warm files pinned weakly, a stage to host needs room: the older warm file goes
+            newer = lib.stage(other.id, 2, 5)
+            assert newer is not None
+            lib.budget_bytes = kept.disk_bytes() + newer.disk_bytes() + 1
+            hosted = await to_worker(host_request(coord, worker, coord.key, other.id, other_signed, bounds=(1, 2),
+                                                  model="other-stage"))
+            assert isinstance(hosted, Hosted) and hosted.fetched_bytes > 0
+            assert lib.stage(entry.id, 2, 6) is None and kept.key not in lib.kept
+            with pytest.raises(HostRefused, match="evicted"):  # the coordinator learns it is gone
+                await to_worker(refresh)
+            assert (coord.id, MODEL) not in host.warm
+            with pytest.raises(HostRefused, match="no warm range"):
+                await to_worker(Unwarm(model=MODEL))
+            assert lib.stage(other.id, 2, 5) is not None  # the newer warm file stayed
+            lib.budget_bytes = None
+            assert isinstance(await to_worker(other_warm(3, 6)), Warmed)  # a new range releases the old one
+            moved = lib.stage(other.id, 3, 6)
+            assert moved is not None and moved.key in lib.kept
+            assert lib.stage(other.id, 2, 5) is not None and newer.key not in lib.kept
+        finally:
+            server.close()
+            for n in (coord, worker):
+                await n.ep.close()
+
+    asyncio.run(main())
+
+
+def test_the_coordinator_stops_counting_on_a_warm_range_its_worker_lost(
+        tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Placement's spare keeping over real workers: the spare's range counts as held (a rebuild would
+    plan inside it) while the worker keeps it; once its library had to evict the file (a full disk),
+    the next check's refresh is refused, the range leaves ``held`` and ``split_spares_ready`` names why."""
+    monkeypatch.setattr(placement_module, "SPARE_CHECK_S", 0.05)
+
+    async def main() -> None:
+        coord, w1, w2 = [await node(tmp_path, n) for n in ("coord", "w1", "w2")]
+        entry = coord.library.add(tiny_model, source="file", owned=False)
+        signed = sign_manifest(coord.key, build_manifest(tiny_model))
+        servers = [StageServer(n.ep) for n in (coord, w1, w2)]
+        for server, worker in zip(servers[1:], (w1, w2), strict=True):
+            StageHost(server, worker.store, budget=1 << 30)
+
+        def record(n: Node, role: str) -> PeerRecord:
+            return PeerRecord(node_id=n.id, mesh_id="m", seq=1, membership_proof=b"p", role=role,  # type: ignore[arg-type]
+                              capacity=Capacity(ram_bytes=1 << 33, gflops=10.0),
+                              addresses=Addresses(listen=[addr(n.ep)]))
+
+        members = {w.id: record(w, "worker") for w in (w1, w2)}
+        events: list[tuple[str, dict[str, object]]] = []
+        placement = SplitPlacement(
+            own=lambda: record(coord, "host"), members=lambda: members, rtt=dict, server=servers[0],
+            engine=SplitEngine(tiny_model, MODEL, 64), ref=ModelRef(tiny_model, MODEL, entry.id), manifest=signed,
+            options=SplitOptions(mode="force", context=64), budget=1 << 33,
+            publish=lambda kind, **fields: events.append((kind, fields)), on_chain=lambda _chain: None,
+            profile=model_profile(tiny_model, 64))
+        chain = [Hop(coord.id, addr(coord.ep), 0, 3), Hop(w1.id, addr(w1.ep), 3, 6)]
+
+        async def until(done: Callable[[], bool]) -> None:
+            async with asyncio.timeout(20.0):
+                while not done():
+                    await asyncio.sleep(0.02)
+
+        keeping = asyncio.ensure_future(placement._keep_spares(chain))
+        try:
+            await until(lambda: w2.id in placement.held)  # the spare for w1's death: w2 keeps the rebuilt range
+            (start, end), = placement.held[w2.id]
+            assert w2.library.stage(entry.id, start, end) is not None and w1.id in placement.covered
+            w2.library.budget_bytes = 1  # a full disk: only the warm file is left to evict
+            assert [e.layers for e in w2.library.reserve(0)] == [(start, end)]
+            await until(lambda: w2.id not in placement.held)
+            assert w1.id not in placement.covered and not placement.spares
+            kind, last = events[-1]
+            assert kind == "split_spares_ready" and "evicted" in str(last["failed"])
+        finally:
+            keeping.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeping
+            for server in servers:
+                server.close()
+            for n in (coord, w1, w2):
                 await n.ep.close()
 
     asyncio.run(main())

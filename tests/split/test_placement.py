@@ -16,12 +16,15 @@ from meshllm.split.placement import (
     candidates,
     choose_plan,
     covered_deaths,
+    describe,
+    memory_budget,
     model_profile,
     needs_split,
     plan_options,
     spare_ranges,
 )
 from meshllm.split.planner import Held, plan_held
+from meshllm.split.service import offered_capacity
 
 GB = 1 << 30
 
@@ -38,6 +41,34 @@ def test_only_direct_workers_are_candidates() -> None:
     found = candidates(own, 2 * GB, members, exclude={"sus"})
     assert [(c.node_id, c.memory_bytes) for c in found if not c.relay_only] == [("me", 2 * GB), ("w1", 8 * GB)]
     assert [c.node_id for c in found if c.relay_only] == ["relay"]
+
+
+def test_a_coordinators_memory_cap_never_shrinks_a_worker() -> None:
+    """``serve --max-memory`` is this node's budget only: a worker offers what its own record says
+    (its own ``--max-memory``, else its RAM), so a model that fits the mesh is planned onto it."""
+    profile = ModelProfile(n_layers=8, layer_bytes=GB, first_bytes=GB // 2, last_bytes=GB // 2, layer_flops=1e8)
+    cap = 2 * GB
+    options = SplitOptions(mode="auto", max_memory=cap)
+    own = record("me", "host", ram=64 * GB)
+    members = {"w": record("w", "worker", ram=16 * GB)}
+    nodes = candidates(own, memory_budget(own.capacity, options.max_memory), members)
+    assert [(c.node_id, c.memory_bytes) for c in nodes] == [("me", cap), ("w", 16 * GB)]
+    chosen = plan(profile, nodes, {}, "me", plan_options(options, len(nodes) - 1))
+    assert chosen.stages[0].node_id == "me" and chosen.stages[0].memory_bytes <= cap
+    assert chosen.chain[1][0] == "w" and chosen.stages[1].memory_bytes > cap  # 7 of the 8 layers: 7.5 GiB
+    assert chosen.chain == [("me", 0, 1), ("w", 1, 8)]
+    said = describe(chosen, {"me": "coord", "w": "worker1"}, "m", profile, nodes=nodes, max_memory=cap)["nodes"]
+    assert [(n["name"], n["memory_bytes"]) for n in said] == [("coord", cap), ("worker1", 16 * GB)]
+    assert "--max-memory (2.00 GiB)" in said[0]["memory"] and "offered by the worker" in said[1]["memory"]
+
+
+def test_a_worker_caps_only_what_it_offers() -> None:
+    """A worker's ``--max-memory`` caps its record's RAM (what coordinators plan with); a host's record is
+    left as measured (its cap is its own budget, applied where it plans)."""
+    measured = Capacity(ram_bytes=32 * GB, vram_bytes=GB, gflops=10.0)
+    assert offered_capacity(measured, "worker", 4 * GB) == Capacity(ram_bytes=4 * GB, vram_bytes=GB, gflops=10.0)
+    assert offered_capacity(measured, "host", 4 * GB) == measured
+    assert offered_capacity(measured, "worker", None) == measured
 
 
 def test_forced_stages_wait_for_workers_then_degrade_after_a_failure() -> None:
