@@ -41,6 +41,7 @@ from pathlib import Path
 import msgspec
 
 from meshllm.engine.base import (
+    REPLAY_STEPS_S,
     Engine,
     EngineError,
     EngineNotLoaded,
@@ -68,9 +69,6 @@ from meshllm.split.frames import Sampling
 log = logging.getLogger(__name__)
 
 
-REPLAY_PASSES_S = 2.0
-"""Longest a replay may spend re-running the failed chain's passes (predicted at its step time); a
-longer one prefills the generated tokens in one pass instead (the client's gap stays bounded)."""
 NO_CHAIN = "no chain yet"
 """How placement's reason starts when it could not build a chain (a replaying request stops waiting)."""
 
@@ -112,7 +110,7 @@ class SplitEngine(Engine):
     supports = SUPPORTS
 
     def __init__(self, path: Path, model_id: str, max_context: int, *, max_replays: int = 2,
-                 replay_wait_s: float = 30.0, replay_passes_s: float = REPLAY_PASSES_S,
+                 replay_wait_s: float = 30.0, replay_passes_s: float = REPLAY_STEPS_S,
                  on_event: Callable[..., None] | None = None) -> None:
         """``max_replays``: chain rebuilds one request may ride out (0: a failed stage ends it);
         ``replay_wait_s``: how long it waits for the rebuilt chain; ``replay_passes_s``: the longest
