@@ -28,7 +28,8 @@ import msgspec
 
 from meshllm.errors import ConfigError, MeshllmError, VerificationError
 from meshllm.identity.keys import NodeKey
-from meshllm.mesh import view
+from meshllm.mesh import blackboard, view
+from meshllm.mesh.blackboard import BoardRefusal, HeldNote
 from meshllm.mesh.membership import Membership
 from meshllm.mesh.records import Addresses, CheckTrust, PeerRecord, RecordVerifier, RttEntry
 from meshllm.mesh.routes import (
@@ -68,6 +69,21 @@ IDLE_CLOSE_S = 30.0
 """A connection to a member that is not an anchor is closed after this long without a stream."""
 
 OnEvent = Callable[..., None]
+
+
+class NoBoard:
+    """The blackboard face of a passive client: it holds no notes (gossip carries them, and it takes no part),
+    so reading and posting are refused with a reason (``/api/blackboard`` answers 409, MCP's tools an error)."""
+
+    def _refuse(self) -> BoardRefusal:
+        return BoardRefusal("passive-client", "a passive client holds no blackboard: notes travel by gossip",
+                            hint="start the node with --client --member to read and post notes")
+
+    def post(self, text: str) -> HeldNote:
+        raise self._refuse()
+
+    def search(self, query: blackboard.Query) -> list[HeldNote]:
+        raise self._refuse()
 
 
 class PassiveMesh:
