@@ -38,8 +38,10 @@ from meshllm.identity.ids import node_public_key
 from meshllm.identity.signing import CLOCK_SKEW_S, decode_signed, encode_signed, sign, verify
 from meshllm.mesh import rtt, view
 from meshllm.mesh.records import (
+    MAX_DEMAND,
     Addresses,
     Load,
+    ModelName,
     Models,
     PeerRecord,
     Role,
@@ -98,6 +100,8 @@ class RouteEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     load: Load = Load()
     rtt_ms: RttMs | None = None
     """The issuing anchor's round trip to the node, quantised (None: it has not measured one)."""
+    standby: Annotated[list[ModelName], msgspec.Meta(max_length=MAX_DEMAND)] = []
+    """Models the node would start serving on demand (shown in the client's status, as a member shows them)."""
 
 
 class RouteTable(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -168,7 +172,7 @@ def entry_of(record: PeerRecord, status: Status, rtt_ms: float | None, held_rtt:
         listen=[a for a in addrs.listen if len(a) <= 300][:ADDRS_MAX],
         observed=[a for a in addrs.observed if len(a) <= 300][:ADDRS_MAX],
         relay=[a for a in addrs.relay if len(a) <= 300][:ADDRS_MAX],
-        models=models, load=_quantise_load(record.load),
+        models=models, load=_quantise_load(record.load), standby=list(record.standby),
         rtt_ms=None if rtt_ms is None else quantise_rtt(rtt_ms, held_rtt),
     )
 
@@ -383,7 +387,7 @@ def record_of(entry: RouteEntry, mesh_id: str, issuer: str) -> PeerRecord:
     return PeerRecord(
         node_id=entry.node_id, mesh_id=mesh_id, seq=0, membership_proof=b"", name=entry.name, role=entry.role,
         addresses=Addresses(listen=list(entry.listen), observed=list(entry.observed), relay=list(entry.relay)),
-        models=Models(served=served), load=entry.load,
+        models=Models(served=served), load=entry.load, standby=list(entry.standby),
     )
 
 
