@@ -20,7 +20,7 @@ from meshllm.engine.base import DEFAULT_MAX_TOKENS
 from meshllm.errors import ConfigError, DecodeError
 from meshllm.events import EventHub
 from meshllm.mesh.admission import MESH_PASSPHRASE_ENV, MeshKey, is_mesh_id
-from meshllm.mesh.routes import PULL_INTERVAL_S
+from meshllm.mesh.routes import PULL_INTERVAL_MAX_S, PULL_INTERVAL_S
 from meshllm.runtime.replay import DEFAULT_MAX_REPLAYS
 from meshllm.wire.addr import parse_addr
 
@@ -74,7 +74,7 @@ def node_options(func: Any) -> Any:
         click.option("--member", is_flag=True,
                      help="With --client: join gossip as a full member instead (in every view; accepts connections, "
                           "offers its library's model files to the mesh, holds the blackboard)."),
-        click.option("--routes-interval", type=click.FloatRange(0.5, 300.0), default=PULL_INTERVAL_S,
+        click.option("--routes-interval", type=click.FloatRange(0.5, PULL_INTERVAL_MAX_S), default=PULL_INTERVAL_S,
                      show_default=True,
                      help="Seconds between a joining --client's route-table pulls (it also pulls on demand: a "
                           "failed node, an unknown model, a lost anchor)."),

@@ -1,15 +1,16 @@
 """A passive client's mesh driver: anchors, route-table pulls, and nothing of gossip.
 
-``serve --client --passive`` builds this instead of :class:`~meshllm.mesh.service.MeshService`.
+``serve --client`` (joining a mesh, without ``--member``) builds this instead of
+:class:`~meshllm.mesh.service.MeshService`.
 It has the same face towards the rest of the node (``endpoint``, ``gossip``, ``membership``,
 ``admission``, ``update_own``, ...), so serving, routing, failover, replay and status run on it
 unchanged; but ``gossip`` is a :class:`~meshllm.mesh.routes.PassiveView` filled from route tables
 (:mod:`meshllm.mesh.routes`), and the endpoint tells every member it dials that it is passive
 (``Hello.passive``), so members keep it out of gossip and never probe it.
 
-The loop: keep :data:`~meshllm.mesh.routes.ANCHORS` connections to members (the invite's
-bootstrap addresses first, then members the table lists, picked at random so clients spread over
-the mesh); ask one anchor for the table every interval and at once when something suggests it is
+The loop: keep :data:`~meshllm.mesh.routes.ANCHORS` connection to a member (the invite's
+bootstrap address first, then a member the table lists, picked at random so clients spread over
+the mesh); ask the anchor for the table every interval and at once when something suggests it is
 out of date (a node we talk to failed, an anchor went); turn the table into the peer view and
 report its changes as ``peer_joined``/``peer_left`` like a member does. Every wait has a deadline.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
@@ -49,6 +51,7 @@ from meshllm.net.backoff import Backoff
 from meshllm.net.endpoint import Endpoint, EndpointOptions
 from meshllm.net.errors import AdmissionRefused, ConnectError
 from meshllm.net.events import PeerEvent, PeerEventKind
+from meshllm.net.quic import ACCEPT_IDLE_TIMEOUT
 from meshllm.wire.addr import format_addr, parse_addr
 
 log = logging.getLogger(__name__)
@@ -56,10 +59,11 @@ log = logging.getLogger(__name__)
 PROBE_INTERVAL_S = 1.0
 """Datagram probes on a passive client's connections to serving nodes: a dead one turns suspect within
 about 3 s (a stalled stream is hedged sooner)."""
-ANCHOR_PROBE_S = 15.0
-"""Probes on anchor connections: only to keep NAT bindings and the QUIC idle timer alive. An anchor's
-liveness is its answers to pulls (a pull that times out closes the connection and the next anchor
-answers), so hundreds of clients cost a member one small stream each per interval, not 4 datagrams a second."""
+ANCHOR_PROBE_S = math.inf
+"""Anchor connections carry no probes: an anchor's liveness is its answers to pulls (a pull that fails within
+its deadline closes the connection and another member is dialed), and the pulls keep the connection (with
+the long idle timeout members grant passive dialers) and NAT bindings alive. So hundreds of clients cost a
+member one small stream each per interval, and nothing else."""
 PULL_TIMEOUT_S = 5.0
 """A pull (open, ask, whole reply) must finish within this long; then the next anchor is asked."""
 DIAL_TIMEOUT_S = 3.0
@@ -128,6 +132,8 @@ class PassiveMesh:
         """The member we joined through, until the table offers enough others to draw from."""
         self._passed_over: str | None = None
         """The invite's member when the draw passed it over: not redrawn, so every member's odds are equal."""
+        self._shunned: set[str] = set()
+        """Members whose tables we refused: not drawn as anchors again while others remain."""
         self._idle_since: dict[str, float] = {}
         self._dial_backoff = Backoff(0.2, 2.0, 5.0)
         self._not_before = 0.0
@@ -141,7 +147,7 @@ class PassiveMesh:
         if not self.membership.bootstrap:
             raise ConfigError("a passive client needs a member to connect to",
                               hint="join with an invite (or --bootstrap HOST:PORT)")
-        options = EndpointOptions(passive=True, probe_interval=PROBE_INTERVAL_S)
+        options = EndpointOptions(passive=True, probe_interval=PROBE_INTERVAL_S, idle_timeout=ACCEPT_IDLE_TIMEOUT)
         try:
             self.endpoint = await Endpoint.create(
                 self.key.signing_key, self._host, self._port, admit=self._admit,
@@ -254,7 +260,8 @@ class PassiveMesh:
             return
         if self._dialing is not None and not self._dialing.done():
             return
-        candidates = self.book.anchor_candidates([*self.anchors, *filter(None, [self._passed_over])])
+        skip = [*self.anchors, *filter(None, [self._passed_over])]
+        candidates = self.book.anchor_candidates([*skip, *self._shunned]) or self.book.anchor_candidates(skip)
         self._dialing = asyncio.create_task(self._add_anchor(candidates), name="anchor-dial")
 
     def _close_idle(self, now: float) -> None:
@@ -322,12 +329,20 @@ class PassiveMesh:
             if isinstance(outcome, TableRefused):
                 log.warning("refused a route table from %s: %s", anchor[:8], outcome.reason)
                 self._on_event("routes_refused", issuer=anchor, reason=outcome.reason)
+                self._shun(anchor)
                 continue
             if isinstance(outcome, TableAccepted):
                 self._on_event("routes_updated", issuer=anchor, version=outcome.version,
                                nodes=len(self.book.entries(time.time())), added=outcome.added, removed=outcome.removed)
             self._install(time.time())
             return
+
+    def _shun(self, anchor: str) -> None:
+        """``anchor`` sent a table we refused: ask another member from now on (its connection closes once idle)."""
+        if anchor in self.anchors:
+            self.anchors.remove(anchor)
+        self._shunned.add(anchor)
+        self.book.on_demand(time.time())
 
     def _install(self, now: float) -> None:
         """The table held, as our peer view and our RTT row; changes reported as a member reports them."""

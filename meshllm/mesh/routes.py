@@ -62,14 +62,22 @@ ADDRS_MAX = 8
 MODELS_MAX = 32
 TABLE_MAX_AGE_S = 120.0
 """A table signed longer ago than this is refused (a replay); anchors re-sign an unchanged one at half of it."""
-PULL_INTERVAL_S = 5.0
-"""How often a client asks its anchor, by default (and at once on demand: a failed node, an unknown model)."""
+PULL_INTERVAL_S = 60.0
+"""How often a client asks its anchor, by default (and at once on demand: a failed node, an unknown model, a
+lost anchor). Each pull costs the anchor a few QUIC packets, and a member's idle CPU is little more than
+its gossip: a pull a minute from 50 clients is a few per cent of it (docs/benchmarks.md, "Passive clients")."""
+PULL_INTERVAL_MAX_S = 100.0
+"""Pulls are the only traffic on an anchor connection (it carries no probes): they must come before the
+connection's idle timeout (:data:`~meshllm.net.quic.ACCEPT_IDLE_TIMEOUT`, 120 s) closes it."""
 ON_DEMAND_MIN_S = 0.5
 """Pulls on demand are at most this frequent: a burst of failures asks once."""
-ANCHORS = 2
-"""Members a client stays connected to: one answers, the other takes over at once if it goes."""
+ANCHORS = 1
+"""Members a client holds a connection to and pulls from. One: a second would need keepalives of its own,
+a few packets of each member's time per client, and a lost anchor is replaced by dialing another member
+the table lists (a pull that fails within its deadline, or a closed connection, asks for one at once)."""
 STALE_AFTER_S = 30.0
-"""A client whose anchors have not answered for this long drops the entries it holds (no routing to ghosts)."""
+"""Members a table no longer lists stay as ``down`` tombstones this long (routers answer 503, not 404)."""
+
 
 Name = Annotated[str, msgspec.Meta(max_length=200)]
 Addr = Annotated[str, msgspec.Meta(max_length=300)]
@@ -326,13 +334,15 @@ class RouteBook:
         self._next_pull = now + self.interval
 
     def on_demand(self, now: float) -> bool:
-        """Something suggests the table is out of date (a node failed, a model is unknown): pull soon.
+        """Something suggests the table is out of date (a node failed, a model is unknown, a new anchor): pull
+        now, or :data:`ON_DEMAND_MIN_S` after the last pull on demand (a burst of failures asks once or twice,
+        and a demand is never lost to the long interval).
 
-        Returns whether a pull was scheduled (at most one per :data:`ON_DEMAND_MIN_S`)."""
-        if now - self._last_demand < ON_DEMAND_MIN_S:
+        Returns whether this scheduled a pull sooner than one already due."""
+        at = max(now, self._last_demand + ON_DEMAND_MIN_S)
+        if at >= self._next_pull:
             return False
-        self._last_demand = now
-        self._next_pull = min(self._next_pull, now)
+        self._last_demand = self._next_pull = at
         return True
 
     def next_timer(self) -> float:
@@ -356,9 +366,14 @@ class RouteBook:
         self.table, self.confirmed = table, now
         return TableAccepted(issuer, table.version, sorted(after - before), sorted(before - after))
 
+    @property
+    def stale_after(self) -> float:
+        """A table no anchor vouched for this long is dropped (no routing to ghosts): two missed pulls."""
+        return max(STALE_AFTER_S, 2.5 * self.interval)
+
     def entries(self, now: float) -> list[RouteEntry]:
-        """The entries to route on; none once no anchor has vouched for them in :data:`STALE_AFTER_S`."""
-        if self.table is None or now - self.confirmed > STALE_AFTER_S:
+        """The entries to route on; none once no anchor has vouched for them in :attr:`stale_after`."""
+        if self.table is None or now - self.confirmed > self.stale_after:
             return []
         return [e for e in self.table.entries if e.node_id != self.node_id]
 

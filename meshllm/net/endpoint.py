@@ -54,6 +54,7 @@ from meshllm.net.events import PeerEvent, PeerEventKind
 from meshllm.net.limits import COOL_DOWN_S, CoolDowns, Strikes
 from meshllm.net.messages import KIND_MAX, Addr, CloseCode, is_virtual, normalize_addr
 from meshllm.net.quic import (
+    ACCEPT_IDLE_TIMEOUT,
     CONNECTION_WINDOW,
     IDLE_TIMEOUT,
     MAX_DATAGRAM_SIZE,
@@ -101,6 +102,10 @@ class EndpointOptions:
     """Most unsent bytes a stream holds before ``send`` waits."""
     max_datagram_size: int = MAX_DATAGRAM_SIZE
     idle_timeout: float = IDLE_TIMEOUT
+    accept_idle_timeout: float = ACCEPT_IDLE_TIMEOUT
+    """The idle timeout we advertise to dialers. QUIC takes the smaller of both sides', so this longer one
+    lengthens only connections whose dialer asks for as much: passive clients, whose route-table pulls are
+    all the traffic on their anchor connection (mesh/passive.py). Members dial with ``idle_timeout``."""
     probe_interval: float = 0.25
     passive: bool = False
     """We are a passive client: dialed peers are told so (``Hello.passive``) and keep us out of gossip."""
@@ -158,7 +163,7 @@ class Endpoint:
         self._server_config = make_configuration(
             signing_key, is_client=False, stream_window=options.stream_window,
             connection_window=options.connection_window,
-            max_datagram_size=options.max_datagram_size, idle_timeout=options.idle_timeout,
+            max_datagram_size=options.max_datagram_size, idle_timeout=options.accept_idle_timeout,
         )
         self._routes: dict[bytes, PeerConnection] = {}
         self._handlers: dict[str, tuple[StreamHandler, int]] = {}
