@@ -74,3 +74,30 @@ def test_member_is_for_a_client(tmp_path: Path) -> None:
     assert out.returncode != 0
     assert "--member is for a --client" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_passive_client_takes_an_invite_use_and_comes_back_on_its_credential(tmp_path: Path) -> None:
+    """``invite create --uses 1``: one passive client joins with it; a second is refused in one line; the first
+    restarts on the credential it keeps in its home."""
+    from nodes import meshllm
+
+    with running_nodes() as nodes:
+        owner = NodeProcess(tmp_path / "owner", ["--client"], "owner")
+        nodes.append(owner)
+        owner.wait_ready()
+        made = meshllm("invite", "create", *owner.api_args, "--uses", "1")
+        assert made.returncode == 0, made.stderr
+        token = made.stdout.strip()
+        first = NodeProcess(tmp_path / "p1", ["--client", "--join", token], "p1")
+        nodes.append(first)
+        first.wait_ready()
+        assert first.status()["passive"] and first.status()["anchors"] == [owner.node_id]
+        refused = meshllm("join", token, "--client", "--home", str(tmp_path / "p2"), "--port", "0",
+                          "--mesh-port", "0", "--mesh-host", "127.0.0.1")
+        assert refused.returncode == 1 and "already used" in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr
+        assert first.terminate() == 0
+        again = NodeProcess(tmp_path / "p1", ["--client", "--join", token], "p1")
+        nodes.append(again)
+        assert again.wait_ready()["node_id"] == first.node_id
+        assert first.node_id not in [p["node_id"] for p in owner.status()["peers"]]
