@@ -65,7 +65,7 @@ from meshllm.identity.trust import TrustStore
 from meshllm.mesh.admission import INVITE_ID_BYTES
 from meshllm.mesh.blackboard_service import BlackboardService
 from meshllm.mesh.membership import Membership, join_mesh, own_mesh
-from meshllm.mesh.passive import NoBoard, PassiveMesh
+from meshllm.mesh.passive import NoBoard, PassiveMesh, PullOnUnmet
 from meshllm.mesh.records import MAX_AVAILABLE, DiskModel, PeerRecord
 from meshllm.mesh.routes import PULL_INTERVAL_S
 from meshllm.mesh.routes_service import RouteService
@@ -246,6 +246,8 @@ class Node:
             rename=self._rename, describe=self._describe, on_event=self.events.publish,
             standby=await self._standby_library(), standby_config=StandbyConfig(idle_s=opts.standby_idle_s),
         )
+        if isinstance(self.mesh, PassiveMesh):
+            self.serving.backend.demand = PullOnUnmet(self.serving.backend.demand, self.mesh)
         self.discovery = self._make_discovery()
         await self._start_api()
         self.events.publish("mesh_ready", mesh_id=self.membership.mesh_id, mesh_addr=self.mesh_addr)

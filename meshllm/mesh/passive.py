@@ -75,6 +75,22 @@ IDLE_CLOSE_S = 30.0
 OnEvent = Callable[..., None]
 
 
+class PullOnUnmet:
+    """The node's demand counter, wrapped on a passive client: a request that had nowhere to go (nobody in
+    the table serves the model, or every node was full) also asks the anchor for a fresh table at once, so a
+    model loaded since the last pull is routed to on the next request, not a minute later."""
+
+    def __init__(self, inner: Any, mesh: PassiveMesh) -> None:
+        self.inner, self.mesh = inner, mesh
+
+    def record(self, model: str, now: float) -> None:
+        self.inner.record(model, now)
+
+    def unmet(self, model: str, now: float) -> None:
+        self.inner.unmet(model, now)
+        self.mesh.refresh()
+
+
 class NoBoard:
     """The blackboard face of a passive client: it holds no notes (gossip carries them, and it takes no part),
     so reading and posting are refused with a reason (``/api/blackboard`` answers 409, MCP's tools an error)."""
