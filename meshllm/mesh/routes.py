@@ -1,7 +1,7 @@
 """Route tables for passive clients: a sans-IO protocol (the driver is :mod:`meshllm.mesh.passive`).
 
-A passive client (``serve --client --passive``) takes no part in gossip: it holds one or two
-connections to members (its *anchors*) and asks one of them, on an interval and on demand, for a
+A passive client (``serve --client`` joining a mesh) takes no part in gossip: it holds one
+connection to a member (its *anchor*) and asks it, on an interval and on demand, for a
 **route table**: every live member (serving nodes first) with its addresses, the models it takes
 requests for, its load, and the anchor's RTT to it. That is all routing, failover and replay need,
 so the client routes exactly as a member does; but no member holds anything about it beyond its

@@ -85,6 +85,8 @@ class PeerConnection:
         self._loop = asyncio.get_running_loop()
         self._admission: Admission | None = None
         self._streams: dict[int, Stream] = {}
+        self._has_streams = asyncio.Event()
+        """Set while streams are open: the sweep sleeps on it otherwise (an idle connection costs no wakeups)."""
         self._peer_next: dict[int, int] = {}
         """Per stream type (``id & 3``): the lowest peer stream id above every one seen so far."""
         self._peer_unseen: set[int] = set()
@@ -401,6 +403,7 @@ class PeerConnection:
             send_budget=self.endpoint.options.send_budget if budget is None else budget,
         )
         self._streams[stream_id] = stream
+        self._has_streams.set()
         self.quic.track_stream(stream_id)
         return stream
 
@@ -477,10 +480,15 @@ class PeerConnection:
         """Reset streams whose header or current frame is overdue (a trickle never holds a stream).
 
         A sweep that wakes up late measures our own loop's stall: that time is forgiven, so a busy
-        node never blames its peers for frames it was too slow to read.
+        node never blames its peers for frames it was too slow to read. With no stream open it waits
+        for one: a member holding hundreds of quiet passive clients' connections pays nothing for them.
         """
         due = self._loop.time() + SWEEP_INTERVAL_S
         while self.close_reason is None:
+            if not self._streams:
+                self._has_streams.clear()
+                await self._has_streams.wait()
+                due = self._loop.time() + SWEEP_INTERVAL_S
             await asyncio.sleep(max(0.0, due - self._loop.time()))
             now = self._loop.time()
             lag, due = now - due, now + SWEEP_INTERVAL_S
