@@ -6,7 +6,7 @@ measures each member's CPU (user + system seconds from /proc) and stream bytes b
 several per process, each with its own key, UDP socket and connections; they join through the
 owner's open invite and anchor to a member drawn at random) and measures the same window again.
 
-    .venv/bin/python bench/passive_clients.py [--members 3] [--clients 200] [--procs 4] [--window 30]
+    .venv/bin/python bench/passive_clients.py [--members 3] [--clients 200] [--procs 4] [--window 60]
 
 Prints a table (per member: CPU % of one core before/after, gossip and route-table bytes/s) and
 writes bench/results/passive_clients.json. Figures in docs/benchmarks.md.
@@ -33,6 +33,7 @@ import httpx
 from nodes import NodeProcess, running_nodes, wait_until
 from tinymodels import write_tiny_llama
 
+from meshllm.mesh.passive import IDLE_CLOSE_S
 from meshllm.mesh.routes import ANCHORS, PULL_INTERVAL_S
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -138,7 +139,9 @@ def run(members_n: int, clients: int, procs: int, seconds: float, interval: floa
                     raise SystemExit(f"a client swarm failed to start: {line!r}")
                 print(line.strip(), file=sys.stderr)
             start_s = time.monotonic() - started
-            time.sleep(5)
+            # steady state: the clients that drew another anchor have closed their connection to the
+            # invite's member (idle), and every client has pulled at least once from its anchor
+            time.sleep(IDLE_CLOSE_S + 5)
             routes0 = [n.status()["route_tables"] for n in nodes]
             after = window(nodes, seconds)
             statuses = [n.status() for n in nodes]
@@ -165,7 +168,8 @@ def main() -> None:
     parser.add_argument("--members", type=int, default=3)
     parser.add_argument("--clients", type=int, default=200)
     parser.add_argument("--procs", type=int, default=4, help="processes the clients share")
-    parser.add_argument("--window", type=float, default=30.0, help="seconds measured before and after")
+    parser.add_argument("--window", type=float, default=PULL_INTERVAL_S,
+                        help="seconds measured before and after (at least a pull interval: every client pulls)")
     parser.add_argument("--interval", type=float, default=PULL_INTERVAL_S, help="clients' pull interval (the default)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "passive_clients.json")
     parser.add_argument("--profile", type=Path, help="run member m1 under cProfile, writing its stats here")
@@ -192,7 +196,10 @@ def main() -> None:
     print(f"largest view of any member with the clients connected: {result['largest_member_view']} peers")
     print("median: cpu {0[0]:.2f} -> {0[1]:.2f} % of a core, gossip {1[0]:.0f} -> {1[1]:.0f} B/s, "
           "all streams {2[0]:.0f} -> {2[1]:.0f} B/s".format(med["cpu_pct"], med["gossip_Bps"], med["all_Bps"]))
-    result["median"] = med
+    added = {k: 100 * (a / b - 1) if b else 0.0 for k, (b, a) in med.items()}
+    print("added by the clients (median member): cpu {cpu_pct:+.1f} %, gossip bytes {gossip_Bps:+.1f} %, "
+          "all stream bytes {all_Bps:+.1f} %".format(**added))
+    result["median"], result["added_pct"] = med, added
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
 

@@ -17,6 +17,7 @@ from meshllm.mesh import view
 from meshllm.mesh.records import Addresses, Load, Models, RttEntry, ServedModel, sign_record
 from meshllm.mesh.routes import (
     ROUTES_DOMAIN,
+    RTT_FLOOR_MS,
     STALE_AFTER_S,
     TABLE_MAX_AGE_S,
     TABLE_MAX_BYTES,
@@ -196,18 +197,19 @@ def test_passive_view_reads_like_gossip() -> None:
 
 
 def test_rtt_jitter_within_a_factor_four_keeps_the_published_value() -> None:
-    assert quantise_rtt(1.9, held=0.5) == 0.5 and quantise_rtt(0.13, held=0.5) == 0.5
-    assert quantise_rtt(2.5, held=0.5) == quantise_rtt(2.5)
+    assert quantise_rtt(39.0, held=10.0) == 10.0 and quantise_rtt(0.43, held=10.0) == 10.0
+    assert quantise_rtt(41.0, held=10.0) == quantise_rtt(41.0) != 10.0
+    assert quantise_rtt(0.43) == quantise_rtt(9.9) == RTT_FLOOR_MS  # one busy host's loopback swings alike
     own, peers = anchor_view(peer(3, ["tiny"]))
     server = RouteTableServer(ANCHOR, MESH)
     book = fresh_book()
     book.receive(ANCHOR_ID, server.answer(book.ask(), own, peers, NOW), NOW)
-    for ms in (1.6, 11.0, 2.2):
+    for ms in (1.6, 11.0, 0.4, 23.7):
         jittered = msgspec.structs.replace(own, rtt={n: RttEntry(ms, "direct") for n in own.rtt})
         assert isinstance(server.answer(book.ask(), jittered, peers, NOW + 1), RoutesSame)
     unmeasured = msgspec.structs.replace(own, rtt={})  # not connected now: the last value stands
     assert isinstance(server.answer(book.ask(), unmeasured, peers, NOW + 1), RoutesSame)
-    far = msgspec.structs.replace(own, rtt={n: RttEntry(40.0, "direct") for n in own.rtt})
+    far = msgspec.structs.replace(own, rtt={n: RttEntry(45.0, "direct") for n in own.rtt})
     assert isinstance(server.answer(book.ask(), far, peers, NOW + 2), RoutesTable)
 
 
