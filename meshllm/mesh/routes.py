@@ -69,6 +69,10 @@ its gossip: a pull a minute from 50 clients is a few per cent of it (docs/benchm
 PULL_INTERVAL_MAX_S = 100.0
 """Pulls are the only traffic on an anchor connection (it carries no probes): they must come before the
 connection's idle timeout (:data:`~meshllm.net.quic.ACCEPT_IDLE_TIMEOUT`, 120 s) closes it."""
+FOLLOW_S = 2.0
+"""After a table that added or removed members (and after the first), the next pull comes this soon, then
+each one twice as late up to the interval: a mesh in flux (nodes joining) is followed within seconds, a
+settled one costs a pull a minute."""
 ON_DEMAND_MIN_S = 0.5
 """Pulls on demand are at most this frequent: a burst of failures asks once."""
 ANCHORS = 1
@@ -323,6 +327,8 @@ class RouteBook:
     confirmed: float = 0.0
     """When an anchor last vouched for the table held (a new table or ``RoutesSame``)."""
     _next_pull: float = 0.0
+    _delay: float = FOLLOW_S
+    """How long after this pull the next one comes: doubles up to ``interval`` (see :data:`FOLLOW_S`)."""
     _last_demand: float = field(default=-math.inf)
 
     def ask(self) -> RoutesAsk:
@@ -333,8 +339,10 @@ class RouteBook:
         return now >= self._next_pull
 
     def pulled(self, now: float) -> None:
-        """A pull was started: the next one is an interval away (unless asked for sooner)."""
-        self._next_pull = now + self.interval
+        """A pull was started: the next one is the current delay away (unless asked for sooner)."""
+        self._delay = min(self._delay, self.interval)
+        self._next_pull = now + self._delay
+        self._delay = min(self.interval, self._delay * 2)
 
     def on_demand(self, now: float) -> bool:
         """Something suggests the table is out of date (a node failed, a model is unknown, a new anchor): pull
@@ -367,6 +375,9 @@ class RouteBook:
         before = {e.node_id for e in held.entries} if held is not None else set()
         after = {e.node_id for e in table.entries} - {self.node_id}
         self.table, self.confirmed = table, now
+        if before != after:  # members came or went: more may follow, so look again soon
+            self._delay = FOLLOW_S
+            self._next_pull = min(self._next_pull, now + FOLLOW_S)
         return TableAccepted(issuer, table.version, sorted(after - before), sorted(before - after))
 
     @property

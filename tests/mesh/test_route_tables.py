@@ -16,6 +16,7 @@ from meshllm.identity.signing import encode_signed, sign
 from meshllm.mesh import view
 from meshllm.mesh.records import Addresses, Load, Models, RttEntry, ServedModel, sign_record
 from meshllm.mesh.routes import (
+    FOLLOW_S,
     ROUTES_DOMAIN,
     RTT_FLOOR_MS,
     STALE_AFTER_S,
@@ -170,17 +171,30 @@ def test_dropped_nodes_become_tombstones_and_silence_empties_the_view() -> None:
     assert book.stale_after >= 2 * book.interval and book.stale_after >= STALE_AFTER_S
 
 
-def test_pulls_run_on_the_interval_and_on_demand_at_most_twice_a_second() -> None:
+def test_pulls_follow_changes_then_slow_to_the_interval_and_run_on_demand() -> None:
     book = fresh_book()
     assert book.due(0.0)
-    book.pulled(0.0)
-    assert not book.due(1.0) and book.due(book.interval)
-    assert book.on_demand(1.0) and book.due(1.0)
-    book.pulled(1.0)
-    assert book.on_demand(1.2) and not book.due(1.2) and book.due(1.5)  # not lost: 0.5 s after the last
-    assert not book.on_demand(1.3) and not book.due(1.4)  # a burst asks once
-    book.pulled(1.5)
-    assert not book.due(1.5 + book.interval - 0.1) and book.due(1.5 + book.interval)
+    gaps = []
+    now = 0.0
+    for _ in range(8):
+        book.pulled(now)
+        nxt = book.next_timer()
+        gaps.append(nxt - now)
+        now = nxt
+    assert gaps == [FOLLOW_S, 4.0, 8.0, 16.0, 32.0, book.interval, book.interval, book.interval]
+    # a table that adds a member brings the next pull near again
+    book.receive(ANCHOR_ID, RoutesTable(signed_table([entry(2)], issued=now)), now)
+    assert book.due(now + FOLLOW_S)
+    book.pulled(now + FOLLOW_S)
+    book.receive(ANCHOR_ID, RoutesTable(signed_table([entry(2)], issued=now + 3)), now + 3)  # same members
+    assert not book.due(now + 2 * FOLLOW_S - 0.1) and book.due(now + 2 * FOLLOW_S)  # and it slows again
+    # on demand: at once, or 0.5 s after the last demand; never lost, a burst asks once
+    now = book.next_timer()
+    book.pulled(now)
+    assert book.on_demand(now + 1.0) and book.due(now + 1.0)
+    book.pulled(now + 1.0)
+    assert book.on_demand(now + 1.2) and not book.due(now + 1.2) and book.due(now + 1.5)
+    assert not book.on_demand(now + 1.3) and not book.due(now + 1.4)
 
 
 def test_passive_view_reads_like_gossip() -> None:
