@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import random
 import time
 from collections.abc import Callable
@@ -56,16 +55,13 @@ from meshllm.wire.addr import format_addr, parse_addr
 
 log = logging.getLogger(__name__)
 
-PROBE_INTERVAL_S = 1.0
-"""Datagram probes on a passive client's connections to serving nodes: a dead one turns suspect within
-about 3 s (a stalled stream is hedged sooner)."""
-ANCHOR_PROBE_S = math.inf
-"""Anchor connections carry no probes: an anchor's liveness is its answers to pulls (a pull that fails within
-its deadline closes the connection and another member is dialed), and the pulls keep the connection (with
-the long idle timeout members grant passive dialers) and NAT bindings alive. So hundreds of clients cost a
-member one small stream each per interval, and nothing else."""
 PULL_TIMEOUT_S = 5.0
-"""A pull (open, ask, whole reply) must finish within this long; then the next anchor is asked."""
+"""A pull (open, ask, whole reply) must finish within this long; else the anchor is dropped and another dialed.
+
+Connections are probed only while they carry a request or a pull (``EndpointOptions.probe_idle`` off): a
+serving node that dies mid-answer turns suspect within a second, as for a member, while a quiet anchor
+connection costs its member nothing. An anchor's liveness is its answers to pulls, and the pulls keep the
+connection (with the long idle timeout members grant passive dialers) and NAT bindings alive."""
 DIAL_TIMEOUT_S = 3.0
 BOOTSTRAP_DEADLINE_S = 15.0
 TICK_MAX_S = 0.5
@@ -163,7 +159,7 @@ class PassiveMesh:
         if not self.membership.bootstrap:
             raise ConfigError("a passive client needs a member to connect to",
                               hint="join with an invite (or --bootstrap HOST:PORT)")
-        options = EndpointOptions(passive=True, probe_interval=PROBE_INTERVAL_S, idle_timeout=ACCEPT_IDLE_TIMEOUT)
+        options = EndpointOptions(passive=True, probe_idle=False, idle_timeout=ACCEPT_IDLE_TIMEOUT)
         try:
             self.endpoint = await Endpoint.create(
                 self.key.signing_key, self._host, self._port, admit=self._admit,
@@ -296,8 +292,7 @@ class PassiveMesh:
         for peer in candidates[:4]:
             for text in self.book.addresses(peer):
                 try:
-                    await self.endpoint.connect(parse_addr(text), expected_node_id=peer, timeout=DIAL_TIMEOUT_S,
-                                                probe_interval=ANCHOR_PROBE_S)
+                    await self.endpoint.connect(parse_addr(text), expected_node_id=peer, timeout=DIAL_TIMEOUT_S)
                 except MeshllmError as exc:
                     log.debug("anchor dial %s at %s failed: %s", peer[:8], text, exc)
                     continue
@@ -397,8 +392,7 @@ class PassiveMesh:
         while time.monotonic() < deadline:
             for text in addrs:
                 try:
-                    conn = await self.endpoint.connect(parse_addr(text), timeout=DIAL_TIMEOUT_S,
-                                                       probe_interval=ANCHOR_PROBE_S)
+                    conn = await self.endpoint.connect(parse_addr(text), timeout=DIAL_TIMEOUT_S)
                     assert conn.node_id is not None
                     return conn.node_id
                 except AdmissionRefused:

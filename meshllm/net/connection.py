@@ -505,8 +505,15 @@ class PeerConnection:
     # -- probes -------------------------------------------------------------------------------
 
     async def _run_probes(self, probes: ProbeState) -> None:
+        """Ping on the probe interval; with ``probe_idle`` off, only while a stream is open (the connection
+        is then idle between uses and costs its peer nothing)."""
         while self.close_reason is None:
-            self._apply_probes(probes.poll(self._loop.time()))
+            if not self.endpoint.options.probe_idle and not self._streams:
+                self._has_streams.clear()
+                await self._has_streams.wait()
+                probes.resume(self._loop.time())
+            else:
+                self._apply_probes(probes.poll(self._loop.time()))
             await asyncio.sleep(max(0.0, probes.next_deadline - self._loop.time()))
 
     def _apply_probes(self, out: ProbeOutput) -> None:

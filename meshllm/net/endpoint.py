@@ -107,6 +107,9 @@ class EndpointOptions:
     lengthens only connections whose dialer asks for as much: passive clients, whose route-table pulls are
     all the traffic on their anchor connection (mesh/passive.py). Members dial with ``idle_timeout``."""
     probe_interval: float = 0.25
+    probe_idle: bool = True
+    """Probe connections with no stream open too. Off (a passive client): a connection is probed only while
+    it carries a request or a pull, so a quiet one costs the member at the other end nothing."""
     passive: bool = False
     """We are a passive client: dialed peers are told so (``Hello.passive``) and keep us out of gossip."""
     suspect_after: int = 3
