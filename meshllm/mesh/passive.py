@@ -72,8 +72,9 @@ OnEvent = Callable[..., None]
 
 
 class PullOnUnmet:
-    """The node's demand counter, wrapped on a passive client: a request that had nowhere to go (nobody in
-    the table serves the model, or every node was full) also asks the anchor for a fresh table at once, so a
+    """The node's demand counter, wrapped on a passive client: while requests are routed it pulls every few
+    seconds (:data:`~meshllm.mesh.routes.BUSY_INTERVAL_S`), and a request that had nowhere to go (nobody in
+    the table serves the model, or every node was full) asks the anchor for a fresh table at once, so a
     model loaded since the last pull is routed to on the next request, not a minute later."""
 
     def __init__(self, inner: Any, mesh: PassiveMesh) -> None:
@@ -81,6 +82,7 @@ class PullOnUnmet:
 
     def record(self, model: str, now: float) -> None:
         self.inner.record(model, now)
+        self.mesh.busy()
 
     def unmet(self, model: str, now: float) -> None:
         self.inner.unmet(model, now)
@@ -207,6 +209,11 @@ class PassiveMesh:
 
     def revoke(self, kind: str, target: str) -> Any:
         raise ConfigError("only the node that holds the mesh key can revoke", hint="ask the mesh owner's node")
+
+    def busy(self) -> None:
+        """A request is being routed: keep the table fresh while the client is in use."""
+        self.book.busy(time.time())
+        self._wake.set()
 
     def refresh(self) -> None:
         """Ask an anchor for the table soon (on demand: a model nobody serves, a node that failed)."""

@@ -73,6 +73,10 @@ FOLLOW_S = 2.0
 """After a table that added or removed members (and after the first), the next pull comes this soon, then
 each one twice as late up to the interval: a mesh in flux (nodes joining) is followed within seconds, a
 settled one costs a pull a minute."""
+BUSY_INTERVAL_S = 5.0
+"""While a client routes requests, it pulls at least this often: loads move and standby nodes start serving
+under its own load. A client in use costs the mesh its requests, next to which a pull is nothing; the
+hundreds that sit idle pull once a minute."""
 ON_DEMAND_MIN_S = 0.5
 """Pulls on demand are at most this frequent: a burst of failures asks once."""
 ANCHORS = 1
@@ -327,6 +331,7 @@ class RouteBook:
     confirmed: float = 0.0
     """When an anchor last vouched for the table held (a new table or ``RoutesSame``)."""
     _next_pull: float = 0.0
+    _pulled_at: float = -math.inf
     _delay: float = FOLLOW_S
     """How long after this pull the next one comes: doubles up to ``interval`` (see :data:`FOLLOW_S`)."""
     _last_demand: float = field(default=-math.inf)
@@ -341,7 +346,7 @@ class RouteBook:
     def pulled(self, now: float) -> None:
         """A pull was started: the next one is the current delay away (unless asked for sooner)."""
         self._delay = min(self._delay, self.interval)
-        self._next_pull = now + self._delay
+        self._pulled_at, self._next_pull = now, now + self._delay
         self._delay = min(self.interval, self._delay * 2)
 
     def on_demand(self, now: float) -> bool:
@@ -355,6 +360,10 @@ class RouteBook:
             return False
         self._last_demand = self._next_pull = at
         return True
+
+    def busy(self, now: float) -> None:
+        """A request was routed: the next pull comes at most :data:`BUSY_INTERVAL_S` after the last one."""
+        self._next_pull = min(self._next_pull, max(now, self._pulled_at + min(BUSY_INTERVAL_S, self.interval)))
 
     def next_timer(self) -> float:
         return self._next_pull

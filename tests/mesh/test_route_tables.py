@@ -16,6 +16,7 @@ from meshllm.identity.signing import encode_signed, sign
 from meshllm.mesh import view
 from meshllm.mesh.records import Addresses, Load, Models, RttEntry, ServedModel, sign_record
 from meshllm.mesh.routes import (
+    BUSY_INTERVAL_S,
     FOLLOW_S,
     ROUTES_DOMAIN,
     RTT_FLOOR_MS,
@@ -195,6 +196,13 @@ def test_pulls_follow_changes_then_slow_to_the_interval_and_run_on_demand() -> N
     book.pulled(now + 1.0)
     assert book.on_demand(now + 1.2) and not book.due(now + 1.2) and book.due(now + 1.5)
     assert not book.on_demand(now + 1.3) and not book.due(now + 1.4)
+    # in use: at most BUSY_INTERVAL_S between pulls
+    book.pulled(now + 1.5)
+    book.busy(now + 2.0)
+    assert not book.due(now + 1.5 + BUSY_INTERVAL_S - 0.1) and book.due(now + 1.5 + BUSY_INTERVAL_S)
+    book.pulled(now + 10.0)
+    book.busy(now + 20.0)  # long since the last pull: at once
+    assert book.due(now + 20.0)
 
 
 def test_passive_view_reads_like_gossip() -> None:
