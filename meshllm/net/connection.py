@@ -79,8 +79,6 @@ class PeerConnection:
         self.close_reason: str | None = None
         """Why the connection ended, once it has."""
         self.probes: ProbeState | None = None
-        self.probe_interval: float | None = None
-        """This connection's probe period when its dialer chose one (None: the endpoint's)."""
         self._expected = expected
         self._loop = asyncio.get_running_loop()
         self._admission: Admission | None = None
@@ -360,7 +358,7 @@ class PeerConnection:
                 if admission.serving and self.probes is None:
                     self.probes = ProbeState(
                         self._loop.time(),
-                        interval=self.probe_interval or self.endpoint.options.probe_interval,
+                        interval=self.endpoint.options.probe_interval,
                         suspect_after=self.endpoint.options.suspect_after,
                     )
             for message in outgoing:

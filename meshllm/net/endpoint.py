@@ -236,14 +236,12 @@ class Endpoint:
 
     async def connect(
         self, addr: Addr, expected_node_id: str | None = None, timeout: float = 5.0, *, fresh: bool = False,
-        probe_interval: float | None = None,
     ) -> PeerConnection:
         """An admitted connection to the node at ``addr``, reusing an open one to that node.
 
         With ``expected_node_id`` the peer's certificate must carry that key (else
         :class:`PeerMismatch`); without it (a bootstrap address) the peer's id is learned.
         ``fresh`` dials even if we hold a connection to the peer (a direct path to a relayed peer).
-        ``probe_interval`` sets a new connection's probe period (a passive client's anchors: slow).
         Raises :class:`ConnectTimeout`, :class:`AdmissionRefused` or :class:`ConnectError`.
         """
         if self._closed:
@@ -258,7 +256,6 @@ class Endpoint:
         conn = self._dialing.get(addr)
         if conn is None:
             conn = self._dial(addr, expected_node_id)
-            conn.probe_interval = probe_interval
         try:
             await asyncio.wait_for(conn.wait_admitted(), timeout)
         except TimeoutError:
