@@ -40,7 +40,7 @@ def one_run(n: int, base: Path) -> dict[str, float]:
         nodes.append(NodeProcess(base / "n0", ["--client"], "n0"))
         token = nodes[0].wait_ready()["invite"]
         for i in range(1, n):
-            nodes.append(NodeProcess(base / f"n{i}", ["--client", "--join", token], f"n{i}"))
+            nodes.append(NodeProcess(base / f"n{i}", ["--client", "--member", "--join", token], f"n{i}"))
         for node in nodes:
             node.wait_ready()
         converge = wait_until(lambda: all(full_view(x, nodes) for x in nodes), 30.0, interval=0.02)

@@ -29,7 +29,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=50, help="members (gossip), the owner included")
     parser.add_argument("--serving", type=int, default=4, help="members serving the tiny model (the owner is one)")
-    parser.add_argument("--workers", type=int, default=10, help="--worker members (the rest are --client members)")
+    parser.add_argument("--workers", type=int, default=10, help="--worker members (the rest are --client --member)")
     parser.add_argument("--passive", type=int, default=4, help="passive clients (entry points, not members)")
     parser.add_argument("--duration", type=float, default=120.0, help="seconds to kill and restart 10 %% over")
     parser.add_argument("--threads", type=int, default=2, help="chat threads")

@@ -1,12 +1,12 @@
 """What passive clients cost the members they pull route tables from (real nodes and drivers on 127.0.0.1).
 
-Starts M members (``meshllm serve``: an owner serving the tiny model, the rest ``--client`` members),
+Starts M members (``meshllm serve``: an owner serving the tiny model, the rest ``--client --member``),
 measures each member's CPU (user + system seconds from /proc) and stream bytes by kind (its
 ``/metrics``) over a window, then starts C passive clients (the real :class:`PassiveMesh` driver,
 several per process, each with its own key, UDP socket and connections; they join through the
-owner's open invite and anchor to two members at random) and measures the same window again.
+owner's open invite and anchor to a member drawn at random) and measures the same window again.
 
-    .venv/bin/python bench/passive_clients.py [--members 3] [--clients 200] [--procs 4] [--window 30]
+    .venv/bin/python bench/passive_clients.py [--members 3] [--clients 200] [--procs 4] [--window 60]
 
 Prints a table (per member: CPU % of one core before/after, gossip and route-table bytes/s) and
 writes bench/results/passive_clients.json. Figures in docs/benchmarks.md.
@@ -32,6 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import httpx
 from nodes import NodeProcess, running_nodes, wait_until
 from tinymodels import write_tiny_llama
+
+from meshllm.mesh.passive import IDLE_CLOSE_S
+from meshllm.mesh.routes import ANCHORS, PULL_INTERVAL_S
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -91,9 +94,9 @@ async def swarm(token: str, anchors: list[str], count: int, interval: float, see
                            host="127.0.0.1", port=0, interval=interval, rng=random.Random(rng.random()))
         await mesh.start()
         meshes.append(mesh)
-    # ... and each client's second anchor is a member drawn at random from its table
+    # ... and each client then anchors to a member drawn at random from its table
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not all(len(m.anchors) >= min(2, len(anchors)) for m in meshes):
+    while time.monotonic() < deadline and not all(len(m.anchors) >= min(ANCHORS, len(anchors)) for m in meshes):
         await asyncio.sleep(0.2)
     counts = [len(m.anchors) for m in meshes]
     print(f"ready {len(meshes)} clients holding {' '.join(f'{n} anchors: {counts.count(n)}' for n in set(counts))}",
@@ -107,7 +110,8 @@ def start_swarm(token: str, anchors: list[str], count: int, interval: float, see
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
 
-def run(members_n: int, clients: int, procs: int, seconds: float, interval: float) -> dict[str, object]:
+def run(members_n: int, clients: int, procs: int, seconds: float, interval: float,
+        profile: Path | None = None) -> dict[str, object]:
     with tempfile.TemporaryDirectory() as tmp, running_nodes() as nodes:
         base = Path(tmp)
         gguf = write_tiny_llama(base / "tiny.gguf", seed=1)
@@ -115,7 +119,9 @@ def run(members_n: int, clients: int, procs: int, seconds: float, interval: floa
         nodes.append(owner)
         token = owner.wait_ready(120)["invite"]
         for i in range(1, members_n):
-            nodes.append(NodeProcess(base / f"m{i}", ["--client", "--join", token], f"m{i}"))
+            profiled = profile is not None and i == 1
+            entry = ("-m", "cProfile", "-o", str(profile), "-m", "meshllm") if profiled else ("-m", "meshllm")
+            nodes.append(NodeProcess(base / f"m{i}", ["--client", "--member", "--join", token], f"m{i}", entry=entry))
         for node in nodes:
             node.wait_ready(120)
         wait_until(lambda: all(len(n.status()["peers"]) == members_n - 1 for n in nodes), 60)
@@ -133,7 +139,9 @@ def run(members_n: int, clients: int, procs: int, seconds: float, interval: floa
                     raise SystemExit(f"a client swarm failed to start: {line!r}")
                 print(line.strip(), file=sys.stderr)
             start_s = time.monotonic() - started
-            time.sleep(5)
+            # steady state: the clients that drew another anchor have closed their connection to the
+            # invite's member (idle), and every client has pulled at least once from its anchor
+            time.sleep(IDLE_CLOSE_S + 5)
             routes0 = [n.status()["route_tables"] for n in nodes]
             after = window(nodes, seconds)
             statuses = [n.status() for n in nodes]
@@ -143,6 +151,8 @@ def run(members_n: int, clients: int, procs: int, seconds: float, interval: floa
                 row["pulls"], row["tables"] = r1["pulls"] - r0["pulls"], r1["tables"] - r0["tables"]
                 row["passive_connections"] = r1["passive_connections"]
             swarm_cpu = sum(cpu_seconds(s.pid) for s in swarms)
+            if profile is not None:
+                nodes[1].terminate(60)  # a graceful exit writes the profile (running_nodes kills)
         finally:
             for s in swarms:
                 s.kill()
@@ -158,9 +168,11 @@ def main() -> None:
     parser.add_argument("--members", type=int, default=3)
     parser.add_argument("--clients", type=int, default=200)
     parser.add_argument("--procs", type=int, default=4, help="processes the clients share")
-    parser.add_argument("--window", type=float, default=30.0, help="seconds measured before and after")
-    parser.add_argument("--interval", type=float, default=5.0, help="clients' pull interval (the default)")
+    parser.add_argument("--window", type=float, default=PULL_INTERVAL_S,
+                        help="seconds measured before and after (at least a pull interval: every client pulls)")
+    parser.add_argument("--interval", type=float, default=PULL_INTERVAL_S, help="clients' pull interval (the default)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "passive_clients.json")
+    parser.add_argument("--profile", type=Path, help="run member m1 under cProfile, writing its stats here")
     parser.add_argument("--swarm", help=argparse.SUPPRESS)
     parser.add_argument("--anchors", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -169,7 +181,7 @@ def main() -> None:
         os.nice(19)  # the clients share the members' cores here: let them not delay the members' gossip
         asyncio.run(swarm(args.swarm, args.anchors.split(","), args.clients, args.interval, args.seed))
         return
-    result = run(args.members, args.clients, args.procs, args.window, args.interval)
+    result = run(args.members, args.clients, args.procs, args.window, args.interval, args.profile)
     before, after = result["before"], result["after"]
     print(f"{args.members} members, {args.clients} passive clients in {args.procs} processes, pulls every "
           f"{args.interval:g} s, {args.window:g} s windows (clients started in {result['clients_start_s']} s)")
@@ -184,7 +196,10 @@ def main() -> None:
     print(f"largest view of any member with the clients connected: {result['largest_member_view']} peers")
     print("median: cpu {0[0]:.2f} -> {0[1]:.2f} % of a core, gossip {1[0]:.0f} -> {1[1]:.0f} B/s, "
           "all streams {2[0]:.0f} -> {2[1]:.0f} B/s".format(med["cpu_pct"], med["gossip_Bps"], med["all_Bps"]))
-    result["median"] = med
+    added = {k: 100 * (a / b - 1) if b else 0.0 for k, (b, a) in med.items()}
+    print("added by the clients (median member): cpu {cpu_pct:+.1f} %, gossip bytes {gossip_Bps:+.1f} %, "
+          "all stream bytes {all_Bps:+.1f} %".format(**added))
+    result["median"], result["added_pct"] = med, added
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
 

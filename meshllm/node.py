@@ -65,7 +65,7 @@ from meshllm.identity.trust import TrustStore
 from meshllm.mesh.admission import INVITE_ID_BYTES
 from meshllm.mesh.blackboard_service import BlackboardService
 from meshllm.mesh.membership import Membership, join_mesh, own_mesh
-from meshllm.mesh.passive import PassiveMesh
+from meshllm.mesh.passive import NoBoard, PassiveMesh, PullOnUnmet
 from meshllm.mesh.records import MAX_AVAILABLE, DiskModel, PeerRecord
 from meshllm.mesh.routes import PULL_INTERVAL_S
 from meshllm.mesh.routes_service import RouteService
@@ -105,8 +105,8 @@ class NodeOptions:
     ephemeral: bool = False
     role: Role = "host"
     passive: bool = False
-    """``--passive`` (with ``--client``): stay out of gossip and route from tables pulled from members
-    (``mesh/routes.py``); members hold nothing about the node beyond its connections."""
+    """A ``--client`` that joins (without ``--member``): stay out of gossip and route from tables pulled from
+    members (``mesh/routes.py``); members hold nothing about the node beyond its connections."""
     routes_interval_s: float = PULL_INTERVAL_S
     """``--routes-interval``: how often a passive client pulls the route table (and at once on demand)."""
     models: list[str] = field(default_factory=lambda: ["default"])
@@ -193,9 +193,8 @@ class Node:
         opts = self.options
         now = time.time()
         if opts.passive and (opts.role != "client" or not opts.join):
-            raise ConfigError("--passive is for a --client that joins a mesh",
-                              hint="the mesh owner's node and serving nodes are gossip members; "
-                                   "pass --passive with --client and an invite (or a published mesh id)")
+            raise ConfigError("a passive client joins a mesh and serves nothing",
+                              hint="the mesh owner's node, serving nodes and workers are gossip members")
         if opts.join:
             home = None if opts.ephemeral else self.home  # where a granted credential is kept
             self.membership = join_mesh(self.key.signing_key, opts.join, now, home=home)
@@ -247,6 +246,8 @@ class Node:
             rename=self._rename, describe=self._describe, on_event=self.events.publish,
             standby=await self._standby_library(), standby_config=StandbyConfig(idle_s=opts.standby_idle_s),
         )
+        if isinstance(self.mesh, PassiveMesh):
+            self.serving.backend.demand = PullOnUnmet(self.serving.backend.demand, self.mesh)
         self.discovery = self._make_discovery()
         await self._start_api()
         self.events.publish("mesh_ready", mesh_id=self.membership.mesh_id, mesh_addr=self.mesh_addr)
@@ -305,16 +306,15 @@ class Node:
             routers.append(owner_router(self.owner, self._node_names, self._unlock_owner))
         if self.discovery is not None:
             routers.append(discovery_router(self.discovery))
-        if self.blackboard is not None:
-            routers.append(blackboard_router(self.blackboard))
+        board = self.blackboard if self.blackboard is not None else NoBoard()  # a passive client's refuses
+        routers.append(blackboard_router(board))
         edge = _fit_to_descriptors(self.options.edge)
         backend = self.serving.backend
         app = create_app(backend, routers=routers, access=self.access, edge=edge, policy=self.policy,
                          readiness=self.readiness, on_event=self.events.publish)
-        if self.blackboard is not None:
-            board, admission = self.blackboard, app.state.admission
-            self.mcp = McpEndpoint(lambda: build_server(board, self.status, backend, admission, self.events.publish))
-            self.mcp.mount(app)
+        admission = app.state.admission
+        self.mcp = McpEndpoint(lambda: build_server(board, self.status, backend, admission, self.events.publish))
+        self.mcp.mount(app)
         sock = _bind_api_socket(self.options.api_host, self.options.api_port)
         config = uvicorn.Config(app, http=guarded_protocol(edge), backlog=ACCEPT_BACKLOG, log_level="warning",
                                 lifespan="off", access_log=False)
@@ -542,6 +542,8 @@ class Node:
             "requests": self.serving.request_counters(),
             "nat": self._nat_status(),
             "route_tables": self.routes.status() if self.routes is not None else None,
+            "passive": isinstance(self.mesh, PassiveMesh),
+            "anchors": list(self.mesh.anchors) if isinstance(self.mesh, PassiveMesh) else [],
             "devices": [{"name": d.name, "description": d.description, "kind": d.kind,
                          "memory_free": d.memory_free, "memory_total": d.memory_total} for d in compute_devices()],
         }

@@ -168,9 +168,9 @@ def run_churn(base: Path, *, nodes: int, serving: int, workers: int, passive: in
         token = owner.proc.wait_ready(settle_timeout)["invite"]
         members = [owner]
         for i in range(1, nodes):
-            role = serve if i < serving else ["--worker"] if i < serving + workers else ["--client"]
+            role = serve if i < serving else ["--worker"] if i < serving + workers else ["--client", "--member"]
             members.append(Member(f"n{i}", base / f"n{i}", [*role, "--join", token], i < serving))
-        clients = [Member(f"p{i}", base / f"p{i}", ["--client", "--passive", "--join", token], False)
+        clients = [Member(f"p{i}", base / f"p{i}", ["--client", "--join", token], False)
                    for i in range(passive)]
         t0 = time.monotonic()
         joiners = [*members[1:], *clients]

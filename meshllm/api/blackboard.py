@@ -4,8 +4,8 @@
 note takes to spread): ``q`` (words, and ``KIND:`` words), ``from`` (a node id, its prefix, or a
 node name), ``since_s`` (notes signed in the last so many seconds), ``kind`` and ``limit``.
 ``POST {"text": ...}`` signs and spreads a note from this node; it needs the admin token or an API
-key, as every route that speaks for the node does. A refusal is a 400 (``too-large``, ``empty``)
-or a 429 (``rate``), with the reason.
+key, as every route that speaks for the node does. A refusal is a 400 (``too-large``, ``empty``),
+a 429 (``rate``), or a 409 (``passive-client``: a passive client holds no board), with the reason.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def query_from(q: str = "", author: str | None = None, since_s: float | None = N
 
 
 def refusal_response(exc: BoardRefusal) -> JSONResponse:
-    status = 429 if exc.code == "rate" else 400
+    status = {"rate": 429, "passive-client": 409}.get(exc.code, 400)
     message = f"{exc} ({exc.hint})" if exc.hint else str(exc)
     return JSONResponse(error_body(message, "invalid_request_error", exc.code, "text"), status_code=status)
 
@@ -56,13 +56,16 @@ def refusal_response(exc: BoardRefusal) -> JSONResponse:
 def blackboard_router(board: Board) -> APIRouter:
     router = APIRouter()
 
-    @router.get("/api/blackboard", dependencies=[Depends(require_api_key)])
+    @router.get("/api/blackboard", response_model=None, dependencies=[Depends(require_api_key)])
     async def get_notes(q: str = Query("", max_length=500),
                         author: str | None = Query(None, alias="from", max_length=64),
                         since_s: float | None = Query(None, ge=0, le=1e9),
                         kind: str | None = Query(None, pattern="(?i)^(" + "|".join(blackboard.KINDS) + ")$"),
-                        limit: int = Query(20, ge=1, le=500)) -> dict[str, Any]:
-        notes = board.search(query_from(q, author, since_s, kind, limit))
+                        limit: int = Query(20, ge=1, le=500)) -> dict[str, Any] | JSONResponse:
+        try:
+            notes = board.search(query_from(q, author, since_s, kind, limit))
+        except BoardRefusal as exc:
+            return refusal_response(exc)
         return {"notes": [n.json() for n in notes]}
 
     @router.post("/api/blackboard", response_model=None, dependencies=[Depends(require_admin)])

@@ -143,7 +143,8 @@ def render_header(snapshot: Mapping[str, Any], link: Link, now: float, width: in
     top.append("meshllm ", style="bold")
     top.append(str(snapshot.get("name") or short(node_id)), style="bold cyan")
     top.append(f" ({short(node_id)})", style="dim")
-    top.append(f"  {snapshot.get('mesh_id', '?')}  {snapshot.get('role', '?')}")
+    passive = " (passive)" if snapshot.get("passive") else ""
+    top.append(f"  {snapshot.get('mesh_id', '?')}  {snapshot.get('role', '?')}{passive}")
     top.append(f"  up {fmt_duration(float(snapshot.get('uptime_s') or 0))}")
     if width >= WIDE:
         top.append(f"  v{snapshot.get('version', '?')}", style="dim")

@@ -19,6 +19,7 @@ from meshllm.engine.base import DEFAULT_MAX_TOKENS
 from meshllm.errors import ConfigError, DecodeError
 from meshllm.events import EventHub
 from meshllm.mesh.admission import MESH_PASSPHRASE_ENV, MeshKey, is_mesh_id
+from meshllm.mesh.routes import PULL_INTERVAL_MAX_S, PULL_INTERVAL_S
 from meshllm.runtime.replay import DEFAULT_MAX_REPLAYS
 from meshllm.tasks import task_group
 from meshllm.wire.addr import parse_addr
@@ -66,12 +67,17 @@ def node_options(func: Any) -> Any:
         click.option("--relay", type=click.Choice(["on", "off", "auto"]), default="auto", show_default=True,
                      help="Relay for members behind NATs (auto: when peers can reach this node directly)."),
         click.option("--ephemeral", is_flag=True, help="Use a fresh node key that is never saved."),
-        click.option("--client", is_flag=True, help="Take part in the mesh and the API, but serve no model."),
-        click.option("--passive", is_flag=True,
-                     help="With --client: stay out of gossip; keep connections to two members and route from the "
-                          "signed route table they serve (members hold nothing about this node)."),
-        click.option("--routes-interval", type=click.FloatRange(0.5, 300.0), default=5.0, show_default=True,
-                     help="Seconds between a --passive client's route-table pulls (it also pulls on demand)."),
+        click.option("--client", is_flag=True,
+                     help="Serve no model, only the API. Joining a mesh, stay out of gossip: keep connections to "
+                          "two members and route from the signed route table they serve (members hold nothing "
+                          "about this node). Owning the mesh (no invite), it is a member."),
+        click.option("--member", is_flag=True,
+                     help="With --client: join gossip as a full member instead (in every view; accepts connections, "
+                          "offers its library's model files to the mesh, holds the blackboard)."),
+        click.option("--routes-interval", type=click.FloatRange(0.5, PULL_INTERVAL_MAX_S), default=PULL_INTERVAL_S,
+                     show_default=True,
+                     help="Seconds between a joining --client's route-table pulls (it also pulls on demand: a "
+                          "failed node, an unknown model, a lost anchor)."),
         click.option("--worker", is_flag=True,
                      help="Serve no whole model; offer this node's memory to host layer ranges of split models."),
         click.option("--split", type=click.Choice(["auto", "force", "off"]), default="off", show_default=True,
@@ -167,7 +173,7 @@ def join(token: str | None, lookup_timeout: float, **kwargs: Any) -> None:
 
 def _run(join_token: str | None, *, home: Path | None, name: str, api_port: int, api_host: str, mesh_port: int,
          mesh_host: str, announce: list[str], bootstrap: list[str], relay: str, ephemeral: bool, client: bool,
-         passive: bool, routes_interval: float, auto: bool,
+         member: bool, routes_interval: float, auto: bool,
          models: tuple[str, ...], engine: str, threads: int | None, gpu_layers: int | None, parallel: int | None,
          max_tokens_default: int, replays: int, kernels: str, log_format: str, verbose: bool,
          dht_bootstrap: tuple[str, ...], dht_port: int | None, listing_ttl: float, worker: bool, split: str,
@@ -190,13 +196,15 @@ def _run(join_token: str | None, *, home: Path | None, name: str, api_port: int,
         join_token, bootstrap = _auto_join(hub, list(models), mesh_host, lookup, lookup_timeout, bootstrap)
     elif join_token is not None and is_mesh_id(join_token):
         join_token, bootstrap = _resolve_published(hub, join_token, mesh_host, lookup[0], lookup_timeout, bootstrap)
+    if member and not client:
+        raise click.UsageError("--member is for a --client: hosts and workers are always gossip members")
     if join_token is None:
         _unlock_mesh_key(resolve_home(home))
     options = NodeOptions(
         home=home, name=name, api_host=api_host, api_port=api_port, mesh_host=mesh_host, mesh_port=mesh_port,
         announce=announce, join=join_token, bootstrap=bootstrap, ephemeral=ephemeral,
-        role="client" if client or passive else "worker" if worker else "host", models=list(models) or ["default"],
-        passive=passive, routes_interval_s=routes_interval,
+        role="client" if client else "worker" if worker else "host", models=list(models) or ["default"],
+        passive=client and not member and join_token is not None, routes_interval_s=routes_interval,
         engine=engine, threads=threads, gpu_layers=gpu_layers, parallel=parallel, max_tokens_default=max_tokens_default,
         replays=replays, kernels=kernels, split=split_options(split, stages, max_memory, split_batch,
                                              config.split_audit if split_audit is None else split_audit,

@@ -452,14 +452,18 @@ class AdmissionState:
         """Invites closed to new joiners (those of revoked nodes); their members stay."""
         self.revoked_nodes: set[str] = set()
         self._uses: dict[str, set[str]] = {}
+        self._passive_uses: dict[str, int] = {}
+        """Passive clients we admitted, per invite with a use limit: a count, never their ids (members hold
+        nothing about passive clients), and weighed only when we admit a node ourselves: records that gossip
+        brings are judged on the uses every member can see, so all members keep the same view."""
         self._charged: dict[str, set[str]] = {}
         """admitter -> nodes in its chains that we hold (bounded by ADMISSIONS_PER_MEMBER each)."""
         self._charges: dict[str, tuple[str, ...]] = {}
         self._sigs: OrderedDict[bytes, None] = OrderedDict()
 
     def uses(self, invite_id: str) -> int:
-        """How many distinct nodes this member knows to have joined with ``invite_id``."""
-        return len(self._uses.get(invite_id, ()))
+        """How many nodes this member knows to have joined with ``invite_id`` (passive clients it admitted too)."""
+        return len(self._uses.get(invite_id, ())) + self._passive_uses.get(invite_id, 0)
 
     def admitted_by(self, admitter: str) -> int:
         """Nodes held here that ``admitter`` (a member other than the owner) admitted."""
@@ -486,7 +490,7 @@ class AdmissionState:
             raise InviteExpired(f"invite {invite.invite_id} expired", hint="ask for a new invite")
         if now + CLOCK_SKEW_S < invite.issued:
             raise InviteExpired(f"invite {invite.invite_id} is not valid yet (check the clocks)")
-        self._check_uses(invite.invite_id, invite.max_uses, joiner)
+        self._check_uses(invite.invite_id, invite.max_uses, joiner, self._passive_uses.get(invite.invite_id, 0))
         return invite
 
     def standing(self, node_id_text: str, credential: bytes, now: float, depth: int = 0) -> Standing:
@@ -539,12 +543,16 @@ class AdmissionState:
             self._count(node_id_text, standing)
         return standing
 
-    def admit(self, node_id_text: str, credential: bytes, now: float, quota_for: str | None = None) -> Invite | None:
+    def admit(self, node_id_text: str, credential: bytes, now: float, quota_for: str | None = None,
+              passive: bool = False) -> Invite | None:
         """A node joining through us. None: it already holds a good grant. Otherwise the invite it
         joins with, checked live and counted: the caller signs it a grant.
 
         ``quota_for`` is our own node id when we are not the owner: we then admit no more than
         :data:`ADMISSIONS_PER_MEMBER` nodes ourselves, as every member will count.
+        ``passive``: a passive client. It takes a use of a limited invite like any node (it gets a credential
+        that reaches every model of the mesh), counted here without its id; it needs no admitter quota (it
+        enters no member's view).
         """
         try:
             self.verify_member(node_id_text, credential, now)
@@ -567,6 +575,10 @@ class AdmissionState:
             if node_id_text not in held and len(held) >= ADMISSIONS_PER_MEMBER:
                 raise AdmitterQuota(f"this member already admitted {len(held)} nodes",
                                     hint="join through the mesh owner's node")
+        if passive:
+            if invite.max_uses:
+                self._passive_uses[invite.invite_id] = self._passive_uses.get(invite.invite_id, 0) + 1
+            return invite
         standing = Standing(node_id_text, "grant", invite.invite_id, invite.max_uses,
                             () if quota_for is None else (quota_for,))
         self._count(node_id_text, standing)
@@ -609,10 +621,11 @@ class AdmissionState:
                               "(a signed invite read from the mesh admits nobody)",
                               hint="join with the whole token the mesh owner gave you") from None
 
-    def _check_uses(self, invite_id: str, max_uses: int, joiner: str | None) -> None:
+    def _check_uses(self, invite_id: str, max_uses: int, joiner: str | None, passive: int = 0) -> None:
+        """``passive``: uses by passive clients to count as well (when we admit a node ourselves)."""
         used_by = self._uses.get(invite_id, set())
-        if max_uses and joiner not in used_by and len(used_by) >= max_uses:
-            raise InviteExhausted(f"invite {invite_id} was already used by {len(used_by)} node(s)",
+        if max_uses and joiner not in used_by and len(used_by) + passive >= max_uses:
+            raise InviteExhausted(f"invite {invite_id} was already used by {len(used_by) + passive} node(s)",
                                   hint="ask for a new invite, or create one with --uses N")
 
     def _count(self, node_id_text: str, standing: Standing) -> None:

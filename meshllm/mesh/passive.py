@@ -1,15 +1,16 @@
 """A passive client's mesh driver: anchors, route-table pulls, and nothing of gossip.
 
-``serve --client --passive`` builds this instead of :class:`~meshllm.mesh.service.MeshService`.
+``serve --client`` (joining a mesh, without ``--member``) builds this instead of
+:class:`~meshllm.mesh.service.MeshService`.
 It has the same face towards the rest of the node (``endpoint``, ``gossip``, ``membership``,
 ``admission``, ``update_own``, ...), so serving, routing, failover, replay and status run on it
 unchanged; but ``gossip`` is a :class:`~meshllm.mesh.routes.PassiveView` filled from route tables
 (:mod:`meshllm.mesh.routes`), and the endpoint tells every member it dials that it is passive
 (``Hello.passive``), so members keep it out of gossip and never probe it.
 
-The loop: keep :data:`~meshllm.mesh.routes.ANCHORS` connections to members (the invite's
-bootstrap addresses first, then members the table lists, picked at random so clients spread over
-the mesh); ask one anchor for the table every interval and at once when something suggests it is
+The loop: keep :data:`~meshllm.mesh.routes.ANCHORS` connection to a member (the invite's
+bootstrap address first, then a member the table lists, picked at random so clients spread over
+the mesh); ask the anchor for the table every interval and at once when something suggests it is
 out of date (a node we talk to failed, an anchor went); turn the table into the peer view and
 report its changes as ``peer_joined``/``peer_left`` like a member does. Every wait has a deadline.
 """
@@ -28,7 +29,8 @@ import msgspec
 
 from meshllm.errors import ConfigError, MeshllmError, VerificationError
 from meshllm.identity.keys import NodeKey
-from meshllm.mesh import view
+from meshllm.mesh import blackboard, view
+from meshllm.mesh.blackboard import BoardRefusal, HeldNote
 from meshllm.mesh.membership import Membership
 from meshllm.mesh.records import Addresses, CheckTrust, PeerRecord, RecordVerifier, RttEntry
 from meshllm.mesh.routes import (
@@ -48,19 +50,18 @@ from meshllm.net.backoff import Backoff
 from meshllm.net.endpoint import Endpoint, EndpointOptions
 from meshllm.net.errors import AdmissionRefused, ConnectError
 from meshllm.net.events import PeerEvent, PeerEventKind
+from meshllm.net.quic import ACCEPT_IDLE_TIMEOUT
 from meshllm.wire.addr import format_addr, parse_addr
 
 log = logging.getLogger(__name__)
 
-PROBE_INTERVAL_S = 1.0
-"""Datagram probes on a passive client's connections to serving nodes: a dead one turns suspect within
-about 3 s (a stalled stream is hedged sooner)."""
-ANCHOR_PROBE_S = 15.0
-"""Probes on anchor connections: only to keep NAT bindings and the QUIC idle timer alive. An anchor's
-liveness is its answers to pulls (a pull that times out closes the connection and the next anchor
-answers), so hundreds of clients cost a member one small stream each per interval, not 4 datagrams a second."""
 PULL_TIMEOUT_S = 5.0
-"""A pull (open, ask, whole reply) must finish within this long; then the next anchor is asked."""
+"""A pull (open, ask, whole reply) must finish within this long; else the anchor is dropped and another dialed.
+
+Connections are probed only while they carry a request or a pull (``EndpointOptions.probe_idle`` off): a
+serving node that dies mid-answer turns suspect within a second, as for a member, while a quiet anchor
+connection costs its member nothing. An anchor's liveness is its answers to pulls, and the pulls keep the
+connection (with the long idle timeout members grant passive dialers) and NAT bindings alive."""
 DIAL_TIMEOUT_S = 3.0
 BOOTSTRAP_DEADLINE_S = 15.0
 TICK_MAX_S = 0.5
@@ -68,6 +69,39 @@ IDLE_CLOSE_S = 30.0
 """A connection to a member that is not an anchor is closed after this long without a stream."""
 
 OnEvent = Callable[..., None]
+
+
+class PullOnUnmet:
+    """The node's demand counter, wrapped on a passive client: while requests are routed it pulls every few
+    seconds (:data:`~meshllm.mesh.routes.BUSY_INTERVAL_S`), and a request that had nowhere to go (nobody in
+    the table serves the model, or every node was full) asks the anchor for a fresh table at once, so a
+    model loaded since the last pull is routed to on the next request, not a minute later."""
+
+    def __init__(self, inner: Any, mesh: PassiveMesh) -> None:
+        self.inner, self.mesh = inner, mesh
+
+    def record(self, model: str, now: float) -> None:
+        self.inner.record(model, now)
+        self.mesh.busy()
+
+    def unmet(self, model: str, now: float) -> None:
+        self.inner.unmet(model, now)
+        self.mesh.refresh()
+
+
+class NoBoard:
+    """The blackboard face of a passive client: it holds no notes (gossip carries them, and it takes no part),
+    so reading and posting are refused with a reason (``/api/blackboard`` answers 409, MCP's tools an error)."""
+
+    def _refuse(self) -> BoardRefusal:
+        return BoardRefusal("passive-client", "a passive client holds no blackboard: notes travel by gossip",
+                            hint="start the node with --client --member to read and post notes")
+
+    def post(self, text: str) -> HeldNote:
+        raise self._refuse()
+
+    def search(self, query: blackboard.Query) -> list[HeldNote]:
+        raise self._refuse()
 
 
 class PassiveMesh:
@@ -112,6 +146,8 @@ class PassiveMesh:
         """The member we joined through, until the table offers enough others to draw from."""
         self._passed_over: str | None = None
         """The invite's member when the draw passed it over: not redrawn, so every member's odds are equal."""
+        self._shunned: set[str] = set()
+        """Members whose tables we refused: not drawn as anchors again while others remain."""
         self._idle_since: dict[str, float] = {}
         self._dial_backoff = Backoff(0.2, 2.0, 5.0)
         self._not_before = 0.0
@@ -125,7 +161,7 @@ class PassiveMesh:
         if not self.membership.bootstrap:
             raise ConfigError("a passive client needs a member to connect to",
                               hint="join with an invite (or --bootstrap HOST:PORT)")
-        options = EndpointOptions(passive=True, probe_interval=PROBE_INTERVAL_S)
+        options = EndpointOptions(passive=True, probe_idle=False, idle_timeout=ACCEPT_IDLE_TIMEOUT)
         try:
             self.endpoint = await Endpoint.create(
                 self.key.signing_key, self._host, self._port, admit=self._admit,
@@ -173,6 +209,11 @@ class PassiveMesh:
 
     def revoke(self, kind: str, target: str) -> Any:
         raise ConfigError("only the node that holds the mesh key can revoke", hint="ask the mesh owner's node")
+
+    def busy(self) -> None:
+        """A request is being routed: keep the table fresh while the client is in use."""
+        self.book.busy(time.time())
+        self._wake.set()
 
     def refresh(self) -> None:
         """Ask an anchor for the table soon (on demand: a model nobody serves, a node that failed)."""
@@ -238,7 +279,8 @@ class PassiveMesh:
             return
         if self._dialing is not None and not self._dialing.done():
             return
-        candidates = self.book.anchor_candidates([*self.anchors, *filter(None, [self._passed_over])])
+        skip = [*self.anchors, *filter(None, [self._passed_over])]
+        candidates = self.book.anchor_candidates([*skip, *self._shunned]) or self.book.anchor_candidates(skip)
         self._dialing = asyncio.create_task(self._add_anchor(candidates), name="anchor-dial")
 
     def _close_idle(self, now: float) -> None:
@@ -257,8 +299,7 @@ class PassiveMesh:
         for peer in candidates[:4]:
             for text in self.book.addresses(peer):
                 try:
-                    await self.endpoint.connect(parse_addr(text), expected_node_id=peer, timeout=DIAL_TIMEOUT_S,
-                                                probe_interval=ANCHOR_PROBE_S)
+                    await self.endpoint.connect(parse_addr(text), expected_node_id=peer, timeout=DIAL_TIMEOUT_S)
                 except MeshllmError as exc:
                     log.debug("anchor dial %s at %s failed: %s", peer[:8], text, exc)
                     continue
@@ -306,12 +347,20 @@ class PassiveMesh:
             if isinstance(outcome, TableRefused):
                 log.warning("refused a route table from %s: %s", anchor[:8], outcome.reason)
                 self._on_event("routes_refused", issuer=anchor, reason=outcome.reason)
+                self._shun(anchor)
                 continue
             if isinstance(outcome, TableAccepted):
                 self._on_event("routes_updated", issuer=anchor, version=outcome.version,
                                nodes=len(self.book.entries(time.time())), added=outcome.added, removed=outcome.removed)
             self._install(time.time())
             return
+
+    def _shun(self, anchor: str) -> None:
+        """``anchor`` sent a table we refused: ask another member from now on (its connection closes once idle)."""
+        if anchor in self.anchors:
+            self.anchors.remove(anchor)
+        self._shunned.add(anchor)
+        self.book.on_demand(time.time())
 
     def _install(self, now: float) -> None:
         """The table held, as our peer view and our RTT row; changes reported as a member reports them."""
@@ -350,8 +399,7 @@ class PassiveMesh:
         while time.monotonic() < deadline:
             for text in addrs:
                 try:
-                    conn = await self.endpoint.connect(parse_addr(text), timeout=DIAL_TIMEOUT_S,
-                                                       probe_interval=ANCHOR_PROBE_S)
+                    conn = await self.endpoint.connect(parse_addr(text), timeout=DIAL_TIMEOUT_S)
                     assert conn.node_id is not None
                     return conn.node_id
                 except AdmissionRefused:

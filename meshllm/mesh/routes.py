@@ -1,7 +1,7 @@
 """Route tables for passive clients: a sans-IO protocol (the driver is :mod:`meshllm.mesh.passive`).
 
-A passive client (``serve --client --passive``) takes no part in gossip: it holds one or two
-connections to members (its *anchors*) and asks one of them, on an interval and on demand, for a
+A passive client (``serve --client`` joining a mesh) takes no part in gossip: it holds one
+connection to a member (its *anchor*) and asks it, on an interval and on demand, for a
 **route table**: every live member (serving nodes first) with its addresses, the models it takes
 requests for, its load, and the anchor's RTT to it. That is all routing, failover and replay need,
 so the client routes exactly as a member does; but no member holds anything about it beyond its
@@ -38,8 +38,10 @@ from meshllm.identity.ids import node_public_key
 from meshllm.identity.signing import CLOCK_SKEW_S, decode_signed, encode_signed, sign, verify
 from meshllm.mesh import rtt, view
 from meshllm.mesh.records import (
+    MAX_DEMAND,
     Addresses,
     Load,
+    ModelName,
     Models,
     PeerRecord,
     Role,
@@ -60,14 +62,30 @@ ADDRS_MAX = 8
 MODELS_MAX = 32
 TABLE_MAX_AGE_S = 120.0
 """A table signed longer ago than this is refused (a replay); anchors re-sign an unchanged one at half of it."""
-PULL_INTERVAL_S = 5.0
-"""How often a client asks its anchor, by default (and at once on demand: a failed node, an unknown model)."""
+PULL_INTERVAL_S = 60.0
+"""How often a client asks its anchor, by default (and at once on demand: a failed node, an unknown model, a
+lost anchor). Each pull costs the anchor a few QUIC packets, and a member's idle CPU is little more than
+its gossip: a pull a minute from 50 clients is a few per cent of it (docs/benchmarks.md, "Passive clients")."""
+PULL_INTERVAL_MAX_S = 100.0
+"""Pulls are the only traffic on an anchor connection (it carries no probes): they must come before the
+connection's idle timeout (:data:`~meshllm.net.quic.ACCEPT_IDLE_TIMEOUT`, 120 s) closes it."""
+FOLLOW_S = 2.0
+"""After a table that added or removed members (and after the first), the next pull comes this soon, then
+each one twice as late up to the interval: a mesh in flux (nodes joining) is followed within seconds, a
+settled one costs a pull a minute."""
+BUSY_INTERVAL_S = 5.0
+"""While a client routes requests, it pulls at least this often: loads move and standby nodes start serving
+under its own load. A client in use costs the mesh its requests, next to which a pull is nothing; the
+hundreds that sit idle pull once a minute."""
 ON_DEMAND_MIN_S = 0.5
 """Pulls on demand are at most this frequent: a burst of failures asks once."""
-ANCHORS = 2
-"""Members a client stays connected to: one answers, the other takes over at once if it goes."""
+ANCHORS = 1
+"""Members a client holds a connection to and pulls from. One: a second would need keepalives of its own,
+a few packets of each member's time per client, and a lost anchor is replaced by dialing another member
+the table lists (a pull that fails within its deadline, or a closed connection, asks for one at once)."""
 STALE_AFTER_S = 30.0
-"""A client whose anchors have not answered for this long drops the entries it holds (no routing to ghosts)."""
+"""Members a table no longer lists stay as ``down`` tombstones this long (routers answer 503, not 404)."""
+
 
 Name = Annotated[str, msgspec.Meta(max_length=200)]
 Addr = Annotated[str, msgspec.Meta(max_length=300)]
@@ -98,6 +116,8 @@ class RouteEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     load: Load = Load()
     rtt_ms: RttMs | None = None
     """The issuing anchor's round trip to the node, quantised (None: it has not measured one)."""
+    standby: Annotated[list[ModelName], msgspec.Meta(max_length=MAX_DEMAND)] = []
+    """Models the node would start serving on demand (shown in the client's status, as a member shows them)."""
 
 
 class RouteTable(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -142,16 +162,19 @@ RTT_HYSTERESIS = 4.0
 """A published RTT changes only when the measured one leaves [published / 4, published * 4]: round trips
 on a loaded host swing 3-7x from one measurement to the next (seen on 127.0.0.1 with 2 busy cores), and
 every change would cost each client a whole table. It orders nodes a continent apart, not a rack."""
+RTT_FLOOR_MS = 10.0
+"""RTTs below this are published as this: nodes nearer than 10 ms are alike to a client whose requests take
+seconds, and round trips on one busy host swing between 0.4 and 25 ms (measured on 127.0.0.1, 2 loaded
+cores), which with a 0.1 ms floor changed every table about once a minute."""
 
 
 def quantise_rtt(ms: float, held: float | None = None) -> float:
-    """RTT in steps of about 20 %, at least 0.1 ms; ``held`` (the value published before) stays while
-    ``ms`` is within :data:`RTT_HYSTERESIS` of it, so jitter does not change a table's version."""
+    """RTT in steps of about 20 %, at least :data:`RTT_FLOOR_MS`; ``held`` (the value published before)
+    stays while ``ms`` is within :data:`RTT_HYSTERESIS` of it, so jitter does not change a table's version."""
+    ms = max(ms, RTT_FLOOR_MS)
     if held is not None and held / RTT_HYSTERESIS <= ms <= held * RTT_HYSTERESIS:
         return held
-    if ms <= 0.1:
-        return 0.1
-    return round(0.1 * 1.2 ** round(math.log(ms / 0.1, 1.2)), 3)
+    return round(RTT_FLOOR_MS * 1.2 ** round(math.log(ms / RTT_FLOOR_MS, 1.2)), 3)
 
 
 def _quantise_load(load: Load) -> Load:
@@ -168,7 +191,7 @@ def entry_of(record: PeerRecord, status: Status, rtt_ms: float | None, held_rtt:
         listen=[a for a in addrs.listen if len(a) <= 300][:ADDRS_MAX],
         observed=[a for a in addrs.observed if len(a) <= 300][:ADDRS_MAX],
         relay=[a for a in addrs.relay if len(a) <= 300][:ADDRS_MAX],
-        models=models, load=_quantise_load(record.load),
+        models=models, load=_quantise_load(record.load), standby=list(record.standby),
         rtt_ms=None if rtt_ms is None else quantise_rtt(rtt_ms, held_rtt),
     )
 
@@ -308,6 +331,9 @@ class RouteBook:
     confirmed: float = 0.0
     """When an anchor last vouched for the table held (a new table or ``RoutesSame``)."""
     _next_pull: float = 0.0
+    _pulled_at: float = -math.inf
+    _delay: float = FOLLOW_S
+    """How long after this pull the next one comes: doubles up to ``interval`` (see :data:`FOLLOW_S`)."""
     _last_demand: float = field(default=-math.inf)
 
     def ask(self) -> RoutesAsk:
@@ -318,18 +344,26 @@ class RouteBook:
         return now >= self._next_pull
 
     def pulled(self, now: float) -> None:
-        """A pull was started: the next one is an interval away (unless asked for sooner)."""
-        self._next_pull = now + self.interval
+        """A pull was started: the next one is the current delay away (unless asked for sooner)."""
+        self._delay = min(self._delay, self.interval)
+        self._pulled_at, self._next_pull = now, now + self._delay
+        self._delay = min(self.interval, self._delay * 2)
 
     def on_demand(self, now: float) -> bool:
-        """Something suggests the table is out of date (a node failed, a model is unknown): pull soon.
+        """Something suggests the table is out of date (a node failed, a model is unknown, a new anchor): pull
+        now, or :data:`ON_DEMAND_MIN_S` after the last pull on demand (a burst of failures asks once or twice,
+        and a demand is never lost to the long interval).
 
-        Returns whether a pull was scheduled (at most one per :data:`ON_DEMAND_MIN_S`)."""
-        if now - self._last_demand < ON_DEMAND_MIN_S:
+        Returns whether this scheduled a pull sooner than one already due."""
+        at = max(now, self._last_demand + ON_DEMAND_MIN_S)
+        if at >= self._next_pull:
             return False
-        self._last_demand = now
-        self._next_pull = min(self._next_pull, now)
+        self._last_demand = self._next_pull = at
         return True
+
+    def busy(self, now: float) -> None:
+        """A request was routed: the next pull comes at most :data:`BUSY_INTERVAL_S` after the last one."""
+        self._next_pull = min(self._next_pull, max(now, self._pulled_at + min(BUSY_INTERVAL_S, self.interval)))
 
     def next_timer(self) -> float:
         return self._next_pull
@@ -350,11 +384,19 @@ class RouteBook:
         before = {e.node_id for e in held.entries} if held is not None else set()
         after = {e.node_id for e in table.entries} - {self.node_id}
         self.table, self.confirmed = table, now
+        if before != after:  # members came or went: more may follow, so look again soon
+            self._delay = FOLLOW_S
+            self._next_pull = min(self._next_pull, now + FOLLOW_S)
         return TableAccepted(issuer, table.version, sorted(after - before), sorted(before - after))
 
+    @property
+    def stale_after(self) -> float:
+        """A table no anchor vouched for this long is dropped (no routing to ghosts): two missed pulls."""
+        return max(STALE_AFTER_S, 2.5 * self.interval)
+
     def entries(self, now: float) -> list[RouteEntry]:
-        """The entries to route on; none once no anchor has vouched for them in :data:`STALE_AFTER_S`."""
-        if self.table is None or now - self.confirmed > STALE_AFTER_S:
+        """The entries to route on; none once no anchor has vouched for them in :attr:`stale_after`."""
+        if self.table is None or now - self.confirmed > self.stale_after:
             return []
         return [e for e in self.table.entries if e.node_id != self.node_id]
 
@@ -383,7 +425,7 @@ def record_of(entry: RouteEntry, mesh_id: str, issuer: str) -> PeerRecord:
     return PeerRecord(
         node_id=entry.node_id, mesh_id=mesh_id, seq=0, membership_proof=b"", name=entry.name, role=entry.role,
         addresses=Addresses(listen=list(entry.listen), observed=list(entry.observed), relay=list(entry.relay)),
-        models=Models(served=served), load=entry.load,
+        models=Models(served=served), load=entry.load, standby=list(entry.standby),
     )
 
 

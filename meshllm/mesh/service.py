@@ -256,9 +256,10 @@ class MeshService:
                           invite.invite_id, now)
 
     def _admit_passive(self, peer_id: str, proof: bytes, dialer: bool) -> bytes | None:
-        """A passive client dialed us: a good credential, or a live invite (then we grant), counted against
-        no admitter's quota. Quotas bound what enters every member's view, and a passive client enters
-        none; should its key ever publish a record, every member counts it then (``verify_member``)."""
+        """A passive client dialed us: a good credential, or a live invite (then we grant). It takes a use of
+        a limited invite (counted here, without its id) but no admitter's quota: quotas bound what enters
+        every member's view, and a passive client enters none; should its key ever publish a record, every
+        member counts it then (``verify_member``)."""
         now = time.time()
         self._check_node_id(peer_id)
         try:
@@ -268,7 +269,7 @@ class MeshService:
             pass  # no grant yet: the invite decides
         if not self.membership.granted:
             raise VerificationError("this node has not been admitted itself yet", hint="join through another member")
-        invite = self.admission.admit(peer_id, proof, now, quota_for=None)
+        invite = self.admission.admit(peer_id, proof, now, quota_for=None, passive=True)
         if invite is None:
             return None
         return make_grant(self.key.signing_key, self.membership.proof, self.membership.mesh_id, peer_id,
@@ -400,9 +401,13 @@ class MeshService:
             self._on_event("record_updated", node_id=event.node_id, seq=event.record.seq)
 
     def _observe_rtts(self, now: float) -> None:
+        """The transport's RTT to each member of our view. Walks the view, not our connections: passive
+        clients' connections (hundreds, perhaps) enter no record, and cost nothing per tick."""
         assert self.gossip is not None and self.endpoint is not None
-        for peer_id, conn in list(self.endpoint.peers.items()):
-            if conn.rtt_ms is not None and not conn.passive:
+        peers = self.endpoint.peers
+        for peer_id in self.gossip.state.peers:
+            conn = peers.get(peer_id)
+            if conn is not None and conn.rtt_ms is not None and not conn.passive:
                 self.gossip.observe_rtt(peer_id, conn.rtt_ms, RECORD_PATHS[conn.path], now)
 
     def _maintain_traversal(self, now: float) -> None:

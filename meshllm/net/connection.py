@@ -79,12 +79,12 @@ class PeerConnection:
         self.close_reason: str | None = None
         """Why the connection ended, once it has."""
         self.probes: ProbeState | None = None
-        self.probe_interval: float | None = None
-        """This connection's probe period when its dialer chose one (None: the endpoint's)."""
         self._expected = expected
         self._loop = asyncio.get_running_loop()
         self._admission: Admission | None = None
         self._streams: dict[int, Stream] = {}
+        self._has_streams = asyncio.Event()
+        """Set while streams are open: the sweep sleeps on it otherwise (an idle connection costs no wakeups)."""
         self._peer_next: dict[int, int] = {}
         """Per stream type (``id & 3``): the lowest peer stream id above every one seen so far."""
         self._peer_unseen: set[int] = set()
@@ -358,7 +358,7 @@ class PeerConnection:
                 if admission.serving and self.probes is None:
                     self.probes = ProbeState(
                         self._loop.time(),
-                        interval=self.probe_interval or self.endpoint.options.probe_interval,
+                        interval=self.endpoint.options.probe_interval,
                         suspect_after=self.endpoint.options.suspect_after,
                     )
             for message in outgoing:
@@ -401,6 +401,7 @@ class PeerConnection:
             send_budget=self.endpoint.options.send_budget if budget is None else budget,
         )
         self._streams[stream_id] = stream
+        self._has_streams.set()
         self.quic.track_stream(stream_id)
         return stream
 
@@ -477,10 +478,15 @@ class PeerConnection:
         """Reset streams whose header or current frame is overdue (a trickle never holds a stream).
 
         A sweep that wakes up late measures our own loop's stall: that time is forgiven, so a busy
-        node never blames its peers for frames it was too slow to read.
+        node never blames its peers for frames it was too slow to read. With no stream open it waits
+        for one: a member holding hundreds of quiet passive clients' connections pays nothing for them.
         """
         due = self._loop.time() + SWEEP_INTERVAL_S
         while self.close_reason is None:
+            if not self._streams:
+                self._has_streams.clear()
+                await self._has_streams.wait()
+                due = self._loop.time() + SWEEP_INTERVAL_S
             await asyncio.sleep(max(0.0, due - self._loop.time()))
             now = self._loop.time()
             lag, due = now - due, now + SWEEP_INTERVAL_S
@@ -497,8 +503,15 @@ class PeerConnection:
     # -- probes -------------------------------------------------------------------------------
 
     async def _run_probes(self, probes: ProbeState) -> None:
+        """Ping on the probe interval; with ``probe_idle`` off, only while a stream is open (the connection
+        is then idle between uses and costs its peer nothing)."""
         while self.close_reason is None:
-            self._apply_probes(probes.poll(self._loop.time()))
+            if not self.endpoint.options.probe_idle and not self._streams:
+                self._has_streams.clear()
+                await self._has_streams.wait()
+                probes.resume(self._loop.time())
+            else:
+                self._apply_probes(probes.poll(self._loop.time()))
             await asyncio.sleep(max(0.0, probes.next_deadline - self._loop.time()))
 
     def _apply_probes(self, out: ProbeOutput) -> None:

@@ -54,6 +54,7 @@ from meshllm.net.events import PeerEvent, PeerEventKind
 from meshllm.net.limits import COOL_DOWN_S, CoolDowns, Strikes
 from meshllm.net.messages import KIND_MAX, Addr, CloseCode, is_virtual, normalize_addr
 from meshllm.net.quic import (
+    ACCEPT_IDLE_TIMEOUT,
     CONNECTION_WINDOW,
     IDLE_TIMEOUT,
     MAX_DATAGRAM_SIZE,
@@ -101,7 +102,14 @@ class EndpointOptions:
     """Most unsent bytes a stream holds before ``send`` waits."""
     max_datagram_size: int = MAX_DATAGRAM_SIZE
     idle_timeout: float = IDLE_TIMEOUT
+    accept_idle_timeout: float = ACCEPT_IDLE_TIMEOUT
+    """The idle timeout we advertise to dialers. QUIC takes the smaller of both sides', so this longer one
+    lengthens only connections whose dialer asks for as much: passive clients, whose route-table pulls are
+    all the traffic on their anchor connection (mesh/passive.py). Members dial with ``idle_timeout``."""
     probe_interval: float = 0.25
+    probe_idle: bool = True
+    """Probe connections with no stream open too. Off (a passive client): a connection is probed only while
+    it carries a request or a pull, so a quiet one costs the member at the other end nothing."""
     passive: bool = False
     """We are a passive client: dialed peers are told so (``Hello.passive``) and keep us out of gossip."""
     suspect_after: int = 3
@@ -158,7 +166,7 @@ class Endpoint:
         self._server_config = make_configuration(
             signing_key, is_client=False, stream_window=options.stream_window,
             connection_window=options.connection_window,
-            max_datagram_size=options.max_datagram_size, idle_timeout=options.idle_timeout,
+            max_datagram_size=options.max_datagram_size, idle_timeout=options.accept_idle_timeout,
         )
         self._routes: dict[bytes, PeerConnection] = {}
         self._handlers: dict[str, tuple[StreamHandler, int]] = {}
@@ -228,14 +236,12 @@ class Endpoint:
 
     async def connect(
         self, addr: Addr, expected_node_id: str | None = None, timeout: float = 5.0, *, fresh: bool = False,
-        probe_interval: float | None = None,
     ) -> PeerConnection:
         """An admitted connection to the node at ``addr``, reusing an open one to that node.
 
         With ``expected_node_id`` the peer's certificate must carry that key (else
         :class:`PeerMismatch`); without it (a bootstrap address) the peer's id is learned.
         ``fresh`` dials even if we hold a connection to the peer (a direct path to a relayed peer).
-        ``probe_interval`` sets a new connection's probe period (a passive client's anchors: slow).
         Raises :class:`ConnectTimeout`, :class:`AdmissionRefused` or :class:`ConnectError`.
         """
         if self._closed:
@@ -250,7 +256,6 @@ class Endpoint:
         conn = self._dialing.get(addr)
         if conn is None:
             conn = self._dial(addr, expected_node_id)
-            conn.probe_interval = probe_interval
         try:
             await asyncio.wait_for(conn.wait_admitted(), timeout)
         except TimeoutError:

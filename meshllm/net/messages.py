@@ -35,7 +35,7 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     observed: Addr
     """The address the dialer sends to, i.e. where it sees the acceptor."""
     passive: bool = False
-    """The dialer is a passive client (``serve --client --passive``): it takes no part in gossip, so the
+    """The dialer is a passive client (``serve --client`` joining a mesh): it takes no part in gossip, so the
     acceptor neither gossips with it nor probes it, and holds nothing about it beyond the connection."""
 
 

@@ -96,6 +96,13 @@ class ProbeState:
         self._next_ping = now + self.interval
         return out
 
+    def resume(self, now: float) -> None:
+        """Probing paused (the connection had nothing open) starts again: the next ping an interval from
+        now, and pings sent before the pause count as neither answered nor missed."""
+        self._next_ping = now + self.interval
+        self._outstanding.clear()
+        self._last = None
+
     def receive(self, data: bytes, now: float) -> ProbeOutput:
         """Handle a probe datagram: answer pings, measure pongs. Other bytes are ignored."""
         out = ProbeOutput([], [])

@@ -63,6 +63,9 @@ STREAM_WINDOW = 4 * 1024 * 1024
 """Default per-stream receive window: the most a peer can make us buffer on one unread stream."""
 IDLE_TIMEOUT = 20.0
 """Probes find dead peers in about a second; the idle timeout is only the backstop."""
+ACCEPT_IDLE_TIMEOUT = 120.0
+"""What an acceptor advertises: a dialer that asks for as long (a passive client, whose connection to its
+anchor carries a pull a minute and no probes) gets it; everyone else gets :data:`IDLE_TIMEOUT`."""
 MAX_DATAGRAM_FRAME = 1200
 """Largest QUIC DATAGRAM frame we accept (probes are a few dozen bytes)."""
 

@@ -173,6 +173,8 @@ class Stream:
         if not self._inbox and self._frame_clock is not None:
             self._frame_clock = self.peer.now()  # the next frame waited on us, not on the peer
         self._grant_credit()
+        if not self._inbox and self._ended:
+            self.peer.forget_if_finished(self)  # the last frame of a stream we already closed: both sides done
         try:
             return msgspec.msgpack.decode(raw, type=type_)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:

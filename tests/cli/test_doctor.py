@@ -21,7 +21,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NodeProcess
         a = NodeProcess(tmp / "a", ["--model", str(model), "--threads", "1"], "alpha")
         nodes.append(a)
         token = a.wait_ready()["invite"]
-        b = NodeProcess(tmp / "b", ["--client", "--join", token], "beta")
+        b = NodeProcess(tmp / "b", ["--client", "--member", "--join", token], "beta")
         nodes.append(b)
         b.wait_ready()
         wait_until(lambda: sees(a, b.node_id, ("alive",)), 20.0)

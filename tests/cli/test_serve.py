@@ -29,7 +29,7 @@ def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[NodeProcess]
         nodes.append(NodeProcess(base / "alpha", ["--client"], "alpha"))
         token = nodes[0].wait_ready()["invite"]
         for name in ("beta", "gamma"):
-            nodes.append(NodeProcess(base / name, ["--client", "--join", token], name))
+            nodes.append(NodeProcess(base / name, ["--client", "--member", "--join", token], name))
         for node in nodes:
             node.wait_ready()
         wait_until(lambda: all(len([p for p in n.status()["peers"] if p["rtt_ms"] is not None]) == 2
@@ -124,7 +124,7 @@ def test_event_stream_replays_history_then_streams_live_events(trio: list[NodePr
             pytest.fail("the stream ended without gamma's peer_joined event")
         assert any(e["type"] == "ready" for e in seen), "history starts with the node's own events"
         # A live event: a fourth node joins and leaves.
-        extra = NodeProcess(tmp_path / "delta", ["--client", "--join", trio[0].ready["invite"]], "delta")
+        extra = NodeProcess(tmp_path / "delta", ["--client", "--member", "--join", trio[0].ready["invite"]], "delta")
         try:
             extra.wait_ready()
             for event in events:

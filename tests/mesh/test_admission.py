@@ -180,6 +180,27 @@ def test_use_limit_counts_every_use_this_member_knows(mesh: MeshKey, state: Admi
         other.verify_member(second.id, with_grant(second.credential, forged_grant), NOW)
 
 
+def test_a_passive_client_takes_a_use_of_the_member_that_admits_it(mesh: MeshKey, state: AdmissionState,
+                                                                   owner: Member) -> None:
+    """A passive client gets a credential that reaches every model: it takes a use of a limited invite, or a
+    one-use invite would admit any number of API clients. Only the member that admits it counts it, and only
+    for its own admissions: a member node's gossiped record on that invite is still judged on the uses every
+    member can see, so views agree."""
+    invite = mesh.invite(NOW, max_uses=2)
+    first, second, third = applicant(invite), applicant(invite), applicant(invite)
+    assert state.admit(first.id, first.credential, NOW, passive=True) is not None
+    assert state.admit(second.id, second.credential, NOW, passive=True) is not None
+    assert state.uses(invite_id(invite)) == 2
+    for passive in (True, False):
+        with pytest.raises(InviteExhausted):
+            state.admit(third.id, third.credential, NOW, passive=passive)
+    assert state.uses(invite_id(invite)) == 2  # a refusal changes nothing
+    # another member, which never heard of the passive clients, admitted a member node with the same invite:
+    other = AdmissionState(mesh.mesh_id, mesh.public)
+    member = admitted(other, owner, invite)
+    assert state.verify_member(member.id, member.credential, NOW).invite_id == invite_id(invite)
+
+
 def test_unlimited_invite(mesh: MeshKey, state: AdmissionState, owner: Member) -> None:
     invite = mesh.invite(NOW, max_uses=0)
     for _ in range(5):

@@ -16,7 +16,10 @@ from meshllm.identity.signing import encode_signed, sign
 from meshllm.mesh import view
 from meshllm.mesh.records import Addresses, Load, Models, RttEntry, ServedModel, sign_record
 from meshllm.mesh.routes import (
+    BUSY_INTERVAL_S,
+    FOLLOW_S,
     ROUTES_DOMAIN,
+    RTT_FLOOR_MS,
     STALE_AFTER_S,
     TABLE_MAX_AGE_S,
     TABLE_MAX_BYTES,
@@ -164,17 +167,42 @@ def test_dropped_nodes_become_tombstones_and_silence_empties_the_view() -> None:
     assert view.diff(state, after) == [view.PeerRemoved(gone, "down")]
     assert after.peers[gone].status == "down"  # known a while: routers answer 503, not 404
     assert view_of(book, after, NOW + 2).peers[entry(2).node_id] is after.peers[entry(2).node_id]
-    assert view.members(view_of(book, after, NOW + 1 + STALE_AFTER_S + 1)) == {}
+    assert view.members(view_of(book, after, NOW + 1 + book.stale_after - 1))  # two pulls may be missed ...
+    assert view.members(view_of(book, after, NOW + 1 + book.stale_after + 1)) == {}  # ... not more
+    assert book.stale_after >= 2 * book.interval and book.stale_after >= STALE_AFTER_S
 
 
-def test_pulls_run_on_the_interval_and_on_demand_at_most_twice_a_second() -> None:
+def test_pulls_follow_changes_then_slow_to_the_interval_and_run_on_demand() -> None:
     book = fresh_book()
     assert book.due(0.0)
-    book.pulled(0.0)
-    assert not book.due(1.0) and book.due(book.interval)
-    assert book.on_demand(1.0) and book.due(1.0)
-    book.pulled(1.0)
-    assert not book.on_demand(1.2) and not book.due(1.2)
+    gaps = []
+    now = 0.0
+    for _ in range(8):
+        book.pulled(now)
+        nxt = book.next_timer()
+        gaps.append(nxt - now)
+        now = nxt
+    assert gaps == [FOLLOW_S, 4.0, 8.0, 16.0, 32.0, book.interval, book.interval, book.interval]
+    # a table that adds a member brings the next pull near again
+    book.receive(ANCHOR_ID, RoutesTable(signed_table([entry(2)], issued=now)), now)
+    assert book.due(now + FOLLOW_S)
+    book.pulled(now + FOLLOW_S)
+    book.receive(ANCHOR_ID, RoutesTable(signed_table([entry(2)], issued=now + 3)), now + 3)  # same members
+    assert not book.due(now + 2 * FOLLOW_S - 0.1) and book.due(now + 2 * FOLLOW_S)  # and it slows again
+    # on demand: at once, or 0.5 s after the last demand; never lost, a burst asks once
+    now = book.next_timer()
+    book.pulled(now)
+    assert book.on_demand(now + 1.0) and book.due(now + 1.0)
+    book.pulled(now + 1.0)
+    assert book.on_demand(now + 1.2) and not book.due(now + 1.2) and book.due(now + 1.5)
+    assert not book.on_demand(now + 1.3) and not book.due(now + 1.4)
+    # in use: at most BUSY_INTERVAL_S between pulls
+    book.pulled(now + 1.5)
+    book.busy(now + 2.0)
+    assert not book.due(now + 1.5 + BUSY_INTERVAL_S - 0.1) and book.due(now + 1.5 + BUSY_INTERVAL_S)
+    book.pulled(now + 10.0)
+    book.busy(now + 20.0)  # long since the last pull: at once
+    assert book.due(now + 20.0)
 
 
 def test_passive_view_reads_like_gossip() -> None:
@@ -191,18 +219,19 @@ def test_passive_view_reads_like_gossip() -> None:
 
 
 def test_rtt_jitter_within_a_factor_four_keeps_the_published_value() -> None:
-    assert quantise_rtt(1.9, held=0.5) == 0.5 and quantise_rtt(0.13, held=0.5) == 0.5
-    assert quantise_rtt(2.5, held=0.5) == quantise_rtt(2.5)
+    assert quantise_rtt(39.0, held=10.0) == 10.0 and quantise_rtt(0.43, held=10.0) == 10.0
+    assert quantise_rtt(41.0, held=10.0) == quantise_rtt(41.0) != 10.0
+    assert quantise_rtt(0.43) == quantise_rtt(9.9) == RTT_FLOOR_MS  # one busy host's loopback swings alike
     own, peers = anchor_view(peer(3, ["tiny"]))
     server = RouteTableServer(ANCHOR, MESH)
     book = fresh_book()
     book.receive(ANCHOR_ID, server.answer(book.ask(), own, peers, NOW), NOW)
-    for ms in (1.6, 11.0, 2.2):
+    for ms in (1.6, 11.0, 0.4, 23.7):
         jittered = msgspec.structs.replace(own, rtt={n: RttEntry(ms, "direct") for n in own.rtt})
         assert isinstance(server.answer(book.ask(), jittered, peers, NOW + 1), RoutesSame)
     unmeasured = msgspec.structs.replace(own, rtt={})  # not connected now: the last value stands
     assert isinstance(server.answer(book.ask(), unmeasured, peers, NOW + 1), RoutesSame)
-    far = msgspec.structs.replace(own, rtt={n: RttEntry(40.0, "direct") for n in own.rtt})
+    far = msgspec.structs.replace(own, rtt={n: RttEntry(45.0, "direct") for n in own.rtt})
     assert isinstance(server.answer(book.ask(), far, peers, NOW + 2), RoutesTable)
 
 

@@ -41,7 +41,7 @@ def test_eim_nats_meet_through_the_relay_then_punch_and_survive_the_relay(
     # Hold the punch back (b's router drops a's public address) so a request provably runs relayed.
     unblock = lab.block("b", lab.sites["a"].public_ip)
     b = NsNode(lab.sites["b"], tmp_path / "b", ["--join", token, "--model", str(tiny_model)], "b")
-    a = NsNode(lab.sites["a"], tmp_path / "a", ["--join", token, "--client"], "a")
+    a = NsNode(lab.sites["a"], tmp_path / "a", ["--join", token, "--client", "--member"], "a")
     nodes += [b, a]
     a.wait_ready(), b.wait_ready()
     ready = time.monotonic()
@@ -76,7 +76,7 @@ def test_symmetric_nat_stays_relayed_and_recovers_when_the_relay_returns(
     nodes.append(relay)
     token = relay.wait_ready()["invite"]
     s = NsNode(lab.sites["s"], tmp_path / "s", ["--join", token, "--model", str(tiny_model)], "s")
-    a = NsNode(lab.sites["a"], tmp_path / "a", ["--join", token, "--client"], "a")
+    a = NsNode(lab.sites["a"], tmp_path / "a", ["--join", token, "--client", "--member"], "a")
     nodes += [s, a]
     a.wait_ready(), s.wait_ready()
     ready = time.monotonic()

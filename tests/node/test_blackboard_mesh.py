@@ -26,10 +26,11 @@ def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[NodeProcess]
         alpha = NodeProcess(tmp / "alpha", ["--client"], "alpha")
         nodes.append(alpha)
         token = alpha.wait_ready()["invite"]
-        beta = NodeProcess(tmp / "beta", ["--client", "--join", token], "beta")
+        beta = NodeProcess(tmp / "beta", ["--client", "--member", "--join", token], "beta")
         nodes.append(beta)
         beta.wait_ready()
-        gamma = NodeProcess(tmp / "gamma", ["--client", "--join", token, "--bootstrap", beta.mesh_addr], "gamma")
+        gamma = NodeProcess(tmp / "gamma", ["--client", "--member", "--join", token, "--bootstrap", beta.mesh_addr],
+                            "gamma")
         nodes.append(gamma)
         gamma.wait_ready()
         wait_until(lambda: all(len(n.status()["peers"]) == 2 for n in nodes), 20.0)

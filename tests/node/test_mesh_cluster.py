@@ -35,11 +35,11 @@ def test_five_nodes_converge_then_drop_a_killed_node_and_see_a_leave(tmp_path: P
         creator = NodeProcess(tmp_path / "n0", ["--client"], "n0")
         nodes.append(creator)
         token = creator.wait_ready()["invite"]
-        nodes.append(NodeProcess(tmp_path / "n1", ["--client", "--join", token], "n1"))
+        nodes.append(NodeProcess(tmp_path / "n1", ["--client", "--member", "--join", token], "n1"))
         nodes[1].wait_ready()
         # n2..n4 dial n1, a member other than the creator.
         for i in range(2, 5):
-            nodes.append(NodeProcess(tmp_path / f"n{i}", ["--client", "--join", token, "--bootstrap",
+            nodes.append(NodeProcess(tmp_path / f"n{i}", ["--client", "--member", "--join", token, "--bootstrap",
                                                           nodes[1].mesh_addr], f"n{i}"))
         for node in nodes:
             node.wait_ready()

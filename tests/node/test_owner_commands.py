@@ -91,11 +91,12 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
             nodes.append(alpha)
             token = alpha.wait_ready()["invite"]
             beta = NodeProcess(homes["beta"], ["--model", str(models / "tiny.gguf"), "--join", token], "beta")
-            gamma = NodeProcess(homes["gamma"], ["--client", "--join", token], "gamma")
+            gamma = NodeProcess(homes["gamma"], ["--client", "--member", "--join", token], "gamma")
             nodes += [beta, gamma]
             beta.wait_ready()
             gamma.wait_ready()
-            delta = NodeProcess(homes["delta"], ["--client", "--join", token, "--bootstrap", beta.mesh_addr], "delta")
+            delta = NodeProcess(homes["delta"],
+                                ["--client", "--member", "--join", token, "--bootstrap", beta.mesh_addr], "delta")
             nodes.append(delta)
             delta.wait_ready()
             wait_until(lambda: len(alpha.status()["peers"]) == 3 and len(listed(gamma, "tiny")) == 2, 20.0)

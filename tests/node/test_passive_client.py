@@ -1,4 +1,4 @@
-"""A ``--client --passive`` node routes, fails over and replays from pulled route tables, and members hold
+"""A ``--client`` node that joins routes, fails over and replays from pulled route tables, and members hold
 nothing about it: real nodes over QUIC on 127.0.0.1, the tiny llama on two of them."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def mesh(tmp_path: Path) -> Iterator[tuple[NodeProcess, NodeProcess, NodeProcess
         a2 = NodeProcess(tmp_path / "a2", [*serve, "--join", token], "a2")
         nodes.append(a2)
         a2.wait_ready()
-        c = NodeProcess(tmp_path / "c", ["--client", "--passive", "--routes-interval", "1", "--join", token], "c")
+        c = NodeProcess(tmp_path / "c", ["--client", "--routes-interval", "1", "--join", token], "c")
         nodes.append(c)
         c.wait_ready()
         wait_until(lambda: len(serving(c)) == 2, 30.0)
@@ -67,10 +67,37 @@ def test_passive_client_drops_a_killed_node_and_routes_to_the_other(
     assert serving(c) == [a1.node_id]
 
 
-def test_passive_needs_a_client_that_joins(tmp_path: Path) -> None:
+def test_member_is_for_a_client(tmp_path: Path) -> None:
     from nodes import meshllm
 
-    out = meshllm("serve", "--client", "--passive", "--home", str(tmp_path / "x"), "--port", "0", "--mesh-port", "0")
+    out = meshllm("serve", "--member", "--home", str(tmp_path / "x"), "--port", "0", "--mesh-port", "0")
     assert out.returncode != 0
-    assert "--passive is for a --client that joins a mesh" in out.stderr
+    assert "--member is for a --client" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_passive_client_takes_an_invite_use_and_comes_back_on_its_credential(tmp_path: Path) -> None:
+    """``invite create --uses 1``: one passive client joins with it; a second is refused in one line; the first
+    restarts on the credential it keeps in its home."""
+    from nodes import meshllm
+
+    with running_nodes() as nodes:
+        owner = NodeProcess(tmp_path / "owner", ["--client"], "owner")
+        nodes.append(owner)
+        owner.wait_ready()
+        made = meshllm("invite", "create", *owner.api_args, "--uses", "1")
+        assert made.returncode == 0, made.stderr
+        token = made.stdout.strip()
+        first = NodeProcess(tmp_path / "p1", ["--client", "--join", token], "p1")
+        nodes.append(first)
+        first.wait_ready()
+        assert first.status()["passive"] and first.status()["anchors"] == [owner.node_id]
+        refused = meshllm("join", token, "--client", "--home", str(tmp_path / "p2"), "--port", "0",
+                          "--mesh-port", "0", "--mesh-host", "127.0.0.1")
+        assert refused.returncode == 1 and "already used" in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr
+        assert first.terminate() == 0
+        again = NodeProcess(tmp_path / "p1", ["--client", "--join", token], "p1")
+        nodes.append(again)
+        assert again.wait_ready()["node_id"] == first.node_id
+        assert first.node_id not in [p["node_id"] for p in owner.status()["peers"]]

@@ -71,7 +71,8 @@ def test_a_standby_takes_load_the_server_cannot_and_leaves_when_idle(tmp_path: P
         token = server.wait_ready()["invite"]
         standby = NodeProcess(tmp_path / "standby", ["--standby", "--model", str(model), "--standby-idle", str(IDLE_S),
                                                      "--parallel", "2", "--join", token], "standby")
-        entry = NodeProcess(tmp_path / "entry", ["--client", "--join", token], "entry")
+        # a member: standby nodes act on the demand in gossiped records, and a passive client's is in none
+        entry = NodeProcess(tmp_path / "entry", ["--client", "--member", "--join", token], "entry")
         nodes += [standby, entry]
         standby.wait_ready()
         entry.wait_ready()

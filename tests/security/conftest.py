@@ -14,7 +14,7 @@ def start_pair(tmp: Path, nodes: list[NodeProcess], *owner_args: str) -> tuple[N
     a = NodeProcess(tmp / "a", ["--client", *owner_args], "a")
     nodes.append(a)
     token = a.wait_ready()["invite"]
-    b = NodeProcess(tmp / "b", ["--client", "--join", token], "b")
+    b = NodeProcess(tmp / "b", ["--client", "--member", "--join", token], "b")
     nodes.append(b)
     b.wait_ready()
     wait_until(lambda: sees(a, b.node_id) and sees(b, a.node_id), 10.0)

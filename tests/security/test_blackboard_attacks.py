@@ -21,7 +21,7 @@ def test_forged_replayed_oversized_and_over_rate_notes_are_refused_with_reasons(
         honest = NodeProcess(tmp_path / "h", ["--client"], "honest")
         nodes.append(honest)
         token = honest.wait_ready()["invite"]
-        forger = NodeProcess(tmp_path / "f", ["--client", "--join", token], "forger", entry=(str(FORGER),))
+        forger = NodeProcess(tmp_path / "f", ["--client", "--member", "--join", token], "forger", entry=(str(FORGER),))
         nodes.append(forger)
         forger.wait_ready()
         wait_until(lambda: len(honest.status()["peers"]) == 1, 20.0)

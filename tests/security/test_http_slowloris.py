@@ -48,7 +48,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NodeProcess
     with running_nodes() as nodes:
         a = NodeProcess(base / "a", ["--client"], "a", prefix=["prlimit", f"--nofile={FD_LIMIT}:{FD_LIMIT}", "--"])
         nodes.append(a)
-        b = NodeProcess(base / "b", ["--client", "--join", a.wait_ready()["invite"]], "b")
+        b = NodeProcess(base / "b", ["--client", "--member", "--join", a.wait_ready()["invite"]], "b")
         nodes.append(b)
         b.wait_ready()
         wait_until(lambda: [p["state"] for p in b.status()["peers"]] == ["alive"], 15.0)

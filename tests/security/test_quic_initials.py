@@ -25,7 +25,8 @@ def test_new_nodes_join_during_a_garbage_initial_flood(tmp_path: Path) -> None:
         token = a.wait_ready()["invite"]
         with InitialFlood(a.mesh_addr, RATE) as flood:
             wait_until(lambda: flood.sent > RATE * 2, 10.0)  # slots would be full by now
-            joiners = [NodeProcess(tmp_path / f"j{i}", ["--client", "--join", token], f"j{i}") for i in range(JOINERS)]
+            joiners = [NodeProcess(tmp_path / f"j{i}", ["--client", "--member", "--join", token], f"j{i}")
+                       for i in range(JOINERS)]
             nodes.extend(joiners)
             ready = 0
             for joiner in joiners:

@@ -284,7 +284,7 @@ def test_a_hostile_member_for_twenty_five_seconds(tmp_path: Path) -> None:
         a = NodeProcess(tmp_path / "a", ["--model", str(gguf)], "a")
         nodes.append(a)
         token = a.wait_ready()["invite"]
-        b = NodeProcess(tmp_path / "b", ["--client", "--join", token], "b")
+        b = NodeProcess(tmp_path / "b", ["--client", "--member", "--join", token], "b")
         nodes.append(b)
         b.wait_ready()
         wait_until(lambda: serving(b), 15.0)
@@ -301,7 +301,7 @@ def test_a_hostile_member_for_twenty_five_seconds(tmp_path: Path) -> None:
             attacker = threading.Thread(target=lambda: result.setdefault("counts", asyncio.run(campaign(a, b, until))))
             attacker.start()
             time.sleep(SOAK_S / 2)
-            newcomer = NodeProcess(tmp_path / "c", ["--client", "--join", token], "c")
+            newcomer = NodeProcess(tmp_path / "c", ["--client", "--member", "--join", token], "c")
             nodes.append(newcomer)
             start = time.monotonic()
             newcomer.wait_ready(30.0)

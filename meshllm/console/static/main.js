@@ -100,7 +100,8 @@ function showLink() {
 
 function showSummary(status) {
   const owned = status.mesh_owner ? " · mesh owner" : "";
-  $("summary").textContent = `${status.name} (${status.role}${owned}) · ${status.mesh_id} · v${status.version}`
+  const passive = status.passive ? " · passive: routes from its anchors' tables" : "";
+  $("summary").textContent = `${status.name} (${status.role}${passive}${owned}) · ${status.mesh_id} · v${status.version}`
     + ` · up ${fmtDuration(status.uptime_s)}`;
   $("summary").title = `node ${status.node_id}`;
   document.title = `${status.name} · meshllm console`;
