@@ -126,14 +126,33 @@ class NotEnoughWorkers(SplitError):
     hint = "start workers with `meshllm join TOKEN --worker`"
 
 
+def offered_ram(ram_bytes: int, max_memory: int | None) -> int:
+    """RAM a node gives models: its ``--max-memory``, else :data:`RAM_SHARE` of its ``ram_bytes``."""
+    return max_memory if max_memory is not None else int(ram_bytes * RAM_SHARE)
+
+
 def memory_budget(capacity: Capacity, max_memory: int | None) -> int:
     """Bytes a node offers to models: ``max_memory`` (else a share of its RAM) plus its accelerator's free memory.
 
     A stage puts the layers that fit on the accelerator (``--gpu-layers``) and the rest in RAM, so
     both count; ``--max-memory`` caps the RAM part.
     """
-    ram = max_memory if max_memory is not None else int(capacity.ram_bytes * RAM_SHARE)
-    return ram + capacity.vram_bytes
+    return offered_ram(capacity.ram_bytes, max_memory) + capacity.vram_bytes
+
+
+def offered_memory(capacity: Capacity) -> int:
+    """Bytes a worker offers to stages, from its record's capacity (``service.offered_capacity``): what a
+    coordinator's planner assumes of it, and what its own :class:`~meshllm.split.control.StageHost` accepts."""
+    return capacity.ram_bytes + capacity.vram_bytes
+
+
+def own_budget(own: PeerRecord, max_memory: int | None) -> int:
+    """Memory this node gives its own stages and whole models: a worker's is exactly what its record offers
+    (:func:`offered_memory`, the number every coordinator plans with); any other node's is its
+    :func:`memory_budget` (``max_memory`` is then its own cap, a worker's is already in its record)."""
+    if own.role == "worker":
+        return offered_memory(own.capacity)
+    return memory_budget(own.capacity, max_memory)
 
 
 def model_profile(path: Path, context: int) -> ModelProfile:
@@ -159,7 +178,7 @@ def model_profile(path: Path, context: int) -> ModelProfile:
 def budget_source(role: str, max_memory: int | None) -> str:
     """Where a candidate's memory comes from, for ``/api/plan`` (``nodes[].memory``)."""
     if role == "worker":
-        return "offered by the worker (its --max-memory, else its RAM) plus its free VRAM"
+        return f"offered by the worker (its --max-memory, else {RAM_SHARE:.0%} of its RAM) plus its free VRAM"
     if max_memory is not None:
         return f"this node's --max-memory ({max_memory / 2**30:.2f} GiB) plus its free VRAM"
     return f"{RAM_SHARE:.0%} of this node's RAM plus its free VRAM"
@@ -172,7 +191,7 @@ def candidates(own: PeerRecord, own_budget: int, members: Mapping[str, PeerRecor
     Hosts serve whole models and clients nothing, so only workers offer stage memory; a worker with
     no listen address is reachable only through a relay and is never a stage. Each node's memory is
     its own: ``own_budget`` for this one, what its record offers for a worker (which its own
-    ``--max-memory`` caps: :func:`~meshllm.split.service.offered_capacity`). ``measured`` gives
+    ``--max-memory`` sets: :func:`offered_memory`, which its stage host enforces too). ``measured`` gives
     seconds per block that running chains of the same model measured (:func:`measured_speeds`);
     they replace the gossiped gflops estimate for those nodes.
     """
@@ -182,7 +201,7 @@ def candidates(own: PeerRecord, own_budget: int, members: Mapping[str, PeerRecor
     for node_id, rec in sorted(members.items()):
         if rec.role != "worker" or node_id in exclude or rec.state != "alive":
             continue
-        out.append(Candidate(node_id, rec.capacity.ram_bytes + rec.capacity.vram_bytes,
+        out.append(Candidate(node_id, offered_memory(rec.capacity),
                              gflops=rec.capacity.gflops, role="worker",
                              relay_only=not rec.addresses.listen, seconds_per_layer=speeds.get(node_id)))
     return out

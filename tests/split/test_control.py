@@ -37,8 +37,11 @@ from meshllm.split.control import (
     ask,
 )
 from meshllm.split.engine import SplitEngine
+from meshllm.split.errors import NoChainFits
 from meshllm.split.frames import Hop
-from meshllm.split.placement import SplitOptions, SplitPlacement, model_profile
+from meshllm.split.placement import RAM_SHARE, SplitOptions, SplitPlacement, candidates, model_profile, own_budget
+from meshllm.split.planner import PlanOptions, plan
+from meshllm.split.service import offered_capacity
 from meshllm.split.stage import StageServer
 
 
@@ -163,6 +166,59 @@ def test_a_hosted_stage_opens_sessions_only_for_its_placed_chain(tiny_model: Pat
             for n in (coord, worker):
                 await n.ep.close()
         assert np.all(np.asarray(tokens) >= 0)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("cap", [None, "cap"])
+def test_a_plan_from_a_workers_record_is_never_refused_for_memory(
+        cap: str | None, tiny_model: Path, tmp_path: Path) -> None:
+    """The planner's memory for a worker comes from its record; its StageHost's budget from the same record
+    (``own_budget``). Around the point where the worker's range just fits, each plan the planner makes from
+    the record is hosted by the worker; where the record's memory is too small, no plan is made. (Before,
+    a worker without ``--max-memory`` offered all its RAM but accepted 75 % of it: the cases whose need lies
+    between the two were planned, then refused.)"""
+    profile = model_profile(tiny_model, 64)
+    first = profile.first_bytes + profile.layer_bytes + profile.stage_bytes  # the coordinator: layer 0 only
+    need = 5 * profile.layer_bytes + profile.last_bytes + profile.stage_bytes  # the worker: layers 1..6
+
+    async def main() -> None:
+        coord, worker = [await node(tmp_path, n) for n in ("coord", "worker")]
+        entry = coord.library.add(tiny_model, source="file", owned=False)
+        signed = sign_manifest(coord.key, build_manifest(tiny_model))
+        server = StageServer(worker.ep)
+        host = StageHost(server, worker.store, budget=0)
+        own = PeerRecord(node_id=coord.id, mesh_id="m", seq=1, membership_proof=b"p", role="host",
+                         capacity=Capacity(ram_bytes=1 << 33, gflops=10.0),
+                         addresses=Addresses(listen=[addr(coord.ep)]))
+        hosted = planned_only = 0
+        try:
+            for share in (0.9, 0.99, 1.0, 1.01, 1.2):
+                offer = int(need * share)  # what the worker should offer: its --max-memory, else 75 % of its RAM
+                max_memory = offer if cap else None
+                ram = 2 * offer if cap else -(-offer * 4 // 3)
+                capacity = offered_capacity(Capacity(ram_bytes=ram, gflops=10.0), "worker", max_memory)
+                record = PeerRecord(node_id=worker.id, mesh_id="m", seq=1, membership_proof=b"p", role="worker",
+                                    capacity=capacity, addresses=Addresses(listen=[addr(worker.ep)]))
+                host.budget = own_budget(record, max_memory)  # what SplitService gives the worker's StageHost
+                nodes = candidates(own, first, {worker.id: record})
+                planned_only += int(need <= ram < need / RAM_SHARE)  # the old record's offer, the old host's refusal
+                try:
+                    chosen = plan(profile, nodes, {}, coord.id, PlanOptions(stages=2))
+                except NoChainFits:
+                    assert offer < need
+                    continue
+                assert chosen.chain == [(coord.id, 0, 1), (worker.id, 1, 6)]
+                request = host_request(coord, worker, coord.key, entry.id, signed, bounds=(1, 6))
+                assert isinstance(await ask(coord.ep, worker.id, addr(worker.ep), request), Hosted)
+                await ask(coord.ep, worker.id, addr(worker.ep), Release(model=MODEL))
+                hosted += 1
+            assert hosted == 3
+            assert planned_only >= (0 if cap else 2)  # the cases the old mismatch planned and then refused
+        finally:
+            server.close()
+            for n in (coord, worker):
+                await n.ep.close()
 
     asyncio.run(main())
 
