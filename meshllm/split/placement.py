@@ -376,8 +376,10 @@ class SplitPlacement:
         self.untrusted: dict[str, float] = {}
         """Nodes an audit caught (node id -> until when, monotonic): never placed on again before then."""
         self._audits = audits
-        self.hosted: dict[str, set[tuple[int, int]]] = {}
-        """Node id -> the layer ranges it hosted for this model (their stage files stay on its disk)."""
+        self.hosted: dict[str, tuple[int, int]] = {}
+        """Node id -> the layer range it hosts for this model now (its stage file pinned there). A worker
+        holds one stage per coordinator and model: a new range replaces the old one, whose file it unpins,
+        and a released range leaves; either counts on only as a warm range the node keeps (``_kept``)."""
         self._asked: dict[str, tuple[int, int]] = {}
         """Node id -> the warm range it was last asked to keep. Kept across chains: a node the next
         chain's spares no longer want is told to drop it (``Unwarm``)."""
@@ -399,8 +401,10 @@ class SplitPlacement:
 
     @property
     def held(self) -> dict[str, set[tuple[int, int]]]:
-        """Node id -> the layer ranges it keeps on disk for this model (stages it hosted, warm spares)."""
-        out = {node: set(ranges) for node, ranges in self.hosted.items()}
+        """Node id -> the layer ranges it keeps on disk for this model: the stage it hosts (pinned) and the
+        warm range it confirmed keeping (weakly pinned, refreshed every spare check). Nothing else: a file a
+        worker unpinned (a released or replaced stage) may be evicted by its library at any time."""
+        out = {node: {layers} for node, layers in self.hosted.items()}
         for node, (_name, start, end, _fetched) in self._kept.items():
             out.setdefault(node, set()).add((start, end))
         return out
@@ -469,9 +473,15 @@ class SplitPlacement:
             self._replan.set()
         for hop in coordinator.chain:
             if hop.node_id in nodes:
-                self._scope.spawn(self._release(hop))
+                self._release(hop)
 
-    async def _release(self, hop: Hop) -> None:
+    def _release(self, hop: Hop) -> None:
+        """Release ``hop``'s stage (sent in the background) and stop counting on its range at once: the worker
+        unpins its file, so the library may evict it. (A warm range the node keeps still counts: ``held``.)"""
+        self.hosted.pop(hop.node_id, None)
+        self._scope.spawn(self._send_release(hop))
+
+    async def _send_release(self, hop: Hop) -> None:
         with contextlib.suppress(MeshllmError):
             await ask(self.server.endpoint, hop.node_id, hop.addr, Release(model=self.engine.model_id), timeout=5.0)
 
@@ -554,7 +564,7 @@ class SplitPlacement:
             model=self.engine.model_id, model_id=self.ref.sha256, manifest=b"" if hub else self.manifest, hub=hub,
             chain=chain, index=index, max_context=self.engine.max_context,
         ), on_progress=lambda p: self._progress(hop.node_id).update(p.bytes_done, p.bytes_total))
-        self.hosted.setdefault(hop.node_id, set()).add((hop.layer_start, hop.layer_end))
+        self.hosted[hop.node_id] = (hop.layer_start, hop.layer_end)  # replaces (and unpins) its earlier range
         if isinstance(hosted, Hosted) and hosted.fetched_bytes:
             self._progress(hop.node_id).update(hosted.fetched_bytes, hosted.fetched_bytes)  # what it took
             self.publish("split_stage_fetched", model=self.engine.model_id, node=hop.node_id,

@@ -409,3 +409,71 @@ def test_the_coordinator_stops_counting_on_a_warm_range_its_worker_lost(
                 await n.ep.close()
 
     asyncio.run(main())
+
+
+def test_a_released_stage_leaves_what_the_coordinator_counts_on(
+        tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real placement loop over real workers: a chain on one worker while the other keeps a warm spare.
+    An audit evicts the chain's worker; its stage is released, the worker unpins the file (its library may
+    evict it), and its range leaves ``held`` at once: a rebuild never counts on it. The spare's warm range
+    stays held, and the rebuilt chain hosts inside it without a transfer; the range it hosts is then held."""
+    monkeypatch.setattr(placement_module, "SPARE_CHECK_S", 0.05)
+
+    async def main() -> None:
+        coord, w1, w2 = [await node(tmp_path, n) for n in ("coord", "w1", "w2")]
+        entry = coord.library.add(tiny_model, source="file", owned=False)
+        signed = sign_manifest(coord.key, build_manifest(tiny_model))
+        servers = [StageServer(n.ep) for n in (coord, w1, w2)]
+        hosts = {w.id: StageHost(server, w.store, budget=1 << 30) for server, w in zip(servers[1:], (w1, w2),
+                                                                                       strict=True)}
+        workers = {w.id: w for w in (w1, w2)}
+
+        def record(n: Node, role: str) -> PeerRecord:
+            return PeerRecord(node_id=n.id, mesh_id="m", seq=1, membership_proof=b"p", role=role,  # type: ignore[arg-type]
+                              capacity=Capacity(ram_bytes=1 << 33, gflops=10.0),
+                              addresses=Addresses(listen=[addr(n.ep)]))
+
+        members = {w.id: record(w, "worker") for w in (w1, w2)}
+        engine = SplitEngine(tiny_model, MODEL, 64)
+        placement = SplitPlacement(
+            own=lambda: record(coord, "host"), members=lambda: members, rtt=dict, server=servers[0],
+            engine=engine, ref=ModelRef(tiny_model, MODEL, entry.id), manifest=signed,
+            options=SplitOptions(mode="force", stages=2, context=64), budget=1 << 33,
+            publish=lambda *_a, **_k: None, on_chain=lambda _chain: None, profile=model_profile(tiny_model, 64))
+
+        async def until(done: Callable[[], bool]) -> None:
+            async with asyncio.timeout(20.0):
+                while not done():
+                    await asyncio.sleep(0.02)
+
+        placement.start()
+        try:
+            await until(lambda: engine.coordinator is not None)
+            old = engine.coordinator
+            assert old is not None
+            hop = placement.chain[1]
+            (spare,) = set(workers) - {hop.node_id}
+            await until(lambda: spare in placement.held)  # the spare for hop's death keeps its range warm
+            warm = placement.held[spare]
+            assert placement.held[hop.node_id] == {(hop.layer_start, hop.layer_end)}
+            released = workers[hop.node_id].library
+            pinned = hosts[hop.node_id].hosted[(coord.id, MODEL)].entry.key
+            assert pinned in released.pinned
+            placement.evict(old, {hop.node_id}, "a test")
+            assert hop.node_id not in placement.held and placement.held[spare] == warm
+            await until(lambda: not hosts[hop.node_id].hosted)  # the worker released it: the file unpinned
+            assert pinned not in released.pinned
+            await until(lambda: engine.coordinator not in (None, old))
+            rebuilt = placement.chain[1]
+            assert rebuilt.node_id == spare and hop.node_id not in placement.held
+            assert any(a <= rebuilt.layer_start and rebuilt.layer_end <= b for a, b in warm)
+            assert spare not in placement.fetching  # built inside the warm range: nothing fetched
+            assert (rebuilt.layer_start, rebuilt.layer_end) in placement.held[spare]
+        finally:
+            await placement.stop()
+            for server in servers:
+                server.close()
+            for n in (coord, w1, w2):
+                await n.ep.close()
+
+    asyncio.run(main())
