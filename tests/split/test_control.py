@@ -37,7 +37,7 @@ from meshllm.split.control import (
     ask,
 )
 from meshllm.split.engine import SplitEngine
-from meshllm.split.errors import NoChainFits
+from meshllm.split.errors import NoChainFits, StageFailed
 from meshllm.split.frames import Hop
 from meshllm.split.placement import RAM_SHARE, SplitOptions, SplitPlacement, candidates, model_profile, own_budget
 from meshllm.split.planner import PlanOptions, plan
@@ -474,6 +474,65 @@ def test_a_released_stage_leaves_what_the_coordinator_counts_on(
             for server in servers:
                 server.close()
             for n in (coord, w1, w2):
+                await n.ep.close()
+
+    asyncio.run(main())
+
+
+def test_a_replaced_stage_leaves_what_the_coordinator_counts_on(tiny_model: Path, tmp_path: Path) -> None:
+    """The real placement loop: a replan that gives a worker another range replaces its stage, and the
+    worker unpins the old range's file; ``held`` then names only the new range (no warm spares here)."""
+    profile = model_profile(tiny_model, 64)
+
+    def room(first: bool, layers: int) -> int:
+        return (profile.first_bytes if first else profile.last_bytes) + layers * profile.layer_bytes \
+            + profile.stage_bytes
+
+    async def main() -> None:
+        coord, worker = [await node(tmp_path, n) for n in ("coord", "worker")]
+        entry = coord.library.add(tiny_model, source="file", owned=False)
+        signed = sign_manifest(coord.key, build_manifest(tiny_model))
+        servers = [StageServer(n.ep) for n in (coord, worker)]
+        host = StageHost(servers[1], worker.store, budget=1 << 30)
+
+        def record(n: Node, role: str, ram: int) -> PeerRecord:
+            return PeerRecord(node_id=n.id, mesh_id="m", seq=1, membership_proof=b"p", role=role,  # type: ignore[arg-type]
+                              capacity=Capacity(ram_bytes=ram, gflops=10.0), addresses=Addresses(listen=[addr(n.ep)]))
+
+        members = {worker.id: record(worker, "worker", room(False, 3))}  # the worker fits 3 layers at most
+        engine = SplitEngine(tiny_model, MODEL, 64)
+        placement = SplitPlacement(
+            own=lambda: record(coord, "host", 1 << 33), members=lambda: members, rtt=dict, server=servers[0],
+            engine=engine, ref=ModelRef(tiny_model, MODEL, entry.id), manifest=signed,
+            options=SplitOptions(mode="force", stages=2, context=64, spares=False), budget=1 << 33,
+            publish=lambda *_a, **_k: None, on_chain=lambda _chain: None, profile=profile)
+
+        async def until(done: Callable[[], bool]) -> None:
+            async with asyncio.timeout(20.0):
+                while not done():
+                    await asyncio.sleep(0.02)
+
+        placement.start()
+        try:
+            await until(lambda: engine.coordinator is not None)
+            old = engine.coordinator
+            hop = placement.chain[1]
+            assert hop.layer_start >= 3 and placement.held == {worker.id: {(hop.layer_start, 6)}}
+            first = host.hosted[(coord.id, MODEL)].entry.key
+            # the worker offers more, the coordinator less: the replan moves the boundary to layer 1
+            members[worker.id] = record(worker, "worker", room(False, 5))
+            placement.budget = room(True, 1)
+            placement.stage_failed(StageFailed(0, coord.id, "a test"))
+            await until(lambda: engine.coordinator not in (None, old))
+            assert [(h.layer_start, h.layer_end) for h in placement.chain] == [(0, 1), (1, 6)]
+            assert placement.held == {worker.id: {(1, 6)}}
+            now = host.hosted[(coord.id, MODEL)].entry.key
+            assert now != first and now in worker.library.pinned and first not in worker.library.pinned
+        finally:
+            await placement.stop()
+            for server in servers:
+                server.close()
+            for n in (coord, worker):
                 await n.ep.close()
 
     asyncio.run(main())
