@@ -146,7 +146,7 @@ def offered_memory(capacity: Capacity) -> int:
     return capacity.ram_bytes + capacity.vram_bytes
 
 
-def own_budget(own: PeerRecord, max_memory: int | None) -> int:
+def node_budget(own: PeerRecord, max_memory: int | None) -> int:
     """Memory this node gives its own stages and whole models: a worker's is exactly what its record offers
     (:func:`offered_memory`, the number every coordinator plans with); any other node's is its
     :func:`memory_budget` (``max_memory`` is then its own cap, a worker's is already in its record)."""

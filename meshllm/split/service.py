@@ -45,8 +45,8 @@ from meshllm.split.placement import (
     memory_budget,
     model_profile,
     needs_split,
+    node_budget,
     offered_ram,
-    own_budget,
     plan_options,
 )
 from meshllm.split.planner import ModelProfile, Speculation, plan
@@ -69,7 +69,7 @@ def offered_capacity(capacity: Capacity, role: str, max_memory: int | None) -> C
     """The capacity a node's peer record carries. A worker's RAM is what it offers to stages: its
     ``--max-memory`` (never more than it measured), else ``RAM_SHARE`` of its RAM (:func:`offered_ram`).
     So the memory coordinators plan with (:func:`~meshllm.split.placement.offered_memory`) is the budget
-    its stage host enforces (:func:`~meshllm.split.placement.own_budget`). Other records stay as measured."""
+    its stage host enforces (:func:`~meshllm.split.placement.node_budget`). Other records stay as measured."""
     if role != "worker":
         return capacity
     ram = offered_ram(capacity.ram_bytes, max_memory)
@@ -136,7 +136,7 @@ class SplitService:
     @property
     def budget(self) -> int:
         """Memory this node gives its own stages and whole models (a worker's: what its record offers)."""
-        return own_budget(self._own(), self.options.max_memory)
+        return node_budget(self._own(), self.options.max_memory)
 
     async def prepare(self, specs: list[str]) -> list[str]:
         """Take the models to split out of ``specs`` (hashing them); return the ones to load whole."""

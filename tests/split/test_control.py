@@ -39,7 +39,7 @@ from meshllm.split.control import (
 from meshllm.split.engine import SplitEngine
 from meshllm.split.errors import NoChainFits, StageFailed
 from meshllm.split.frames import Hop
-from meshllm.split.placement import RAM_SHARE, SplitOptions, SplitPlacement, candidates, model_profile, own_budget
+from meshllm.split.placement import RAM_SHARE, SplitOptions, SplitPlacement, candidates, model_profile, node_budget
 from meshllm.split.planner import PlanOptions, plan
 from meshllm.split.service import offered_capacity
 from meshllm.split.stage import StageServer
@@ -174,7 +174,7 @@ def test_a_hosted_stage_opens_sessions_only_for_its_placed_chain(tiny_model: Pat
 def test_a_plan_from_a_workers_record_is_never_refused_for_memory(
         cap: str | None, tiny_model: Path, tmp_path: Path) -> None:
     """The planner's memory for a worker comes from its record; its StageHost's budget from the same record
-    (``own_budget``). Around the point where the worker's range just fits, each plan the planner makes from
+    (``node_budget``). Around the point where the worker's range just fits, each plan the planner makes from
     the record is hosted by the worker; where the record's memory is too small, no plan is made. (Before,
     a worker without ``--max-memory`` offered all its RAM but accepted 75 % of it: the cases whose need lies
     between the two were planned, then refused.)"""
@@ -200,7 +200,7 @@ def test_a_plan_from_a_workers_record_is_never_refused_for_memory(
                 capacity = offered_capacity(Capacity(ram_bytes=ram, gflops=10.0), "worker", max_memory)
                 record = PeerRecord(node_id=worker.id, mesh_id="m", seq=1, membership_proof=b"p", role="worker",
                                     capacity=capacity, addresses=Addresses(listen=[addr(worker.ep)]))
-                host.budget = own_budget(record, max_memory)  # what SplitService gives the worker's StageHost
+                host.budget = node_budget(record, max_memory)  # what SplitService gives the worker's StageHost
                 nodes = candidates(own, first, {worker.id: record})
                 planned_only += int(need <= ram < need / RAM_SHARE)  # the old record's offer, the old host's refusal
                 try:

@@ -21,7 +21,7 @@ from meshllm.split.placement import (
     memory_budget,
     model_profile,
     needs_split,
-    own_budget,
+    node_budget,
     plan_options,
     spare_ranges,
 )
@@ -77,16 +77,16 @@ def test_a_worker_caps_only_what_it_offers() -> None:
 @pytest.mark.parametrize(("cap", "expected"), [(None, 24 * GB + GB), (4 * GB, 5 * GB), (64 * GB, 33 * GB)])
 def test_what_the_planner_assumes_of_a_worker_is_what_it_accepts(cap: int | None, expected: int) -> None:
     """One number: the memory a coordinator's candidate list gives a worker (from its gossiped record) equals
-    the budget the worker's own stage host enforces (``own_budget`` of the same record, which SplitService
+    the budget the worker's own stage host enforces (``node_budget`` of the same record, which SplitService
     hands its StageHost), with and without the worker's ``--max-memory``."""
     measured = Capacity(ram_bytes=32 * GB, vram_bytes=GB, gflops=10.0)
     worker = msgspec.structs.replace(record("w", "worker"), capacity=offered_capacity(measured, "worker", cap))
     own = record("me", "host")
     planned = {c.node_id: c.memory_bytes for c in candidates(own, GB, {"w": worker})}["w"]
-    assert planned == own_budget(worker, cap) == expected
+    assert planned == node_budget(worker, cap) == expected
     # a coordinator's own budget is still its --max-memory (else 75 % of its RAM) plus free VRAM
-    assert own_budget(own, None) == memory_budget(own.capacity, None) == 6 * GB
-    assert own_budget(own, 2 * GB) == 2 * GB
+    assert node_budget(own, None) == memory_budget(own.capacity, None) == 6 * GB
+    assert node_budget(own, 2 * GB) == 2 * GB
 
 
 def test_forced_stages_wait_for_workers_then_degrade_after_a_failure() -> None:
