@@ -126,14 +126,33 @@ class NotEnoughWorkers(SplitError):
     hint = "start workers with `meshllm join TOKEN --worker`"
 
 
+def offered_ram(ram_bytes: int, max_memory: int | None) -> int:
+    """RAM a node gives models: its ``--max-memory``, else :data:`RAM_SHARE` of its ``ram_bytes``."""
+    return max_memory if max_memory is not None else int(ram_bytes * RAM_SHARE)
+
+
 def memory_budget(capacity: Capacity, max_memory: int | None) -> int:
     """Bytes a node offers to models: ``max_memory`` (else a share of its RAM) plus its accelerator's free memory.
 
     A stage puts the layers that fit on the accelerator (``--gpu-layers``) and the rest in RAM, so
     both count; ``--max-memory`` caps the RAM part.
     """
-    ram = max_memory if max_memory is not None else int(capacity.ram_bytes * RAM_SHARE)
-    return ram + capacity.vram_bytes
+    return offered_ram(capacity.ram_bytes, max_memory) + capacity.vram_bytes
+
+
+def offered_memory(capacity: Capacity) -> int:
+    """Bytes a worker offers to stages, from its record's capacity (``service.offered_capacity``): what a
+    coordinator's planner assumes of it, and what its own :class:`~meshllm.split.control.StageHost` accepts."""
+    return capacity.ram_bytes + capacity.vram_bytes
+
+
+def node_budget(own: PeerRecord, max_memory: int | None) -> int:
+    """Memory this node gives its own stages and whole models: a worker's is exactly what its record offers
+    (:func:`offered_memory`, the number every coordinator plans with); any other node's is its
+    :func:`memory_budget` (``max_memory`` is then its own cap, a worker's is already in its record)."""
+    if own.role == "worker":
+        return offered_memory(own.capacity)
+    return memory_budget(own.capacity, max_memory)
 
 
 def model_profile(path: Path, context: int) -> ModelProfile:
@@ -159,7 +178,7 @@ def model_profile(path: Path, context: int) -> ModelProfile:
 def budget_source(role: str, max_memory: int | None) -> str:
     """Where a candidate's memory comes from, for ``/api/plan`` (``nodes[].memory``)."""
     if role == "worker":
-        return "offered by the worker (its --max-memory, else its RAM) plus its free VRAM"
+        return f"offered by the worker (its --max-memory, else {RAM_SHARE:.0%} of its RAM) plus its free VRAM"
     if max_memory is not None:
         return f"this node's --max-memory ({max_memory / 2**30:.2f} GiB) plus its free VRAM"
     return f"{RAM_SHARE:.0%} of this node's RAM plus its free VRAM"
@@ -172,7 +191,7 @@ def candidates(own: PeerRecord, own_budget: int, members: Mapping[str, PeerRecor
     Hosts serve whole models and clients nothing, so only workers offer stage memory; a worker with
     no listen address is reachable only through a relay and is never a stage. Each node's memory is
     its own: ``own_budget`` for this one, what its record offers for a worker (which its own
-    ``--max-memory`` caps: :func:`~meshllm.split.service.offered_capacity`). ``measured`` gives
+    ``--max-memory`` sets: :func:`offered_memory`, which its stage host enforces too). ``measured`` gives
     seconds per block that running chains of the same model measured (:func:`measured_speeds`);
     they replace the gossiped gflops estimate for those nodes.
     """
@@ -182,7 +201,7 @@ def candidates(own: PeerRecord, own_budget: int, members: Mapping[str, PeerRecor
     for node_id, rec in sorted(members.items()):
         if rec.role != "worker" or node_id in exclude or rec.state != "alive":
             continue
-        out.append(Candidate(node_id, rec.capacity.ram_bytes + rec.capacity.vram_bytes,
+        out.append(Candidate(node_id, offered_memory(rec.capacity),
                              gflops=rec.capacity.gflops, role="worker",
                              relay_only=not rec.addresses.listen, seconds_per_layer=speeds.get(node_id)))
     return out
@@ -357,8 +376,10 @@ class SplitPlacement:
         self.untrusted: dict[str, float] = {}
         """Nodes an audit caught (node id -> until when, monotonic): never placed on again before then."""
         self._audits = audits
-        self.hosted: dict[str, set[tuple[int, int]]] = {}
-        """Node id -> the layer ranges it hosted for this model (their stage files stay on its disk)."""
+        self.hosted: dict[str, tuple[int, int]] = {}
+        """Node id -> the layer range it hosts for this model now (its stage file pinned there). A worker
+        holds one stage per coordinator and model: a new range replaces the old one, whose file it unpins,
+        and a released range leaves; either counts on only as a warm range the node keeps (``_kept``)."""
         self._asked: dict[str, tuple[int, int]] = {}
         """Node id -> the warm range it was last asked to keep. Kept across chains: a node the next
         chain's spares no longer want is told to drop it (``Unwarm``)."""
@@ -380,8 +401,10 @@ class SplitPlacement:
 
     @property
     def held(self) -> dict[str, set[tuple[int, int]]]:
-        """Node id -> the layer ranges it keeps on disk for this model (stages it hosted, warm spares)."""
-        out = {node: set(ranges) for node, ranges in self.hosted.items()}
+        """Node id -> the layer ranges it keeps on disk for this model: the stage it hosts (pinned) and the
+        warm range it confirmed keeping (weakly pinned, refreshed every spare check). Nothing else: a file a
+        worker unpinned (a released or replaced stage) may be evicted by its library at any time."""
+        out = {node: {layers} for node, layers in self.hosted.items()}
         for node, (_name, start, end, _fetched) in self._kept.items():
             out.setdefault(node, set()).add((start, end))
         return out
@@ -450,9 +473,15 @@ class SplitPlacement:
             self._replan.set()
         for hop in coordinator.chain:
             if hop.node_id in nodes:
-                self._scope.spawn(self._release(hop))
+                self._release(hop)
 
-    async def _release(self, hop: Hop) -> None:
+    def _release(self, hop: Hop) -> None:
+        """Release ``hop``'s stage (sent in the background) and stop counting on its range at once: the worker
+        unpins its file, so the library may evict it. (A warm range the node keeps still counts: ``held``.)"""
+        self.hosted.pop(hop.node_id, None)
+        self._scope.spawn(self._send_release(hop))
+
+    async def _send_release(self, hop: Hop) -> None:
         with contextlib.suppress(MeshllmError):
             await ask(self.server.endpoint, hop.node_id, hop.addr, Release(model=self.engine.model_id), timeout=5.0)
 
@@ -535,7 +564,7 @@ class SplitPlacement:
             model=self.engine.model_id, model_id=self.ref.sha256, manifest=b"" if hub else self.manifest, hub=hub,
             chain=chain, index=index, max_context=self.engine.max_context,
         ), on_progress=lambda p: self._progress(hop.node_id).update(p.bytes_done, p.bytes_total))
-        self.hosted.setdefault(hop.node_id, set()).add((hop.layer_start, hop.layer_end))
+        self.hosted[hop.node_id] = (hop.layer_start, hop.layer_end)  # replaces (and unpins) its earlier range
         if isinstance(hosted, Hosted) and hosted.fetched_bytes:
             self._progress(hop.node_id).update(hosted.fetched_bytes, hosted.fetched_bytes)  # what it took
             self.publish("split_stage_fetched", model=self.engine.model_id, node=hop.node_id,

@@ -45,6 +45,8 @@ from meshllm.split.placement import (
     memory_budget,
     model_profile,
     needs_split,
+    node_budget,
+    offered_ram,
     plan_options,
 )
 from meshllm.split.planner import ModelProfile, Speculation, plan
@@ -64,10 +66,17 @@ async def _prepared(engine: SplitEngine, manifest: asyncio.Future[bytes] | None)
 
 
 def offered_capacity(capacity: Capacity, role: str, max_memory: int | None) -> Capacity:
-    """A worker's ``--max-memory`` caps the memory its record offers to coordinators."""
-    if role != "worker" or max_memory is None:
+    """The capacity a node's peer record carries. A worker's RAM is what it offers to stages: its
+    ``--max-memory`` (never more than it measured), else ``RAM_SHARE`` of its RAM (:func:`offered_ram`).
+    So the memory coordinators plan with (:func:`~meshllm.split.placement.offered_memory`) is the budget
+    its stage host enforces (:func:`~meshllm.split.placement.node_budget`). Other records stay as measured."""
+    if role != "worker":
         return capacity
-    return msgspec.structs.replace(capacity, ram_bytes=min(capacity.ram_bytes or max_memory, max_memory))
+    ram = offered_ram(capacity.ram_bytes, max_memory)
+    if max_memory is not None and capacity.ram_bytes:
+        ram = min(ram, capacity.ram_bytes)
+    return msgspec.structs.replace(capacity, ram_bytes=ram)
+
 
 
 class SplitService:
@@ -126,8 +135,8 @@ class SplitService:
 
     @property
     def budget(self) -> int:
-        """Memory this node gives its own stages and whole models."""
-        return memory_budget(self._own().capacity, self.options.max_memory)
+        """Memory this node gives its own stages and whole models (a worker's: what its record offers)."""
+        return node_budget(self._own(), self.options.max_memory)
 
     async def prepare(self, specs: list[str]) -> list[str]:
         """Take the models to split out of ``specs`` (hashing them); return the ones to load whole."""

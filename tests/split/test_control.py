@@ -37,8 +37,11 @@ from meshllm.split.control import (
     ask,
 )
 from meshllm.split.engine import SplitEngine
+from meshllm.split.errors import NoChainFits, StageFailed
 from meshllm.split.frames import Hop
-from meshllm.split.placement import SplitOptions, SplitPlacement, model_profile
+from meshllm.split.placement import RAM_SHARE, SplitOptions, SplitPlacement, candidates, model_profile, node_budget
+from meshllm.split.planner import PlanOptions, plan
+from meshllm.split.service import offered_capacity
 from meshllm.split.stage import StageServer
 
 
@@ -163,6 +166,59 @@ def test_a_hosted_stage_opens_sessions_only_for_its_placed_chain(tiny_model: Pat
             for n in (coord, worker):
                 await n.ep.close()
         assert np.all(np.asarray(tokens) >= 0)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("cap", [None, "cap"])
+def test_a_plan_from_a_workers_record_is_never_refused_for_memory(
+        cap: str | None, tiny_model: Path, tmp_path: Path) -> None:
+    """The planner's memory for a worker comes from its record; its StageHost's budget from the same record
+    (``node_budget``). Around the point where the worker's range just fits, each plan the planner makes from
+    the record is hosted by the worker; where the record's memory is too small, no plan is made. (Before,
+    a worker without ``--max-memory`` offered all its RAM but accepted 75 % of it: the cases whose need lies
+    between the two were planned, then refused.)"""
+    profile = model_profile(tiny_model, 64)
+    first = profile.first_bytes + profile.layer_bytes + profile.stage_bytes  # the coordinator: layer 0 only
+    need = 5 * profile.layer_bytes + profile.last_bytes + profile.stage_bytes  # the worker: layers 1..6
+
+    async def main() -> None:
+        coord, worker = [await node(tmp_path, n) for n in ("coord", "worker")]
+        entry = coord.library.add(tiny_model, source="file", owned=False)
+        signed = sign_manifest(coord.key, build_manifest(tiny_model))
+        server = StageServer(worker.ep)
+        host = StageHost(server, worker.store, budget=0)
+        own = PeerRecord(node_id=coord.id, mesh_id="m", seq=1, membership_proof=b"p", role="host",
+                         capacity=Capacity(ram_bytes=1 << 33, gflops=10.0),
+                         addresses=Addresses(listen=[addr(coord.ep)]))
+        hosted = planned_only = 0
+        try:
+            for share in (0.9, 0.99, 1.0, 1.01, 1.2):
+                offer = int(need * share)  # what the worker should offer: its --max-memory, else 75 % of its RAM
+                max_memory = offer if cap else None
+                ram = 2 * offer if cap else -(-offer * 4 // 3)
+                capacity = offered_capacity(Capacity(ram_bytes=ram, gflops=10.0), "worker", max_memory)
+                record = PeerRecord(node_id=worker.id, mesh_id="m", seq=1, membership_proof=b"p", role="worker",
+                                    capacity=capacity, addresses=Addresses(listen=[addr(worker.ep)]))
+                host.budget = node_budget(record, max_memory)  # what SplitService gives the worker's StageHost
+                nodes = candidates(own, first, {worker.id: record})
+                planned_only += int(need <= ram < need / RAM_SHARE)  # the old record's offer, the old host's refusal
+                try:
+                    chosen = plan(profile, nodes, {}, coord.id, PlanOptions(stages=2))
+                except NoChainFits:
+                    assert offer < need
+                    continue
+                assert chosen.chain == [(coord.id, 0, 1), (worker.id, 1, 6)]
+                request = host_request(coord, worker, coord.key, entry.id, signed, bounds=(1, 6))
+                assert isinstance(await ask(coord.ep, worker.id, addr(worker.ep), request), Hosted)
+                await ask(coord.ep, worker.id, addr(worker.ep), Release(model=MODEL))
+                hosted += 1
+            assert hosted == 3
+            assert planned_only >= (0 if cap else 2)  # the cases the old mismatch planned and then refused
+        finally:
+            server.close()
+            for n in (coord, worker):
+                await n.ep.close()
 
     asyncio.run(main())
 
@@ -350,6 +406,133 @@ def test_the_coordinator_stops_counting_on_a_warm_range_its_worker_lost(
             for server in servers:
                 server.close()
             for n in (coord, w1, w2):
+                await n.ep.close()
+
+    asyncio.run(main())
+
+
+def test_a_released_stage_leaves_what_the_coordinator_counts_on(
+        tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real placement loop over real workers: a chain on one worker while the other keeps a warm spare.
+    An audit evicts the chain's worker; its stage is released, the worker unpins the file (its library may
+    evict it), and its range leaves ``held`` at once: a rebuild never counts on it. The spare's warm range
+    stays held, and the rebuilt chain hosts inside it without a transfer; the range it hosts is then held."""
+    monkeypatch.setattr(placement_module, "SPARE_CHECK_S", 0.05)
+
+    async def main() -> None:
+        coord, w1, w2 = [await node(tmp_path, n) for n in ("coord", "w1", "w2")]
+        entry = coord.library.add(tiny_model, source="file", owned=False)
+        signed = sign_manifest(coord.key, build_manifest(tiny_model))
+        servers = [StageServer(n.ep) for n in (coord, w1, w2)]
+        hosts = {w.id: StageHost(server, w.store, budget=1 << 30) for server, w in zip(servers[1:], (w1, w2),
+                                                                                       strict=True)}
+        workers = {w.id: w for w in (w1, w2)}
+
+        def record(n: Node, role: str) -> PeerRecord:
+            return PeerRecord(node_id=n.id, mesh_id="m", seq=1, membership_proof=b"p", role=role,  # type: ignore[arg-type]
+                              capacity=Capacity(ram_bytes=1 << 33, gflops=10.0),
+                              addresses=Addresses(listen=[addr(n.ep)]))
+
+        members = {w.id: record(w, "worker") for w in (w1, w2)}
+        engine = SplitEngine(tiny_model, MODEL, 64)
+        placement = SplitPlacement(
+            own=lambda: record(coord, "host"), members=lambda: members, rtt=dict, server=servers[0],
+            engine=engine, ref=ModelRef(tiny_model, MODEL, entry.id), manifest=signed,
+            options=SplitOptions(mode="force", stages=2, context=64), budget=1 << 33,
+            publish=lambda *_a, **_k: None, on_chain=lambda _chain: None, profile=model_profile(tiny_model, 64))
+
+        async def until(done: Callable[[], bool]) -> None:
+            async with asyncio.timeout(20.0):
+                while not done():
+                    await asyncio.sleep(0.02)
+
+        placement.start()
+        try:
+            await until(lambda: engine.coordinator is not None)
+            old = engine.coordinator
+            assert old is not None
+            hop = placement.chain[1]
+            (spare,) = set(workers) - {hop.node_id}
+            await until(lambda: spare in placement.held)  # the spare for hop's death keeps its range warm
+            warm = placement.held[spare]
+            assert placement.held[hop.node_id] == {(hop.layer_start, hop.layer_end)}
+            released = workers[hop.node_id].library
+            pinned = hosts[hop.node_id].hosted[(coord.id, MODEL)].entry.key
+            assert pinned in released.pinned
+            placement.evict(old, {hop.node_id}, "a test")
+            assert hop.node_id not in placement.held and placement.held[spare] == warm
+            await until(lambda: not hosts[hop.node_id].hosted)  # the worker released it: the file unpinned
+            assert pinned not in released.pinned
+            await until(lambda: engine.coordinator not in (None, old))
+            rebuilt = placement.chain[1]
+            assert rebuilt.node_id == spare and hop.node_id not in placement.held
+            assert any(a <= rebuilt.layer_start and rebuilt.layer_end <= b for a, b in warm)
+            assert spare not in placement.fetching  # built inside the warm range: nothing fetched
+            assert (rebuilt.layer_start, rebuilt.layer_end) in placement.held[spare]
+        finally:
+            await placement.stop()
+            for server in servers:
+                server.close()
+            for n in (coord, w1, w2):
+                await n.ep.close()
+
+    asyncio.run(main())
+
+
+def test_a_replaced_stage_leaves_what_the_coordinator_counts_on(tiny_model: Path, tmp_path: Path) -> None:
+    """The real placement loop: a replan that gives a worker another range replaces its stage, and the
+    worker unpins the old range's file; ``held`` then names only the new range (no warm spares here)."""
+    profile = model_profile(tiny_model, 64)
+
+    def room(first: bool, layers: int) -> int:
+        return (profile.first_bytes if first else profile.last_bytes) + layers * profile.layer_bytes \
+            + profile.stage_bytes
+
+    async def main() -> None:
+        coord, worker = [await node(tmp_path, n) for n in ("coord", "worker")]
+        entry = coord.library.add(tiny_model, source="file", owned=False)
+        signed = sign_manifest(coord.key, build_manifest(tiny_model))
+        servers = [StageServer(n.ep) for n in (coord, worker)]
+        host = StageHost(servers[1], worker.store, budget=1 << 30)
+
+        def record(n: Node, role: str, ram: int) -> PeerRecord:
+            return PeerRecord(node_id=n.id, mesh_id="m", seq=1, membership_proof=b"p", role=role,  # type: ignore[arg-type]
+                              capacity=Capacity(ram_bytes=ram, gflops=10.0), addresses=Addresses(listen=[addr(n.ep)]))
+
+        members = {worker.id: record(worker, "worker", room(False, 3))}  # the worker fits 3 layers at most
+        engine = SplitEngine(tiny_model, MODEL, 64)
+        placement = SplitPlacement(
+            own=lambda: record(coord, "host", 1 << 33), members=lambda: members, rtt=dict, server=servers[0],
+            engine=engine, ref=ModelRef(tiny_model, MODEL, entry.id), manifest=signed,
+            options=SplitOptions(mode="force", stages=2, context=64, spares=False), budget=1 << 33,
+            publish=lambda *_a, **_k: None, on_chain=lambda _chain: None, profile=profile)
+
+        async def until(done: Callable[[], bool]) -> None:
+            async with asyncio.timeout(20.0):
+                while not done():
+                    await asyncio.sleep(0.02)
+
+        placement.start()
+        try:
+            await until(lambda: engine.coordinator is not None)
+            old = engine.coordinator
+            hop = placement.chain[1]
+            assert hop.layer_start >= 3 and placement.held == {worker.id: {(hop.layer_start, 6)}}
+            first = host.hosted[(coord.id, MODEL)].entry.key
+            # the worker offers more, the coordinator less: the replan moves the boundary to layer 1
+            members[worker.id] = record(worker, "worker", room(False, 5))
+            placement.budget = room(True, 1)
+            placement.stage_failed(StageFailed(0, coord.id, "a test"))
+            await until(lambda: engine.coordinator not in (None, old))
+            assert [(h.layer_start, h.layer_end) for h in placement.chain] == [(0, 1), (1, 6)]
+            assert placement.held == {worker.id: {(1, 6)}}
+            now = host.hosted[(coord.id, MODEL)].entry.key
+            assert now != first and now in worker.library.pinned and first not in worker.library.pinned
+        finally:
+            await placement.stop()
+            for server in servers:
+                server.close()
+            for n in (coord, worker):
                 await n.ep.close()
 
     asyncio.run(main())

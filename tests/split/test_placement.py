@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from meshllm.mesh.records import Addresses, Capacity, PeerRecord
@@ -20,6 +21,7 @@ from meshllm.split.placement import (
     memory_budget,
     model_profile,
     needs_split,
+    node_budget,
     plan_options,
     spare_ranges,
 )
@@ -63,12 +65,28 @@ def test_a_coordinators_memory_cap_never_shrinks_a_worker() -> None:
 
 
 def test_a_worker_caps_only_what_it_offers() -> None:
-    """A worker's ``--max-memory`` caps its record's RAM (what coordinators plan with); a host's record is
-    left as measured (its cap is its own budget, applied where it plans)."""
+    """A worker's record offers its stage RAM: its ``--max-memory`` (never more than it has), else 75 % of its
+    RAM; a host's record is left as measured (its cap is its own budget, applied where it plans)."""
     measured = Capacity(ram_bytes=32 * GB, vram_bytes=GB, gflops=10.0)
     assert offered_capacity(measured, "worker", 4 * GB) == Capacity(ram_bytes=4 * GB, vram_bytes=GB, gflops=10.0)
+    assert offered_capacity(measured, "worker", 64 * GB) == measured
     assert offered_capacity(measured, "host", 4 * GB) == measured
-    assert offered_capacity(measured, "worker", None) == measured
+    assert offered_capacity(measured, "worker", None) == Capacity(ram_bytes=24 * GB, vram_bytes=GB, gflops=10.0)
+
+
+@pytest.mark.parametrize(("cap", "expected"), [(None, 24 * GB + GB), (4 * GB, 5 * GB), (64 * GB, 33 * GB)])
+def test_what_the_planner_assumes_of_a_worker_is_what_it_accepts(cap: int | None, expected: int) -> None:
+    """One number: the memory a coordinator's candidate list gives a worker (from its gossiped record) equals
+    the budget the worker's own stage host enforces (``node_budget`` of the same record, which SplitService
+    hands its StageHost), with and without the worker's ``--max-memory``."""
+    measured = Capacity(ram_bytes=32 * GB, vram_bytes=GB, gflops=10.0)
+    worker = msgspec.structs.replace(record("w", "worker"), capacity=offered_capacity(measured, "worker", cap))
+    own = record("me", "host")
+    planned = {c.node_id: c.memory_bytes for c in candidates(own, GB, {"w": worker})}["w"]
+    assert planned == node_budget(worker, cap) == expected
+    # a coordinator's own budget is still its --max-memory (else 75 % of its RAM) plus free VRAM
+    assert node_budget(own, None) == memory_budget(own.capacity, None) == 6 * GB
+    assert node_budget(own, 2 * GB) == 2 * GB
 
 
 def test_forced_stages_wait_for_workers_then_degrade_after_a_failure() -> None:
