@@ -137,7 +137,8 @@ def test_a_killed_holder_and_a_corrupt_holder_do_not_stop_the_chain(thick: Path,
         nodes += [solo, coord]
         token = coord.wait_ready()["invite"]
         # clients serve nothing and are never stages, but offer their library's files to the mesh
-        holders = [NodeProcess(tmp_path / f"{n}-home", ["--join", token, "--client"], n) for n in ("h1", "h2")]
+        holders = [NodeProcess(tmp_path / f"{n}-home", ["--join", token, "--client", "--member"], n)
+                   for n in ("h1", "h2")]
         nodes += holders
         for h in holders:
             h.wait_ready()
