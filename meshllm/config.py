@@ -13,6 +13,7 @@ import logging
 import os
 import secrets
 import stat
+import tempfile
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,15 +86,29 @@ def ensure_home(home: Path, create: bool = True) -> Path:
     return home
 
 
-def write_private(path: Path, data: bytes) -> None:
-    """Write ``data`` atomically with mode 0600 (temp file in the same folder, fsync, rename)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+def _private_temp(path: Path, data: bytes) -> Path:
+    """A fsynced temporary file (mode 0600) holding ``data`` beside ``path``, named uniquely per call.
+
+    Unique per call, not per process: two threads of one node writing the same file (two peers
+    asking for one manifest at once) must not rename each other's temporary file away.
+    """
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = Path(name)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Write ``data`` atomically with mode 0600 (temporary file in the same folder, then rename)."""
+    tmp = _private_temp(path, data)
+    try:
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -123,8 +138,7 @@ def create_private(path: Path, data: bytes) -> bool:
     Race-free: the data goes to a private temporary file that is hard-linked into place, which fails
     if another process created the file first (that one then wins, whole, never half-written).
     """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.new")
-    write_private(tmp, data)
+    tmp = _private_temp(path, data)
     try:
         os.link(tmp, path)
     except FileExistsError:

@@ -3,11 +3,20 @@ bad settings."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from meshllm.config import DEFAULT_DHT_BOOTSTRAP, DHT_BOOTSTRAP_ENV, Config, dht_bootstrap, load_config
+from meshllm.config import (
+    DEFAULT_DHT_BOOTSTRAP,
+    DHT_BOOTSTRAP_ENV,
+    Config,
+    create_private,
+    dht_bootstrap,
+    load_config,
+    write_private,
+)
 from meshllm.engine.recommended import Recommended
 from meshllm.errors import ConfigError
 
@@ -105,3 +114,24 @@ def test_the_default_list_is_well_formed() -> None:
     from meshllm.cli.common import dht_multiaddrs
 
     assert dht_multiaddrs(None, None, DEFAULT_DHT_BOOTSTRAP) == DEFAULT_DHT_BOOTSTRAP  # type: ignore[arg-type]
+
+
+def test_threads_writing_one_private_file_at_once_all_succeed(tmp_path: Path) -> None:
+    """Two peers asking one node for the same manifest wrote it from two threads: each rename must
+    move its own temporary file (CI once saw one thread rename the other's away: FileNotFoundError)."""
+    path = tmp_path / "shared.bin"
+    payloads = [bytes([i]) * 4096 for i in range(16)]
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        list(pool.map(lambda data: write_private(path, data), payloads))
+    assert path.read_bytes() in payloads
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["shared.bin"], "a temporary file was left behind"
+
+
+def test_create_private_keeps_the_first_writer(tmp_path: Path) -> None:
+    path = tmp_path / "key"
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        won = list(pool.map(lambda i: create_private(path, b"%d" % i), range(8)))
+    assert won.count(True) == 1
+    assert path.read_bytes() == b"%d" % won.index(True)
+    assert [p.name for p in tmp_path.iterdir()] == ["key"]

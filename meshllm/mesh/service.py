@@ -445,7 +445,7 @@ class MeshService:
                 continue
             if not (record.addresses.listen or record.addresses.observed):
                 continue
-            addrs = list(dict.fromkeys([*record.addresses.listen, *record.addresses.observed]))
+            addrs = [*record.addresses.listen, *record.addresses.observed]
             self._dialing[peer_id] = asyncio.create_task(self._dial_member(peer_id, addrs))
         self._maybe_rebootstrap(now)
 
@@ -489,13 +489,10 @@ class MeshService:
     async def _dial_member(self, peer_id: str, addrs: list[str]) -> None:
         assert self.endpoint is not None
         try:
-            for text in addrs:
-                try:
-                    await self.endpoint.connect(parse_addr(text), expected_node_id=peer_id, timeout=DIAL_TIMEOUT_S)
-                    self._backoff.pop(peer_id, None)
-                    return
-                except MeshllmError as exc:
-                    log.debug("dial %s at %s failed: %s", peer_id[:8], text, exc)
+            await self.endpoint.connect_node(peer_id, addrs, DIAL_TIMEOUT_S)
+            self._backoff.pop(peer_id, None)
+        except MeshllmError as exc:
+            log.debug("dial %s failed: %s", peer_id[:8], exc)
             backoff, _ = self._backoff.get(peer_id, (Backoff(), 0.0))
             self._backoff[peer_id] = (backoff, time.time() + backoff.next_delay())
         finally:

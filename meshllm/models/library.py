@@ -24,6 +24,7 @@ import contextlib
 import fcntl
 import os
 import re
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -112,6 +113,8 @@ class Library:
         """Keys of entries in use by this process (never evicted)."""
         self.kept: set[str] = set()
         """Keys of entries kept for later by this process (weak pins: evicted only when nothing else makes room)."""
+        self._hashing = threading.Lock()
+        """Held while a manifest is built: peers asking at once for one model's manifest hash it once."""
 
     @classmethod
     def for_home(cls, home: Path) -> Library:
@@ -351,17 +354,18 @@ class Library:
     def manifest(self, entry: LibraryEntry) -> Manifest:
         """The manifest of a whole model (built once by hashing the file, then kept beside the index)."""
         path = self.root / "manifests" / f"{entry.id}.msgpack"
-        with contextlib.suppress(OSError, MeshllmError):
-            cached = decode_manifest(path.read_bytes())
-            if cached.model == entry.id and cached.size == entry.size:
-                return cached
-        manifest = build_manifest(entry.file)
-        if manifest.model != entry.id:
-            raise NotGGUF(f"{entry.path} changed since it was indexed (sha256 {manifest.model[:12]}, "
-                          f"not {entry.short})")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_private(path, encode_manifest(manifest))
-        return manifest
+        with self._hashing:
+            with contextlib.suppress(OSError, MeshllmError):
+                cached = decode_manifest(path.read_bytes())
+                if cached.model == entry.id and cached.size == entry.size:
+                    return cached
+            manifest = build_manifest(entry.file)
+            if manifest.model != entry.id:
+                raise NotGGUF(f"{entry.path} changed since it was indexed (sha256 {manifest.model[:12]}, "
+                              f"not {entry.short})")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_private(path, encode_manifest(manifest))
+            return manifest
 
 
 def _unchanged(entry: LibraryEntry) -> bool:

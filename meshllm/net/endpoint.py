@@ -36,7 +36,7 @@ import logging
 import os
 import socket
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 from aioquic.buffer import Buffer
@@ -45,6 +45,7 @@ from aioquic.quic.packet import QuicPacketType, encode_quic_retry, pull_quic_hea
 from aioquic.quic.retry import QuicRetryTokenHandler
 from nacl.signing import SigningKey
 
+from meshllm.errors import MeshllmError
 from meshllm.identity.ids import node_id
 from meshllm.net.budget import FrameBudget
 from meshllm.net.circuit import RelayChannel
@@ -65,6 +66,7 @@ from meshllm.net.quic import (
 )
 from meshllm.net.streams import SEND_BUDGET, Stream
 from meshllm.net.traffic import StreamTraffic
+from meshllm.wire.addr import parse_addr
 from meshllm.wire.frames import CONTROL_FRAME_MAX
 
 log = logging.getLogger(__name__)
@@ -267,6 +269,24 @@ class Endpoint:
         if expected_node_id is not None and conn.node_id != expected_node_id:
             raise PeerMismatch(f"{addr[0]}:{addr[1]} is node {conn.node_id}, not {expected_node_id}")
         return self.peers.get(conn.node_id or "", conn)
+
+    async def connect_node(self, node_id: str, addrs: Iterable[str], timeout: float) -> PeerConnection:
+        """The open connection to ``node_id``, else the first admitted dial among its gossiped ``addrs``.
+
+        Each distinct address is tried once, in order, for up to ``timeout`` (a record lists an
+        address both as its own and as observed by peers: dialing a dead node twice there doubled
+        a failover). :class:`ConnectError` naming every failure when none answers.
+        """
+        conn = self.peers.get(node_id)
+        if conn is not None:
+            return conn
+        errors = []
+        for text in dict.fromkeys(addrs):
+            try:
+                return await self.connect(parse_addr(text), expected_node_id=node_id, timeout=timeout)
+            except (MeshllmError, OSError) as exc:
+                errors.append(f"{text}: {exc}")
+        raise ConnectError("; ".join(errors) or "no address known")
 
     def strike(self, conn: PeerConnection, reason: str) -> None:
         """Count one overstep by ``conn``'s peer; enough of them cool it down."""

@@ -38,7 +38,6 @@ from meshllm.net.limits import RateLimit
 from meshllm.net.messages import ResetCode
 from meshllm.net.streams import Stream
 from meshllm.owner.commands import MAX_TIMEOUT_S, envelope_target
-from meshllm.wire.addr import parse_addr
 
 log = logging.getLogger(__name__)
 
@@ -189,24 +188,13 @@ class OwnerRelay:
 
     async def _open(self, hop: str, deadline: float) -> Stream:
         assert self.mesh.endpoint is not None and self.mesh.gossip is not None
-        conn = self.mesh.endpoint.peers.get(hop)
-        if conn is None:
-            entry = self.mesh.gossip.state.peers.get(hop)
-            addrs = [] if entry is None else [*entry.record.addresses.listen, *entry.record.addresses.observed]
-            if not addrs:
-                raise RelayError("not connected and no address known")
-            conn = await self._dial(hop, addrs, min(CONNECT_TIMEOUT_S, max(0.1, deadline - time.monotonic())))
+        entry = self.mesh.gossip.state.peers.get(hop)
+        addrs = [] if entry is None else [*entry.record.addresses.listen, *entry.record.addresses.observed]
+        if hop not in self.mesh.endpoint.peers and not addrs:
+            raise RelayError("not connected and no address known")
+        conn = await self.mesh.endpoint.connect_node(
+            hop, addrs, min(CONNECT_TIMEOUT_S, max(0.1, deadline - time.monotonic())))
         return await conn.open_stream(STREAM_KIND, max_frame=FRAME_MAX)
-
-    async def _dial(self, node: str, addrs: list[str], timeout: float) -> PeerConnection:
-        assert self.mesh.endpoint is not None
-        errors = []
-        for text in dict.fromkeys(addrs):
-            try:
-                return await self.mesh.endpoint.connect(parse_addr(text), expected_node_id=node, timeout=timeout)
-            except (MeshllmError, OSError) as exc:
-                errors.append(f"{text}: {exc}")
-        raise RelayError("; ".join(errors))
 
     async def _exchange(self, stream: Stream, frame: Deliver, hop: str, timeout_s: float) -> bytes:
         """Send one Deliver on ``stream`` and read its one answer, all within ``timeout_s``."""

@@ -38,12 +38,12 @@ from meshllm.engine.base import (
 )
 from meshllm.engine.embed import embed_stream
 from meshllm.engine.recommended import admit
-from meshllm.errors import DecodeError, MeshllmError
+from meshllm.errors import DecodeError
 from meshllm.identity.ids import short
 from meshllm.mesh.records import PeerRecord, takes_requests
 from meshllm.mesh.service import MeshService
 from meshllm.net.connection import PeerConnection
-from meshllm.net.errors import NetTimeout, StreamClosed
+from meshllm.net.errors import ConnectError, NetTimeout, StreamClosed
 from meshllm.net.events import PeerEvent, PeerEventKind
 from meshllm.net.streams import Stream
 from meshllm.runtime.backend import ModelEntry, local_entry
@@ -70,7 +70,6 @@ from meshllm.runtime.tunnel import (
     TunnelEvent,
     failover_allowed,
 )
-from meshllm.wire.addr import parse_addr
 
 log = logging.getLogger(__name__)
 
@@ -568,19 +567,12 @@ class MeshBackend:
     async def _connection(self, node_id: str, name: str) -> PeerConnection:
         """The open connection to ``node_id``, dialing its gossiped addresses if there is none."""
         assert self.mesh.endpoint is not None
-        conn = self.mesh.endpoint.peers.get(node_id)
-        if conn is not None:
-            return conn
         record = self._alive_records().get(node_id)
         addrs = [] if record is None else [*record.addresses.listen, *record.addresses.observed]
-        errors = []
-        for text in addrs:
-            try:
-                return await self.mesh.endpoint.connect(parse_addr(text), expected_node_id=node_id,
-                                                        timeout=self.deadlines.connect_s)
-            except MeshllmError as exc:
-                errors.append(f"{text}: {exc}")
-        raise UpstreamError(f"cannot reach {name} ({'; '.join(errors) or 'no address known'})")
+        try:
+            return await self.mesh.endpoint.connect_node(node_id, addrs, self.deadlines.connect_s)
+        except ConnectError as exc:
+            raise UpstreamError(f"cannot reach {name} ({exc})") from None
 
     def _on_peer_event(self, event: PeerEvent) -> None:
         """A peer turned suspect or its connection closed: abort what is in flight to it."""

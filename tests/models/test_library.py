@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,20 @@ def test_check_reports_files_not_as_indexed_without_touching_the_index(tmp_path:
     assert {e.name for e, _ in problems} == {"alpha", "beta"}
     assert "does not hash to its id" in dict((e.name, why) for e, why in problems)["alpha"]
     assert (lib.root / "index.json").read_bytes() == index  # read-only
+
+
+def test_peers_asking_for_one_manifest_at_once_get_the_same_one(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The transfer server builds a manifest in a worker thread per request: concurrent requests
+    must neither race on the file nor hash the model more than once."""
+    from meshllm.models import library as library_module
+    gguf = write_tiny_llama(tmp_path / "tiny.gguf", seed=4)
+    lib = Library(tmp_path / "models")
+    entry = lib.add(gguf, source="folder", owned=False)
+    builds = []
+    real = library_module.build_manifest
+    monkeypatch.setattr(library_module, "build_manifest", lambda path: builds.append(path) or real(path))
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        manifests = list(pool.map(lambda _: lib.manifest(entry), range(8)))
+    assert len(builds) == 1
+    assert all(m == manifests[0] for m in manifests) and manifests[0].model == entry.id

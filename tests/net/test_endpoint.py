@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import pytest
 from net_helpers import Msg, endpoint, until
 
 from meshllm.errors import Untrusted
-from meshllm.net import AdmissionRefused, PeerEventKind, PeerMismatch
+from meshllm.net import AdmissionRefused, ConnectError, PeerEventKind, PeerMismatch
 from meshllm.net.connection import PeerConnection
 from meshllm.net.messages import StreamOpen
 from meshllm.wire.frames import encode_frame
@@ -151,5 +152,27 @@ def test_a_passive_dialer_is_marked_and_only_answered_not_probed() -> None:
         assert inbound.rtt_ms is None  # the member never pinged: nothing of its own to measure
         await client.close()
         await member.close()
+
+    asyncio.run(main())
+
+
+def test_connect_node_dials_each_gossiped_address_once_in_order() -> None:
+    """A record lists its address both as its own and as observed by peers: a dead node must cost
+    one dial deadline, not one per copy (a failover took two deadlines when it did)."""
+    async def main() -> None:
+        a, b = await endpoint(), await endpoint()
+        dead = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        dead.bind(("127.0.0.1", 0))  # bound and silent: a node that stopped answering
+        silent = "%s:%d" % dead.getsockname()
+        with pytest.raises(ConnectError) as caught:
+            await a.connect_node(b.node_id, [silent, silent], timeout=0.3)
+        assert str(caught.value).count("no admitted connection") == 1, caught.value
+        live = "%s:%d" % b.local_addr
+        conn = await a.connect_node(b.node_id, [silent, live], timeout=0.3)  # the next address answers
+        assert conn.node_id == b.node_id
+        assert await a.connect_node(b.node_id, [], timeout=0.3) is conn  # an open connection is reused
+        dead.close()
+        await a.close()
+        await b.close()
 
     asyncio.run(main())
