@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import statistics
 import threading
 import time
@@ -54,9 +55,9 @@ from meshllm.runtime.tunnel import DeltaFrame, RequestFrame
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
-SOAK_S = 25.0
-"""The attack's length (docs/benchmarks.md has 60 s runs). Every attack keeps its rate; identities are
-cooled down and replaced within seconds, so a run still sees several."""
+SOAK_S = float(os.environ.get("MESHLLM_SOAK_S", "25"))
+"""The attack's length: 25 s in the suite, ``MESHLLM_SOAK_S=60`` for docs/benchmarks.md's runs. Every
+attack keeps its rate; identities are cooled down and replaced within seconds, so a run sees several."""
 CHATS = 8
 RSS_BUDGET_MB = 100.0
 MODEL = "tiny"
@@ -278,7 +279,7 @@ async def campaign(a: NodeProcess, b: NodeProcess, until: float) -> dict[str, in
     return counts
 
 
-def test_a_hostile_member_for_twenty_five_seconds(tmp_path: Path) -> None:
+def test_a_hostile_member_throughout_the_soak(tmp_path: Path) -> None:
     gguf = write_tiny_llama(tmp_path / f"{MODEL}.gguf", seed=0)
     with running_nodes() as nodes:
         a = NodeProcess(tmp_path / "a", ["--model", str(gguf)], "a")
