@@ -158,23 +158,13 @@ class BadRouteTable(VerificationError):
 # --- the anchor's side ---------------------------------------------------------------------------
 
 
-RTT_HYSTERESIS = 4.0
-"""A published RTT changes only when the measured one leaves [published / 4, published * 4]: round trips
-on a loaded host swing 3-7x from one measurement to the next (seen on 127.0.0.1 with 2 busy cores), and
-every change would cost each client a whole table. It orders nodes a continent apart, not a rack."""
-RTT_FLOOR_MS = 10.0
-"""RTTs below this are published as this: nodes nearer than 10 ms are alike to a client whose requests take
-seconds, and round trips on one busy host swing between 0.4 and 25 ms (measured on 127.0.0.1, 2 loaded
-cores), which with a 0.1 ms floor changed every table about once a minute."""
-
-
 def quantise_rtt(ms: float, held: float | None = None) -> float:
-    """RTT in steps of about 20 %, at least :data:`RTT_FLOOR_MS`; ``held`` (the value published before)
-    stays while ``ms`` is within :data:`RTT_HYSTERESIS` of it, so jitter does not change a table's version."""
-    ms = max(ms, RTT_FLOOR_MS)
-    if held is not None and held / RTT_HYSTERESIS <= ms <= held * RTT_HYSTERESIS:
+    """RTT in steps of about 20 %, at least ``rtt.RTT_FLOOR_MS``; ``held`` (the value published before)
+    stays while ``ms`` is within its band (``rtt.within_band``), so jitter does not change a table's version."""
+    if held is not None and rtt.within_band(ms, held):
         return held
-    return round(RTT_FLOOR_MS * 1.2 ** round(math.log(ms / RTT_FLOOR_MS, 1.2)), 3)
+    ms = max(ms, rtt.RTT_FLOOR_MS)
+    return round(rtt.RTT_FLOOR_MS * 1.2 ** round(math.log(ms / rtt.RTT_FLOOR_MS, 1.2)), 3)
 
 
 def _quantise_load(load: Load) -> Load:

@@ -19,7 +19,6 @@ from meshllm.mesh.routes import (
     BUSY_INTERVAL_S,
     FOLLOW_S,
     ROUTES_DOMAIN,
-    RTT_FLOOR_MS,
     STALE_AFTER_S,
     TABLE_MAX_AGE_S,
     TABLE_MAX_BYTES,
@@ -41,6 +40,7 @@ from meshllm.mesh.routes import (
     version_of,
     view_of,
 )
+from meshllm.mesh.rtt import RTT_FLOOR_MS
 
 ANCHOR = make_key(1)
 ANCHOR_ID = node_id_of(bytes(ANCHOR.verify_key))

@@ -22,12 +22,17 @@ def test_row_keeps_fresh_samples_only() -> None:
 
 
 def test_row_changed_ignores_jitter() -> None:
+    """Only a move out of the 4x band counts (a loaded host's round trips swing 3-7x), and RTTs under
+    10 ms are alike: 16 processes on one host re-signed every record each second when 20 % counted."""
     base = {"a": RttEntry(50.0, "direct")}
     assert not rtt.row_changed(base, {"a": RttEntry(55.0, "direct")})
-    assert rtt.row_changed(base, {"a": RttEntry(70.0, "direct")})
+    assert not rtt.row_changed(base, {"a": RttEntry(190.0, "direct")})
+    assert rtt.row_changed(base, {"a": RttEntry(210.0, "direct")})
+    assert rtt.row_changed(base, {"a": RttEntry(12.0, "direct")})
     assert rtt.row_changed(base, {"a": RttEntry(50.0, "relay")})
     assert rtt.row_changed(base, {})
-    assert not rtt.row_changed({"a": RttEntry(0.5, "direct")}, {"a": RttEntry(1.5, "direct")})
+    assert not rtt.row_changed({"a": RttEntry(0.4, "direct")}, {"a": RttEntry(25.0, "direct")})
+    assert rtt.row_changed({"a": RttEntry(0.4, "direct")}, {"a": RttEntry(45.0, "direct")})
 
 
 def test_matrix_is_the_union_of_rows_with_symmetric_fill() -> None:

@@ -12,6 +12,7 @@ from meshllm.errors import Untrusted
 from meshllm.net import AdmissionRefused, ConnectError, PeerEventKind, PeerMismatch
 from meshllm.net.connection import PeerConnection
 from meshllm.net.messages import StreamOpen
+from meshllm.wire.addr import format_addr
 from meshllm.wire.frames import encode_frame
 
 
@@ -163,11 +164,11 @@ def test_connect_node_dials_each_gossiped_address_once_in_order() -> None:
         a, b = await endpoint(), await endpoint()
         dead = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         dead.bind(("127.0.0.1", 0))  # bound and silent: a node that stopped answering
-        silent = "%s:%d" % dead.getsockname()
+        silent = format_addr(dead.getsockname())
         with pytest.raises(ConnectError) as caught:
             await a.connect_node(b.node_id, [silent, silent], timeout=0.3)
         assert str(caught.value).count("no admitted connection") == 1, caught.value
-        live = "%s:%d" % b.local_addr
+        live = format_addr(b.local_addr)
         conn = await a.connect_node(b.node_id, [silent, live], timeout=0.3)  # the next address answers
         assert conn.node_id == b.node_id
         assert await a.connect_node(b.node_id, [], timeout=0.3) is conn  # an open connection is reused
