@@ -416,10 +416,11 @@ class LlamaEngine(Engine):
         """Whether a continuation of ``tokens`` is decoded one row per step (exact) rather than prefilled
         with the prompt (a multi-row call: exact only where a model's rows agree): while its steps are
         predicted to take at most :attr:`replay_steps_s`, each at the cost of a call as wide as the
-        requests running now make it (a step also carries their rows)."""
+        requests running now make it (a step also carries their rows; a lone row its padding row)."""
         with self._lock:
             running = self._sched.running if self._sched else 0
-        return tokens * self._call_seconds(running + 1) <= self.replay_steps_s
+        width = 2 if running == 0 and self.pad_lone_rows else running + 1
+        return tokens * self._call_seconds(width) <= self.replay_steps_s
 
     def _require(self) -> Any:
         if self._model is None or self._closed:

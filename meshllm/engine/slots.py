@@ -263,7 +263,13 @@ class CallCosts:
     def seconds(self, rows: int) -> float | None:
         """Expected seconds of a call of ``rows`` rows: its measured average, else a straight line
         through the nearest measured counts on either side (or the two nearest on one side); ``None``
-        before two counts are measured."""
+        before two counts are measured.
+
+        Beyond the measured counts the line is held between what the nearest count bounds: a call of
+        fewer rows costs no more than it and no less per row (a row's share of a call only shrinks as
+        the call widens), a call of more rows the reverse. Two noisy figures (a first call's graph
+        set-up) would otherwise extend to a free call, and a replay priced at zero seconds is decoded
+        one row per step however long that takes."""
         if rows in self._seconds:
             return self._seconds[rows]
         known = sorted(self._seconds)
@@ -273,7 +279,12 @@ class CallCosts:
         above = [n for n in known if n > rows][:2]
         a, b = (below[-1], above[0]) if below and above else ((below or above)[0], (below or above)[1])
         ta, tb = self._seconds[a], self._seconds[b]
-        return max(ta + (tb - ta) * (rows - a) / (b - a), 0.0)
+        line = ta + (tb - ta) * (rows - a) / (b - a)
+        if below and above:
+            return line
+        edge = known[0] if above else known[-1]
+        scaled = self._seconds[edge] * rows / edge
+        return min(max(line, scaled), self._seconds[edge]) if above else min(max(line, self._seconds[edge]), scaled)
 
     def split(self, rows: int) -> bool:
         """Whether ``rows`` one-row calls are expected to be faster than one call of ``rows`` rows."""

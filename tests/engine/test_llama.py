@@ -161,7 +161,19 @@ def test_continuation_counts_in_usage_and_against_max_tokens(engine: LlamaEngine
     assert text_of(full).endswith(text_of(done))  # only text the first engine still held back (a split character)
 
 
-def test_a_continuation_is_decoded_by_rows_unless_that_would_take_too_long(engine: LlamaEngine) -> None:
+@pytest.fixture(scope="module")
+def padded(tiny: Path) -> Iterator[LlamaEngine]:
+    """The engine as it runs where a lone row computes differently (each one then decodes beside a pad)."""
+    eng = LlamaEngine(tiny, n_ctx=256, n_threads=1, parallel=4, pad_lone_rows=True)
+    asyncio.run(eng.load())
+    yield eng
+    asyncio.run(eng.close())
+
+
+@pytest.mark.parametrize("kind", ["engine", "padded"])
+def test_a_continuation_is_decoded_by_rows_unless_that_would_take_too_long(
+        kind: str, request: pytest.FixtureRequest) -> None:
+    engine: LlamaEngine = request.getfixturevalue(kind)
     tokens = tokens_of(run(engine, completion("resume me", max_tokens=20, temperature=0.0)))
 
     def rows(steps_s: float) -> tuple[int, Finish]:

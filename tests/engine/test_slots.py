@@ -202,6 +202,21 @@ def test_call_costs_estimate_unmeasured_row_counts_on_a_line_through_the_nearest
     assert costs.seconds(3) == pytest.approx(0.025) and costs.seconds(7) == pytest.approx(0.065)
 
 
+def test_call_costs_beyond_the_measured_counts_stay_within_what_the_nearest_bounds() -> None:
+    costs = CallCosts()
+    costs.observe(2, 0.0002)
+    costs.observe(3, 0.0005)  # a first call's graph set-up: the line through both would reach 0 at 1.33 rows
+    assert costs.seconds(1) == pytest.approx(0.0001)  # no less per row than the 2-row call, never free
+    costs.observe(4, 0.0004)
+    assert costs.seconds(40) == pytest.approx(0.0004)  # the falling line: no less than the widest measured call
+    costs.observe(10, 0.0010)
+    assert costs.seconds(11) == pytest.approx(0.0011)
+    costs = CallCosts()
+    costs.observe(2, 0.0004)
+    costs.observe(3, 0.0003)  # wider but cheaper (noise): a narrower call costs no more than the narrowest
+    assert costs.seconds(1) == pytest.approx(0.0004) and costs.seconds(5) == pytest.approx(0.0003)
+
+
 def test_a_window_adds_its_kept_drafts_after_the_decoded_token() -> None:
     s = sched(slots=1)
     s.submit("a", (1, 2, 3, 4), "x", 0.0)
