@@ -23,11 +23,18 @@ from typing import Any
 import pytest
 
 import meshllm
+from meshllm.engine.kernels import use_kernels
 
 # No test may reach the default DHT bootstrap list (public peers): lookups find nothing unless a test
 # points MESHLLM_DHT_BOOTSTRAP (or --dht-bootstrap) at a DHT it started on 127.0.0.1. Node processes
 # inherit it.
 os.environ["MESHLLM_DHT_BOOTSTRAP"] = "none"
+
+# ggml reads its tiled-matmul switch once per process, at the first matmul, and llama.cpp references
+# that tests build directly (``llama_cpp.Llama``) run one before any engine would set it: whichever
+# test ran first decided whether every later engine in the process was row-exact. Tests run on the
+# node's default kernels, as every node does (its engines choose before they load).
+use_kernels("exact")
 
 TESTS = Path(__file__).resolve().parent
 
@@ -37,8 +44,34 @@ def pytest_configure(config: pytest.Config) -> None:
     ``python -m meshllm`` processes compiled meshllm's ~200 modules again (a quarter of a node's start-up
     CPU). Reading bytecode is still allowed: compile the package under test once (only what changed),
     into its usual ``__pycache__`` folders (git ignores them)."""
-    if sys.flags.dont_write_bytecode:
+    if sys.flags.dont_write_bytecode and "PYTEST_XDIST_WORKER" not in os.environ:  # once, before the workers
         compileall.compile_dir(Path(meshllm.__file__).parent, quiet=1)
+
+
+MAX_WORKERS = 4
+"""Most test worker processes (pyproject's ``-n auto``): each worker's tests start nodes of their own,
+and the tests' deadlines assume a worker has about a core."""
+
+
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity, less what a cgroup v2 CPU quota allows (a
+    container can see every core of its host and be allowed two)."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            cores = min(cores, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return cores
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: one worker per usable core, at most :data:`MAX_WORKERS`. A worker runs whole files
+    (``--dist loadfile``), so a module's fixtures (a cluster of nodes, a loaded model) are built once."""
+    return min(usable_cores(), MAX_WORKERS)
+
+
 SPAWN_ATTRS = frozenset({"create_subprocess_exec", "create_subprocess_shell"})
 """Attribute names whose use starts a process whatever module they are read from."""
 
