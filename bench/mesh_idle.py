@@ -16,36 +16,81 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+import httpx
 from nodes import NodeProcess, running_nodes, wait_until
-from passive_clients import window
 from tinymodels import write_tiny_llama
 
 SETTLE_S = 10.0
 """After the views are full: first RTTs into the records, the partial views drawn."""
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def stream_bytes(node: NodeProcess) -> dict[str, float]:
+    """``{kind: sent + received}`` from the node's /metrics."""
+    text = httpx.get(node.api + "/metrics", headers=node.admin_headers, timeout=10).text
+    out: dict[str, float] = {}
+    for m in re.finditer(r'^meshllm_stream_bytes_total\{([^}]*)\} ([0-9.e+]+)$', text, re.M):
+        kind = re.search(r'kind="([^"]*)"', m.group(1))
+        key = kind.group(1) if kind else ""
+        out[key] = out.get(key, 0.0) + float(m.group(2))
+    return out
+
+
+def window(members: list[NodeProcess], seconds: float) -> list[dict[str, float]]:
+    """Per member: CPU % of one core, and bytes/s of gossip, route tables and all streams, over ``seconds``."""
+    cpu0 = [cpu_seconds(m.proc.pid) for m in members]
+    bytes0 = [stream_bytes(m) for m in members]
+    t0 = time.monotonic()
+    time.sleep(seconds)
+    elapsed = time.monotonic() - t0
+    cpu1 = [cpu_seconds(m.proc.pid) for m in members]
+    bytes1 = [stream_bytes(m) for m in members]
+    rows = []
+    for c0, c1, b0, b1 in zip(cpu0, cpu1, bytes0, bytes1, strict=True):
+        delta = {k: b1.get(k, 0.0) - b0.get(k, 0.0) for k in b1.keys() | b0.keys()}
+        rows.append({"cpu_pct": 100 * (c1 - c0) / elapsed, "gossip_Bps": delta.get("gossip", 0.0) / elapsed,
+                     "routes_Bps": delta.get("routes", 0.0) / elapsed, "all_Bps": sum(delta.values()) / elapsed})
+    return rows
+
+
+def start_members(base: Path, nodes: list[NodeProcess], size: int, profiled: Sequence[str] | None = None) -> str:
+    """An owner serving the tiny model and ``size - 1`` ``--client --member`` joiners, appended to
+    ``nodes``, up and settled (every member lists every other one); returns the owner's invite.
+    ``profiled``: what Python runs for member m1 instead of ``-m meshllm`` (a profiler)."""
+    model = write_tiny_llama(base / "tiny.gguf", seed=1)
+    owner = NodeProcess(base / "m0", ["--model", str(model), "--threads", "1"], "m0")
+    nodes.append(owner)
+    token = owner.wait_ready(120)["invite"]
+    for i in range(1, size):
+        entry = profiled if profiled is not None and i == 1 else ("-m", "meshllm")
+        nodes.append(NodeProcess(base / f"m{i}", ["--client", "--member", "--join", token], f"m{i}", entry=entry))
+    for node in nodes:
+        node.wait_ready(120)
+    wait_until(lambda: all(len(n.status()["peers"]) == size - 1 for n in nodes), 120)
+    time.sleep(SETTLE_S)
+    return token
 
 
 def measure(size: int, seconds: float) -> list[dict[str, float]]:
     """Per member of an idle mesh of ``size``: CPU % of one core and bytes/s by stream kind."""
     with tempfile.TemporaryDirectory() as tmp, running_nodes() as nodes:
-        base = Path(tmp)
-        model = write_tiny_llama(base / "tiny.gguf", seed=1)
-        owner = NodeProcess(base / "m0", ["--model", str(model), "--threads", "1"], "m0")
-        nodes.append(owner)
-        token = owner.wait_ready(120)["invite"]
-        for i in range(1, size):
-            nodes.append(NodeProcess(base / f"m{i}", ["--client", "--member", "--join", token], f"m{i}"))
-        for node in nodes:
-            node.wait_ready(120)
-        wait_until(lambda: all(len(n.status()["peers"]) == size - 1 for n in nodes), 120)
-        time.sleep(SETTLE_S)
+        start_members(Path(tmp), nodes, size)
         return window(nodes, seconds)
 
 

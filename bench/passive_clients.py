@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import random
-import re
 import statistics
 import subprocess
 import sys
@@ -29,48 +28,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-import httpx
-from nodes import NodeProcess, running_nodes, wait_until
-from tinymodels import write_tiny_llama
+from mesh_idle import cpu_seconds, start_members, window
+from nodes import running_nodes
 
 from meshllm.mesh.passive import IDLE_CLOSE_S
 from meshllm.mesh.routes import ANCHORS, PULL_INTERVAL_S
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
-def stream_bytes(node: NodeProcess) -> dict[str, float]:
-    """``{kind: sent + received}`` from the node's /metrics."""
-    text = httpx.get(node.api + "/metrics", headers=node.admin_headers, timeout=10).text
-    out: dict[str, float] = {}
-    for m in re.finditer(r'^meshllm_stream_bytes_total\{([^}]*)\} ([0-9.e+]+)$', text, re.M):
-        kind = re.search(r'kind="([^"]*)"', m.group(1))
-        key = kind.group(1) if kind else ""
-        out[key] = out.get(key, 0.0) + float(m.group(2))
-    return out
-
-
-def window(members: list[NodeProcess], seconds: float) -> list[dict[str, float]]:
-    """Per member: CPU % of one core, and bytes/s of gossip, route tables and all streams, over ``seconds``."""
-    cpu0 = [cpu_seconds(m.proc.pid) for m in members]
-    bytes0 = [stream_bytes(m) for m in members]
-    t0 = time.monotonic()
-    time.sleep(seconds)
-    elapsed = time.monotonic() - t0
-    cpu1 = [cpu_seconds(m.proc.pid) for m in members]
-    bytes1 = [stream_bytes(m) for m in members]
-    rows = []
-    for c0, c1, b0, b1 in zip(cpu0, cpu1, bytes0, bytes1, strict=True):
-        delta = {k: b1.get(k, 0.0) - b0.get(k, 0.0) for k in b1.keys() | b0.keys()}
-        rows.append({"cpu_pct": 100 * (c1 - c0) / elapsed, "gossip_Bps": delta.get("gossip", 0.0) / elapsed,
-                     "routes_Bps": delta.get("routes", 0.0) / elapsed, "all_Bps": sum(delta.values()) / elapsed})
-    return rows
-
 
 # -- the client swarm (runs in its own processes) ------------------------------------------------------
 
@@ -114,18 +76,8 @@ def run(members_n: int, clients: int, procs: int, seconds: float, interval: floa
         profile: Path | None = None) -> dict[str, object]:
     with tempfile.TemporaryDirectory() as tmp, running_nodes() as nodes:
         base = Path(tmp)
-        gguf = write_tiny_llama(base / "tiny.gguf", seed=1)
-        owner = NodeProcess(base / "m0", ["--model", str(gguf), "--threads", "1"], "m0")
-        nodes.append(owner)
-        token = owner.wait_ready(120)["invite"]
-        for i in range(1, members_n):
-            profiled = profile is not None and i == 1
-            entry = ("-m", "cProfile", "-o", str(profile), "-m", "meshllm") if profiled else ("-m", "meshllm")
-            nodes.append(NodeProcess(base / f"m{i}", ["--client", "--member", "--join", token], f"m{i}", entry=entry))
-        for node in nodes:
-            node.wait_ready(120)
-        wait_until(lambda: all(len(n.status()["peers"]) == members_n - 1 for n in nodes), 60)
-        time.sleep(5)  # settle: records re-signed with their first RTTs
+        profiled = ("-m", "cProfile", "-o", str(profile), "-m", "meshllm") if profile is not None else None
+        token = start_members(base, nodes, members_n, profiled)
         before = window(nodes, seconds)
         anchors = [n.mesh_addr for n in nodes]
         swarms = [start_swarm(token, anchors, clients // procs + (i < clients % procs), interval, i)
