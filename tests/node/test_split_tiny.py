@@ -118,13 +118,14 @@ def test_tiny_split_3_then_2_stages_matches_solo_and_survives_kill9(tmp_path: Pa
 
         # kill -9 of the middle stage while a long generation streams.
         stream = ours.completions.create(model=model, prompt=PROMPT, max_tokens=1500, temperature=0, stream=True)
-        received = 0
+        received, killed = 0, None
         with pytest.raises(openai.APIError) as failed:
             for _chunk in stream:
                 received += 1
                 if received == 20:
                     middle.kill()
                     killed = time.monotonic()
+        assert killed is not None, f"the stream failed after {received} chunks, before the kill: {failed.value}"
         elapsed = time.monotonic() - killed
         print(f"stream ended {elapsed * 1e3:.0f} ms after kill -9 of the middle stage: {failed.value}")
         assert elapsed < 1.0
