@@ -93,7 +93,11 @@ def test_middle_stage_killed_mid_stream_the_stream_completes_on_the_rebuilt_chai
               f"longest gap between chunks {longest:.2f} s")
         assert middle.proc.returncode is not None
         assert text == reference and usage == ref_usage == 300
-        assert replayed["stages"] == 3 and 0 < replayed["tokens"] < 300 and 0 < replayed["passes"] < replayed["tokens"]
+        assert replayed["stages"] == 3 and 0 < replayed["tokens"] < 300
+        # the failed chain's passes are re-run while that is predicted to take at most REPLAY_STEPS_S at its
+        # step time, else the tokens are prefilled (passes 0; exact on this model too): a loaded host takes the
+        # second path, so either may be taken here, and a re-run batches tokens into fewer passes
+        assert replayed["passes"] < replayed["tokens"]
         # the rebuilt chain lies inside what the nodes keep on disk (placement's choose_plan), so nothing was fetched
         refetched = [e for e in coord.events if e["type"] == "split_stage_fetched"][fetched_before:]
         assert refetched == [], [(e["layers"], e["bytes"]) for e in refetched]
