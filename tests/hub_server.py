@@ -12,7 +12,9 @@ Faults a test can arm: ``throttle`` (bytes per second) makes a download slow eno
 ``fail_gets`` answers those GET numbers (counting from 1) with a 500; ``swap_after`` replaces a
 file's bytes once that many GETs were answered (a new version: a new ETag); ``corrupt`` flips a
 byte of the n-th GET from then on that covers a given offset (:meth:`Hub.corrupt_nth`). Every GET's
-``Range`` header is recorded in ``ranges`` and the bytes sent are counted in ``bytes_sent``.
+``Range`` header is recorded in ``ranges`` and the bytes sent are counted in ``bytes_sent``;
+:meth:`Hub.wait_idle` waits until no connection is open (a killed client's requests already sent
+are recorded by then).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class Hub:
         self.corrupt: dict[int, list[int]] = {}
         """offset -> [n, seen]: the n-th GET (from arming) whose range covers ``offset`` gets that byte flipped."""
         self.lock = threading.Lock()
+        self.open = 0
+        """Connections being handled now."""
 
     def add(self, repo: str, name: str, data: bytes) -> None:
         self.repos.setdefault(repo, {})[name] = data
@@ -54,10 +58,31 @@ class Hub:
     def gets(self) -> int:
         return len(self.ranges)
 
+    def wait_idle(self, timeout: float) -> None:
+        """Wait until every connection is closed: a client killed with a request already sent still has
+        it parsed and recorded by its handler thread, possibly after the kill."""
+        deadline = time.monotonic() + timeout
+        while self.open:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.open} hub connections still open after {timeout} s")
+            time.sleep(0.02)
+
 
 def _handler(hub: Hub) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+
+        def setup(self) -> None:
+            with hub.lock:
+                hub.open += 1
+            super().setup()
+
+        def finish(self) -> None:
+            try:
+                super().finish()
+            finally:
+                with hub.lock:
+                    hub.open -= 1
 
         def log_message(self, *_: object) -> None:
             pass
