@@ -317,6 +317,12 @@ class RequestFailover(ModelEvent, kw_only=True, tag="request_failover"):
     status: int | UnsetType = UNSET
 
 
+class RequestWaited(ModelEvent, kw_only=True, tag="request_waited"):
+    nodes: list[str] | UnsetType = UNSET
+    waited_s: float | UnsetType = UNSET
+    routable: bool | UnsetType = UNSET
+
+
 class RequestNotReplayed(ModelEvent, kw_only=True, tag="request_not_replayed"):
     node_id: str | UnsetType = UNSET
     error: str | UnsetType = UNSET

@@ -504,9 +504,10 @@ class PeerConnection:
 
     async def _run_probes(self, probes: ProbeState) -> None:
         """Ping on the probe interval; with ``probe_idle`` off, only while a stream is open (the connection
-        is then idle between uses and costs its peer nothing)."""
+        is then idle between uses and costs its peer nothing) or the peer is suspect: a verdict frozen by
+        the pause would keep a peer that was only slow out of routing until the connection closes."""
         while self.close_reason is None:
-            if not self.endpoint.options.probe_idle and not self._streams:
+            if not self.endpoint.options.probe_idle and not self._streams and probes.state is not Liveness.SUSPECT:
                 self._has_streams.clear()
                 await self._has_streams.wait()
                 probes.resume(self._loop.time())

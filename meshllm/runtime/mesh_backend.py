@@ -13,6 +13,13 @@ way after its first byte is *replayed*: the request and the token ids already se
 node serving the same model file, which continues the answer where it broke, so the client's
 stream goes on (:mod:`meshllm.runtime.replay` keeps the state and the rules). With nowhere to go the
 client gets the clean error at once instead of waiting for a timeout.
+
+Before the first event, *suspect* is not taken for *gone*: a peer whose probes went unanswered for a
+second may be a host too loaded to answer in time (measured: a node under attack on a busy 2-core
+host). When a request found nowhere to start only because the nodes serving its model are suspect (by
+probes or by gossip), it waits up to :data:`SUSPECT_WAIT_S` for one of them to be routable again and
+starts once more; a dead node's request gets its 503 after that wait, or as soon as gossip has it
+down, instead of at once.
 """
 
 from __future__ import annotations
@@ -84,6 +91,12 @@ class DemandHook(Protocol):
     def record(self, model: str, now: float) -> None: ...
 
     def unmet(self, model: str, now: float) -> None: ...
+
+
+SUSPECT_WAIT_S = 5.0
+"""Longest a request that could not start waits for a suspect node serving its model to be routable again."""
+SUSPECT_POLL_S = 0.1
+"""How often that wait looks at the mesh again (gossip and probes both decide when a node is routable)."""
 
 
 @dataclass(frozen=True)
@@ -287,7 +300,7 @@ class MeshBackend:
         """The events of ``request``: fail over until the first event, then replay a generation whose
         serving node fails (or stalls) mid-answer on another node (:mod:`meshllm.runtime.replay`)."""
         if isinstance(request, EmbedRequest):
-            target, first, events = await self._start(request, self._targets(request))
+            target, first, events = await self._begin(request)
             if watch is not None:
                 watch.routed(self._route_of(target, request.model))
             try:
@@ -302,7 +315,7 @@ class MeshBackend:
             self.router.record_success(target.node_id)
             return
         progress = Progress(seeded(request), self.replay)
-        target, event, events = await self._start(progress.request, self._targets(request), progress)
+        target, event, events = await self._begin(progress.request, progress)
         if watch is not None:
             watch.routed(self._route_of(target, request.model))
         leg = _Leg(target, events)
@@ -393,6 +406,49 @@ class MeshBackend:
         model = request.model
         return self.router.order(model, local_models=self.engines.keys(), peers=self._peer_views(),
                                  now=self.clock(), key=affinity_key(request), local_free=self._local_free(model))
+
+    async def _begin(self, request: Routable, progress: Progress | None = None,
+                     ) -> tuple[Target, TunnelEvent, AsyncIterator[TunnelEvent]]:
+        """:meth:`_start` on the current targets. When it found nowhere to start while members serving the
+        model are only suspect (by their connection's probes or by gossip: they may be slow, not gone),
+        wait up to :data:`SUSPECT_WAIT_S` for one to be routable again, then start once more."""
+        try:
+            return await self._start(request, self._targets(request), progress)
+        except NoCapacity as exc:
+            nowhere = exc
+        suspects = self._suspects(request.model)
+        if not suspects:
+            raise nowhere
+        names = ", ".join(sorted(self._name(Target(n)) for n in suspects))
+        log.info("%s: nowhere to start (%s); waiting up to %gs for %s to answer again",
+                 request.model, nowhere, SUSPECT_WAIT_S, names)
+        started = self.clock()
+        while not (targets := self._targets(request)):
+            if self.clock() - started >= SUSPECT_WAIT_S or not self._suspects(request.model):
+                break
+            await asyncio.sleep(SUSPECT_POLL_S)
+        self.on_event("request_waited", model=request.model, nodes=sorted(suspects),
+                      waited_s=round(self.clock() - started, 3), routable=bool(targets))
+        if not targets:
+            raise nowhere
+        return await self._start(request, targets, progress)
+
+    def _suspects(self, model: str) -> frozenset[str]:
+        """Members serving ``model`` that are suspect, not gone: gossip holds them suspect, or alive with
+        a connection whose probes went unanswered for about a second."""
+        gossip, endpoint = self.mesh.gossip, self.mesh.endpoint
+        if gossip is None or endpoint is None:
+            return frozenset()
+
+        def probed_suspect(node_id: str) -> bool:
+            conn = endpoint.peers.get(node_id)
+            return conn is not None and conn.state == "suspect"
+
+        return frozenset(
+            node_id for node_id, entry in gossip.state.peers.items()
+            if node_id != self.node_id
+            and any(m.name == model and takes_requests(m) for m in entry.record.models.served)
+            and (entry.status == "suspect" or (entry.status == "alive" and probed_suspect(node_id))))
 
     async def _start(self, request: Routable, targets: Sequence[Target], progress: Progress | None = None,
                      ) -> tuple[Target, TunnelEvent, AsyncIterator[TunnelEvent]]:

@@ -8,6 +8,8 @@ random-weight llama wide enough to take about a second for 200 tokens, so the ki
 from __future__ import annotations
 
 import itertools
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -192,6 +194,54 @@ def test_with_no_other_node_the_stream_ends_with_the_clean_error(tmp_path: Path,
         assert event["reason"] == f"no other node serves {MODEL!r}"
         assert c.status()["requests"]["replays_impossible"] == 1
 
+
+
+def test_a_server_silent_for_seconds_is_waited_for_not_failed(tmp_path: Path, gguf: Path) -> None:
+    """A serving node whose host stalls (here SIGSTOP: an overloaded or swapping machine) misses its probes
+    and turns suspect at the client, which aborts the request in flight to it; with nowhere else to start,
+    the request waits for the node to answer again (SUSPECT_WAIT_S) and gets its answer, not a 503. A node
+    that stays silent gets the 503 once the wait is over (or a redial of it has failed: the client may close
+    a suspect node's connection meanwhile, and a node with none is tried again)."""
+    with running_nodes() as nodes:
+        a = NodeProcess(tmp_path / "a", ["--model", str(gguf), "--threads", "1"], "a")
+        nodes.append(a)
+        token = a.wait_ready()["invite"]
+        c = NodeProcess(tmp_path / "c", ["--client", "--join", token], "c")
+        nodes.append(c)
+        c.wait_ready()
+        wait_until(lambda: len(serving(c)) == 1, 20.0)
+
+        def ask() -> str:
+            reply = client_of(c, timeout=30).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=16, temperature=0)
+            return reply.choices[0].message.content or ""
+
+        reference = ask()
+        a.proc.send_signal(signal.SIGSTOP)
+        resume = threading.Timer(2.5, lambda: a.proc.send_signal(signal.SIGCONT))
+        resume.start()
+        try:
+            started = time.monotonic()
+            assert ask() == reference
+            took = time.monotonic() - started
+        finally:
+            resume.cancel()
+            os.kill(a.proc.pid, signal.SIGCONT)
+        waited = c.wait_event(lambda e: e["type"] == "request_waited", 5.0)
+        print(f"stalled 2.5 s: answered after {took:.2f} s; waited {waited['waited_s']} s for the node")
+        assert waited["nodes"] == [a.node_id] and waited["routable"] and took >= 2.5
+
+        a.proc.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(openai.APIStatusError) as caught:
+                ask()
+            took = time.monotonic() - started
+        finally:
+            os.kill(a.proc.pid, signal.SIGCONT)
+        print(f"stalled for good: {caught.value.status_code} after {took:.2f} s: {caught.value}")
+        assert caught.value.status_code == 503 and "node a" in str(caught.value) and took < 15
+        wait_until(lambda: sum(1 for e in c.events if e["type"] == "request_waited") == 2, 5.0)
 
 Seen = tuple[str, int, str]
 """What a client saw: the text, the completion tokens, why it ended."""
