@@ -158,7 +158,8 @@ class Runner:
                 finally:
                     with self._cond:
                         self._inline = False
-                        self._cond.notify_all()
+                        if self._queue or self._closed:  # else the thread has nothing to wake up for:
+                            self._cond.notify_all()      # a wake-up costs a futex and a GIL hand-off per step
         future = self.submit(kind, fn, priority=priority)
         try:
             return await self.wait(future, kind=kind, timeout_s=timeout_s)
