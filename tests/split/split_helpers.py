@@ -55,14 +55,15 @@ def addr(ep: Endpoint) -> str:
 
 async def make_chain(path: Path, bounds: list[int], *, max_context: int = 256,
                      bulk_ports: Callable[[dict[str, int]], Callable[[str], int]] | None = None,
-                     **coord_kwargs: object) -> Chain:
+                     probe_interval: float = 0.1, **coord_kwargs: object) -> Chain:
     """Stages [bounds[i], bounds[i+1]) on one endpoint each (one thread); stage 0 is the coordinator.
+    Endpoints probe every ``probe_interval`` s (a stage silent for 3 of them is suspect).
 
     With ``bulk_ports``, every node also runs a bulk channel (TLS on TCP) that serves lanes, and its
     lanes dial the ports ``bulk_ports(listening)`` names (``listening``: node id -> the real port).
     """
     keys = [SigningKey.generate() for _ in bounds[1:]]
-    eps = [await endpoint(key, probe_interval=0.1) for key in keys]
+    eps = [await endpoint(key, probe_interval=probe_interval) for key in keys]
     listening: dict[str, int] = {}
     ports = bulk_ports(listening) if bulk_ports is not None else None
     servers = [StageServer(ep, dial=LaneDialer(key, ports) if ports else None)

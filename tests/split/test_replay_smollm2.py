@@ -18,6 +18,7 @@ from split_helpers import MODEL, Chain, make_chain
 
 from meshllm.engine.base import CompletionRequest, Finish, GenerationParams, TextDelta
 from meshllm.models.bundled import bundled_model_path
+from meshllm.split import Deadlines
 from meshllm.split.engine import SplitEngine
 from meshllm.split.errors import StageFailed
 
@@ -27,6 +28,10 @@ REQUEST = CompletionRequest(model=MODEL, prompt="The history of the city of Pari
                             params=GenerationParams(temperature=0.0, max_tokens=48))
 CUT = 12
 """Deltas read before the middle stage goes down."""
+LENIENT = {"probe_interval": 0.25, "deadlines": Deadlines(decode_timeout=10.0)}
+"""The only stage failure here is the one the test makes (a closed endpoint is noticed at once): on a
+loaded host, the suite's quick probes and the 1 s decode deadline made the reference stream fail over
+too, and its replay (at 0 tokens) was the one the test then read."""
 
 
 async def stream(engine: SplitEngine, chain: Chain | None) -> str:
@@ -58,8 +63,8 @@ def test_a_replay_on_smollm2_gives_the_uninterrupted_text(passes_s: float) -> No
         engine = SplitEngine(path, MODEL, 256, replay_passes_s=passes_s,
                              on_event=lambda kind, **f: events.append((kind, f)))
         await engine.load()
-        chain = await make_chain(path, [0, 10, 20, 30], on_stage_failed=rebuild)
-        spare.append(await make_chain(path, [0, 15, 30]))
+        chain = await make_chain(path, [0, 10, 20, 30], on_stage_failed=rebuild, **LENIENT)
+        spare.append(await make_chain(path, [0, 15, 30], **LENIENT))
         engine.attach(chain.coordinator)
         try:
             reference = await stream(engine, None)
