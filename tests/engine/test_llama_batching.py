@@ -37,11 +37,15 @@ def req(prompt: str, max_tokens: int = 48, continuation: tuple[int, ...] | list[
                              continuation=tuple(continuation))
 
 
-async def collect(engine: LlamaEngine, request: CompletionRequest) -> tuple[str, list[int], Finish]:
+async def collect(engine: LlamaEngine, request: CompletionRequest,
+                  streaming: asyncio.Event | None = None) -> tuple[str, list[int], Finish]:
+    """The request's text, tokens and finish; ``streaming`` is set at its first delta."""
     text, tokens = "", []
     async for event in engine.generate(request):
         if isinstance(event, TextDelta):
             text, tokens = text + event.text, tokens + list(event.tokens)
+            if streaming is not None:
+                streaming.set()
         else:
             return text, tokens, event
     raise AssertionError("no finish")
@@ -67,8 +71,12 @@ async def alongside(engine: LlamaEngine, request: CompletionRequest, n_others: i
     the batch this helper is for would not happen, so the engine is held to whole batches meanwhile.
     The others are cancelled once ``request`` has finished: the rest of their tokens would prove nothing
     (on the default model they cost half a minute)."""
-    others = [asyncio.ensure_future(collect(engine, req(p, 300))) for p in OTHERS[:n_others]]
-    await wait_running(engine, n_others)
+    streaming = [asyncio.Event() for _ in OTHERS[:n_others]]
+    others = [asyncio.ensure_future(collect(engine, req(p, 300), s)) for p, s in zip(OTHERS, streaming, strict=False)]
+    # every other is generating (polling for n running at one moment missed it on a loaded host: the
+    # first ones can finish their 300 tokens before the last one's prompt is in)
+    async with asyncio.timeout(30):
+        await asyncio.gather(*(s.wait() for s in streaming))
     calls, rows = engine.stats.decode_calls, engine.stats.decode_rows
     with mock.patch.object(engine._costs, "split", return_value=False):
         result = await collect(engine, request)
