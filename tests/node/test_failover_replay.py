@@ -170,15 +170,21 @@ def test_non_streamed_answer_survives_the_kill(mesh: tuple[NodeProcess, NodeProc
     assert reply.usage.prompt_tokens == reference.usage.prompt_tokens
 
 
+def server_and_client(tmp_path: Path, gguf: Path, nodes: list[NodeProcess]) -> tuple[NodeProcess, NodeProcess]:
+    """Node A, the only one serving the model, and a ``--client`` C that sees it."""
+    a = NodeProcess(tmp_path / "a", ["--model", str(gguf), "--threads", "1"], "a")
+    nodes.append(a)
+    token = a.wait_ready()["invite"]
+    c = NodeProcess(tmp_path / "c", ["--client", "--join", token], "c")
+    nodes.append(c)
+    c.wait_ready()
+    wait_until(lambda: len(serving(c)) == 1, 20.0)
+    return a, c
+
+
 def test_with_no_other_node_the_stream_ends_with_the_clean_error(tmp_path: Path, gguf: Path) -> None:
     with running_nodes() as nodes:
-        a = NodeProcess(tmp_path / "a", ["--model", str(gguf), "--threads", "1"], "a")
-        nodes.append(a)
-        token = a.wait_ready()["invite"]
-        c = NodeProcess(tmp_path / "c", ["--client", "--join", token], "c")
-        nodes.append(c)
-        c.wait_ready()
-        wait_until(lambda: len(serving(c)) == 1, 20.0)
+        a, c = server_and_client(tmp_path, gguf, nodes)
         killed_at = 0.0
         with pytest.raises(openai.APIError) as caught:
             for i, _chunk in enumerate(client_of(c).completions.create(model=MODEL, prompt="a", max_tokens=200,
@@ -195,7 +201,6 @@ def test_with_no_other_node_the_stream_ends_with_the_clean_error(tmp_path: Path,
         assert c.status()["requests"]["replays_impossible"] == 1
 
 
-
 def test_a_server_silent_for_seconds_is_waited_for_not_failed(tmp_path: Path, gguf: Path) -> None:
     """A serving node whose host stalls (here SIGSTOP: an overloaded or swapping machine) misses its probes
     and turns suspect at the client, which aborts the request in flight to it; with nowhere else to start,
@@ -203,13 +208,7 @@ def test_a_server_silent_for_seconds_is_waited_for_not_failed(tmp_path: Path, gg
     that stays silent gets the 503 once the wait is over (or a redial of it has failed: the client may close
     a suspect node's connection meanwhile, and a node with none is tried again)."""
     with running_nodes() as nodes:
-        a = NodeProcess(tmp_path / "a", ["--model", str(gguf), "--threads", "1"], "a")
-        nodes.append(a)
-        token = a.wait_ready()["invite"]
-        c = NodeProcess(tmp_path / "c", ["--client", "--join", token], "c")
-        nodes.append(c)
-        c.wait_ready()
-        wait_until(lambda: len(serving(c)) == 1, 20.0)
+        a, c = server_and_client(tmp_path, gguf, nodes)
 
         def ask() -> str:
             reply = client_of(c, timeout=30).chat.completions.create(
