@@ -154,15 +154,21 @@ def test_a_failed_stage_fails_every_session_of_the_batch_named(tiny_model: Path)
         chain = await make_chain(tiny_model, [0, 2, 4, 6], speculate="off")
         coord = chain.coordinator
         closed_at = 0.0
+        streaming: set[int] = set()
 
         async def run(i: int) -> list[int]:
             nonlocal closed_at
             out = []
             async for t in coord.generate([1, *b"request", i], max_tokens=500):
                 out.append(t.token_id)
-                if i == 0 and len(out) == 10 and not closed_at:
+                if len(out) == 10:
+                    streaming.add(i)
+                # once all four are in the batch, the middle stage goes, its server first as a stopping node's
+                # does (an endpoint closed under a live server can still report its next hop lost first)
+                if len(streaming) == 4 and not closed_at:
                     closed_at = time.monotonic()
-                    await chain.endpoints[1].close()  # the middle stage goes away mid-batch
+                    chain.servers[1].close()
+                    await chain.endpoints[1].close()
             return out
 
         try:
