@@ -32,7 +32,7 @@ from meshllm.net.messages import (
     is_virtual,
     normalize_addr,
 )
-from meshllm.net.probes import Liveness, ProbeOutput, ProbeState
+from meshllm.net.probes import Liveness, ProbeOutput, ProbeState, is_probe
 from meshllm.net.quic import ALPN, MeshQuicConnection
 from meshllm.net.streams import Stream
 from meshllm.tasks import spawn
@@ -85,6 +85,10 @@ class PeerConnection:
         self._streams: dict[int, Stream] = {}
         self._has_streams = asyncio.Event()
         """Set while streams are open: the sweep sleeps on it otherwise (an idle connection costs no wakeups)."""
+        self._work = asyncio.Event()
+        """Set when a stream of work opens (not a ``quiet_kinds`` one): quiet probing speeds up on it."""
+        self._probing = False
+        """Whether our probes run now (so their RTT is current)."""
         self._peer_next: dict[int, int] = {}
         """Per stream type (``id & 3``): the lowest peer stream id above every one seen so far."""
         self._peer_unseen: set[int] = set()
@@ -140,8 +144,23 @@ class PeerConnection:
 
     @property
     def rtt_ms(self) -> float | None:
-        """Smoothed datagram-probe RTT in milliseconds (None until measured)."""
-        return self.probes.rtt_ms if self.probes else None
+        """Smoothed RTT in milliseconds: the datagram probes' while they run and have measured it, else
+        QUIC's own (from the ACKs of what we sent: a member connection with no work is not probed, but its
+        gossip and the failure detector's datagrams are acknowledged, so it stays current where the
+        probes' last figure, taken under load, would not). None before admission."""
+        if self.probes is None:
+            return None
+        if self._probing and self.probes.rtt_ms is not None:
+            return self.probes.rtt_ms
+        return self.quic.smoothed_rtt_ms()
+
+    @property
+    def path_rtt_ms(self) -> float | None:
+        """The path's RTT in milliseconds, without the queueing and scheduling delays that a loaded host
+        adds to every sample: QUIC's minimum RTT. What a node publishes as its distance to a peer: a
+        smoothed RTT swings with load, and each swing out of the band re-signed and flooded a record,
+        which loaded the host further (20 members on one host fed that loop until every core was busy)."""
+        return self.quic.min_rtt_ms() if self.probes is not None else None
 
     async def open_stream(
         self, kind: str, *, max_frame: int = CONTROL_FRAME_MAX, send_budget: int | None = None
@@ -281,8 +300,11 @@ class PeerConnection:
             if isinstance(event, qe.StreamDataReceived):
                 self._on_stream_data(event.stream_id, event.data, event.end_stream)
             elif isinstance(event, qe.DatagramFrameReceived):
-                if self.probes is not None:
-                    self._apply_probes(self.probes.receive(event.data, self._loop.time()))
+                if is_probe(event.data):
+                    if self.probes is not None:
+                        self._apply_probes(self.probes.receive(event.data, self._loop.time()))
+                elif self.endpoint.on_datagram is not None and self._serving() and not self.passive:
+                    self.endpoint.on_datagram(self, event.data)
             elif isinstance(event, qe.StreamReset):
                 stream = self._streams.get(event.stream_id)
                 if stream is not None:
@@ -402,6 +424,8 @@ class PeerConnection:
         )
         self._streams[stream_id] = stream
         self._has_streams.set()
+        if kind is not None:
+            self._note_kind(kind)
         self.quic.track_stream(stream_id)
         return stream
 
@@ -460,6 +484,7 @@ class PeerConnection:
             return
         handler, max_frame = registered
         stream.bind(header.kind, max_frame)
+        self._note_kind(header.kind)
         spawn(self._tasks, self._run_handler(handler, stream))
 
     async def _run_handler(self, handler: Any, stream: Stream) -> None:
@@ -503,25 +528,56 @@ class PeerConnection:
     # -- probes -------------------------------------------------------------------------------
 
     async def _run_probes(self, probes: ProbeState) -> None:
-        """Ping on the probe interval; with ``probe_idle`` off, only while a stream is open (the connection
-        is then idle between uses and costs its peer nothing) or the peer is suspect: a verdict frozen by
-        the pause would keep a peer that was only slow out of routing until the connection closes."""
+        """Ping every ``probe_interval`` while the connection carries work or the peer is suspect (a verdict
+        frozen by a pause would keep a peer that was only slow out of routing), else every
+        ``idle_probe_interval``, or not at all when that is None: a quiet connection then costs its peer
+        nothing, and the first stream of work starts the probes again at once."""
+        options = self.endpoint.options
         while self.close_reason is None:
-            if not self.endpoint.options.probe_idle and not self._streams and probes.state is not Liveness.SUSPECT:
-                self._has_streams.clear()
-                await self._has_streams.wait()
-                probes.resume(self._loop.time())
+            busy = probes.state is Liveness.SUSPECT or self._carries_work()
+            interval = options.probe_interval if busy else options.idle_probe_interval
+            self._work.clear()
+            self._probing = interval is not None
+            if interval is None:
+                await self._work.wait()
+                probes.pace(options.probe_interval, self._loop.time())
+                continue
+            now = self._loop.time()
+            if interval != probes.interval:
+                probes.pace(interval, now)
+            self._apply_probes(probes.poll(now))
+            delay = max(0.0, probes.next_deadline - self._loop.time())
+            if busy:
+                await asyncio.sleep(delay)
             else:
-                self._apply_probes(probes.poll(self._loop.time()))
-            await asyncio.sleep(max(0.0, probes.next_deadline - self._loop.time()))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._work.wait(), delay)
+
+    def _carries_work(self) -> bool:
+        quiet = self.endpoint.options.quiet_kinds
+        return any(s.kind is not None and s.kind not in quiet for s in self._streams.values())
+
+    def _note_kind(self, kind: str) -> None:
+        if kind not in self.endpoint.options.quiet_kinds:
+            self._work.set()
+
+    def send_datagram(self, data: bytes) -> bool:
+        """Send ``data`` as one unreliable QUIC DATAGRAM (a loss is the caller's signal, never retried).
+
+        Returns False, sending nothing, when the connection is closed or :data:`MAX_PENDING_DATAGRAMS`
+        wait already: datagrams are best-effort, and a flood must never grow aioquic's queue. Data must not
+        look like a probe (:func:`~meshllm.net.probes.is_probe`): the peer would take it for one.
+        """
+        if self.close_reason is not None or self.quic.datagrams_pending() >= MAX_PENDING_DATAGRAMS:
+            return False
+        self.quic.send_datagram_frame(data)
+        self.transmit_soon()
+        return True
 
     def _apply_probes(self, out: ProbeOutput) -> None:
         for datagram in out.datagrams:
-            if self.quic.datagrams_pending() >= MAX_PENDING_DATAGRAMS:
-                break  # probes are best-effort: never let a flood of pings grow aioquic's queue
-            self.quic.send_datagram_frame(datagram)
-        if out.datagrams:
-            self.transmit_soon()
+            if not self.send_datagram(datagram):
+                break
         if self.endpoint.peers.get(self.node_id or "") is not self:
             return  # a replaced (retiring) connection's liveness says nothing about the peer
         for change in out.events:

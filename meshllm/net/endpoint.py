@@ -109,9 +109,14 @@ class EndpointOptions:
     lengthens only connections whose dialer asks for as much: passive clients, whose route-table pulls are
     all the traffic on their anchor connection (mesh/passive.py). Members dial with ``idle_timeout``."""
     probe_interval: float = 0.25
-    probe_idle: bool = True
-    """Probe connections with no stream open too. Off (a passive client): a connection is probed only while
-    it carries a request or a pull, so a quiet one costs the member at the other end nothing."""
+    """Seconds between datagram probes while a connection carries work (a stream not of a ``quiet_kinds``
+    kind) or its peer is suspect: 3 missed make a peer that dies mid-answer suspect within a second."""
+    idle_probe_interval: float | None = 0.25
+    """Seconds between probes while a connection carries no work: they keep its RTT measured. ``None`` (a
+    passive client): not probed then, so a quiet connection costs the member at the other end nothing. A
+    member probes quiet connections slowly: its failure detector (mesh/failure.py) watches them."""
+    quiet_kinds: frozenset[str] = frozenset()
+    """Stream kinds that are not work for :attr:`probe_interval` (a member's gossip: its own detector)."""
     passive: bool = False
     """We are a passive client: dialed peers are told so (``Hello.passive``) and keep us out of gossip."""
     suspect_after: int = 3
@@ -152,6 +157,9 @@ class Endpoint:
         """The injected admission check (see :data:`Admit`)."""
         self.admit_passive: Admit | None = None
         """The check for a dialer whose Hello says it is a passive client (None: ``admit`` for it too)."""
+        self.on_datagram: Callable[[PeerConnection, bytes], None] | None = None
+        """Takes an admitted member's datagrams that are not the transport's probes (the failure
+        detector's pings); None: they are dropped."""
         self.local_proof = local_proof
         """Returns the proof we present to peers (called once per connection)."""
         self.take_grant = take_grant

@@ -27,6 +27,12 @@ MAX_PONGS_PER_INTERVAL = 4
 """Pings answered per ``interval``; an honest peer sends one, the rest are dropped unanswered."""
 
 
+def is_probe(data: bytes) -> bool:
+    """Whether a datagram is a probe's: its first byte is PING or PONG. Other datagrams on a connection are
+    the application's (the failure detector's msgpack maps, which never start with 1 or 2)."""
+    return data[:1] in (b"\x01", b"\x02")
+
+
 class Liveness(Enum):
     ALIVE = "alive"
     SUSPECT = "suspect"
@@ -70,6 +76,9 @@ class ProbeState:
         self._outstanding: dict[int, float] = {}
         """Unanswered pings (at most ``suspect_after``, oldest first): nonce -> when sent."""
         self._last: int | None = None
+        self._answer_interval = interval
+        """Pongs are rationed per this, the pace we were made with: :meth:`pace` may slow our pings, but a
+        peer with work on the connection pings at its full pace and must get every answer."""
         self._pong_window = now
         self._pongs = 0
 
@@ -96,10 +105,11 @@ class ProbeState:
         self._next_ping = now + self.interval
         return out
 
-    def resume(self, now: float) -> None:
-        """Probing paused (the connection had nothing open) starts again: the next ping an interval from
-        now, and pings sent before the pause count as neither answered nor missed."""
-        self._next_ping = now + self.interval
+    def pace(self, interval: float, now: float) -> None:
+        """Probe every ``interval`` from now on (the driver's pace changed, or probing paused and resumes):
+        the next ping goes out now, and pings sent before count as neither answered nor missed."""
+        self.interval = interval
+        self._next_ping = now
         self._outstanding.clear()
         self._last = None
 
@@ -110,7 +120,7 @@ class ProbeState:
             return out
         kind, nonce, stamp = _PROBE.unpack(data)
         if kind == PING:
-            if now >= self._pong_window + self.interval:
+            if now >= self._pong_window + self._answer_interval:
                 self._pong_window, self._pongs = now, 0
             if self._pongs < MAX_PONGS_PER_INTERVAL:
                 self._pongs += 1

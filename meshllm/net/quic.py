@@ -20,11 +20,12 @@ here (``tests/net/test_quic.py`` exercises both against the installed aioquic):
   which a peer that never acknowledges can postpone for the life of the connection; the data
   can never be sent again, so we drop it at once.
 
-* ``send_stream_data``: aioquic writes an ACK only once its 1 ms delayed-ACK timer is due, even
-  when it is sending a packet anyway, so a request/response exchange costs an extra ACK-only
-  packet each way (about 100 us of Python per side, landing in the middle of the next exchange).
-  When the application writes stream data we make any pending ACK due now, so it rides in the
-  same packet as the data; pure receivers (bulk transfers) keep the delayed ACK.
+* ``send_stream_data`` and ``send_datagram_frame``: aioquic writes an ACK only once its 1 ms
+  delayed-ACK timer is due, even when it is sending a packet anyway, so a request/response exchange
+  (a ping and its answer too) costs an extra ACK-only packet each way (about 100 us of Python per
+  side, landing in the middle of the next exchange). When the application writes stream data or a
+  datagram we make any pending ACK due now, so it rides in the same packet; pure receivers (bulk
+  transfers) keep the delayed ACK.
 
 ``unsent_bytes`` reads how much of a stream's written data aioquic has not transmitted yet, which
 :class:`~meshllm.net.streams.Stream` uses as its send budget.
@@ -205,6 +206,10 @@ class MeshQuicConnection(QuicConnection):
         super().send_stream_data(stream_id, data, end_stream)
         self.piggyback_ack()
 
+    def send_datagram_frame(self, data: bytes) -> None:
+        super().send_datagram_frame(data)
+        self.piggyback_ack()
+
     def reset_stream(self, stream_id: int, error_code: int) -> None:
         super().reset_stream(stream_id, error_code)
         self.drop_unsent(stream_id)
@@ -214,6 +219,22 @@ class MeshQuicConnection(QuicConnection):
         stream = self._stream(stream_id)
         if stream is not None and getattr(stream.sender, "_reset_error_code", None) is not None:
             stream.sender._buffer = bytearray()  # aioquic never sends or resends after a reset
+
+    def smoothed_rtt_ms(self) -> float | None:
+        """QUIC's own smoothed RTT (RFC 9002: from the ACKs of everything we sent, the handshake included),
+        in milliseconds; None before the first sample."""
+        loss = getattr(self, "_loss", None)
+        if loss is None or not hasattr(loss, "_rtt_smoothed") or not hasattr(loss, "_rtt_initialized"):
+            raise AioquicIncompatible("aioquic's QuicConnection has no _loss with a smoothed RTT")
+        return loss._rtt_smoothed * 1000.0 if loss._rtt_initialized else None
+
+    def min_rtt_ms(self) -> float | None:
+        """The smallest RTT QUIC has measured on this connection (RFC 9002's min_rtt), in milliseconds: the
+        path's round trip with no queueing or scheduling delay in it. None before the first sample."""
+        loss = getattr(self, "_loss", None)
+        if loss is None or not hasattr(loss, "_rtt_min") or not hasattr(loss, "_rtt_initialized"):
+            raise AioquicIncompatible("aioquic's QuicConnection has no _loss with a minimum RTT")
+        return loss._rtt_min * 1000.0 if loss._rtt_initialized else None
 
     def piggyback_ack(self) -> None:
         """Make a pending (delayed) 1-RTT ACK due now, so the next packet we send carries it."""

@@ -2,7 +2,8 @@
 
 Counted where stream bytes meet aioquic (:class:`~meshllm.net.streams.Stream`), so every kind is
 covered: requests, stage lanes, model fetches, gossip, owner envelopes. An incoming stream's bytes
-before its kind header is read count under ``""``.
+before its kind header is read count under ``""``. The mesh's gossip datagrams (probes, summaries)
+count under ``gossip`` too (mesh/service.py), so that kind is all the gossip a node moves.
 """
 
 from __future__ import annotations

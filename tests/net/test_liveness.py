@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from nacl.signing import SigningKey
-from net_helpers import endpoint, until
+from net_helpers import Msg, endpoint, until
 
 from meshllm.identity.ids import node_id
 from meshllm.net import Backoff, PeerEventKind, dial_with_retry
@@ -81,5 +81,66 @@ def test_reconnect_after_the_peer_restarts() -> None:
         assert a.peers[second.node_id] is second
         await a.close()
         await b.close()
+
+    asyncio.run(main())
+
+
+def test_probes_pace_with_the_work_a_connection_carries() -> None:
+    """Quiet (no stream, or only ``quiet_kinds`` ones): a ping every ``idle_probe_interval``. The first stream
+    of work speeds both ends up to ``probe_interval`` at once, and they slow down again when it ends."""
+    async def main() -> None:
+        opts = {"probe_interval": 0.05, "idle_probe_interval": 5.0, "quiet_kinds": frozenset({"chatter"})}
+        a, b = await endpoint(**opts), await endpoint(**opts)
+        release = asyncio.Event()
+
+        async def hold(stream, peer) -> None:  # type: ignore[no-untyped-def]
+            await release.wait()
+
+        for ep in (a, b):
+            ep.on_stream("work", hold)
+            ep.on_stream("chatter", hold)
+        conn = await a.connect(b.local_addr)
+        await until(lambda: a.node_id in b.peers)
+        inbound = b.peers[a.node_id]
+        assert conn.probes is not None and inbound.probes is not None
+        await until(lambda: conn.probes.interval == inbound.probes.interval == 5.0)
+        await until(lambda: conn.probes.rtt_ms is not None)  # type: ignore[union-attr]  # the first quiet ping left at once
+        chatter = await conn.open_stream("chatter")
+        chatter.send_nowait(Msg("gossip"))
+        await asyncio.sleep(0.3)
+        assert conn.probes.interval == inbound.probes.interval == 5.0  # a quiet kind is no work
+        work = await conn.open_stream("work")
+        work.send_nowait(Msg("a request"))
+        await until(lambda: conn.probes.interval == inbound.probes.interval == 0.05, timeout=1.0)
+        release.set()
+        for stream in (chatter, work):
+            stream.close()
+        await until(lambda: conn.probes.interval == inbound.probes.interval == 5.0)
+        assert conn.state == inbound.state == "alive"  # pings sent at the fast pace were not counted missed
+        await a.close()
+        await b.close()
+
+    asyncio.run(main())
+
+
+def test_other_datagrams_reach_the_endpoint_and_probes_do_not() -> None:
+    """A connection's datagrams are the transport's probes (first byte 1 or 2) or the application's: those
+    go to ``Endpoint.on_datagram``, from an admitted member only."""
+    async def main() -> None:
+        a, b = await endpoint(probe_interval=0.05), await endpoint(probe_interval=0.05)
+        got: list[tuple[str, bytes]] = []
+        b.on_datagram = lambda conn, data: got.append((conn.node_id, data))
+        conn = await a.connect(b.local_addr)
+        await until(lambda: conn.rtt_ms is not None)  # probes flowed both ways, none reached the handler
+        assert conn.send_datagram(b"\x81\xa1x\x01")
+        await until(lambda: got == [(a.node_id, b"\x81\xa1x\x01")])
+        client = await endpoint(passive=True)
+        passive = await client.connect(b.local_addr)
+        passive.send_datagram(b"\x81\xa1y\x02")  # a passive client takes no part in what members say
+        conn.send_datagram(b"\x81\xa1z\x03")
+        await until(lambda: len(got) == 2)
+        assert got[1] == (a.node_id, b"\x81\xa1z\x03")
+        for ep in (a, b, client):
+            await ep.close()
 
     asyncio.run(main())

@@ -85,3 +85,27 @@ def test_a_ping_flood_gets_a_bounded_number_of_pongs() -> None:
     pongs = sum(len(target.receive(ping, 0.01 + i * 1e-4).datagrams) for i in range(1000))
     assert pongs == MAX_PONGS_PER_INTERVAL
     assert len(target.receive(ping, 0.3).datagrams) == 1  # a new interval answers again
+
+
+def test_a_slow_pace_still_answers_a_peer_probing_at_full_pace() -> None:
+    """Pongs are rationed per the pace a ProbeState was made with: one whose own pings slowed down
+    (a quiet connection) still answers every ping of a peer with work on the connection."""
+    quiet, busy = ProbeState(0.0, interval=0.25), ProbeState(0.0, interval=0.25)
+    quiet.pace(5.0, 0.0)
+    answered = 0
+    for step in range(40):  # 10 s of pings at 4 a second
+        now = step * 0.25
+        for ping in busy.poll(now).datagrams:
+            pongs = quiet.receive(ping, now + 0.001).datagrams
+            answered += len(pongs)
+            for pong in pongs:
+                busy.receive(pong, now + 0.002)
+    assert answered == 40 and busy.state is Liveness.ALIVE
+
+
+def test_pace_sends_the_next_ping_now_and_forgives_those_in_flight() -> None:
+    p = ProbeState(0.0, interval=5.0, suspect_after=3)
+    assert len(p.poll(0.0).datagrams) == 1 and p.next_deadline == 5.0
+    p.pace(0.25, 1.0)  # work started: the 5 s ping still in flight counts neither way
+    assert p.next_deadline == 1.0 and p.interval == 0.25
+    assert len(p.poll(1.0).datagrams) == 1 and p.missed == 0
