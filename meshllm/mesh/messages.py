@@ -116,6 +116,8 @@ class PingReq(msgspec.Struct, frozen=True, tag="ping-req"):
 
 
 MeshMessage = Summary | Digest | Exchange | Notices | Revocations | Ping | Ack | PingReq
+PROBE_MESSAGES = (Ping, Ack, PingReq)
+"""The failure detector's messages: each is one QUIC datagram, never on a gossip stream."""
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(MeshMessage)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import random
 import time
@@ -33,14 +34,14 @@ from typing import Any
 import msgspec
 
 from meshllm.config import write_private
-from meshllm.errors import ConfigError, MeshllmError, VerificationError
+from meshllm.errors import ConfigError, DecodeError, MeshllmError, VerificationError
 from meshllm.identity.keys import NodeKey
 from meshllm.identity.signing import encode_signed
 from meshllm.mesh.admission import Revocation, RevocationTarget, credential_invite_id, make_grant
 from meshllm.mesh.failure import FailureDetector, Overstep, Probe
 from meshllm.mesh.gossip import AccuserBanned, Gossip, Rejected, RevocationApplied, Send
 from meshllm.mesh.membership import Membership
-from meshllm.mesh.messages import MeshMessage, encode_message
+from meshllm.mesh.messages import PROBE_MESSAGES, MeshMessage, decode_message, encode_message
 from meshllm.mesh.records import Addresses, CheckTrust, PathKind, PeerRecord, RecordVerifier
 from meshllm.mesh.traversal import Traversal, parse_relay_entry
 from meshllm.mesh.view import PeerAdded, PeerRemoved, PeerStatus, RecordUpdated, ViewEvent
@@ -57,6 +58,9 @@ from meshllm.wire.addr import format_addr, parse_addr
 log = logging.getLogger(__name__)
 
 GOSSIP_STREAM = "gossip"
+DATAGRAM_MESSAGE_MAX = 1000
+"""Mesh messages up to this many bytes travel as one QUIC datagram (probes, summaries, small digests, down
+notices); larger ones (records, about 1.6 KB with their membership proof) on a stream of their own."""
 TICK_MAX_S = 0.1
 """Longest sleep between core ticks: bounds how late a timer fires."""
 SEND_TIMEOUT_S = 2.0
@@ -108,7 +112,13 @@ class MeshService:
         self._on_event = on_event
         self._host, self._port = host, port
         self._announce = list(announce or [])
-        self._endpoint_options = endpoint_options
+        # Between members the transport probes only connections that carry work (a request, a stage lane,
+        # a fetch: a peer dying mid-answer is suspect within a second). The failure detector watches the
+        # rest, and QUIC's own RTT measures them: an idle member's cost is its detector's 4 pings a
+        # second, not 4 probes a second each way on every connection.
+        options = endpoint_options or EndpointOptions()
+        self._endpoint_options = dataclasses.replace(
+            options, idle_probe_interval=None, quiet_kinds=options.quiet_kinds | {GOSSIP_STREAM})
         self._rng = rng or random.SystemRandom()  # probe nonces and peer choices must not be predictable
         self._relay_mode: RelayMode = relay
         self._revocations_file = revocations_file
@@ -146,6 +156,7 @@ class MeshService:
                               hint="is another node running there? pick another port with --mesh-port "
                                    "(0 picks a free one)") from None
         self.endpoint.admit_passive = self._admit_passive
+        self.endpoint.on_datagram = self._on_datagram
         self.endpoint.on_stream(GOSSIP_STREAM, self._serve_gossip)
         self.endpoint.on_cool_down = lambda peer, reason: self._on_event("peer_cooled", node_id=peer, reason=reason)
         self.traversal = Traversal(self.endpoint, self._relay_mode, bool(self._announce), self._on_event)
@@ -313,7 +324,7 @@ class MeshService:
         verdicts = []
         for out in outputs:
             if isinstance(out, Probe):
-                spawn(self._tasks, self._send(out.to, out.message))
+                self._deliver(out.to, out.message)
             elif isinstance(out, Overstep):
                 self._overstep(out)
             else:
@@ -336,7 +347,7 @@ class MeshService:
     def _handle_outputs(self, outputs: list[Any]) -> None:
         for out in outputs:
             if isinstance(out, Send):
-                spawn(self._tasks, self._send(out.to, out.message))
+                self._deliver(out.to, out.message)
             elif isinstance(out, Rejected):
                 log.warning("dropped gossip from %s: %s: %s", out.source[:8], type(out.error).__name__, out.error)
                 self._on_event("record_rejected", source=out.source, error=type(out.error).__name__,
@@ -401,14 +412,14 @@ class MeshService:
             self._on_event("record_updated", node_id=event.node_id, seq=event.record.seq)
 
     def _observe_rtts(self, now: float) -> None:
-        """The transport's RTT to each member of our view. Walks the view, not our connections: passive
+        """The path RTT (QUIC's minimum) to each member of our view. Walks the view, not our connections: passive
         clients' connections (hundreds, perhaps) enter no record, and cost nothing per tick."""
         assert self.gossip is not None and self.endpoint is not None
         peers = self.endpoint.peers
         for peer_id in self.gossip.state.peers:
             conn = peers.get(peer_id)
-            if conn is not None and conn.rtt_ms is not None and not conn.passive:
-                self.gossip.observe_rtt(peer_id, conn.rtt_ms, RECORD_PATHS[conn.path], now)
+            if conn is not None and not conn.passive and (ms := conn.path_rtt_ms) is not None:
+                self.gossip.observe_rtt(peer_id, ms, RECORD_PATHS[conn.path], now)
 
     def _maintain_traversal(self, now: float) -> None:
         """Reservations and punches; publish our observed addresses and relays when they change."""
@@ -589,6 +600,40 @@ class MeshService:
             else:
                 self._in_flight.pop(to, None)
 
+    def _deliver(self, to: str, message: MeshMessage) -> None:
+        """One message to a connected member: a datagram when it fits, else a stream of its own.
+
+        A datagram's loss is what the detector is built for, and the next anti-entropy round repairs a
+        lost summary or record. A stream per message (open, frame, close, a task at each end, an ACK for
+        each) cost an idle member of a mesh of dozens most of its CPU; a datagram is one packet.
+        """
+        assert self.endpoint is not None
+        conn = self.endpoint.peers.get(to)
+        if conn is None:
+            return
+        data = encode_message(message)
+        if len(data) <= DATAGRAM_MESSAGE_MAX and conn.send_datagram(data):
+            self.endpoint.traffic.add_sent(GOSSIP_STREAM, len(data))
+        elif not isinstance(message, PROBE_MESSAGES):  # a probe that cannot leave now is a lost probe
+            spawn(self._tasks, self._send(to, message))
+
+    def _on_datagram(self, conn: Any, data: bytes) -> None:
+        """A member's datagram: one mesh message (a probe, or gossip small enough), or a strike."""
+        assert self.gossip is not None and self.endpoint is not None
+        try:
+            message = decode_message(data)
+        except DecodeError as exc:
+            conn.strike(f"bad gossip datagram: {exc}")
+            return
+        self.endpoint.traffic.add_received(GOSSIP_STREAM, len(data))
+        now = time.time()
+        if isinstance(message, PROBE_MESSAGES):
+            self._handle(self.gossip.on_detector(self._probe(self.detector.receive(conn.node_id, message, now)), now))
+        else:
+            self._handle(self.gossip.receive(conn.node_id, message, now))
+            self._handle(self.gossip.on_detector(self.detector.alive(conn.node_id), now))  # it spoke: alive
+        self._wake.set()
+
     async def _serve_gossip(self, stream: Any, conn: Any) -> None:
         """One message per stream (the protocol's rule), read within one deadline for the whole frame."""
         assert self.gossip is not None
@@ -605,9 +650,12 @@ class MeshService:
                 # a malformed message (a revocation over its 1 KiB cap, ...): reported like a forged one
                 self._on_event("record_rejected", source=conn.node_id, error="DecodeError", reason=str(exc))
             raise
+        if isinstance(message, PROBE_MESSAGES):
+            stream.fail(ResetCode.BAD_FRAME, "probes travel as datagrams")
+            conn.strike("a probe on a gossip stream")
+            return
         if message is not None:
             now = time.time()
-            source = conn.node_id
-            self._handle(self.gossip.receive(source, message, now))
-            self._handle(self.gossip.on_detector(self._probe(self.detector.receive(source, message, now)), now))
+            self._handle(self.gossip.receive(conn.node_id, message, now))
+            self._handle(self.gossip.on_detector(self.detector.alive(conn.node_id), now))  # it spoke: alive
         self._wake.set()

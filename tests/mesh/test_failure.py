@@ -187,3 +187,22 @@ def test_a_death_reaches_nodes_that_never_probed_the_victim() -> None:
     net.run_until(killed_at + 5.0)
     assert set(removed) == {n.id for n in net.live() if n.id != victim}
     assert max(removed.values()) - killed_at < 3.0  # simulated clock: detection plus a few hops
+
+
+def test_a_suspect_is_rechecked_until_it_answers() -> None:
+    """A suspect is pinged every ``recheck_interval`` (direct only: no ping requests), so a peer that was only
+    slow has several chances to answer within the suspicion timeout; its answer clears it."""
+    fd = detector()
+    answer_all_but(fd, pings(fd.tick(0.0, PEERS)), "")
+    assert fd.suspect("p1", 0.1) == [Suspected("p1")]
+    rechecks: list[int] = []
+    now = 0.1
+    while now < 0.1 + fd.config.suspicion_timeout - 0.01:
+        out = fd.tick(now, PEERS)
+        assert not [o for o in out if isinstance(o, Probe) and isinstance(o.message, PingReq)]
+        assert not [o for o in out if isinstance(o, Failed)]
+        rechecks += [nonce for peer, nonce in pings(out).items() if peer == "p1"]
+        now = min(fd.next_timer(), now + 0.05)
+    assert len(rechecks) >= 3
+    assert fd.receive("p1", Ack(rechecks[-1]), now) == [Recovered("p1")]
+    assert fd.suspects == frozenset()

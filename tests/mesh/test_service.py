@@ -20,9 +20,9 @@ from meshllm.identity.signing import sign
 from meshllm.identity.trust import TrustPolicy, TrustStore
 from meshllm.mesh.admission import MeshKey, encode_token, inspect_token, joining_credential, with_grant
 from meshllm.mesh.membership import Membership, join_mesh, own_mesh
-from meshllm.mesh.messages import Exchange
+from meshllm.mesh.messages import Ack, Digest, Exchange, Ping, Summary, decode_message, encode_message
 from meshllm.mesh.records import PeerRecord, sign_record
-from meshllm.mesh.service import GOSSIP_STREAM, MeshService
+from meshllm.mesh.service import DATAGRAM_MESSAGE_MAX, GOSSIP_STREAM, MeshService
 from meshllm.net.endpoint import Endpoint
 from meshllm.net.errors import AdmissionRefused, StreamClosed
 
@@ -236,6 +236,31 @@ def test_malformed_frame_resets_that_stream_not_the_connection() -> None:
             await stream.recv(dict, timeout=3)
         # The connection and the node still work: an honest record gets through afterwards.
         await gossip_honest_record(h, conn, key, credential, "after")
+
+    run(body)
+
+
+def test_small_messages_travel_as_datagrams_and_probes_never_on_streams(caplog) -> None:  # type: ignore[no-untyped-def]
+    """A SWIM ping is one datagram and so is its ack; a summary is one too, and so is the digest that answers
+    it. A ping on a gossip stream and a datagram that does not decode are each refused with a strike."""
+    async def body(h: Harness) -> None:
+        conn, key, credential = await admitted_raw_peer(h)
+        got: list[Any] = []
+        conn.endpoint.on_datagram = lambda _conn, data: got.append(decode_message(data))
+        assert conn.send_datagram(encode_message(Ping(7)))
+        await until(lambda: Ack(7) in got)
+        summary = encode_message(Summary(1, bytes(8 * 16)))  # differs from the owner's in its buckets
+        assert len(summary) <= DATAGRAM_MESSAGE_MAX and conn.send_datagram(summary)
+        await until(lambda: any(isinstance(m, Digest) for m in got))  # answered, by datagram too
+        stream = await conn.open_stream(GOSSIP_STREAM)
+        await stream.send(Ping(8))
+        with pytest.raises(StreamClosed):
+            await stream.recv(dict, timeout=3)
+        await until(lambda: "a probe on a gossip stream" in caplog.text)
+        assert Ack(8) not in got
+        conn.send_datagram(b"\x81\xa4junk")
+        await until(lambda: "bad gossip datagram" in caplog.text)
+        await gossip_honest_record(h, conn, key, credential, "after")  # two strikes: still a member
 
     run(body)
 
