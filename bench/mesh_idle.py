@@ -7,7 +7,7 @@ Sizes run one after another, ``--runs`` times interleaved; the table gives media
 and runs. An idle mesh should cost each member little, and that cost should not grow with N (the
 connections are bounded by the partial view).
 
-    .venv/bin/python bench/mesh_idle.py [--sizes 4 10 20] [--runs 2] [--window 30]
+    .venv/bin/python bench/mesh_idle.py [--sizes 4 10 20] [--runs 2] [--window 30] [--batch 8]
 
 Writes bench/results/mesh_idle.json. Figures in docs/benchmarks.md.
 """
@@ -69,28 +69,32 @@ def window(members: list[NodeProcess], seconds: float) -> list[dict[str, float]]
     return rows
 
 
-def start_members(base: Path, nodes: list[NodeProcess], size: int, profiled: Sequence[str] | None = None) -> str:
+def start_members(base: Path, nodes: list[NodeProcess], size: int, profiled: Sequence[str] | None = None,
+                  batch: int = 0) -> str:
     """An owner serving the tiny model and ``size - 1`` ``--client --member`` joiners, appended to
     ``nodes``, up and settled (every member lists every other one); returns the owner's invite.
-    ``profiled``: what Python runs for member m1 instead of ``-m meshllm`` (a profiler)."""
+    ``profiled``: what Python runs for member m1 instead of ``-m meshllm`` (a profiler). ``batch``: start
+    the joiners that many at a time, each batch once the one before is ready (0: all at once)."""
     model = write_tiny_llama(base / "tiny.gguf", seed=1)
     owner = NodeProcess(base / "m0", ["--model", str(model), "--threads", "1"], "m0")
     nodes.append(owner)
     token = owner.wait_ready(120)["invite"]
-    for i in range(1, size):
-        entry = profiled if profiled is not None and i == 1 else ("-m", "meshllm")
-        nodes.append(NodeProcess(base / f"m{i}", ["--client", "--member", "--join", token], f"m{i}", entry=entry))
-    for node in nodes:
-        node.wait_ready(120)
+    step = batch or size
+    for first in range(1, size, step):
+        for i in range(first, min(size, first + step)):
+            entry = profiled if profiled is not None and i == 1 else ("-m", "meshllm")
+            nodes.append(NodeProcess(base / f"m{i}", ["--client", "--member", "--join", token], f"m{i}", entry=entry))
+        for node in nodes:
+            node.wait_ready(120)
     wait_until(lambda: all(len(n.status()["peers"]) == size - 1 for n in nodes), 120)
     time.sleep(SETTLE_S)
     return token
 
 
-def measure(size: int, seconds: float) -> list[dict[str, float]]:
+def measure(size: int, seconds: float, batch: int = 0) -> list[dict[str, float]]:
     """Per member of an idle mesh of ``size``: CPU % of one core and bytes/s by stream kind."""
     with tempfile.TemporaryDirectory() as tmp, running_nodes() as nodes:
-        start_members(Path(tmp), nodes, size)
+        start_members(Path(tmp), nodes, size, batch=batch)
         return window(nodes, seconds)
 
 
@@ -99,12 +103,13 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[4, 10, 20])
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--window", type=float, default=30.0)
+    parser.add_argument("--batch", type=int, default=0, help="start joiners this many at a time (0: all at once)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "mesh_idle.json")
     args = parser.parse_args()
     rows: dict[int, list[dict[str, float]]] = {n: [] for n in args.sizes}
     for _ in range(args.runs):
         for size in args.sizes:
-            rows[size] += measure(size, args.window)
+            rows[size] += measure(size, args.window, args.batch)
     print(f"{'members':>7} {'CPU % median':>12} {'CPU % max':>9} {'gossip B/s median':>17} "
           f"{'all streams B/s median':>22}")
     result = []
