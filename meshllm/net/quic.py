@@ -223,18 +223,21 @@ class MeshQuicConnection(QuicConnection):
     def smoothed_rtt_ms(self) -> float | None:
         """QUIC's own smoothed RTT (RFC 9002: from the ACKs of everything we sent, the handshake included),
         in milliseconds; None before the first sample."""
-        loss = getattr(self, "_loss", None)
-        if loss is None or not hasattr(loss, "_rtt_smoothed") or not hasattr(loss, "_rtt_initialized"):
-            raise AioquicIncompatible("aioquic's QuicConnection has no _loss with a smoothed RTT")
+        loss = self._recovery()
         return loss._rtt_smoothed * 1000.0 if loss._rtt_initialized else None
 
     def min_rtt_ms(self) -> float | None:
         """The smallest RTT QUIC has measured on this connection (RFC 9002's min_rtt), in milliseconds: the
         path's round trip with no queueing or scheduling delay in it. None before the first sample."""
-        loss = getattr(self, "_loss", None)
-        if loss is None or not hasattr(loss, "_rtt_min") or not hasattr(loss, "_rtt_initialized"):
-            raise AioquicIncompatible("aioquic's QuicConnection has no _loss with a minimum RTT")
+        loss = self._recovery()
         return loss._rtt_min * 1000.0 if loss._rtt_initialized else None
+
+    def _recovery(self) -> Any:
+        """aioquic's loss recovery state, which holds the RTT estimates."""
+        loss = getattr(self, "_loss", None)
+        if loss is None or not all(hasattr(loss, a) for a in ("_rtt_initialized", "_rtt_smoothed", "_rtt_min")):
+            raise AioquicIncompatible("aioquic's QuicConnection has no _loss with RTT estimates")
+        return loss
 
     def piggyback_ack(self) -> None:
         """Make a pending (delayed) 1-RTT ACK due now, so the next packet we send carries it."""
