@@ -15,8 +15,9 @@ from attacker import Attacker
 from nodes import NodeProcess, wait_until
 
 from meshllm.errors import MeshllmError
+from meshllm.net.limits import STRIKES_TO_COOL_DOWN
 from meshllm.owner.commands import OwnerCommand, seal_command
-from meshllm.owner.relay import RATE_BURST, STREAM_KIND, Deliver, OwnerFrame, Undeliverable
+from meshllm.owner.relay import RATE_BURST, RATE_PER_S, STREAM_KIND, Deliver, OwnerFrame, Undeliverable
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -53,13 +54,16 @@ def test_junk_envelopes_are_refused_and_their_sender_cooled_down(pair: tuple[Nod
 
 def test_a_command_flood_is_cut_at_the_rate_limit(pair: tuple[NodeProcess, NodeProcess]) -> None:
     a, _ = pair
+    # The bucket refills while the flood arrives, so the flood outruns the burst by what a 5 s spread
+    # (a loaded host) refills, plus the strikes that cool a peer down.
+    flood = RATE_BURST + int(RATE_PER_S * 5) + STRIKES_TO_COOL_DOWN
 
     async def attack() -> list[object]:
         mallory = Attacker(a.ready["invite"])
         await mallory.start()
         conn = await mallory.connect(a.mesh_addr)
         frames = [Deliver(seal_command(mallory.key.signing_key, a.node_id, OwnerCommand(op="drain"), time.time()),
-                          a.node_id, 0, [], 5000) for _ in range(RATE_BURST + 6)]
+                          a.node_id, 0, [], 5000) for _ in range(flood)]
         answers = await asyncio.gather(*(send(conn, f) for f in frames))
         await mallory.stop()
         return list(answers)
