@@ -543,6 +543,7 @@ class Node:
             "nat": self._nat_status(),
             "route_tables": self.routes.status() if self.routes is not None else None,
             "passive": isinstance(self.mesh, PassiveMesh),
+            "local_health": self.mesh.detector.health if isinstance(self.mesh, MeshService) else None,
             "anchors": list(self.mesh.anchors) if isinstance(self.mesh, PassiveMesh) else [],
             "devices": [{"name": d.name, "description": d.description, "kind": d.kind,
                          "memory_free": d.memory_free, "memory_total": d.memory_total} for d in compute_devices()],

@@ -21,6 +21,18 @@ every 250 ms meanwhile, so a peer that was only slow gets four chances to answer
 hops, 3 at 1,000 nodes) in well under 1 s of WAN latency. The rest absorbs lost probes and loaded
 event loops.
 
+**Local health** (Lifeguard's answer to a slow prober, Dadgar et al. 2018). A node whose own event
+loop runs late (a loaded host) misses answers that did arrive, and a peer whose loop runs late answers
+late: on a shared host both at once, and every false suspicion then costs refutations and floods that
+load the host further, which is how a mesh of dozens of processes on two cores stayed in a flapping
+state it could not leave. So each detector keeps a score, :attr:`FailureDetector.health` (0 to
+:data:`~meshllm.mesh.messages.HEALTH_MAX`): up one for every tick that runs more than ``late_tick``
+past its time, down one for every direct ack that arrives in time. Every probe message carries it.
+Probing a peer, we stretch the ack, indirect and suspicion timeouts by ``1 + max(ours, the peer's last
+reported score)``, and our probe period by ``1 + ours``: an overloaded node probes less and accuses
+later, and an overloaded peer gets longer to answer. A healthy mesh (every score 0) keeps the timings
+below; a peer can buy itself at most 9x the time to be found dead by claiming the top score.
+
 The transport's own datagram liveness (3 missed probes 250 ms apart) comes in through
 :meth:`FailureDetector.suspect` and :meth:`FailureDetector.alive`.
 
@@ -32,11 +44,12 @@ another one with pings.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from meshllm.mesh.messages import Ack, MeshMessage, Ping, PingReq
+from meshllm.mesh.messages import HEALTH_MAX, Ack, MeshMessage, Ping, PingReq
 from meshllm.net.limits import RateLimit
 
 PROBES_PER_S = 10.0
@@ -61,6 +74,8 @@ class FailureConfig:
     recheck_interval: float = 0.25
     """A suspect is pinged this often until it answers or fails: a peer that was only slow gets four
     chances to clear itself within the suspicion timeout, not one."""
+    late_tick: float = 0.15
+    """A tick this far past its time says our own loop is overloaded (local health goes up one)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +145,12 @@ class FailureDetector:
         self._by_nonce: dict[int, str] = {}
         self._relays: dict[int, _Relay] = {}
         self._suspects: dict[str, float] = {}
+        """suspect -> when it fails unless heard from"""
+        self._peer_health: dict[str, int] = {}
+        self.health = 0
+        """Our local-health score (module docstring): 0 while our loop keeps time."""
+        self._due = math.inf
+        """When the last tick asked to run next (how late a tick runs is our loop's health)."""
         self._next_probe = now
         self._next_recheck = now
         self._rate: RateLimit[str] = RateLimit(PROBES_PER_S, PROBE_BURST)
@@ -143,15 +164,21 @@ class FailureDetector:
         soonest = self._next_probe
         for pending in self._pending.values():
             soonest = min(soonest, pending.deadline)
-        for since in self._suspects.values():
-            soonest = min(soonest, since + self.config.suspicion_timeout, self._next_recheck)
+        for deadline in self._suspects.values():
+            soonest = min(soonest, deadline, self._next_recheck)
         return soonest
+
+    def stretch(self, node: str) -> int:
+        """How many times its base timeouts a probe of ``node`` waits (1 while both ends are healthy)."""
+        return 1 + max(self.health, self._peer_health.get(node, 0))
 
     def tick(self, now: float, targets: Collection[str]) -> list[Probe | DetectorEvent]:
         """Advance timers; ``targets`` are the peers we hold connections to now."""
         out: list[Probe | DetectorEvent] = []
-        for node, since in sorted(self._suspects.items()):
-            if now >= since + self.config.suspicion_timeout:
+        if now - self._due > self.config.late_tick:
+            self.health = min(HEALTH_MAX, self.health + 1)
+        for node, deadline in sorted(self._suspects.items()):
+            if now >= deadline:
                 self.forget(node)
                 out.append(Failed(node))
         for node, pending in sorted(self._pending.items()):
@@ -164,10 +191,12 @@ class FailureDetector:
                 out += self._suspect(node, now)
         self._relays = {n: r for n, r in self._relays.items() if r.deadline > now}
         if now >= self._next_probe:
-            self._next_probe = now + max(self.config.probe_interval, len(targets) / self.config.probe_rate)
+            period = max(self.config.probe_interval, len(targets) / self.config.probe_rate)
+            self._next_probe = now + period * (1 + self.health)
+            self._peer_health = {n: h for n, h in self._peer_health.items() if n in targets}  # bounded
             for node in sorted(targets):
                 if node not in self._pending:
-                    out.append(Probe(node, Ping(self._start(node, now))))
+                    out.append(Probe(node, Ping(self._start(node, now), self.health)))
         if now >= self._next_recheck:
             self._next_recheck = now + self.config.recheck_interval
             for node in sorted(self._suspects):
@@ -175,7 +204,8 @@ class FailureDetector:
                     nonce = self._start(node, now)
                     pending = self._pending[node]  # a recheck: lasts until the next, and no answer only ends it
                     pending.indirect, pending.deadline = True, now + self.config.recheck_interval
-                    out.append(Probe(node, Ping(nonce)))
+                    out.append(Probe(node, Ping(nonce, self.health)))
+        self._rearm(now)
         return out
 
     def receive(self, source: str, message: MeshMessage, now: float) -> list[Probe | DetectorEvent | Overstep]:
@@ -184,7 +214,8 @@ class FailureDetector:
         if isinstance(message, Ping | PingReq) and not self._rate.allow(source, now):
             return [*out, Overstep(source, "more probes than the detector answers")]
         if isinstance(message, Ping):
-            out.append(Probe(source, Ack(message.nonce)))
+            self._peer_health[source] = message.health
+            out.append(Probe(source, Ack(message.nonce, self.health)))
         elif isinstance(message, PingReq):
             relayed = sum(1 for r in self._relays.values() if r.requester == source)
             if relayed >= RELAYS_PER_PEER or len(self._relays) >= RELAYS_MAX or message.target == source:
@@ -192,18 +223,23 @@ class FailureDetector:
             nonce = self._new_nonce()
             deadline = now + self.config.indirect_timeout
             self._relays[nonce] = _Relay(source, message.target, message.nonce, deadline)
-            out.append(Probe(message.target, Ping(nonce)))
+            out.append(Probe(message.target, Ping(nonce, self.health)))
         elif isinstance(message, Ack):
             # Nonces are random, but an Ack still counts only from whoever could honestly send it:
             # the pinged node itself, or a helper we asked to ping it for us.
             relay = self._relays.get(message.nonce)
             if relay is not None and source == relay.target:
                 del self._relays[message.nonce]
-                out.append(Probe(relay.requester, Ack(relay.nonce)))
+                self._peer_health[source] = message.health
+                out.append(Probe(relay.requester, Ack(relay.nonce, message.health)))
             target = self._by_nonce.get(message.nonce)
             pending = None if target is None else self._pending.get(target)
             if target is not None and pending is not None and (source == target or source in pending.helpers):
+                if not pending.indirect and now <= pending.deadline:
+                    self.health = max(0, self.health - 1)  # answered in time: our loop keeps up
+                self._peer_health[target] = message.health  # its own, or relayed by a helper
                 self._drop(target)
+                self._rearm(now)
                 out += self._heard(target)
         return out
 
@@ -220,11 +256,12 @@ class FailureDetector:
         """Drop all state about ``node`` (it was removed from the view)."""
         self._drop(node)
         self._suspects.pop(node, None)
+        self._peer_health.pop(node, None)
 
     def _suspect(self, node: str, now: float) -> list[Probe | DetectorEvent]:
         if node in self._suspects:
             return []
-        self._suspects[node] = now
+        self._suspects[node] = now + self.config.suspicion_timeout * self.stretch(node)
         return [Suspected(node)]
 
     def _heard(self, node: str) -> list[Probe | DetectorEvent]:
@@ -239,14 +276,18 @@ class FailureDetector:
         helpers = self._rng.sample(helpers, min(self.config.indirect_fanout, len(helpers)))
         pending.indirect = True
         pending.helpers = frozenset(helpers)
-        pending.deadline = now + self.config.indirect_timeout
+        pending.deadline = now + self.config.indirect_timeout * self.stretch(node)
         # A second direct ping too: one lost datagram should not be enough to suspect.
-        out: list[Probe | DetectorEvent] = [Probe(node, Ping(pending.nonce))]
+        out: list[Probe | DetectorEvent] = [Probe(node, Ping(pending.nonce, self.health))]
         return out + [Probe(h, PingReq(pending.nonce, node)) for h in helpers]
+
+    def _rearm(self, now: float) -> None:
+        """Note when the driver should tick next; a timer already past is due now, not late."""
+        self._due = max(now, self.next_timer())
 
     def _start(self, node: str, now: float) -> int:
         nonce = self._new_nonce()
-        self._pending[node] = _Pending(nonce, now + self.config.ack_timeout)
+        self._pending[node] = _Pending(nonce, now + self.config.ack_timeout * self.stretch(node))
         self._by_nonce[nonce] = node
         return nonce
 

@@ -96,16 +96,27 @@ class Revocations(msgspec.Struct, frozen=True, tag="revocations"):
                        msgspec.Meta(max_length=REVOCATIONS_PER_MESSAGE)]
 
 
+HEALTH_MAX = 8
+"""Highest local-health score a probe message may carry (mesh/failure.py: timeouts stretch up to 9x)."""
+Health = Annotated[int, msgspec.Meta(ge=0, le=HEALTH_MAX)]
+
+
 class Ping(msgspec.Struct, frozen=True, tag="ping"):
-    """Direct liveness probe; answered by an :class:`Ack` with the same nonce."""
+    """Direct liveness probe; answered by an :class:`Ack` with the same nonce.
+
+    ``health`` is the sender's local-health score (0: its loop keeps time): a peer that says it is
+    overloaded gets longer to answer before it is suspected.
+    """
 
     nonce: int
+    health: Health = 0
 
 
 class Ack(msgspec.Struct, frozen=True, tag="ack"):
-    """Answer to a :class:`Ping` (or, relayed, to a :class:`PingReq`)."""
+    """Answer to a :class:`Ping` (or, relayed, to a :class:`PingReq`: ``health`` is then the target's)."""
 
     nonce: int
+    health: Health = 0
 
 
 class PingReq(msgspec.Struct, frozen=True, tag="ping-req"):

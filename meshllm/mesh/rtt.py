@@ -57,17 +57,27 @@ def within_band(ms: float, held: float) -> bool:
     return held / RTT_HYSTERESIS <= ms <= held * RTT_HYSTERESIS
 
 
+ROW_FILL = 8
+"""Below this many published peers, a newly measured one is news: a young node's row fills at once."""
+
+
 def row_changed(published: Mapping[str, RttEntry], row: Mapping[str, RttEntry]) -> bool:
     """True when ``row`` differs enough from ``published`` to be worth a new record.
 
-    A change counts when a peer appears or disappears, the path kind changes, or an RTT leaves the
-    band around its published value (:func:`within_band`). Every record carries a row, and a mesh of
-    16 processes on one loaded host re-signed every record about once a second on jitter alone when
-    a 20 % move counted: each re-sign is pushed through the mesh, which loaded the host further.
+    A change counts when a published peer's path kind changes or its RTT leaves the band around the
+    published value (:func:`within_band`), or when a new peer appears while the published row has fewer
+    than :data:`ROW_FILL` entries. Every record carries a row, and each re-sign floods the mesh:
+
+    - 16 processes on one loaded host re-signed every record about once a second on jitter alone when
+      a 20 % move counted;
+    - in a mesh of 50, partial views rotate and connections come and go, and counting every peer that
+      joined or left the row re-signed some record 15 times a second. Past :data:`ROW_FILL` peers a row
+      already places its node; who else it measures waits for the periodic refresh.
     """
-    if published.keys() != row.keys():
+    if len(published) < ROW_FILL and row.keys() - published.keys():
         return True
-    return any(published[peer].path != new.path or not within_band(new.rtt_ms, published[peer].rtt_ms)
+    return any(peer in published and (published[peer].path != new.path
+                                      or not within_band(new.rtt_ms, published[peer].rtt_ms))
                for peer, new in row.items())
 
 

@@ -75,6 +75,11 @@ SEND_BYTES_IN_FLIGHT = 8 * 1024 * 1024
 repairs itself). Only a peer that lets a message sit past DRAIN_TIMEOUT_S gets a strike."""
 DIAL_TIMEOUT_S = 3.0
 BOOTSTRAP_DEADLINE_S = 15.0
+DIALS_IN_FLIGHT = 4
+"""Member dials at once (one while our local health is not 0)."""
+PRUNE_AFTER_S = 30.0
+"""A connection we dialed and no longer want is closed after this long unwanted (a rotation that comes
+back within it keeps the connection)."""
 RECORD_PATHS: dict[str, PathKind] = {"direct": "direct", "punched": "punched", "relayed": "relay"}
 """Connection path type -> the path kind published in our record's RTT row."""
 
@@ -132,6 +137,8 @@ class MeshService:
         self._dialing: dict[str, asyncio.Task[None]] = {}
         self._relay_dialing: dict[str, asyncio.Task[None]] = {}
         self._backoff: dict[str, tuple[Backoff, float]] = {}
+        self._unwanted: dict[str, float] = {}
+        """Peers we dialed and no longer want -> since when (closed after PRUNE_AFTER_S)."""
         self._relay_backoff: dict[str, tuple[Backoff, float]] = {}
         self._rebootstrap: tuple[Backoff, float, asyncio.Task[None] | None] = (Backoff(0.5, 2.0, 5.0), 0.0, None)
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -440,7 +447,15 @@ class MeshService:
         if self._stopping:
             return
         members = self.gossip.members()
-        for peer_id in self.gossip.desired_connections(now):
+        wanted = self.gossip.desired_connections(now)
+        self._prune_connections(wanted, now)
+        # A healthy node dials a few peers at once; one whose loop runs late (mesh/failure.py, local
+        # health) one at a time: a handshake costs milliseconds of CPU, and a loaded mesh of 50 spent
+        # more on redials than on anything else.
+        limit = DIALS_IN_FLIGHT if self.detector.health == 0 else 1
+        for peer_id in wanted:
+            if len(self._dialing) + len(self._relay_dialing) >= limit:
+                break
             record = members.get(peer_id)
             if peer_id in self.endpoint.peers or record is None:
                 continue
@@ -459,6 +474,27 @@ class MeshService:
             addrs = [*record.addresses.listen, *record.addresses.observed]
             self._dialing[peer_id] = asyncio.create_task(self._dial_member(peer_id, addrs))
         self._maybe_rebootstrap(now)
+
+    def _prune_connections(self, wanted: set[str], now: float) -> None:
+        """Close connections we dialed that our partial view rotated away from, once idle a while.
+
+        Without this, every rotation (a new peer each 30 s) and every indirect probe left one more
+        connection that gossip rounds kept from idling out: in a mesh of 50 every member ended up
+        connected to all 49 others, and each connection costs timers and packets. The dialer closes
+        (the acceptor cannot tell whether the dialer still wants it); one that carries work (a request,
+        a lane, a fetch, a relay circuit) stays, and a peer that still wants us dials again.
+        """
+        assert self.endpoint is not None
+        for peer_id, conn in list(self.endpoint.peers.items()):
+            if peer_id in wanted or not conn.dialer or conn.carries_work():
+                self._unwanted.pop(peer_id, None)
+                continue
+            since = self._unwanted.setdefault(peer_id, now)
+            if now - since >= PRUNE_AFTER_S:
+                del self._unwanted[peer_id]
+                conn.close("rotated out of the partial view")
+        for gone in self._unwanted.keys() - self.endpoint.peers.keys():
+            del self._unwanted[gone]
 
     def _maybe_rebootstrap(self, now: float) -> None:
         """Cut off from every peer (say our only relay died): redial the bootstrap members."""

@@ -534,7 +534,7 @@ class PeerConnection:
         nothing, and the first stream of work starts the probes again at once."""
         options = self.endpoint.options
         while self.close_reason is None:
-            busy = probes.state is Liveness.SUSPECT or self._carries_work()
+            busy = probes.state is Liveness.SUSPECT or self.carries_work()
             interval = options.probe_interval if busy else options.idle_probe_interval
             self._work.clear()
             self._probing = interval is not None
@@ -553,7 +553,8 @@ class PeerConnection:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._work.wait(), delay)
 
-    def _carries_work(self) -> bool:
+    def carries_work(self) -> bool:
+        """Whether a stream of a kind that is not quiet (``EndpointOptions.quiet_kinds``) is open."""
         quiet = self.endpoint.options.quiet_kinds
         return any(s.kind is not None and s.kind not in quiet for s in self._streams.values())
 

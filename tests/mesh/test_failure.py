@@ -5,11 +5,12 @@ from __future__ import annotations
 import itertools
 import random
 
+import pytest
 from sim import SimNet
 
 from meshllm.mesh import view
 from meshllm.mesh.failure import Failed, FailureDetector, Overstep, Probe, Recovered, Suspected
-from meshllm.mesh.messages import Ack, Ping, PingReq
+from meshllm.mesh.messages import HEALTH_MAX, Ack, Ping, PingReq
 
 PEERS = ["p1", "p2", "p3", "p4"]
 
@@ -206,3 +207,75 @@ def test_a_suspect_is_rechecked_until_it_answers() -> None:
     assert len(rechecks) >= 3
     assert fd.receive("p1", Ack(rechecks[-1]), now) == [Recovered("p1")]
     assert fd.suspects == frozenset()
+
+
+
+def run(fd: FailureDetector, start: float, end: float, silent: str) -> list:
+    """Tick on time (as a driver whose loop keeps up does) from ``start`` to ``end``; every peer but
+    ``silent`` answers each ping at once. Returns everything the detector put out."""
+    out: list = []
+    now = start
+    while True:
+        now = min(end, max(now + 1e-3, fd.next_timer()))
+        ticked = fd.tick(now, PEERS)
+        out += ticked
+        for peer, nonce in pings(ticked).items():
+            if peer != silent:
+                fd.receive(peer, Ack(nonce), now)
+        if now >= end:
+            return out
+
+
+def test_late_ticks_raise_local_health_and_stretch_our_timeouts() -> None:
+    """Lifeguard's local health: a tick that runs late says our loop is overloaded, so we probe less often
+    and wait longer before suspecting; answers that arrive in time bring the score back down."""
+    fd = detector()
+    run(fd, 0.0, 3.0, "")
+    assert fd.health == 0 and fd.stretch("p1") == 1
+    late = fd.next_timer() + 0.5
+    out = fd.tick(late, PEERS)  # the probe round, half a second late
+    sent = pings(out)
+    assert fd.health == 1 and fd.stretch("p1") == 2 and set(sent) == set(PEERS)
+    assert all(o.message.health == 1 for o in out if isinstance(o, Probe))
+    assert fd.next_timer() == pytest.approx(late + 2 * fd.config.ack_timeout)  # the ack timeout doubled
+    for peer, nonce in sent.items():
+        fd.receive(peer, Ack(nonce), late + 0.1)
+    assert fd.health == 0  # answered in time: healthy again
+    assert fd.next_timer() == pytest.approx(late + 2 * fd.config.probe_interval)  # the period, set late, too
+
+
+def test_health_is_bounded() -> None:
+    fd = detector()
+    now = 0.0
+    for _ in range(20):
+        fd.tick(now, [])
+        now = fd.next_timer() + 1.0  # every tick a second late
+    assert fd.health == HEALTH_MAX
+    start = fd.next_timer()
+    fd.tick(start, PEERS)
+    assert fd.next_timer() == pytest.approx(start + fd.config.ack_timeout * (1 + HEALTH_MAX))
+
+
+def test_a_peer_that_says_it_is_overloaded_gets_longer_to_answer() -> None:
+    """A peer's health comes with its pings and acks; probing it, we wait 1 + its score times as long
+    for each step: the ack, the indirect probe, the suspicion."""
+    fd = detector()
+    assert fd.receive("p1", Ping(5, health=3), 0.0) == [Probe("p1", Ack(5, 0))]
+    assert fd.stretch("p1") == 4 and fd.stretch("p2") == 1
+    cfg = fd.config
+    indirect_at = 4 * cfg.ack_timeout
+    assert "p1" not in helpers_of(run(fd, 0.0, indirect_at - 0.01, "p1"))
+    assert "p1" in helpers_of(run(fd, indirect_at - 0.01, indirect_at + 0.01, "p1"))
+    suspected_at = indirect_at + 4 * cfg.indirect_timeout
+    assert Suspected("p1") not in run(fd, indirect_at + 0.01, suspected_at - 0.01, "p1")
+    assert Suspected("p1") in run(fd, suspected_at - 0.01, suspected_at + 0.01, "p1")
+    failed_at = suspected_at + 4 * cfg.suspicion_timeout
+    assert Failed("p1") not in run(fd, suspected_at + 0.01, failed_at - 0.01, "p1")
+    assert Failed("p1") in run(fd, failed_at - 0.01, failed_at + 0.01, "p1")
+    assert fd.health == 0 and fd.stretch("p1") == 1  # forgotten with the peer
+
+
+def test_relayed_acks_carry_the_targets_health() -> None:
+    fd = detector()
+    (probe,) = fd.receive("asker", PingReq(77, "target"), 0.0)
+    assert fd.receive("target", Ack(probe.message.nonce, health=5), 0.1) == [Probe("asker", Ack(77, 5))]

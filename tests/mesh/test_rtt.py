@@ -30,9 +30,20 @@ def test_row_changed_ignores_jitter() -> None:
     assert rtt.row_changed(base, {"a": RttEntry(210.0, "direct")})
     assert rtt.row_changed(base, {"a": RttEntry(12.0, "direct")})
     assert rtt.row_changed(base, {"a": RttEntry(50.0, "relay")})
-    assert rtt.row_changed(base, {})
+    assert not rtt.row_changed(base, {})  # a peer leaving the row waits for the refresh
     assert not rtt.row_changed({"a": RttEntry(0.4, "direct")}, {"a": RttEntry(25.0, "direct")})
     assert rtt.row_changed({"a": RttEntry(0.4, "direct")}, {"a": RttEntry(45.0, "direct")})
+
+
+def test_new_peers_count_only_while_the_row_fills() -> None:
+    """A young node publishes each new peer at once; past ROW_FILL peers, rotation and connection churn
+    wait for the 30 s refresh (counting them re-signed some record of a 50-node mesh 15 times a second)."""
+    young = {f"p{i}": RttEntry(20.0, "direct") for i in range(rtt.ROW_FILL - 1)}
+    assert rtt.row_changed(young, {**young, "new": RttEntry(20.0, "direct")})
+    full = {f"p{i}": RttEntry(20.0, "direct") for i in range(rtt.ROW_FILL)}
+    assert not rtt.row_changed(full, {**full, "new": RttEntry(20.0, "direct")})
+    assert not rtt.row_changed(full, {k: v for k, v in full.items() if k != "p0"})
+    assert rtt.row_changed(full, {**full, "p0": RttEntry(200.0, "direct")})  # a published peer moved
 
 
 def test_matrix_is_the_union_of_rows_with_symmetric_fill() -> None:

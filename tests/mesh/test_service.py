@@ -18,6 +18,7 @@ from meshllm.identity.ids import node_id
 from meshllm.identity.keys import NodeKey
 from meshllm.identity.signing import sign
 from meshllm.identity.trust import TrustPolicy, TrustStore
+from meshllm.mesh import service as service_module
 from meshllm.mesh.admission import MeshKey, encode_token, inspect_token, joining_credential, with_grant
 from meshllm.mesh.membership import Membership, join_mesh, own_mesh
 from meshllm.mesh.messages import Ack, Digest, Exchange, Ping, Summary, decode_message, encode_message
@@ -436,5 +437,46 @@ def test_a_member_comes_back_after_its_invite_expired_with_its_saved_credential(
         with pytest.raises(AdmissionRefused, match="expired"):
             await late.start()
         await late.stop(graceful=False)
+
+    run(body)
+
+
+def test_a_connection_the_dialer_no_longer_wants_is_closed_once_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rotated out of the dialer's partial view and carrying no work: the dialer closes it (the acceptor
+    never does: it cannot tell whether the dialer still wants it). Pruning is not leaving: both views
+    keep each other. Without this, gossip rounds kept every connection ever made alive."""
+    monkeypatch.setattr(service_module, "PRUNE_AFTER_S", 0.3)
+
+    async def body(h: Harness) -> None:
+        key = NodeKey.ephemeral()
+        joiner = h.service(key, join_mesh(key.signing_key, h.token(), time.time()), "joiner")
+        h.extra.append(joiner)
+        await joiner.start()
+        assert joiner.gossip is not None and h.owner.gossip is not None
+        assert joiner.endpoint is not None and h.owner.endpoint is not None
+        await until(lambda: key.node_id in h.owner.gossip.members()  # type: ignore[union-attr]
+                    and h.owner_key.node_id in joiner.gossip.members())  # type: ignore[union-attr]
+        conn = joiner.endpoint.peers[h.owner_key.node_id]
+        assert conn.dialer
+        h.owner.gossip.desired_connections = lambda now: set()  # type: ignore[method-assign]
+        await asyncio.sleep(0.8)
+        assert conn.close_reason is None  # the acceptor keeps what the dialer wanted
+
+        done = asyncio.Event()
+
+        async def hold(stream: Any, _conn: Any) -> None:
+            await done.wait()
+
+        h.owner.endpoint.on_stream("work", hold)
+        stream = await conn.open_stream("work")
+        await stream.send(b"x")
+        joiner.gossip.desired_connections = lambda now: set()  # type: ignore[method-assign]
+        await asyncio.sleep(0.8)
+        assert conn.close_reason is None  # a stream of work keeps it
+        done.set()
+        stream.close()
+        await until(lambda: conn.close_reason is not None)
+        assert "rotated out" in conn.close_reason
+        assert h.owner_key.node_id in joiner.gossip.members() and key.node_id in h.owner.gossip.members()
 
     run(body)
