@@ -84,13 +84,19 @@ def gossip_bytes(node: NodeProcess) -> float:
                                                        text, re.M))
 
 
-def view_of(node: NodeProcess) -> set[str] | None:
-    """The members ``node`` lists as live (None: it did not answer in time, so not converged yet)."""
+def states_of(node: NodeProcess) -> dict[str, str] | None:
+    """Each member ``node`` lists -> its state there (None: it did not answer in time)."""
     try:
         peers = node.status(timeout=30)["peers"]
     except httpx.HTTPError:
         return None
-    return {p["node_id"] for p in peers if p["state"] in ("alive", "suspect")}
+    return {p["node_id"]: p["state"] for p in peers}
+
+
+def view_of(node: NodeProcess) -> set[str] | None:
+    """The members ``node`` lists as live (None: it did not answer in time, so not converged yet)."""
+    states = states_of(node)
+    return None if states is None else {n for n, state in states.items() if state in ("alive", "suspect")}
 
 
 def _without_bootstrap(args: list[str]) -> list[str]:
@@ -109,25 +115,29 @@ def _without_bootstrap(args: list[str]) -> list[str]:
 
 def converged(members: list[Member], live: Any, timeout: float) -> float:
     """Seconds until every member lists exactly the other live members; on timeout, an AssertionError
-    naming whose view differed and how (the last sweep)."""
+    naming every view that differed and how (a missing member's state there: down, left, or absent)."""
     differs: list[str] = []
 
-    def sweep() -> bool:
+    def sweep(every: bool = False) -> bool:
         names = {m.proc.node_id: m.name for m in members if m.proc is not None}
         differs.clear()
         for m in members:
             assert m.proc is not None
-            want, seen = live() - {m.proc.node_id}, view_of(m.proc)
-            if seen != want:
-                differs.append(f"{m.name}: " + ("no answer" if seen is None else
-                               f"missing {sorted(names.get(n, n[:8]) for n in want - seen)}, "
-                               f"extra {sorted(names.get(n, n[:8]) for n in seen - want)}"))
+            states = states_of(m.proc)
+            want = live() - {m.proc.node_id}
+            if states is None:
+                differs.append(f"{m.name}: no answer")
+            elif (seen := {n for n, s in states.items() if s in ("alive", "suspect")}) != want:
+                missing = sorted(f"{names.get(n, n[:8])} ({states.get(n, 'absent')})" for n in want - seen)
+                differs.append(f"{m.name}: missing {missing}, extra {sorted(names.get(n, n[:8]) for n in seen - want)}")
+            if differs and not every:
                 return False
-        return True
+        return not differs
 
     try:
         return wait_until(sweep, timeout, 0.2)
     except AssertionError:
+        sweep(every=True)
         raise AssertionError(f"views did not converge within {timeout} s: {'; '.join(differs)}") from None
 
 
