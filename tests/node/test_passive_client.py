@@ -12,6 +12,8 @@ import pytest
 from nodes import NodeProcess, running_nodes, sees, wait_until
 from tinymodels import write_tiny_llama
 
+from meshllm.mesh.messages import HEALTH_MAX
+
 pytestmark = pytest.mark.timeout(180)
 
 MODEL = "tiny"
@@ -91,7 +93,10 @@ def test_a_passive_client_takes_an_invite_use_and_comes_back_on_its_credential(t
         first = NodeProcess(tmp_path / "p1", ["--client", "--join", token], "p1")
         nodes.append(first)
         first.wait_ready()
-        assert first.status()["passive"] and first.status()["anchors"] == [owner.node_id]
+        status = first.status()
+        assert status["passive"] and status["anchors"] == [owner.node_id]
+        assert status["local_health"] is None  # no failure detector: it probes nobody
+        assert 0 <= owner.status()["local_health"] <= HEALTH_MAX
         refused = meshllm("join", token, "--client", "--home", str(tmp_path / "p2"), "--port", "0",
                           "--mesh-port", "0", "--mesh-host", "127.0.0.1")
         assert refused.returncode == 1 and "already used" in refused.stderr, refused.stderr
