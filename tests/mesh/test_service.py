@@ -448,14 +448,10 @@ def test_a_connection_the_dialer_no_longer_wants_is_closed_once_idle(monkeypatch
     monkeypatch.setattr(service_module, "PRUNE_AFTER_S", 0.3)
 
     async def body(h: Harness) -> None:
-        key = NodeKey.ephemeral()
-        joiner = h.service(key, join_mesh(key.signing_key, h.token(), time.time()), "joiner")
-        h.extra.append(joiner)
-        await joiner.start()
+        joiner, key = await joined(h, "joiner")
         assert joiner.gossip is not None and h.owner.gossip is not None
         assert joiner.endpoint is not None and h.owner.endpoint is not None
-        await until(lambda: key.node_id in h.owner.gossip.members()  # type: ignore[union-attr]
-                    and h.owner_key.node_id in joiner.gossip.members())  # type: ignore[union-attr]
+        await until(lambda: key.node_id in h.owner.gossip.members())  # type: ignore[union-attr]
         conn = joiner.endpoint.peers[h.owner_key.node_id]
         assert conn.dialer
         h.owner.gossip.desired_connections = lambda now: set()  # type: ignore[method-assign]
