@@ -193,7 +193,8 @@ class FailureDetector:
         if now >= self._next_probe:
             period = max(self.config.probe_interval, len(targets) / self.config.probe_rate)
             self._next_probe = now + period * (1 + self.health)
-            self._peer_health = {n: h for n, h in self._peer_health.items() if n in targets}  # bounded
+            watched = set(targets)
+            self._peer_health = {n: h for n, h in self._peer_health.items() if n in watched}  # bounded
             for node in sorted(targets):
                 if node not in self._pending:
                     out.append(Probe(node, Ping(self._start(node, now), self.health)))

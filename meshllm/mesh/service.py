@@ -484,16 +484,17 @@ class MeshService:
         (the acceptor cannot tell whether the dialer still wants it); one that carries work (a request,
         a lane, a fetch, a relay circuit) stays, and a peer that still wants us dials again.
         """
-        assert self.endpoint is not None
-        for peer_id, conn in list(self.endpoint.peers.items()):
-            if peer_id in wanted or not conn.dialer or conn.carries_work():
+        assert self.endpoint is not None and self.gossip is not None
+        for peer_id in list(self.gossip.connected):  # members only: passive clients' connections are theirs
+            conn = self.endpoint.peers.get(peer_id)
+            if conn is None or peer_id in wanted or not conn.dialer or conn.carries_work():
                 self._unwanted.pop(peer_id, None)
                 continue
             since = self._unwanted.setdefault(peer_id, now)
             if now - since >= PRUNE_AFTER_S:
                 del self._unwanted[peer_id]
                 conn.close("rotated out of the partial view")
-        for gone in self._unwanted.keys() - self.endpoint.peers.keys():
+        for gone in self._unwanted.keys() - self.gossip.connected:
             del self._unwanted[gone]
 
     def _maybe_rebootstrap(self, now: float) -> None:
