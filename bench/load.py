@@ -10,7 +10,10 @@ between the nodes so a noisy moment on this shared host hits both alike.
 ``split``: the same table for a 2-stage split of the model: per ``--split-batch`` value (1: one
 session's step at a time; 8: the steps of up to 8 sessions in one pass) a coordinator node
 (``--split force --stages 2``) and a worker node of its own, all started through the CLI; rounds
-alternate between the two chains.
+alternate between the two chains. The nodes get the ``--max-memory`` that leaves one chain to
+choose (``--shape``): by default the even split (left ``free``, the planner gives all layers but one
+to the node that measured faster, which differs from one start to the next on a busy host);
+``first-heavy`` puts all but one on the coordinator.
 
 ``mesh``: the sustained mesh test: 32 streaming clients over three nodes (two serve, one
 ``--client`` routes) for ``--duration`` seconds; every request ends ``completed``, ``failed`` (a
@@ -23,6 +26,7 @@ ceiling of batching on a CPU: a lone row is bandwidth-bound, a batch compute-bou
 
     .venv/bin/python bench/load.py [--model default|tiny] [--streams 1,2,4,8] [--parallel 1,8] [--requests 3]
     .venv/bin/python bench/load.py --mode split [--model default|tiny] [--streams 1,2,4,8] [--split-batch 1,8]
+        [--shape even|first-heavy|free]
     .venv/bin/python bench/load.py --mode mesh [--clients 32] [--duration 60] [--model tiny]
     .venv/bin/python bench/load.py --mode steps [--runs 4]
 """
@@ -51,6 +55,7 @@ from nodes import NodeProcess, running_nodes, wait_until
 from tinymodels import write_tiny_llama
 
 from meshllm.models import resolve_model
+from meshllm.split.placement import SplitOptions, model_profile
 
 REQUEST_DEADLINE_S = 300.0
 
@@ -179,24 +184,36 @@ def bench_slots(args: argparse.Namespace, spec: str, model: str, tmp: Path) -> d
 
 # ---- split: a 2-stage chain batching its sessions vs one session at a time ----------------
 
-def bench_split(args: argparse.Namespace, spec: str, model: str, tmp: Path) -> dict[str, object]:
-    """Per ``--split-batch`` value a coordinator (``--split force --stages 2``) and a worker of its own.
+def shape_memory(spec: str, shape: str) -> tuple[float | None, float | None]:
+    """``--max-memory`` GiB of the coordinator and of the worker (None: uncapped) that leave one 2-stage
+    chain of ``spec``'s model (at the planner's default context) to choose: ``even`` holds half the
+    layers on each, ``first-heavy`` all but one on the coordinator. Half a layer to spare, so that
+    the stage with the larger ends still fits and neither fits one more."""
+    if shape == "free":
+        return None, None
+    profile = model_profile(resolve_model(spec, progress=False).path, SplitOptions().context)
+    ends = max(profile.ends_bytes(True, False), profile.ends_bytes(False, True))
+    if shape == "first-heavy":
+        return None, (ends + 1.5 * profile.layer_bytes) / 2**30
+    even = (ends + (-(-profile.n_layers // 2) + 0.5) * profile.layer_bytes) / 2**30
+    return even, even
 
-    Every node gets ``--max-memory`` (default 0.27 GiB): on the default model only the even split
-    [0, 9) + [9, 18) fits it, so both chains are alike (left free, the planner splits by the nodes'
-    measured speed, which differs from one start to the next on a busy host).
-    """
-    cap = ["--max-memory", str(args.max_memory)] if args.max_memory else []
+
+def bench_split(args: argparse.Namespace, spec: str, model: str, tmp: Path) -> dict[str, object]:
+    """Per ``--split-batch`` value a coordinator (``--split force --stages 2``) and a worker of its own,
+    capped to the chain ``--shape`` names (:func:`shape_memory`)."""
+    first, rest = shape_memory(spec, args.shape)
+    caps = [["--max-memory", f"{gib:.6f}"] if gib else [] for gib in (first, rest)]
     with running_nodes() as nodes:
         coords = {}
         for batch in args.split_batch:
             coord = NodeProcess(tmp / f"b{batch}", ["--model", spec, "--split", "force", "--stages", "2",
                                                     "--split-batch", str(batch), "--speculate", "off",
-                                                    "--threads", str(args.threads), *cap], f"b{batch}")
+                                                    "--threads", str(args.threads), *caps[0]], f"b{batch}")
             nodes.append(coord)
             token = coord.wait_ready(120)["invite"]
             nodes.append(NodeProcess(tmp / f"w{batch}", ["--worker", "--join", token, "--threads",
-                                                         str(args.threads), *cap], f"w{batch}"))
+                                                         str(args.threads), *caps[1]], f"w{batch}"))
             coords[batch] = coord
         chains = {}
         for batch, coord in coords.items():
@@ -329,8 +346,8 @@ def main() -> None:
     parser.add_argument("--parallel", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
     parser.add_argument("--split-batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8],
                         help="split: --split-batch of each chain")
-    parser.add_argument("--max-memory", type=float, default=0.27,
-                        help="split: --max-memory of every node (GiB; 0: none)")
+    parser.add_argument("--shape", choices=["even", "first-heavy", "free"], default="even",
+                        help="split: the chain the nodes' --max-memory leaves (free: the planner's choice)")
     parser.add_argument("--requests", type=int, default=3, help="slots, split: requests per stream")
     parser.add_argument("--threads", type=int, default=1, help="slots, split: threads per node")
     parser.add_argument("--clients", type=int, default=32, help="mesh: streaming clients")

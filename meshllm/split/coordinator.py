@@ -584,8 +584,8 @@ class _Batcher:
             if not isinstance(exc, Exception):
                 raise
         finally:
-            self.plan.finished(p)
             del self._sending[p.id]
+            self._launch(self.plan.finished(p, self._now()))
 
     async def _compute_and_send(self, p: Pass[_Run]) -> None:
         first = self.c.first
@@ -607,6 +607,7 @@ class _Batcher:
             return outs, time.perf_counter() - started
 
         outs, first_s = await self.c._compute.run("first", len(group) == 1 and len(group[0].ids) == 1, compute)
+        self._launch(self.plan.computed(p, self._now()))  # (the next pass computes while this one is sent)
         lanes: dict[int, list[tuple[int, Decode | Verify]]] = {}  # (a lane replaced meanwhile: its own frame)
         for i, (r, x) in enumerate(zip(group, outs, strict=True)):
             waiting = self._waiting.get(r.session)

@@ -111,12 +111,15 @@ class PassSchedule(Generic[K]):
     The decoding sessions are spread over one pass in flight per stage of the chain, each of up to
     ``batch`` sessions: while stage 1 computes one pass the coordinator computes the next, so every
     stage has work and each shares its weight reads among the pass's rows. A pass leaves as soon as
-    it is full; otherwise when a stage would be idle and nobody is about to join (the sessions not in
-    flight are all ready), or after :data:`GATHER_S` for sessions whose clients are still reading
-    their tokens. When every stage already has a pass, a session that becomes ready (its prefill just
-    ended) waits for one to come back, at most about two passes (never beyond ``max_wait``), and
-    joins it: staggered sessions merge instead of each running alone. Sessions still prefilling are
-    not waited for. A session that finishes, is cancelled or fails leaves at once (:meth:`leave`).
+    it is full, when a stage would be idle and nobody is about to join (the sessions not in flight are
+    all ready), or after :data:`GATHER_S` for sessions whose clients are still reading their tokens;
+    but never while the coordinator still computes the previous one's first-stage rows: it would only
+    wait for them, so the steps ready meanwhile gather and go together once they are computed (and a
+    prompt chunk queued for the coordinator's device runs between two passes instead of after all).
+    When every stage already has a pass, a session that becomes ready (its prefill just ended) waits
+    for one to come back, at most about two passes (never beyond ``max_wait``), and joins it:
+    staggered sessions merge instead of each running alone. Sessions still prefilling are not
+    waited for. A session that finishes, is cancelled or fails leaves at once (:meth:`leave`).
     """
 
     stages: int
@@ -131,6 +134,8 @@ class PassSchedule(Generic[K]):
     ready: list[Ready[K]] = field(default_factory=list)
     sending: dict[K, int] = field(default_factory=dict)
     """Sessions whose step is in a pass being computed or sent, with that pass."""
+    computing: int | None = None
+    """The pass whose first-stage rows the coordinator is computing (or is about to)."""
     wake_at: float | None = None
     """When the driver must call :meth:`wake` (None: nothing waits on time)."""
     passes: int = 0
@@ -166,7 +171,7 @@ class PassSchedule(Generic[K]):
     def wake(self, now: float) -> list[Pass[K]]:
         """The instant in :attr:`wake_at` came: the sessions gathered so far go."""
         self.wake_at = None
-        return self._launch(len(self.ready)) if self.ready else []
+        return self._launch(len(self.ready)) if self.ready and self.computing is None else []
 
     def sent(self, p: Pass[K], sessions: list[K], rows: int) -> int:
         """``p`` went down the chain with the steps of ``sessions`` (those still live, whose lane took it)
@@ -182,33 +187,44 @@ class PassSchedule(Generic[K]):
                 self.in_flight[session] = p.id
         return rows + ahead
 
-    def finished(self, p: Pass[K]) -> None:
-        """``p``'s computing and sending ended (however): releases waiting for it may go."""
+    def computed(self, p: Pass[K], now: float) -> list[Pass[K]]:
+        """``p``'s first-stage rows are computed (its frames go next): the steps that gathered behind it
+        may go; the passes to launch now."""
+        if self.computing == p.id:
+            self.computing = None
+        return self._launches(now)
+
+    def finished(self, p: Pass[K], now: float) -> list[Pass[K]]:
+        """``p``'s computing and sending ended (however): releases waiting for it may go, and so may the
+        steps that gathered behind it if it ended before :meth:`computed`; the passes to launch now."""
         for step in p.steps:
             if self.sending.get(step.session) == p.id:
                 del self.sending[step.session]
+        return self.computed(p, now)
 
     # -- policy ------------------------------------------------------------------------------------------
 
     def _launches(self, now: float) -> list[Pass[K]]:
+        if not self.ready or self.computing is not None:
+            # the coordinator computes one pass at a time: one launched while it computes another would
+            # only queue behind it (and, with a heavy first stage, keep a prompt chunk waiting for the
+            # device), so the steps ready meanwhile gather, and :meth:`computed` launches them
+            self.wake_at = None
+            return []
         # one pass in flight per stage keeps every stage busy; each pass holds up to ``batch`` sessions
         cap = max(1, min(self.batch, -(-len(self.decoding) // self.stages)))
-        out = []
-        while len(self.ready) >= cap:
-            out += self._launch(cap)
-        passes = len(set(self.in_flight.values()))
-        serving = len(self.decoding) - len(self.in_flight) - len(self.ready)
-        if not self.ready:
-            self.wake_at = None
-        elif passes < self.stages and serving <= 0:
-            out += self._launch(len(self.ready))  # nobody else is about to join: a stage is idle, start it
-        else:
-            # wait for a pass in flight to come back and merge with it (about a pass), or briefly for
-            # the sessions whose clients are still reading their tokens
-            wait = min(max(GATHER_S, 2 * self.step_s), self.max_wait) if passes >= self.stages else GATHER_S
-            if self.wake_at is None or now + wait < self.wake_at:  # (never postponed)
-                self.wake_at = now + wait
-        return out
+        if len(self.ready) >= cap:
+            return self._launch(cap)
+        passes = len({*self.in_flight.values(), *self.sending.values()})  # (one being sent is about to be)
+        serving = len(self.decoding - self.in_flight.keys() - self.sending.keys() - {r.session for r in self.ready})
+        if passes < self.stages and serving <= 0:
+            return self._launch(len(self.ready))  # nobody else is about to join: a stage is idle, start it
+        # wait for a pass in flight to come back and merge with it (about a pass), or briefly for the
+        # sessions whose clients are still reading their tokens
+        wait = min(max(GATHER_S, 2 * self.step_s), self.max_wait) if passes >= self.stages else GATHER_S
+        if self.wake_at is None or now + wait < self.wake_at:  # (never postponed)
+            self.wake_at = now + wait
+        return []
 
     def _launch(self, n: int) -> list[Pass[K]]:
         group, self.ready = self.ready[:n], self.ready[n:]
@@ -216,6 +232,7 @@ class PassSchedule(Generic[K]):
             self.wake_at = None
         self._ids += 1
         p = Pass(self._ids, group)
+        self.computing = p.id
         for step in group:
             self.sending[step.session] = p.id
         return [p]

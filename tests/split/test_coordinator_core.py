@@ -30,8 +30,10 @@ def test_sessions_ready_together_share_a_pass_up_to_the_batch() -> None:
     out = []
     for sid in "abcd":
         out += plan.queue(ready(sid), now=0.0)
-    assert sessions(out) == [["a", "b", "c"]] and plan.wake_at == pytest.approx(GATHER_S)
-    assert sessions(plan.wake(GATHER_S)) == [["d"]]  # the gather ended: whoever is ready goes
+    assert sessions(out) == [["a", "b", "c"]] and plan.wake_at is None  # d gathers behind that pass
+    assert plan.sent(out[0], ["a", "b", "c"], 3) == 3 and plan.finished(out[0], now=0.001) == []
+    assert plan.wake_at == pytest.approx(0.001 + GATHER_S)  # once it is on its way, d waits briefly
+    assert sessions(plan.wake(0.001 + GATHER_S)) == [["d"]]  # the gather ended: whoever is ready goes
 
 
 def test_decoding_sessions_spread_over_one_pass_per_stage() -> None:
@@ -40,15 +42,17 @@ def test_decoding_sessions_spread_over_one_pass_per_stage() -> None:
     out = []
     for sid in "abcd":
         out += plan.queue(ready(sid), now=0.0)
-    assert sessions(out) == [["a", "b"], ["c", "d"]]  # while stage 1 computes one, the coordinator the other
+    assert sessions(out) == [["a", "b"]]  # c and d gather while the coordinator computes a and b
+    plan.sent(out[0], ["a", "b"], 2)
+    assert sessions(plan.finished(out[0], now=0.001)) == [["c", "d"]]  # while stage 1 computes one, the other
 
 
 def test_a_session_ready_while_every_stage_is_busy_waits_to_merge_but_never_past_the_limit() -> None:
     plan: PassSchedule[str] = PassSchedule(stages=2, batch=8, max_wait=0.05, step_s=0.01)
-    first = plan.queue(ready("a"), now=0.0) + plan.queue(ready("b"), now=0.0)
-    for p in first:
-        plan.sent(p, [r.session for r in p.steps], 1)
-        plan.finished(p)
+    for sid in "ab":
+        (p,) = plan.queue(ready(sid), now=0.0)
+        plan.sent(p, [sid], 1)
+        plan.finished(p, now=0.0)
     assert plan.queue(ready("c"), now=1.0) == [] and plan.wake_at == pytest.approx(1.02)  # about two passes
     plan.step_s = 1.0
     assert plan.returned("x", now=1.0) == [] and plan.wake_at == pytest.approx(1.02)  # never postponed
@@ -59,12 +63,35 @@ def test_a_session_ready_while_every_stage_is_busy_waits_to_merge_but_never_past
     assert sessions(plan.queue(ready("a", pos=6), now=2.011)) == [["c", "a"]]  # and merges with c
 
 
+def test_steps_ready_while_the_first_stage_computes_gather_behind_its_pass() -> None:
+    # a chain whose first stage is its heavy one ([0, 29) + [29, 30)): a pass launched while the
+    # coordinator computes another would only queue behind it, so the sessions returning meanwhile
+    # gather (no lone pass, no timer) and go as one pass once it is on its way
+    plan: PassSchedule[str] = PassSchedule(stages=2, batch=8, max_wait=1.0, step_s=0.05)
+    plan.decoding |= {"a", "b", "c", "d", "e", "f"}
+    (p1,) = [p for sid in "abcdef" for p in plan.queue(ready(sid), now=0.0)]
+    assert sessions([p1]) == [["a", "b", "c"]] and plan.wake_at is None
+    (p2,) = plan.computed(p1, now=0.01)  # p1's frames go down the chain while p2 is computed
+    assert sessions([p2]) == [["d", "e", "f"]] and plan.computing == p2.id
+    plan.sent(p1, ["a", "b", "c"], 3)
+    assert plan.finished(p1, now=0.011) == []
+    for sid in "ab":
+        plan.returned(sid, now=0.02)
+        assert plan.queue(ready(sid, pos=6), now=0.02) == [] and plan.wake_at is None
+    assert plan.computed(p2, now=0.03) == []  # c's client still reads its token: a brief gather
+    plan.sent(p2, ["d", "e", "f"], 3)
+    plan.finished(p2, now=0.03)
+    assert plan.wake_at == pytest.approx(0.13)  # (every stage has a pass: about two passes at most)
+    plan.returned("c", now=0.031)
+    assert sessions(plan.queue(ready("c", pos=6), now=0.031)) == [["a", "b", "c"]]
+
+
 def test_rows_ahead_count_the_passes_still_in_flight() -> None:
     plan: PassSchedule[str] = PassSchedule(stages=3, batch=8, max_wait=1.0)
     (p1,) = plan.queue(ready("a", draft=[4, 5]), now=0.0)
-    assert plan.sent(p1, ["a"], 3) == 3
+    assert plan.sent(p1, ["a"], 3) == 3 and plan.finished(p1, now=0.0) == []
     (p2,) = plan.queue(ready("b"), now=0.0)
-    assert plan.sent(p2, ["b"], 1) == 4  # a's window is computed first on every stage
+    assert plan.sent(p2, ["b"], 1) == 4 and plan.finished(p2, now=0.0) == []  # a's window goes first everywhere
     plan.returned("a", now=0.1)
     (p3,) = plan.queue(ready("c"), now=0.1)
     assert plan.sent(p3, ["c"], 1) == 2 and (plan.passes, plan.steps) == (3, 3)
@@ -78,7 +105,7 @@ def test_a_session_leaving_at_any_moment_leaves_at_once_and_waits_only_for_its_o
     passes = [] if moment == "queued" else plan.queue(ready("b"), now=0.0)  # both go as one pass
     if moment in ("in flight", "returned"):
         plan.sent(passes[0], ["a", "b"], 2)
-        plan.finished(passes[0])
+        plan.finished(passes[0], now=0.0)
     if moment == "returned":
         plan.returned("a", now=0.1)
     launched, wait_for = plan.leave("a", now=0.2)
@@ -87,7 +114,7 @@ def test_a_session_leaving_at_any_moment_leaves_at_once_and_waits_only_for_its_o
     if moment == "queued":  # its waiting step is dropped, and with it the gather's wake-up
         assert launched == [] and plan.ready == [] and plan.wake_at is None
     if moment == "sending":
-        plan.finished(passes[0])
+        plan.finished(passes[0], now=0.2)
         assert plan.leave("a", now=0.3)[1] is None
 
 
