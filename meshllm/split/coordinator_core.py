@@ -113,9 +113,9 @@ class PassSchedule(Generic[K]):
     stage has work and each shares its weight reads among the pass's rows. A pass leaves as soon as
     it is full, when a stage would be idle and nobody is about to join (the sessions not in flight are
     all ready), or after :data:`GATHER_S` for sessions whose clients are still reading their tokens;
-    but never while the coordinator still computes the previous one's first-stage rows: it would only
-    wait for them, so the steps ready meanwhile gather and go together once they are computed (and a
-    prompt chunk queued for the coordinator's device runs between two passes instead of after all).
+    but a pass that is not full never leaves while the coordinator still computes the previous one's
+    first-stage rows: it would only wait for them, so the steps ready meanwhile gather and go
+    together once they are computed.
     When every stage already has a pass, a session that becomes ready (its prefill just ended) waits
     for one to come back, at most about two passes (never beyond ``max_wait``), and joins it:
     staggered sessions merge instead of each running alone. Sessions still prefilling are not
@@ -205,16 +205,16 @@ class PassSchedule(Generic[K]):
     # -- policy ------------------------------------------------------------------------------------------
 
     def _launches(self, now: float) -> list[Pass[K]]:
-        if not self.ready or self.computing is not None:
-            # the coordinator computes one pass at a time: one launched while it computes another would
-            # only queue behind it (and, with a heavy first stage, keep a prompt chunk waiting for the
-            # device), so the steps ready meanwhile gather, and :meth:`computed` launches them
-            self.wake_at = None
-            return []
         # one pass in flight per stage keeps every stage busy; each pass holds up to ``batch`` sessions
         cap = max(1, min(self.batch, -(-len(self.decoding) // self.stages)))
-        if len(self.ready) >= cap:
-            return self._launch(cap)
+        out = []
+        while len(self.ready) >= cap:  # (a full pass queues on the coordinator's device: it has no one to wait for)
+            out += self._launch(cap)
+        if not self.ready or self.computing is not None:
+            # a pass that is not full never queues behind one the coordinator is computing: it would
+            # only wait there, so the steps ready meanwhile gather, and :meth:`computed` launches them
+            self.wake_at = None
+            return out
         passes = len({*self.in_flight.values(), *self.sending.values()})  # (one being sent is about to be)
         serving = len(self.decoding - self.in_flight.keys() - self.sending.keys() - {r.session for r in self.ready})
         if passes < self.stages and serving <= 0:
@@ -224,7 +224,7 @@ class PassSchedule(Generic[K]):
         wait = min(max(GATHER_S, 2 * self.step_s), self.max_wait) if passes >= self.stages else GATHER_S
         if self.wake_at is None or now + wait < self.wake_at:  # (never postponed)
             self.wake_at = now + wait
-        return []
+        return out
 
     def _launch(self, n: int) -> list[Pass[K]]:
         group, self.ready = self.ready[:n], self.ready[n:]

@@ -42,9 +42,7 @@ def test_decoding_sessions_spread_over_one_pass_per_stage() -> None:
     out = []
     for sid in "abcd":
         out += plan.queue(ready(sid), now=0.0)
-    assert sessions(out) == [["a", "b"]]  # c and d gather while the coordinator computes a and b
-    plan.sent(out[0], ["a", "b"], 2)
-    assert sessions(plan.finished(out[0], now=0.001)) == [["c", "d"]]  # while stage 1 computes one, the other
+    assert sessions(out) == [["a", "b"], ["c", "d"]]  # while stage 1 computes one, the coordinator the other
 
 
 def test_a_session_ready_while_every_stage_is_busy_waits_to_merge_but_never_past_the_limit() -> None:
@@ -64,26 +62,25 @@ def test_a_session_ready_while_every_stage_is_busy_waits_to_merge_but_never_past
 
 
 def test_steps_ready_while_the_first_stage_computes_gather_behind_its_pass() -> None:
-    # a chain whose first stage is its heavy one ([0, 29) + [29, 30)): a pass launched while the
-    # coordinator computes another would only queue behind it, so the sessions returning meanwhile
-    # gather (no lone pass, no timer) and go as one pass once it is on its way
+    # a chain whose first stage is its heavy one ([0, 29) + [29, 30)): a pass that is not full would
+    # only queue behind the one the coordinator computes, so the sessions returning meanwhile gather
+    # (no lone pass, no timer) and go together; a full pass has nobody to wait for and queues
     plan: PassSchedule[str] = PassSchedule(stages=2, batch=8, max_wait=1.0, step_s=0.05)
-    plan.decoding |= {"a", "b", "c", "d", "e", "f"}
-    (p1,) = [p for sid in "abcdef" for p in plan.queue(ready(sid), now=0.0)]
-    assert sessions([p1]) == [["a", "b", "c"]] and plan.wake_at is None
-    (p2,) = plan.computed(p1, now=0.01)  # p1's frames go down the chain while p2 is computed
-    assert sessions([p2]) == [["d", "e", "f"]] and plan.computing == p2.id
-    plan.sent(p1, ["a", "b", "c"], 3)
-    assert plan.finished(p1, now=0.011) == []
-    for sid in "ab":
-        plan.returned(sid, now=0.02)
-        assert plan.queue(ready(sid, pos=6), now=0.02) == [] and plan.wake_at is None
-    assert plan.computed(p2, now=0.03) == []  # c's client still reads its token: a brief gather
-    plan.sent(p2, ["d", "e", "f"], 3)
-    plan.finished(p2, now=0.03)
-    assert plan.wake_at == pytest.approx(0.13)  # (every stage has a pass: about two passes at most)
-    plan.returned("c", now=0.031)
-    assert sessions(plan.queue(ready("c", pos=6), now=0.031)) == [["a", "b", "c"]]
+    plan.decoding |= {"a", "b", "c", "d"}
+    (p1,) = plan.queue(ready("a"), now=0.0) + plan.queue(ready("b"), now=0.0)
+    assert plan.computing == p1.id
+    assert plan.queue(ready("c"), now=0.001) == [] and plan.wake_at is None
+    (p2,) = plan.queue(ready("d"), now=0.002)
+    assert sessions([p1, p2]) == [["a", "b"], ["c", "d"]] and plan.computing == p2.id
+    assert plan.computed(p1, now=0.01) == []
+    plan.sent(p1, ["a", "b"], 2)
+    plan.finished(p1, now=0.01)
+    plan.returned("a", now=0.02)
+    assert plan.queue(ready("a", pos=6), now=0.02) == [] and plan.wake_at is None  # p2 still computes
+    assert plan.computed(p2, now=0.025) == []  # b's client still reads its token, p2 is on its way:
+    assert plan.wake_at == pytest.approx(0.125)  # every stage has a pass, so about two passes at most
+    plan.returned("b", now=0.03)
+    assert sessions(plan.queue(ready("b", pos=6), now=0.03)) == [["a", "b"]]
 
 
 def test_rows_ahead_count_the_passes_still_in_flight() -> None:
