@@ -14,7 +14,9 @@ executor.
 **Order.** Jobs run by priority, then in the order they were submitted: a decode step
 (:attr:`Priority.DECODE`, a token someone is waiting for) goes before prompt chunks and frees
 (:attr:`Priority.PREFILL`), as the llama engine's scheduler puts a step's decode rows before its
-prefill chunks.
+prefill chunks. (A split coordinator queues its first stage's prompt chunks as decode steps, in turn
+with its passes: it can keep the device's queue full of passes, and a chunk ranked below them waited
+until the other requests ended.)
 
 **Cancellation.** A job either never starts or runs to its end: cancelling the caller of :meth:`Runner.run`
 takes its job out of the queue if it has not started (it is skipped, its native state untouched), and
