@@ -27,11 +27,24 @@ late: on a shared host both at once, and every false suspicion then costs refuta
 load the host further, which is how a mesh of dozens of processes on two cores stayed in a flapping
 state it could not leave. So each detector keeps a score, :attr:`FailureDetector.health` (0 to
 :data:`~meshllm.mesh.messages.HEALTH_MAX`): up one for every tick that runs more than ``late_tick``
-past its time, down one for every direct ack that arrives in time. Every probe message carries it.
+past its time, and up one for every suspicion of ours that the suspect then cleared by answering;
+down one for every direct ack that arrives in time. Every probe message carries it. A wrong
+suspicion is the better signal of the two: on a saturated host of 50 members most of them were raised
+by detectors whose own ticks ran on time (the peer's loop was the late one), about 240 a second,
+nearly all cleared within the suspicion timeout and the rest turned into false downs; a score raised
+by them stretches the timeouts until suspicions stop being wrong.
 Probing a peer, we stretch the ack, indirect and suspicion timeouts by ``1 + max(ours, the peer's last
 reported score)``, and our probe period by ``1 + ours``: an overloaded node probes less and accuses
 later, and an overloaded peer gets longer to answer. A healthy mesh (every score 0) keeps the timings
 below; a peer can buy itself at most 9x the time to be found dead by claiming the top score.
+
+**Verdicts wait for a loop that keeps time.** Stretching was not enough on that host: peers whose
+loops were starved stayed silent for 10 to 35 s, past any stretched timeout, and the false downs kept
+the host saturated. So a suspect whose suspicion timeout runs out while our own score is not 0 stays
+suspect (rechecked, every ``recheck_interval`` stretched like the rest) until our score is 0 again,
+or ``verdict_wait`` (60 s) has passed: a node that cannot keep time leaves verdicts to the watchers
+that can, and every score of a healthy mesh is 0, so detection there is as fast as before. The wait
+is bounded for a node left with no peer that answers (nothing could bring its score down).
 
 The transport's own datagram liveness (3 missed probes 250 ms apart) comes in through
 :meth:`FailureDetector.suspect` and :meth:`FailureDetector.alive`.
@@ -76,6 +89,8 @@ class FailureConfig:
     chances to clear itself within the suspicion timeout, not one."""
     late_tick: float = 0.15
     """A tick this far past its time says our own loop is overloaded (local health goes up one)."""
+    verdict_wait: float = 60.0
+    """A verdict due while our own health is not 0 waits for it to be 0 again, at most this long."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +180,7 @@ class FailureDetector:
         for pending in self._pending.values():
             soonest = min(soonest, pending.deadline)
         for deadline in self._suspects.values():
-            soonest = min(soonest, deadline, self._next_recheck)
+            soonest = min(soonest, self._verdict_due(deadline), self._next_recheck)
         return soonest
 
     def stretch(self, node: str) -> int:
@@ -178,7 +193,7 @@ class FailureDetector:
         if now - self._due > self.config.late_tick:
             self.health = min(HEALTH_MAX, self.health + 1)
         for node, deadline in sorted(self._suspects.items()):
-            if now >= deadline:
+            if now >= self._verdict_due(deadline):
                 self.forget(node)
                 out.append(Failed(node))
         for node, pending in sorted(self._pending.items()):
@@ -199,12 +214,12 @@ class FailureDetector:
                 if node not in self._pending:
                     out.append(Probe(node, Ping(self._start(node, now), self.health)))
         if now >= self._next_recheck:
-            self._next_recheck = now + self.config.recheck_interval
+            self._next_recheck = now + self.config.recheck_interval * (1 + self.health)
             for node in sorted(self._suspects):
                 if node in targets and node not in self._pending:
                     nonce = self._start(node, now)
                     pending = self._pending[node]  # a recheck: lasts until the next, and no answer only ends it
-                    pending.indirect, pending.deadline = True, now + self.config.recheck_interval
+                    pending.indirect, pending.deadline = True, self._next_recheck
                     out.append(Probe(node, Ping(nonce, self.health)))
         self._rearm(now)
         return out
@@ -259,6 +274,11 @@ class FailureDetector:
         self._suspects.pop(node, None)
         self._peer_health.pop(node, None)
 
+    def _verdict_due(self, deadline: float) -> float:
+        """When a suspect whose suspicion timeout ends at ``deadline`` fails: then, while our own loop
+        keeps time; otherwise once it does again, or ``verdict_wait`` later (module docstring)."""
+        return deadline if self.health == 0 else deadline + self.config.verdict_wait
+
     def _suspect(self, node: str, now: float) -> list[Probe | DetectorEvent]:
         if node in self._suspects:
             return []
@@ -268,6 +288,7 @@ class FailureDetector:
     def _heard(self, node: str) -> list[Probe | DetectorEvent]:
         if self._suspects.pop(node, None) is None:
             return []
+        self.health = min(HEALTH_MAX, self.health + 1)  # it was alive: our timeouts were too short for now
         return [Recovered(node)]
 
     def _go_indirect(

@@ -38,7 +38,7 @@ from meshllm.errors import ConfigError, DecodeError, MeshllmError, VerificationE
 from meshllm.identity.keys import NodeKey
 from meshllm.identity.signing import encode_signed
 from meshllm.mesh.admission import Revocation, RevocationTarget, credential_invite_id, make_grant
-from meshllm.mesh.failure import FailureDetector, Overstep, Probe
+from meshllm.mesh.failure import Failed, FailureDetector, Overstep, Probe
 from meshllm.mesh.gossip import AccuserBanned, Gossip, Rejected, RevocationApplied, Send
 from meshllm.mesh.membership import Membership
 from meshllm.mesh.messages import PROBE_MESSAGES, MeshMessage, decode_message, encode_message
@@ -312,7 +312,7 @@ class MeshService:
         while True:
             now = time.time()
             try:
-                self._handle(self.gossip.tick(now))
+                self._handle(self.gossip.tick(now, 1 + self.detector.health))
                 watched = sorted(self.gossip.watched())
                 self._handle(self.gossip.on_detector(
                     [e for e in self._probe(self.detector.tick(now, watched))], now))
@@ -335,6 +335,8 @@ class MeshService:
             elif isinstance(out, Overstep):
                 self._overstep(out)
             else:
+                if isinstance(out, Failed):  # our own verdict: the connection went silent, so it goes too
+                    self._close_peer(out.node_id, "no answer to the failure detector's probes")
                 verdicts.append(out)
         return verdicts
 
@@ -411,7 +413,14 @@ class MeshService:
             self._on_event("peer_joined", node_id=event.node_id, name=event.record.name)
         elif isinstance(event, PeerRemoved):
             self.detector.forget(event.node_id)
-            self._close_peer(event.node_id, f"peer is {event.reason}")
+            if event.reason != "down":
+                # A down notice from another member leaves our connection to end by itself (QUIC's idle
+                # timeout, 20 s; our own verdicts close it in _probe): if the peer is dead it carries
+                # nothing, and if the verdict was wrong (a loaded host) the peer's refutation revives it
+                # with the connection and its RTT in place, not with a redial from every member that
+                # held one. On 50 members sharing two cores those redials kept a storm of false downs
+                # going (docs/benchmarks.md).
+                self._close_peer(event.node_id, f"peer is {event.reason}")
             self._on_event("peer_left", node_id=event.node_id, reason=event.reason)
         elif isinstance(event, PeerStatus):
             self._on_event("peer_state", node_id=event.node_id, state=event.status)

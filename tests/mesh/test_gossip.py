@@ -13,7 +13,7 @@ from meshllm.identity.signing import sign
 from meshllm.mesh import view
 from meshllm.mesh.failure import Overstep
 from meshllm.mesh.gossip import ITEMS_MAX, ITEMS_SLACK, Gossip, Rejected, Send
-from meshllm.mesh.messages import Digest, DownNotice, Exchange, Notices, sign_notice
+from meshllm.mesh.messages import Digest, DownNotice, Exchange, Notices, Summary, sign_notice
 from meshllm.mesh.records import (
     SEQ_LIMIT,
     Load,
@@ -271,6 +271,30 @@ def test_a_refresh_goes_to_a_few_peers_a_change_to_every_connected_peer() -> Non
     out = g.tick(refresh_at + 1.0)
     flooded = {o.to for o in out if isinstance(o, Send) and isinstance(o.message, Exchange)}
     assert flooded == {f"p{i}" for i in range(6)}
+
+
+def test_a_node_whose_loop_runs_late_runs_its_rounds_less_often() -> None:
+    """``tick``'s ``stretch`` (1 + the detector's local health) spaces anti-entropy rounds; changes still go
+    out at once."""
+    def rounds(stretch: int, until: float) -> list[float]:
+        g = gossip_for(A)
+        for i in range(4):
+            g.peer_connected(f"p{i}")
+        at: list[float] = []
+        now = 0.0
+        while now < until:
+            if any(isinstance(o, Send) and isinstance(o.message, Summary) for o in g.tick(now, stretch)):
+                at.append(now)
+            now = max(now + 1e-3, g.next_timer())
+        return at
+
+    assert len(rounds(1, 12.0)) == 12 and len(rounds(3, 12.0)) == 4
+    g = gossip_for(A)
+    g.peer_connected("p0")
+    g.tick(0.0, 3)
+    g.update_own(0.5, load=Load(in_flight=1))
+    assert g.next_timer() == 0.5
+    assert any(isinstance(o, Send) and isinstance(o.message, Exchange) for o in g.tick(0.5, 3))
 
 
 def test_refresh_period_stretches_so_the_mesh_refreshes_at_a_bounded_rate() -> None:

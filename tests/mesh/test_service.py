@@ -20,6 +20,7 @@ from meshllm.identity.signing import sign
 from meshllm.identity.trust import TrustPolicy, TrustStore
 from meshllm.mesh import service as service_module
 from meshllm.mesh.admission import MeshKey, encode_token, inspect_token, joining_credential, with_grant
+from meshllm.mesh.failure import Failed
 from meshllm.mesh.membership import Membership, join_mesh, own_mesh
 from meshllm.mesh.messages import Ack, Digest, Exchange, Ping, Summary, decode_message, encode_message
 from meshllm.mesh.records import PeerRecord, sign_record
@@ -474,5 +475,31 @@ def test_a_connection_the_dialer_no_longer_wants_is_closed_once_idle(monkeypatch
         await until(lambda: conn.close_reason is not None)
         assert "rotated out" in conn.close_reason
         assert h.owner_key.node_id in joiner.gossip.members() and key.node_id in h.owner.gossip.members()
+
+    run(body)
+
+
+def test_a_down_notice_leaves_the_connection_and_our_own_verdict_closes_it() -> None:
+    """Another member's down notice about a peer we hold a connection to leaves that connection open: a
+    wrong notice (a loaded host) is refuted and the peer comes back on it, with no redial; a dead peer's
+    connection ends by itself. Our own detector's verdict (the peer went silent to us) closes it."""
+    async def body(h: Harness) -> None:
+        accuser, _ = await joined(h, "accuser")
+        _, victim_key = await joined(h, "victim")
+        owner = h.owner
+        assert owner.gossip is not None and owner.endpoint is not None and accuser.gossip is not None
+        vid = victim_key.node_id
+        await until(lambda: vid in accuser.gossip.members() and vid in owner.gossip.members())  # type: ignore[union-attr]
+        conn = owner.endpoint.peers[vid]
+        owner.gossip.watched = lambda: set()  # type: ignore[method-assign]  # our probes would refute the notice
+        seq = owner.gossip.state.peers[vid].record.seq
+        accuser._handle(accuser.gossip.declare_down(vid, time.time()))
+        await until(lambda: owner.gossip.state.peers[vid].record.seq > seq  # type: ignore[union-attr]
+                    and vid in owner.gossip.members())  # type: ignore[union-attr]
+        assert ("peer_left", {"node_id": vid, "reason": "down"}) in h.events  # it was down here meanwhile
+        assert owner.endpoint.peers[vid] is conn and conn.close_reason is None
+        owner._handle(owner.gossip.on_detector(owner._probe([Failed(vid)]), time.time()))
+        await until(lambda: conn.close_reason is not None)
+        assert "failure detector" in conn.close_reason
 
     run(body)
