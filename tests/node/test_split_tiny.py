@@ -128,7 +128,10 @@ def test_tiny_split_3_then_2_stages_matches_solo_and_survives_kill9(tmp_path: Pa
         assert killed is not None, f"the stream failed after {received} chunks, before the kill: {failed.value}"
         elapsed = time.monotonic() - killed
         print(f"stream ended {elapsed * 1e3:.0f} ms after kill -9 of the middle stage: {failed.value}")
-        assert elapsed < 1.0
+        # Promptly, not at a deadline: the coordinator pings a silent stage every 0.2 s. On an idle host this
+        # is about 0.45 s; with both cores busy it took 0.45-1.2 s (1 in 3 runs over 1 s, before and after
+        # issue 27's fourth pass alike), so the bound is one that only a hang would cross.
+        assert elapsed < 3.0
         assert "stage 1" in str(failed.value)
 
         busy = httpx.post(coord.api + "/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": 4},
