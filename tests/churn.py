@@ -15,6 +15,7 @@ import re
 import statistics
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,7 +89,7 @@ def states_of(node: NodeProcess) -> dict[str, str] | None:
     """Each member ``node`` lists -> its state there (None: it did not answer in time)."""
     try:
         peers = node.status(timeout=30)["peers"]
-    except httpx.HTTPError:
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):  # no answer, or an error's body
         return None
     return {p["node_id"]: p["state"] for p in peers}
 
@@ -115,29 +116,33 @@ def _without_bootstrap(args: list[str]) -> list[str]:
 
 def converged(members: list[Member], live: Any, timeout: float) -> float:
     """Seconds until every member lists exactly the other live members; on timeout, an AssertionError
-    naming every view that differed and how (a missing member's state there: down, left, or absent)."""
+    naming every view that differed and how (a missing member's state there: down, left, or absent).
+
+    Each check reads every member's view at once (one thread per member), so the views it compares
+    are those of one moment: read one after another, 50 status calls on a saturated 2-core host took
+    longer than the 5 s a convergence is meant to take, and any passing false down anywhere in that
+    span restarted the sweep."""
     differs: list[str] = []
 
-    def sweep(every: bool = False) -> bool:
+    def sweep() -> bool:
         names = {m.proc.node_id: m.name for m in members if m.proc is not None}
+        want = live()
+        with ThreadPoolExecutor(len(members)) as pool:
+            views = list(pool.map(lambda m: states_of(m.proc), members))
         differs.clear()
-        for m in members:
+        for m, states in zip(members, views, strict=True):
             assert m.proc is not None
-            states = states_of(m.proc)
-            want = live() - {m.proc.node_id}
+            mine = want - {m.proc.node_id}
             if states is None:
                 differs.append(f"{m.name}: no answer")
-            elif (seen := {n for n, s in states.items() if s in ("alive", "suspect")}) != want:
-                missing = sorted(f"{names.get(n, n[:8])} ({states.get(n, 'absent')})" for n in want - seen)
-                differs.append(f"{m.name}: missing {missing}, extra {sorted(names.get(n, n[:8]) for n in seen - want)}")
-            if differs and not every:
-                return False
+            elif (seen := {n for n, s in states.items() if s in ("alive", "suspect")}) != mine:
+                missing = sorted(f"{names.get(n, n[:8])} ({states.get(n, 'absent')})" for n in mine - seen)
+                differs.append(f"{m.name}: missing {missing}, extra {sorted(names.get(n, n[:8]) for n in seen - mine)}")
         return not differs
 
     try:
         return wait_until(sweep, timeout, 0.2)
     except AssertionError:
-        sweep(every=True)
         raise AssertionError(f"views did not converge within {timeout} s: {'; '.join(differs)}") from None
 
 
