@@ -5,9 +5,12 @@
 messages; it returns :class:`Send` instructions and events, and never touches a socket or a clock.
 
 Three paths spread information, each sending a record to a peer at most once per change.
-*Pushing*: a record we store because it is newer is forwarded at once to :attr:`GossipConfig.push_fanout`
+*Pushing*: a record we store because it changed is forwarded at once to :attr:`GossipConfig.push_fanout`
 random connected peers (our own changes to every connected peer), so a change crosses the mesh in a
-few network hops. *Flooding*: membership changes (a down notice, a leaving record, a record that
+few network hops. A refresh (the same record re-signed) is not forwarded: nothing waits for it, and
+anti-entropy delivers it with fewer copies (in an idle mesh of 50, forwarding refreshes had each member
+receive about six records for every new one, on a stream each: a third of its packets).
+*Flooding*: membership changes (a down notice, a leaving record, a record that
 revives a peer) go to every connected peer at once, because missing the 5-second removal target on a
 large mesh is not an option. *Anti-entropy* repairs whatever pushing missed: every round (1 s, the
 same at any mesh size) we send k=2 random connected peers a :class:`Summary` of our table, one 8-byte
@@ -223,6 +226,15 @@ class GossipConfig:
         return max(self.refresh, min(REFRESH_MAX_S, members / self.refresh_rate))
 
 
+def refreshed_only(held: PeerRecord, new: PeerRecord) -> bool:
+    """Whether ``new`` says nothing ``held`` did not: only its sequence, signing time and refresh moved,
+    and its RTT row stayed within the band its signer re-signs on (:func:`rtt.row_changed`)."""
+    if rtt.row_changed(held.rtt, new.rtt):
+        return False
+    return msgspec.structs.replace(new, seq=held.seq, signed_at=held.signed_at, refresh=held.refresh,
+                                   rtt=held.rtt) == held
+
+
 Output = Send | Rejected | RevocationApplied | AccuserBanned | Overstep | view.ViewEvent
 
 
@@ -269,6 +281,8 @@ class Gossip:
         self._refutations: Strikes[str] = Strikes(REFUTED_TO_BAN, REFUTE_WINDOW_S)
         self._banned: CoolDowns[str] = CoolDowns()
         self._refused: CoolDowns[str] = CoolDowns()
+        self._asked: dict[str, int] = {}
+        """peer -> records our last ``want`` list to it asked for (one entry per connected peer at most)."""
         self._accused: dict[str, tuple[str, float]] = {}
         """subject -> (accuser, notice time) of the notice that took it down (refutation tracking)."""
         # A random first phase: nodes started together must not refresh in lockstep.
@@ -365,6 +379,7 @@ class Gossip:
 
     def peer_disconnected(self, peer: str) -> None:
         self.connected.discard(peer)
+        self._asked.pop(peer, None)
 
     def greet(self, peer: str) -> list[Output]:
         """A peer just connected: trade digests with it now rather than at the next round.
@@ -440,7 +455,7 @@ class Gossip:
             return self._on_digest(source, message, now)
         if isinstance(message, Exchange):
             out: list[Output] = []
-            for raw in message.records[: self._items_cap()]:
+            for raw in message.records[: self._items_cap(self._asked.pop(source, 0))]:
                 result = self._ingest(raw, source, now)
                 if result and isinstance(result[0], Rejected):
                     return out + result[:1] + self._forged(result[0])  # drop the rest unread
@@ -536,9 +551,15 @@ class Gossip:
                 pass  # not this revocation's business
         return out + self._flood(Revocations([raw]), exclude=source)
 
-    def _items_cap(self) -> int:
-        """Records or notices to verify from one message: what a full sync could need, bounded."""
-        return min(len(self.state.peers) + ITEMS_SLACK, ITEMS_MAX)
+    def _items_cap(self, asked: int = 0) -> int:
+        """Records or notices to verify from one message: what a full sync could need, bounded.
+
+        ``asked``: how many records our last ``want`` list asked the sender for. Without it a node that
+        just joined (holding nothing) took 16 of a mesh of 50 from its first exchange, 32 more from the
+        next round's and the rest from a third: on a loaded host, 10 s before a restarted member saw the
+        mesh (docs/benchmarks.md).
+        """
+        return min(len(self.state.peers) + ITEMS_SLACK + asked, ITEMS_MAX)
 
     def _resign(self, now: float, above: int = 0, refresh_only: bool = False, **changes: Any) -> None:
         """Bump our sequence past ``above`` (a *verified* copy of us to outrank) and re-sign.
@@ -642,6 +663,8 @@ class Gossip:
         want = want_own + [n for n, s in theirs.items()
                            if n != self.node_id and n not in self.revoked_nodes and s > self._held_or_none(n)
                            and not self._refused.remaining(n, now)][:WANT_MAX]
+        if want:
+            self._asked[source] = len(want)  # its answer may carry that many (``_items_cap``)
         out: list[Output] = [Send(source, m) for m in self._exchanges(give, want)]
         if notices:
             out.append(Send(source, Notices(notices)))
@@ -698,10 +721,12 @@ class Gossip:
         accused = self._accused.pop(record.node_id, None)
         recent = accused is not None and now - accused[1] <= REFUTE_WINDOW_S
         events = self._refute(accused[0], now) if accused is not None and recent else []
+        prior = state.peers.get(record.node_id)
         events += self._apply(view.RecordStored(record, raw, now), record.node_id)
         if any(isinstance(e, view.PeerAdded | view.PeerRemoved) for e in events):
             events += self._flood(Exchange([raw]), exclude=source)
-        elif any(isinstance(e, view.RecordUpdated) for e in events):
+        elif any(isinstance(e, view.RecordUpdated) for e in events) and not (
+                prior is not None and refreshed_only(prior.record, record)):
             events += self._push(Exchange([raw]), exclude=source)
         return events
 

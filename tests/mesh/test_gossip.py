@@ -19,6 +19,7 @@ from meshllm.mesh.records import (
     Load,
     PeerRecord,
     RecordVerifier,
+    RttEntry,
     SequenceOutOfRange,
     decode_record,
     sign_record,
@@ -238,6 +239,24 @@ def test_records_per_exchange_are_capped() -> None:
     assert g._items_cap() == ITEMS_MAX  # a big table still verifies at most 256 per message
 
 
+def test_a_joining_node_takes_the_whole_answer_to_its_want_list() -> None:
+    """The cap grows by what we asked the sender for: a node holding nothing learns a mesh of 40 from one
+    exchange, not 16 from the first and the rest rounds later; a sender we asked nothing gets the plain cap."""
+    keys = [make_key(100 + i) for i in range(40)]
+    raws = [sign_record(k, make_record(k, seq=1)) for k in keys]
+    g = gossip_for(A)
+    out = g.receive("x", Digest({make_record(k).node_id: 1 for k in keys}), now=1.0)
+    (ask,) = [o.message for o in out if isinstance(o, Send) and isinstance(o.message, Exchange)]
+    assert len(ask.want) == 40
+    g.receive("y", Exchange(raws), now=1.0)  # y was asked nothing
+    assert len(g.members()) == ITEMS_SLACK
+    g = gossip_for(A)
+    g.receive("x", Digest({make_record(k).node_id: 1 for k in keys}), now=1.0)
+    g.receive("x", Exchange(raws), now=1.0)
+    assert len(g.members()) == 40
+    assert g._items_cap() == 40 + ITEMS_SLACK  # the credit was spent on that answer
+
+
 def test_first_rejected_record_stops_the_message() -> None:
     g = gossip_for(A)
     good_b = sign_record(B, make_record(B, seq=2))
@@ -271,6 +290,31 @@ def test_a_refresh_goes_to_a_few_peers_a_change_to_every_connected_peer() -> Non
     out = g.tick(refresh_at + 1.0)
     flooded = {o.to for o in out if isinstance(o, Send) and isinstance(o.message, Exchange)}
     assert flooded == {f"p{i}" for i in range(6)}
+
+
+def test_a_peers_change_is_pushed_on_and_its_refresh_is_left_to_anti_entropy() -> None:
+    """A stored record that changed goes on to ``push_fanout`` peers; the same record re-signed does not
+    (anti-entropy spreads it), nor one whose RTT row moved only within the band its signer ignores."""
+    g = gossip_for(A)
+    for i in range(6):
+        g.peer_connected(f"p{i}")
+    b = make_record(B, seq=1, signed_at=1.0)
+    g.receive("p0", Exchange([sign_record(B, b)]), now=1.0)
+
+    def pushed(record: PeerRecord, now: float) -> set[str]:
+        out = g.receive("p0", Exchange([sign_record(B, record)]), now=now)
+        assert any(isinstance(o, view.RecordUpdated) for o in out)  # stored either way
+        return {o.to for o in out if isinstance(o, Send) and isinstance(o.message, Exchange)}
+
+    changed = msgspec.structs.replace(b, seq=2, signed_at=2.0, load=Load(in_flight=1))
+    assert len(pushed(changed, 2.0)) == g.config.push_fanout
+    refreshed = msgspec.structs.replace(changed, seq=3, signed_at=3.0, refresh=60.0)
+    assert pushed(refreshed, 3.0) == set()
+    row = {make_record(C).node_id: RttEntry(10.0, "direct")}
+    with_row = msgspec.structs.replace(refreshed, seq=4, signed_at=4.0, rtt=row)
+    assert len(pushed(with_row, 4.0)) == g.config.push_fanout  # a new peer in a short row is news
+    jitter = {n: RttEntry(e.rtt_ms * 1.05, e.path) for n, e in row.items()}
+    assert pushed(msgspec.structs.replace(with_row, seq=5, signed_at=5.0, rtt=jitter), 5.0) == set()
 
 
 def test_a_node_whose_loop_runs_late_runs_its_rounds_less_often() -> None:
