@@ -163,6 +163,7 @@ class MeshService:
                               hint="is another node running there? pick another port with --mesh-port "
                                    "(0 picks a free one)") from None
         self.endpoint.admit_passive = self._admit_passive
+        self.endpoint.patience = self.detector.stretch
         self.endpoint.on_datagram = self._on_datagram
         self.endpoint.on_stream(GOSSIP_STREAM, self._serve_gossip)
         self.endpoint.on_cool_down = lambda peer, reason: self._on_event("peer_cooled", node_id=peer, reason=reason)

@@ -78,6 +78,8 @@ class PeerConnection:
         """The peer's node id, proven by its TLS certificate (None until the handshake ends)."""
         self.close_reason: str | None = None
         """Why the connection ended, once it has."""
+        self.heard_at = asyncio.get_running_loop().time()
+        """Loop time of the last packet from the peer (a dead peer's connection is silent)."""
         self.probes: ProbeState | None = None
         self._expected = expected
         self._loop = asyncio.get_running_loop()
@@ -246,6 +248,7 @@ class PeerConnection:
 
     def datagram_received(self, data: bytes, addr: Addr) -> None:
         self.remote_addr = addr
+        self.heard_at = self._loop.time()
         self.quic.receive_datagram(data, addr, now=self._loop.time())
         self._process_events()
         # Deferred one loop turn: a stream reader woken by this datagram usually answers in that
@@ -536,11 +539,13 @@ class PeerConnection:
         while self.close_reason is None:
             busy = probes.state is Liveness.SUSPECT or self.carries_work()
             interval = options.probe_interval if busy else options.idle_probe_interval
+            if interval is not None:
+                interval *= self.endpoint.patience(self.node_id or "")  # a miss is counted per interval
             self._work.clear()
             self._probing = interval is not None
             if interval is None:
                 await self._work.wait()
-                probes.pace(options.probe_interval, self._loop.time())
+                probes.pace(options.probe_interval * self.endpoint.patience(self.node_id or ""), self._loop.time())
                 continue
             now = self._loop.time()
             if interval != probes.interval:

@@ -71,6 +71,9 @@ from meshllm.wire.frames import CONTROL_FRAME_MAX
 
 log = logging.getLogger(__name__)
 
+DIAL_RACE_S = 1.0
+"""Two connections with one peer are a simultaneous dial only while the older still hears the peer
+(probes, gossip or the handshake itself arrive well within this); silent longer, it is a dead one."""
 FRAME_BUDGET = 40 * 1024 * 1024
 """Default frame budget per connection: one 32 MiB stage-lane frame plus room for smaller large ones."""
 TOTAL_FRAME_BUDGET = 48 * 1024 * 1024
@@ -162,6 +165,10 @@ class Endpoint:
         detector's pings); None: they are dropped."""
         self.local_proof = local_proof
         """Returns the proof we present to peers (called once per connection)."""
+        self.patience: Callable[[str], int] = lambda node_id: 1
+        """How many times its base deadlines a wait on ``node_id`` gets: the mesh's failure detector sets
+        it to its local-health stretch (mesh/failure.py), so an overloaded host's request probes and
+        dials wait longer instead of giving up on a peer that is only slow."""
         self.take_grant = take_grant
         """Handles what a peer we dialed granted us (None: grants are ignored)."""
         self.peers: dict[str, PeerConnection] = {}
@@ -384,7 +391,10 @@ class Endpoint:
         A direct path beats a relayed one: the relayed connection is retired (closed once idle)
         and the switch is reported as UPGRADED. Between two of the same kind, if both nodes
         dialed each other, both keep the connection dialed by the smaller node id, so they agree
-        without talking; a redial by the same node replaces its older connection.
+        without talking; a redial by the same node replaces its older connection. So does a dial by
+        the peer while the connection we hold has been silent for :data:`DIAL_RACE_S`: that is not a
+        race but a peer that no longer holds it (killed and started again), and keeping the dead one
+        refused the restarted node until the dead one timed out.
         """
         self._settle(conn)
         peer_id = conn.node_id or ""
@@ -405,7 +415,8 @@ class Endpoint:
             return
         dialer_new = self.node_id if conn.dialer else peer_id
         dialer_old = self.node_id if old.dialer else peer_id
-        if dialer_new != dialer_old and dialer_old < dialer_new:
+        racing = asyncio.get_running_loop().time() - old.heard_at < DIAL_RACE_S
+        if racing and dialer_new != dialer_old and dialer_old < dialer_new:
             self.peers[peer_id] = old
             conn.close("duplicate connection", CloseCode.DUPLICATE)
         else:

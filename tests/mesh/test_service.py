@@ -503,3 +503,17 @@ def test_a_down_notice_leaves_the_connection_and_our_own_verdict_closes_it() -> 
         assert "failure detector" in conn.close_reason
 
     run(body)
+
+
+def test_the_transport_waits_as_long_as_the_detectors_local_health_says() -> None:
+    """The endpoint's patience is the failure detector's stretch: 1 on a healthy node, more once its loop
+    runs late (its request probes and dials then wait longer)."""
+    async def body(h: Harness) -> None:
+        owner = h.owner
+        assert owner.endpoint is not None
+        assert owner.endpoint.patience("anyone") == 1
+        owner.detector.health = 3
+        assert owner.endpoint.patience("anyone") == 4
+        owner.detector.health = 0
+
+    run(body)

@@ -6,11 +6,14 @@ import asyncio
 import socket
 
 import pytest
+from nacl.signing import SigningKey
 from net_helpers import Msg, endpoint, until
 
 from meshllm.errors import Untrusted
+from meshllm.identity.ids import node_id as node_id_of
 from meshllm.net import AdmissionRefused, ConnectError, PeerEventKind, PeerMismatch
 from meshllm.net.connection import PeerConnection
+from meshllm.net.endpoint import DIAL_RACE_S
 from meshllm.net.messages import StreamOpen
 from meshllm.wire.addr import format_addr
 from meshllm.wire.frames import encode_frame
@@ -134,6 +137,34 @@ def test_simultaneous_dials_converge_on_one_connection() -> None:
         assert stream is not None
         await a.close()
         await b.close()
+
+    asyncio.run(main())
+
+
+def test_a_restarted_peer_replaces_the_dead_connection_whoever_dialed_it() -> None:
+    """A peer killed without a word and started again (same key, new port) dials us while we still hold
+    the connection to its old process. The simultaneous-dial rule (keep the one the smaller id dialed) is
+    for two live connections; here it kept the dead one and refused the live one, so the restarted node
+    could not reach us until the dead one timed out."""
+    async def main() -> None:
+        keys = sorted((SigningKey.generate() for _ in range(2)), key=lambda k: node_id_of(bytes(k.verify_key)))
+        survivor, peer = await endpoint(keys[0]), await endpoint(keys[1])  # the survivor's id is the smaller
+        old = await survivor.connect(peer.local_addr)
+        assert old.dialer
+        peer._transport.close()  # kill -9: no CONNECTION_CLOSE leaves
+        await peer.close()
+        await asyncio.sleep(DIAL_RACE_S + 0.2)
+        restarted = await endpoint(keys[1])
+        conn = await restarted.connect(survivor.local_addr)
+        await until(lambda: survivor.peers.get(peer.node_id) is not old)
+        kept = survivor.peers[peer.node_id]
+        assert not kept.dialer and kept.state == "alive" and old.state == "closed"
+        await asyncio.sleep(0.3)
+        assert conn.state == "alive" and restarted.peers[survivor.node_id] is conn
+        stream = await conn.open_stream("x")
+        assert stream is not None
+        await restarted.close()
+        await survivor.close()
 
     asyncio.run(main())
 

@@ -29,8 +29,9 @@ def test_probe_rtt_appears_for_both_ends() -> None:
     asyncio.run(main())
 
 
-def test_killed_peer_becomes_suspect_within_a_second() -> None:
-    async def main() -> None:
+def seconds_to_suspect_a_killed_peer(patience: int) -> float:
+    """Connect to a peer process, kill it (-9), and time our connection's SUSPECT with ``patience``."""
+    async def main() -> float:
         seed = os.urandom(32)
         proc = await asyncio.create_subprocess_exec(
             sys.executable, str(PEER), seed.hex(), stdout=asyncio.subprocess.PIPE
@@ -38,6 +39,7 @@ def test_killed_peer_becomes_suspect_within_a_second() -> None:
         try:
             port = int((await asyncio.wait_for(proc.stdout.readline(), 10)).decode())  # type: ignore[union-attr]
             a = await endpoint()
+            a.patience = lambda node: patience
             events: list = []
             a.on_peer_event(events.append)
             peer = await a.connect(("127.0.0.1", port), expected_node_id=node_id(bytes(SigningKey(seed).verify_key)))
@@ -45,16 +47,26 @@ def test_killed_peer_becomes_suspect_within_a_second() -> None:
             proc.send_signal(signal.SIGKILL)
             loop = asyncio.get_running_loop()
             killed_at = loop.time()
-            await until(lambda: any(e.kind is PeerEventKind.SUSPECT for e in events), timeout=2.0)
-            assert loop.time() - killed_at < 1.2
+            await until(lambda: any(e.kind is PeerEventKind.SUSPECT for e in events), timeout=2.0 * patience)
             assert peer.state == "suspect"
             await a.close()
+            return loop.time() - killed_at
         finally:
             if proc.returncode is None:
                 proc.kill()
             await proc.wait()
 
-    asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_killed_peer_becomes_suspect_within_a_second() -> None:
+    assert seconds_to_suspect_a_killed_peer(1) < 1.2
+
+
+def test_an_overloaded_node_gives_a_silent_peer_longer() -> None:
+    """``Endpoint.patience`` (the failure detector's local-health stretch on a member) paces the probes:
+    at 4, three missed pings take about 3 s, not 0.75 s."""
+    assert seconds_to_suspect_a_killed_peer(4) > 2.0
 
 
 def test_reconnect_after_the_peer_restarts() -> None:
