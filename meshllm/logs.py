@@ -57,19 +57,26 @@ def configure(log_format: str, verbose: bool = False) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def event_sink(log_format: str, console: Console | None = None) -> Any:
+def event_sink(log_format: str, console: Console | None = None, verbose: bool = False) -> Any:
     """A hub sink that prints events: JSON lines, or one readable line each on stderr.
+
+    The gossip heartbeat (:attr:`~meshllm.events.NodeEvent.live_only` events: a ``record_updated``
+    for every member's refresh, two a second on a mesh of 50) is printed only when ``verbose``: it
+    buried everything else in the log, and writing it was 7 % of an idle member's time. The
+    ``/api/events`` stream still carries it.
 
     On a terminal, model transfers (a stage fetching its layers, a download) are drawn as progress
     bars (bytes, rate, time left) while they run, instead of a ``transfer_progress`` line a second;
     elsewhere (a pipe, a log file) those stay plain lines.
     """
     if log_format == "json":
-        return lambda event: emit_json(event.wire())
+        return lambda event: None if event.live_only and not verbose else emit_json(event.wire())
     console = console or Console(stderr=True, highlight=False)
     bars = TransferBars(console) if console.is_terminal else None
 
     def pretty(event: NodeEvent) -> None:
+        if event.live_only and not verbose:
+            return
         if isinstance(event, Ready):  # ``meshllm serve`` prints it as a readable summary instead
             return
         if bars is not None and bars.handle(event):

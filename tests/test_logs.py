@@ -37,3 +37,19 @@ def test_elsewhere_progress_stays_plain_lines() -> None:
     lines = out.getvalue().splitlines()
     assert [ln.split()[1] for ln in lines] == ["transfer_started", "transfer_progress", "transfer_done"]
     assert "\x1b" not in out.getvalue()
+
+
+def test_the_gossip_heartbeat_is_logged_only_when_verbose(capsys) -> None:
+    heartbeat, joined = from_wire({"type": "record_updated", "ts": 1.0, "node_id": "n1", "seq": 7}), \
+        from_wire({"type": "peer_joined", "ts": 1.0, "node_id": "n1", "name": "alpha"})
+    for verbose in (False, True):
+        out = io.StringIO()
+        pretty = event_sink("pretty", Console(file=out, force_terminal=False, width=200), verbose=verbose)
+        as_json = event_sink("json", verbose=verbose)
+        for event in (heartbeat, joined):
+            pretty(event)
+            as_json(event)
+        logged = [ln.split()[1] for ln in out.getvalue().splitlines()]
+        json_types = [line.split('"type":"')[1].split('"')[0] for line in capsys.readouterr().out.splitlines()]
+        want = ["record_updated", "peer_joined"] if verbose else ["peer_joined"]
+        assert logged == want and json_types == want

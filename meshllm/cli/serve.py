@@ -186,7 +186,7 @@ def _run(join_token: str | None, *, home: Path | None, name: str, api_port: int,
 
     logs.configure(log_format, verbose)
     hub = EventHub()
-    hub.add_sink(logs.event_sink(log_format))
+    hub.add_sink(logs.event_sink(log_format, verbose=verbose))
     config = load_config(resolve_home(home))
     dht_peers, _ = dht_bootstrap_of(dht_bootstrap, config, default=False)  # the node's own DHT: only when set
     lookup = dht_bootstrap_of(dht_bootstrap, config, default=True)
