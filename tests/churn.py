@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from nodes import NodeProcess, running_nodes, wait_until
+from nodes import HTTP, NodeProcess, running_nodes, wait_until
 from tinymodels import write_tiny_llama
 
 MODEL = "tiny"
@@ -80,7 +80,7 @@ def rss_mb(pid: int) -> float:
 
 
 def gossip_bytes(node: NodeProcess) -> float:
-    text = httpx.get(node.api + "/metrics", headers=node.admin_headers, timeout=10).text
+    text = HTTP.get(node.api + "/metrics", headers=node.admin_headers, timeout=10).text
     return sum(float(m.group(1)) for m in re.finditer(r'^meshllm_stream_bytes_total\{[^}]*kind="gossip"[^}]*\} (\S+)$',
                                                        text, re.M))
 
@@ -152,7 +152,7 @@ def chat_loop(entries: list[NodeProcess], log: ChatLog, stop: threading.Event, r
     while not stop.is_set():
         node = rng.choice(entries)
         try:
-            with httpx.stream("POST", node.api + "/v1/chat/completions", timeout=120, json={
+            with HTTP.stream("POST", node.api + "/v1/chat/completions", timeout=120, json={
                     "model": MODEL, "messages": [{"role": "user", "content": f"story {rng.random()}"}],
                     "max_tokens": max_tokens, "stream": True}) as reply:
                 body = "".join(reply.iter_text())

@@ -23,6 +23,10 @@ import httpx
 
 Event = dict[str, Any]
 
+HTTP = httpx.Client(limits=httpx.Limits(max_connections=512, max_keepalive_connections=512))
+"""One client for every call the harness makes (thread-safe, pooled): ``httpx.get`` builds a client and its
+TLS context per call, 23 ms of CPU here, which on a mesh of 50 read at once was half a core."""
+
 
 class NodeProcess:
     """One ``meshllm serve`` (or ``join``) subprocess; ``prefix`` runs it inside a network namespace."""
@@ -113,7 +117,7 @@ class NodeProcess:
         return ["--api", self.api, "--home", str(self.home)]
 
     def status(self, timeout: float = 5.0) -> dict[str, Any]:
-        return httpx.get(self.api + "/api/status", headers=self.admin_headers, timeout=timeout).json()
+        return HTTP.get(self.api + "/api/status", headers=self.admin_headers, timeout=timeout).json()
 
     def terminate(self, timeout: float = 10.0) -> int:
         """SIGTERM (a graceful leave) and wait."""
