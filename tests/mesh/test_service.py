@@ -20,11 +20,11 @@ from meshllm.identity.signing import sign
 from meshllm.identity.trust import TrustPolicy, TrustStore
 from meshllm.mesh import service as service_module
 from meshllm.mesh.admission import MeshKey, encode_token, inspect_token, joining_credential, with_grant
-from meshllm.mesh.failure import Failed
+from meshllm.mesh.failure import Failed, Recovered, Suspected
 from meshllm.mesh.membership import Membership, join_mesh, own_mesh
 from meshllm.mesh.messages import Ack, Digest, Exchange, Ping, Summary, decode_message, encode_message
 from meshllm.mesh.records import PeerRecord, sign_record
-from meshllm.mesh.service import DATAGRAM_MESSAGE_MAX, GOSSIP_STREAM, MeshService
+from meshllm.mesh.service import DATAGRAM_MESSAGE_MAX, GOSSIP_STREAM, HEARD_S, MeshService
 from meshllm.net.endpoint import Endpoint
 from meshllm.net.errors import AdmissionRefused, StreamClosed
 
@@ -515,5 +515,33 @@ def test_the_transport_waits_as_long_as_the_detectors_local_health_says() -> Non
         owner.detector.health = 3
         assert owner.endpoint.patience("anyone") == 4
         owner.detector.health = 0
+
+    run(body)
+
+
+def test_a_suspect_whose_packets_still_arrive_is_cleared() -> None:
+    """A suspect whose connection delivered a packet within HEARD_S (its loop runs: QUIC ACKs, the
+    transport's probes) is alive again at the next tick, whatever became of the detector's pings; one
+    whose connection has been silent longer stays suspect, and its verdict comes as before."""
+    async def body(h: Harness) -> None:
+        victim, victim_key = await joined(h, "victim")
+        owner = h.owner
+        assert owner.gossip is not None and owner.endpoint is not None
+        vid = victim_key.node_id
+        await until(lambda: vid in owner.gossip.members())  # type: ignore[union-attr]
+        victim.detector.receive = lambda *args, **kwargs: []  # type: ignore[method-assign]  # pings unanswered
+        conn = owner.endpoint.peers[vid]
+        loop = asyncio.get_running_loop()
+        owner.detector.suspect(vid, time.time())
+        conn.heard_at = loop.time() - 2 * HEARD_S  # silent: no packet since
+        assert owner._heard_suspects() == [] and vid in owner.detector.suspects
+        owner._handle(owner.gossip.on_detector([Suspected(vid)], time.time()))
+        assert owner.gossip.state.peers[vid].status == "suspect"
+        # the victim's transport still talks, so the next tick clears it long before a verdict could come
+        await until(lambda: vid not in owner.detector.suspects, timeout=0.9)
+        assert owner.gossip.state.peers[vid].status == "alive"
+        assert loop.time() - conn.heard_at < HEARD_S
+        owner.detector.suspect(vid, time.time())
+        assert owner._heard_suspects() == [Recovered(vid)]
 
     run(body)
