@@ -78,11 +78,11 @@ class PeerConnection:
         """The peer's node id, proven by its TLS certificate (None until the handshake ends)."""
         self.close_reason: str | None = None
         """Why the connection ended, once it has."""
-        self.heard_at = asyncio.get_running_loop().time()
-        """Loop time of the last packet from the peer (a dead peer's connection is silent)."""
         self.probes: ProbeState | None = None
         self._expected = expected
         self._loop = asyncio.get_running_loop()
+        self.heard_at = self._loop.time()
+        """Loop time of the last packet from the peer (a dead peer's connection is silent)."""
         self._admission: Admission | None = None
         self._streams: dict[int, Stream] = {}
         self._has_streams = asyncio.Event()
