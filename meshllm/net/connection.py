@@ -54,6 +54,8 @@ MAX_UNSEEN_PEER_STREAMS = 4096
 keeps the real number far lower; this only bounds memory against a misbehaving peer)."""
 MAX_PENDING_DATAGRAMS = 16
 """Probe datagrams (pings and pongs) are dropped while this many are queued and unsent."""
+EARLY_DATAGRAMS_MAX = 16
+"""Datagrams a peer may send between our Welcome and its Confirm that we keep for once it is admitted."""
 SWEEP_INTERVAL_S = 0.5
 """How often a connection checks its streams' header and frame deadlines."""
 
@@ -101,6 +103,8 @@ class PeerConnection:
         self.pending_source: Addr | None = None
         """The source address an incoming connection counts against until it is admitted or gone."""
         self._ready: asyncio.Future[None] = self._loop.create_future()
+        self._early: list[bytes] = []
+        """Datagrams the peer sent before our admission finished (``EARLY_DATAGRAMS_MAX``), handed on after."""
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._transmit_handle: asyncio.Handle | None = None
@@ -307,7 +311,10 @@ class PeerConnection:
                     if self.probes is not None:
                         self._apply_probes(self.probes.receive(event.data, self._loop.time()))
                 elif self.endpoint.on_datagram is not None and self._serving() and not self.passive:
-                    self.endpoint.on_datagram(self, event.data)
+                    if self._ready.done():
+                        self.endpoint.on_datagram(self, event.data)
+                    elif len(self._early) < EARLY_DATAGRAMS_MAX:
+                        self._early.append(event.data)
             elif isinstance(event, qe.StreamReset):
                 stream = self._streams.get(event.stream_id)
                 if stream is not None:
@@ -408,6 +415,13 @@ class PeerConnection:
         if not self._ready.done():
             self._ready.set_result(None)
         self.endpoint.admitted(self)
+        # The dialer is admitted on our Welcome and may speak before its Confirm reaches us: what it
+        # said meanwhile is handled now that the endpoint holds this connection (a joiner's first
+        # summary was answered into a connection nobody held yet, and its first exchange lost).
+        early, self._early = self._early, []
+        for data in early:
+            if self.endpoint.on_datagram is not None and self.close_reason is None:
+                self.endpoint.on_datagram(self, data)
 
     def _admit_check(self) -> Any:
         """The endpoint's admission check for this peer (a passive client's own, when the endpoint has one)."""
@@ -491,6 +505,10 @@ class PeerConnection:
         spawn(self._tasks, self._run_handler(handler, stream))
 
     async def _run_handler(self, handler: Any, stream: Stream) -> None:
+        try:
+            await self.wait_admitted()  # (a stream the dialer opened before its Confirm reached us)
+        except ConnectError:
+            return  # its admission failed after all: the connection is closing, and the stream with it
         try:
             await handler(stream, self)
             stream.close()

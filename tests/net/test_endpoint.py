@@ -14,6 +14,7 @@ from meshllm.identity.ids import node_id as node_id_of
 from meshllm.net import AdmissionRefused, ConnectError, PeerEventKind, PeerMismatch
 from meshllm.net.connection import PeerConnection
 from meshllm.net.endpoint import DIAL_RACE_S
+from meshllm.net.events import PeerEvent
 from meshllm.net.messages import StreamOpen
 from meshllm.wire.addr import format_addr
 from meshllm.wire.frames import encode_frame
@@ -80,6 +81,48 @@ def test_refused_admission_is_typed_and_early_streams_never_reach_handlers(monke
         await b.close()
 
     monkeypatch.setattr(PeerConnection, "_on_handshake", sneak_a_stream_in_first)
+    asyncio.run(main())
+
+
+def test_what_a_dialer_sends_at_once_reaches_the_acceptor_once_it_holds_the_connection() -> None:
+    """The dialer is admitted on the acceptor's Welcome and may speak before its Confirm arrives. Its first
+    datagram and stream reach the acceptor's handlers only once the acceptor holds the connection, so an
+    answer addressed to the dialer's node id leaves (a joiner's first gossip summary was answered into a
+    connection the acceptor did not hold yet, and the answer dropped)."""
+    async def main() -> None:
+        seen: list[tuple[str, bool]] = []
+        b = await endpoint()
+
+        def on_datagram(conn: PeerConnection, data: bytes) -> None:
+            seen.append((data.decode(), b.peers.get(conn.node_id or "") is conn))
+
+        async def handler(stream, conn) -> None:  # type: ignore[no-untyped-def]
+            seen.append(("stream", b.peers.get(conn.node_id) is conn))
+
+        async def speak(conn: PeerConnection) -> None:
+            stream = await conn.open_stream("echo")
+            await stream.send(Msg("hi"), timeout=1.0)
+
+        def on_connected(event: PeerEvent) -> None:  # as a joiner greets: in the step that admitted it
+            if event.kind is PeerEventKind.CONNECTED:
+                assert a.peers[event.node_id].send_datagram(b"first")
+                tasks.add(asyncio.ensure_future(speak(a.peers[event.node_id])))
+
+        tasks: set[asyncio.Task[None]] = set()
+        b.on_datagram = on_datagram
+        b.on_stream("echo", handler)
+        a = await endpoint()
+        a.on_peer_event(on_connected)
+        for _ in range(5):  # each round is a fresh connection
+            conn = await a.connect(b.local_addr, expected_node_id=b.node_id)
+            await until(lambda: len(seen) >= 2)
+            assert sorted(seen) == [("first", True), ("stream", True)]
+            seen.clear()
+            conn.close("next round")
+            await until(lambda: not b.peers)
+        await a.close()
+        await b.close()
+
     asyncio.run(main())
 
 
