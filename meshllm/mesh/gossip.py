@@ -283,6 +283,9 @@ class Gossip:
         self._refused: CoolDowns[str] = CoolDowns()
         self._asked: dict[str, int] = {}
         """peer -> records our last ``want`` list to it asked for (one entry per connected peer at most)."""
+        self.answered = False
+        """A peer answered a want list of ours, or sent a digest listing nothing we lack: a joining node's
+        view now holds what that member held."""
         self._accused: dict[str, tuple[str, float]] = {}
         """subject -> (accuser, notice time) of the notice that took it down (refutation tracking)."""
         # A random first phase: nodes started together must not refresh in lockstep.
@@ -455,7 +458,9 @@ class Gossip:
             return self._on_digest(source, message, now)
         if isinstance(message, Exchange):
             out: list[Output] = []
-            for raw in message.records[: self._items_cap(self._asked.pop(source, 0))]:
+            asked = self._asked.pop(source, 0)
+            self.answered = self.answered or asked > 0
+            for raw in message.records[: self._items_cap(asked)]:
                 result = self._ingest(raw, source, now)
                 if result and isinstance(result[0], Rejected):
                     return out + result[:1] + self._forged(result[0])  # drop the rest unread
@@ -665,6 +670,8 @@ class Gossip:
                            and not self._refused.remaining(n, now)][:WANT_MAX]
         if want:
             self._asked[source] = len(want)  # its answer may carry that many (``_items_cap``)
+        else:
+            self.answered = True  # we hold all it listed
         out: list[Output] = [Send(source, m) for m in self._exchanges(give, want)]
         if notices:
             out.append(Send(source, Notices(notices)))

@@ -156,6 +156,23 @@ def test_valid_joiner_is_admitted_and_gossiped() -> None:
     run(body)
 
 
+def test_a_joiner_knows_the_mesh_once_its_start_returns() -> None:
+    """``start`` returns (and the node then says it is ready) only once a member answered the joiner's
+    first want list: every member the owner held is in the joiner's view at that moment, not a round later."""
+    async def body(h: Harness) -> None:
+        members = [(await joined(h, f"m{i}"))[1].node_id for i in range(3)]
+        assert h.owner.gossip is not None
+        await until(lambda: set(members) <= set(h.owner.gossip.members()))  # type: ignore[union-attr]
+        key = NodeKey.ephemeral()
+        late = h.service(key, join_mesh(key.signing_key, h.token(), time.time()), "late")
+        h.extra.append(late)
+        await late.start()
+        assert late.gossip is not None and late.gossip.answered
+        assert {h.owner_key.node_id, *members} <= set(late.gossip.members())
+
+    run(body)
+
+
 async def admitted_raw_peer(h: Harness) -> tuple[Any, SigningKey, bytes]:
     """A raw endpoint admitted by the owner, and its credential completed with the owner's grant."""
     key = SigningKey.generate()
