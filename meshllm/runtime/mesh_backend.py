@@ -14,12 +14,13 @@ node serving the same model file, which continues the answer where it broke, so 
 stream goes on (:mod:`meshllm.runtime.replay` keeps the state and the rules). With nowhere to go the
 client gets the clean error at once instead of waiting for a timeout.
 
-Before the first event, *suspect* is not taken for *gone*: a peer whose probes went unanswered for a
-second may be a host too loaded to answer in time (measured: a node under attack on a busy 2-core
-host). When a request found nowhere to start only because the nodes serving its model are suspect (by
-probes or by gossip), it waits up to :data:`SUSPECT_WAIT_S` for one of them to be routable again and
-starts once more; a dead node's request gets its 503 after that wait, or as soon as gossip has it
-down, instead of at once.
+Before the first event, *unreachable* is not taken for *gone*: a peer whose probes went unanswered
+for a second, or whose handshake took longer than the dial's deadline, may be a host too loaded to
+answer in time (measured: a node under attack on a busy 2-core host; handshakes with live members of
+a 50-process mesh on two cores). When a request found nowhere to start only because the nodes serving
+its model could not be reached (or are suspect), it tries again while gossip still holds one of them
+alive or suspect, for up to :data:`START_WAIT_S`; a dead node's request gets its 503 after that
+wait, or as soon as gossip has it down.
 """
 
 from __future__ import annotations
@@ -95,9 +96,9 @@ class DemandHook(Protocol):
 
 CONNECT_PATIENCE_MAX = 3
 """Most times ``connect_s`` a dial waits on a loaded host (a dead node's dial costs as much before failover)."""
-SUSPECT_WAIT_S = 5.0
-"""Longest a request that could not start waits for a suspect node serving its model to be routable again."""
-SUSPECT_POLL_S = 0.1
+START_WAIT_S = 10.0
+"""Longest a request that could reach no node serving its model keeps trying, while gossip holds one alive."""
+START_RETRY_S = 0.25
 """How often that wait looks at the mesh again (gossip and probes both decide when a node is routable)."""
 
 
@@ -113,6 +114,14 @@ class TunnelDeadlines:
     """Between two response frames."""
     total_s: float = 900.0
     """The whole response; also sent to the peer, which abandons the request after it."""
+
+
+class Unreachable(UpstreamError):
+    """A target that could not be reached, or stopped answering: it may be slow, not gone."""
+
+
+class NoneReachable(NoCapacity):
+    """No target to start on was reachable (none routable, or each :class:`Unreachable`)."""
 
 
 @dataclass(frozen=True)
@@ -338,11 +347,10 @@ class MeshBackend:
                     self.router.record_failure(leg.target.node_id, self.clock())
                     if progress.why_not(exc) is not None:
                         raise
-                    targets = self._replacements(progress, leg.target)
-                    if not targets:
+                    if not self._candidates(progress.request, progress, self._left(progress, leg.target)):
                         self._nowhere(progress, leg.target, exc)
                         raise
-                    target, event, events, _started = await self._replay(progress, leg.target, str(exc), targets)
+                    target, event, events, _started = await self._replay(progress, leg.target, str(exc))
                     leg = _Leg(target, events)
         finally:
             await _aclose(leg.events)
@@ -357,11 +365,10 @@ class MeshBackend:
         hedge: asyncio.Future[tuple[Target, TunnelEvent, AsyncIterator[TunnelEvent], float]] | None = None
         try:
             await asyncio.wait({pending}, timeout=stall)  # from now: the client may have been slow to read
-            targets = [] if pending.done() else self._replacements(progress, leg.target)
-            if not targets:
+            if pending.done() or not self._candidates(progress.request, progress, self._left(progress, leg.target)):
                 return await pending, leg
             silent = f"{self._name(leg.target)} sent nothing for {stall:.2f}s"
-            hedge = asyncio.ensure_future(self._replay(progress, leg.target, silent, targets, hedge=True))
+            hedge = asyncio.ensure_future(self._replay(progress, leg.target, silent, hedge=True))
             await asyncio.wait({pending, hedge}, return_when=asyncio.FIRST_COMPLETED)
             if pending.done() and pending.exception() is None:
                 return pending.result(), leg  # the first node spoke first: the hedge is dropped (finally)
@@ -410,63 +417,73 @@ class MeshBackend:
                                  now=self.clock(), key=affinity_key(request), local_free=self._local_free(model))
 
     async def _begin(self, request: Routable, progress: Progress | None = None,
-                     ) -> tuple[Target, TunnelEvent, AsyncIterator[TunnelEvent]]:
-        """:meth:`_start` on the current targets. When it found nowhere to start while members serving the
-        model are only suspect (by their connection's probes or by gossip: they may be slow, not gone),
-        wait up to :data:`SUSPECT_WAIT_S` for one to be routable again, then start once more."""
+                     exclude: frozenset[str] = frozenset()) -> tuple[Target, TunnelEvent, AsyncIterator[TunnelEvent]]:
+        """:meth:`_start` on the current targets less ``exclude`` (the nodes a replayed answer left).
+
+        When no target was reachable (none routable, or each one's dial or probes failed: a loaded host
+        looks like a dead one for a few seconds) while gossip still holds a member serving the model
+        alive or suspect, it looks again every :data:`START_RETRY_S` for up to :data:`START_WAIT_S`,
+        each try dialing with one more ``connect_s`` of patience (at most :data:`CONNECT_PATIENCE_MAX`, and
+        no longer than the wait has left).
+        A member gossip has down is not waited for."""
         try:
-            return await self._start(request, self._targets(request), progress)
-        except NoCapacity as exc:
+            return await self._start(request, self._candidates(request, progress, exclude), progress)
+        except NoneReachable as exc:
             nowhere = exc
-        suspects = self._suspects(request.model)
-        if not suspects:
+        awaited = self._announcing(request.model, exclude)
+        if not awaited:
             raise nowhere
-        names = ", ".join(sorted(self._name(Target(n)) for n in suspects))
-        log.info("%s: nowhere to start (%s); waiting up to %gs for %s to answer again",
-                 request.model, nowhere, SUSPECT_WAIT_S, names)
-        started = self.clock()
-        while not (targets := self._targets(request)):
-            if self.clock() - started >= SUSPECT_WAIT_S or not self._suspects(request.model):
-                break
-            await asyncio.sleep(SUSPECT_POLL_S)
-        self.on_event("request_waited", model=request.model, nodes=sorted(suspects),
-                      waited_s=round(self.clock() - started, 3), routable=bool(targets))
-        if not targets:
-            raise nowhere
-        return await self._start(request, targets, progress)
+        log.info("%s: no node reachable (%s); trying up to %gs more for %s", request.model, nowhere, START_WAIT_S,
+                 ", ".join(sorted(self._name(Target(n)) for n in awaited)))
+        started, tries = self.clock(), 1
 
-    def _suspects(self, model: str) -> frozenset[str]:
-        """Members serving ``model`` that are suspect, not gone: gossip holds them suspect, or alive with
-        a connection whose probes went unanswered for about a second."""
-        gossip, endpoint = self.mesh.gossip, self.mesh.endpoint
-        if gossip is None or endpoint is None:
+        def waited(routable: bool) -> None:
+            self.on_event("request_waited", model=request.model, nodes=sorted(awaited),
+                          waited_s=round(self.clock() - started, 3), routable=routable)
+
+        while self.clock() - started < START_WAIT_S and self._announcing(request.model, exclude):
+            await asyncio.sleep(START_RETRY_S)
+            if not (targets := self._candidates(request, progress, exclude)):
+                continue
+            tries += 1
+            left_s = START_WAIT_S - (self.clock() - started)
+            try:
+                begun = await self._start(request, targets, progress,
+                                          patience=max(1.0, min(tries, left_s / self.deadlines.connect_s)))
+            except NoneReachable as exc:
+                nowhere = exc
+                continue
+            waited(True)
+            return begun
+        waited(False)
+        raise nowhere
+
+    def _announcing(self, model: str, exclude: frozenset[str]) -> frozenset[str]:
+        """Members other than ``exclude`` that serve ``model`` and that gossip holds alive or suspect."""
+        gossip = self.mesh.gossip
+        if gossip is None:
             return frozenset()
-
-        def probed_suspect(node_id: str) -> bool:
-            conn = endpoint.peers.get(node_id)
-            return conn is not None and conn.state == "suspect"
-
         return frozenset(
             node_id for node_id, entry in gossip.state.peers.items()
-            if node_id != self.node_id
-            and any(m.name == model and takes_requests(m) for m in entry.record.models.served)
-            and (entry.status == "suspect" or (entry.status == "alive" and probed_suspect(node_id))))
+            if node_id != self.node_id and node_id not in exclude and entry.status in ("alive", "suspect")
+            and any(m.name == model and takes_requests(m) for m in entry.record.models.served))
 
     async def _start(self, request: Routable, targets: Sequence[Target], progress: Progress | None = None,
-                     ) -> tuple[Target, TunnelEvent, AsyncIterator[TunnelEvent]]:
+                     patience: float = 1.0) -> tuple[Target, TunnelEvent, AsyncIterator[TunnelEvent]]:
         """The first target of ``targets`` that answers: it, its first event, and the rest of its events.
 
-        A target that fails before its first event (and not because of the request) is skipped.
+        A target that fails before its first event (and not because of the request) is skipped. A dial
+        waits ``patience`` times ``connect_s`` (or more on a loaded host: :meth:`_connection`).
         """
         if not targets:
             if self._known_anywhere(request.model):
-                raise NoCapacity(f"no reachable node serves {request.model!r} right now "
+                raise NoneReachable(f"no reachable node serves {request.model!r} right now "
                                  "(the nodes serving it are unreachable or gone)")
             raise UnknownModel(f"model {request.model!r} is not served by this mesh")
         attempt = Attempt(targets, self.router)
         failures: list[tuple[Target, BaseException]] = []
         while (target := attempt.next_target()) is not None:
-            events = self._open(target, request, progress)
+            events = self._open(target, request, progress, patience)
             try:
                 first = await _first(events, self._name(target))
             except Exception as exc:
@@ -485,12 +502,16 @@ class MeshBackend:
             return target, first, events
         raise self._exhausted(request.model, failures)
 
-    def _replacements(self, progress: Progress, failed: Target) -> list[Target]:
-        """Where ``progress``'s generation may continue after ``failed``: other nodes serving the model
-        (the same file, when the first node named it) that have not failed this request."""
-        model, pin = progress.request.model, progress.model_sha256
-        return [t for t in self._targets(progress.request) if t.node_id not in progress.failed | {failed.node_id}
-                and not (t.local and pin and self.hashes.get(model) != pin)]
+    def _candidates(self, request: Routable, progress: Progress | None, exclude: frozenset[str]) -> list[Target]:
+        """:meth:`_targets` less ``exclude``, and less this node when ``progress`` is pinned to a model file
+        (the first node named its sha256) that this node's file is not."""
+        pin = progress.model_sha256 if progress is not None else None
+        return [t for t in self._targets(request) if t.node_id not in exclude
+                and not (t.local and pin and self.hashes.get(request.model) != pin)]
+
+    def _left(self, progress: Progress, failed: Target) -> frozenset[str]:
+        """The nodes ``progress``'s generation may not continue on after ``failed``: those that failed it."""
+        return frozenset(progress.failed | {failed.node_id})
 
     def _nowhere(self, progress: Progress, failed: Target, exc: Exception) -> None:
         """Report a generation that broke with no other node to continue it (the client gets ``exc``)."""
@@ -500,11 +521,12 @@ class MeshBackend:
                       reason=why)
         log.warning("%s failed mid-answer and %s: %s", self._name(failed), why, exc)
 
-    async def _replay(self, progress: Progress, failed: Target, reason: str, targets: Sequence[Target], *,
+    async def _replay(self, progress: Progress, failed: Target, reason: str, *,
                       hedge: bool = False) -> tuple[Target, TunnelEvent, AsyncIterator[TunnelEvent], float]:
-        """Continue ``progress``'s generation on the first of ``targets`` that answers, after ``failed``
-        broke (or, ``hedge``, stalled: ``reason``): it, its first event, its other events, when the replay
-        started. An :class:`UpstreamError` naming both failures when none answers in time."""
+        """Continue ``progress``'s generation on the first other node that answers (:meth:`_begin`), after
+        ``failed`` broke (or, ``hedge``, stalled: ``reason``): it, its first event, its other events, when
+        the replay started. An :class:`UpstreamError` naming both failures when none answers in time."""
+        exclude = self._left(progress, failed)
         request = progress.begin(failed.node_id, hedge=hedge)
         model, tokens, name = request.model, len(request.continuation), self._name(failed)
         self.counters.replays += 1
@@ -513,7 +535,7 @@ class MeshBackend:
         started = self.clock()
         try:
             async with asyncio.timeout(self.replay.first_event_s):
-                target, first, events = await self._start(request, targets, progress)
+                target, first, events = await self._begin(request, progress, exclude)
         except Exception as again:
             self.counters.replays_failed += 1
             why = f"no first event within {self.replay.first_event_s:g}s" if isinstance(again, TimeoutError) \
@@ -545,11 +567,14 @@ class MeshBackend:
         if failures and all(_busy(e) for _, e in failures):
             hints = [e.retry_after_s for _, e in failures if isinstance(e, EngineBusy)]
             return Saturated(f"every node serving {model!r} is busy ({why})", retry_after_s=min(hints, default=1.0))
+        if all(isinstance(e, Unreachable) for _, e in failures):
+            return NoneReachable(f"every node serving {model!r} failed ({why})")
         return NoCapacity(f"every node serving {model!r} failed ({why})")
 
-    def _open(self, target: Target, request: Routable, progress: Progress | None) -> AsyncIterator[TunnelEvent]:
+    def _open(self, target: Target, request: Routable, progress: Progress | None,
+              patience: float = 1.0) -> AsyncIterator[TunnelEvent]:
         if not target.local:
-            return self._remote(target.node_id, request, progress)
+            return self._remote(target.node_id, request, progress, patience)
         engine = self.engines[request.model]
         if isinstance(request, EmbedRequest):
             return embed_stream(engine, request)
@@ -561,7 +586,8 @@ class MeshBackend:
         record = self._alive_records().get(target.node_id)
         return f"node {record.name if record is not None and record.name else short(target.node_id)}"
 
-    async def _remote(self, node_id: str, request: Routable, progress: Progress | None) -> AsyncIterator[TunnelEvent]:
+    async def _remote(self, node_id: str, request: Routable, progress: Progress | None,
+                      patience: float = 1.0) -> AsyncIterator[TunnelEvent]:
         """One request through the tunnel to ``node_id``; every wait has a deadline.
 
         A replay (``progress`` holding the first node's model sha256) may only run on that file; the
@@ -574,7 +600,7 @@ class MeshBackend:
         client = TunnelClient()
         conn: PeerConnection | None = None
         try:
-            conn = await self._connection(node_id, name)
+            conn = await self._connection(node_id, name, patience)
             call.stream = await conn.open_stream(STREAM_KIND)
             pin = progress.model_sha256 if progress is not None else None  # known once a first node spoke
             opening = client.start(uuid.uuid4().hex, request, int(dl.total_s * 1000), pin or "",
@@ -599,7 +625,7 @@ class MeshBackend:
                 yield event
                 wait = dl.idle_s
         except StreamClosed as exc:
-            raise UpstreamError(f"{name} {call.lost or f'dropped the request ({exc})'}; retry the request") from None
+            raise Unreachable(f"{name} {call.lost or f'dropped the request ({exc})'}; retry the request") from None
         except (PeerOverran, DecodeError) as exc:  # a peer that oversteps its answer is cut off and struck
             log.warning("%s sent a bad answer, cut off: %s", name, exc)
             if call.stream is not None:
@@ -622,18 +648,19 @@ class MeshBackend:
         contexts = [m.context for m in record.models.served if m.name == model] if record is not None else []
         return max(contexts, default=None)
 
-    async def _connection(self, node_id: str, name: str) -> PeerConnection:
-        """The open connection to ``node_id``, dialing its gossiped addresses if there is none."""
+    async def _connection(self, node_id: str, name: str, patience: float = 1.0) -> PeerConnection:
+        """The open connection to ``node_id``, dialing its gossiped addresses if there is none, for
+        ``patience`` times ``connect_s`` or what the host's load asks, whichever is longer."""
         assert self.mesh.endpoint is not None
         record = self._alive_records().get(node_id)
         addrs = [] if record is None else [*record.addresses.listen, *record.addresses.observed]
         # A loaded host (local health above 0) gives the handshake longer, at most CONNECT_PATIENCE_MAX
         # times: on 54 processes sharing two cores, handshakes with live members took over 3 s.
-        patience = min(self.mesh.endpoint.patience(node_id), CONNECT_PATIENCE_MAX)
+        patience = min(max(self.mesh.endpoint.patience(node_id), patience), CONNECT_PATIENCE_MAX)
         try:
             return await self.mesh.endpoint.connect_node(node_id, addrs, self.deadlines.connect_s * patience)
         except ConnectError as exc:
-            raise UpstreamError(f"cannot reach {name} ({exc})") from None
+            raise Unreachable(f"cannot reach {name} ({exc})") from None
 
     def _on_peer_event(self, event: PeerEvent) -> None:
         """A peer turned suspect or its connection closed: abort what is in flight to it."""
