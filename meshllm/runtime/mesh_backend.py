@@ -121,7 +121,8 @@ class Unreachable(UpstreamError):
 
 
 class NoneReachable(NoCapacity):
-    """No target to start on was reachable (none routable, or each :class:`Unreachable`)."""
+    """No target to start on was reachable: none routable, or each :class:`Unreachable` or busy (not all
+    busy: that is :class:`Saturated`, for the client to come back to)."""
 
 
 @dataclass(frozen=True)
@@ -560,14 +561,16 @@ class MeshBackend:
 
     def _exhausted(self, model: str, failures: list[tuple[Target, BaseException]]) -> ApiError:
         """The error after every target failed: a timeout stays 504; every node busy is a 429 with
-        Retry-After (the client should come back); anything else is a 503."""
+        Retry-After (the client should come back); anything else is a 503, a :class:`NoneReachable` one
+        (:meth:`_begin` tries again) when some could not be reached and the others were busy."""
         why = "; ".join(f"{self._name(t)}: {e}" for t, e in failures)
         if failures and isinstance(failures[-1][1], UpstreamTimeout):
             return UpstreamTimeout(f"every node serving {model!r} failed ({why})")
         if failures and all(_busy(e) for _, e in failures):
             hints = [e.retry_after_s for _, e in failures if isinstance(e, EngineBusy)]
             return Saturated(f"every node serving {model!r} is busy ({why})", retry_after_s=min(hints, default=1.0))
-        if all(isinstance(e, Unreachable) for _, e in failures):
+        if any(isinstance(e, Unreachable) for _, e in failures) and \
+                all(isinstance(e, Unreachable) or _busy(e) for _, e in failures):
             return NoneReachable(f"every node serving {model!r} failed ({why})")
         return NoCapacity(f"every node serving {model!r} failed ({why})")
 
