@@ -223,6 +223,7 @@ class Node:
                 relay=opts.relay, revocations_file=self.home / REVOCATIONS_FILE,
             )
             await self.mesh.start()
+            await self.mesh.first_view()
             self.routes = RouteService(self.mesh)
             self.blackboard = BlackboardService(self.mesh, self.events.publish)
             self.blackboard.start()

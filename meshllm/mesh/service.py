@@ -78,7 +78,7 @@ repairs itself). Only a peer that lets a message sit past DRAIN_TIMEOUT_S gets a
 DIAL_TIMEOUT_S = 3.0
 BOOTSTRAP_DEADLINE_S = 15.0
 FIRST_VIEW_S = 5.0
-"""Longest a joining node's start waits for a member to answer its first want list (:meth:`MeshService._first_view`)."""
+"""Longest a joining node's start waits for a member to answer its first want list (:meth:`MeshService.first_view`)."""
 FIRST_VIEW_POLL_S = 0.02
 DIALS_IN_FLIGHT = 4
 """Member dials at once (one while our local health is not 0)."""
@@ -185,7 +185,6 @@ class MeshService:
         self._runner = asyncio.create_task(self._run(), name="mesh-service")
         if self.membership.bootstrap:
             await self._bootstrap(self.membership.bootstrap)
-            await self._first_view()
 
     def listen_addrs(self) -> list[str]:
         """Addresses peers can dial us at (worked out once, when the endpoint was bound)."""
@@ -601,13 +600,16 @@ class MeshService:
                  f"(last error: {errors[-1] if errors else 'none'})",
         )
 
-    async def _first_view(self) -> None:
-        """Wait, up to :data:`FIRST_VIEW_S`, for a member's answer to our first want list, so that a node that
-        says it is ready knows the mesh's members and models. Without it a restarted member of a 50-process
+    async def first_view(self) -> None:
+        """After :meth:`start`, wait up to :data:`FIRST_VIEW_S` for a member's answer to our first want list,
+        so that a node that says it is ready knows the mesh's members and models (``Node.start`` waits for it
+        before its ``ready``). Without it a restarted member of a 50-process
         mesh on a loaded host called itself ready while its view held 4 of 49 members for 3 s: requests sent
         to it could reach only the serving members it held. Silence is not an error: anti-entropy fills the
         view later."""
         assert self.gossip is not None
+        if not self.membership.bootstrap:
+            return  # the mesh's first member: nobody to hear from
         try:
             async with asyncio.timeout(FIRST_VIEW_S):
                 while not self.gossip.answered:

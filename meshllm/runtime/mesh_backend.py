@@ -460,13 +460,15 @@ class MeshBackend:
         raise nowhere
 
     def _announcing(self, model: str, exclude: frozenset[str]) -> frozenset[str]:
-        """Members other than ``exclude`` that serve ``model`` and that gossip holds alive or suspect."""
-        gossip = self.mesh.gossip
-        if gossip is None:
+        """Members other than ``exclude`` that serve ``model``, that gossip holds alive or suspect, and that
+        this node has not cut off for overstepping its limits."""
+        gossip, endpoint = self.mesh.gossip, self.mesh.endpoint
+        if gossip is None or endpoint is None:
             return frozenset()
         return frozenset(
             node_id for node_id, entry in gossip.state.peers.items()
             if node_id != self.node_id and node_id not in exclude and entry.status in ("alive", "suspect")
+            and not endpoint.cooling(node_id)
             and any(m.name == model and takes_requests(m) for m in entry.record.models.served))
 
     async def _start(self, request: Routable, targets: Sequence[Target], progress: Progress | None = None,
@@ -660,6 +662,8 @@ class MeshBackend:
         # A loaded host (local health above 0) gives the handshake longer, at most CONNECT_PATIENCE_MAX
         # times: on 54 processes sharing two cores, handshakes with live members took over 3 s.
         patience = min(max(self.mesh.endpoint.patience(node_id), patience), CONNECT_PATIENCE_MAX)
+        if cut_off_s := self.mesh.endpoint.cooling(node_id):  # not Unreachable: no request waits for it
+            raise UpstreamError(f"{name} is cut off for {cut_off_s:.0f} s (it overstepped this node's limits)")
         try:
             return await self.mesh.endpoint.connect_node(node_id, addrs, self.deadlines.connect_s * patience)
         except ConnectError as exc:

@@ -156,9 +156,9 @@ def test_valid_joiner_is_admitted_and_gossiped() -> None:
     run(body)
 
 
-def test_a_joiner_knows_the_mesh_once_its_start_returns() -> None:
-    """``start`` returns (and the node then says it is ready) only once a member answered the joiner's
-    first want list: every member the owner held is in the joiner's view at that moment, not a round later."""
+def test_a_joiner_knows_the_mesh_once_its_first_view_returns() -> None:
+    """``first_view`` (the node awaits it after ``start``, before it says it is ready) returns once a member
+    answered the joiner's first want list: every member the owner held is in the joiner's view then."""
     async def body(h: Harness) -> None:
         members = [(await joined(h, f"m{i}"))[1].node_id for i in range(3)]
         assert h.owner.gossip is not None
@@ -167,6 +167,7 @@ def test_a_joiner_knows_the_mesh_once_its_start_returns() -> None:
         late = h.service(key, join_mesh(key.signing_key, h.token(), time.time()), "late")
         h.extra.append(late)
         await late.start()
+        await late.first_view()
         assert late.gossip is not None and late.gossip.answered
         assert {h.owner_key.node_id, *members} <= set(late.gossip.members())
 
