@@ -23,9 +23,11 @@ import httpx
 
 Event = dict[str, Any]
 
-HTTP = httpx.Client(limits=httpx.Limits(max_connections=512, max_keepalive_connections=512))
+HTTP = httpx.Client(limits=httpx.Limits(max_connections=512, max_keepalive_connections=512, keepalive_expiry=2.0))
 """One client for every call the harness makes (thread-safe, pooled): ``httpx.get`` builds a client and its
-TLS context per call, 23 ms of CPU here, which on a mesh of 50 read at once was half a core."""
+TLS context per call, 23 ms of CPU here, which on a mesh of 50 read at once was half a core. A pooled
+connection idle for 2 s is not reused: the node's server closes idle ones after 5 s (uvicorn's keep-alive),
+and a call on one it had just closed failed with "Server disconnected without sending a response"."""
 
 
 class NodeProcess:
