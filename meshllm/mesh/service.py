@@ -602,11 +602,10 @@ class MeshService:
 
     async def first_view(self) -> None:
         """After :meth:`start`, wait up to :data:`FIRST_VIEW_S` for a member's answer to our first want list,
-        so that a node that says it is ready knows the mesh's members and models (``Node.start`` waits for it
-        before its ``ready``). Without it a restarted member of a 50-process
-        mesh on a loaded host called itself ready while its view held 4 of 49 members for 3 s: requests sent
-        to it could reach only the serving members it held. Silence is not an error: anti-entropy fills the
-        view later."""
+        so that a node that says it is ready knows the mesh's members and models (``Node.start`` waits for
+        it before its ``ready``). Without it a restarted member of a 50-process mesh on a loaded host called
+        itself ready while its view held 4 of 49 members for 3 s: requests sent to it could reach only the
+        serving members it held. Silence is not an error: anti-entropy fills the view later."""
         assert self.gossip is not None
         if not self.membership.bootstrap:
             return  # the mesh's first member: nobody to hear from
