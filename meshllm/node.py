@@ -505,6 +505,7 @@ class Node:
         gossip, endpoint = self.mesh.gossip, self.mesh.endpoint
         assert endpoint is not None
         peers = []
+        now = time.time()
         for node_id, entry in sorted(gossip.state.peers.items(), key=lambda kv: kv[1].record.name):
             rec = entry.record
             conn = endpoint.peers.get(node_id)
@@ -512,7 +513,8 @@ class Node:
             if rtt is None and node_id in gossip.own.rtt:
                 rtt = gossip.own.rtt[node_id].rtt_ms
             peers.append({
-                "node_id": node_id, "name": rec.name, "state": entry.status, "role": rec.role,
+                "node_id": node_id, "name": rec.name, "state": entry.status,
+                "state_s": round(max(0.0, now - entry.changed), 3), "role": rec.role,
                 "path": conn.path if conn is not None and conn.state == "alive" else "none",
                 "rtt_ms": None if rtt is None else round(rtt, 3),
                 "models": [_model_json(m) for m in rec.models.served],

@@ -85,19 +85,13 @@ def gossip_bytes(node: NodeProcess) -> float:
                                                        text, re.M))
 
 
-def states_of(node: NodeProcess) -> dict[str, str] | None:
-    """Each member ``node`` lists -> its state there (None: it did not answer in time)."""
+def peers_of(node: NodeProcess) -> tuple[list[dict[str, Any]], float] | None:
+    """The peers ``node`` lists and when (``time.monotonic()``) its answer arrived; None: no answer in time."""
     try:
         peers = node.status(timeout=30)["peers"]
     except (httpx.HTTPError, ValueError, KeyError, TypeError):  # no answer, or an error's body
         return None
-    return {p["node_id"]: p["state"] for p in peers}
-
-
-def view_of(node: NodeProcess) -> set[str] | None:
-    """The members ``node`` lists as live (None: it did not answer in time, so not converged yet)."""
-    states = states_of(node)
-    return None if states is None else {n for n, state in states.items() if state in ("alive", "suspect")}
+    return peers, time.monotonic()
 
 
 def _without_bootstrap(args: list[str]) -> list[str]:
@@ -114,36 +108,51 @@ def _without_bootstrap(args: list[str]) -> list[str]:
     return out
 
 
-def converged(members: list[Member], live: Any, timeout: float) -> float:
-    """Seconds until every member lists exactly the other live members; on timeout, an AssertionError
-    naming every view that differed and how (a missing member's state there: down, left, or absent).
+def converged(members: list[Member], live: Any, timeout: float, since: float | None = None) -> tuple[float, float]:
+    """Wait until every one of ``members`` (or passive clients) lists exactly the other live members;
+    returns (when a sweep saw that, when it last became true), in seconds from ``since`` (a
+    ``time.monotonic()``; default: the call). On timeout, an AssertionError naming every
+    view that differed and how (a missing member's state there: down, left, or absent).
 
-    Each check reads every member's view at once (one thread per member), so the views it compares
+    Each sweep reads every member's view at once (one thread per member), so the views it compares
     are those of one moment: read one after another, 50 status calls on a saturated 2-core host took
     longer than the 5 s a convergence is meant to take, and any passing false down anywhere in that
-    span restarted the sweep."""
+    span restarted the sweep. Even at once, a sweep takes 2.5-3.6 s there, so the sweep that sees
+    the views agree comes up to that long after they did. The second figure dates it from the views
+    themselves: each peer's ``state_s`` says how long the member has held that peer in its state, so
+    the last change in any view (any state, tombstones included) is when the views became what the
+    sweep saw. It is never later than the first figure."""
     differs: list[str] = []
+    start = time.monotonic() if since is None else since
+    settled = [start]
 
     def sweep() -> bool:
         names = {m.proc.node_id: m.name for m in members if m.proc is not None}
         want = live()
         with ThreadPoolExecutor(len(members)) as pool:
-            views = list(pool.map(lambda m: states_of(m.proc), members))
+            answers = list(pool.map(lambda m: peers_of(m.proc), members))
         differs.clear()
-        for m, states in zip(members, views, strict=True):
+        last_change = start
+        for m, answer in zip(members, answers, strict=True):
             assert m.proc is not None
             mine = want - {m.proc.node_id}
-            if states is None:
+            if answer is None:
                 differs.append(f"{m.name}: no answer")
-            elif (seen := {n for n, s in states.items() if s in ("alive", "suspect")}) != mine:
+                continue
+            peers, received = answer
+            states = {p["node_id"]: p["state"] for p in peers}
+            if (seen := {n for n, s in states.items() if s in ("alive", "suspect")}) != mine:
                 missing = sorted(f"{names.get(n, n[:8])} ({states.get(n, 'absent')})" for n in mine - seen)
                 differs.append(f"{m.name}: missing {missing}, extra {sorted(names.get(n, n[:8]) for n in seen - mine)}")
+            last_change = max([last_change, *(received - p["state_s"] for p in peers)])
+        settled[0] = last_change
         return not differs
 
     try:
-        return wait_until(sweep, timeout, 0.2)
+        wait_until(sweep, timeout, 0.2)
     except AssertionError:
         raise AssertionError(f"views did not converge within {timeout} s: {'; '.join(differs)}") from None
+    return time.monotonic() - start, settled[0] - start
 
 
 def chat_loop(entries: list[NodeProcess], log: ChatLog, stop: threading.Event, rng: random.Random,
@@ -220,9 +229,9 @@ def run_churn(base: Path, *, nodes: int, serving: int, workers: int, passive: in
             procs.append(victim.start_through([m for m in members if m is not victim], rng))
             victim.wait_ready(members, rng, procs, settle_timeout)
             on_progress(f"restarted {victim.name}")
-        converge_s = converged(members, live, settle_timeout)
-        passive_s = wait_until(lambda: all(view_of(c.proc) == live() for c in clients), settle_timeout, 0.2) \
-            if clients else 0.0
+        restarted = time.monotonic()
+        seen_s, converge_s = converged(members, live, settle_timeout, restarted)
+        passive_seen_s, passive_s = converged(clients, live, settle_timeout, restarted) if clients else (0.0, 0.0)
         stop.set()
         for t in threads:
             t.join(180)
@@ -240,7 +249,8 @@ def run_churn(base: Path, *, nodes: int, serving: int, workers: int, passive: in
             "started_s": round(started_s, 1),
             "victims": [v.name + (" (serving)" if v.serving else "") for v in victims],
             "chats_ok": log.ok, "chats_failed": log.failed, "replays": replays,
-            "converge_after_last_restart_s": round(converge_s, 2), "passive_converge_s": round(passive_s, 2),
+            "converge_after_last_restart_s": round(converge_s, 2), "converge_seen_s": round(seen_s, 2),
+            "passive_converge_s": round(passive_s, 2), "passive_seen_s": round(passive_seen_s, 2),
             "rss_mb_median": round(statistics.median(rss), 1), "rss_mb_max": round(max(rss), 1),
             "gossip_Bps_median": round(statistics.median(gossip)) if gossip else None,
             "gossip_Bps_max": round(max(gossip)) if gossip else None,
