@@ -51,6 +51,8 @@ def main() -> None:
     print(f"{result['chats_ok']:>8} {len(result['chats_failed']):>6} {result['replays']:>7} {converge:>35} "
           f"{passive:>15} {result['rss_mb_median']:>13.1f} {result['rss_mb_max']:>10.1f} "
           f"{result['gossip_Bps_median']:>17} {result['gossip_Bps_max']:>14}")
+    print("latest changes in the members' views:", "; ".join(result["latest_changes"]))
+    print("latest changes in the passive clients' views:", "; ".join(result["passive_latest_changes"]))
     for failure in result["chats_failed"][:5]:
         print("failed:", failure)
     args.out.parent.mkdir(parents=True, exist_ok=True)

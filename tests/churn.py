@@ -108,32 +108,45 @@ def _without_bootstrap(args: list[str]) -> list[str]:
     return out
 
 
-def converged(members: list[Member], live: Any, timeout: float, since: float | None = None) -> tuple[float, float]:
-    """Wait until every one of ``members`` (or passive clients) lists exactly the other live members;
-    returns (when a sweep saw that, when it last became true), in seconds from ``since`` (a
-    ``time.monotonic()``; default: the call). On timeout, an AssertionError naming every
-    view that differed and how (a missing member's state there: down, left, or absent).
+@dataclass
+class Convergence:
+    """When the views agreed (see :func:`converged`), and the last changes that made them agree."""
 
-    Each sweep reads every member's view at once (one thread per member), so the views it compares
-    are those of one moment: read one after another, 50 status calls on a saturated 2-core host took
-    longer than the 5 s a convergence is meant to take, and any passing false down anywhere in that
-    span restarted the sweep. Even at once, a sweep takes 2.5-3.6 s there, so the sweep that sees
-    the views agree comes up to that long after they did. The second figure dates it from the views
-    themselves: each peer's ``state_s`` says how long the member has held that peer in its state, so
+    seen_s: float
+    """When a sweep saw every view agree."""
+    settled_s: float
+    """When the last change that the sweep saw happened in any view (never after ``seen_s``)."""
+    latest: list[str]
+    """The latest changes, newest first: ``"+5.91 s n9: n49 alive"`` (at, whose view, which peer, now in what state)."""
+
+
+def converged(watchers: list[Member], live: Any, timeout: float, since: float | None = None,
+              names: dict[str, str] | None = None) -> Convergence:
+    """Wait until every one of ``watchers`` (members, or passive clients) lists exactly the other live
+    members; times are seconds from ``since`` (a ``time.monotonic()``; default: the call), ``names``
+    names node ids in messages. On timeout, an AssertionError naming every view that differed and how
+    (a missing member's state there: down, left, or absent).
+
+    Each sweep reads every view at once (one thread per watcher), so the views it compares are those
+    of one moment: read one after another, 50 status calls on a saturated 2-core host took longer
+    than the 5 s a convergence is meant to take, and any passing false down anywhere in that span
+    restarted the sweep. Even at once, a sweep takes 2.5-3.6 s there, so the sweep that sees the
+    views agree comes up to that long after they did. ``settled_s`` dates it from the views
+    themselves: each peer's ``state_s`` says how long the watcher has held that peer in its state, so
     the last change in any view (any state, tombstones included) is when the views became what the
-    sweep saw. It is never later than the first figure."""
+    sweep saw; it is dated by when the answer arrived, so never too early."""
     differs: list[str] = []
     start = time.monotonic() if since is None else since
-    settled = [start]
+    changes: list[tuple[float, str]] = []
 
     def sweep() -> bool:
-        names = {m.proc.node_id: m.name for m in members if m.proc is not None}
+        known = {**(names or {}), **{m.proc.node_id: m.name for m in watchers if m.proc is not None}}
         want = live()
-        with ThreadPoolExecutor(len(members)) as pool:
-            answers = list(pool.map(lambda m: peers_of(m.proc), members))
+        with ThreadPoolExecutor(len(watchers)) as pool:
+            answers = list(pool.map(lambda m: peers_of(m.proc), watchers))
         differs.clear()
-        last_change = start
-        for m, answer in zip(members, answers, strict=True):
+        changes.clear()
+        for m, answer in zip(watchers, answers, strict=True):
             assert m.proc is not None
             mine = want - {m.proc.node_id}
             if answer is None:
@@ -142,17 +155,20 @@ def converged(members: list[Member], live: Any, timeout: float, since: float | N
             peers, received = answer
             states = {p["node_id"]: p["state"] for p in peers}
             if (seen := {n for n, s in states.items() if s in ("alive", "suspect")}) != mine:
-                missing = sorted(f"{names.get(n, n[:8])} ({states.get(n, 'absent')})" for n in mine - seen)
-                differs.append(f"{m.name}: missing {missing}, extra {sorted(names.get(n, n[:8]) for n in seen - mine)}")
-            last_change = max([last_change, *(received - p["state_s"] for p in peers)])
-        settled[0] = last_change
+                missing = sorted(f"{known.get(n, n[:8])} ({states.get(n, 'absent')})" for n in mine - seen)
+                differs.append(f"{m.name}: missing {missing}, extra {sorted(known.get(n, n[:8]) for n in seen - mine)}")
+            changes.extend((received - p["state_s"] - start, f"{m.name}: {known.get(p['node_id'], p['node_id'][:8])} "
+                            f"{p['state']}") for p in peers)
         return not differs
 
     try:
         wait_until(sweep, timeout, 0.2)
     except AssertionError:
         raise AssertionError(f"views did not converge within {timeout} s: {'; '.join(differs)}") from None
-    return time.monotonic() - start, settled[0] - start
+    seen_s = time.monotonic() - start
+    changes.sort(reverse=True)
+    return Convergence(seen_s, max(0.0, changes[0][0]) if changes else 0.0,
+                       [f"{at:+.2f} s {what}" for at, what in changes[:5]])
 
 
 def chat_loop(entries: list[NodeProcess], log: ChatLog, stop: threading.Event, rng: random.Random,
@@ -206,6 +222,7 @@ def run_churn(base: Path, *, nodes: int, serving: int, workers: int, passive: in
         started_s = time.monotonic() - t0
         on_progress(f"{nodes} members and {passive} passive clients ready in {started_s:.0f} s")
         live = lambda: {m.proc.node_id for m in members if m.proc is not None and m.proc.proc.poll() is None}  # noqa: E731
+        names = {m.proc.node_id: m.name for m in members if m.proc is not None}
         converged(members, live, settle_timeout)
 
         # victims: 10 % of the members, never the owner; serving ones among them (replay is what is tested)
@@ -230,8 +247,8 @@ def run_churn(base: Path, *, nodes: int, serving: int, workers: int, passive: in
             victim.wait_ready(members, rng, procs, settle_timeout)
             on_progress(f"restarted {victim.name}")
         restarted = time.monotonic()
-        seen_s, converge_s = converged(members, live, settle_timeout, restarted)
-        passive_seen_s, passive_s = converged(clients, live, settle_timeout, restarted) if clients else (0.0, 0.0)
+        views = converged(members, live, settle_timeout, restarted, names)
+        passive_views = converged(clients, live, settle_timeout, restarted, names) if clients else Convergence(0, 0, [])
         stop.set()
         for t in threads:
             t.join(180)
@@ -249,8 +266,10 @@ def run_churn(base: Path, *, nodes: int, serving: int, workers: int, passive: in
             "started_s": round(started_s, 1),
             "victims": [v.name + (" (serving)" if v.serving else "") for v in victims],
             "chats_ok": log.ok, "chats_failed": log.failed, "replays": replays,
-            "converge_after_last_restart_s": round(converge_s, 2), "converge_seen_s": round(seen_s, 2),
-            "passive_converge_s": round(passive_s, 2), "passive_seen_s": round(passive_seen_s, 2),
+            "converge_after_last_restart_s": round(views.settled_s, 2), "converge_seen_s": round(views.seen_s, 2),
+            "latest_changes": views.latest,
+            "passive_converge_s": round(passive_views.settled_s, 2), "passive_seen_s": round(passive_views.seen_s, 2),
+            "passive_latest_changes": passive_views.latest,
             "rss_mb_median": round(statistics.median(rss), 1), "rss_mb_max": round(max(rss), 1),
             "gossip_Bps_median": round(statistics.median(gossip)) if gossip else None,
             "gossip_Bps_max": round(max(gossip)) if gossip else None,
