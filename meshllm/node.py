@@ -514,7 +514,7 @@ class Node:
                 rtt = gossip.own.rtt[node_id].rtt_ms
             peers.append({
                 "node_id": node_id, "name": rec.name, "state": entry.status,
-                "state_s": round(max(0.0, now - entry.changed), 3), "role": rec.role,
+                "changed_s": round(max(0.0, now - entry.changed), 3), "role": rec.role,
                 "path": conn.path if conn is not None and conn.state == "alive" else "none",
                 "rtt_ms": None if rtt is None else round(rtt, 3),
                 "models": [_model_json(m) for m in rec.models.served],

@@ -132,9 +132,10 @@ def converged(watchers: list[Member], live: Any, timeout: float, since: float | 
     than the 5 s a convergence is meant to take, and any passing false down anywhere in that span
     restarted the sweep. Even at once, a sweep takes 2.5-3.6 s there, so the sweep that sees the
     views agree comes up to that long after they did. ``settled_s`` dates it from the views
-    themselves: each peer's ``state_s`` says how long the watcher has held that peer in its state, so
-    the last change in any view (any state, tombstones included) is when the views became what the
-    sweep saw; it is dated by when the answer arrived, so never too early."""
+    themselves: each peer's ``changed_s`` says how long ago it joined or left the watcher's view (a
+    suspicion is no change: alive and suspect are both members), so the last such change in any view
+    is when the views became what the sweep saw; it is counted back from when the answer arrived, so
+    never too early."""
     differs: list[str] = []
     start = time.monotonic() if since is None else since
     changes: list[tuple[float, str]] = []
@@ -157,8 +158,8 @@ def converged(watchers: list[Member], live: Any, timeout: float, since: float | 
             if (seen := {n for n, s in states.items() if s in ("alive", "suspect")}) != mine:
                 missing = sorted(f"{known.get(n, n[:8])} ({states.get(n, 'absent')})" for n in mine - seen)
                 differs.append(f"{m.name}: missing {missing}, extra {sorted(known.get(n, n[:8]) for n in seen - mine)}")
-            changes.extend((received - p["state_s"] - start, f"{m.name}: {known.get(p['node_id'], p['node_id'][:8])} "
-                            f"{p['state']}") for p in peers)
+            changes.extend((received - p["changed_s"] - start,
+                            f"{m.name}: {known.get(p['node_id'], p['node_id'][:8])} {p['state']}") for p in peers)
         return not differs
 
     try:

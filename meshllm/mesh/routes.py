@@ -422,7 +422,8 @@ def record_of(entry: RouteEntry, mesh_id: str, issuer: str) -> PeerRecord:
 def view_of(book: RouteBook, previous: view.ViewState, now: float) -> view.ViewState:
     """The peer table a passive client routes on, built from the table it holds.
 
-    Entries keep their ``changed`` time while their status holds; members the table no longer lists
+    Entries keep their ``changed`` time while they stay members (alive or suspect) or stay tombstones
+    of the same kind; members the table no longer lists
     become ``down`` tombstones (so routers answer 503, not 404, for a model that just went), and are
     dropped after the stale period.
     """
@@ -443,8 +444,7 @@ def view_of(book: RouteBook, previous: view.ViewState, now: float) -> view.ViewS
         if old is not None and old.status == status and old.record == record:
             peers[entry.node_id] = old  # unchanged: the same object, so diff reports nothing
             continue
-        changed = old.changed if old is not None and old.status == status else now
-        peers[entry.node_id] = view.PeerEntry(record, b"", status, changed, now)
+        peers[entry.node_id] = view.PeerEntry(record, b"", status, view.changed_at(old, status, now), now)
     for node_id, old in previous.peers.items():
         if node_id in peers:
             continue

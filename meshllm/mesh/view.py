@@ -37,7 +37,9 @@ class PeerEntry:
     """The record's signed bytes, resent as-is in gossip."""
     status: Status
     changed: float
-    """When ``status`` last changed (tombstones are forgotten relative to it)."""
+    """When the peer last joined or left our membership (alive and suspect are both members, so a
+    suspicion changes nothing here; a tombstone's kind does): tombstones are forgotten relative to it,
+    and ``/api/status`` reports how long ago it was (``changed_s``)."""
     heard: float
     """When its sequence last advanced (a silent peer expires relative to it)."""
     notice: bytes | None = None
@@ -343,16 +345,15 @@ def apply(state: ViewState, update: Update) -> ViewState:
             return state
         status: Status = "left" if rec.state == "leaving" else "alive"
         old = state.peers.get(rec.node_id)
-        changed = update.now if old is None or old.status != status else old.changed
-        entry = PeerEntry(rec, update.raw, status, changed, update.now)
+        entry = PeerEntry(rec, update.raw, status, changed_at(old, status, update.now), update.now)
         return ViewState(state.self_id, state.peers.set(rec.node_id, entry))
     entry = state.peers.get(update.node_id)
     if entry is None:
         return state
     if isinstance(update, MarkSuspect) and entry.status == "alive":
-        new = replace(entry, status="suspect", changed=update.now)
+        new = replace(entry, status="suspect")
     elif isinstance(update, MarkAlive) and entry.status == "suspect":
-        new = replace(entry, status="alive", changed=update.now)
+        new = replace(entry, status="alive")
     elif isinstance(update, MarkDown) and entry.status in ACTIVE and entry.record.seq == update.seq:
         new = replace(entry, status="down", changed=update.now, notice=update.notice)
     elif isinstance(update, MarkRevoked) and entry.status != "revoked":
@@ -360,6 +361,13 @@ def apply(state: ViewState, update: Update) -> ViewState:
     else:
         return state
     return ViewState(state.self_id, state.peers.set(update.node_id, new))
+
+
+def changed_at(old: PeerEntry | None, status: Status, now: float) -> float:
+    """``PeerEntry.changed`` for an entry now in ``status`` that was ``old`` (None: new to us)."""
+    if old is None or (old.status != status and not (old.status in ACTIVE and status in ACTIVE)):
+        return now
+    return old.changed
 
 
 def deadline(entry: PeerEntry, stale_after: float, forget_after: float) -> float:

@@ -166,10 +166,15 @@ def test_dropped_nodes_become_tombstones_and_silence_empties_the_view() -> None:
     gone = entry(3).node_id
     assert view.diff(state, after) == [view.PeerRemoved(gone, "down")]
     assert after.peers[gone].status == "down"  # known a while: routers answer 503, not 404
+    assert (state.peers[gone].changed, after.peers[gone].changed) == (NOW, NOW + 1)  # joined, then left
     assert view_of(book, after, NOW + 2).peers[entry(2).node_id] is after.peers[entry(2).node_id]
     assert view.members(view_of(book, after, NOW + 1 + book.stale_after - 1))  # two pulls may be missed ...
     assert view.members(view_of(book, after, NOW + 1 + book.stale_after + 1)) == {}  # ... not more
     assert book.stale_after >= 2 * book.interval and book.stale_after >= STALE_AFTER_S
+    suspect = msgspec.structs.replace(entry(2), status="suspect")
+    book.receive(ANCHOR_ID, RoutesTable(signed_table([suspect], issued=NOW + 2)), NOW + 2)
+    held = view_of(book, after, NOW + 2).peers[suspect.node_id]
+    assert (held.status, held.changed) == ("suspect", NOW)  # a suspicion: still the member it was since NOW
 
 
 def test_pulls_follow_changes_then_slow_to_the_interval_and_run_on_demand() -> None:

@@ -37,6 +37,22 @@ def test_apply_is_pure_and_diff_names_the_change() -> None:
     assert view.members(s4) == {}
 
 
+def test_changed_dates_joining_and_leaving_not_suspicions() -> None:
+    """``changed`` (``/api/status``'s ``changed_s``) moves when a peer joins or leaves our membership; alive
+    and suspect are both members, and a newer record of a member is no change either."""
+    s = view.apply(view.empty("me"), stored(1, 1.0))
+    for update in [stored(2, 2.0, load=Load(queue=3)), view.MarkSuspect(B_ID, 3.0), view.MarkAlive(B_ID, 3.5),
+                   view.MarkSuspect(B_ID, 3.7), stored(3, 3.8)]:
+        s = view.apply(s, update)
+        assert s.peers[B_ID].changed == 1.0
+    s = view.apply(s, view.MarkDown(B_ID, 3, b"notice", 4.0))
+    assert s.peers[B_ID].changed == 4.0
+    s = view.apply(s, stored(4, 5.0))  # refuted: a member again
+    assert (s.peers[B_ID].status, s.peers[B_ID].changed) == ("alive", 5.0)
+    s = view.apply(s, stored(5, 6.0, state="leaving"))
+    assert (s.peers[B_ID].status, s.peers[B_ID].changed) == ("left", 6.0)
+
+
 def test_down_notice_older_than_the_record_is_ignored() -> None:
     s = view.apply(view.empty("me"), stored(5, 1.0))
     assert view.apply(s, view.MarkDown(B_ID, 4, b"n", 2.0)) is s

@@ -19,6 +19,6 @@ def test_chats_survive_churn_and_views_converge(tmp_path: Path) -> None:
     assert any("(serving)" in v for v in result["victims"])
     # converged at all (the 5 s figure is measured by bench/mesh_dozens.py, not asserted under CI load)
     assert result["converge_after_last_restart_s"] < 90.0
-    # dated from the views' own state_s, never after a sweep saw them agree
+    # dated from the views' own changed_s, never after a sweep saw them agree
     assert 0 <= result["converge_after_last_restart_s"] <= result["converge_seen_s"]
     assert 0 <= result["passive_converge_s"] <= result["passive_seen_s"]

@@ -57,12 +57,12 @@ def test_five_nodes_converge_then_drop_a_killed_node_and_see_a_leave(tmp_path: P
         dropped = wait_until(lambda: not any(sees(n, victim) for n in survivors), 15.0)
         print(f"killed node dropped by every survivor in {dropped:.2f} s")
         assert dropped < 8.0
-        # state_s dates each verdict: every survivor turned the victim down after the kill.
+        # changed_s dates each verdict: every survivor turned the victim down after the kill.
         for n in survivors:
             peers = {p["node_id"]: p for p in n.status()["peers"]}
             since_kill = time.monotonic() - killed_at
             assert peers[victim.node_id]["state"] == "down"
-            assert 0 < peers[victim.node_id]["state_s"] < since_kill + 0.01
+            assert 0 < peers[victim.node_id]["changed_s"] < since_kill + 0.01
         assert all(n.proc.poll() is None for n in survivors), "a survivor crashed"
 
         leaver = nodes[4]
