@@ -281,6 +281,8 @@ class Node:
             await self.owner.stop()
         if self.blackboard is not None:
             await self.blackboard.stop()
+        if self.routes is not None:
+            self.routes.stop()
         if self.mesh is not None:
             await self.mesh.stop(graceful=True)
         if self.splits is not None:
@@ -548,6 +550,7 @@ class Node:
             "passive": isinstance(self.mesh, PassiveMesh),
             "local_health": self.mesh.detector.health if isinstance(self.mesh, MeshService) else None,
             "anchors": list(self.mesh.anchors) if isinstance(self.mesh, PassiveMesh) else [],
+            "route_pulls": self.mesh.pull_status() if isinstance(self.mesh, PassiveMesh) else None,
             "devices": [{"name": d.name, "description": d.description, "kind": d.kind,
                          "memory_free": d.memory_free, "memory_total": d.memory_total} for d in compute_devices()],
         }

@@ -35,11 +35,13 @@ from meshllm.mesh.membership import Membership
 from meshllm.mesh.records import Addresses, CheckTrust, PeerRecord, RecordVerifier, RttEntry
 from meshllm.mesh.routes import (
     ANCHORS,
+    HINT_MAX_BYTES,
     PULL_INTERVAL_S,
     ROUTES_STREAM,
     TABLE_MAX_BYTES,
     PassiveView,
     RouteBook,
+    RoutesChanged,
     RoutesReply,
     TableAccepted,
     TableRefused,
@@ -170,6 +172,7 @@ class PassiveMesh:
             raise ConfigError(f"cannot open the mesh's UDP port {self._host}:{self._port}: {exc.strerror}",
                               hint="pick another port with --mesh-port (0 picks a free one)") from None
         self.endpoint.on_peer_event(self._on_peer_event)
+        self.endpoint.on_datagram = self._on_datagram
         host, port = self.endpoint.local_addr[:2]
         self._listen = [format_addr(("127.0.0.1" if host in ("0.0.0.0", "::") else host, port))]
         self.gossip.update_own(time.time(), addresses=Addresses(listen=self._listen))
@@ -209,6 +212,10 @@ class PassiveMesh:
 
     def revoke(self, kind: str, target: str) -> Any:
         raise ConfigError("only the node that holds the mesh key can revoke", hint="ask the mesh owner's node")
+
+    def pull_status(self) -> dict[str, float]:
+        """``route_pulls`` in ``/api/status``: tables pulled, and how soon the next pull is due (seconds)."""
+        return {"pulls": self.pulls, "next_s": round(max(0.0, self.book.next_timer() - time.time()), 2)}
 
     def busy(self) -> None:
         """A request is being routed: keep the table fresh while the client is in use."""
@@ -411,6 +418,20 @@ class PassiveMesh:
             f"could not reach any member of {self.membership.mesh_id} at {', '.join(addrs)}",
             hint="check that a member is running and reachable at the invite's addresses "
                  f"(last error: {errors[-1] if errors else 'none'})")
+
+    def _on_datagram(self, conn: Any, data: bytes) -> None:
+        """A member's hint that the mesh changed (``RoutesChanged``): pull now if it is our anchor's and names
+        a version we lack. Other members' hints (a serving node we sent requests to) name their own tables'
+        versions, so they are not followed; anything but a hint is a strike."""
+        try:
+            if len(data) > HINT_MAX_BYTES:
+                raise msgspec.DecodeError(f"{len(data)} bytes")
+            hint = msgspec.msgpack.decode(data, type=RoutesChanged)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            conn.strike(f"a datagram that is no route hint: {exc}")
+            return
+        if conn.node_id in self.anchors and self.book.hinted(hint, time.time()):
+            self._wake.set()
 
     def _on_peer_event(self, event: PeerEvent) -> None:
         """A connection went or turned suspect: the node may be gone, so ask for the table now."""

@@ -79,6 +79,11 @@ under its own load. A client in use costs the mesh its requests, next to which a
 hundreds that sit idle pull once a minute."""
 ON_DEMAND_MIN_S = 0.5
 """Pulls on demand are at most this frequent: a burst of failures asks once."""
+HINT_DELAY_S = 0.2
+"""A member tells its passive clients that the mesh changed this long after the change, so a burst (a
+node that joins and learns a dozen members) is one hint."""
+HINT_GAP_S = 1.0
+"""... and at most once in this long: under churn a member's clients pull at most once a second on hints."""
 ANCHORS = 1
 """Members a client holds a connection to and pulls from. One: a second would need keepalives of its own,
 a few packets of each member's time per client, and a lost anchor is replaced by dialing another member
@@ -149,6 +154,17 @@ class RoutesTable(msgspec.Struct, tag="routes-table", frozen=True):
 
 
 RoutesReply = RoutesSame | RoutesTable
+
+
+class RoutesChanged(msgspec.Struct, tag="routes-changed", frozen=True):
+    """Anchor -> client, one datagram: a member joined or left, or changed the models it serves. The client
+    pulls at once unless it already holds ``version`` (a lost hint costs only the wait for the next pull)."""
+
+    version: Annotated[str, msgspec.Meta(max_length=64)]
+
+
+HINT_MAX_BYTES = 128
+"""A hint datagram is about 90 bytes: anything longer is not one."""
 
 
 class BadRouteTable(VerificationError):
@@ -226,6 +242,11 @@ class RouteTableServer:
         self._rtt: dict[str, float] = {}
         """RTTs the current table publishes, per member (not per client)."""
 
+    def version(self, own: PeerRecord, peers: Mapping[str, view.PeerEntry], now: float) -> str:
+        """The version a pull would get now (what a hint names)."""
+        self._refresh(own, peers, now)
+        return self._version
+
     def answer(self, ask: RoutesAsk, own: PeerRecord, peers: Mapping[str, view.PeerEntry], now: float) -> RoutesReply:
         """The reply to one pull: ``RoutesSame`` if the client holds the current version, else the table."""
         self._refresh(own, peers, now)
@@ -257,6 +278,36 @@ class RouteTableServer:
             entries = entries[: len(entries) * 3 // 4]  # huge addresses or names: list fewer members
             version = version_of(entries)
         self._signed, self._version, self._issued = signed, version, now
+
+
+def routing_key(own: PeerRecord, peers: Mapping[str, view.PeerEntry]) -> int:
+    """What a hint is about: who the members are and which models each takes requests for. Loads and RTTs
+    are left out: they move with every request, and a client in use pulls every few seconds anyway
+    (:data:`BUSY_INTERVAL_S`)."""
+    return hash(frozenset(
+        (node_id, frozenset(m.name for m in record.models.served if takes_requests(m)))
+        for node_id, record in [(own.node_id, own), *((n, e.record) for n, e in peers.items()
+                                                       if e.status in view.ACTIVE)]))
+
+
+@dataclass
+class ChangeHints:
+    """The anchor's side of hints (sans-IO): whether to tell passive clients the mesh changed.
+
+    The driver calls :meth:`next_check` when the view changed and :meth:`check` at that time; a hint is
+    due when the routing key differs from the one last hinted, at most once per :data:`HINT_GAP_S`."""
+
+    key: int | None = None
+    sent: float = -math.inf
+
+    def next_check(self, now: float) -> float:
+        return max(now + HINT_DELAY_S, self.sent + HINT_GAP_S)
+
+    def check(self, key: int, now: float) -> bool:
+        if key == self.key:
+            return False
+        self.key, self.sent = key, now
+        return True
 
 
 # --- the client's side ---------------------------------------------------------------------------
@@ -350,6 +401,12 @@ class RouteBook:
             return False
         self._last_demand = self._next_pull = at
         return True
+
+    def hinted(self, hint: RoutesChanged, now: float) -> bool:
+        """Our anchor says the mesh changed: pull (as on demand) unless we hold the version it names."""
+        if self.table is not None and self.table.version == hint.version:
+            return False
+        return self.on_demand(now)
 
     def busy(self, now: float) -> None:
         """A request was routed: the next pull comes at most :data:`BUSY_INTERVAL_S` after the last one."""

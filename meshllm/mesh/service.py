@@ -152,6 +152,9 @@ class MeshService:
         self._runner: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._stopping = False
+        self.on_change: list[Callable[[], None]] = []
+        """Called on the loop on every change of our view and of our own models (route tables hint passive
+        clients from it)."""
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -239,7 +242,13 @@ class MeshService:
         """Change fields of our record (models, load, ...); gossip spreads the new version."""
         assert self.gossip is not None
         self.gossip.update_own(time.time(), **changes)
+        if "models" in changes:  # what our passive clients route on; loads change with every request
+            self._changed()
         self._wake.set()
+
+    def _changed(self) -> None:
+        for listener in self.on_change:
+            listener()
 
     def revoke(self, kind: RevocationTarget, target: str) -> Revocation:
         """Sign a revocation with the mesh key, apply it here and spread it to every member.
@@ -432,6 +441,7 @@ class MeshService:
         self._close_peer(rev.target, "node revoked by the mesh owner")
 
     def _report(self, event: ViewEvent) -> None:
+        self._changed()
         if isinstance(event, PeerAdded):
             self._on_event("peer_joined", node_id=event.node_id, name=event.record.name)
         elif isinstance(event, PeerRemoved):

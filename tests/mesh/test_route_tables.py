@@ -18,16 +18,21 @@ from meshllm.mesh.records import Addresses, Load, Models, RttEntry, ServedModel,
 from meshllm.mesh.routes import (
     BUSY_INTERVAL_S,
     FOLLOW_S,
+    HINT_DELAY_S,
+    HINT_GAP_S,
+    HINT_MAX_BYTES,
     ROUTES_DOMAIN,
     STALE_AFTER_S,
     TABLE_MAX_AGE_S,
     TABLE_MAX_BYTES,
     TABLE_MAX_ENTRIES,
     BadRouteTable,
+    ChangeHints,
     PassiveView,
     RouteBook,
     RouteEntry,
     RoutesAsk,
+    RoutesChanged,
     RoutesSame,
     RoutesTable,
     RouteTable,
@@ -37,6 +42,7 @@ from meshllm.mesh.routes import (
     build_entries,
     open_table,
     quantise_rtt,
+    routing_key,
     version_of,
     view_of,
 )
@@ -261,3 +267,37 @@ def test_table_decoder_fuzz_raises_only_typed_errors(data: bytes) -> None:
         return
     assert table == open_table(GOOD, ANCHOR_ID, MESH, NOW)
 
+
+
+def test_hints_follow_members_and_models_not_loads() -> None:
+    """A member hints its passive clients when a member joins or leaves or changes the models it serves; never
+    for a load or a suspicion (they move all the time), and at most once per HINT_GAP_S, a burst coalesced."""
+    two, three = peer(2, ["tiny"]), peer(3)
+    a, b = two.record.node_id, three.record.node_id
+    own, peers = anchor_view(two, three)
+    key = routing_key(own, peers)
+    busy = msgspec.structs.replace(two.record, load=Load(in_flight=3))
+    assert routing_key(own, {**peers, a: view.PeerEntry(busy, b"", "suspect", NOW, NOW)}) == key
+    assert routing_key(own, {**peers, peer(4).record.node_id: peer(4)}) != key  # joined
+    assert routing_key(own, {a: two}) != key  # left
+    assert routing_key(own, {**peers, b: view.PeerEntry(three.record, b"", "down", NOW, NOW)}) != key  # down
+    assert routing_key(own, {**peers, b: peer(3, ["tiny"])}) != key  # serves a model now
+    loaded = msgspec.structs.replace(own, models=Models(served=[ServedModel(name="big", context=512)]))
+    assert routing_key(loaded, peers) != key  # so does the anchor itself
+
+    hints = ChangeHints()
+    assert hints.next_check(NOW) == NOW + HINT_DELAY_S
+    assert hints.check(key, NOW) and not hints.check(key, NOW + 5)  # the first, then nothing new
+    assert hints.next_check(NOW + 0.1) == NOW + HINT_GAP_S  # the next no sooner than the gap
+    assert hints.check(routing_key(loaded, peers), NOW + HINT_GAP_S)
+
+
+def test_a_hint_pulls_unless_the_client_holds_its_version() -> None:
+    book = fresh_book()
+    table = signed_table([entry(2)], issued=NOW)
+    book.receive(ANCHOR_ID, RoutesTable(table), NOW)
+    book.pulled(NOW)
+    held = book.ask().held
+    assert not book.hinted(RoutesChanged(held), NOW + 1) and not book.due(NOW + 1)
+    assert book.hinted(RoutesChanged("f" * 32), NOW + 1) and book.due(NOW + 1)
+    assert len(msgspec.msgpack.encode(RoutesChanged("f" * 32))) <= HINT_MAX_BYTES

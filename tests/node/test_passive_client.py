@@ -3,6 +3,7 @@ nothing about it: real nodes over QUIC on 127.0.0.1, the tiny llama on two of th
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -106,3 +107,34 @@ def test_a_passive_client_takes_an_invite_use_and_comes_back_on_its_credential(t
         nodes.append(again)
         assert again.wait_ready()["node_id"] == first.node_id
         assert first.node_id not in [p["node_id"] for p in owner.status()["peers"]]
+
+
+def test_an_idle_passive_client_follows_a_leave_on_its_anchors_hint(tmp_path: Path) -> None:
+    """An idle client pulls at ever longer intervals (2 s after a change, doubling up to a minute); a member
+    that sees the mesh change sends its passive clients a hint, so the client drops a member that left
+    long before its next pull. The member that leaves is one the client holds no connection to, so no
+    closed connection tells the client anything."""
+    with running_nodes() as nodes:
+        owner = NodeProcess(tmp_path / "m0", ["--client"], "m0")
+        nodes.append(owner)
+        token = owner.wait_ready()["invite"]
+        members = [owner]
+        for i in (1, 2):
+            members.append(NodeProcess(tmp_path / f"m{i}", ["--client", "--member", "--join", token], f"m{i}"))
+            nodes.append(members[-1])
+            members[-1].wait_ready()
+        c = NodeProcess(tmp_path / "c", ["--client", "--join", token], "c")
+        nodes.append(c)
+        c.wait_ready()
+        wait_until(lambda: all(sees(c, m.node_id) for m in members), 30.0)
+        wait_until(lambda: c.status()["route_pulls"]["next_s"] > 6.0, 60.0, interval=0.2)
+        status, read_at = c.status(), time.monotonic()
+        scheduled = read_at + status["route_pulls"]["next_s"]
+        victim = next(m for m in members if m.node_id in
+                      {p["node_id"] for p in status["peers"] if p["path"] == "none"})
+        anchor = next(m for m in members if m.node_id == status["anchors"][0])
+        hints = anchor.status()["route_tables"]["hints"]
+        assert victim.terminate() == 0
+        wait_until(lambda: not sees(c, victim.node_id), max(0.5, scheduled - time.monotonic() - 0.5), interval=0.1)
+        assert time.monotonic() < scheduled, "the client learned it from its scheduled pull, not the hint"
+        assert anchor.status()["route_tables"]["hints"] > hints
