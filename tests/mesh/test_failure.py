@@ -240,23 +240,63 @@ def test_a_death_reaches_nodes_that_never_probed_the_victim() -> None:
 
 
 def test_a_suspect_is_rechecked_until_it_answers() -> None:
-    """A suspect is pinged every ``recheck_interval`` (direct only: no ping requests), so a peer that was only
-    slow has several chances to answer within the suspicion timeout; its answer clears it."""
+    """A suspect is pinged every ``recheck_interval``, directly and through one other peer (a different one
+    each time, as drawn), so a peer that was only slow, or that our own path to fails, has several chances
+    to answer within the suspicion timeout; its answer, or a helper's relayed one, clears it."""
     fd = detector()
     answer_all_but(fd, pings(fd.tick(0.0, PEERS)), "")
     assert fd.suspect("p1", 0.1) == [Suspected("p1")]
     rechecks: list[int] = []
+    helpers: list[str] = []
     now = 0.1
     while now < 0.1 + fd.config.suspicion_timeout - 0.01:
         out = fd.tick(now, PEERS)
-        assert not [o for o in out if isinstance(o, Probe) and isinstance(o.message, PingReq)]
         assert not [o for o in out if isinstance(o, Failed)]
-        rechecks += [nonce for peer, nonce in pings(out).items() if peer == "p1"]
+        new = [nonce for peer, nonce in pings(out).items() if peer == "p1"]
+        reqs = [o for o in out if isinstance(o, Probe) and isinstance(o.message, PingReq)]
+        assert {(r.message.target, r.message.nonce) for r in reqs} <= {("p1", n) for n in new}
+        rechecks += new
+        helpers += [r.to for r in reqs]
         now = min(fd.next_timer(), now + 0.05)
-    assert len(rechecks) >= 3
+    assert len(helpers) >= 3 and "p1" not in helpers and len(set(helpers)) > 1
     assert fd.receive("p1", Ack(rechecks[-1]), now) == [Recovered("p1")]
     assert fd.suspects == frozenset()
+    # again, cleared this time by the helper that reached it
+    assert fd.suspect("p1", now) == [Suspected("p1")]
+    out = fd.tick(fd.next_timer(), PEERS)
+    req = next(o for o in out if isinstance(o, Probe) and isinstance(o.message, PingReq))
+    assert fd.receive("p2" if req.to != "p2" else "p3", Ack(req.message.nonce), now) == []  # not a helper we asked
+    assert fd.receive(req.to, Ack(req.message.nonce), now) == [Recovered("p1")]
 
+
+def test_a_late_tick_gives_every_suspect_a_whole_suspicion_timeout_again() -> None:
+    """Acks missed while our loop ran late may have been waiting for it: a late tick restarts every
+    suspicion's clock. A real death is still found: the verdict comes a suspicion timeout after the last
+    late tick, and ``verdict_wait`` after the first deadline at the latest, however late the loop runs."""
+    fd = detector()
+    run(fd, 0.0, 3.0, "")
+    assert fd.suspect("p1", 3.0) == [Suspected("p1")]
+    due = 3.0 + fd.config.suspicion_timeout
+    fd.tick(fd.next_timer(), ["p1"])  # on time
+    late = fd.next_timer() + 0.3
+    fd.tick(late, ["p1"])  # late: our score is 1 and the clock restarts
+    assert fd.health == 1 and fd.suspects == {"p1"}
+    sent: dict[str, int] = {}
+    now = late
+    while "p2" not in sent:  # p2 answers in time: our score is 0 again, before the old deadline
+        now = fd.next_timer()
+        sent = pings(fd.tick(now, ["p1", "p2"]))
+    fd.receive("p2", Ack(sent["p2"]), now)
+    assert fd.health == 0
+    assert Failed("p1") not in fd.tick(due + 0.01, ["p1", "p2"])  # the old deadline: not yet
+    verdict = late + 2 * fd.config.suspicion_timeout  # stretched by the score the late tick raised
+    out: list = []
+    while not out and now < verdict + 1.0:
+        now = fd.next_timer()
+        out = [o for o in fd.tick(now, ["p1", "p2"]) if isinstance(o, Failed)]
+        for peer, nonce in pings(fd.tick(now, ["p2"])).items():
+            fd.receive(peer, Ack(nonce), now)
+    assert out == [Failed("p1")] and now == pytest.approx(verdict, abs=0.3)
 
 
 def run(fd: FailureDetector, start: float, end: float, silent: str) -> list:
