@@ -139,6 +139,9 @@ REFUTED_TO_BAN = 3
 ACCUSER_BAN_S = 300.0
 REFUSED_MEMO_S = 60.0
 """A node whose genuine record was refused (its membership) is not asked for for this long."""
+ANSWER_WAIT_S = 5.0
+"""A peer's answer to our want list or digest carries what we asked for if it comes within this long; later, or
+beyond it, an exchange gets the plain cap (``Gossip._items_cap``)."""
 REFINE_AT = 16
 """Records per bucket above which differing buckets are answered with their sub-buckets' sums (16 x 8
 bytes) rather than a digest of every record in them (about 60 bytes each)."""
@@ -281,11 +284,13 @@ class Gossip:
         self._refutations: Strikes[str] = Strikes(REFUTED_TO_BAN, REFUTE_WINDOW_S)
         self._banned: CoolDowns[str] = CoolDowns()
         self._refused: CoolDowns[str] = CoolDowns()
-        self._asked: dict[str, int] = {}
-        """peer -> records our last ``want`` list to it asked for (one entry per connected peer at most)."""
+        self._asked: dict[str, tuple[int, float]] = {}
+        """peer -> (records we asked it for and it has not sent yet, until when they count): our last ``want``
+        list, or, after we answered its summary with a digest, as many as a message may carry (what it gives
+        for that digest is all we lack in the buckets that differ). One entry per connected peer at most."""
         self.answered = False
-        """A peer answered a want list of ours, or sent a digest listing nothing we lack: a joining node's
-        view now holds what that member held."""
+        """A peer answered a want list or a digest of ours, or sent a digest listing nothing we lack: a
+        joining node's view now holds what that member held."""
         self._accused: dict[str, tuple[str, float]] = {}
         """subject -> (accuser, notice time) of the notice that took it down (refutation tracking)."""
         # A random first phase: nodes started together must not refresh in lockstep.
@@ -388,7 +393,8 @@ class Gossip:
         """A peer just connected: trade digests with it now rather than at the next round.
 
         While we know no member (we are joining), we send a coarse summary (16 sums): it differs
-        from the peer's in every bucket it fills, so the peer answers with its digest and we learn
+        from the peer's in every bucket it fills, so the peer answers with its digest (or, past 16
+        records, with finer sums, which our digest answers, and it gives what we lack), and we learn
         the whole mesh in one exchange. A member sends none: connections come and go (rotations,
         indirect probes) and the next round's summary repairs any difference anyway. The
         revocations we know go to every new peer, so a late joiner learns them too.
@@ -451,16 +457,20 @@ class Gossip:
         if isinstance(message, Summary):
             if not self._pulls.allow(source, now):
                 return [Overstep(source, "summaries faster than gossip answers them")]
-            return self._on_summary(source, message)
+            return self._on_summary(source, message, now)
         if isinstance(message, Digest):
             if not self._pulls.allow(source, now):
                 return [Overstep(source, "digests faster than gossip answers them")]
             return self._on_digest(source, message, now)
         if isinstance(message, Exchange):
             out: list[Output] = []
-            asked = self._asked.pop(source, 0)
+            asked, until = self._asked.pop(source, (0, now))
+            asked = asked if now <= until else 0
             self.answered = self.answered or asked > 0
-            for raw in message.records[: self._items_cap(asked)]:
+            records = message.records[: self._items_cap(asked)]
+            if asked > len(records):  # a push that came first spends the credit only by what it carried
+                self._asked[source] = asked - len(records), until
+            for raw in records:
                 result = self._ingest(raw, source, now)
                 if result and isinstance(result[0], Rejected):
                     return out + result[:1] + self._forged(result[0])  # drop the rest unread
@@ -621,7 +631,7 @@ class Gossip:
         sums = self._sums(level, buckets)
         return Summary(level, struct.pack(f"<{len(sums)}Q", *sums), buckets or [])
 
-    def _on_summary(self, source: str, message: Summary) -> list[Output]:
+    def _on_summary(self, source: str, message: Summary, now: float) -> list[Output]:
         """Answer a summary: where sums differ, finer sums while buckets are big, then a digest."""
         level, buckets = message.level, list(dict.fromkeys(message.buckets)) or None
         count = 16**level if buckets is None else len(buckets)
@@ -639,6 +649,10 @@ class Gossip:
         seqs = {node: entry.record.seq for node, entry in self._state.peers.in_buckets(level, differ)}
         if view.bucket_of(self.node_id, level) in differ:
             seqs[self.node_id] = self.own.seq
+        # Its answer gives all we lack there: a joining node (holding nothing) would otherwise take the
+        # plain cap, 16 records, of a mesh of 50 from the exchange meant to teach it the mesh. The peer
+        # refines to sub-buckets before any digest once it holds more than 16 records.
+        self._asked[source] = ITEMS_MAX, now + ANSWER_WAIT_S
         return [Send(source, Digest(seqs, level, differ))]
 
     def _on_digest(self, source: str, message: Digest, now: float) -> list[Output]:
@@ -669,7 +683,7 @@ class Gossip:
                            if n != self.node_id and n not in self.revoked_nodes and s > self._held_or_none(n)
                            and not self._refused.remaining(n, now)][:WANT_MAX]
         if want:
-            self._asked[source] = len(want)  # its answer may carry that many (``_items_cap``)
+            self._asked[source] = len(want), now + ANSWER_WAIT_S  # its answer may carry that many (``_items_cap``)
         else:
             self.answered = True  # we hold all it listed
         out: list[Output] = [Send(source, m) for m in self._exchanges(give, want)]

@@ -12,7 +12,7 @@ from meshllm.errors import BadSignature, InviteRevoked, WrongMesh, WrongSigner
 from meshllm.identity.signing import sign
 from meshllm.mesh import view
 from meshllm.mesh.failure import Overstep
-from meshllm.mesh.gossip import ITEMS_MAX, ITEMS_SLACK, Gossip, Rejected, Send
+from meshllm.mesh.gossip import ANSWER_WAIT_S, ITEMS_MAX, ITEMS_SLACK, REFINE_AT, Gossip, Rejected, Send
 from meshllm.mesh.messages import Digest, DownNotice, Exchange, Notices, Summary, sign_notice
 from meshllm.mesh.records import (
     SEQ_LIMIT,
@@ -255,6 +255,45 @@ def test_a_joining_node_takes_the_whole_answer_to_its_want_list() -> None:
     g.receive("x", Exchange(raws), now=1.0)
     assert len(g.members()) == 40
     assert g._items_cap() == 40 + ITEMS_SLACK  # the credit was spent on that answer
+    # a push from the same peer that comes before the answer spends only what it carried
+    g = gossip_for(A)
+    g.receive("x", Digest({make_record(k).node_id: 1 for k in keys}), now=1.0)
+    g.receive("x", Exchange(raws[:1]), now=1.1)
+    g.receive("x", Exchange(raws), now=1.2)
+    assert len(g.members()) == 40
+    # an answer later than ANSWER_WAIT_S gets the plain cap
+    g = gossip_for(A)
+    g.receive("x", Digest({make_record(k).node_id: 1 for k in keys}), now=1.0)
+    g.receive("x", Exchange(raws), now=1.0 + ANSWER_WAIT_S + 0.1)
+    assert len(g.members()) == ITEMS_SLACK and not g.answered
+
+
+def test_a_joiner_learns_a_mesh_past_the_refining_size_from_its_greeting() -> None:
+    """A member holding more than REFINE_AT records per bucket answers a joiner's greeting with finer sums,
+    the joiner answers those with a digest, and the member gives everything it lacks: the joiner takes it
+    all a message may carry (not the plain cap of 16) and counts as answered."""
+    size = REFINE_AT * 16 + 24
+    keys = [make_key(1000 + i) for i in range(size)]
+    member = gossip_for(A)
+    for i in range(0, size, 200):  # a member learns them a message at a time, each message capped
+        chunk = keys[i:i + 200]
+        member.receive("x", Digest({make_record(k).node_id: 1 for k in chunk}), now=1.0)
+        member.receive("x", Exchange([sign_record(k, make_record(k, seq=1)) for k in chunk]), now=1.0)
+    assert len(member.members()) == size
+    joiner = gossip_for(B)
+    nodes = {"m": member, "j": joiner}
+    member.peer_connected("j")
+    joiner.peer_connected("m")
+    queue = [("m", "j", o.message) for o in joiner.greet("m") if isinstance(o, Send)]
+    kinds = []
+    while queue:
+        to, source, message = queue.pop(0)
+        kinds.append(type(message).__name__)
+        queue += [(o.to, to, o.message) for o in nodes[to].receive(source, message, now=2.0) if isinstance(o, Send)]
+    assert kinds[:3] == ["Summary", "Summary", "Digest"]  # refined once, then the joiner's digest
+    # all a message may carry (the plain cap was 16), and the rest at the next round
+    assert len(joiner.members()) == ITEMS_MAX and joiner.answered
+    assert joiner.node_id in member.members()  # and the member took the joiner's record from the same exchange
 
 
 def test_first_rejected_record_stops_the_message() -> None:
