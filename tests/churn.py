@@ -189,7 +189,7 @@ def chat_loop(entries: list[NodeProcess], log: ChatLog, stop: threading.Event, r
                 if finished:
                     log.ok += 1
                 else:
-                    log.failed.append(f"{node.name}: HTTP {reply.status_code}: {body[-200:]!r}")
+                    log.failed.append(f"{node.name}: HTTP {reply.status_code}: {body[-1000:]!r}")
         except httpx.HTTPError as exc:
             with log.lock:
                 log.failed.append(f"{node.name}: {type(exc).__name__}: {exc}")
