@@ -649,9 +649,9 @@ class Gossip:
         seqs = {node: entry.record.seq for node, entry in self._state.peers.in_buckets(level, differ)}
         if view.bucket_of(self.node_id, level) in differ:
             seqs[self.node_id] = self.own.seq
-        # Its answer gives all we lack there: a joining node (holding nothing) would otherwise take the
-        # plain cap, 16 records, of a mesh of 50 from the exchange meant to teach it the mesh. The peer
-        # refines to sub-buckets before any digest once it holds more than 16 records.
+        # Its answer gives all we lack there. With the plain cap (what we hold plus 16), a joining node
+        # holding nothing took 16 records from the exchange meant to teach it the mesh: a peer holding
+        # over 256 records answers a joiner's greeting with finer sums, so the greeting ends here.
         self._asked[source] = ITEMS_MAX, now + ANSWER_WAIT_S
         return [Send(source, Digest(seqs, level, differ))]
 
