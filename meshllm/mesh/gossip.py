@@ -139,8 +139,6 @@ REFUTED_TO_BAN = 3
 ACCUSER_BAN_S = 300.0
 REFUSED_MEMO_S = 60.0
 """A node whose genuine record was refused (its membership) is not asked for for this long."""
-JOIN_ROUND_S = 0.5
-"""Anti-entropy period of a node no member has answered yet (``Gossip.answered``): a joiner asks again soon."""
 ANSWER_WAIT_S = 5.0
 """A peer's answer to our want list or digest carries what we asked for if it comes within this long; later, or
 beyond it, an exchange gets the plain cap (``Gossip._items_cap``)."""
@@ -291,8 +289,8 @@ class Gossip:
         list, or, after we answered its summary with a digest, as many as a message may carry (what it gives
         for that digest is all we lack in the buckets that differ). One entry per connected peer at most."""
         self.answered = False
-        """A peer answered a want list or a digest of ours, or sent a digest listing nothing we lack or a
-        summary equal to ours: a joining node's view now holds what that member held."""
+        """A peer answered a want list or a digest of ours, or sent a digest listing nothing we lack: a
+        joining node's view now holds what that member held."""
         self._accused: dict[str, tuple[str, float]] = {}
         """subject -> (accuser, notice time) of the notice that took it down (refutation tracking)."""
         # A random first phase: nodes started together must not refresh in lockstep.
@@ -447,10 +445,7 @@ class Gossip:
                 soonest = self._soonest_deadline()
             self._next_expire = max(now + 1.0, soonest)
         if now >= self._next_round:
-            # Until a member answered us (we are joining) a round comes every JOIN_ROUND_S whatever our
-            # health: a process starting on a loaded host runs late, and a lost greeting then waited
-            # (1 + score) s for the next summary while the node said it was ready on a view of nothing.
-            self._next_round = now + (self.interval() * stretch if self.answered else JOIN_ROUND_S)
+            self._next_round = now + self.interval() * stretch
             reachable = sorted(self.connected)
             summary = self._summary()
             for peer in self._rng.sample(reachable, min(self.config.fanout, len(reachable))):
@@ -647,7 +642,6 @@ class Gossip:
         named = range(count) if buckets is None else buckets
         differ = [b for b, ours, their in zip(named, self._sums(level, buckets), theirs, strict=True) if ours != their]
         if not differ:
-            self.answered = True  # we hold what it holds (the sums cover both our own records)
             return []
         if level < view.LEVELS and len(self._state.peers) > REFINE_AT * 16**level:
             # Buckets this full would cost a long digest each: trade their sixteen sub-buckets first.
