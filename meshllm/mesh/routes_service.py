@@ -90,9 +90,9 @@ class RouteService:
     def _hint(self) -> None:
         """One datagram to every passive connection, if what clients route on changed since the last hint."""
         self._timer = None
-        gossip, endpoint = self.mesh.gossip, self.mesh.endpoint
-        assert gossip is not None and endpoint is not None
-        clients = [conn for conn in endpoint.peers.values() if conn.passive]
+        gossip = self.mesh.gossip
+        assert gossip is not None
+        clients = self._clients()
         now = time.time()
         if not clients or not self._hints.check(routing_key(gossip.own, gossip.state.peers), now):
             return
@@ -102,8 +102,9 @@ class RouteService:
     def status(self) -> dict[str, int]:
         """``route_tables`` in ``/api/status``: what passive clients asked this member (no client named)."""
         return {"pulls": self.pulls, "tables": self.tables, "hints": self.hints,
-                "passive_connections": self._passive_connections()}
+                "passive_connections": len(self._clients())}
 
-    def _passive_connections(self) -> int:
+    def _clients(self) -> list[Any]:
+        """The connections passive clients hold to us."""
         assert self.mesh.endpoint is not None
-        return sum(1 for conn in self.mesh.endpoint.peers.values() if conn.passive)
+        return [conn for conn in self.mesh.endpoint.peers.values() if conn.passive]
