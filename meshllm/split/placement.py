@@ -536,7 +536,14 @@ class SplitPlacement:
         hub = b""
         if self.hub_source is not None:
             hub = await self.hub_source(first.layer_start, first.layer_end, self._progress(first.node_id).update)
-        await asyncio.gather(*(self._host(chain, i, hub) for i in range(1, len(chain))), self._load_first(first))
+        # Every hop's answer is in before this placement succeeds or fails: a hop still fetching when another
+        # failed would otherwise run on unheld beside the next placement, which asks that worker for the same
+        # range again (and two fetches were reported for one transfer).
+        outcomes = await asyncio.gather(*(self._host(chain, i, hub) for i in range(1, len(chain))),
+                                        self._load_first(first), return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
         assert self._first is not None
         coordinator = SplitCoordinator(self.server, self.engine.model_id, self._first, chain,
                                        on_stage_failed=self.stage_failed, speculate=self.options.speculate,

@@ -536,3 +536,57 @@ def test_a_replaced_stage_leaves_what_the_coordinator_counts_on(tiny_model: Path
                 await n.ep.close()
 
     asyncio.run(main())
+
+
+def test_a_failed_placement_first_hears_every_other_hop(tiny_model: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A placement fails when one hop fails, but only once every other hop has answered: a hop still fetching
+    would otherwise run on beside the next placement, which asks its worker for the same range again (and
+    the one transfer was reported as two fetches). Real workers; the first hop is refused at once."""
+    async def main() -> None:
+        coord, w1, w2 = [await node(tmp_path, n) for n in ("coord", "w1", "w2")]
+        entry = coord.library.add(tiny_model, source="file", owned=False)
+        signed = sign_manifest(coord.key, build_manifest(tiny_model))
+        servers = [StageServer(n.ep) for n in (coord, w1, w2)]
+        hosts = {w.id: StageHost(server, w.store, budget=1 << 30) for server, w in zip(servers[1:], (w1, w2),
+                                                                                       strict=True)}
+
+        def record(n: Node, role: str) -> PeerRecord:
+            return PeerRecord(node_id=n.id, mesh_id="m", seq=1, membership_proof=b"p", role=role,  # type: ignore[arg-type]
+                              capacity=Capacity(ram_bytes=1 << 33, gflops=10.0),
+                              addresses=Addresses(listen=[addr(n.ep)]))
+
+        members = {w.id: record(w, "worker") for w in (w1, w2)}
+        events: list[str] = []
+        placement = SplitPlacement(
+            own=lambda: record(coord, "host"), members=lambda: members, rtt=dict, server=servers[0],
+            engine=SplitEngine(tiny_model, MODEL, 64), ref=ModelRef(tiny_model, MODEL, entry.id), manifest=signed,
+            options=SplitOptions(mode="force", stages=3, context=64, spares=False), budget=1 << 33,
+            publish=lambda kind, **_fields: events.append(kind), on_chain=lambda _chain: None,
+            profile=model_profile(tiny_model, 64))
+        real = placement._host
+
+        async def refuse_the_first(chain: list[Hop], index: int, hub: bytes = b"") -> None:
+            if index == 1:
+                raise StageFailed(1, chain[1].node_id, "refused (a test)")
+            await asyncio.sleep(0.3)  # still fetching when the other hop failed
+            await real(chain, index, hub)
+
+        try:
+            monkeypatch.setattr(placement, "_host", refuse_the_first)
+            with pytest.raises(StageFailed, match="a test"):
+                await placement._place()
+            last = placement.placing[2]
+            assert (coord.id, MODEL) in hosts[last.node_id].hosted  # its answer was in
+            assert events.count("split_stage_fetched") == 1
+            monkeypatch.setattr(placement, "_host", real)
+            await placement._place()
+            assert placement.chain[2] == last and events.count("split_stage_fetched") == 2  # the first hop's only
+        finally:
+            await placement.stop()
+            for server in servers:
+                server.close()
+            for n in (coord, w1, w2):
+                await n.ep.close()
+
+    asyncio.run(main())
