@@ -508,6 +508,12 @@ class Node:
         assert endpoint is not None
         peers = []
         now = time.time()
+        traversal = self.mesh.traversal
+
+        def punch_in(node_id: str) -> float | None:
+            ahead = traversal.schedule.next_in(node_id, now) if traversal is not None else None
+            return None if ahead is None else round(ahead, 1)
+
         for node_id, entry in sorted(gossip.state.peers.items(), key=lambda kv: kv[1].record.name):
             rec = entry.record
             conn = endpoint.peers.get(node_id)
@@ -518,7 +524,7 @@ class Node:
                 "node_id": node_id, "name": rec.name, "state": entry.status,
                 "changed_s": round(max(0.0, now - entry.changed), 3), "role": rec.role,
                 "path": conn.path if conn is not None and conn.state == "alive" else "none",
-                "rtt_ms": None if rtt is None else round(rtt, 3),
+                "rtt_ms": None if rtt is None else round(rtt, 3), "punch_in_s": punch_in(node_id),
                 "models": [_model_json(m) for m in rec.models.served],
                 "capacity": {"ram_bytes": rec.capacity.ram_bytes, "vram_bytes": rec.capacity.vram_bytes,
                              "cpu_cores": rec.capacity.cpu_cores, "gflops": rec.capacity.gflops},

@@ -138,6 +138,14 @@ class PunchSchedule:
     def started(self, peer: str) -> None:
         self.peers.setdefault(peer, _Peer(Backoff(self.initial, 2.0, self.maximum, 0.25))).running = True
 
+    def next_in(self, peer: str, now: float) -> float | None:
+        """Seconds until the next attempt to ``peer`` (0 while one runs or is due), or None when none is
+        scheduled (the peer is not relayed, or only its end punches): what ``/api/status`` shows."""
+        state = self.peers.get(peer)
+        if state is None:
+            return None
+        return 0.0 if state.running else max(0.0, state.not_before - now)
+
     def finished(self, peer: str, ok: bool, now: float) -> None:
         state = self.peers.get(peer)
         if state is None:

@@ -57,11 +57,13 @@ def test_reachability_from_observed_addresses() -> None:
 
 def test_punch_schedule_backs_off_and_forgets() -> None:
     schedule = PunchSchedule(initial=1.0, maximum=4.0)
+    assert schedule.next_in("b", 0.0) is None  # not relayed: nothing scheduled
     assert schedule.due(["b"], 0.0) == ["b"]
     schedule.started("b")
-    assert schedule.due(["b"], 0.0) == []  # running
+    assert schedule.due(["b"], 0.0) == [] and schedule.next_in("b", 0.0) == 0.0  # running
     schedule.finished("b", False, 0.0)
     assert schedule.due(["b"], 0.1) == []
+    assert 0.75 - 0.1 <= schedule.next_in("b", 0.1) <= 1.0 - 0.1  # type: ignore[operator]
     waits = []
     for now in (1.0, 10.0, 100.0, 1000.0):
         assert schedule.due(["b"], now) == ["b"]
