@@ -72,6 +72,7 @@ from meshllm.mesh.routes_service import RouteService
 from meshllm.mesh.service import MeshService
 from meshllm.models.library import Library
 from meshllm.models.store import ModelStore, Offer
+from meshllm.net.endpoint import EndpointOptions
 from meshllm.owner.service import OwnerService
 from meshllm.owner.standby import StandbyConfig
 from meshllm.runtime.replay import DEFAULT_MAX_REPLAYS, ReplayPolicy
@@ -85,6 +86,10 @@ log = logging.getLogger(__name__)
 Role = Literal["host", "worker", "client"]
 SERVE_INVITE_TTL_S = 24 * 3600.0
 """Invite ids are 10 random bytes, 16 base32 characters (``MeshKey.invite``)."""
+STARTUP_WAIT_S = 10.0
+"""While a node starts, how long a peer's stream of a kind its services have not registered yet waits
+(``EndpointOptions.startup_wait_s``): peers hear of a member as soon as it joins, before its stage
+host, blackboard or owner service serve."""
 
 
 @dataclass
@@ -221,6 +226,7 @@ class Node:
                 check_node_id=trust.check_node_id,
                 on_event=self.events.publish, host=opts.mesh_host, port=opts.mesh_port, announce=opts.announce,
                 relay=opts.relay, revocations_file=self.home / REVOCATIONS_FILE,
+                endpoint_options=EndpointOptions(startup_wait_s=STARTUP_WAIT_S),
             )
             await self.mesh.start()
             await self.mesh.first_view()
@@ -260,6 +266,7 @@ class Node:
         self.owner.start()
         self.invite = self._ready_invite()
         await self.discovery.start()
+        self.mesh.endpoint.started()  # every service has registered its stream kinds
         self.events.publish(
             "ready", api_url=self.api_url, node_id=self.key.node_id, mesh_id=self.membership.mesh_id,
             mesh_addr=self.mesh_addr, name=self.name, role=opts.role, invite=self.invite,

@@ -458,7 +458,7 @@ class PeerConnection:
                 return
             stream = self._add_stream(stream_id, None, CONTROL_FRAME_MAX, None)
         stream.feed(data, end)
-        if stream.kind is None:
+        if stream.kind is None and stream.held_kind is None:
             self._dispatch(stream)
         self.forget_if_finished(stream)
 
@@ -496,12 +496,27 @@ class PeerConnection:
                 stream.fail(ResetCode.BAD_FRAME, "stream ended before its header")
             return
         registered = self.endpoint.handler_for(header.kind)
+        if registered is None and self.endpoint.starting:  # its service may not have registered it yet
+            stream.hold(header.kind)
+            spawn(self._tasks, self._dispatch_once_started(stream, header.kind))
+            return
+        self._bind(stream, header.kind, registered)
+
+    async def _dispatch_once_started(self, stream: Stream, kind: str) -> None:
+        registered = await self.endpoint.handler_once_started(kind)
+        if stream.finished:  # reset meanwhile
+            self.forget_if_finished(stream)
+            return
+        self._bind(stream, kind, registered)
+
+    def _bind(self, stream: Stream, kind: str, registered: tuple[Any, int] | None) -> None:
+        """Run ``kind``'s handler on ``stream``, or refuse the stream when no handler serves it."""
         if registered is None:
-            stream.fail(ResetCode.UNKNOWN_KIND, f"no handler for stream kind {header.kind!r}")
+            stream.fail(ResetCode.UNKNOWN_KIND, f"no handler for stream kind {kind!r}")
             return
         handler, max_frame = registered
-        stream.bind(header.kind, max_frame)
-        self._note_kind(header.kind)
+        stream.bind(kind, max_frame)
+        self._note_kind(kind)
         spawn(self._tasks, self._run_handler(handler, stream))
 
     async def _run_handler(self, handler: Any, stream: Stream) -> None:

@@ -31,6 +31,7 @@ Typical use (the mesh layer supplies ``admit`` and ``local_proof``)::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import os
@@ -134,6 +135,11 @@ class EndpointOptions:
     """Pending handshakes one source IP, and one source address (IP and port), may hold."""
     retry_above: int = 32
     """Pending handshakes above which a new Initial must first answer a Retry (address validation)."""
+    startup_wait_s: float = 0.0
+    """Until :meth:`Endpoint.started`, how long a stream of a kind no handler serves yet waits for one.
+    A node's services register their kinds after its endpoint opened and its peers heard of it: a
+    coordinator that asked a new worker for a stage that early was refused (``UNKNOWN_KIND``), and its
+    whole placement failed. 0 (a bare endpoint): refused at once."""
 
 
 class _Socket(asyncio.DatagramProtocol):
@@ -187,6 +193,11 @@ class Endpoint:
         )
         self._routes: dict[bytes, PeerConnection] = {}
         self._handlers: dict[str, tuple[StreamHandler, int]] = {}
+        self._started = asyncio.Event()
+        if options.startup_wait_s <= 0:
+            self._started.set()
+        self._registered = asyncio.Event()
+        """Set (and replaced) whenever a handler is registered: wakes the streams waiting for one."""
         self._listeners: list[Callable[[PeerEvent], None]] = []
         self._dialing: dict[Addr, PeerConnection] = {}
         self._channels: dict[Addr, RelayChannel] = {}
@@ -245,6 +256,30 @@ class Endpoint:
         if not kind or len(kind) > KIND_MAX or kind == "admission":
             raise ValueError(f"bad stream kind {kind!r}")
         self._handlers[kind] = (handler, max_frame)
+        self._registered.set()
+        self._registered = asyncio.Event()
+
+    def started(self) -> None:
+        """Every service has registered its stream kinds: from now on a stream of any other kind is
+        refused at once (``EndpointOptions.startup_wait_s``)."""
+        self._started.set()
+        self._registered.set()
+
+    @property
+    def starting(self) -> bool:
+        return not self._started.is_set()
+
+    async def handler_once_started(self, kind: str) -> tuple[StreamHandler, int] | None:
+        """The handler for ``kind`` once one is registered; None if none is by the time the node has
+        started, or after ``EndpointOptions.startup_wait_s``."""
+        deadline = asyncio.get_running_loop().time() + self.options.startup_wait_s
+        while (registered := self._handlers.get(kind)) is None and self.starting:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._registered.wait(), left)
+        return registered
 
     def on_peer_event(self, callback: Callable[[PeerEvent], None]) -> Callable[[], None]:
         """Call ``callback`` on every peer event; returns a function that unsubscribes it."""

@@ -78,6 +78,8 @@ class Stream:
         self._window = peer.quic.stream_window
         self._decoder: FrameDecoder[msgspec.Raw] | None = None if kind is None else self._new_decoder()
         self._head = bytearray()
+        self.held_kind: str | None = None
+        """The kind an incoming stream's header named while no handler served it yet (:meth:`hold`)."""
         self._inbox: deque[tuple[msgspec.Raw, int]] = deque()
         """Complete unread frames, each with the bytes reserved for it (0 for a small one)."""
         self._inbox_bytes = 0
@@ -241,6 +243,11 @@ class Stream:
         del self._head[:end]
         return header
 
+    def hold(self, kind: str) -> None:
+        """Incoming stream: its header named ``kind``, which no handler serves yet (the node is starting).
+        Later bytes wait unread, and no header deadline applies: the wait for a handler has its own."""
+        self.held_kind = kind
+
     def bind(self, kind: str, max_frame: int) -> None:
         """Incoming stream: its kind is known; decode what followed the header, capped by ``max_frame``."""
         self.kind = kind
@@ -303,7 +310,8 @@ class Stream:
         """Why this stream should be reset now (a header or a frame taking too long), or None."""
         if self._error is not None:
             return None
-        if self._decoder is None and not self._ended and now - self._opened_at > HEADER_DEADLINE_S:
+        if self._decoder is None and self.held_kind is None and not self._ended \
+                and now - self._opened_at > HEADER_DEADLINE_S:
             return f"no stream header within {HEADER_DEADLINE_S:.0f} s"
         if self._frame_clock is None or self._inbox or self.awaiting_reservation or self._deferred:
             return None

@@ -63,6 +63,38 @@ def test_unknown_kind_resets_the_stream() -> None:
     asyncio.run(main())
 
 
+def test_a_starting_endpoint_holds_a_stream_until_its_kind_is_served() -> None:
+    """While a node starts, its services register their stream kinds after its peers heard of it: a stream
+    of a kind not served yet waits for its handler (its bytes, sent before, are read then); one never
+    served is refused once the node has started, or when ``startup_wait_s`` runs out."""
+    async def main() -> None:
+        a, b, c = await endpoint(), await endpoint(startup_wait_s=30.0), await endpoint(startup_wait_s=0.5)
+        peer = await a.connect(b.local_addr)
+        early = await peer.open_stream("late")
+        await early.send(Msg("sent before the handler"))
+        never = await peer.open_stream("never")
+        await never.send(Msg("x"))
+        await asyncio.sleep(0.3)
+        b.on_stream("late", upper)
+        assert (await early.recv(Msg, timeout=3)).text == "late:SENT BEFORE THE HANDLER"  # type: ignore[union-attr]
+        assert not never.finished  # still held
+        b.started()  # (well before its 30 s wait ends)
+        with pytest.raises(StreamClosed, match="reset by peer"):
+            await never.recv(Msg, timeout=3)
+        after = await peer.open_stream("never")
+        await after.send(Msg("x"))
+        with pytest.raises(StreamClosed, match="reset by peer"):
+            await after.recv(Msg, timeout=3)
+        waited = await (await a.connect(c.local_addr)).open_stream("never")  # c never says it started
+        await waited.send(Msg("x"))
+        with pytest.raises(StreamClosed, match="reset by peer"):
+            await waited.recv(Msg, timeout=3)
+        for e in (a, b, c):
+            await e.close()
+
+    asyncio.run(main())
+
+
 def test_slow_reader_bounds_the_senders_queue() -> None:
     window, budget, size = 64 * 1024, 32 * 1024, 8 * 1024
 
