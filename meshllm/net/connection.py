@@ -583,7 +583,7 @@ class PeerConnection:
             now = self._loop.time()
             if interval != probes.interval:
                 probes.pace(interval, now)
-            self._apply_probes(probes.poll(now))
+            self._apply_probes(probes.poll(now, self.heard_at))
             delay = max(0.0, probes.next_deadline - self._loop.time())
             if busy:
                 await asyncio.sleep(delay)

@@ -4,12 +4,13 @@ Every ``interval`` seconds a side sends ``PING nonce timestamp`` as a QUIC DATAG
 unreliable, never retransmitted, so a lost probe is a signal rather than a delay); the other
 side echoes it as ``PONG`` (at most :data:`MAX_PONGS_PER_INTERVAL` per interval, so a peer
 flooding pings cannot make us queue unbounded answers). A ping that has no pong by the time the
-next one is due counts as missed; ``suspect_after`` misses in a row (3 x 250 ms) make the peer
-*suspect*, the next pong makes it *alive* again. A late pong still counts (for any of the last
-``suspect_after`` pings): a peer whose answers take longer than an interval (its loop or host is
-busy) is slow, not gone, and must not be taken for dead while it answers. QUIC's idle timeout is
-far longer, so this is how a killed peer is noticed within about a second. The caller passes
-``now`` (seconds, monotonic) in.
+next one is due counts as missed, unless the connection delivered any packet since it left (the
+driver passes when it last did: the peer's loop runs); ``suspect_after`` misses in a row
+(3 x 250 ms) make the peer *suspect*, the next pong (or packet) makes it *alive* again. A late
+pong still counts (for any of the last ``suspect_after`` pings): a peer whose answers take longer
+than an interval (its loop or host is busy) is slow, not gone, and must not be taken for dead while
+it answers. QUIC's idle timeout is far longer, so this is how a killed peer is noticed within about
+a second. The caller passes ``now`` (seconds, monotonic) in.
 """
 
 from __future__ import annotations
@@ -87,16 +88,29 @@ class ProbeState:
         """When :meth:`poll` next has work to do."""
         return self._next_ping
 
-    def poll(self, now: float) -> ProbeOutput:
-        """Send a ping when one is due; count the previous one as missed if still unanswered."""
+    def poll(self, now: float, heard_at: float | None = None) -> ProbeOutput:
+        """Send a ping when one is due; count the previous one as missed if still unanswered.
+
+        ``heard_at`` is when the connection last delivered a packet of any kind (stream data, ACKs). A ping
+        left unanswered while the peer's packets kept arriving is not missed: they were sent by the loop
+        that answers pings, so the pong is late or lost behind them, and the peer is alive (a suspect one
+        is alive again). A peer that streams an answer to us while its pongs queue behind the data
+        would otherwise turn suspect, and every request in flight to it is abandoned then.
+        """
         out = ProbeOutput([], [])
         if now < self._next_ping:
             return out
         if self._last in self._outstanding:
-            self.missed += 1
-            if self.missed >= self.suspect_after and self.state is Liveness.ALIVE:
-                self.state = Liveness.SUSPECT
-                out.events.append(LivenessChanged(Liveness.SUSPECT, self.rtt_ms))
+            if heard_at is not None and heard_at >= self._outstanding[self._last]:
+                self.missed = 0
+                if self.state is Liveness.SUSPECT:
+                    self.state = Liveness.ALIVE
+                    out.events.append(LivenessChanged(Liveness.ALIVE, self.rtt_ms))
+            else:
+                self.missed += 1
+                if self.missed >= self.suspect_after and self.state is Liveness.ALIVE:
+                    self.state = Liveness.SUSPECT
+                    out.events.append(LivenessChanged(Liveness.SUSPECT, self.rtt_ms))
         while len(self._outstanding) >= self.suspect_after:  # the oldest ping's pong no longer counts
             del self._outstanding[next(iter(self._outstanding))]
         nonce = self._last = int.from_bytes(os.urandom(8), "big")

@@ -109,3 +109,18 @@ def test_pace_sends_the_next_ping_now_and_forgives_those_in_flight() -> None:
     p.pace(0.25, 1.0)  # work started: the 5 s ping still in flight counts neither way
     assert p.next_deadline == 1.0 and p.interval == 0.25
     assert len(p.poll(1.0).datagrams) == 1 and p.missed == 0
+
+
+def test_a_peer_heard_from_since_the_ping_is_not_missed() -> None:
+    """A ping left unanswered while the peer's packets kept arriving (stream data, ACKs: its loop runs) is
+    not missed, and revives a suspect; silence since the ping is a miss as before."""
+    p = ProbeState(0.0, interval=0.25, suspect_after=3)
+    p.poll(0.0)
+    for t in (0.25, 0.5, 0.75, 1.0):
+        assert p.poll(t, heard_at=t - 0.1).events == [] and p.missed == 0  # heard after each ping left
+    assert p.state is Liveness.ALIVE
+    for t in (1.25, 1.5, 1.75):
+        out = p.poll(t, heard_at=0.9)  # silent since 0.9: each ping from 1.0 on is missed
+    assert [e.state for e in out.events] == [Liveness.SUSPECT] and p.missed == 3
+    revived = p.poll(2.0, heard_at=1.8)
+    assert [e.state for e in revived.events] == [Liveness.ALIVE] and p.missed == 0
