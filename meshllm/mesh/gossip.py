@@ -139,9 +139,12 @@ REFUTED_TO_BAN = 3
 ACCUSER_BAN_S = 300.0
 REFUSED_MEMO_S = 60.0
 """A node whose genuine record was refused (its membership) is not asked for for this long."""
-ANSWER_WAIT_S = 5.0
+ANSWER_WAIT_S = 12.0
 """A peer's answer to our want list or digest carries what we asked for if it comes within this long; later, or
-beyond it, an exchange gets the plain cap (``Gossip._items_cap``)."""
+beyond it, an exchange gets the plain cap (``Gossip._items_cap``). Until then no digest makes us ask again for
+what we asked for. It is the longest the driver lets one message take to leave a peer (mesh/service.py: 2 s
+to queue, 10 s to drain): a starting member of 50 on one 2-core host took 9 s to receive its first answer,
+200 KB, and at 5 s it asked again, four times, for the same records."""
 REFINE_AT = 16
 """Records per bucket above which differing buckets are answered with their sub-buckets' sums (16 x 8
 bytes) rather than a digest of every record in them (about 60 bytes each)."""
@@ -288,6 +291,9 @@ class Gossip:
         """peer -> (records we asked it for and it has not sent yet, until when they count): our last ``want``
         list, or, after we answered its summary with a digest, as many as a message may carry (what it gives
         for that digest is all we lack in the buckets that differ). One entry per connected peer at most."""
+        self._wanted: dict[str, tuple[str, int, float]] = {}
+        """node id -> (the peer we asked for its record, the sequence that peer's digest claimed, until when the
+        answer counts): the asks on their way, which a digest from any peer does not repeat."""
         self.answered = False
         """A peer answered a want list or a digest of ours, or sent a digest listing nothing we lack: a
         joining node's view now holds what that member held."""
@@ -388,6 +394,7 @@ class Gossip:
     def peer_disconnected(self, peer: str) -> None:
         self.connected.discard(peer)
         self._asked.pop(peer, None)
+        self._wanted = {n: w for n, w in self._wanted.items() if w[0] != peer}  # its answers will not come
 
     def greet(self, peer: str) -> list[Output]:
         """A peer just connected: trade digests with it now rather than at the next round.
@@ -679,12 +686,18 @@ class Gossip:
                     notices.append(entry.notice)
             elif seq is None or seq < entry.record.seq:
                 give.append(node)
-        want = want_own + [n for n, s in theirs.items()
-                           if n != self.node_id and n not in self.revoked_nodes and s > self._held_or_none(n)
-                           and not self._refused.remaining(n, now)][:WANT_MAX]
+        self._wanted = {n: w for n, w in self._wanted.items() if w[2] > now}
+        lacking = [n for n, s in theirs.items()
+                   if n != self.node_id and n not in self.revoked_nodes and s > self._held_or_none(n)
+                   and not self._refused.remaining(n, now)]
+        on_the_way = {n for n in lacking if (w := self._wanted.get(n)) is not None and w[1] >= theirs[n]}
+        want = want_own + [n for n in lacking if n not in on_the_way][:WANT_MAX]
         if want:
-            self._asked[source] = len(want), now + ANSWER_WAIT_S  # its answer may carry that many (``_items_cap``)
-        else:
+            credit, until = self._asked.get(source, (0, now))  # (an earlier ask of it may still be answering)
+            self._asked[source] = (credit if until >= now else 0) + len(want), now + ANSWER_WAIT_S
+            for node in want[len(want_own):]:
+                self._wanted[node] = source, theirs[node], now + ANSWER_WAIT_S
+        elif not on_the_way:
             self.answered = True  # we hold all it listed
         out: list[Output] = [Send(source, m) for m in self._exchanges(give, want)]
         if notices:

@@ -268,6 +268,30 @@ def test_a_joining_node_takes_the_whole_answer_to_its_want_list() -> None:
     assert len(g.members()) == ITEMS_SLACK and not g.answered
 
 
+def test_records_on_their_way_are_not_asked_for_again() -> None:
+    """A starting member on a loaded host took 9 s to receive its first answer (200 KB), and asked again for
+    the same records at every round meanwhile. A digest, from any peer, now asks only for what is not on
+    its way: not before ANSWER_WAIT_S, unless the peer asked left or claims a newer copy."""
+    keys = [make_key(100 + i) for i in range(40)]
+    ids = [make_record(k).node_id for k in keys]
+    g = gossip_for(A)
+
+    def asked(source: str, digest: dict[str, int], now: float) -> list[str]:
+        out = g.receive(source, Digest(digest), now=now)
+        return [n for o in out if isinstance(o, Send) and isinstance(o.message, Exchange) for n in o.message.want]
+
+    assert len(asked("x", dict.fromkeys(ids, 1), 1.0)) == 40
+    assert asked("x", dict.fromkeys(ids, 1), 2.0) == [] and asked("y", dict.fromkeys(ids, 1), 3.0) == []
+    assert not g.answered  # nothing held yet: still waiting, not "holding all it listed"
+    assert asked("y", {ids[0]: 2, ids[1]: 1}, 3.0) == [ids[0]]  # a newer copy than the one asked for
+    g.receive("x", Exchange([sign_record(k, make_record(k, seq=1)) for k in keys[:10]]), now=4.0)  # part of it
+    assert len(g.members()) == 10
+    g.peer_disconnected("x")  # the rest of x's answer will not come
+    assert len(asked("y", dict.fromkeys(ids, 1), 5.0)) == 30
+    assert asked("z", dict.fromkeys(ids, 1), 6.0) == []
+    assert len(asked("z", dict.fromkeys(ids, 1), 5.0 + ANSWER_WAIT_S + 0.1)) == 30  # y's answer is overdue
+
+
 def test_a_joiner_learns_a_mesh_past_the_refining_size_from_its_greeting() -> None:
     """A member holding more than REFINE_AT records per bucket answers a joiner's greeting with finer sums,
     the joiner answers those with a digest, and the member gives everything it lacks: the joiner takes it
