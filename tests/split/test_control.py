@@ -17,7 +17,7 @@ from tinymodels import write_tiny_llama
 
 from meshllm.mesh.records import Addresses, Capacity, PeerRecord
 from meshllm.models.gguf_file import GGUFFile
-from meshllm.models.library import Library
+from meshllm.models.library import Library, LibraryEntry
 from meshllm.models.manifest import build_manifest, sign_manifest
 from meshllm.models.refs import ModelRef
 from meshllm.models.store import ModelStore
@@ -58,6 +58,32 @@ class Node:
 async def node(tmp: Path, name: str) -> Node:
     key = SigningKey.generate()
     return Node(key, await endpoint(key), Library(tmp / name / "models"))
+
+
+def record(n: Node, role: str, ram: int = 1 << 33) -> PeerRecord:
+    """``n``'s peer record as the placement reads it from gossip (``ram``: the memory it offers)."""
+    return PeerRecord(node_id=n.id, mesh_id="m", seq=1, membership_proof=b"p", role=role,  # type: ignore[arg-type]
+                      capacity=Capacity(ram_bytes=ram, gflops=10.0), addresses=Addresses(listen=[addr(n.ep)]))
+
+
+async def coordinator_and_workers(
+        tmp: Path, model: Path) -> tuple[tuple[Node, Node, Node], LibraryEntry, bytes, list[StageServer],
+                                         dict[str, StageHost]]:
+    """A coordinator holding ``model`` and two workers with stage hosts: the nodes, the coordinator's library
+    entry and signed manifest, the stage servers (the coordinator's first), the hosts by worker id."""
+    coord, w1, w2 = [await node(tmp, n) for n in ("coord", "w1", "w2")]
+    entry = coord.library.add(model, source="file", owned=False)
+    servers = [StageServer(n.ep) for n in (coord, w1, w2)]
+    hosts = {w.id: StageHost(server, w.store, budget=1 << 30) for server, w in zip(servers[1:], (w1, w2), strict=True)}
+    return (coord, w1, w2), entry, sign_manifest(coord.key, build_manifest(model)), servers, hosts
+
+
+async def shut(placement: SplitPlacement, servers: list[StageServer], nodes: tuple[Node, ...]) -> None:
+    await placement.stop()
+    for server in servers:
+        server.close()
+    for n in nodes:
+        await n.ep.close()
 
 
 def host_request(coord: Node, worker: Node, manifest_key: SigningKey, model_id: str, manifest: bytes | None = None,
@@ -361,17 +387,7 @@ def test_the_coordinator_stops_counting_on_a_warm_range_its_worker_lost(
     monkeypatch.setattr(placement_module, "SPARE_CHECK_S", 0.05)
 
     async def main() -> None:
-        coord, w1, w2 = [await node(tmp_path, n) for n in ("coord", "w1", "w2")]
-        entry = coord.library.add(tiny_model, source="file", owned=False)
-        signed = sign_manifest(coord.key, build_manifest(tiny_model))
-        servers = [StageServer(n.ep) for n in (coord, w1, w2)]
-        for server, worker in zip(servers[1:], (w1, w2), strict=True):
-            StageHost(server, worker.store, budget=1 << 30)
-
-        def record(n: Node, role: str) -> PeerRecord:
-            return PeerRecord(node_id=n.id, mesh_id="m", seq=1, membership_proof=b"p", role=role,  # type: ignore[arg-type]
-                              capacity=Capacity(ram_bytes=1 << 33, gflops=10.0),
-                              addresses=Addresses(listen=[addr(n.ep)]))
+        (coord, w1, w2), entry, signed, servers, _hosts = await coordinator_and_workers(tmp_path, tiny_model)
 
         members = {w.id: record(w, "worker") for w in (w1, w2)}
         events: list[tuple[str, dict[str, object]]] = []
@@ -420,18 +436,8 @@ def test_a_released_stage_leaves_what_the_coordinator_counts_on(
     monkeypatch.setattr(placement_module, "SPARE_CHECK_S", 0.05)
 
     async def main() -> None:
-        coord, w1, w2 = [await node(tmp_path, n) for n in ("coord", "w1", "w2")]
-        entry = coord.library.add(tiny_model, source="file", owned=False)
-        signed = sign_manifest(coord.key, build_manifest(tiny_model))
-        servers = [StageServer(n.ep) for n in (coord, w1, w2)]
-        hosts = {w.id: StageHost(server, w.store, budget=1 << 30) for server, w in zip(servers[1:], (w1, w2),
-                                                                                       strict=True)}
+        (coord, w1, w2), entry, signed, servers, hosts = await coordinator_and_workers(tmp_path, tiny_model)
         workers = {w.id: w for w in (w1, w2)}
-
-        def record(n: Node, role: str) -> PeerRecord:
-            return PeerRecord(node_id=n.id, mesh_id="m", seq=1, membership_proof=b"p", role=role,  # type: ignore[arg-type]
-                              capacity=Capacity(ram_bytes=1 << 33, gflops=10.0),
-                              addresses=Addresses(listen=[addr(n.ep)]))
 
         members = {w.id: record(w, "worker") for w in (w1, w2)}
         engine = SplitEngine(tiny_model, MODEL, 64)
@@ -470,11 +476,7 @@ def test_a_released_stage_leaves_what_the_coordinator_counts_on(
             assert spare not in placement.fetching  # built inside the warm range: nothing fetched
             assert (rebuilt.layer_start, rebuilt.layer_end) in placement.held[spare]
         finally:
-            await placement.stop()
-            for server in servers:
-                server.close()
-            for n in (coord, w1, w2):
-                await n.ep.close()
+            await shut(placement, servers, (coord, w1, w2))
 
     asyncio.run(main())
 
@@ -494,10 +496,6 @@ def test_a_replaced_stage_leaves_what_the_coordinator_counts_on(tiny_model: Path
         signed = sign_manifest(coord.key, build_manifest(tiny_model))
         servers = [StageServer(n.ep) for n in (coord, worker)]
         host = StageHost(servers[1], worker.store, budget=1 << 30)
-
-        def record(n: Node, role: str, ram: int) -> PeerRecord:
-            return PeerRecord(node_id=n.id, mesh_id="m", seq=1, membership_proof=b"p", role=role,  # type: ignore[arg-type]
-                              capacity=Capacity(ram_bytes=ram, gflops=10.0), addresses=Addresses(listen=[addr(n.ep)]))
 
         members = {worker.id: record(worker, "worker", room(False, 3))}  # the worker fits 3 layers at most
         engine = SplitEngine(tiny_model, MODEL, 64)
@@ -529,11 +527,7 @@ def test_a_replaced_stage_leaves_what_the_coordinator_counts_on(tiny_model: Path
             now = host.hosted[(coord.id, MODEL)].entry.key
             assert now != first and now in worker.library.pinned and first not in worker.library.pinned
         finally:
-            await placement.stop()
-            for server in servers:
-                server.close()
-            for n in (coord, worker):
-                await n.ep.close()
+            await shut(placement, servers, (coord, worker))
 
     asyncio.run(main())
 
@@ -544,17 +538,7 @@ def test_a_failed_placement_first_hears_every_other_hop(tiny_model: Path, tmp_pa
     would otherwise run on beside the next placement, which asks its worker for the same range again (and
     the one transfer was reported as two fetches). Real workers; the first hop is refused at once."""
     async def main() -> None:
-        coord, w1, w2 = [await node(tmp_path, n) for n in ("coord", "w1", "w2")]
-        entry = coord.library.add(tiny_model, source="file", owned=False)
-        signed = sign_manifest(coord.key, build_manifest(tiny_model))
-        servers = [StageServer(n.ep) for n in (coord, w1, w2)]
-        hosts = {w.id: StageHost(server, w.store, budget=1 << 30) for server, w in zip(servers[1:], (w1, w2),
-                                                                                       strict=True)}
-
-        def record(n: Node, role: str) -> PeerRecord:
-            return PeerRecord(node_id=n.id, mesh_id="m", seq=1, membership_proof=b"p", role=role,  # type: ignore[arg-type]
-                              capacity=Capacity(ram_bytes=1 << 33, gflops=10.0),
-                              addresses=Addresses(listen=[addr(n.ep)]))
+        (coord, w1, w2), entry, signed, servers, hosts = await coordinator_and_workers(tmp_path, tiny_model)
 
         members = {w.id: record(w, "worker") for w in (w1, w2)}
         events: list[str] = []
@@ -583,10 +567,6 @@ def test_a_failed_placement_first_hears_every_other_hop(tiny_model: Path, tmp_pa
             await placement._place()
             assert placement.chain[2] == last and events.count("split_stage_fetched") == 2  # the first hop's only
         finally:
-            await placement.stop()
-            for server in servers:
-                server.close()
-            for n in (coord, w1, w2):
-                await n.ep.close()
+            await shut(placement, servers, (coord, w1, w2))
 
     asyncio.run(main())
