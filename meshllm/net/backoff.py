@@ -75,10 +75,11 @@ async def dial_with_retry(
     loop = asyncio.get_running_loop()
     end = loop.time() + deadline
     policy = backoff or Backoff()
+    last: ConnectError | None = None
     while True:
         remaining = end - loop.time()
-        if remaining <= 0:
-            raise ConnectTimeout(f"could not connect to {addr[0]}:{addr[1]} within {deadline:.1f}s")
+        if remaining <= 0:  # (a sleep that ended late, on a busy host, still reports what failed)
+            raise last or ConnectTimeout(f"could not connect to {addr[0]}:{addr[1]} within {deadline:.1f}s")
         try:
             return await endpoint.connect(
                 addr, expected_node_id=expected_node_id, timeout=min(attempt_timeout, remaining)
@@ -86,6 +87,7 @@ async def dial_with_retry(
         except ConnectError as exc:
             if exc.permanent:
                 raise
+            last = exc
             delay = policy.next_delay()
             if loop.time() + delay >= end:
                 raise

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -63,6 +64,25 @@ def test_permanent_refusal_is_not_retried() -> None:
     ep = FakeEndpoint([AdmissionRefused("banned")])
     with pytest.raises(AdmissionRefused):
         run(dial_with_retry(ep, ("h", 1), deadline=5))  # type: ignore[arg-type]
+    assert ep.calls == 1
+
+
+def test_a_stalled_loop_past_the_deadline_still_reports_the_last_error() -> None:
+    """A backoff sleep that ends past the deadline (the loop was held up: a busy host) reports what failed,
+    not a bare timeout (CI saw "could not connect to h:1 within 0.2s" instead of "down")."""
+    ep = FakeEndpoint([ConnectError("down")] * 1000)
+
+    async def main() -> None:
+        async def stall() -> None:
+            await asyncio.sleep(0.01)
+            time.sleep(0.3)  # holds the loop past the dial's deadline, during its backoff sleep
+
+        stalling = asyncio.ensure_future(stall())
+        with pytest.raises(ConnectError, match="down"):
+            await dial_with_retry(ep, ("h", 1), deadline=0.2, backoff=Backoff(initial=0.05, maximum=0.05))  # type: ignore[arg-type]
+        await stalling
+
+    run(main())
     assert ep.calls == 1
 
 
