@@ -471,8 +471,8 @@ class Gossip:
             return self._on_digest(source, message, now)
         if isinstance(message, Exchange):
             out: list[Output] = []
-            asked, until = self._asked.pop(source, (0, now))
-            asked = asked if now <= until else 0
+            asked = self._credit(source, now)
+            _, until = self._asked.pop(source, (0, now))
             self.answered = self.answered or asked > 0
             records = message.records[: self._items_cap(asked)]
             if asked > len(records):  # a push that came first spends the credit only by what it carried
@@ -573,6 +573,11 @@ class Gossip:
                 pass  # not this revocation's business
         return out + self._flood(Revocations([raw]), exclude=source)
 
+    def _credit(self, source: str, now: float) -> int:
+        """The records ``source`` may still send us because we asked (0 once ``ANSWER_WAIT_S`` has passed)."""
+        asked, until = self._asked.get(source, (0, now))
+        return asked if now <= until else 0
+
     def _items_cap(self, asked: int = 0) -> int:
         """Records or notices to verify from one message: what a full sync could need, bounded.
 
@@ -659,7 +664,7 @@ class Gossip:
         # Its answer gives all we lack there. With the plain cap (what we hold plus 16), a joining node
         # holding nothing took 16 records from the exchange meant to teach it the mesh: a peer holding
         # over 256 records answers a joiner's greeting with finer sums, so the greeting ends here.
-        self._asked[source] = ITEMS_MAX, now + ANSWER_WAIT_S
+        self._asked[source] = max(self._credit(source, now), ITEMS_MAX), now + ANSWER_WAIT_S
         return [Send(source, Digest(seqs, level, differ))]
 
     def _on_digest(self, source: str, message: Digest, now: float) -> list[Output]:
@@ -693,8 +698,8 @@ class Gossip:
         on_the_way = {n for n in lacking if (w := self._wanted.get(n)) is not None and w[1] >= theirs[n]}
         want = want_own + [n for n in lacking if n not in on_the_way][:WANT_MAX]
         if want:
-            credit, until = self._asked.get(source, (0, now))  # (an earlier ask of it may still be answering)
-            self._asked[source] = (credit if until >= now else 0) + len(want), now + ANSWER_WAIT_S
+            # (an earlier ask of it may still be answering)
+            self._asked[source] = self._credit(source, now) + len(want), now + ANSWER_WAIT_S
             for node in want[len(want_own):]:
                 self._wanted[node] = source, theirs[node], now + ANSWER_WAIT_S
         elif not on_the_way:

@@ -193,9 +193,8 @@ class Endpoint:
         )
         self._routes: dict[bytes, PeerConnection] = {}
         self._handlers: dict[str, tuple[StreamHandler, int]] = {}
-        self._started = asyncio.Event()
-        if options.startup_wait_s <= 0:
-            self._started.set()
+        self.starting = options.startup_wait_s > 0
+        """Until :meth:`started`: a stream of a kind no handler serves yet waits for one."""
         self._registered = asyncio.Event()
         """Set (and replaced) whenever a handler is registered: wakes the streams waiting for one."""
         self._listeners: list[Callable[[PeerEvent], None]] = []
@@ -262,12 +261,8 @@ class Endpoint:
     def started(self) -> None:
         """Every service has registered its stream kinds: from now on a stream of any other kind is
         refused at once (``EndpointOptions.startup_wait_s``)."""
-        self._started.set()
+        self.starting = False
         self._registered.set()
-
-    @property
-    def starting(self) -> bool:
-        return not self._started.is_set()
 
     async def handler_once_started(self, kind: str) -> tuple[StreamHandler, int] | None:
         """The handler for ``kind`` once one is registered; None if none is by the time the node has
