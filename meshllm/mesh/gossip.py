@@ -295,8 +295,8 @@ class Gossip:
         """node id -> (the peer we asked for its record, the sequence that peer's digest claimed, until when the
         answer counts): the asks on their way, which a digest from any peer does not repeat."""
         self.answered = False
-        """A peer answered a want list or a digest of ours, or sent a digest listing nothing we lack: a
-        joining node's view now holds what that member held."""
+        """A peer answered a want list or a digest of ours (every record we asked it for is in), or sent a
+        digest listing nothing we lack: a joining node's view now holds what that member held."""
         self._accused: dict[str, tuple[str, float]] = {}
         """subject -> (accuser, notice time) of the notice that took it down (refutation tracking)."""
         # A random first phase: nodes started together must not refresh in lockstep.
@@ -473,7 +473,6 @@ class Gossip:
             out: list[Output] = []
             asked = self._credit(source, now)
             _, until = self._asked.pop(source, (0, now))
-            self.answered = self.answered or asked > 0
             records = message.records[: self._items_cap(asked)]
             if asked > len(records):  # a push that came first spends the credit only by what it carried
                 self._asked[source] = asked - len(records), until
@@ -484,6 +483,8 @@ class Gossip:
                 if result and isinstance(result[0], Overstep) and any(isinstance(o, Overstep) for o in out):
                     continue  # one strike a message for records over the rate
                 out += result
+            if asked and not self.answered:
+                self.answered = not self._awaited_from(source)
             if message.want and not self._pulls.allow(source, now):
                 return [*out, Overstep(source, "want lists faster than gossip answers them")]
             # Only ids we hold (or ours), each once: a want list can cost us no more than one copy
@@ -577,6 +578,13 @@ class Gossip:
         """The records ``source`` may still send us because we asked (0 once ``ANSWER_WAIT_S`` has passed)."""
         asked, until = self._asked.get(source, (0, now))
         return asked if now <= until else 0
+
+    def _awaited_from(self, peer: str) -> bool:
+        """Whether we still lack a record we asked ``peer`` for: its answer is not all in yet. A push it
+        sent before the answer (one record) made a restarted member of 50 call itself ready on a view of
+        one (docs/benchmarks.md)."""
+        return any(asked_of == peer and self._held_or_none(node) < seq
+                   for node, (asked_of, seq, _) in self._wanted.items())
 
     def _items_cap(self, asked: int = 0) -> int:
         """Records or notices to verify from one message: what a full sync could need, bounded.

@@ -259,8 +259,9 @@ def test_a_joining_node_takes_the_whole_answer_to_its_want_list() -> None:
     g = gossip_for(A)
     g.receive("x", Digest({make_record(k).node_id: 1 for k in keys}), now=1.0)
     g.receive("x", Exchange(raws[:1]), now=1.1)
+    assert not g.answered  # one record of the 40 asked: not the answer
     g.receive("x", Exchange(raws), now=1.2)
-    assert len(g.members()) == 40
+    assert len(g.members()) == 40 and g.answered
     # an answer later than ANSWER_WAIT_S gets the plain cap
     g = gossip_for(A)
     g.receive("x", Digest({make_record(k).node_id: 1 for k in keys}), now=1.0)
