@@ -64,8 +64,11 @@ class PeerConnection:
     """One QUIC connection to one peer. Obtain it from :meth:`Endpoint.connect` or a handler."""
 
     def __init__(
-        self, endpoint: Endpoint, quic: MeshQuicConnection, addr: Addr, *, dialer: bool, expected: str | None
+        self, endpoint: Endpoint, quic: MeshQuicConnection, addr: Addr, *, dialer: bool, expected: str | None,
+        handshake_s: float | None = None,
     ) -> None:
+        """``handshake_s``: an incoming connection whose TLS handshake has not completed this long after
+        its first packet is dropped without a word (None: it has the whole admission time)."""
         self.endpoint = endpoint
         self.quic = quic
         self.dialer = dialer
@@ -108,17 +111,13 @@ class PeerConnection:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._transmit_handle: asyncio.Handle | None = None
-        self._deadline: asyncio.TimerHandle | None = None
         self._handshake_deadline: asyncio.TimerHandle | None = None
-        if not dialer:
-            self._deadline = self._loop.call_later(
-                endpoint.options.admission_timeout, self.close, "admission timed out", CloseCode.ADMISSION_TIMEOUT
-            )
-            # A handshake that has not completed soon is dropped without a word: it may come from
-            # a spoofed address, and it must not hold a pending slot for the whole admission time.
-            self._handshake_deadline = self._loop.call_later(
-                endpoint.options.handshake_timeout, self.discard, "handshake timed out"
-            )
+        # (a dial lives on past its caller's timeout, up to the acceptor's limit: Endpoint.connect)
+        self._deadline: asyncio.TimerHandle | None = self._loop.call_later(
+            endpoint.options.admission_timeout, self._overdue
+        )
+        if handshake_s is not None:
+            self._handshake_deadline = self._loop.call_later(handshake_s, self.discard, "handshake timed out")
 
     def __repr__(self) -> str:
         return f"<PeerConnection {short(self.node_id or '?')} {self.remote_addr} {self.state}>"
@@ -196,6 +195,16 @@ class PeerConnection:
         self.quic.close(error_code=code, reason_phrase=reason)
         self.transmit()
         self._finish(reason, self._error_for(code, reason, local=True))
+
+    def _overdue(self) -> None:
+        """Admission did not finish within ``admission_timeout``: close; an incoming handshake that never
+        completed is dropped without a word instead (its source address may be spoofed)."""
+        if self.dialer:
+            self.close("dial timed out", CloseCode.ADMISSION_TIMEOUT)
+        elif self.node_id is None:
+            self.discard("handshake timed out")
+        else:
+            self.close("admission timed out", CloseCode.ADMISSION_TIMEOUT)
 
     def discard(self, reason: str) -> None:
         """Forget a connection that never finished its handshake, sending nothing to its address."""

@@ -7,11 +7,11 @@ unknown id carried by a full-sized Initial packet starts a new incoming connecti
 
 Pending handshakes are a resource a stranger can try to exhaust, so they are guarded in layers:
 an Initial that does not decrypt is dropped before any state is kept; each source address and
-each source IP may hold only a few pending handshakes; a handshake must complete within
-``handshake_timeout`` (admission then has ``admission_timeout``); and once more than
-``retry_above`` handshakes are pending, new Initials must first prove they can receive at their
-source address (a QUIC Retry with an encrypted token, RFC 9000 section 8.1), so spoofed floods
-create no state at all.
+each source IP may hold only a few pending handshakes; handshake and admission must complete
+within ``admission_timeout``; and once more than ``retry_above`` handshakes are pending, new Initials
+must first prove they can receive at their source address (a QUIC Retry with an encrypted token,
+RFC 9000 section 8.1), so spoofed floods create no state at all, and must complete their handshake
+within ``handshake_timeout``.
 
 Peers that overstep a limit anywhere (transport or mesh layer) get strikes
 (:meth:`Endpoint.strike`); enough strikes cool the peer down: its connection is closed and its
@@ -125,9 +125,11 @@ class EndpointOptions:
     """We are a passive client: dialed peers are told so (``Hello.passive``) and keep us out of gossip."""
     suspect_after: int = 3
     admission_timeout: float = 10.0
-    """An incoming connection must finish admission within this long or is closed."""
+    """A connection must finish admission within this long or is closed: an incoming one, and a dial
+    however long its callers wait (:meth:`Endpoint.connect`)."""
     handshake_timeout: float = 3.0
-    """An incoming connection must finish its TLS handshake within this long or is dropped."""
+    """Once ``retry_above`` handshakes are pending (a flood), an incoming connection must finish its TLS
+    handshake within this long or is dropped; before, it has ``admission_timeout``."""
     max_pending: int = 256
     """Most incoming connections still in handshake or admission; more Initials are dropped."""
     max_pending_per_ip: int = 32
@@ -290,6 +292,12 @@ class Endpoint:
         :class:`PeerMismatch`); without it (a bootstrap address) the peer's id is learned.
         ``fresh`` dials even if we hold a connection to the peer (a direct path to a relayed peer).
         Raises :class:`ConnectTimeout`, :class:`AdmissionRefused` or :class:`ConnectError`.
+
+        A dial outlives the ``timeout`` of the caller that started it, up to ``admission_timeout`` (the
+        acceptor's limit too), and a later call for the same address joins it. On 50 nodes sharing two
+        cores a handshake and admission took over 3 s: each dial closed at its 3 s, the next started from
+        scratch and failed the same way, and a member could not connect to a live peer for 17 s
+        (docs/benchmarks.md).
         """
         if self._closed:
             raise ConnectError("endpoint is closed")
@@ -306,11 +314,7 @@ class Endpoint:
         try:
             await asyncio.wait_for(conn.wait_admitted(), timeout)
         except TimeoutError:
-            conn.close("dial timed out", CloseCode.ADMISSION_TIMEOUT)
             raise ConnectTimeout(f"no admitted connection to {addr[0]}:{addr[1]} within {timeout}s") from None
-        finally:
-            if self._dialing.get(addr) is conn:
-                del self._dialing[addr]
         if expected_node_id is not None and conn.node_id != expected_node_id:
             raise PeerMismatch(f"{addr[0]}:{addr[1]} is node {conn.node_id}, not {expected_node_id}")
         return self.peers.get(conn.node_id or "", conn)
@@ -427,6 +431,7 @@ class Endpoint:
         refused the restarted node until the dead one timed out.
         """
         self._settle(conn)
+        self._dialed(conn)
         peer_id = conn.node_id or ""
         if conn.path == "direct" and peer_id in self.punching:
             conn.path = "punched"
@@ -458,6 +463,7 @@ class Endpoint:
         The circuit outlives the connection by a moment so its CONNECTION_CLOSE gets through.
         """
         self._settle(conn)
+        self._dialed(conn)
         channel = self._channels.get(conn.remote_addr)
         if channel is not None:
             asyncio.get_running_loop().call_later(0.5, channel.close, "connection closed")
@@ -507,7 +513,11 @@ class Endpoint:
             configuration=self._server_config, original_destination_connection_id=original_dcid,
             retry_source_connection_id=retry_cid,
         )
-        conn = PeerConnection(self, quic, source, dialer=False, expected=None)
+        # The short handshake deadline is for floods: while fewer than retry_above are pending a handshake
+        # has the whole admission time (on 50 nodes sharing two cores, 4 % of them took over 3 s).
+        flood = self._pending_total >= self.options.retry_above
+        conn = PeerConnection(self, quic, source, dialer=False, expected=None,
+                              handshake_s=self.options.handshake_timeout if flood else None)
         conn.datagram_received(data, source)
         if not quic.started:
             conn.discard("initial packet did not decrypt")  # garbage: keep nothing
@@ -556,6 +566,11 @@ class Endpoint:
         quic.connect(addr, now=asyncio.get_running_loop().time())
         conn.transmit()
         return conn
+
+    def _dialed(self, conn: PeerConnection) -> None:
+        """``conn`` is admitted or gone: a dial for its address starts afresh from now on."""
+        if conn.dialer:
+            self._dialing = {addr: dialing for addr, dialing in self._dialing.items() if dialing is not conn}
 
     def _existing(self, addr: Addr, expected: str | None) -> PeerConnection | None:
         if expected is not None:

@@ -8,15 +8,16 @@ import socket
 import pytest
 from nacl.signing import SigningKey
 from net_helpers import Msg, endpoint, until
+from wan import LinkProfile, WanEmulator
 
 from meshllm.errors import Untrusted
 from meshllm.identity.ids import node_id as node_id_of
-from meshllm.net import AdmissionRefused, ConnectError, PeerEventKind, PeerMismatch
+from meshllm.net import AdmissionRefused, ConnectError, ConnectTimeout, PeerEventKind, PeerMismatch
 from meshllm.net.connection import PeerConnection
 from meshllm.net.endpoint import DIAL_RACE_S
 from meshllm.net.events import PeerEvent
 from meshllm.net.messages import StreamOpen
-from meshllm.wire.addr import format_addr
+from meshllm.wire.addr import format_addr, parse_addr
 from meshllm.wire.frames import encode_frame
 
 
@@ -249,5 +250,40 @@ def test_connect_node_dials_each_gossiped_address_once_in_order() -> None:
         dead.close()
         await a.close()
         await b.close()
+
+    asyncio.run(main())
+
+
+def test_a_dial_outlives_its_callers_timeout_and_the_next_call_joins_it() -> None:
+    """On 50 nodes sharing two cores a handshake and admission took over 3 s: each dial was closed at its
+    caller's 3 s and the next one started from scratch, and a member could not reach a live peer for 17 s.
+    A dial now goes on after its caller gave up, and the next call for that address joins it."""
+    async def main() -> None:
+        with WanEmulator(LinkProfile.rtt(400)) as wan:
+            far = wan.add_node("b")
+            a, b = await endpoint(), await endpoint(port=far.real_port)
+            addr = parse_addr(far.front_addr)
+            with pytest.raises(ConnectTimeout):
+                await a.connect(addr, b.node_id, timeout=0.3)  # a handshake and admission take 3 round trips
+            dial = a._dialing[addr]
+            assert dial.close_reason is None  # still going
+            assert await a.connect(addr, b.node_id, timeout=5) is dial
+            assert not a._dialing
+            await a.close()
+            await b.close()
+
+    asyncio.run(main())
+
+
+def test_a_dial_nobody_answers_ends_at_the_admission_timeout() -> None:
+    async def main() -> None:
+        a = await endpoint(admission_timeout=0.5)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as dead:
+            dead.bind(("127.0.0.1", 0))  # bound and silent
+            with pytest.raises(ConnectTimeout):
+                await a.connect(dead.getsockname(), timeout=0.1)
+            assert a._dialing  # retransmitting its Initial
+            await until(lambda: not a._dialing and not a._routes, timeout=3.0)
+        await a.close()
 
     asyncio.run(main())
