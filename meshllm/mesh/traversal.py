@@ -120,6 +120,8 @@ class Traversal:
         """Relay candidates that refused us, and until when we leave them alone."""
         self._tasks: set[asyncio.Task[Any]] = set()
         self._local_cache: dict[str, bool] = {}
+        self._relayed: tuple[int, list[str]] = (-1, [])
+        """The relayed connections we dialed (punch candidates), as of ``endpoint.peers_version``."""
         self._mapping: set[str] = set()
         """Peers we are sending NAT-opening junk to right now (one sender per peer at a time)."""
         endpoint.on_stream(RELAY_STREAM, self._serve_relay)
@@ -162,8 +164,10 @@ class Traversal:
             if due or (not self.reservations and now >= self._reserve_at):
                 self._reserving = True
                 spawn(self._tasks, self._keep_reservations(now, bootstrap))
-        relayed = [pid for pid, conn in self.endpoint.peers.items() if conn.path == "relayed" and conn.dialer]
-        for peer in self.schedule.due(relayed, now):
+        if self._relayed[0] != self.endpoint.peers_version:
+            self._relayed = self.endpoint.peers_version, [
+                pid for pid, conn in self.endpoint.peers.items() if conn.path == "relayed" and conn.dialer]
+        for peer in self.schedule.due(self._relayed[1], now):
             conn = self.endpoint.peers.get(peer)
             if conn is not None:
                 self.schedule.started(peer)

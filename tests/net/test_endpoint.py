@@ -33,8 +33,10 @@ def test_handshake_proves_both_ids_and_exchanges_proofs_and_addresses() -> None:
         assert peer.observed_addr == a.local_addr and b.peers[a.node_id].observed_addr == b.local_addr
         assert a.observed_addrs == {a.local_addr}
         assert await a.connect(b.local_addr, expected_node_id=b.node_id) is peer  # reused
-        await a.close()
         await b.close()
+        await until(lambda: not a.peers)
+        assert a.observed_addrs == set()  # (kept between changes of the peers: not a stale copy)
+        await a.close()
 
     asyncio.run(main())
 
