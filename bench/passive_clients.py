@@ -4,7 +4,9 @@ Starts M members (``meshllm serve``: an owner serving the tiny model, the rest `
 measures each member's CPU (user + system seconds from /proc) and stream bytes by kind (its
 ``/metrics``) over a window, then starts C passive clients (the real :class:`PassiveMesh` driver,
 several per process, each with its own key, UDP socket and connections; they join through the
-owner's open invite and anchor to a member drawn at random) and measures the same window again.
+owner's open invite and anchor to a member drawn at random) and measures the same window again, and
+once more after the clients are killed: the clients' cost is the window with them against the mean of
+the two without.
 
     .venv/bin/python bench/passive_clients.py [--members 3] [--clients 200] [--procs 4] [--window 60]
 
@@ -103,6 +105,12 @@ def run(members_n: int, clients: int, procs: int, seconds: float, interval: floa
                 row["pulls"], row["tables"] = r1["pulls"] - r0["pulls"], r1["tables"] - r0["tables"]
                 row["passive_connections"] = r1["passive_connections"]
             swarm_cpu = sum(cpu_seconds(s.pid) for s in swarms)
+            for s in swarms:
+                s.kill()
+                s.wait(10)
+            # the host drifts between windows minutes apart (an idle member by 10 % on this one): a window
+            # after the clients are gone too brackets the one with them (their connections idle out)
+            gone = window(nodes, seconds)
             if profile is not None:
                 nodes[1].terminate(60)  # a graceful exit writes the profile (running_nodes kills)
         finally:
@@ -112,7 +120,7 @@ def run(members_n: int, clients: int, procs: int, seconds: float, interval: floa
         return {"members": members_n, "clients": clients, "largest_member_view": viewed, "procs": procs,
                 "window_s": seconds,
                 "interval_s": interval, "clients_start_s": round(start_s, 1), "swarm_cpu_s": round(swarm_cpu, 1),
-                "before": before, "after": after}
+                "before": before, "after": after, "gone": gone}
 
 
 def main() -> None:
@@ -134,20 +142,25 @@ def main() -> None:
         asyncio.run(swarm(args.swarm, args.anchors.split(","), args.clients, args.interval, args.seed))
         return
     result = run(args.members, args.clients, args.procs, args.window, args.interval, args.profile)
-    before, after = result["before"], result["after"]
+    before, after, gone = result["before"], result["after"], result["gone"]
     print(f"{args.members} members, {args.clients} passive clients in {args.procs} processes, pulls every "
           f"{args.interval:g} s, {args.window:g} s windows (clients started in {result['clients_start_s']} s)")
-    print(f"{'member':>6} {'cpu% before':>11} {'cpu% after':>10} {'gossip B/s before':>17} {'gossip B/s after':>16} "
-          f"{'routes B/s':>10} {'all B/s before':>14} {'all B/s after':>13} {'clients':>7} {'pulls':>5} {'tables':>6}")
-    for i, (b, a) in enumerate(zip(before, after, strict=True)):  # type: ignore[call-overload]
-        print(f"{'m' + str(i):>6} {b['cpu_pct']:>11.2f} {a['cpu_pct']:>10.2f} {b['gossip_Bps']:>17.0f} "
-              f"{a['gossip_Bps']:>16.0f} {a['routes_Bps']:>10.0f} {b['all_Bps']:>14.0f} {a['all_Bps']:>13.0f} "
-              f"{a['passive_connections']:>7} {a['pulls']:>5} {a['tables']:>6}")
-    med = {k: (statistics.median(r[k] for r in before), statistics.median(r[k] for r in after))  # type: ignore[index]
+    print(f"{'member':>6} {'cpu% before':>11} {'with':>6} {'gone':>6} {'gossip B/s before':>17} {'with':>6} "
+          f"{'gone':>6} {'routes B/s':>10} {'all B/s before':>14} {'with':>6} {'gone':>6} {'clients':>7} "
+          f"{'pulls':>5} {'tables':>6}")
+    for i, (b, a, g) in enumerate(zip(before, after, gone, strict=True)):  # type: ignore[call-overload]
+        print(f"{'m' + str(i):>6} {b['cpu_pct']:>11.2f} {a['cpu_pct']:>6.2f} {g['cpu_pct']:>6.2f} "
+              f"{b['gossip_Bps']:>17.0f} {a['gossip_Bps']:>6.0f} {g['gossip_Bps']:>6.0f} {a['routes_Bps']:>10.0f} "
+              f"{b['all_Bps']:>14.0f} {a['all_Bps']:>6.0f} {g['all_Bps']:>6.0f} {a['passive_connections']:>7} "
+              f"{a['pulls']:>5} {a['tables']:>6}")
+    # per member: the window with the clients against the mean of the windows around it
+    med = {k: (statistics.median((b[k] + g[k]) / 2 for b, g in zip(before, gone, strict=True)),  # type: ignore[index]
+               statistics.median(r[k] for r in after))  # type: ignore[index]
            for k in ("cpu_pct", "gossip_Bps", "all_Bps")}
     print(f"largest view of any member with the clients connected: {result['largest_member_view']} peers")
-    print("median: cpu {0[0]:.2f} -> {0[1]:.2f} % of a core, gossip {1[0]:.0f} -> {1[1]:.0f} B/s, "
-          "all streams {2[0]:.0f} -> {2[1]:.0f} B/s".format(med["cpu_pct"], med["gossip_Bps"], med["all_Bps"]))
+    print("median member, without the clients (mean of before and gone) -> with them: cpu {0[0]:.2f} -> {0[1]:.2f} % "
+          "of a core, gossip {1[0]:.0f} -> {1[1]:.0f} B/s, all streams {2[0]:.0f} -> {2[1]:.0f} B/s".format(
+              med["cpu_pct"], med["gossip_Bps"], med["all_Bps"]))
     added = {k: 100 * (a / b - 1) if b else 0.0 for k, (b, a) in med.items()}
     print("added by the clients (median member): cpu {cpu_pct:+.1f} %, gossip bytes {gossip_Bps:+.1f} %, "
           "all stream bytes {all_Bps:+.1f} %".format(**added))
