@@ -64,8 +64,8 @@ Connections are probed only while they carry a request (``EndpointOptions.idle_p
 ``routes`` a quiet kind): a serving node that dies mid-answer turns suspect within a second, as for a member,
 while an anchor connection costs its member nothing between pulls. An anchor's liveness is its answers to
 pulls, within this deadline, and the pulls keep the connection (with the long idle timeout members grant passive
-dialers) and NAT bindings alive. (A pull was probed too: a ping and a pong more for every pull, a third of the
-packets 50 clients cost their member.)"""
+dialers) and NAT bindings alive. (A pull was probed too: a ping and a pong more for every pull, on top of its
+request, answer and acknowledgements.)"""
 DIAL_TIMEOUT_S = 3.0
 BOOTSTRAP_DEADLINE_S = 15.0
 TICK_MAX_S = 0.5

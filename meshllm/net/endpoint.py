@@ -255,7 +255,7 @@ class Endpoint:
         """Our address as currently connected peers see it (candidates for NAT traversal).
 
         Kept from one change of :attr:`peers` to the next: the mesh asks at every tick, and walking a
-        member's connections, its passive clients' included, was two fifths of what 50 clients cost it.
+        member's connections, its passive clients' included, was much of what 50 clients cost it.
         """
         if self._observed[0] != self.peers_version:
             self._observed = self.peers_version, frozenset(
