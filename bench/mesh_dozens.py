@@ -6,7 +6,9 @@ killed (members that serve nothing and passive clients). Reports: chats complete
 (a chat whose serving node died must finish through failover or replay), how long after the last
 restart every survivor's view held exactly the live members (target <= 5 s; dated from the views'
 own ``state_s``, with "seen": when a sweep of all 50 status calls saw it), the passive clients'
-convergence (the same two figures, also from the last restart), per-node RSS and gossip bytes/s.
+convergence (the same two figures, also from the last restart), per-node RSS and gossip bytes/s, and
+the false downs: every verdict against a member that was alive, by whom, and how long that accuser had
+heard nothing from it.
 
     .venv/bin/python bench/mesh_dozens.py [--nodes 50] [--serving 4] [--workers 10] [--passive 4] [--duration 120]
 
@@ -53,6 +55,11 @@ def main() -> None:
           f"{result['gossip_Bps_median']:>17} {result['gossip_Bps_max']:>14}")
     print("latest changes in the members' views:", "; ".join(result["latest_changes"]))
     print("latest changes in the passive clients' views:", "; ".join(result["passive_latest_changes"]))
+    verdicts = result["false_down_verdicts"]
+    print(f"false downs (live members declared down, seconds from the last restart): {len(verdicts)} verdicts, "
+          f"{result['false_down_views']} views dropped a live member for a while")
+    for verdict in verdicts:
+        print("  ", verdict)
     for failure in result["chats_failed"][:5]:
         print("failed:", failure)
     args.out.parent.mkdir(parents=True, exist_ok=True)

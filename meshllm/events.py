@@ -132,6 +132,8 @@ class PeerLeft(NodeEvent, kw_only=True, tag="peer_left"):
     style = "dim"
     node_id: str | UnsetType = UNSET
     reason: str | UnsetType = UNSET
+    accuser: str | UnsetType = UNSET
+    silent_s: float | UnsetType = UNSET
 
 
 class PeerState(NodeEvent, kw_only=True, tag="peer_state"):

@@ -172,6 +172,31 @@ def converged(watchers: list[Member], live: Any, timeout: float, since: float | 
                        [f"{at:+.2f} s {what}" for at, what in changes[:5]])
 
 
+def false_downs(procs: list[NodeProcess], dead: list[tuple[str, float, float]], names: dict[str, str],
+                since: float) -> tuple[list[str], int]:
+    """Down verdicts against members that were alive, from every process's events: each verdict as its
+    accuser reported it (``"-12.30 s n0 by n17 (silent 2.31 s)"``, seconds from ``since``, a wall-clock
+    time), and how many views (members' and passive clients') dropped a live member for a while.
+    A victim counts as dead from its kill until 3 s after its restart was ready (its old incarnation
+    may still be going down in some views then)."""
+    def alive(node: str, at: float) -> bool:
+        return not any(n == node and killed <= at <= ready + 3.0 for n, killed, ready in dead)
+
+    verdicts: list[tuple[float, str]] = []
+    views = 0
+    for proc in procs:
+        own = proc.ready.get("node_id")
+        for e in list(proc.events):
+            if e.get("type") != "peer_left" or e.get("reason") != "down" or not alive(e["node_id"], e["ts"]):
+                continue
+            views += 1
+            if own is not None and e.get("accuser") == own:
+                silent = f"silent {e['silent_s']:.2f} s" if "silent_s" in e else "no connection"
+                verdicts.append((e["ts"] - since, f"{names.get(e['node_id'], e['node_id'][:8])} by {proc.name} "
+                                                  f"({silent})"))
+    return [f"{at:+.2f} s {what}" for at, what in sorted(verdicts)], views
+
+
 def chat_loop(entries: list[NodeProcess], log: ChatLog, stop: threading.Event, rng: random.Random,
               max_tokens: int) -> None:
     """Stream chats through random entry nodes until ``stop``; each must complete (failover/replay inside)."""
@@ -238,16 +263,19 @@ def run_churn(base: Path, *, nodes: int, serving: int, workers: int, passive: in
         for t in threads:
             t.start()
         step = duration / len(victims)
+        dead: list[tuple[str, float, float]] = []  # (node id, killed, ready again): wall-clock times
         for victim in victims:
             time.sleep(step / 2)
             on_progress(f"kill -9 {victim.name}{' (serving)' if victim.serving else ''}")
             assert victim.proc is not None
             victim.proc.kill()
+            killed = time.time()
             time.sleep(step / 2)
             procs.append(victim.start_through([m for m in members if m is not victim], rng))
             victim.wait_ready(members, rng, procs, settle_timeout)
+            dead.append((victim.proc.node_id, killed, time.time()))
             on_progress(f"restarted {victim.name}")
-        restarted = time.monotonic()
+        restarted, restarted_wall = time.monotonic(), time.time()
         views = converged(members, live, settle_timeout, restarted, names)
         passive_views = converged(clients, live, settle_timeout, restarted, names) if clients else Convergence(0, 0, [])
         stop.set()
@@ -262,6 +290,7 @@ def run_churn(base: Path, *, nodes: int, serving: int, workers: int, passive: in
             elapsed = time.monotonic() - w0
             gossip = [(gossip_bytes(m.proc) - g0[m.name]) / elapsed for m in members]
         rss = [rss_mb(m.proc.proc.pid) for m in [*members, *clients]]
+        verdicts, views_hit = false_downs(procs, dead, names, restarted_wall)
         return {
             "nodes": nodes, "serving": serving, "workers": workers, "passive": passive, "duration_s": duration,
             "started_s": round(started_s, 1),
@@ -274,4 +303,5 @@ def run_churn(base: Path, *, nodes: int, serving: int, workers: int, passive: in
             "rss_mb_median": round(statistics.median(rss), 1), "rss_mb_max": round(max(rss), 1),
             "gossip_Bps_median": round(statistics.median(gossip)) if gossip else None,
             "gossip_Bps_max": round(max(gossip)) if gossip else None,
+            "false_down_verdicts": verdicts, "false_down_views": views_hit,
         }

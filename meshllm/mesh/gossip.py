@@ -306,6 +306,11 @@ class Gossip:
     def node_id(self) -> str:
         return self.own.node_id
 
+    def accuser(self, node: str) -> str | None:
+        """Who signed the down notice that took ``node`` down in our view (None: no notice did)."""
+        accused = self._accused.get(node)
+        return None if accused is None else accused[0]
+
     @property
     def state(self) -> view.ViewState:
         """The peer table (a value: every change replaces it)."""

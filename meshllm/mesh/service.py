@@ -120,6 +120,8 @@ class MeshService:
                                        forget_member=self.admission.forget)
         self._record_template = record
         self._on_event = on_event
+        self._silent_s: dict[str, float] = {}
+        """peer -> seconds its connection had been silent when our detector declared it down (for its event)"""
         self._host, self._port = host, port
         self._announce = list(announce or [])
         # Between members the transport probes only connections that carry work (a request, a stage lane,
@@ -332,6 +334,7 @@ class MeshService:
                 watched = sorted(self.gossip.watched())
                 self._handle(self.gossip.on_detector(
                     [e for e in self._probe(self.detector.tick(now, watched))], now))
+                self._silent_s.clear()  # read by the events of those verdicts, reported just now
                 self._observe_rtts(now)
                 self._maintain_connections(now)
                 self._maintain_traversal(now)
@@ -368,6 +371,9 @@ class MeshService:
                 self._overstep(out)
             else:
                 if isinstance(out, Failed):  # our own verdict: the connection went silent, so it goes too
+                    conn = self.endpoint.peers.get(out.node_id) if self.endpoint is not None else None
+                    if conn is not None:
+                        self._silent_s[out.node_id] = asyncio.get_running_loop().time() - conn.heard_at
                     self._close_peer(out.node_id, "no answer to the failure detector's probes")
                 verdicts.append(out)
         return verdicts
@@ -454,7 +460,13 @@ class MeshService:
                 # held one. On 50 members sharing two cores those redials kept a storm of false downs
                 # going (docs/benchmarks.md).
                 self._close_peer(event.node_id, f"peer is {event.reason}")
-            self._on_event("peer_left", node_id=event.node_id, reason=event.reason)
+            # who said so, and if we did, how long its connection had been silent: what an operator needs to
+            # tell a death from a verdict against a live but overloaded node
+            accuser = self.gossip.accuser(event.node_id) if event.reason == "down" and self.gossip else None
+            silent = self._silent_s.pop(event.node_id, None)
+            self._on_event("peer_left", node_id=event.node_id, reason=event.reason,
+                           **({"accuser": accuser} if accuser else {}),
+                           **({"silent_s": round(silent, 2)} if silent is not None and accuser == self.node_id else {}))
         elif isinstance(event, PeerStatus):
             self._on_event("peer_state", node_id=event.node_id, state=event.status)
         elif isinstance(event, RecordUpdated):

@@ -171,10 +171,11 @@ def test_unknown_event_types_are_summarised_from_their_fields(page: Any) -> None
         const names = new Map([['n1', 'alpha']]);
         return [summarise({ type: 'peer_joined', ts: 1, node_id: 'n1' }, names),
                 summarise({ type: 'peer_left', ts: 1, node_id: 'zzzzzzzzzzzz', reason: 'down' }, names),
+                summarise({ type: 'peer_left', ts: 1, node_id: 'n2', reason: 'down', accuser: 'n1' }, names),
                 summarise({ type: 'peer_joined', ts: 1, node_id: 'n2', name: 'beta' }, names),
                 summarise({ type: 'something_new', ts: 1, model: 'm', n: 3 }, names)];
     """)
-    assert texts == ["alpha joined", "zzzzzzzz left (down)", "beta joined", "model=m n=3"]
+    assert texts == ["alpha joined", "zzzzzzzz left (down)", "n2 left (down, said alpha)", "beta joined", "model=m n=3"]
 
 
 def test_the_event_list_prepends_new_events_instead_of_redrawing(page: Any) -> None:

@@ -518,11 +518,14 @@ def test_a_down_notice_leaves_the_connection_and_our_own_verdict_closes_it() -> 
         accuser._handle(accuser.gossip.declare_down(vid, time.time()))
         await until(lambda: owner.gossip.state.peers[vid].record.seq > seq  # type: ignore[union-attr]
                     and vid in owner.gossip.members())  # type: ignore[union-attr]
-        assert ("peer_left", {"node_id": vid, "reason": "down"}) in h.events  # it was down here meanwhile
+        # it was down here meanwhile, and the event says on whose word
+        assert ("peer_left", {"node_id": vid, "reason": "down", "accuser": accuser.node_id}) in h.events
         assert owner.endpoint.peers[vid] is conn and conn.close_reason is None
         owner._handle(owner.gossip.on_detector(owner._probe([Failed(vid)]), time.time()))
         await until(lambda: conn.close_reason is not None)
         assert "failure detector" in conn.close_reason
+        ours = [f for t, f in h.events if t == "peer_left" and f.get("accuser") == owner.node_id]
+        assert len(ours) == 1 and ours[0]["node_id"] == vid and 0 <= ours[0]["silent_s"] < 60, ours
 
     run(body)
 

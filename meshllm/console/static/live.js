@@ -65,7 +65,7 @@ export function summarise(event, names) {
   const who = (id) => (id ? names.get(id) || (id === event.node_id && event.name) || shortId(id) : "?");
   switch (event.type) {
     case "peer_joined": return `${who(event.node_id)} joined`;
-    case "peer_left": return `${who(event.node_id)} left (${event.reason})`;
+    case "peer_left": return `${who(event.node_id)} left (${event.reason}${event.accuser ? `, said ${who(event.accuser)}` : ""})`;
     case "peer_state": return `${who(event.node_id)} is ${event.state}`;
     case "peer_connected": return `connected to ${who(event.node_id)} (${event.path})`;
     case "peer_path": return `path to ${who(event.node_id)} is now ${event.path}`;
