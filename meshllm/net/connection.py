@@ -343,6 +343,10 @@ class PeerConnection:
                 self._on_handshake(event)
             elif isinstance(event, qe.ConnectionTerminated):
                 self._on_terminated(event)
+        if self.close_reason is None and (closed := self.quic.closed_by_peer) is not None:
+            # The peer closed: end it for everyone now. aioquic drains it on its own timer, and the
+            # endpoint keeps routing its packets there until ConnectionTerminated (then _on_terminated).
+            self._on_peer_close(*closed)
 
     # -- identity and admission ---------------------------------------------------------------
 
@@ -635,14 +639,18 @@ class PeerConnection:
     # -- ending -------------------------------------------------------------------------------
 
     def _on_terminated(self, event: qe.ConnectionTerminated) -> None:
-        reason = event.reason_phrase or f"closed by peer (code {event.error_code:#x})"
-        local = self.close_reason is not None
-        self._finish(reason, self._error_for(event.error_code, reason, local=False))
+        self._on_peer_close(event.error_code, event.reason_phrase)
         if self._timer is not None:
             self._timer.cancel()
         self.endpoint.forget(self)
-        if not local:
-            log.debug("connection to %s ended: %s", self.remote_addr, reason)
+
+    def _on_peer_close(self, code: int, phrase: str) -> None:
+        """The connection ended by the peer's word (or aioquic's: an idle timeout): a no-op if we closed it."""
+        if self.close_reason is not None:
+            return
+        reason = phrase or f"closed by peer (code {code:#x})"
+        self._finish(reason, self._error_for(code, reason, local=False))
+        log.debug("connection to %s ended: %s", self.remote_addr, reason)
 
     def _error_for(self, code: int, reason: str, *, local: bool) -> ConnectError:
         if code == CloseCode.ADMISSION_REFUSED:

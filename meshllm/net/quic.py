@@ -148,6 +148,23 @@ class MeshQuicConnection(QuicConnection):
             raise AioquicIncompatible("aioquic's QuicConnection has no _state")
         return state is not QuicConnectionState.FIRSTFLIGHT
 
+    @property
+    def closed_by_peer(self) -> tuple[int, str] | None:
+        """The peer's CONNECTION_CLOSE (error code, reason), as soon as it arrived; None before.
+
+        aioquic reports a close only when the draining period after it ends (3 PTOs, RFC 9000 10.2),
+        and under load a PTO grows to tens of seconds: a connection the peer had closed (rotated out
+        of its partial view, cooled down) went on looking open here for up to two minutes, and our
+        failure detector, probing into it, declared the live peer down (docs/benchmarks.md, tenth pass).
+        """
+        state = getattr(self, "_state", None)
+        if state is None:
+            raise AioquicIncompatible("aioquic's QuicConnection has no _state")
+        event = getattr(self, "_close_event", None)
+        if state is not QuicConnectionState.DRAINING or event is None:
+            return None
+        return event.error_code, event.reason_phrase
+
     # -- flow control -------------------------------------------------------------------------
 
     def track_stream(self, stream_id: int) -> None:

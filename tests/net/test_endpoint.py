@@ -277,6 +277,31 @@ def test_a_dial_outlives_its_callers_timeout_and_the_next_call_joins_it() -> Non
     asyncio.run(main())
 
 
+def test_a_peers_close_ends_the_connection_at_once_not_after_draining() -> None:
+    """aioquic reports a peer's CONNECTION_CLOSE only when its draining period (3 PTOs) ends, tens of
+    seconds on a loaded host: meanwhile the closed connection looked open, and the failure detector
+    probing into it declared the live peer down. The close now ends it when it arrives."""
+    async def main() -> None:
+        with WanEmulator(LinkProfile.rtt(400)) as wan:  # a PTO of over 400 ms: over a second of draining
+            far = wan.add_node("b")
+            a, b = await endpoint(), await endpoint(port=far.real_port)
+            ours = await a.connect(parse_addr(far.front_addr), b.node_id, timeout=10)
+            events: list[PeerEvent] = []
+            a.on_peer_event(events.append)
+            await until(lambda: a.node_id in b.peers, timeout=5)
+            b.peers[a.node_id].close("rotated out of the partial view")
+            await until(lambda: ours.close_reason is not None, timeout=5)
+            assert a._routes  # aioquic still drains it (its packets still go there): noticed before that ends
+            assert ours.close_reason == "rotated out of the partial view"
+            assert b.node_id not in a.peers
+            assert [(e.kind, e.node_id) for e in events] == [(PeerEventKind.CLOSED, b.node_id)]
+            await until(lambda: not a._routes, timeout=10)  # aioquic's draining still ends the routes
+            await a.close()
+            await b.close()
+
+    asyncio.run(main())
+
+
 def test_a_dial_nobody_answers_ends_at_the_admission_timeout() -> None:
     async def main() -> None:
         a = await endpoint(admission_timeout=0.5)
