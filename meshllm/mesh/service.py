@@ -63,6 +63,9 @@ DATAGRAM_MESSAGE_MAX = 1000
 notices); larger ones (records, about 1.6 KB with their membership proof) on a stream of their own."""
 HEARD_S = 0.5
 """A suspect whose connection delivered a packet this recently is alive (``_heard_suspects``)."""
+STALE_LINK_S = 5.0
+"""A member that joins or comes back while our connection to it has been silent this long gets a new one
+(``_report``): that connection belongs to its earlier life (killed and restarted) or to a broken path."""
 TICK_MAX_S = 0.1
 """Longest sleep between core ticks: bounds how late a timer fires."""
 SEND_TIMEOUT_S = 2.0
@@ -450,11 +453,17 @@ class MeshService:
         self._changed()
         if isinstance(event, PeerAdded):
             self._on_event("peer_joined", node_id=event.node_id, name=event.record.name)
+            conn = self.endpoint.peers.get(event.node_id) if self.endpoint is not None else None
+            if conn is not None and asyncio.get_running_loop().time() - conn.heard_at > STALE_LINK_S:
+                # A down notice leaves connections open (below), and a dead peer's then lingers for QUIC's
+                # idle timeout, minutes when a loaded host's PTO grows (3 PTOs at least). Had the peer come
+                # back on it, it would have spoken; our detector probing into it would condemn the new life.
+                self._close_peer(event.node_id, "silent since before the peer came back")
         elif isinstance(event, PeerRemoved):
             self.detector.forget(event.node_id)
             if event.reason != "down":
                 # A down notice from another member leaves our connection to end by itself (QUIC's idle
-                # timeout, 20 s; our own verdicts close it in _probe): if the peer is dead it carries
+                # timeout, 20 s or more; our own verdicts close it in _probe): if the peer is dead it carries
                 # nothing, and if the verdict was wrong (a loaded host) the peer's refutation revives it
                 # with the connection and its RTT in place, not with a redial from every member that
                 # held one. On 50 members sharing two cores those redials kept a storm of false downs

@@ -24,7 +24,8 @@ from meshllm.mesh.failure import Failed, Recovered, Suspected
 from meshllm.mesh.membership import Membership, join_mesh, own_mesh
 from meshllm.mesh.messages import Ack, Digest, Exchange, Ping, Summary, decode_message, encode_message
 from meshllm.mesh.records import PeerRecord, sign_record
-from meshllm.mesh.service import DATAGRAM_MESSAGE_MAX, GOSSIP_STREAM, HEARD_S, MeshService
+from meshllm.mesh.service import DATAGRAM_MESSAGE_MAX, GOSSIP_STREAM, HEARD_S, STALE_LINK_S, MeshService
+from meshllm.mesh.view import PeerAdded
 from meshllm.net.endpoint import Endpoint
 from meshllm.net.errors import AdmissionRefused, StreamClosed
 
@@ -526,6 +527,28 @@ def test_a_down_notice_leaves_the_connection_and_our_own_verdict_closes_it() -> 
         assert "failure detector" in conn.close_reason
         ours = [f for t, f in h.events if t == "peer_left" and f.get("accuser") == owner.node_id]
         assert len(ours) == 1 and ours[0]["node_id"] == vid and 0 <= ours[0]["silent_s"] < 60, ours
+
+    run(body)
+
+
+def test_a_member_back_from_down_over_a_silent_connection_gets_a_new_one() -> None:
+    """A down notice leaves our connection to the accused open (the test above). If that connection has
+    carried nothing for a while when the member comes back, it is from the member's earlier life (killed
+    and restarted; its new record came through others): our detector probing into it would declare the
+    new life down. It is closed instead; one that still carries packets stays."""
+    async def body(h: Harness) -> None:
+        _, victim_key = await joined(h, "victim")
+        owner = h.owner
+        assert owner.gossip is not None and owner.endpoint is not None
+        vid = victim_key.node_id
+        await until(lambda: vid in owner.gossip.members())  # type: ignore[union-attr]
+        conn = owner.endpoint.peers[vid]
+        back = PeerAdded(vid, owner.gossip.state.peers[vid].record)
+        owner._report(back)
+        assert conn.close_reason is None  # it spoke within the last seconds
+        conn.heard_at -= STALE_LINK_S + 1
+        owner._report(back)
+        assert conn.close_reason == "silent since before the peer came back"
 
     run(body)
 
