@@ -26,6 +26,7 @@ from meshllm.mesh.messages import Ack, Digest, Exchange, Ping, Summary, decode_m
 from meshllm.mesh.records import PeerRecord, sign_record
 from meshllm.mesh.service import DATAGRAM_MESSAGE_MAX, GOSSIP_STREAM, HEARD_S, STALE_LINK_S, MeshService
 from meshllm.mesh.view import PeerAdded
+from meshllm.net.connection import PeerConnection
 from meshllm.net.endpoint import Endpoint
 from meshllm.net.errors import AdmissionRefused, StreamClosed
 
@@ -301,6 +302,15 @@ async def joined(h: Harness, name: str) -> tuple[MeshService, NodeKey]:
     return svc, key
 
 
+async def known_to_owner(h: Harness, name: str) -> tuple[MeshService, str, PeerConnection]:
+    """A member that joined, once the owner holds it: the member, its id and the owner's connection to it."""
+    svc, key = await joined(h, name)
+    owner = h.owner
+    assert owner.gossip is not None and owner.endpoint is not None
+    await until(lambda: key.node_id in owner.gossip.members())  # type: ignore[union-attr]
+    return svc, key.node_id, owner.endpoint.peers[key.node_id]
+
+
 def until(predicate: Callable[[], bool], timeout: float = 10.0) -> Awaitable[None]:
     """``net_helpers.until`` with the longer default that gossip rounds between services need."""
     return net_until(predicate, timeout)
@@ -537,12 +547,9 @@ def test_a_member_back_from_down_over_a_silent_connection_gets_a_new_one() -> No
     and restarted; its new record came through others): our detector probing into it would declare the
     new life down. It is closed instead; one that still carries packets stays."""
     async def body(h: Harness) -> None:
-        _, victim_key = await joined(h, "victim")
+        _, vid, conn = await known_to_owner(h, "victim")
         owner = h.owner
-        assert owner.gossip is not None and owner.endpoint is not None
-        vid = victim_key.node_id
-        await until(lambda: vid in owner.gossip.members())  # type: ignore[union-attr]
-        conn = owner.endpoint.peers[vid]
+        assert owner.gossip is not None
         back = PeerAdded(vid, owner.gossip.state.peers[vid].record)
         owner._report(back)
         assert conn.close_reason is None  # it spoke within the last seconds
@@ -572,13 +579,10 @@ def test_a_suspect_whose_packets_still_arrive_is_cleared() -> None:
     transport's probes) is alive again at the next tick, whatever became of the detector's pings; one
     whose connection has been silent longer stays suspect, and its verdict comes as before."""
     async def body(h: Harness) -> None:
-        victim, victim_key = await joined(h, "victim")
+        victim, vid, conn = await known_to_owner(h, "victim")
         owner = h.owner
-        assert owner.gossip is not None and owner.endpoint is not None
-        vid = victim_key.node_id
-        await until(lambda: vid in owner.gossip.members())  # type: ignore[union-attr]
+        assert owner.gossip is not None
         victim.detector.receive = lambda *args, **kwargs: []  # type: ignore[method-assign]  # pings unanswered
-        conn = owner.endpoint.peers[vid]
         loop = asyncio.get_running_loop()
         owner.detector.suspect(vid, time.time())
         conn.heard_at = loop.time() - 2 * HEARD_S  # silent: no packet since
