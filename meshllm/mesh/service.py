@@ -356,11 +356,10 @@ class MeshService:
         churn on a saturated host, 12 of 30 verdicts sampled named a peer heard within the last 0.4 s.
         """
         assert self.endpoint is not None
-        now = asyncio.get_running_loop().time()
         out: list[Any] = []
         for node in self.detector.suspects:
             conn = self.endpoint.peers.get(node)
-            if conn is not None and now - conn.heard_at < HEARD_S:
+            if conn is not None and conn.silent_s < HEARD_S:
                 out += self.detector.alive(node)
         return out
 
@@ -376,7 +375,7 @@ class MeshService:
                 if isinstance(out, Failed):  # our own verdict: the connection went silent, so it goes too
                     conn = self.endpoint.peers.get(out.node_id) if self.endpoint is not None else None
                     if conn is not None:
-                        self._silent_s[out.node_id] = asyncio.get_running_loop().time() - conn.heard_at
+                        self._silent_s[out.node_id] = conn.silent_s
                     self._close_peer(out.node_id, "no answer to the failure detector's probes")
                 verdicts.append(out)
         return verdicts
@@ -454,7 +453,7 @@ class MeshService:
         if isinstance(event, PeerAdded):
             self._on_event("peer_joined", node_id=event.node_id, name=event.record.name)
             conn = self.endpoint.peers.get(event.node_id) if self.endpoint is not None else None
-            if conn is not None and asyncio.get_running_loop().time() - conn.heard_at > STALE_LINK_S:
+            if conn is not None and conn.silent_s > STALE_LINK_S:
                 # A down notice leaves connections open (below), and a dead peer's then lingers for QUIC's
                 # idle timeout, minutes when a loaded host's PTO grows (3 PTOs at least). Had the peer come
                 # back on it, it would have spoken; our detector probing into it would condemn the new life.

@@ -253,6 +253,11 @@ class PeerConnection:
             await asyncio.sleep(0.25)
         self.close(reason, CloseCode.DUPLICATE)
 
+    @property
+    def silent_s(self) -> float:
+        """Seconds since the peer's last packet of any kind (:attr:`heard_at`)."""
+        return self._loop.time() - self.heard_at
+
     async def wait_admitted(self) -> None:
         """Return once admission finished both ways; raise the dial's typed error otherwise."""
         await asyncio.shield(self._ready)

@@ -462,7 +462,7 @@ class Endpoint:
             return
         dialer_new = self.node_id if conn.dialer else peer_id
         dialer_old = self.node_id if old.dialer else peer_id
-        racing = asyncio.get_running_loop().time() - old.heard_at < DIAL_RACE_S
+        racing = old.silent_s < DIAL_RACE_S
         if racing and dialer_new != dialer_old and dialer_old < dialer_new:
             self.peers[peer_id] = old
             conn.close("duplicate connection", CloseCode.DUPLICATE)
